@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install what is missing for mega into ./.venv (idempotent; a no-op when nothing changed).
+# torch==2.13.0 resolves to the CPU wheel this machine kind keeps on disk (pip's find-links).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[install] creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+
+# Reinstall only when the dependency list changed since the last successful install.
+stamp=.venv/.mega-install-stamp
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[install] installing mega and its dependencies (first time: about 2 minutes)"
+  find_links=()
+  [ -d /opt/wheels ] && find_links=(--find-links /opt/wheels)
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "${find_links[@]}" -e '.[test]' 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  .venv/bin/python -c "import torch, megatron.core, prefect, hydra" # fail here, not mid-run
+  echo "$want" > "$stamp"
+fi

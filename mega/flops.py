@@ -1,0 +1,141 @@
+"""Model FLOPs and model FLOPs utilization (MFU); the formula is derived in docs/mfu.md.
+
+MFU = (model FLOPs per step / step time) / (devices * dense peak FLOP/s per device). Model FLOPs
+count the matmuls a GPT needs, independent of how it runs: activation recompute is not model work,
+so ``model_flops_per_step`` leaves it out (pass ``recompute=True`` to the per-token count for the
+hardware FLOPs, HFU).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+from mega.config import MegaConfig, ModelConfig
+
+
+def model_flops_per_token(model: ModelConfig, recompute: bool = False, window: int | None = None) -> float:
+    """Training FLOPs (forward + backward) per token of a megatron GPT, counting matmuls only.
+
+    ``recompute``: full activation recompute runs the transformer layers' forward once more (the
+    logits layer sits outside the recomputed region, as in Megatron). ``window``: sliding-window
+    attention, each query sees at most ``window + 1`` keys; None = full causal attention, counted
+    over the whole sequence (Megatron's convention: the masked half is not discounted).
+    """
+    h, s = model.hidden_size, model.seq_length
+    kv = h * (model.num_query_groups or model.num_attention_heads) // model.num_attention_heads
+    s_eff = s if window is None else min(window + 1, s)
+
+    qkv = 2 * h * (h + 2 * kv)
+    attention = 2 * 2 * s_eff * h  # scores Q K^T and the weighted sum of V
+    projection = 2 * h * h
+    mlp = 2 * 2 * h * model.ffn  # h -> ffn and ffn -> h
+    layers_forward = model.num_layers * (qkv + attention + projection + mlp)
+    logits_forward = 2 * h * model.padded_vocab_size
+
+    # backward = 2x forward (gradients w.r.t. inputs and w.r.t. weights)
+    flops = 3 * (layers_forward + logits_forward)
+    if recompute:
+        flops += layers_forward
+    return float(flops)
+
+
+def model_flops_per_step(cfg: MegaConfig) -> float:
+    """Model FLOPs of one optimizer step: every token of the global batch, without recompute."""
+    tokens = cfg.parallelism.global_batch_size * cfg.model.seq_length
+    return model_flops_per_token(cfg.model) * tokens
+
+
+# Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU, from the vendor datasheets, which print
+# the sparse figure: dense = sparse / 2. "fp32" is fp32 training with TF32 tensor-core matmuls
+# (what Megatron runs with); the plain fp32 CUDA-core peak (A100 19.5, H100 SXM 67) is far lower.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    # NVIDIA H100 datasheet / Hopper whitepaper, H100 SXM5: BF16/FP16 1979 sparse, TF32 989, FP8 3958.
+    "H100 SXM": {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 494.7},
+    # H100 PCIe: BF16/FP16 1513 sparse, TF32 756, FP8 3026.
+    "H100 PCIe": {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 378.0},
+    # H100 NVL (per GPU, 2024 datasheet): BF16/FP16 1671 sparse, TF32 835, FP8 3341.
+    "H100 NVL": {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 417.5},
+    # NVIDIA H200 datasheet, H200 SXM: the H100 SXM compute with more, faster memory.
+    "H200": {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 494.7},
+    # H200 NVL: BF16/FP16 1671 sparse, TF32 835, FP8 3341.
+    "H200 NVL": {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 417.5},
+    # NVIDIA GH200 datasheet: its Hopper GPU has the H100 SXM peaks.
+    "GH200": {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 494.7},
+    # NVIDIA A100 datasheet (SXM4 and PCIe, 40 and 80 GB alike): BF16/FP16 624 sparse, TF32 312.
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 156.0},
+    # NVIDIA V100 datasheet: FP16 tensor cores only (no BF16, no TF32), fp32 on CUDA cores.
+    "V100 SXM2": {"fp16": 125.0, "fp32": 15.7},
+    "V100 PCIe": {"fp16": 112.0, "fp32": 14.0},
+}
+
+# torch.cuda.get_device_name() strings -> PEAK_TFLOPS keys; first match wins, so the specific
+# variants (PCIe, NVL) come before the generic name. E.g. "NVIDIA H100 80GB HBM3" is the SXM part.
+_DEVICE_PATTERNS: list[tuple[str, str]] = [
+    (r"\bh100\b.*\bpcie\b", "H100 PCIe"),
+    (r"\bh100\b.*\bnvl\b", "H100 NVL"),
+    (r"\bh100\b", "H100 SXM"),
+    (r"\bgh200\b", "GH200"),
+    (r"\bh200\b.*\bnvl\b", "H200 NVL"),
+    (r"\bh200\b", "H200"),
+    (r"\ba100\b", "A100"),
+    (r"\bv100-sxm2\b", "V100 SXM2"),
+    (r"\bv100-pcie\b", "V100 PCIe"),
+]
+
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
+    "float8": "fp8", "float8_e4m3fn": "fp8", "tensorfloat32": "tf32",
+}
+
+
+def device_key(device_name: str) -> str | None:
+    """The PEAK_TFLOPS key of a ``torch.cuda.get_device_name()`` string, or None if unknown."""
+    name = device_name.lower()
+    for pattern, key in _DEVICE_PATTERNS:
+        if re.search(pattern, name):
+            return key
+    return None
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s (not TFLOP/s) of one device for a training dtype; None if not in the table.
+
+    ``dtype`` accepts "bf16"/"bfloat16"/"torch.bfloat16", "fp16", "fp32", "tf32", "fp8".
+    """
+    key = device_key(device_name)
+    if key is None:
+        return None
+    dt = str(dtype).lower().removeprefix("torch.")
+    tflops = PEAK_TFLOPS[key].get(_DTYPE_ALIASES.get(dt, dt))
+    return None if tflops is None else tflops * 1e12
+
+
+def measure_cpu_gemm_flops(n: int = 512, seconds: float = 0.3, dtype: torch.dtype = torch.float32) -> float:
+    """Measured FLOP/s of n x n GEMMs on this CPU: the MFU denominator where no datasheet applies.
+
+    Runs with torch's current thread count (the caller sets it to what a rank uses).
+    """
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    with torch.no_grad():
+        torch.matmul(a, b, out=out)  # warm-up: thread pool start and first-touch of the buffers
+        count, start = 0, time.perf_counter()
+        while True:
+            torch.matmul(a, b, out=out)
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+    return 2.0 * n**3 * count / elapsed
+
+
+def mfu(flops_per_step: float, step_seconds: float, num_devices: int, peak_per_device: float) -> float:
+    """Model FLOPs utilization: achieved FLOP/s over the peak FLOP/s of all devices (0..1)."""
+    if step_seconds <= 0 or num_devices < 1 or peak_per_device <= 0:
+        raise ValueError(f"need step_seconds>0, num_devices>=1, peak_per_device>0; got "
+                         f"{step_seconds}, {num_devices}, {peak_per_device}")
+    return flops_per_step / (step_seconds * num_devices * peak_per_device)

@@ -1,0 +1,262 @@
+"""Adaptations that let megatron-core 0.16.1 train on CPU processes over gloo.
+
+megatron-core assumes CUDA in a handful of places: tensors created with ``device="cuda"``,
+``torch.cuda.current_device()``/``synchronize()``, the CUDA RNG behind its RNG tracker, and
+``'torch.cuda.FloatTensor'`` type-string checks in the optimizers. Its torch-Adam fallback (always
+taken without Apex/Transformer Engine, hence always on CPU) also restores the distributed optimizer
+wrongly: it shares one ``step`` tensor between all parameters and copies a dummy ``step`` over the
+loaded one, so a resumed run silently diverges.
+
+``apply()`` patches exactly those places, and only when no GPU is present: on a GPU node it does
+nothing and megatron-core runs unmodified. Every patch targets a private name of one release, so
+``PATCHED_SOURCES`` records a fingerprint of each patched function; ``tests/test_megatron_cpu.py``
+fails when megatron-core changes under us, and each patch has a test showing it is still needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib
+import inspect
+
+import torch
+
+MEGATRON_VERSION = "0.16.1"
+_applied = False
+
+# Modules whose ``torch.<factory>(..., device="cuda")`` calls must build CPU tensors instead.
+CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",
+    "megatron.core.transformer.utils",
+)
+
+# "module:qualname" of every megatron-core function a patch depends on, with the sha256 (first 16
+# hex digits) of its source in 0.16.1. A mismatch means the patch must be re-verified.
+PATCHED_SOURCES = {
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add": "e5e9ab39a7c1e085",
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": "aa26caaa069c5c4f",
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": "b179c9d95438b61c",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__": "3275f640fc1b7377",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states": "93c254228283b2df",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "15f257b4c4f9a7ef",
+    "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "1d470dedcf8e2f0e",
+    "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32": "8edb9da5365045a5",
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__": "6cb54a06fa41bf78",
+}
+
+
+def needed() -> bool:
+    """The adaptations apply to processes that see no GPU."""
+    return not torch.cuda.is_available()
+
+
+def apply() -> bool:
+    """Install every CPU adaptation (idempotent). Returns whether anything was installed."""
+    global _applied
+    if _applied or not needed():
+        return False
+    import megatron.core
+
+    if megatron.core.__version__ != MEGATRON_VERSION:
+        raise RuntimeError(
+            f"mega's CPU adaptations were verified on megatron-core {MEGATRON_VERSION}, "
+            f"found {megatron.core.__version__}; re-run tests/test_megatron_cpu.py and update them"
+        )
+    _patch_cuda_runtime()
+    _patch_rng_tracker()
+    _patch_cuda_factories()
+    _patch_cuda_type_checks()
+    _patch_sequence_parallel_norm()
+    _patch_distopt_checkpoint_restore()
+    _applied = True
+    return True
+
+
+def source_fingerprint(target: str) -> str:
+    module_name, qualname = target.split(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    obj = getattr(obj, "__wrapped__", obj)
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _patch_cuda_runtime() -> None:
+    # Buffers (DDP grad buffers, GlobalMemoryBuffer, p2p shapes) are placed on
+    # torch.cuda.current_device(); p2p and checkpoint writers call synchronize() as a fence.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _patch_rng_tracker() -> None:
+    """Back the tracker's named RNG states with the CPU generator.
+
+    Dropout inside tensor-parallel regions forks a per-TP-rank state; activation recompute saves
+    and restores it. On CPU both live in the one default generator. The caller must still seed
+    that generator with ``torch.manual_seed``: megatron seeds it through ``torch.cuda.manual_seed``,
+    which is a no-op without CUDA.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device=-1, clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    # On the class, so trackers created later (force_reset) use it too.
+    mrandom.CudaRNGStatesTracker.add = add
+
+
+class _CpuTorch:
+    """Stands in for the ``torch`` module inside a megatron module: factory calls asking for
+    ``device="cuda"`` get the CPU; everything else is torch itself."""
+
+    _FACTORIES = frozenset(
+        {"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like"}
+    )
+
+    def __getattr__(self, name):
+        obj = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return obj
+
+        @functools.wraps(obj)
+        def factory(*args, **kwargs):
+            if "cuda" in str(kwargs.get("device", "")):
+                kwargs["device"] = "cpu"
+                kwargs.pop("pin_memory", None)
+            return obj(*args, **kwargs)
+
+        return factory
+
+
+def _patch_cuda_factories() -> None:
+    shim = _CpuTorch()
+    for name in CUDA_FACTORY_MODULES:
+        importlib.import_module(name).torch = shim
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Make ``tensor.type()`` answer 'torch.cuda.FloatTensor' for CPU tensors, for the duration of
+    the optimizer code that accepts only CUDA type strings."""
+    original = torch.Tensor.type
+
+    def cuda_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name if self.is_cuda else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_cuda_type_checks() -> None:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    DistOpt = distrib_optimizer.DistributedOptimizer
+    DistOpt.__init__ = _with_cuda_type_names(DistOpt.__init__)
+    F16Opt = moptimizer.Float16OptimizerWithFloat16Params
+    F16Opt.__init__ = _with_cuda_type_names(F16Opt.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    moptimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
+
+
+def _patch_sequence_parallel_norm() -> None:
+    """The torch LayerNorm fallback (no Apex) refuses sequence parallelism, although it only needs
+    its weights marked so that finalize_model_grads all-reduces their grads over TP."""
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new.__wrapped__ = original_new
+    WrappedTorchNorm.__new__ = new
+
+
+def _patch_distopt_checkpoint_restore() -> None:
+    """Restore the torch-Adam state of the distributed optimizer exactly.
+
+    megatron's loader puts one shared ``step`` tensor in every parameter's state (torch Adam then
+    increments it once per parameter per step) and copies the loading optimizer's own ``step``
+    back over the restored one. Both silently change the Adam bias correction after a resume.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original_load = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].detach().clone()
+
+    original_set = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original_set(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destinations = {"param": main_param, **self.optimizer.state[main_param]}
+        with torch.no_grad():
+            for key, dst in destinations.items():
+                if key != "step":  # restored once, from the param groups, by load_state_dict
+                    dst.copy_(tensors[key])
+
+    DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states

@@ -1,0 +1,146 @@
+"""Build the megatron-core GPT of a MegaConfig: one module per virtual pipeline stage.
+
+The layer comes from a megatron-core ``ModuleSpec`` (``layer_spec``), so co-design variants plug in
+by spec rather than by fork. With ``model.init=layout_invariant`` every weight is drawn from a
+generator seeded by (seed, its global name) and then sliced for tensor parallelism, so any
+TP/PP/VPP/DP layout starts from the same model — the property the layout-equivalence tests check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mega.config import MegaConfig
+
+PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(cfg: MegaConfig) -> str:
+    if cfg.train.precision == "auto":
+        return "bf16" if cfg.cluster.device == "cuda" else "fp32"
+    return cfg.train.precision
+
+
+def transformer_config(cfg: MegaConfig) -> TransformerConfig:
+    m, p = cfg.model, cfg.parallelism
+    precision = resolve_precision(cfg)
+    dtype = PARAMS_DTYPE[precision]
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu_initialization=cfg.cluster.device == "cpu",
+        # gloo pairs batched sends to the same peer in the wrong order when prev == next stage
+        # (PP=2 interleaved): wrong losses, no error. Plain isend/irecv is correct everywhere.
+        batch_p2p_comm=cfg.cluster.backend != "gloo",
+        recompute_granularity=m.recompute,
+        recompute_method="uniform" if m.recompute == "full" else None,
+        recompute_num_layers=1 if m.recompute == "full" else None,
+        # CUDA-only kernels stay off on CPU; the GPU path may enable them by spec/features later.
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+
+
+def layer_spec(cfg: MegaConfig) -> ModuleSpec:
+    return get_gpt_layer_local_spec()
+
+
+def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:
+    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
+    vpp = cfg.parallelism.vpp if (cfg.parallelism.vpp or 1) > 1 else None
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=layer_spec(cfg),
+            vocab_size=cfg.model.padded_vocab_size,
+            max_sequence_length=cfg.model.seq_length,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+            position_embedding_type="learned_absolute",
+            vp_stage=stage,
+        )
+        if cfg.model.init == "layout_invariant":
+            init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std)
+        if cfg.cluster.device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def global_parameter_names(model: MegatronModule) -> dict[str, torch.nn.Parameter]:
+    """Name parameters as a one-stage, one-chunk model would: layer indices become global."""
+    names = {}
+    layer_of = {}
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:
+        for local_index, layer in enumerate(decoder.layers):
+            layer_of[f"decoder.layers.{local_index}."] = f"decoder.layers.{layer.layer_number - 1}."
+    for name, param in model.named_parameters():
+        for local, global_ in layer_of.items():
+            if name.startswith(local):
+                name = global_ + name[len(local):]
+                break
+        names[name] = param
+    return names
+
+
+def _seed_of(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+def init_layout_invariant(model: MegatronModule, seed: int, std: float) -> None:
+    """Draw each full weight from a generator seeded by its global name, keep this rank's slice.
+
+    Matrices ~ N(0, std), norms' weights = 1, biases = 0 (megatron's own scheme, minus the
+    1/sqrt(2L) output scaling which we leave to the std). The shared output weight of a tied
+    embedding reads the embedding's name so both copies agree.
+    """
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in global_parameter_names(model).items():
+            if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+                name = "embedding.word_embeddings.weight"
+            if name.endswith("bias"):
+                param.zero_()
+                continue
+            if "layernorm" in name or "norm." in name:
+                param.fill_(1.0)
+                continue
+            full_shape = list(param.shape)
+            partitioned = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+            if partitioned:
+                full_shape[param.partition_dim] *= tp_size
+            gen = torch.Generator().manual_seed(_seed_of(seed, name))
+            full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * std
+            if partitioned:
+                full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            param.copy_(full.to(param.dtype))

@@ -1,0 +1,308 @@
+"""The training rank: ``torchrun ... -m mega.train --config run/config.json --data-index index.json``.
+
+Reads like a recipe: set up the process groups, build the model, optimizer and schedule, restore
+``latest`` if there is one, then for each step run the pipeline schedule over the step's
+microbatches, step the optimizer, log, and checkpoint every ``checkpoint.interval`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mega import config as mega_config
+from mega import megatron_cpu
+from mega.config import MegaConfig
+
+
+@dataclass
+class Trainer:
+    cfg: MegaConfig
+    model: list  # DDP-wrapped chunks, one per virtual pipeline stage
+    optimizer: object
+    scheduler: object
+    dataset: object
+    device: torch.device
+    init_times: dict
+
+
+def setup_distributed(cfg: MegaConfig) -> dict:
+    """Process group, megatron's model-parallel groups and seeds; returns how long init took."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    p = cfg.parallelism
+    t0 = time.perf_counter()
+    if cfg.cluster.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=cfg.cluster.backend, timeout=timedelta(seconds=cfg.cluster.pg_timeout_s))
+    t1 = time.perf_counter()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+        create_gloo_process_groups=cfg.cluster.backend == "gloo",
+    )
+    t2 = time.perf_counter()
+    # megatron seeds the default generator through torch.cuda.manual_seed, a no-op without CUDA.
+    torch.manual_seed(cfg.train.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    return {"pg_init_s": t1 - t0, "model_parallel_init_s": t2 - t1, "world_size": dist.get_world_size()}
+
+
+def build(cfg: MegaConfig, data_index: str) -> Trainer:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from mega.data import TokenDataset
+    from mega.model import build_model_chunks, resolve_precision, transformer_config
+
+    init_times = setup_distributed(cfg)
+    p, o = cfg.parallelism, cfg.optimizer
+    precision = resolve_precision(cfg)
+    tcfg = transformer_config(cfg)
+    chunks = build_model_chunks(cfg, tcfg)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=precision != "fp32",
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+    )
+    model = [
+        DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    # Hooks the pipeline schedules call: gradient reduction starts per chunk as soon as its last
+    # microbatch's backward is done, overlapping with the rest of the pipeline.
+    single = len(model) == 1
+    tcfg.no_sync_func = model[0].no_sync if single else [m.no_sync for m in model]
+    if p.overlap_grad_reduce:
+        tcfg.grad_sync_func = model[0].start_grad_sync if single else [m.start_grad_sync for m in model]
+    if p.overlap_param_gather:
+        tcfg.param_sync_func = model[0].start_param_sync if single else [m.start_param_sync for m in model]
+    tcfg.finalize_model_grads_func = finalize_model_grads
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=o.name,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=precision == "bf16",
+            fp16=precision == "fp16",
+            params_dtype=tcfg.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+        model,
+    )
+    tcfg.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if o.warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=cfg.train.steps,
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=cfg.train.steps,
+        wd_incr_style="constant",
+    )
+    dataset = TokenDataset(data_index, seq_length=cfg.model.seq_length, seed=cfg.train.seed)
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise mega_config.ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({dataset.vocab_size})",
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
+    return Trainer(cfg, model, optimizer, scheduler, dataset, device, init_times)
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    loss = (output.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    # A copy: the schedule divides the returned loss in place by the number of microbatches.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def step_microbatches(trainer: Trainer, step: int) -> list[dict]:
+    from megatron.core import parallel_state as ps
+
+    p = trainer.cfg.parallelism
+    return [
+        {
+            k: v.to(trainer.device, non_blocking=True)
+            for k, v in trainer.dataset.microbatch(
+                step=step,
+                microbatch=m,
+                dp_rank=ps.get_data_parallel_rank(),
+                dp_size=ps.get_data_parallel_world_size(),
+                micro_batch_size=p.micro_batch_size,
+                num_microbatches=p.num_microbatches,
+            ).items()
+        }
+        for m in range(p.num_microbatches)
+    ]
+
+
+def train_step(trainer: Trainer, step: int) -> dict:
+    """One optimizer step over the global batch; returns loss (DP-averaged, last stage), grad norm, lr."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    cfg = trainer.cfg
+    microbatches = step_microbatches(trainer, step)
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=[iter(microbatches) for _ in trainer.model] if len(trainer.model) > 1 else iter(microbatches),
+        model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
+        num_microbatches=cfg.parallelism.num_microbatches,
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.parallelism.micro_batch_size,
+        forward_only=False,
+    )
+    update_ok, grad_norm, _ = trainer.optimizer.step()
+    if update_ok:
+        trainer.scheduler.step(increment=1)
+    loss = float("nan")
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
+        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        loss = mean.item() / ps.get_data_parallel_world_size()
+    return {
+        "loss": loss,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+        "skipped": not update_ok,
+    }
+
+
+def is_logging_rank() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.is_pipeline_last_stage(ignore_virtual=True)
+        and ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+    )
+
+
+def measure_peak_flops(cfg: MegaConfig) -> float:
+    """Per-device peak for MFU: the datasheet on GPUs, a GEMM measured now on CPU (all ranks at
+    once, so it reflects the cores they share), averaged over ranks."""
+    from mega import flops
+
+    if cfg.cluster.device == "cuda":
+        from mega.model import resolve_precision
+
+        peak = flops.peak_flops(torch.cuda.get_device_name(), resolve_precision(cfg))
+        return float(peak or "nan")
+    local = torch.tensor([flops.measure_cpu_gemm_flops()], dtype=torch.float64)
+    dist.all_reduce(local)
+    return local.item() / dist.get_world_size()
+
+
+def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
+    f = cfg.fault
+    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    if attempt == 0 and f.kill_rank == dist.get_rank() and f.kill_at_step == step:
+        print(f"[fault] killing rank {dist.get_rank()} at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(cfg: MegaConfig, data_index: str) -> None:
+    from mega import checkpoint, flops
+    from mega.metrics import MetricsLogger
+
+    if cfg.cluster.device == "cpu":
+        megatron_cpu.apply()
+        # One rank per core at most: oversubscribed OpenMP threads make every step slower.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    os.environ.update(cfg.cluster.env)
+
+    trainer = build(cfg, data_index)
+    run_dir = Path(cfg.train.run_dir)
+    start_step = 0
+    latest = checkpoint.read_latest(cfg.checkpoint.dir) if cfg.checkpoint.load else None
+    if latest is not None:
+        start_step = checkpoint.load(latest, [m.module for m in trainer.model], trainer.optimizer, trainer.scheduler)
+    peak = measure_peak_flops(cfg)
+    flops_per_step = flops.model_flops_per_step(cfg)
+    tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
+    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+
+    logger = MetricsLogger(run_dir, enabled=is_logging_rank(), tensorboard=cfg.train.tensorboard)
+    if dist.get_rank() == 0:
+        (run_dir / "init.json").write_text(json.dumps(trainer.init_times))
+    logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
+    cfg_dict = mega_config.to_dict(cfg)
+    for step in range(start_step, cfg.train.steps):
+        maybe_inject_fault(cfg, step)
+        t0 = time.perf_counter()
+        result = train_step(trainer, step)
+        step_s = time.perf_counter() - t0
+        done = step + 1
+        logger.log(
+            {
+                "step": done,
+                **result,
+                "step_s": step_s,
+                "tokens_per_s": tokens_per_step / step_s,
+                "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
+                "attempt": attempt,
+            }
+        )
+        interval = cfg.checkpoint.interval
+        if interval and (done % interval == 0 or done == cfg.train.steps):
+            path = checkpoint.save(cfg.checkpoint.dir, done, [m.module for m in trainer.model],
+                                   trainer.optimizer, trainer.scheduler, cfg_dict)
+            logger.event(f"checkpoint {path.name} saved")
+    logger.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="resolved config JSON written by the launcher")
+    parser.add_argument("--data-index", required=True, help="index.json of the prepared dataset")
+    args = parser.parse_args(argv)
+    cfg = mega_config.load(args.config)
+    try:
+        run(cfg, args.data_index)
+    finally:
+        from megatron.core import parallel_state as ps
+
+        if dist.is_initialized():
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # the checkpoint writer's spawned helpers re-import __main__
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""mega.config: Hydra composition of conf/, the rejections (each naming its key), and round trips."""
+
+import dataclasses
+
+import pytest
+
+from mega.config import CONF_DIR, ConfigError, MegaConfig, compose, from_dict, load, save
+
+
+def test_default_composition_is_tp2_pp2_dp2_on_local_cpu():
+    cfg = compose()
+    assert (cfg.model.name, cfg.parallelism.name, cfg.cluster.name) == ("tiny", "tp2-pp2-dp2", "local-cpu")
+    # local-cpu derives its process count from the layout: 2 * 2 * 2
+    assert (cfg.cluster.nodes, cfg.cluster.procs_per_node) == (1, 8)
+    assert cfg.train.run_dir == "runs/tiny-tp2-pp2-dp2"
+    assert cfg.checkpoint.dir == "runs/tiny-tp2-pp2-dp2/checkpoints"
+
+
+def test_single_layout_runs_one_process():
+    assert compose(["parallelism=single"]).cluster.procs_per_node == 1
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [
+    # 3 heads over tp=2 (hidden 66 keeps hidden % heads valid)
+    (["model.num_attention_heads=3", "model.hidden_size=66"], "parallelism.tp", "not divisible by tp=2"),
+    (["model.num_layers=3"], "parallelism.pp", "pp*vpp=2*1"),
+    (["parallelism=tp2-pp2-vpp2-dp2", "model.num_layers=6"], "parallelism.pp", "pp*vpp=2*2"),
+    # h100-8x has 8 procs per node: 2 nodes are 16 processes for a layout of 8
+    (["cluster=h100-8x", "cluster.nodes=2"], "cluster.procs_per_node", "2*8=16 does not equal"),
+    (["cluster=h100-8x", "parallelism=single"], "cluster.procs_per_node", "does not equal"),
+    (["parallelism.global_batch_size=10"], "parallelism.global_batch_size", "micro_batch_size*dp=2*2"),
+    (["+model.foo=1"], "model.foo", "not in 'ModelConfig'"),
+    (["model.foo=1"], "model.foo", "not in 'ModelConfig'"),
+    (["model.num_layers=abc"], "model.num_layers", "could not be converted to Integer"),
+    (["model=nope"], "model", "'nope'"),
+    (["train.precision=fp8"], "train.precision", "must be one of"),
+    (["train.precision=bf16"], "train.precision", "for GPUs"),
+    (["cluster.backend=nccl"], "cluster.backend", "needs cluster.device=cuda"),
+    (["parallelism=single", "parallelism.sequence_parallel=true"], "parallelism.sequence_parallel", "tp>1"),
+    (["fault.kill_rank=8", "fault.kill_at_step=3"], "fault.kill_rank", "no rank 8 in world 8"),
+    (["fault.kill_rank=-1", "fault.kill_at_step=3"], "fault.kill_rank", "no rank -1"),
+])
+def test_rejection_names_the_key(overrides, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"{key}: ")
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"parallelism": {"tpp": 2}}, "parallelism.tpp"),
+    ({"model": {"foo": {"bar": 1}}}, "model.foo"),
+    ({"model": {"num_layers": "abc"}}, "model.num_layers"),
+])
+def test_from_dict_names_the_full_dotted_key(data, key):
+    with pytest.raises(ConfigError) as info:
+        from_dict(data)
+    assert info.value.key == key
+
+
+# What a group option needs besides the defaults (tiny model, tp2-pp2-dp2, local-cpu) to be
+# consistent, and the key it is rejected with when composed alone.
+COMPANIONS = {
+    "model/gpt-530b": ["parallelism=tp2"],  # 105 layers do not split over pp=2
+    "parallelism/paper-175b-256gpu": ["model=gpt-175b", "cluster=h100-8x", "cluster.nodes=32"],
+    "cluster/gpu-1": ["parallelism=single"],  # one GPU, one process
+}
+ALONE_FAILS_WITH = {
+    "model/gpt-530b": "parallelism.pp",
+    "parallelism/paper-175b-256gpu": "parallelism.tp",  # tiny's 4 heads over tp=8
+}
+GROUP_OPTIONS = sorted(f"{p.parent.name}/{p.stem}" for p in CONF_DIR.glob("*/*.yaml"))
+
+
+def test_the_option_tables_name_real_options():
+    assert len(GROUP_OPTIONS) >= 15
+    assert set(COMPANIONS) | set(ALONE_FAILS_WITH) <= set(GROUP_OPTIONS)
+
+
+@pytest.mark.parametrize("option", GROUP_OPTIONS)
+def test_every_group_option_composes(option):
+    group, name = option.split("/")
+    cfg = compose([f"{group}={name}"] + COMPANIONS.get(option, []))
+    section = getattr(cfg, group)
+    if hasattr(section, "name"):
+        assert section.name == name
+    if option in ALONE_FAILS_WITH:
+        with pytest.raises(ConfigError) as info:
+            compose([f"{group}={name}"])
+        assert info.value.key == ALONE_FAILS_WITH[option]
+
+
+def test_paper_shapes():
+    gpt175 = compose(["model=gpt-175b"]).model
+    assert (gpt175.num_layers, gpt175.hidden_size, gpt175.num_attention_heads) == (96, 12288, 128)
+    assert (gpt175.seq_length, gpt175.vocab_size) == (2048, 64000)
+    gpt530 = compose(["model=gpt-530b", "parallelism=tp2"]).model
+    assert (gpt530.num_layers, gpt530.hidden_size, gpt530.num_attention_heads) == (105, 20480, 160)
+
+
+def test_paper_layout_on_32_h100_nodes():
+    cfg = compose(COMPANIONS["parallelism/paper-175b-256gpu"] + ["parallelism=paper-175b-256gpu"])
+    p = cfg.parallelism
+    assert (p.tp, p.pp, p.vpp, p.dp, p.world_size) == (8, 8, 2, 4, 256)
+    assert cfg.cluster.world_size == 256 and cfg.cluster.env["NCCL_IB_RETRY_CNT"] == "12"
+
+
+def test_save_and_load_round_trip(tmp_path):
+    # a layout with vpp, a cluster with env presets and a fault set: nulls, dicts and nesting
+    cfg = compose(["parallelism=tp2-pp2-vpp2-dp2", "cluster=h100-8x",
+                   "fault.kill_rank=3", "fault.kill_at_step=5"])
+    path = tmp_path / "config.json"
+    save(cfg, path)
+    loaded = load(path)
+    assert isinstance(loaded, MegaConfig)
+    assert loaded == cfg
+    assert dataclasses.asdict(loaded) == dataclasses.asdict(cfg)
