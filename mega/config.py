@@ -47,6 +47,11 @@ class ModelConfig:
     # any TP/PP/VPP/DP layout starts from the same model; "megatron": megatron-core's own init.
     init: str = "layout_invariant"
     recompute: str | None = None  # None | "full" | "selective"
+    # "sequential": x + Attn(LN1 x), then + MLP(LN2 ...); "parallel": x + Attn(LN x) + MLP(LN x)
+    # with one TP reduction per layer (MegaScale / GPT-J, see docs/model.md)
+    block: str = "sequential"
+    window_size: int | None = None  # sliding-window attention: tokens a query sees before itself
+    full_attention_every: int | None = None  # with window_size: every k-th layer attends fully
 
     @property
     def ffn(self) -> int:
@@ -149,10 +154,12 @@ class TrainConfig:
 
 @dataclass
 class FaultConfig:
-    """Fault injection for tests and drills: kill one rank at one step, in the first attempt only."""
+    """Fault injection for tests and drills: at one step of the first attempt, one rank is killed
+    (``mode=kill``, SIGKILL) or stops making progress (``mode=hang``)."""
 
     kill_rank: int | None = None
     kill_at_step: int | None = None
+    mode: str = "kill"
 
 
 @dataclass
@@ -301,6 +308,14 @@ def validate(cfg: MegaConfig) -> MegaConfig:
              f"padded vocabulary {m.padded_vocab_size} is not divisible by tp={p.tp}")
     _one_of(m.init, "model.init", ("layout_invariant", "megatron"))
     _one_of(m.recompute, "model.recompute", (None, "full", "selective"))
+    _one_of(m.block, "model.block", ("sequential", "parallel"))
+    if m.window_size is not None:
+        _require(m.window_size >= 1, "model.window_size", f"must be >= 1 or null, got {m.window_size}")
+    if m.full_attention_every is not None:
+        _require(m.full_attention_every >= 1, "model.full_attention_every",
+                 f"must be >= 1 or null, got {m.full_attention_every}")
+        _require(m.window_size is not None, "model.full_attention_every",
+                 "only applies to sliding-window attention: set model.window_size")
     for key, value in [("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)]:
         _require(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
 
@@ -365,4 +380,5 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     if f.kill_rank is not None:
         _require(0 <= f.kill_rank < p.world_size, "fault.kill_rank", f"no rank {f.kill_rank} in world {p.world_size}")
         _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
+    _one_of(f.mode, "fault.mode", ("kill", "hang"))
     return cfg

@@ -64,6 +64,7 @@ def torchrun(
 
     ``progress_file``: a file the job appends to as it makes progress; when it has not changed for
     ``stall_timeout_s`` the job is taken as hung and killed, rather than waited on forever.
+    A file that exists before the launch counts as progress only once it changes.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
@@ -76,6 +77,7 @@ def torchrun(
         proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True)
         started = last_progress = time.monotonic()
+        initial_mtime = progress_file.stat().st_mtime if progress_file and progress_file.exists() else None
         last_mtime = None
         while True:
             try:
@@ -85,12 +87,14 @@ def torchrun(
             now = time.monotonic()
             if progress_file is not None and progress_file.exists():
                 mtime = progress_file.stat().st_mtime
-                if mtime != last_mtime:
+                if mtime != last_mtime and mtime != initial_mtime:
                     last_mtime, last_progress = mtime, now
             if timeout_s is not None and now - started > timeout_s:
                 _kill_session(proc)
                 return TIMEOUT_EXIT
-            if stall_timeout_s is not None and now - last_progress > stall_timeout_s:
+            # Start-up (imports, process groups, checkpoint load) is bounded by the ranks' own
+            # collective timeouts; the stall clock runs from the first sign of progress.
+            if stall_timeout_s is not None and last_mtime is not None and now - last_progress > stall_timeout_s:
                 _kill_session(proc)
                 return TIMEOUT_EXIT
     except BaseException:

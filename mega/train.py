@@ -232,7 +232,10 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
     f = cfg.fault
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
     if attempt == 0 and f.kill_rank == dist.get_rank() and f.kill_at_step == step:
-        print(f"[fault] killing rank {dist.get_rank()} at step {step}", file=sys.stderr, flush=True)
+        print(f"[fault] {f.mode}: rank {dist.get_rank()} at step {step}", file=sys.stderr, flush=True)
+        if f.mode == "hang":
+            while True:  # alive but silent, like a rank stuck in a driver call
+                time.sleep(60)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

