@@ -31,7 +31,6 @@ CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.utils",
