@@ -1,0 +1,236 @@
+"""Bring up and verify the rendezvous store, and time process-group initialization.
+
+MegaScale (NSDI'24, section 3.5) found job start-up dominated by the rendezvous store and by
+building the many communicator groups of 3D parallelism; both are measured here before training:
+
+* ``verify_store(cfg)``: start the store, connect a client, time set/get/add/wait round trips.
+* ``time_process_groups(cfg)``: a torchrun job (``python -m mega.bootstrap``) over the config's
+  world that times ``init_process_group`` and megatron-core's ``initialize_model_parallel`` and
+  reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from mega.config import MegaConfig
+
+STORE_OPS = 50  # round trips per operation kind: enough for a stable median on loopback
+
+
+class StoreNotAvailable(NotImplementedError):
+    """The configured rendezvous store kind is not built yet."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendezvous store
+
+
+def start_tcp_store(host: str, port: int = 0, timeout_s: float = 300.0) -> "TCPStore":
+    """A torch TCPStore server on host:port (0 = a free port; the bound one is ``store.port``)."""
+    from torch.distributed import TCPStore
+
+    # wait_for_workers=False: the server must not block until clients of a job have joined
+    return TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def connect_tcp_store(host: str, port: int, timeout_s: float = 300.0) -> "TCPStore":
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def verify_store(cfg: "MegaConfig") -> dict[str, Any]:
+    """Start the configured store, check it with real operations and time their round trips.
+
+    Returns {"store", "host", "port", "ok", "ops", "roundtrip_ms" (median over all ops),
+    "set_ms", "get_ms", "add_ms", "wait_ms" (medians), "connect_ms"}.
+    """
+    c = cfg.cluster
+    if c.store == "redis":
+        raise StoreNotAvailable(
+            "cluster.store=redis: the Redis rendezvous store arrives with the bootstrap issue; "
+            "use cluster.store=tcp until then")
+    if c.store != "tcp":
+        raise ValueError(f"cluster.store: unknown store {c.store!r}")
+
+    server = start_tcp_store(c.master_addr, c.master_port, timeout_s=c.pg_timeout_s)
+    start = time.perf_counter()
+    client = connect_tcp_store(c.master_addr, server.port, timeout_s=c.pg_timeout_s)
+    connect_ms = (time.perf_counter() - start) * 1e3
+    try:
+        timings = _time_store_ops(server, client)
+    finally:
+        del client, server  # closes the sockets; the port is free again
+    result: dict[str, Any] = {"store": "tcp", "host": c.master_addr, "port": timings.pop("port"),
+                              "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
+    all_ms = [ms for op_ms in timings.values() for ms in op_ms]
+    result["roundtrip_ms"] = round(statistics.median(all_ms), 4)
+    result.update({f"{op}_ms": round(statistics.median(ms), 4) for op, ms in timings.items()})
+    return result
+
+
+def _time_store_ops(server: "TCPStore", client: "TCPStore") -> dict[str, Any]:
+    """set/get/add from the client, and wait on keys the server sets from another thread."""
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    times: dict[str, Any] = {"set": [], "get": [], "add": [], "wait": [], "port": server.port}
+    for i in range(STORE_OPS):
+        value = f"value-{i}".encode()
+        times["set"].append(timed(lambda: client.set(f"k{i}", value)))
+        got: list[bytes] = []
+        times["get"].append(timed(lambda: got.append(client.get(f"k{i}"))))
+        _expect(got[0] == value, f"get k{i} returned {got[0]!r}, set {value!r}")
+        times["add"].append(timed(lambda: client.add("counter", 1)))
+    _expect(server.add("counter", 0) == STORE_OPS, "add counter lost increments")
+
+    # wait: the rendezvous primitive; another party publishes the key while the client waits
+    for i in range(STORE_OPS):
+        setter = threading.Timer(0.0, server.set, args=(f"w{i}", b"1"))
+        start = time.perf_counter()
+        setter.start()
+        client.wait([f"w{i}"], timedelta(seconds=10))
+        times["wait"].append((time.perf_counter() - start) * 1e3)
+        setter.join()
+    return times
+
+
+def _expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise RuntimeError(f"rendezvous store check failed: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-group initialization timing (torchrun job)
+
+
+def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
+                        timeout_s: float | None = None) -> dict[str, Any]:
+    """Launch one rank per process of cfg's world; max over ranks of the init times.
+
+    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "ranks": per-rank rows}; files
+    (config, result, log) go to out_dir, by default ``<train.run_dir>/bootstrap``.
+    Raises RuntimeError when the job fails or times out.
+    """
+    from mega.config import save
+    from mega.launcher import torchrun
+
+    c = cfg.cluster
+    if c.nodes != 1:
+        raise ValueError("cluster.nodes: time_process_groups launches one node (--standalone); "
+                         f"got nodes={c.nodes}")
+    out_dir = Path(out_dir or Path(cfg.train.run_dir) / "bootstrap")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path, result_path = out_dir / "config.json", out_dir / "result.json"
+    save(cfg, config_path)
+    result_path.unlink(missing_ok=True)
+    # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
+    timeout_s = timeout_s or c.pg_timeout_s + 120.0
+    code = torchrun("mega.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
+                    c.procs_per_node, env=dict(c.env), timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
+    if code != 0 or not result_path.exists():
+        why = f"timed out after {timeout_s:g} s" if code == 124 else f"exited with code {code}"
+        raise RuntimeError(f"process-group timing job {why} (see {out_dir / 'bootstrap.log'})")
+    return json.loads(result_path.read_text())
+
+
+def _rank_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mega.bootstrap", description="time process-group init")
+    p.add_argument("--config", required=True, help="config.json (mega.config.save)")
+    p.add_argument("--out", required=True, help="result.json written by rank 0")
+    args = p.parse_args(argv)
+
+    from mega.config import load
+
+    cfg = load(args.config)
+    row = _time_rank_init(cfg)
+    import torch.distributed as dist
+
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() == 0:
+        result = {"pg_init_s": max(r["pg_init_s"] for r in rows),
+                  "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
+                  "world_size": len(rows), "ranks": rows}
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    _destroy_groups()
+    return 0
+
+
+def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
+    """Time this rank's init_process_group and initialize_model_parallel (imports excluded)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    c, p = cfg.cluster, cfg.parallelism
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if c.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    # initialize_model_parallel builds its groups with plain dist.new_group, which works on gloo:
+    # no CPU adaptation of megatron-core is needed for this measurement.
+    timeout = timedelta(seconds=c.pg_timeout_s)
+    _wait_for_all_ranks(timeout)
+
+    start = time.perf_counter()
+    dist.init_process_group(c.backend, timeout=timeout)
+    dist.barrier()  # init returns before the slowest peer has joined; the barrier includes it
+    pg_init_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+        distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
+        create_gloo_process_groups=c.backend == "gloo")  # as mega.train builds them
+    dist.barrier()
+    model_parallel_init_s = time.perf_counter() - start
+    return {"rank": dist.get_rank(), "pg_init_s": pg_init_s, "model_parallel_init_s": model_parallel_init_s}
+
+
+def _wait_for_all_ranks(timeout: timedelta) -> None:
+    """Line the ranks up on torchrun's agent store, so the timing excludes import skew.
+
+    Without this, the first rank to finish ``import megatron.core`` (~10 s on small CPUs) would
+    count the slowest rank's import as process-group init.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return  # not under torchrun's agent store: nothing to line up on before init
+    from torch.distributed import TCPStore
+
+    world = int(os.environ["WORLD_SIZE"])
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store.add("mega/bootstrap/ready", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add("mega/bootstrap/ready", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not all {world} ranks started within {timeout}")
+        time.sleep(0.005)
+
+
+def _destroy_groups() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())

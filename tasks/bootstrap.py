@@ -1,0 +1,54 @@
+"""Prefect tasks: verify the rendezvous store, time process-group initialization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from mega.bootstrap import StoreNotAvailable, time_process_groups, verify_store
+from mega.config import MegaConfig
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry port races and slow starts, not a store kind that does not exist or a bad config."""
+    return not isinstance(state.data, (StoreNotAvailable, ValueError))
+
+
+@task(name="verify-store", retries=2, retry_delay_seconds=2, retry_condition_fn=_transient,
+      cache_policy=NO_CACHE)
+def check_rendezvous_store(cfg: MegaConfig) -> dict[str, Any]:
+    logger = get_run_logger()
+    store = verify_store(cfg)
+    create_table_artifact(
+        key="rendezvous-store",
+        table=[store],
+        description=f"{store['store']} store at {store['host']}:{store['port']}: "
+                    f"median round trip {store['roundtrip_ms']:.3f} ms over {store['ops']} ops of each kind",
+    )
+    logger.info("%s store %s:%s ok, median round trip %.3f ms", store["store"], store["host"],
+                store["port"], store["roundtrip_ms"])
+    return store
+
+
+@task(name="time-process-groups", retries=1, retry_delay_seconds=5, retry_condition_fn=_transient,
+      cache_policy=NO_CACHE)
+def time_process_group_init(cfg: MegaConfig, out_dir: str | Path) -> dict[str, Any]:
+    logger = get_run_logger()
+    init = time_process_groups(cfg, out_dir)
+    p = cfg.parallelism
+    create_table_artifact(
+        key="process-group-init",
+        table=[{"rank": "max", "pg_init_s": round(init["pg_init_s"], 4),
+                "model_parallel_init_s": round(init["model_parallel_init_s"], 4)}]
+              + [{"rank": r["rank"], "pg_init_s": round(r["pg_init_s"], 4),
+                  "model_parallel_init_s": round(r["model_parallel_init_s"], 4)} for r in init["ranks"]],
+        description=f"Process-group init over {init['world_size']} ranks "
+                    f"(tp={p.tp} pp={p.pp} vpp={p.vpp} dp={p.dp}, {cfg.cluster.backend}); slowest rank first",
+    )
+    logger.info("init_process_group %.3f s, initialize_model_parallel %.3f s (max over %d ranks)",
+                init["pg_init_s"], init["model_parallel_init_s"], init["world_size"])
+    return init

@@ -1,0 +1,28 @@
+"""Prefect task: run the torchrun training job and watch it (restarts live in run_training)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from mega.config import MegaConfig
+from mega.launcher import TrainingResult, run_training
+
+
+# No Prefect retries: run_training already relaunches failed ranks from the latest checkpoint
+# (cfg.checkpoint.max_restarts, with backoff); a Prefect retry would start over from step 0's view.
+@task(name="train", cache_policy=NO_CACHE)
+def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
+    logger = get_run_logger()
+    result = run_training(cfg, index_path, log=logger.info)
+    create_table_artifact(
+        key="training-run",
+        table=[{"run_dir": str(result.run_dir), "attempts": result.attempts, "final_step": result.final_step,
+                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.init.items()}}],
+        description=f"{cfg.model.name} on {cfg.parallelism.name}: {result.final_step} steps "
+                    f"in {result.attempts} attempt(s)",
+    )
+    return result

@@ -1,0 +1,69 @@
+"""Shared test fixtures.
+
+The environment below is set at import, before any test module imports prefect or torch: Prefect
+reads its settings once, and every subprocess (torchrun ranks, the flow CLI) inherits them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SCRATCH = Path(tempfile.mkdtemp(prefix="mega-tests-"))
+atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
+
+# Hermetic Prefect: no telemetry, a throwaway home (profiles, local DB of the temporary server),
+# and never a developer's configured API server.
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_HOME"] = str(_SCRATCH / "prefect-home")
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("PREFECT_PROFILE", None)
+# A temporary server started by a CLI subprocess on 2 busy cores can take longer than the default.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# torch.compile caches go to scratch, not to the home directory of whoever runs the tests.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_SCRATCH / "torchinductor")
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One data cache for the session (MEGA_TEST_DATA_CACHE to keep it between sessions)."""
+    keep = os.environ.get("MEGA_TEST_DATA_CACHE")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        return Path(keep)
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="session")
+def data_index(data_cache) -> Path:
+    """index.json of the default corpus tokenized for the tiny model (vocab 512), prepared once."""
+    from mega.config import DataConfig
+    from mega.data import prepare_dataset
+
+    return prepare_dataset(DataConfig(cache_dir=str(data_cache)), vocab_size=512, progress=False)
+
+
+@pytest.fixture
+def free_port():
+    """A function returning a TCP port that was free a moment ago (for MASTER_PORT and stores)."""
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return pick
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect server with its own SQLite database for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,55 @@
+"""Rendezvous store and process-group init timing, with real stores and real torchrun ranks."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+from mega.bootstrap import StoreNotAvailable, connect_tcp_store, start_tcp_store, time_process_groups, verify_store
+from mega.config import compose, from_dict
+
+
+def test_tcp_store_serves_real_operations():
+    server = start_tcp_store("127.0.0.1", 0, timeout_s=10)
+    assert server.port > 0
+    a = connect_tcp_store("127.0.0.1", server.port, timeout_s=10)
+    b = connect_tcp_store("127.0.0.1", server.port, timeout_s=10)
+
+    a.set("rendezvous/0", b"tcp://10.0.0.1:29500")
+    assert b.get("rendezvous/0") == b"tcp://10.0.0.1:29500"
+    assert [a.add("joined", 1), b.add("joined", 1)] == [1, 2]
+    assert b.compare_set("leader", b"", b"rank-1") == b"rank-1"  # first claim wins
+    assert a.compare_set("leader", b"", b"rank-0") == b"rank-1"
+
+    # wait blocks until another party publishes the key, and times out when nobody does
+    threading.Timer(0.1, a.set, args=("go", b"1")).start()
+    b.wait(["go"], timedelta(seconds=5))
+    with pytest.raises(Exception, match="(?i)timeout|wait"):
+        b.wait(["never"], timedelta(milliseconds=200))
+
+
+def test_verify_store_reports_round_trips():
+    result = verify_store(from_dict())
+
+    assert result["store"] == "tcp" and result["ok"] and result["host"] == "127.0.0.1"
+    assert 0 < result["port"] < 65536
+    for key in ("roundtrip_ms", "set_ms", "get_ms", "add_ms", "wait_ms", "connect_ms"):
+        assert result[key] > 0, key
+
+
+def test_redis_store_says_it_arrives_with_the_bootstrap_issue():
+    with pytest.raises(NotImplementedError, match="cluster.store=redis.*bootstrap issue") as err:
+        verify_store(from_dict({"cluster": {"store": "redis"}}))
+    assert isinstance(err.value, StoreNotAvailable)
+
+
+def test_time_process_groups_tp2(tmp_path):
+    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}"])
+    result = time_process_groups(cfg)
+
+    assert result["world_size"] == 2 and len(result["ranks"]) == 2
+    assert result["pg_init_s"] > 0 and result["model_parallel_init_s"] > 0
+    assert result["pg_init_s"] == max(r["pg_init_s"] for r in result["ranks"])
+    assert (tmp_path / "bootstrap" / "result.json").exists()
