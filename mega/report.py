@@ -7,28 +7,11 @@ checkpoint the replayed steps appear again, and the last line written for a step
 from __future__ import annotations
 
 import base64
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from mega.metrics import METRICS_FILE
-
-
-def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Per-step metrics of a run, one per step in step order; a replayed step's last line wins."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    lines = (line for line in path.read_text().splitlines() if line.strip())
-    return dedup_steps(json.loads(line) for line in lines)
-
-
-def dedup_steps(records) -> list[dict[str, Any]]:
-    by_step: dict[int, dict[str, Any]] = {}
-    for rec in records:
-        by_step[int(rec["step"])] = rec  # later lines (a later attempt) replace earlier ones
-    return [by_step[s] for s in sorted(by_step)]
+from mega.metrics import read_metrics as load_metrics  # noqa: F401  (the report's input)
 
 
 def restart_steps(metrics: list[dict[str, Any]]) -> list[int]:
