@@ -4,6 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# redis-server for cluster.store=redis (tests, local runs): Debian's package, only when missing.
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[install] installing redis-server (apt)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  else
+    echo "[install] warning: redis-server is missing and apt-get is not usable here (needs root);" \
+         "install it for cluster.store=redis (tests that need it are skipped)" >&2
+  fi
+fi
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 

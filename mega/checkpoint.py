@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
-from megatron.core import tensor_parallel
+
+# megatron-core is imported inside the functions that need it: the flow process reads `latest`
+# through this module and should not pay for (or print the warnings of) importing megatron.
 
 LATEST = "latest"
 SHARDING_METADATA = {
@@ -80,6 +80,8 @@ def _sharded_state(model_chunks, optimizer, is_loading: bool) -> dict:
 
 
 def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
     return {
         "torch": torch.get_rng_state(),
         "tracker": dict(tensor_parallel.get_cuda_rng_tracker().get_states()),
@@ -89,6 +91,9 @@ def _rng_state() -> dict:
 
 def save(root: str | Path, step: int, model_chunks, optimizer, scheduler, config: dict) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
     root = Path(root)
     path = iteration_dir(root, step)
     rank = dist.get_rank()
@@ -124,6 +129,10 @@ def save(root: str | Path, step: int, model_chunks, optimizer, scheduler, config
 
 def load(path: str | Path, model_chunks, optimizer, scheduler) -> int:
     """Collective: restore model, optimizer, scheduler and (same layout only) RNG; return the step."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
     path = Path(path)
     meta = json.loads((path / "mega.json").read_text())
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -109,7 +109,7 @@ class ClusterConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adam"  # adam | sgd
+    name: str = "adam"  # adam | sgd | lamb
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.01
@@ -119,6 +119,7 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     warmup_steps: int = 10
     decay_style: str = "cosine"  # cosine | linear | constant
+    lamb_max_trust_ratio: float = 10.0  # lamb: upper clamp of the trust ratio |w|/|r| (inf: none)
 
 
 @dataclass
@@ -355,7 +356,9 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         _require(isinstance(v, str) and k.isidentifier() and k.upper() == k, f"cluster.env.{k}",
                  "environment presets must be UPPER_CASE names with string values")
 
-    _one_of(o.name, "optimizer.name", ("adam", "sgd"))
+    _one_of(o.name, "optimizer.name", ("adam", "sgd", "lamb"))
+    _require(o.lamb_max_trust_ratio > 0, "optimizer.lamb_max_trust_ratio",
+             f"must be positive, got {o.lamb_max_trust_ratio}")
     _require(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
     _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {o.min_lr}")
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")

@@ -16,23 +16,38 @@ import torch
 from mega.config import MegaConfig, ModelConfig
 
 
-def model_flops_per_token(model: ModelConfig, recompute: bool = False, window: int | None = None) -> float:
+def attention_layer_counts(num_layers: int, window: int | None, full_attention_every: int | None) -> tuple[int, int]:
+    """(sliding-window layers, full-attention layers): with ``full_attention_every=k`` layers
+    k, 2k, ... (1-based, megatron's ``window_attn_skip_freq``) attend fully, the rest use the window."""
+    if window is None:
+        return 0, num_layers
+    full = num_layers // full_attention_every if full_attention_every else 0
+    return num_layers - full, full
+
+
+def model_flops_per_token(model: ModelConfig, recompute: bool = False, window: int | None = None,
+                          full_attention_every: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token of a megatron GPT, counting matmuls only.
 
     ``recompute``: full activation recompute runs the transformer layers' forward once more (the
     logits layer sits outside the recomputed region, as in Megatron). ``window``: sliding-window
     attention, each query sees at most ``window + 1`` keys; None = full causal attention, counted
     over the whole sequence (Megatron's convention: the masked half is not discounted).
+    ``full_attention_every``: with a window, every k-th layer still attends over the whole sequence.
     """
     h, s = model.hidden_size, model.seq_length
     kv = h * (model.num_query_groups or model.num_attention_heads) // model.num_attention_heads
-    s_eff = s if window is None else min(window + 1, s)
+
+    def attention(keys_per_query: int) -> int:
+        return 2 * 2 * keys_per_query * h  # scores Q K^T and the weighted sum of V
 
     qkv = 2 * h * (h + 2 * kv)
-    attention = 2 * 2 * s_eff * h  # scores Q K^T and the weighted sum of V
     projection = 2 * h * h
     mlp = 2 * 2 * h * model.ffn  # h -> ffn and ffn -> h
-    layers_forward = model.num_layers * (qkv + attention + projection + mlp)
+    windowed, full = attention_layer_counts(model.num_layers, window, full_attention_every)
+    s_window = s if window is None else min(window + 1, s)
+    layers_forward = (model.num_layers * (qkv + projection + mlp)
+                      + windowed * attention(s_window) + full * attention(s))
     logits_forward = 2 * h * model.padded_vocab_size
 
     # backward = 2x forward (gradients w.r.t. inputs and w.r.t. weights)
@@ -43,9 +58,11 @@ def model_flops_per_token(model: ModelConfig, recompute: bool = False, window: i
 
 
 def model_flops_per_step(cfg: MegaConfig) -> float:
-    """Model FLOPs of one optimizer step: every token of the global batch, without recompute."""
-    tokens = cfg.parallelism.global_batch_size * cfg.model.seq_length
-    return model_flops_per_token(cfg.model) * tokens
+    """Model FLOPs of one optimizer step: every token of the global batch, without recompute, with
+    the model's own attention pattern (sliding window, full attention every k-th layer)."""
+    m = cfg.model
+    tokens = cfg.parallelism.global_batch_size * m.seq_length
+    return model_flops_per_token(m, window=m.window_size, full_attention_every=m.full_attention_every) * tokens
 
 
 # Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU, from the vendor datasheets, which print

@@ -9,6 +9,7 @@ TP/PP/VPP/DP layout starts from the same model — the property the layout-equiv
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import torch
 from megatron.core import parallel_state as ps
@@ -19,6 +20,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mega.config import MegaConfig
+from mega.layers import core_attention_class, parallel_layer_spec
 
 PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,6 +59,10 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         recompute_granularity=m.recompute,
         recompute_method="uniform" if m.recompute == "full" else None,
         recompute_num_layers=1 if m.recompute == "full" else None,
+        # Sliding-window attention: a query sees itself and window_size earlier tokens; every
+        # full_attention_every-th layer (global 1-based numbering, PP/VPP-proof) attends fully.
+        window_size=None if m.window_size is None else (m.window_size, 0),
+        window_attn_skip_freq=m.full_attention_every,
         # CUDA-only kernels stay off on CPU; the GPU path may enable them by spec/features later.
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
@@ -67,7 +73,16 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
 
 
 def layer_spec(cfg: MegaConfig) -> ModuleSpec:
-    return get_gpt_layer_local_spec()
+    """megatron-core's local GPT layer, with mega's co-design choices plugged in by spec:
+    the core attention behind sliding windows, and ``model.block=parallel``."""
+    spec = get_gpt_layer_local_spec()
+    attention = spec.submodules.self_attention
+    core_attention = core_attention_class(cfg, resolve_precision(cfg))
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=core_attention))
+    spec = replace(spec, submodules=replace(spec.submodules, self_attention=attention))
+    if cfg.model.block == "parallel":
+        spec = parallel_layer_spec(spec)
+    return spec
 
 
 def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:

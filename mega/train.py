@@ -63,11 +63,11 @@ def setup_distributed(cfg: MegaConfig) -> dict:
 
 def build(cfg: MegaConfig, data_index: str) -> Trainer:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from mega.data import TokenDataset
     from mega.model import build_model_chunks, resolve_precision, transformer_config
+    from mega.optim import build_optimizer
 
     init_times = setup_distributed(cfg)
     p, o = cfg.parallelism, cfg.optimizer
@@ -95,23 +95,7 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
         tcfg.param_sync_func = model[0].start_param_sync if single else [m.start_param_sync for m in model]
     tcfg.finalize_model_grads_func = finalize_model_grads
 
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=o.name,
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            bf16=precision == "bf16",
-            fp16=precision == "fp16",
-            params_dtype=tcfg.params_dtype,
-            use_distributed_optimizer=p.use_distributed_optimizer,
-        ),
-        model,
-    )
+    optimizer = build_optimizer(cfg, model, tcfg)
     tcfg.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
