@@ -68,14 +68,15 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _sharded_state(model_chunks, optimizer, is_loading: bool) -> dict:
+    metadata = dict(SHARDING_METADATA)  # megatron adds its process groups to the dict it is given
     state = {}
     model_sd = {}
     for i, chunk in enumerate(model_chunks):
-        sd = chunk.sharded_state_dict(metadata=SHARDING_METADATA)
+        sd = chunk.sharded_state_dict(metadata=metadata)
         key = "model" if len(model_chunks) == 1 else f"model{i}"
         state[key] = sd
         model_sd.update(sd)
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=SHARDING_METADATA)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return state
 
 
