@@ -137,7 +137,9 @@ def load(path: str | Path, model_chunks, optimizer, scheduler) -> int:
     path = Path(path)
     meta = json.loads((path / "mega.json").read_text())
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not opt.optimizer.state:  # torch Adam allocates state lazily; the loader fills it in place
+        # torch Adam allocates state lazily; the distributed optimizer's loader fills it in place.
+        # (Megatron's other wrappers allocate it themselves, through init_state_fn.)
+        if not opt.optimizer.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
             opt._init_optimizer_states_with_dummy_values()
     state = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path))
     for i, chunk in enumerate(model_chunks):
