@@ -3,7 +3,8 @@
 MegaScale (NSDI'24, section 3.5) found job start-up dominated by the rendezvous store and by
 building the many communicator groups of 3D parallelism; both are measured here before training:
 
-* ``verify_store(cfg)``: start the store, connect a client, time set/get/add/wait round trips.
+* ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``cluster.redis_url`` / a local
+  redis-server), connect a client, time set/get/add/wait round trips.
 * ``time_process_groups(cfg)``: a torchrun job (``python -m mega.bootstrap``) over the config's
   world that times ``init_process_group`` and megatron-core's ``initialize_model_parallel`` and
   reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size"}.
@@ -61,9 +62,7 @@ def verify_store(cfg: "MegaConfig") -> dict[str, Any]:
     """
     c = cfg.cluster
     if c.store == "redis":
-        raise StoreNotAvailable(
-            "cluster.store=redis: the Redis rendezvous store arrives with the bootstrap issue; "
-            "use cluster.store=tcp until then")
+        return _verify_redis_store(cfg)
     if c.store != "tcp":
         raise ValueError(f"cluster.store: unknown store {c.store!r}")
 
@@ -76,6 +75,51 @@ def verify_store(cfg: "MegaConfig") -> dict[str, Any]:
     finally:
         del client, server  # closes the sockets; the port is free again
     result: dict[str, Any] = {"store": "tcp", "host": c.master_addr, "port": timings.pop("port"),
+                              "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
+    all_ms = [ms for op_ms in timings.values() for ms in op_ms]
+    result["roundtrip_ms"] = round(statistics.median(all_ms), 4)
+    result.update({f"{op}_ms": round(statistics.median(ms), 4) for op, ms in timings.items()})
+    return result
+
+
+def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
+    """verify_store for cluster.store=redis: cluster.redis_url, else a local redis-server.
+
+    Two RedisStore clients in a throwaway namespace play the tcp branch's server and client; the
+    namespace is dropped afterwards and a local server stopped. The host/port reported are the
+    Redis server's (never its credentials).
+    """
+    import uuid
+
+    from mega.store import RedisServer, RedisStore
+
+    c = cfg.cluster
+    server = None
+    url = c.redis_url
+    if url is None:
+        if not c.start_local_redis:
+            raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
+                             "or cluster.start_local_redis=true")
+        server = RedisServer(host="127.0.0.1").start()
+        url = server.url
+    stores: list[Any] = []
+    try:
+        job_id = f"verify-store-{uuid.uuid4().hex[:12]}"
+        timeout = timedelta(seconds=c.pg_timeout_s)
+        start = time.perf_counter()
+        client = RedisStore(url, job_id=job_id, timeout=timeout, ttl_s=600)
+        connect_ms = (time.perf_counter() - start) * 1e3
+        stores.append(client)
+        peer = RedisStore(url, job_id=job_id, timeout=timeout, ttl_s=600)
+        stores.append(peer)
+        timings = _time_store_ops(peer, client)
+        client.drop_namespace()
+    finally:
+        for store in stores:
+            store.close()
+        if server is not None:
+            server.stop()
+    result: dict[str, Any] = {"store": "redis", "host": client.host, "port": timings.pop("port"),
                               "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
     all_ms = [ms for op_ms in timings.values() for ms in op_ms]
     result["roundtrip_ms"] = round(statistics.median(all_ms), 4)

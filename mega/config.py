@@ -93,7 +93,11 @@ class ClusterConfig:
     procs_per_node: int = 1
     backend: str = "gloo"  # gloo | nccl
     device: str = "cpu"  # cpu | cuda
-    store: str = "tcp"  # tcp (torch TCPStore via torchrun) | redis (see the bootstrap issue)
+    store: str = "tcp"  # tcp (torch TCPStore via torchrun) | redis (mega.store.RedisStore, docs/bootstrap.md)
+    # store=redis: redis://[user[:password]@]host:port/db (rediss:// = TLS) of a running server.
+    # Prefer $MEGA_REDIS_PASSWORD to a password in the URL: configs are saved into run dirs.
+    redis_url: str | None = field(default=None, repr=False)  # repr=False: may hold a password
+    start_local_redis: bool = True  # store=redis and no redis_url: start a local redis-server
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port
     pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
@@ -347,6 +351,16 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _one_of(c.backend, "cluster.backend", ("gloo", "nccl"))
     _one_of(c.device, "cluster.device", ("cpu", "cuda"))
     _one_of(c.store, "cluster.store", ("tcp", "redis"))
+    if c.redis_url is not None:
+        from mega.store.redis_server import parse_redis_url  # torch-free
+
+        try:
+            parse_redis_url(c.redis_url)
+        except ValueError as err:
+            raise ConfigError("cluster.redis_url", str(err)) from None
+    if c.store == "redis":
+        _require(c.redis_url is not None or c.start_local_redis, "cluster.redis_url",
+                 "cluster.store=redis needs a server: set cluster.redis_url or cluster.start_local_redis=true")
     _require(not (c.backend == "nccl" and c.device == "cpu"), "cluster.backend",
              "nccl needs cluster.device=cuda")
     _require(0 <= c.master_port < 65536, "cluster.master_port", f"not a port: {c.master_port}")

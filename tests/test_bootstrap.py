@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from mega.bootstrap import StoreNotAvailable, connect_tcp_store, start_tcp_store, time_process_groups, verify_store
+from mega.bootstrap import connect_tcp_store, start_tcp_store, time_process_groups, verify_store
 from mega.config import compose, from_dict
 
 
@@ -39,10 +39,37 @@ def test_verify_store_reports_round_trips():
         assert result[key] > 0, key
 
 
-def test_redis_store_says_it_arrives_with_the_bootstrap_issue():
-    with pytest.raises(NotImplementedError, match="cluster.store=redis.*bootstrap issue") as err:
-        verify_store(from_dict({"cluster": {"store": "redis"}}))
-    assert isinstance(err.value, StoreNotAvailable)
+def test_verify_store_redis_starts_a_local_server_and_reports_round_trips():
+    from mega.store import RedisServerError, find_redis_server
+
+    try:
+        find_redis_server()
+    except RedisServerError as err:
+        pytest.skip(str(err))
+    result = verify_store(from_dict({"cluster": {"store": "redis"}}))  # start_local_redis (default)
+
+    assert result["store"] == "redis" and result["ok"] and result["host"] == "127.0.0.1"
+    assert 0 < result["port"] < 65536
+    for key in ("roundtrip_ms", "set_ms", "get_ms", "add_ms", "wait_ms", "connect_ms"):
+        assert result[key] > 0, key
+    tcp = verify_store(from_dict())
+    assert sorted(result) == sorted(tcp)  # the same shape as the tcp branch
+
+
+def test_verify_store_redis_uses_cluster_redis_url():
+    from mega.store import RedisServer, RedisServerError, RedisStore, find_redis_server
+
+    try:
+        find_redis_server()
+    except RedisServerError as err:
+        pytest.skip(str(err))
+    with RedisServer(password="verify-pw") as server:
+        result = verify_store(from_dict({"cluster": {"store": "redis", "redis_url": server.url}}))
+        assert result["port"] == server.port and result["ok"]
+        assert "verify-pw" not in str(result)
+        probe = RedisStore(server.url, job_id="probe")
+        assert probe._r.dbsize() == 0  # its namespace dropped afterwards
+        probe.close()
 
 
 def test_time_process_groups_tp2(tmp_path):
