@@ -1,0 +1,172 @@
+"""The manifest of a stored checkpoint, and hashing that reads each byte once.
+
+``manifest.json`` is the commit record of a checkpoint in a store: it is written last, so a
+checkpoint without one is an upload that never finished. It lists every file's relative path,
+size and sha256; a restore checks what it fetched against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+CHUNK = 8 << 20  # read size for hashing and copying: large enough that syscalls don't matter
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative, '/'-separated
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    name: str
+    files: list[FileEntry]
+    created: float = field(default_factory=time.time)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def entry(self, path: str) -> FileEntry:
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "name": self.name,
+            "created": self.created,
+            "total_bytes": self.total_bytes,
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+        }
+        return json.dumps(doc, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        """Raises ValueError on anything that is not a manifest this code wrote."""
+        try:
+            doc = json.loads(data)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"unknown manifest format {doc.get('format')!r}")
+            files = [FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in doc["files"]]
+            return cls(name=str(doc["name"]), files=files, created=float(doc["created"]))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+            raise ValueError(f"malformed manifest: {e}") from None
+
+
+def local_files(root: str | Path, skip_manifest: bool = False) -> list[tuple[str, Path]]:
+    """Every regular file under ``root`` as (relative posix path, path), sorted by path.
+
+    ``skip_manifest`` leaves out a top-level manifest.json (a directory that is itself a stored
+    checkpoint); otherwise one is an error."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {root} does not exist")
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        for n in names:
+            p = Path(dirpath) / n
+            if p.is_file():
+                out.append((p.relative_to(root).as_posix(), p))
+    out.sort()
+    if skip_manifest:
+        out = [(rel, p) for rel, p in out if rel != MANIFEST]
+    elif any(rel == MANIFEST for rel, _ in out):
+        # The store's commit record would be overwritten by (or mistaken for) a payload file.
+        raise ValueError(f"{root} contains a top-level {MANIFEST}, a name reserved for the store")
+    return out
+
+
+def sha256_file(path: Path, start: int = 0, h=None) -> tuple[int, "hashlib._Hash"]:
+    """Hash ``path`` from ``start`` to its end into ``h``; returns (bytes hashed, h)."""
+    h = h or hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        f.seek(start)
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h
+
+
+class HashingReader:
+    """A seekable read-only file object that hashes a file while a transfer manager reads it.
+
+    boto3's transfer manager reads an upload sequentially (multipart parts are cut in order by
+    one thread), but it seeks back to retry a request and to compute request checksums. The
+    hash therefore follows a high-water mark: only bytes past what was hashed are fed to it, in
+    order, so each byte is hashed exactly once. Whatever the transfer did not read in order is
+    hashed from disk by ``finish()`` (never in practice; it keeps the manifest right regardless).
+
+    The file is opened on the first read and closed at end of file, so a directory of thousands
+    of files queued in one transfer manager does not hold thousands of descriptors.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.size = self.path.stat().st_size
+        self._f = None
+        self._pos = 0
+        self._hashed = 0
+        self._h = hashlib.sha256()
+        self._lock = threading.Lock()  # read/seek may come from different transfer threads
+
+    # -- the file-object protocol s3transfer and botocore use
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        with self._lock:
+            base = {0: 0, 1: self._pos, 2: self.size}[whence]
+            self._pos = base + offset
+            return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        with self._lock:
+            if self._f is None:
+                self._f = open(self.path, "rb")
+            self._f.seek(self._pos)
+            data = self._f.read() if n is None or n < 0 else self._f.read(n)
+            start, end = self._pos, self._pos + len(data)
+            if start <= self._hashed < end:
+                self._h.update(memoryview(data)[self._hashed - start :])
+                self._hashed = end
+            self._pos = end
+            if not data or end >= self.size:
+                self._f.close()
+                self._f = None
+            return data
+
+    def close(self) -> None:
+        # s3transfer closes the body after a PutObject; a retry may reopen it via read().
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+    def finish(self, relpath: str) -> FileEntry:
+        """The manifest entry of the file; raises ValueError if it changed size while read."""
+        self.close()
+        n, _ = sha256_file(self.path, self._hashed, self._h)
+        total = self._hashed + n
+        if total != self.size:
+            raise ValueError(f"{relpath} changed size during upload ({self.size} -> {total} bytes)")
+        return FileEntry(relpath, total, self._h.hexdigest())

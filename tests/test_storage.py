@@ -1,0 +1,397 @@
+"""Checkpoint storage (mega/storage): the file:// store and a real S3 server (local SeaweedFS).
+
+Every behaviour test runs against both backends. The S3 server is one SeaweedFS process for the
+session; each test works under its own prefix. The outage test stops and restarts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+import traceback
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mega.storage import (
+    CorruptCheckpoint,
+    Manifest,
+    StorageError,
+    StorageUnavailable,
+    open_storage,
+    step_of,
+)
+from mega.storage.local import FileStorage
+from mega.storage.manifest import MANIFEST, HashingReader
+from mega.storage.seaweed import SeaweedS3, find_weed
+
+MiB = 1 << 20
+THRESHOLD = 5 * MiB  # S3's minimum part size: the big file below goes up in 3 parts
+BIG = "model/__0_0.distcp"
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    try:
+        find_weed()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), bucket="mega-test")
+    server.start(timeout=120)  # generous: 2 shared cores
+    yield server
+    server.stop()
+
+
+def _s3_env(monkeypatch, tmp_path, server: SeaweedS3) -> None:
+    # Hermetic credential chain: only the environment, never a developer's ~/.aws.
+    for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+
+
+def _open_s3(server: SeaweedS3, **opts):
+    opts = {"multipart_threshold": THRESHOLD, "multipart_chunksize": THRESHOLD, "max_attempts": 2,
+            "connect_timeout": 1, "read_timeout": 10, **opts}
+    return open_storage(server.uri(f"t-{uuid.uuid4().hex[:8]}"), **opts)
+
+
+@pytest.fixture(params=["file", "s3"])
+def store(request, tmp_path, monkeypatch):
+    if request.param == "file":
+        return open_storage((tmp_path / "store").as_uri())
+    server = request.getfixturevalue("seaweed")
+    _s3_env(monkeypatch, tmp_path, server)
+    return _open_s3(server)  # endpoint from AWS_ENDPOINT_URL, credentials from the environment
+
+
+def make_ckpt(root: Path, big: bool = True, tag: str = "") -> Path:
+    """A directory shaped like a megatron checkpoint: nested shards, per-rank RNG, an empty file."""
+    files = {
+        "common.pt": os.urandom(1000),
+        "metadata.json": f'{{"tag": "{tag}"}}'.encode(),
+        "rng/rank00000.pt": os.urandom(300),
+        "rng/rank00001.pt": os.urandom(300),
+        "empty": b"",
+        BIG: os.urandom(12 * MiB if big else 4096),
+    }
+    root.mkdir(parents=True)
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def put_raw(store, name: str, relpath: str, data: bytes | None) -> None:
+    """Write (or with None delete) one object behind the store's back, as corruption would."""
+    if isinstance(store, FileStorage):
+        path = store.root / name / relpath
+        path.unlink() if data is None else path.write_bytes(data)
+    elif data is None:
+        store._client.delete_object(Bucket=store.bucket, Key=store._key(name, relpath))
+    else:
+        store._client.put_object(Bucket=store.bucket, Key=store._key(name, relpath), Body=data)
+
+
+def test_roundtrip_byte_identical(store, tmp_path):
+    src = make_ckpt(tmp_path / "src")
+    progress = []
+    manifest = store.upload_dir(src, "iter_0000010", on_progress=lambda done, total: progress.append((done, total)))
+
+    expected = {rel: (len(b), hashlib.sha256(b).hexdigest()) for rel, b in tree(src).items()}
+    assert {f.path: (f.size, f.sha256) for f in manifest.files} == expected
+    assert [f.path for f in manifest.files] == sorted(expected)
+    assert manifest.total_bytes == sum(s for s, _ in expected.values())
+    assert progress[-1] == (manifest.total_bytes, manifest.total_bytes)
+    assert store.read_manifest("iter_0000010").files == manifest.files
+    assert store.list_checkpoints() == ["iter_0000010"]
+
+    got = store.download_dir("iter_0000010", tmp_path / "restored")
+    assert got.files == manifest.files
+    assert tree(tmp_path / "restored") == tree(src)
+
+    if not isinstance(store, FileStorage):  # the big file really went through multipart upload
+        etag = store._client.head_object(Bucket=store.bucket, Key=store._key("iter_0000010", BIG))["ETag"]
+        assert etag.strip('"').endswith("-3")
+
+
+def test_corruption_is_named(store, tmp_path):
+    src = make_ckpt(tmp_path / "src")
+    store.upload_dir(src, "iter_0000020")
+
+    put_raw(store, "iter_0000020", BIG, os.urandom(12 * MiB))  # same size, other bytes
+    with pytest.raises(CorruptCheckpoint, match="sha256") as e:
+        store.download_dir("iter_0000020", tmp_path / "a")
+    assert e.value.relpath == BIG and BIG in str(e.value)
+    # Without verification the size check still runs, and same-size damage goes unnoticed.
+    store.download_dir("iter_0000020", tmp_path / "b", verify=False)
+
+    put_raw(store, "iter_0000020", "common.pt", b"short")
+    with pytest.raises(CorruptCheckpoint, match="size") as e:
+        store.download_dir("iter_0000020", tmp_path / "c", verify=False)
+    assert e.value.relpath == "common.pt"
+
+    put_raw(store, "iter_0000020", "rng/rank00001.pt", None)
+    put_raw(store, "iter_0000020", "common.pt", (src / "common.pt").read_bytes())
+    put_raw(store, "iter_0000020", BIG, (src / BIG).read_bytes())
+    with pytest.raises(CorruptCheckpoint, match="missing") as e:
+        store.download_dir("iter_0000020", tmp_path / "d")
+    assert e.value.relpath == "rng/rank00001.pt"
+
+
+def test_truncated_upload_is_not_a_checkpoint(store, tmp_path):
+    src = make_ckpt(tmp_path / "src")
+
+    class Killed(Exception):
+        pass
+
+    def die(done, total):  # the uploader dies part-way
+        if done > 0:
+            raise Killed
+
+    with pytest.raises(Killed):
+        store.upload_dir(src, "iter_0000030", on_progress=die)
+    assert store.list_checkpoints() == []
+    with pytest.raises(CorruptCheckpoint, match="no manifest"):
+        store.download_dir("iter_0000030", tmp_path / "x")
+    with pytest.raises(CorruptCheckpoint):
+        store.write_latest("iter_0000030")
+
+    # A complete upload whose manifest is then lost is just as incomplete.
+    store.upload_dir(src, "iter_0000040")
+    put_raw(store, "iter_0000040", MANIFEST, None)
+    assert store.list_checkpoints() == []
+
+    if not isinstance(store, FileStorage):  # parts of a multipart upload whose uploader died
+        key = store._key("iter_0000030", BIG)
+        upload = store._client.create_multipart_upload(Bucket=store.bucket, Key=key)
+        store._client.upload_part(Bucket=store.bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1,
+                                  Body=os.urandom(THRESHOLD))
+        assert store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)["Uploads"]
+
+    # Retrying the upload under the same name starts clean (stray parts aborted) and completes.
+    store.upload_dir(src, "iter_0000030")
+    assert store.list_checkpoints() == ["iter_0000030"]
+    store.download_dir("iter_0000030", tmp_path / "y")
+    assert tree(tmp_path / "y") == tree(src)
+    if not isinstance(store, FileStorage):
+        assert not store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix).get("Uploads")
+
+
+def test_latest(store, tmp_path):
+    assert store.read_latest() is None
+    with pytest.raises(CorruptCheckpoint):
+        store.write_latest("iter_0000001")  # does not exist
+    for step in (1, 2):
+        store.upload_dir(make_ckpt(tmp_path / f"s{step}", big=False), f"iter_{step:07d}")
+    store.write_latest("iter_0000001")
+    assert store.read_latest() == "iter_0000001"
+    store.write_latest("iter_0000002")
+    assert store.read_latest() == "iter_0000002"
+    with pytest.raises(StorageError, match="latest"):
+        store.upload_dir(tmp_path / "s1", "iter_0000002")  # never overwrite what latest names
+    if isinstance(store, FileStorage):  # temp + rename left nothing behind
+        assert sorted(p.name for p in store.root.iterdir()) == ["iter_0000001", "iter_0000002", "latest"]
+
+
+def test_retention_keeps_last_k_and_latest(store, tmp_path):
+    for step in (10, 20, 30, 40, 50):
+        store.upload_dir(make_ckpt(tmp_path / str(step), big=False), f"iter_{step:07d}")
+    # Incomplete: one older than latest (debris) and one newer (an upload in flight).
+    for step in (5, 60):
+        store.upload_dir(tmp_path / "10", f"iter_{step:07d}")
+        put_raw(store, f"iter_{step:07d}", MANIFEST, None)
+    store.write_latest("iter_0000020")
+
+    deleted = store.apply_retention(keep_last=2)
+    assert deleted == ["iter_0000005", "iter_0000010", "iter_0000030"]
+    assert store.list_checkpoints() == ["iter_0000020", "iter_0000040", "iter_0000050"]
+    assert store.read_latest() == "iter_0000020"
+    assert store._scan()[1] == ["iter_0000060"]  # the in-flight one is untouched
+    store.download_dir("iter_0000020", tmp_path / "r")  # what latest names is whole
+
+    assert store.apply_retention(keep_last=0) == ["iter_0000040", "iter_0000050"]
+    assert store.list_checkpoints() == ["iter_0000020"]
+
+
+def test_bytes_read_counter_is_exact(store, tmp_path):
+    src = make_ckpt(tmp_path / "src")
+    manifest = store.upload_dir(src, "iter_0000007")
+    store.write_latest("iter_0000007")
+    store.list_checkpoints()
+    store.read_manifest("iter_0000007")
+    assert store.bytes_read == 0  # manifests, listings and the marker are not payload
+
+    big = (src / BIG).read_bytes()
+    assert store.read_bytes("iter_0000007", BIG) == big
+    assert store.bytes_read == len(big)
+    assert store.read_bytes("iter_0000007", BIG, offset=1000, length=4096) == big[1000:5096]
+    assert store.bytes_read == len(big) + 4096
+    rng = (src / "rng/rank00000.pt").read_bytes()
+    assert store.read_bytes("iter_0000007", "rng/rank00000.pt", offset=100) == rng[100:]
+    assert store.bytes_read == len(big) + 4096 + 200
+
+    store.reset_bytes_read()
+    store.download_dir("iter_0000007", tmp_path / "r")
+    assert store.bytes_read == manifest.total_bytes
+    with pytest.raises(CorruptCheckpoint, match="missing"):
+        store.read_bytes("iter_0000007", "nope.pt")
+
+
+def test_file_store_in_place(tmp_path):
+    """Store root == local checkpoint root: upload only hashes and commits, never copies onto itself."""
+    store = open_storage(str(tmp_path / "ckpts"))  # a bare path means file://
+    src = make_ckpt(tmp_path / "ckpts" / "iter_0000003")
+    before = tree(src)
+    manifest = store.upload_dir(src, "iter_0000003")
+    assert tree(src) == {**before, MANIFEST: manifest.to_bytes()}
+    store.download_dir("iter_0000003", src)  # verifies in place
+    assert store.bytes_read == manifest.total_bytes
+    store.write_latest("iter_0000003")
+    assert store.upload_dir(src, "iter_0000003").files == manifest.files  # again: harmless
+    with pytest.raises(ValueError):
+        store.read_bytes("iter_0000003", "../latest")
+
+
+def test_uris_names_and_manifest(tmp_path, seaweed, monkeypatch):
+    assert isinstance(open_storage(f"file://{tmp_path}/a"), FileStorage)
+    assert open_storage(f"file://{tmp_path}/a").root == tmp_path / "a"
+    with pytest.raises(ValueError):
+        open_storage("gs://bucket/x")
+    with pytest.raises(ValueError):
+        open_storage("file://otherhost/x")
+    _s3_env(monkeypatch, tmp_path, seaweed)
+    s3 = open_storage("s3://mega-test/runs/a/", endpoint_url=seaweed.endpoint_url)
+    assert (s3.bucket, s3.prefix, s3.uri, s3.endpoint) == ("mega-test", "runs/a", "s3://mega-test/runs/a",
+                                                           seaweed.endpoint_url)
+    for bad in ("", "latest", "../x", "a/b", ".hidden", "iter_1\n"):
+        with pytest.raises(ValueError):
+            s3.delete(bad)
+    assert sorted(["iter_10", "iter_9", "iter_100"], key=step_of) == ["iter_9", "iter_10", "iter_100"]
+    m = Manifest("iter_1", [])
+    assert Manifest.from_bytes(m.to_bytes()) == m
+    with pytest.raises(ValueError):
+        Manifest.from_bytes(b'{"format": 99}')
+
+
+def test_hashing_reader_hashes_each_byte_once(tmp_path):
+    data = os.urandom(3 * MiB + 17)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    want = hashlib.sha256(data).hexdigest()
+    # The access pattern of a retried PutObject: read a bit, rewind, read it all.
+    r = HashingReader(path)
+    r.read(1000)
+    r.seek(0)
+    assert r.read() == data
+    assert r.finish("f").sha256 == want
+    # Multipart: parts in order, then a part re-sent; and one read that skips ahead.
+    r = HashingReader(path)
+    parts = [r.read(MiB) for _ in range(4)]
+    r.seek(MiB)
+    r.read(MiB)
+    assert b"".join(parts) == data and r.finish("f").sha256 == want
+    r = HashingReader(path)
+    r.seek(2 * MiB)
+    r.read(100)
+    assert r.finish("f").sha256 == want  # the gap was hashed from disk
+    path.write_bytes(data + b"more")
+    with pytest.raises(ValueError, match="changed size"):
+        r.finish("f")
+
+
+def _secrets_of(server: SeaweedS3) -> list[str]:
+    env = server.env()
+    return [env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]]
+
+
+def _assert_clean(text: str, secrets: list[str]) -> None:
+    for s in secrets:
+        assert s not in text
+
+
+def test_credentials_never_logged_or_raised(seaweed, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)  # botocore logs every request's headers at DEBUG
+    _s3_env(monkeypatch, tmp_path, seaweed)
+    store = _open_s3(seaweed)
+    src = make_ckpt(tmp_path / "src", big=False)
+    store.upload_dir(src, "iter_0000001")
+    store.download_dir("iter_0000001", tmp_path / "r")
+    assert "Sending http request" in caplog.text  # the test saw the request logs it guards
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + seaweed.env()["AWS_SECRET_ACCESS_KEY"][::-1])
+    bad = _open_s3(seaweed)
+    with pytest.raises(StorageError) as e:
+        bad.list_checkpoints()
+    assert not isinstance(e.value, StorageUnavailable)  # bad credentials: retrying will not help
+    secrets = _secrets_of(seaweed) + [os.environ["AWS_SECRET_ACCESS_KEY"]]
+    _assert_clean("".join(traceback.format_exception(e.value)), secrets)
+    _assert_clean(caplog.text, secrets)
+    _assert_clean(repr(seaweed), secrets)
+
+
+# Last: it stops the session's server (and restarts it).
+def test_storage_down_then_back(seaweed, tmp_path, monkeypatch, caplog):
+    _s3_env(monkeypatch, tmp_path, seaweed)
+    store = _open_s3(seaweed)
+    src = make_ckpt(tmp_path / "src")
+    store.upload_dir(src, "iter_0000100")
+    store.write_latest("iter_0000100")
+    secrets = _secrets_of(seaweed)
+
+    try:
+        # The server dies mid-upload (SIGKILL, from inside the transfer's progress callback).
+        killed = threading.Event()
+
+        def crash(done, total):
+            if not killed.is_set():
+                killed.set()
+                seaweed.stop(grace=0)
+
+        t0 = time.monotonic()
+        with pytest.raises(StorageUnavailable) as e:
+            store.upload_dir(src, "iter_0000200", on_progress=crash)
+        assert time.monotonic() - t0 < 30 and seaweed.endpoint_url in str(e.value)
+
+        operations = {
+            "list": store.list_checkpoints,
+            "latest": store.read_latest,
+            "write_latest": lambda: store.write_latest("iter_0000100"),
+            "read_bytes": lambda: store.read_bytes("iter_0000100", BIG),
+            "download": lambda: store.download_dir("iter_0000100", tmp_path / "down"),
+            "upload": lambda: store.upload_dir(src, "iter_0000300"),
+            "retention": lambda: store.apply_retention(1),
+        }
+        for what, op in operations.items():
+            t0 = time.monotonic()
+            with pytest.raises(StorageUnavailable) as e:
+                op()
+            elapsed = time.monotonic() - t0
+            assert elapsed < 15, f"{what} took {elapsed:.1f}s to give up"
+            assert seaweed.endpoint_url in str(e.value)
+            _assert_clean("".join(traceback.format_exception(e.value)), secrets)
+        _assert_clean(caplog.text, secrets)
+    finally:
+        seaweed.start(timeout=120)  # same data directory and ports
+
+    assert store.read_latest() == "iter_0000100"
+    assert store.list_checkpoints() == ["iter_0000100"]  # the interrupted upload is not complete
+    store.download_dir("iter_0000100", tmp_path / "back")
+    assert tree(tmp_path / "back") == tree(src)
+    store.upload_dir(src, "iter_0000200")
+    store.write_latest("iter_0000200")
+    assert store.apply_retention(1) == ["iter_0000100"]
+    # The server was restarted with the credentials in this process's environment: it must not
+    # have picked them up (or logged them).
+    _assert_clean(seaweed.log_path.read_text(), secrets)
