@@ -12,7 +12,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq --no-install-recommends redis-server >/dev/null
   else
     echo "[install] warning: redis-server is missing and apt-get is not usable here (needs root);" \
-         "install it for cluster.store=redis (tests that need it are skipped)" >&2
+         "install it for cluster.store=redis (the Redis tests fail without it)" >&2
   fi
 fi
 
