@@ -52,6 +52,9 @@ class ModelConfig:
     block: str = "sequential"
     window_size: int | None = None  # sliding-window attention: tokens a query sees before itself
     full_attention_every: int | None = None  # with window_size: every k-th layer attends fully
+    # Fused operators (docs/model.md): megatron's bias-GeLU (tanh GeLU) and bias-dropout-add,
+    # a fused LayerNorm, flash-attn for full attention on GPUs; torch.compile'd where it can be.
+    fused_ops: bool = False
 
     @property
     def ffn(self) -> int:

@@ -18,9 +18,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from mega.config import MegaConfig
-from mega.layers import core_attention_class, parallel_layer_spec
+from mega.layers import core_attention_class, fused, parallel_layer_spec
 
 PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,6 +35,8 @@ def resolve_precision(cfg: MegaConfig) -> str:
 def transformer_config(cfg: MegaConfig) -> TransformerConfig:
     m, p = cfg.model, cfg.parallelism
     precision = resolve_precision(cfg)
+    if m.fused_ops:
+        fused.guard_megatron_fusions(cfg.cluster.device)
     dtype = PARAMS_DTYPE[precision]
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -63,10 +66,12 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         # full_attention_every-th layer (global 1-based numbering, PP/VPP-proof) attends fully.
         window_size=None if m.window_size is None else (m.window_size, 0),
         window_attn_skip_freq=m.full_attention_every,
-        # CUDA-only kernels stay off on CPU; the GPU path may enable them by spec/features later.
+        # model.fused_ops: megatron's torch.compile'd bias-GeLU (tanh GeLU) and bias-dropout-add
+        # (+ residual); the fused LayerNorm and flash-attn come in by spec (mega/layers/fused.py).
+        # CUDA-only kernels stay off.
         masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=m.fused_ops,
+        bias_dropout_fusion=m.fused_ops,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
@@ -74,15 +79,33 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
 
 def layer_spec(cfg: MegaConfig) -> ModuleSpec:
     """megatron-core's local GPT layer, with mega's co-design choices plugged in by spec:
-    the core attention behind sliding windows, and ``model.block=parallel``."""
+    the core attention behind sliding windows, the fused LayerNorm and flash-attn of
+    ``model.fused_ops``, and ``model.block=parallel``."""
     spec = get_gpt_layer_local_spec()
     attention = spec.submodules.self_attention
-    core_attention = core_attention_class(cfg, resolve_precision(cfg))
+    if cfg.model.fused_ops:
+        core_attention = fused.core_attention_class(cfg, resolve_precision(cfg))
+    else:
+        core_attention = core_attention_class(cfg, resolve_precision(cfg))
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=core_attention))
     spec = replace(spec, submodules=replace(spec.submodules, self_attention=attention))
+    if cfg.model.fused_ops:
+        norm = fused.layer_norm_class(cfg)
+        spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
     if cfg.model.block == "parallel":
         spec = parallel_layer_spec(spec)
     return spec
+
+
+def decoder_spec(cfg: MegaConfig, tcfg: TransformerConfig,
+                 vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec, or with ``model.fused_ops`` the block's submodules, so that the final
+    LayerNorm is the fused one too (megatron picks its own for a bare layer spec)."""
+    spec = layer_spec(cfg)
+    if not cfg.model.fused_ops:
+        return spec
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
+                                      layer_norm=fused.layer_norm_class(cfg))
 
 
 def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:
@@ -93,7 +116,7 @@ def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTMode
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=tcfg,
-            transformer_layer_spec=layer_spec(cfg),
+            transformer_layer_spec=decoder_spec(cfg, tcfg, stage),
             vocab_size=cfg.model.padded_vocab_size,
             max_sequence_length=cfg.model.seq_length,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
