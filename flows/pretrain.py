@@ -55,7 +55,8 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "data_index": str(index_path),
         "selfcheck": {"node": node["node"], "healthy": node["healthy"], "reasons": node["reasons"]},
         "store": store,
-        "process_group_init": {k: init[k] for k in ("pg_init_s", "model_parallel_init_s", "world_size")},
+        "process_group_init": {k: init[k] for k in ("pg_init_s", "model_parallel_init_s", "world_size",
+                                                    "store", "group_init")},
         "training": {"attempts": result.attempts, "final_step": result.final_step, "init": result.init},
         "report": summary,
     }

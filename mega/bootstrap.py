@@ -6,13 +6,20 @@ building the many communicator groups of 3D parallelism; both are measured here 
 * ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``cluster.redis_url`` / a local
   redis-server), connect a client, time set/get/add/wait round trips.
 * ``time_process_groups(cfg)``: a torchrun job (``python -m mega.bootstrap``) over the config's
-  world that times ``init_process_group`` and megatron-core's ``initialize_model_parallel`` and
-  reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size"}.
+  world that times ``init_process_group`` (over ``cluster.store``) and megatron-core's
+  model-parallel groups (built the ``cluster.group_init`` way, mega/parallel_groups.py) and
+  reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init"}.
+* ``rendezvous_env(cfg)`` (launcher side) and ``init_process_group(cfg)`` (rank side) wire the
+  configured store into a job: with ``cluster.store=redis`` the launcher passes the Redis URL
+  (password split off into ``$MEGA_REDIS_PASSWORD``), a job id and the attempt to the ranks
+  through the environment, starting a local redis-server for the job when no URL is configured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -20,9 +27,11 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
+from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -30,6 +39,12 @@ if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 STORE_OPS = 50  # round trips per operation kind: enough for a stable median on loopback
+
+# What a launcher hands its ranks for cluster.store=redis (never the config: it is saved to disk)
+REDIS_URL_ENV = "MEGA_REDIS_URL"  # the server's URL, without a password
+REDIS_PASSWORD_ENV = "MEGA_REDIS_PASSWORD"  # RedisStore's fallback when the URL has no password
+JOB_ID_ENV = "MEGA_JOB_ID"  # one per launch: the store namespace of this job
+ATTEMPT_ENV = "MEGA_ATTEMPT"  # the restart count: a restarted job never reads a dead attempt's keys
 
 
 class StoreNotAvailable(NotImplementedError):
@@ -91,34 +106,21 @@ def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
     """
     import uuid
 
-    from mega.store import RedisServer, RedisStore
+    from mega.store import RedisStore
 
     c = cfg.cluster
-    server = None
-    url = c.redis_url
-    if url is None:
-        if not c.start_local_redis:
-            raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
-                             "or cluster.start_local_redis=true")
-        server = RedisServer(host="127.0.0.1").start()
-        url = server.url
-    stores: list[Any] = []
-    try:
-        job_id = f"verify-store-{uuid.uuid4().hex[:12]}"
-        timeout = timedelta(seconds=c.pg_timeout_s)
+    job_id = f"verify-store-{uuid.uuid4().hex[:12]}"
+    timeout = timedelta(seconds=c.pg_timeout_s)
+    # exits in reverse: the stores close before a local server stops
+    with redis_server_url(cfg) as url, contextlib.ExitStack() as open_stores:
         start = time.perf_counter()
         client = RedisStore(url, job_id=job_id, timeout=timeout, ttl_s=600)
         connect_ms = (time.perf_counter() - start) * 1e3
-        stores.append(client)
+        open_stores.callback(client.close)
         peer = RedisStore(url, job_id=job_id, timeout=timeout, ttl_s=600)
-        stores.append(peer)
+        open_stores.callback(peer.close)
         timings = _time_store_ops(peer, client)
         client.drop_namespace()
-    finally:
-        for store in stores:
-            store.close()
-        if server is not None:
-            server.stop()
     result: dict[str, Any] = {"store": "redis", "host": client.host, "port": timings.pop("port"),
                               "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
     all_ms = [ms for op_ms in timings.values() for ms in op_ms]
@@ -161,6 +163,97 @@ def _expect(cond: bool, message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The store in a job: launcher side and rank side
+
+
+def new_job_id(cfg: "MegaConfig") -> str:
+    """A store namespace unique to one launch (layout name, UTC time, random suffix)."""
+    layout = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in cfg.parallelism.name)[:64]
+    return f"{layout}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def split_redis_password(url: str) -> tuple[str, str | None]:
+    """(the URL without its password, the password or None); the user name stays in the URL."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    return parts._replace(netloc=f"{user}@{hostport}" if user else hostport).geturl(), unquote(password)
+
+
+def without_secrets(cfg: "MegaConfig") -> "MegaConfig":
+    """cfg with any password removed from cluster.redis_url: what may be saved next to a run."""
+    if cfg.cluster.redis_url is None:
+        return cfg
+    public, _ = split_redis_password(cfg.cluster.redis_url)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
+
+
+@contextlib.contextmanager
+def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None) -> Iterator[dict[str, str]]:
+    """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
+
+    tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
+    password), ``MEGA_REDIS_PASSWORD`` when the URL had one, ``MEGA_JOB_ID``; without
+    ``cluster.redis_url`` a local redis-server (127.0.0.1) runs for the block. The launcher adds
+    ``MEGA_ATTEMPT`` per launch. Nothing here is printed: the values may be secret.
+    """
+    if cfg.cluster.store != "redis":
+        yield {}
+        return
+    with redis_server_url(cfg) as url:
+        public, password = split_redis_password(url)
+        env = {REDIS_URL_ENV: public, JOB_ID_ENV: job_id or new_job_id(cfg)}
+        if password is not None:
+            env[REDIS_PASSWORD_ENV] = password
+        yield env
+
+
+@contextlib.contextmanager
+def redis_server_url(cfg: "MegaConfig") -> Iterator[str]:
+    """``cluster.redis_url``, or the URL of a local redis-server (127.0.0.1) running for the block."""
+    c = cfg.cluster
+    if c.redis_url is not None:
+        yield c.redis_url
+        return
+    if not c.start_local_redis:
+        raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
+                         "or cluster.start_local_redis=true")
+    from mega.store import RedisServer
+
+    server = RedisServer(host="127.0.0.1").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def init_process_group(cfg: "MegaConfig") -> None:
+    """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
+
+    tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
+    namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
+    """
+    import torch.distributed as dist
+
+    c = cfg.cluster
+    timeout = timedelta(seconds=c.pg_timeout_s)
+    if c.store != "redis":
+        dist.init_process_group(c.backend, timeout=timeout)
+        return
+    from mega.store import RedisStore
+
+    url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
+    if not url or not job_id:
+        raise RuntimeError(f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
+                           "launch ranks through mega.launcher (run_training) or mega.bootstrap")
+    store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
+    dist.init_process_group(c.backend, store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
 # Process-group initialization timing (torchrun job)
 
 
@@ -168,8 +261,9 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
                         timeout_s: float | None = None) -> dict[str, Any]:
     """Launch one rank per process of cfg's world; max over ranks of the init times.
 
-    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "ranks": per-rank rows}; files
-    (config, result, log) go to out_dir, by default ``<train.run_dir>/bootstrap``.
+    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "ranks":
+    per-rank rows}; files (config without secrets, result, log) go to out_dir, by default
+    ``<train.run_dir>/bootstrap``. The job rendezvouses over ``cluster.store`` (its own job id).
     Raises RuntimeError when the job fails or times out.
     """
     from mega.config import save
@@ -182,12 +276,14 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     out_dir = Path(out_dir or Path(cfg.train.run_dir) / "bootstrap")
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, result_path = out_dir / "config.json", out_dir / "result.json"
-    save(cfg, config_path)
+    save(without_secrets(cfg), config_path)
     result_path.unlink(missing_ok=True)
     # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
     timeout_s = timeout_s or c.pg_timeout_s + 120.0
-    code = torchrun("mega.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
-                    c.procs_per_node, env=dict(c.env), timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
+    with rendezvous_env(cfg) as store_env:
+        code = torchrun("mega.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
+                        c.procs_per_node, env={**c.env, **store_env, ATTEMPT_ENV: "0"},
+                        timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
     if code != 0 or not result_path.exists():
         why = f"timed out after {timeout_s:g} s" if code == 124 else f"exited with code {code}"
         raise RuntimeError(f"process-group timing job {why} (see {out_dir / 'bootstrap.log'})")
@@ -211,7 +307,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         result = {"pg_init_s": max(r["pg_init_s"] for r in rows),
                   "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
-                  "world_size": len(rows), "ranks": rows}
+                  "world_size": len(rows), "store": cfg.cluster.store,
+                  "group_init": cfg.cluster.group_init, "ranks": rows}
         Path(args.out).write_text(json.dumps(result, indent=2))
     _destroy_groups()
     return 0
@@ -221,24 +318,26 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
     """Time this rank's init_process_group and initialize_model_parallel (imports excluded)."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
+
+    from mega import parallel_groups
 
     c, p = cfg.cluster, cfg.parallelism
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if c.device == "cuda":
         torch.cuda.set_device(local_rank)
-    # initialize_model_parallel builds its groups with plain dist.new_group, which works on gloo:
-    # no CPU adaptation of megatron-core is needed for this measurement.
+    # megatron-core builds its groups with plain dist.new_group, which works on gloo: no CPU
+    # adaptation of megatron-core is needed for this measurement.
     timeout = timedelta(seconds=c.pg_timeout_s)
     _wait_for_all_ranks(timeout)
 
     start = time.perf_counter()
-    dist.init_process_group(c.backend, timeout=timeout)
+    init_process_group(cfg)
     dist.barrier()  # init returns before the slowest peer has joined; the barrier includes it
     pg_init_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    parallel_state.initialize_model_parallel(
+    parallel_groups.initialize_model_parallel(
+        c.group_init,
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
         distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),

@@ -101,6 +101,9 @@ class ClusterConfig:
     # Prefer $MEGA_REDIS_PASSWORD to a password in the URL: configs are saved into run dirs.
     redis_url: str | None = field(default=None, repr=False)  # repr=False: may hold a password
     start_local_redis: bool = True  # store=redis and no redis_url: start a local redis-server
+    # How megatron-core's model-parallel groups are created (mega/parallel_groups.py):
+    # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
+    group_init: str = "light"  # light | default
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port
     pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
@@ -143,9 +146,20 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "checkpoints"
+    """Two-stage checkpoints (docs/checkpoints.md): a host-memory snapshot, then serialisation and
+    upload to the durable store in the background; ``latest`` there names the last complete one."""
+
+    dir: str = "checkpoints"  # the durable store when storage_uri is null (a file:// store here)
+    # Durable store: a plain path, file:///abs/path or s3://bucket/prefix (credentials from the
+    # standard AWS chain, never from the config). null = checkpoint.dir.
+    storage_uri: str | None = None
+    s3_endpoint_url: str | None = None  # S3-compatible endpoint; null = AWS_ENDPOINT_URL or AWS
+    staging_dir: str | None = None  # node-local serialisation directory; null = <train.run_dir>/checkpoint-staging
     interval: int = 25  # save every N steps (0 = never)
     load: bool = True  # resume from `latest` when present
+    async_save: bool = True  # false: every save blocks until it is uploaded and `latest` moved
+    keep_last: int = 3  # complete checkpoints kept in the store (the one `latest` names always is)
+    upload_retry_s: float = 5.0  # store unreachable: wait this long, then try the upload again
     max_restarts: int = 3
     restart_backoff_s: float = 1.0
 
@@ -163,10 +177,12 @@ class TrainConfig:
 @dataclass
 class FaultConfig:
     """Fault injection for tests and drills: at one step of the first attempt, one rank is killed
-    (``mode=kill``, SIGKILL) or stops making progress (``mode=hang``)."""
+    (``mode=kill``, SIGKILL) or stops making progress (``mode=hang``), or is killed while it uploads
+    the checkpoint of step ``kill_at_step`` (``mode=kill_in_upload``)."""
 
     kill_rank: int | None = None
     kill_at_step: int | None = None
+    # kill | hang | kill_in_upload (SIGKILL while stage 2 uploads the checkpoint of kill_at_step)
     mode: str = "kill"
 
 
@@ -369,9 +385,14 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _require(0 <= c.master_port < 65536, "cluster.master_port", f"not a port: {c.master_port}")
     _require(c.pg_timeout_s > 0, "cluster.pg_timeout_s", "must be positive")
     _require(c.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be positive")
+    _one_of(c.group_init, "cluster.group_init", ("light", "default"))
     for k, v in c.env.items():
         _require(isinstance(v, str) and k.isidentifier() and k.upper() == k, f"cluster.env.{k}",
                  "environment presets must be UPPER_CASE names with string values")
+    from mega.nccl import check_env  # torch-free: known NCCL/torch-NCCL variables and their ranges
+
+    for key, problem in check_env(c.env).items():
+        raise ConfigError(f"cluster.env.{key}", problem)
 
     _one_of(o.name, "optimizer.name", ("adam", "sgd", "lamb"))
     _require(o.lamb_max_trust_ratio > 0, "optimizer.lamb_max_trust_ratio",
@@ -388,8 +409,7 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _require(cfg.data.shard_tokens >= 1024, "data.shard_tokens", "must be >= 1024")
     _require(0 <= cfg.data.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
 
-    _require(cfg.checkpoint.interval >= 0, "checkpoint.interval", "must be >= 0")
-    _require(cfg.checkpoint.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
+    _validate_checkpoint(cfg.checkpoint)
 
     _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
     if t.precision in ("bf16", "fp16"):
@@ -400,5 +420,38 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     if f.kill_rank is not None:
         _require(0 <= f.kill_rank < p.world_size, "fault.kill_rank", f"no rank {f.kill_rank} in world {p.world_size}")
         _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
-    _one_of(f.mode, "fault.mode", ("kill", "hang"))
+    _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload"))
+    if f.mode == "kill_in_upload" and f.kill_rank is not None:
+        k = cfg.checkpoint.interval
+        _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
+                 f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})")
     return cfg
+
+
+def _validate_checkpoint(ck: CheckpointConfig) -> None:
+    from urllib.parse import urlparse
+
+    _require(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
+    _require(ck.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
+    _require(isinstance(ck.keep_last, int) and ck.keep_last >= 1, "checkpoint.keep_last",
+             f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}")
+    _require(ck.upload_retry_s > 0, "checkpoint.upload_retry_s", f"must be positive, got {ck.upload_retry_s}")
+    _require(bool(ck.dir), "checkpoint.dir", "must not be empty")
+    if ck.storage_uri is not None:
+        uri = urlparse(ck.storage_uri)
+        _require(uri.scheme in ("", "file", "s3"), "checkpoint.storage_uri",
+                 f"unsupported scheme {uri.scheme!r}: use a path, file:///abs/path or s3://bucket/prefix")
+        _require(not (uri.username or uri.password), "checkpoint.storage_uri",
+                 "must not carry credentials (they come from the standard AWS chain)")
+        if uri.scheme == "s3":
+            _require(bool(uri.netloc), "checkpoint.storage_uri", "s3:// needs a bucket: s3://bucket/prefix")
+        if uri.scheme == "file":
+            _require(uri.netloc in ("", "localhost"), "checkpoint.storage_uri",
+                     "file URIs must be local: file:///abs/path")
+        _require(bool(ck.storage_uri.strip()), "checkpoint.storage_uri", "must not be empty (null = checkpoint.dir)")
+    if ck.s3_endpoint_url is not None:
+        ep = urlparse(ck.s3_endpoint_url)
+        _require(ep.scheme in ("http", "https") and bool(ep.hostname), "checkpoint.s3_endpoint_url",
+                 f"must be an http(s) URL, got {ck.s3_endpoint_url!r}")
+        _require(not (ep.username or ep.password), "checkpoint.s3_endpoint_url",
+                 "must not carry credentials (they come from the standard AWS chain)")

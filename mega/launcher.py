@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mega import bootstrap, runs
 from mega import config as mega_config
 from mega.config import MegaConfig
 from mega.metrics import METRICS_FILE, read_metrics
@@ -59,12 +60,14 @@ def torchrun(
     log_path: Path | None = None,
     progress_file: Path | None = None,
     stall_timeout_s: float | None = None,
+    on_poll: Callable[[], None] | None = None,
 ) -> int:
     """Run ``module`` on ``nproc`` local ranks; return the exit code (124 on timeout or stall).
 
     ``progress_file``: a file the job appends to as it makes progress; when it has not changed for
     ``stall_timeout_s`` the job is taken as hung and killed, rather than waited on forever.
     A file that exists before the launch counts as progress only once it changes.
+    ``on_poll``: called about once a second while the ranks run (the run record's heartbeat).
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
@@ -84,6 +87,8 @@ def torchrun(
                 return proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
+            if on_poll is not None:
+                on_poll()
             now = time.monotonic()
             if progress_file is not None and progress_file.exists():
                 mtime = progress_file.stat().st_mtime
@@ -106,43 +111,76 @@ def torchrun(
             out.close()
 
 
-def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print) -> TrainingResult:
-    """Train to ``train.steps``; when the ranks die or hang, restart them from ``latest``."""
+def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
+                 flow_run_id: str | None = None, recovery: bool = False) -> TrainingResult:
+    """Train to ``train.steps``; when the ranks die or hang, restart them from ``latest``.
+
+    While it runs, the run's record (``<run_dir>/run.json``, mega.runs) says training, with a
+    heartbeat; after, completed or failed. ``flow_run_id`` names the flow run driving it and
+    ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
+    (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
+    """
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
+                    target_steps=cfg.train.steps, flow_run_id=flow_run_id, recovery=recovery) as run, \
+            bootstrap.rendezvous_env(cfg) as store_env:  # cluster.store=redis: URL, job id (, server)
+        result = _train_with_restarts(cfg, index_path, log, run, store_env)
+        run.finish("completed", result.final_step)
+        return result
+
+
+def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str], None],
+                         run: runs.RunTracker, store_env: dict[str, str]) -> TrainingResult:
     import json
 
-    from mega.checkpoint import read_latest
+    from mega.checkpoint import latest_durable
+    from mega.storage import StorageError
 
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
-    mega_config.save(cfg, config_path)
+    mega_config.save(bootstrap.without_secrets(cfg), config_path)  # ranks get the password by env
     args = ["--config", str(config_path), "--data-index", str(index_path)]
-    env = {**cfg.cluster.env, "PYTHONUNBUFFERED": "1"}
+    env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
 
+    first = run.record.attempts
     attempts = 0
     while True:
-        env["MEGA_ATTEMPT"] = str(attempts)
-        latest = read_latest(cfg.checkpoint.dir)
-        log(f"attempt {attempts}: launching {cfg.parallelism.world_size} ranks"
-            + (f", resuming from {latest.name}" if latest else ""))
+        n = first + attempts  # this attempt's number over the run's life
+        run.beat(attempts=n + 1)
+        env["MEGA_ATTEMPT"] = str(n)
+        # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
+        # falling back past a corrupt one); this names it for the log.
+        try:
+            latest = latest_durable(cfg) if cfg.checkpoint.load else None
+        except StorageError as e:
+            latest = None
+            log(f"attempt {n}: checkpoint store: {e}")
+        log(f"attempt {n}: launching {cfg.parallelism.world_size} ranks"
+            + (f", resuming from {latest}" if latest else ""))
         code = torchrun(
             "mega.train", args, cfg.cluster.procs_per_node, env=env,
-            log_path=run_dir / f"train-attempt{attempts}.log",
+            log_path=run_dir / f"train-attempt{n}.log",
             progress_file=run_dir / METRICS_FILE, stall_timeout_s=cfg.cluster.hang_timeout_s,
+            on_poll=run.beat,
         )
         attempts += 1
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
+        run.beat(final_step=final_step)
         if code == 0 and final_step >= cfg.train.steps:
             init_file = run_dir / "init.json"
             init = json.loads(init_file.read_text()) if init_file.exists() else {}
             return TrainingResult(run_dir, attempts, final_step, metrics, init)
         reason = "hung (no progress)" if code == TIMEOUT_EXIT else f"exited with code {code}"
-        log(f"attempt {attempts - 1}: training {reason} at step {final_step}; "
-            f"log: {run_dir / f'train-attempt{attempts - 1}.log'}")
+        log(f"attempt {n}: training {reason} at step {final_step}; "
+            f"log: {run_dir / f'train-attempt{n}.log'}")
         if attempts > cfg.checkpoint.max_restarts:
-            raise TrainingFailed(
+            failed = TrainingFailed(
                 f"training failed {attempts} times (last: {reason}); "
                 f"see {run_dir}/train-attempt*.log"
             )
+            run.finish("failed", final_step, error=str(failed))
+            raise failed
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))

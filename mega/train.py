@@ -14,7 +14,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -38,17 +37,20 @@ class Trainer:
 
 
 def setup_distributed(cfg: MegaConfig) -> dict:
-    """Process group, megatron's model-parallel groups and seeds; returns how long init took."""
-    from megatron.core import parallel_state as ps
+    """Process group (over cluster.store), megatron's model-parallel groups (built the
+    cluster.group_init way) and seeds; returns how long init took."""
     from megatron.core import tensor_parallel
+
+    from mega import bootstrap, parallel_groups
 
     p = cfg.parallelism
     t0 = time.perf_counter()
     if cfg.cluster.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=cfg.cluster.backend, timeout=timedelta(seconds=cfg.cluster.pg_timeout_s))
+    bootstrap.init_process_group(cfg)
     t1 = time.perf_counter()
-    ps.initialize_model_parallel(
+    parallel_groups.initialize_model_parallel(
+        cfg.cluster.group_init,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
@@ -58,7 +60,8 @@ def setup_distributed(cfg: MegaConfig) -> dict:
     # megatron seeds the default generator through torch.cuda.manual_seed, a no-op without CUDA.
     torch.manual_seed(cfg.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-    return {"pg_init_s": t1 - t0, "model_parallel_init_s": t2 - t1, "world_size": dist.get_world_size()}
+    return {"pg_init_s": t1 - t0, "model_parallel_init_s": t2 - t1, "world_size": dist.get_world_size(),
+            "store": cfg.cluster.store, "group_init": cfg.cluster.group_init}
 
 
 def build(cfg: MegaConfig, data_index: str) -> Trainer:
@@ -215,7 +218,8 @@ def measure_peak_flops(cfg: MegaConfig) -> float:
 def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
     f = cfg.fault
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
-    if attempt == 0 and f.kill_rank == dist.get_rank() and f.kill_at_step == step:
+    # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint.py), not here.
+    if attempt == 0 and f.mode != "kill_in_upload" and f.kill_rank == dist.get_rank() and f.kill_at_step == step:
         print(f"[fault] {f.mode}: rank {dist.get_rank()} at step {step}", file=sys.stderr, flush=True)
         if f.mode == "hang":
             while True:  # alive but silent, like a rank stuck in a driver call
@@ -236,11 +240,13 @@ def run(cfg: MegaConfig, data_index: str) -> None:
 
     trainer = build(cfg, data_index)
     run_dir = Path(cfg.train.run_dir)
+    peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
     start_step = 0
-    latest = checkpoint.read_latest(cfg.checkpoint.dir) if cfg.checkpoint.load else None
-    if latest is not None:
-        start_step = checkpoint.load(latest, [m.module for m in trainer.model], trainer.optimizer, trainer.scheduler)
-    peak = measure_peak_flops(cfg)
+    chunks = [m.module for m in trainer.model]
+    if cfg.checkpoint.load:
+        # `latest` of the durable store, verified; one store read per DP group, shared over DP.
+        start_step, trainer.init_times["restore"] = checkpoint.restore(cfg, chunks, trainer.optimizer,
+                                                                       trainer.scheduler)
     flops_per_step = flops.model_flops_per_step(cfg)
     tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
@@ -249,7 +255,8 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     if dist.get_rank() == 0:
         (run_dir / "init.json").write_text(json.dumps(trainer.init_times))
     logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
-    cfg_dict = mega_config.to_dict(cfg)
+    checkpointer = checkpoint.Checkpointer(cfg, chunks, trainer.optimizer, trainer.scheduler,
+                                           mega_config.to_dict(cfg))
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         t0 = time.perf_counter()
@@ -266,11 +273,13 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "attempt": attempt,
             }
         )
+        checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
         interval = cfg.checkpoint.interval
         if interval and (done % interval == 0 or done == cfg.train.steps):
-            path = checkpoint.save(cfg.checkpoint.dir, done, [m.module for m in trainer.model],
-                                   trainer.optimizer, trainer.scheduler, cfg_dict)
-            logger.event(f"checkpoint {path.name} saved")
+            saved = checkpointer.save(done)
+            logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
+                         f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
+    checkpointer.close()  # the last save is committed before the job ends
     logger.close()
 
 

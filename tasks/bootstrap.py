@@ -40,15 +40,18 @@ def time_process_group_init(cfg: MegaConfig, out_dir: str | Path) -> dict[str, A
     logger = get_run_logger()
     init = time_process_groups(cfg, out_dir)
     p = cfg.parallelism
+    how = {"store": init["store"], "group_init": init["group_init"]}
     create_table_artifact(
         key="process-group-init",
-        table=[{"rank": "max", "pg_init_s": round(init["pg_init_s"], 4),
+        table=[{"rank": "max", **how, "pg_init_s": round(init["pg_init_s"], 4),
                 "model_parallel_init_s": round(init["model_parallel_init_s"], 4)}]
-              + [{"rank": r["rank"], "pg_init_s": round(r["pg_init_s"], 4),
+              + [{"rank": r["rank"], **how, "pg_init_s": round(r["pg_init_s"], 4),
                   "model_parallel_init_s": round(r["model_parallel_init_s"], 4)} for r in init["ranks"]],
         description=f"Process-group init over {init['world_size']} ranks "
-                    f"(tp={p.tp} pp={p.pp} vpp={p.vpp} dp={p.dp}, {cfg.cluster.backend}); slowest rank first",
+                    f"(tp={p.tp} pp={p.pp} vpp={p.vpp} dp={p.dp}, {cfg.cluster.backend}, "
+                    f"{init['store']} store, {init['group_init']} group creation); slowest rank first",
     )
-    logger.info("init_process_group %.3f s, initialize_model_parallel %.3f s (max over %d ranks)",
-                init["pg_init_s"], init["model_parallel_init_s"], init["world_size"])
+    logger.info("init_process_group %.3f s (%s store), initialize_model_parallel %.3f s (%s groups), "
+                "max over %d ranks", init["pg_init_s"], init["store"], init["model_parallel_init_s"],
+                init["group_init"], init["world_size"])
     return init

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -17,7 +17,10 @@ from mega.launcher import TrainingResult, run_training
 @task(name="train", cache_policy=NO_CACHE)
 def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
     logger = get_run_logger()
-    result = run_training(cfg, index_path, log=logger.info)
+    # The flow run's id goes into the run's record (run.json): the recovery automation maps a
+    # Failed or Crashed pretrain flow run to its run directory by it.
+    flow_run_id = runtime.flow_run.id  # a UUID, None outside a flow run
+    result = run_training(cfg, index_path, log=logger.info, flow_run_id=flow_run_id and str(flow_run_id))
     create_table_artifact(
         key="training-run",
         table=[{"run_dir": str(result.run_dir), "attempts": result.attempts, "final_step": result.final_step,

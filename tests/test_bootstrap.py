@@ -7,7 +7,16 @@ from datetime import timedelta
 
 import pytest
 
-from mega.bootstrap import connect_tcp_store, start_tcp_store, time_process_groups, verify_store
+from mega.bootstrap import (
+    connect_tcp_store,
+    new_job_id,
+    rendezvous_env,
+    split_redis_password,
+    start_tcp_store,
+    time_process_groups,
+    verify_store,
+    without_secrets,
+)
 from mega.config import compose, from_dict
 
 
@@ -72,11 +81,59 @@ def test_verify_store_redis_uses_cluster_redis_url():
         probe.close()
 
 
-def test_time_process_groups_tp2(tmp_path):
-    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}"])
+def test_time_process_groups_tp2_over_redis(tmp_path):
+    """The timing job's ranks rendezvous over a local redis-server it starts for the job, and
+    build megatron's groups members-only (cluster.group_init=light, the default)."""
+    from mega.store import RedisServerError, find_redis_server
+
+    try:
+        find_redis_server()
+    except RedisServerError as err:
+        pytest.fail(f"{err} (infra/install.sh installs it)")
+    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}", "cluster.store=redis"])
     result = time_process_groups(cfg)
 
     assert result["world_size"] == 2 and len(result["ranks"]) == 2
+    assert (result["store"], result["group_init"]) == ("redis", "light")
     assert result["pg_init_s"] > 0 and result["model_parallel_init_s"] > 0
     assert result["pg_init_s"] == max(r["pg_init_s"] for r in result["ranks"])
     assert (tmp_path / "bootstrap" / "result.json").exists()
+
+
+def test_redis_password_travels_by_environment_only():
+    cfg = from_dict({"cluster": {"store": "redis", "redis_url": "redis://ops:s3cret@10.0.0.5:6380/2"}})
+    assert split_redis_password(cfg.cluster.redis_url) == ("redis://ops@10.0.0.5:6380/2", "s3cret")
+    assert without_secrets(cfg).cluster.redis_url == "redis://ops@10.0.0.5:6380/2"
+    with rendezvous_env(cfg, job_id="job-1") as env:  # a configured server: nothing is started
+        assert env == {"MEGA_REDIS_URL": "redis://ops@10.0.0.5:6380/2", "MEGA_JOB_ID": "job-1",
+                       "MEGA_REDIS_PASSWORD": "s3cret"}
+    with rendezvous_env(from_dict()) as env:
+        assert env == {}  # tcp: torchrun's own store
+    assert new_job_id(cfg) != new_job_id(cfg)
+
+
+def test_training_over_a_password_protected_redis_store(tmp_path, data_index, data_cache):
+    """run_training with cluster.store=redis: ranks build their process group on RedisStore; the
+    password reaches them only through the environment; init times land in init.json."""
+    from mega.launcher import run_training
+    from mega.store import RedisServer, RedisStore
+
+    password = "pw-" + "x7" * 8
+    with RedisServer(password=password) as server:
+        cfg = compose(["model=tiny", "parallelism=dp2", "train.steps=2", f"train.run_dir={tmp_path}",
+                       f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
+                       "checkpoint.interval=0", "cluster.store=redis", f"cluster.redis_url={server.url}"])
+        result = run_training(cfg, data_index, log=lambda line: None)
+        probe = RedisStore(server.url, job_id="probe")
+        namespaces = {key.decode().rsplit(":", 2)[0] for key in probe._r.scan_iter("mega:*:kv")}
+        probe.close()
+
+    assert result.final_step == 2 and result.attempts == 1
+    assert result.init["store"] == "redis" and result.init["group_init"] == "light"
+    assert result.init["pg_init_s"] > 0 and result.init["model_parallel_init_s"] > 0
+    assert len(namespaces) == 1 and next(iter(namespaces)).startswith("mega:dp2-")  # job id, attempt 0
+    saved = (tmp_path / "config.json").read_text()
+    assert f"127.0.0.1:{server.port}" in saved and password not in saved
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert password not in path.read_text(errors="replace"), path

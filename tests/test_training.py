@@ -8,6 +8,7 @@ import pytest
 from mega.checkpoint import read_latest
 from mega.config import compose
 from mega.launcher import TrainingFailed, run_training
+from mega.metrics import read_metrics
 
 STEPS = 4
 # fp32 sums in another order (TP splits GEMMs, DP splits the batch): equal to ~6 digits.
@@ -24,6 +25,9 @@ def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, log=print):
             "train.tensorboard=false",
             "optimizer.warmup_steps=1",
             "checkpoint.restart_backoff_s=0",
+            # The fault drills here kill a rank right after a save and expect that save to be
+            # `latest`: synchronous saves (the asynchronous ones: tests/test_checkpoint.py).
+            "checkpoint.async_save=false",
             *overrides,
         ]
     )
@@ -55,19 +59,17 @@ def test_reference_run_learns(reference):
 
 @pytest.mark.parametrize(
     "layout",
-    ["tp2", "pp2", "pp2-vpp2", "dp2", "tp2-pp2-dp2"],
+    # tp2 runs with sequence parallelism (TP without SP: tests/test_lamb.py, test_parallel_block.py);
+    # tp2-pp2-dp2: test_resume_with_another_layout
+    [["parallelism=tp2", "parallelism.sequence_parallel=true"], ["parallelism=pp2"],
+     ["parallelism=pp2-vpp2"], ["parallelism=dp2"]],
+    ids=["tp2-sp", "pp2", "pp2-vpp2", "dp2"],
 )
 def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache, reference):
-    result = train(tmp_path, data_index, data_cache, [f"parallelism={layout}", "checkpoint.interval=0"])
+    result = train(tmp_path, data_index, data_cache, [*layout, "checkpoint.interval=0"])
     assert result.attempts == 1
     _assert_same_curve(result.metrics, reference)
-    assert result.init["world_size"] == compose([f"parallelism={layout}"]).parallelism.world_size
-
-
-def test_sequence_parallel_matches_single_process(tmp_path, data_index, data_cache, reference):
-    result = train(tmp_path, data_index, data_cache,
-                   ["parallelism=tp2", "parallelism.sequence_parallel=true", "checkpoint.interval=0"])
-    _assert_same_curve(result.metrics, reference)
+    assert result.init["world_size"] == compose(layout).parallelism.world_size
 
 
 def test_killed_rank_resumes_on_the_same_curve(tmp_path, data_index, data_cache):
@@ -85,6 +87,27 @@ def test_killed_rank_resumes_on_the_same_curve(tmp_path, data_index, data_cache)
     assert [m["loss"] for m in killed.metrics] == [m["loss"] for m in clean.metrics]
     assert [m["grad_norm"] for m in killed.metrics] == [m["grad_norm"] for m in clean.metrics]
     assert read_latest(tmp_path / "killed" / "checkpoints").name == f"iter_{steps:07d}"
+
+
+def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference):
+    """Save with TP2xPP2xDP2, resume with TP1xPP2xDP4 and with one process: both continue the
+    uninterrupted curve (megatron's fully reshardable format; the data order does not depend on
+    the layout). The saving run dies right after its step-2 checkpoint, so that checkpoint is the
+    `latest` both resumes read; they save nothing themselves (interval 0), leaving it in place."""
+    ckpt = ["checkpoint.dir=" + str(tmp_path / "checkpoints")]
+    with pytest.raises(TrainingFailed):
+        train(tmp_path / "saved", data_index, data_cache,
+              ["parallelism=tp2-pp2-dp2", "checkpoint.interval=2", "checkpoint.max_restarts=0",
+               "fault.kill_rank=0", "fault.kill_at_step=2", *ckpt])
+    saved = read_metrics(tmp_path / "saved")
+    _assert_same_curve(saved, reference[:2])
+    for name, layout in [("tp1-pp2-dp4", ["parallelism=tp2-pp2-dp2", "parallelism.tp=1", "parallelism.dp=4"]),
+                         ("single", ["parallelism=single"])]:
+        resumed = train(tmp_path / name, data_index, data_cache, [*layout, "checkpoint.interval=0", *ckpt])
+        assert [m["step"] for m in resumed.metrics] == [3, 4], name
+        # resharded optimizer state, fp32 sums in another order: equal to ~5 digits
+        _assert_same_curve(resumed.metrics, reference[2:], rtol=1e-4)
+    assert read_latest(tmp_path / "checkpoints").name == "iter_0000002"
 
 
 def test_restarts_are_bounded(tmp_path, data_index, data_cache):

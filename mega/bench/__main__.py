@@ -5,6 +5,13 @@
   ablation  convergence of baseline / ptb / ptb+swa / ptb+swa+lamb4x for one token budget
             (mega/bench/ablation.py): --tokens N, --window W, --lamb-lr LR, --out DIR
             -> {"rows": [{"name", "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
+  checkpoint  training blocked per two-stage save vs a synchronous save of the same state, upload
+            throughput, restore bytes per DP group (mega/bench/checkpoint.py): --steps N (30),
+            --interval K (10), --storage URI (default: a local SeaweedFS S3 server)
+            -> {"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "dp", "restore_bytes_read", ...}
+  bootstrap  store traffic of megatron's group creation for N simulated ranks on a real TCPStore /
+            Redis server (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --out DIR
+            -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "completed"}], "growth", "plot", ...}
 
 See docs/benchmarks.md.
 """
@@ -16,34 +23,55 @@ import json
 import sys
 
 from mega import config as mega_config
-from mega.bench.ablation import DEFAULT_WINDOW, bench_ablation
+from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_WINDOW, bench_ablation
+from mega.bench.bootstrap import bench_bootstrap
+from mega.bench.checkpoint import bench_checkpoint
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_step", "main"]
+__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_step", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["step", "ablation"])
+    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
-    step.add_argument("--steps", type=int, default=8)
+    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30")
     step.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ablation = parser.add_argument_group("ablation")
     ablation.add_argument("--tokens", type=int, default=None,
-                          help="token budget of every row (default: 128 baseline steps' worth)")
+                          help="token budget of every row (default: 512 baseline steps' worth)")
     ablation.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="SWA window of the +swa rows")
-    ablation.add_argument("--out", default="runs/bench-ablation", help="where the plot and ablation.json go")
-    ablation.add_argument("--lamb-lr", type=float, default=None,
-                          help="peak LR of the lamb row (default: conf/optimizer/lamb.yaml's)")
+    ablation.add_argument("--out", default=None,
+                          help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap)")
+    ablation.add_argument("--lamb-lr", type=float, default=DEFAULT_LAMB_LR,
+                          help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, tuned for model=tiny)")
+    ckpt = parser.add_argument_group("checkpoint")
+    ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
+    ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
+    boot = parser.add_argument_group("bootstrap")
+    boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")
+    boot.add_argument("--probe-ranks", default="64,128", help="smaller N run first for the growth fit ('' for none)")
+    boot.add_argument("--max-seconds", type=float, default=60.0, help="per point; slower = completed=false")
+    boot.add_argument("--strategies", default=None, help="subset of default-tcpstore,default-redis,light-redis")
+    boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
+    boot.add_argument("--pp", type=int, default=8)
     args = parser.parse_intermixed_args(argv)
     try:
         if args.benchmark == "step":
-            result = bench_step(args.overrides, args.steps, args.warmup)
+            result = bench_step(args.overrides, args.steps or 8, args.warmup)
+        elif args.benchmark == "checkpoint":
+            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage)
+        elif args.benchmark == "bootstrap":
+            result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
+                                     args.out or "runs/bench-bootstrap",
+                                     strategies=args.strategies.split(",") if args.strategies else None,
+                                     tp=args.tp, pp=args.pp)
         else:
-            result = bench_ablation(args.overrides, args.tokens, args.window, args.out, args.lamb_lr)
+            result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
+                                    args.lamb_lr)
     except mega_config.ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -53,7 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def _print_human(benchmark: str, result: dict) -> None:
+    if benchmark == "bootstrap":
+        print(f"{'strategy':<17} {'ranks':>6} {'seconds':>8} {'store ops':>14}", file=sys.stderr)
+        for row in result["results"]:
+            took = f"{row['seconds']:.2f}" if row["completed"] else "-"
+            print(f"{row['strategy']:<17} {row['ranks']:>6} {took:>8} {row['store_ops']:>14,}", file=sys.stderr)
+        for name, fit in result["growth"].items():
+            print(f"{name}: time ~ N^{fit['exponent']}, store ops ~ N^{fit['ops_exponent']}", file=sys.stderr)
+        return
     if benchmark == "ablation":
         print(f"{'row':<16} {'final loss':>10} {'vs baseline':>11} {'tokens/s':>9} {'steps':>5} {'batch':>5}",
               file=sys.stderr)

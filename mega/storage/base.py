@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable
 
-from mega.storage.manifest import Manifest
+from mega.storage.manifest import FileEntry, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +20,21 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _STEP = re.compile(r"(\d+)$")
 
 ProgressFn = Callable[[int, int], None]  # (bytes done, bytes total); may be called from threads
+
+
+class ProgressCounter:
+    """Sums byte counts reported from any thread into one ``(done, total)`` callback."""
+
+    def __init__(self, total: int, fn: ProgressFn | None):
+        self.total, self.done, self.fn = total, 0, fn
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n  # negative when a transfer rewinds for a retry
+            done = self.done
+        if self.fn:
+            self.fn(done, self.total)
 
 
 class StorageError(RuntimeError):
@@ -55,6 +70,14 @@ def check_relpath(relpath: str) -> str:
     if not relpath or relpath.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"invalid path inside a checkpoint {relpath!r}")
     return relpath
+
+
+def entry_of(manifest: Manifest, relpath: str) -> FileEntry:
+    """The manifest's entry of ``relpath``; CorruptCheckpoint when it lists no such file."""
+    try:
+        return manifest.entry(relpath)
+    except KeyError:
+        raise CorruptCheckpoint(manifest.name, relpath, "not in the manifest") from None
 
 
 def log_transfer(verb: str, manifest: Manifest, uri: str, seconds: float) -> None:
@@ -105,8 +128,25 @@ class CheckpointStorage(ABC):
         """Store every file under ``local_dir`` as checkpoint ``name``; the manifest goes last."""
 
     @abstractmethod
+    def upload_files(self, local_dir: str | Path, name: str, relpaths: list[str],
+                     on_progress: ProgressFn | None = None) -> list[FileEntry]:
+        """Store some files of a checkpoint that several uploaders write (one per rank), without
+        a manifest; returns their entries (size, sha256 of the bytes sent) for ``commit``."""
+
+    @abstractmethod
+    def commit(self, name: str, entries: list[FileEntry]) -> Manifest:
+        """Check that every entry is stored with its size, then write the manifest (the commit
+        record). CorruptCheckpoint names the first file missing or of the wrong size."""
+
+    @abstractmethod
     def download_dir(self, name: str, local_dir: str | Path, verify: bool = True) -> Manifest:
         """Fetch checkpoint ``name`` into ``local_dir``; CorruptCheckpoint on any mismatch."""
+
+    @abstractmethod
+    def download_files(self, name: str, relpaths: list[str], local_dir: str | Path,
+                       verify: bool = True) -> list[FileEntry]:
+        """Fetch some files of complete checkpoint ``name``, checked against its manifest like
+        ``download_dir`` (a restore where each rank fetches its share)."""
 
     @abstractmethod
     def read_manifest(self, name: str) -> Manifest:
@@ -149,7 +189,7 @@ class CheckpointStorage(ABC):
         latest = self.read_latest()
         complete, incomplete = self._scan()
         complete.sort(key=_order)
-        keep = set(complete[len(complete) - keep_last :] if keep_last else [])
+        keep = set(complete[max(0, len(complete) - keep_last) :] if keep_last else [])
         if latest is not None:
             keep.add(latest)
         doomed = [n for n in complete if n not in keep]

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mega.storage.base import (
+    ProgressCounter,
     LATEST,
     CheckpointStorage,
     CorruptCheckpoint,
@@ -29,6 +30,7 @@ from mega.storage.base import (
     StorageUnavailable,
     check_name,
     check_relpath,
+    entry_of,
     is_valid_name,
     log_transfer,
 )
@@ -101,14 +103,7 @@ class FileStorage(CheckpointStorage):
         with self._errors(f"upload {name}"):
             in_place = _same_dir(local_dir, dest)
             files = local_files(local_dir, skip_manifest=in_place)
-            total = sum(p.stat().st_size for _, p in files)
-            done = 0
-
-            def progress(n: int) -> None:
-                nonlocal done
-                done += n
-                if on_progress:
-                    on_progress(done, total)
+            progress = ProgressCounter(sum(p.stat().st_size for _, p in files), on_progress)
 
             if in_place:
                 # The checkpoint was written in place (local root == store root): copying a file
@@ -153,6 +148,34 @@ class FileStorage(CheckpointStorage):
                 os.fsync(fo.fileno())
         return FileEntry(rel, n, h.hexdigest())
 
+    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None) -> list[FileEntry]:
+        local_dir = Path(local_dir)
+        dest = self._dir(name)
+        with self._errors(f"upload {name}"):
+            if self.read_latest() == name:
+                raise StorageError(f"refusing to overwrite {name}, which {LATEST} names")
+            paths = [(check_relpath(rel), local_dir / rel) for rel in relpaths]
+            progress = ProgressCounter(sum(p.stat().st_size for _, p in paths), on_progress)
+
+            return [self._copy_in(rel, p, dest, progress) for rel, p in paths]
+
+    def commit(self, name: str, entries: list[FileEntry]) -> Manifest:
+        dest = self._dir(name)
+        with self._errors(f"commit {name}"):
+            for e in entries:
+                path = dest / check_relpath(e.path)
+                if not path.is_file():
+                    raise CorruptCheckpoint(name, e.path, "missing from the store at commit")
+                if path.stat().st_size != e.size:
+                    raise CorruptCheckpoint(name, e.path, f"size {path.stat().st_size} != {e.size} uploaded")
+            dest.mkdir(parents=True, exist_ok=True)
+            if self.fsync:
+                for d in sorted({(dest / e.path).parent for e in entries} | {dest}, reverse=True):
+                    _fsync_dir(d)
+            manifest = Manifest(name=name, files=sorted(entries, key=lambda e: e.path))
+            write_atomic(dest / MANIFEST, manifest.to_bytes(), self.fsync)
+        return manifest
+
     def write_latest(self, name: str) -> None:
         with self._errors(f"write {LATEST}"):
             self.read_manifest(name)  # refuses an incomplete checkpoint
@@ -183,26 +206,36 @@ class FileStorage(CheckpointStorage):
 
     def download_dir(self, name, local_dir, verify: bool = True) -> Manifest:
         local_dir = Path(local_dir)
-        src_root = self._dir(name)
         t0 = time.monotonic()
         with self._errors(f"download {name}"):
             manifest = self.read_manifest(name)
-            in_place = _same_dir(local_dir, src_root)
-            for e in manifest.files:
-                src = src_root / e.path
-                if not src.is_file():
-                    raise CorruptCheckpoint(name, e.path, "missing from the store")
-                if in_place:
-                    n, h = sha256_file(src) if verify else (src.stat().st_size, None)
-                else:
-                    n, h = self._copy_out(src, local_dir / e.path)
-                self._count_read(n)
-                if n != e.size:
-                    raise CorruptCheckpoint(name, e.path, f"size {n} != {e.size} in the manifest")
-                if verify and h.hexdigest() != e.sha256:
-                    raise CorruptCheckpoint(name, e.path, "sha256 differs from the manifest")
+            self._fetch(name, manifest.files, local_dir, verify)
         log_transfer("downloaded", manifest, self.uri, time.monotonic() - t0)
         return manifest
+
+    def download_files(self, name, relpaths, local_dir, verify: bool = True) -> list[FileEntry]:
+        with self._errors(f"download {name}"):
+            manifest = self.read_manifest(name)
+            entries = [entry_of(manifest, rel) for rel in relpaths]
+            self._fetch(name, entries, Path(local_dir), verify)
+        return entries
+
+    def _fetch(self, name: str, entries: list[FileEntry], local_dir: Path, verify: bool) -> None:
+        src_root = self._dir(name)
+        in_place = _same_dir(local_dir, src_root)
+        for e in entries:
+            src = src_root / e.path
+            if not src.is_file():
+                raise CorruptCheckpoint(name, e.path, "missing from the store")
+            if in_place:
+                n, h = sha256_file(src) if verify else (src.stat().st_size, None)
+            else:
+                n, h = self._copy_out(src, local_dir / e.path)
+            self._count_read(n)
+            if n != e.size:
+                raise CorruptCheckpoint(name, e.path, f"size {n} != {e.size} in the manifest")
+            if verify and h.hexdigest() != e.sha256:
+                raise CorruptCheckpoint(name, e.path, "sha256 differs from the manifest")
 
     def _copy_out(self, src: Path, dst: Path):
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,15 +39,17 @@ from mega.storage.base import (
     LATEST,
     CheckpointStorage,
     CorruptCheckpoint,
+    ProgressCounter,
     ProgressFn,
     StorageError,
     StorageUnavailable,
     check_name,
     check_relpath,
+    entry_of,
     is_valid_name,
     log_transfer,
 )
-from mega.storage.manifest import MANIFEST, HashingReader, Manifest, local_files, sha256_file
+from mega.storage.manifest import MANIFEST, FileEntry, HashingReader, Manifest, local_files, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +65,10 @@ class _Progress(BaseSubscriber):
     """Sums s3transfer's per-future progress into one (done, total) callback."""
 
     def __init__(self, total: int, fn: ProgressFn | None):
-        self.total, self.done, self.fn = total, 0, fn
-        self._lock = threading.Lock()
+        self.count = ProgressCounter(total, fn)
 
     def on_progress(self, future, bytes_transferred, **kwargs):
-        with self._lock:
-            self.done += bytes_transferred  # negative when s3transfer rewinds for a retry
-            done = self.done
-        if self.fn:
-            self.fn(done, self.total)
+        self.count(bytes_transferred)
 
 
 class S3Storage(CheckpointStorage):
@@ -198,14 +194,7 @@ class S3Storage(CheckpointStorage):
                 raise StorageError(f"refusing to overwrite {name}, which {LATEST} names")
             self.delete(name)  # debris of an earlier attempt would otherwise survive under this name
             readers = [(rel, HashingReader(path)) for rel, path in files]
-            progress = _Progress(sum(r.size for _, r in readers), on_progress)
-            # One transfer manager for the whole directory: small files (per-rank RNG states,
-            # metadata) go in parallel, and large ones in parallel parts, within max_concurrency.
-            with create_transfer_manager(self._client, self._transfer) as tm:
-                futures = [tm.upload(r, self.bucket, self._key(name, rel), subscribers=[progress])
-                           for rel, r in readers]
-                for f in futures:
-                    f.result()
+            self._send(name, readers, on_progress)
             try:
                 entries = [r.finish(rel) for rel, r in readers]
             except ValueError as e:
@@ -213,6 +202,45 @@ class S3Storage(CheckpointStorage):
             manifest = Manifest(name=name, files=entries)
             self._client.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest.to_bytes())
         log_transfer("uploaded", manifest, self.uri, time.monotonic() - t0)
+        return manifest
+
+    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None) -> list[FileEntry]:
+        check_name(name)
+        local_dir = Path(local_dir)
+        with self._errors(f"upload {name}"):
+            if self.read_latest() == name:
+                raise StorageError(f"refusing to overwrite {name}, which {LATEST} names")
+            readers = [(check_relpath(rel), HashingReader(local_dir / rel)) for rel in relpaths]
+            self._send(name, readers, on_progress)
+            try:
+                return [r.finish(rel) for rel, r in readers]
+            except ValueError as e:
+                raise StorageError(f"upload {name}: {e}") from None
+
+    def _send(self, name: str, readers: list, on_progress: ProgressFn | None) -> None:
+        progress = _Progress(sum(r.size for _, r in readers), on_progress)
+        # One transfer manager for the whole set: small files (per-rank RNG states, metadata)
+        # go in parallel, and large ones in parallel parts, within max_concurrency.
+        with create_transfer_manager(self._client, self._transfer) as tm:
+            futures = [tm.upload(r, self.bucket, self._key(name, rel), subscribers=[progress])
+                       for rel, r in readers]
+            for f in futures:
+                f.result()
+
+    def commit(self, name: str, entries: list[FileEntry]) -> Manifest:
+        check_name(name)
+        with self._errors(f"commit {name}"):
+            stored = {}
+            base = self._key(name) + "/"
+            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                stored.update({o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])})
+            for e in entries:
+                if e.path not in stored:
+                    raise CorruptCheckpoint(name, e.path, "missing from the store at commit")
+                if stored[e.path] != e.size:
+                    raise CorruptCheckpoint(name, e.path, f"size {stored[e.path]} != {e.size} uploaded")
+            manifest = Manifest(name=name, files=sorted(entries, key=lambda e: e.path))
+            self._client.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest.to_bytes())
         return manifest
 
     def write_latest(self, name: str) -> None:
@@ -261,15 +289,25 @@ class S3Storage(CheckpointStorage):
             raise CorruptCheckpoint(name, MANIFEST, str(e)) from None
 
     def download_dir(self, name, local_dir, verify: bool = True) -> Manifest:
-        local_dir = Path(local_dir)
         manifest = self.read_manifest(name)
         t0 = time.monotonic()
+        self._fetch(name, manifest.files, Path(local_dir), verify)
+        log_transfer("downloaded", manifest, self.uri, time.monotonic() - t0)
+        return manifest
+
+    def download_files(self, name, relpaths, local_dir, verify: bool = True) -> list[FileEntry]:
+        manifest = self.read_manifest(name)
+        entries = [entry_of(manifest, rel) for rel in relpaths]
+        self._fetch(name, entries, Path(local_dir), verify)
+        return entries
+
+    def _fetch(self, name: str, entries: list[FileEntry], local_dir: Path, verify: bool) -> None:
         with self._errors(f"download {name}"):
-            for e in manifest.files:
+            for e in entries:
                 (local_dir / e.path).parent.mkdir(parents=True, exist_ok=True)
             with create_transfer_manager(self._client, self._transfer) as tm:
                 futures = [(e, tm.download(self.bucket, self._key(name, e.path), str(local_dir / e.path)))
-                           for e in manifest.files]
+                           for e in entries]
                 for e, f in futures:
                     try:
                         f.result()
@@ -279,7 +317,7 @@ class S3Storage(CheckpointStorage):
                         raise
             # Parallel ranged GETs land out of order, so the hash is taken from the written file
             # (still in the page cache) rather than on the wire.
-            for e in manifest.files:
+            for e in entries:
                 path = local_dir / e.path
                 size = path.stat().st_size
                 self._count_read(size)
@@ -287,8 +325,6 @@ class S3Storage(CheckpointStorage):
                     raise CorruptCheckpoint(name, e.path, f"size {size} != {e.size} in the manifest")
                 if verify and sha256_file(path)[1].hexdigest() != e.sha256:
                     raise CorruptCheckpoint(name, e.path, "sha256 differs from the manifest")
-        log_transfer("downloaded", manifest, self.uri, time.monotonic() - t0)
-        return manifest
 
     def read_bytes(self, name, relpath, offset: int = 0, length: int | None = None) -> bytes:
         check_name(name)

@@ -20,6 +20,7 @@ _EXPORTS = {
     "RedisUnreachableError": "redis_store",
     "RedisAuthError": "redis_store",
     "drop_attempts": "redis_store",
+    "RecordingStore": "recording",
 }
 
 __all__ = sorted(_EXPORTS)
