@@ -31,6 +31,7 @@ from mega.launcher import run_training
 from mega.metrics import read_metrics
 from mega.storage import open_storage
 from mega.storage.seaweed import SeaweedS3
+from s3_env import hermetic_s3_env
 
 STEPS = 5  # saves at 2, 4 and 5 (checkpoint.interval=2 and the last step)
 
@@ -60,17 +61,6 @@ def _raw_client(server: SeaweedS3):
 
 def _curve(metrics):
     return [(m["step"], m["loss"], m["grad_norm"]) for m in metrics]
-
-
-def _s3_environment(mp, s3, tmp):
-    # Hermetic credential chain for this process and the ranks it launches (they inherit it).
-    for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        mp.delenv(var, raising=False)
-    mp.setenv("AWS_CONFIG_FILE", str(tmp / "no-aws-config"))
-    mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp / "no-aws-credentials"))
-    mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for k, v in s3.env().items():
-        mp.setenv(k, v)
 
 
 def _pending_save(run_dir) -> int | None:
@@ -125,7 +115,7 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
     mp = pytest.MonkeyPatch()
     tmp = tmp_path_factory.mktemp("ckpt-runs")
     try:
-        _s3_environment(mp, s3, tmp)
+        hermetic_s3_env(mp, s3, tmp)
         tag = uuid.uuid4().hex[:6]
         uris = {"reference": s3.uri(f"reference-{tag}"), "killed": s3.uri(f"killed-{tag}")}
         seen: dict = {}

@@ -29,21 +29,11 @@ from mega.storage import (
 from mega.storage.local import FileStorage
 from mega.storage.manifest import MANIFEST, HashingReader
 from mega.storage.seaweed import SeaweedS3
+from s3_env import hermetic_s3_env
 
 MiB = 1 << 20
 THRESHOLD = 5 * MiB  # S3's minimum part size: the big file below goes up in 3 parts
 BIG = "model/__0_0.distcp"
-
-
-def _s3_env(monkeypatch, tmp_path, server: SeaweedS3) -> None:
-    # Hermetic credential chain: only the environment, never a developer's ~/.aws.
-    for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for k, v in server.env().items():
-        monkeypatch.setenv(k, v)
 
 
 def _open_s3(server: SeaweedS3, **opts):
@@ -57,7 +47,7 @@ def store(request, tmp_path, monkeypatch):
     if request.param == "file":
         return open_storage((tmp_path / "store").as_uri())
     server = request.getfixturevalue("seaweed")
-    _s3_env(monkeypatch, tmp_path, server)
+    hermetic_s3_env(monkeypatch, server, tmp_path)
     return _open_s3(server)  # endpoint from AWS_ENDPOINT_URL, credentials from the environment
 
 
@@ -294,7 +284,7 @@ def test_uris_names_and_manifest(tmp_path, seaweed, monkeypatch):
         open_storage("gs://bucket/x")
     with pytest.raises(ValueError):
         open_storage("file://otherhost/x")
-    _s3_env(monkeypatch, tmp_path, seaweed)
+    hermetic_s3_env(monkeypatch, seaweed, tmp_path)
     s3 = open_storage("s3://mega-test/runs/a/", endpoint_url=seaweed.endpoint_url)
     assert (s3.bucket, s3.prefix, s3.uri, s3.endpoint) == ("mega-test", "runs/a", "s3://mega-test/runs/a",
                                                            seaweed.endpoint_url)
@@ -346,7 +336,7 @@ def _assert_clean(text: str, secrets: list[str]) -> None:
 
 def test_credentials_never_logged_or_raised(seaweed, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)  # botocore logs every request's headers at DEBUG
-    _s3_env(monkeypatch, tmp_path, seaweed)
+    hermetic_s3_env(monkeypatch, seaweed, tmp_path)
     store = _open_s3(seaweed)
     src = make_ckpt(tmp_path / "src", big=False)
     store.upload_dir(src, "iter_0000001")
@@ -366,7 +356,7 @@ def test_credentials_never_logged_or_raised(seaweed, tmp_path, monkeypatch, capl
 
 # Last: it stops the session's server (and restarts it).
 def test_storage_down_then_back(seaweed, tmp_path, monkeypatch, caplog):
-    _s3_env(monkeypatch, tmp_path, seaweed)
+    hermetic_s3_env(monkeypatch, seaweed, tmp_path)
     store = _open_s3(seaweed)
     src = make_ckpt(tmp_path / "src")
     store.upload_dir(src, "iter_0000100")
