@@ -125,24 +125,6 @@ def read_latest(root: str | Path) -> Path | None:
     return path
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-# ---------------------------------------------------------------------------------------------
-# State
-
-
 def _model_state(model_chunks, metadata: dict) -> tuple[dict, dict]:
     """(state by chunk key, all chunks' entries in one dict: what the optimizer's needs)."""
     state, flat = {}, {}
@@ -210,36 +192,7 @@ def _snapshot(state: dict) -> tuple[dict, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Synchronous local save and load (the reference path; restore loads through `load`)
-
-
-def save(root: str | Path, step: int, model_chunks, optimizer, scheduler, config: dict) -> Path:
-    """Collective, synchronous: a checkpoint in a local directory with a ``latest`` marker.
-    Returns the checkpoint directory. (Training uses ``Checkpointer``; this is the plain path.)"""
-    from megatron.core import dist_checkpointing
-
-    root = Path(root)
-    path = iteration_dir(root, step)
-    rank = dist.get_rank()
-    if rank == 0:
-        # A directory of this step that `latest` does not name is the debris of a save that
-        # crashed half-way; dist_checkpointing will not write over it, so start afresh.
-        latest = read_latest(root)
-        if path.exists() and (latest is None or latest.name != path.name):
-            shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False), str(path))
-    (path / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), path / "rng" / f"rank{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        meta = {"step": step, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
-                "layout": _layout(), "config": config}
-        _write_atomic(path / META_FILE, json.dumps(meta, indent=2, default=str))
-        _write_atomic(root / LATEST, path.name)
-    dist.barrier()
-    return path
+# Loading a checkpoint directory on local disk (restore fetches it there first)
 
 
 def load(path: str | Path, model_chunks, optimizer, scheduler) -> int:
