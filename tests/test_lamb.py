@@ -287,10 +287,12 @@ def test_tp2_dp2_matches_one_process(tmp_path, data_index, data_cache, single):
 def test_killed_dp2_run_resumes_on_the_same_curve(tmp_path, data_index, data_cache, dp2):
     """Kill rank 1 at step 5: the restart loads the step-4 checkpoint (Lamb's exp_avg,
     exp_avg_sq, step through megatron's fully_reshardable format) and every later step is
-    bit-identical to the uninterrupted run."""
+    bit-identical to the uninterrupted run. Synchronous saves: `latest` is iter_0000004 before step 5
+    starts (an asynchronous one may still be uploading when the kill strikes; CI saw iter_0000002)."""
     clean_dir, clean = dp2
     killed = train(tmp_path, data_index, data_cache,
-                   ["parallelism=dp2", "checkpoint.interval=2", "fault.kill_rank=1", "fault.kill_at_step=5"])
+                   ["parallelism=dp2", "checkpoint.interval=2", "checkpoint.async_save=false",
+                    "fault.kill_rank=1", "fault.kill_at_step=5"])
     assert killed.attempts == 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["attempt"] == 1][0] == 5, "should resume from step 4"
