@@ -229,28 +229,68 @@ def redis_server_url(cfg: "MegaConfig") -> Iterator[str]:
         server.stop()
 
 
-def init_process_group(cfg: "MegaConfig") -> None:
+def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
+    """After an attempt's ranks are gone: delete its store namespace (Redis), so a shared server
+    keeps no dead rendezvous keys; returns how many Redis keys went (None for the tcp store, whose
+    server ends with torchrun). A restarted attempt never reads them anyway (its own namespace)."""
+    url = store_env.get(REDIS_URL_ENV)
+    if not url:
+        return None
+    from mega.store import RedisStore
+
+    store = RedisStore(url, job_id=store_env[JOB_ID_ENV], attempt=attempt,
+                       password=store_env.get(REDIS_PASSWORD_ENV))
+    try:
+        return store.drop_namespace()
+    finally:
+        store.close()
+
+
+def init_process_group(cfg: "MegaConfig"):
     """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
 
     tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
     namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
+    Returns the ``RecordingStore`` every store operation goes through when
+    ``cluster.record_store`` is set (``dump_store_traffic`` writes it), else None.
     """
     import torch.distributed as dist
 
     c = cfg.cluster
     timeout = timedelta(seconds=c.pg_timeout_s)
-    if c.store != "redis":
+    if c.store != "redis" and not c.record_store:
         dist.init_process_group(c.backend, timeout=timeout)
-        return
-    from mega.store import RedisStore
+        return None
+    if c.store == "redis":
+        from mega.store import RedisStore
 
-    url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
-    if not url or not job_id:
-        raise RuntimeError(f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
-                           "launch ranks through mega.launcher (run_training) or mega.bootstrap")
-    store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
-    dist.init_process_group(c.backend, store=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
+        if not url or not job_id:
+            raise RuntimeError(f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
+                               "launch ranks through mega.launcher (run_training) or mega.bootstrap")
+        store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        # what init_process_group(init_method="env://") does inside (torchrun's agent store or
+        # MASTER_ADDR:MASTER_PORT, then a "default_pg" prefix), so that the recorder sits in between
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        store = dist.PrefixStore("default_pg", store)
+    recorder = None
+    if c.record_store:
+        from mega.store.recording import RecordingStore
+
+        store = recorder = RecordingStore(store, rank=rank)
+    dist.init_process_group(c.backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return recorder
+
+
+def dump_store_traffic(cfg: "MegaConfig", recorder, part: str) -> Path | None:
+    """Write what ``recorder`` saw so far to ``<train.run_dir>/store-traffic/<part>/rank-<r>.json``
+    (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder."""
+    if recorder is None:
+        return None
+    return recorder.dump(Path(cfg.train.run_dir) / "store-traffic" / part)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,6 +324,10 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
         code = torchrun("mega.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
                         c.procs_per_node, env={**c.env, **store_env, ATTEMPT_ENV: "0"},
                         timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
+        try:
+            drop_attempt_keys(store_env, 0)
+        except Exception:  # noqa: BLE001 - a shared server expires them anyway (RedisStore's TTL)
+            pass
     if code != 0 or not result_path.exists():
         why = f"timed out after {timeout_s:g} s" if code == 124 else f"exited with code {code}"
         raise RuntimeError(f"process-group timing job {why} (see {out_dir / 'bootstrap.log'})")
@@ -331,7 +375,7 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
     _wait_for_all_ranks(timeout)
 
     start = time.perf_counter()
-    init_process_group(cfg)
+    recorder = init_process_group(cfg)
     dist.barrier()  # init returns before the slowest peer has joined; the barrier includes it
     pg_init_s = time.perf_counter() - start
 
@@ -344,6 +388,7 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
         create_gloo_process_groups=c.backend == "gloo")  # as mega.train builds them
     dist.barrier()
     model_parallel_init_s = time.perf_counter() - start
+    dump_store_traffic(cfg, recorder, "bootstrap")
     return {"rank": dist.get_rank(), "pg_init_s": pg_init_s, "model_parallel_init_s": model_parallel_init_s}
 
 

@@ -31,8 +31,9 @@ of real ranks, ``tests/test_bootstrap_sim.py``):
 
 Strategies: ``default`` is megatron's pattern (every rank calls ``new_group`` for every group,
 world-wide barrier each time); ``light`` is ``mega.parallel_groups``' members-only creation with
-``use_local_synchronization=True`` (members-only barrier on the group's store). With the barrier
-off both issue the same operations (only key names differ). ``plan_counts`` gives the operations
+``use_local_synchronization=True``: no barrier per group, one world barrier once every group
+exists (``add`` + ``wait`` per rank on ``mega_groups_ready:1``, one ``set`` of its ``:done`` key by
+the rank completing the count). With the barrier off both issue the same operations. ``plan_counts`` gives the operations
 per kind without running anything; ``run_in_memory`` executes the programs against a dict (small
 N, per-rank counts); ``simulate`` replays them against a server and times it.
 
@@ -65,6 +66,7 @@ __all__ = ["STRATEGIES", "STORES", "Layout", "megatron_groups", "rank_program", 
 STRATEGIES = ("default", "light")
 STORES = ("tcpstore", "redis")
 BARRIER_PREFIX = "store_based_barrier_key"  # torch.distributed.distributed_c10d.STORE_BASED_BARRIER_PREFIX
+READY_BARRIER_PREFIX = "mega_groups_ready"  # mega.parallel_groups.READY_BARRIER_PREFIX
 DEFAULT_PG = "0"
 
 Op = tuple  # ("set", key) | ("get", key) | ("add", key, delta) | ("wait", key)
@@ -202,8 +204,17 @@ def rank_program(strategy: str, layout: Layout, rank: int,
         for m in mine:
             name = str(m.index + 1)
             yield from _rendezvous(f"{root}{name}//", m.gloo, m.group_rank, len(m.ranks))
-            if layout.barrier:
-                yield from _barrier(f"{root}{name}//", name, len(m.ranks))
+        if layout.barrier:  # no barrier per group; one over the world once all exist
+            yield from _ready_barrier(root, world)
+
+
+def _ready_barrier(store_prefix: str, size: int) -> Generator[Op, Any, None]:
+    """mega.parallel_groups.world_barrier after light creation (the first group is named "1")."""
+    key = f"{store_prefix}{READY_BARRIER_PREFIX}:1"
+    arrived = yield ("add", key, 1)
+    if arrived == size:
+        yield ("set", key + ":done")
+    yield ("wait", key + ":done")
 
 
 def _rendezvous_counts(gloo: bool, group_rank: int, size: int) -> Counter:
@@ -228,12 +239,14 @@ def plan_counts(strategy: str, layout: Layout) -> dict[str, int]:
         gloo = is_gloo or layout.backend == "gloo"
         for j in range(len(ranks)):
             total += _rendezvous_counts(gloo, j, len(ranks))
-        if layout.barrier:
-            barriers[world if strategy == "default" else len(ranks)] += 1
+        if layout.barrier and strategy == "default":
+            barriers[world] += 1
     for size, n in barriers.items():
         for kind, c in barrier.items():
             total[kind] += c * size * n
         total["set"] += n
+    if layout.barrier and strategy == "light":  # the one ready barrier: add + wait, one set
+        total.update(add=world, wait=world, set=1)
     return {k: v for k, v in sorted(total.items()) if v}
 
 
@@ -482,6 +495,35 @@ class RespError(RuntimeError):
     pass
 
 
+class _PyRespReader:
+    """hiredis.Reader's interface (feed, gets -> value or False) in Python, for where hiredis is
+    missing; replies that are errors come back as RespError instances, as hiredis' do."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+
+    def gets(self):
+        value, nxt = _parse_resp(self.buf)
+        if value is _MORE:
+            return False
+        del self.buf[:nxt]
+        return value
+
+
+def _resp_reader():
+    """A RESP2 reply parser per connection: hiredis' C one (what redis-py uses) when installed.
+    The replay's client CPU is the simulator's own cost, not the store's: on a cluster every rank
+    parses its replies on its own CPU."""
+    try:
+        import hiredis
+    except ImportError:
+        return _PyRespReader()
+    return hiredis.Reader()
+
+
 def _parse_resp(buf: bytearray, pos: int = 0):
     """One RESP2 value from buf[pos:] -> (value, next pos), or (_MORE, pos) when incomplete."""
     end = buf.find(b"\r\n", pos)
@@ -524,19 +566,20 @@ class _RedisRank(_Rank):
         super().__init__(program, on_done)
         self.ns = ns
         self.state: tuple | None = None
+        self.reader = _resp_reader()
 
-    def _resp_reply(self):
-        value, nxt = _parse_resp(self.buf)
-        if value is _MORE:
-            return _MORE
-        del self.buf[:nxt]
-        if isinstance(value, RespError):
-            raise value
-        return value
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        try:
+            while (value := self.reader.gets()) is not False:
+                if isinstance(value, Exception):
+                    raise RespError(str(value))
+                self.on_reply(value)
+        except BaseException as err:  # noqa: BLE001
+            self._finish(err)
 
     def _send(self, *args) -> None:
         self.transport.write(_resp(*args))
-        self.expect = self._resp_reply
 
     def _script(self, name: str, *args) -> None:
         ns = self.ns
@@ -581,8 +624,8 @@ class _RedisRank(_Rank):
             return self._send("XREAD", "COUNT", 1, "BLOCK", 20_000, "STREAMS", self.ns.sig + key, value[2])
         if step == "xread":
             key, flag = state[1], state[2]
-            if value and flag == "1":  # get: the signal carries the value (RedisStore does the same)
-                return self._advance(b"1")
+            if value:  # get: the signal carries the value; wait: the key now exists (as RedisStore)
+                return self._advance(b"1" if flag == "1" else None)
             self.state = ("read", key, flag)
             return self._script("read", flag, key)
         raise AssertionError(step)
@@ -701,11 +744,21 @@ async def _replay(strategy: str, store: str, layout: Layout, ranks: range, membe
             "connect_s": connect_s, "client_cpu_s": cpu_s, "error": errors[0] if errors else None}
 
 
+def _run_loop(coro):
+    """uvloop's event loop (libuv) when installed, else asyncio's: like the reply parser, the
+    loop's CPU per callback is the simulator's cost, which real ranks spread over their hosts."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _worker(strategy, store, layout, ranks, host, port, ns, start_barrier, max_seconds, out) -> None:
     try:
         memberships = _memberships(layout)  # cached in the parent before the fork
-        out.put(asyncio.run(_replay(strategy, store, layout, ranks, memberships, host, port, ns, start_barrier,
-                                    max_seconds)))
+        out.put(_run_loop(_replay(strategy, store, layout, ranks, memberships, host, port, ns, start_barrier,
+                                  max_seconds)))
     except BaseException as err:  # noqa: BLE001 - reported to the parent
         out.put({"completed": False, "error": f"{type(err).__name__}: {err}", "ops_done": 0, "ops_by_kind": {},
                  "start": None,

@@ -104,6 +104,9 @@ class ClusterConfig:
     # How megatron-core's model-parallel groups are created (mega/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
     group_init: str = "light"  # light | default
+    # Each rank records its store operations (init_process_group + group creation) and writes
+    # them to <train.run_dir>/store-traffic/<job part>/rank-<r>.json (mega.store.recording)
+    record_store: bool = False
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port
     pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging

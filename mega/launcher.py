@@ -166,6 +166,13 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             on_poll=run.beat,
         )
         attempts += 1
+        try:
+            dropped = bootstrap.drop_attempt_keys(store_env, n)
+        except Exception as e:  # noqa: BLE001 - the keys expire anyway (RedisStore's TTL)
+            log(f"attempt {n}: could not drop its store keys ({type(e).__name__}); they expire by TTL")
+        else:
+            if dropped is not None:
+                log(f"attempt {n}: dropped its {dropped} store keys")
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)

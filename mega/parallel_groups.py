@@ -33,16 +33,23 @@ default, +barrier           with ``TORCH_DIST_INIT_BARRIER=1`` (torch's default 
                             3n + 1 operations per group, all ranks blocked until all arrive
 light, every member         the same gloo/NCCL rendezvous as ``default``
 light, every non-member     nothing, and no Python call into torch at all
-light, +barrier             the barrier runs on the group's own store (``<name>/``) over its
-                            k members only: 3k + 1 operations per group
+light, +barrier             no barrier per group. Once all groups exist, ONE barrier over the
+                            world on the default store: per rank 1 ``add`` + 1 ``wait`` on
+                            ``mega_groups_ready:<first group name>``, plus one ``set`` of
+                            ``...:done`` by the rank whose ``add`` completes the count
 ==========================  =============================================================
 
 So with the post-init barrier, ``default`` costs every rank 3 store operations for every group of
 the job: O(groups x n) = O(n^2 / k) in total, each group a world-wide rendezvous. ``light`` costs a
-rank only the groups it is in (a fixed number per rank, ~15 for megatron's layouts), O(n) in total,
-and a slow rank delays only the ranks it shares groups with. Without the barrier (torch >= 2.1's
-default) both strategies issue the same store operations; ``light`` still skips the per-group
-Python work on non-members, and it keeps start-up O(n) whatever ``TORCH_DIST_INIT_BARRIER`` says.
+rank only the rendezvous of the groups it is in (a fixed number per rank, ~15 for megatron's
+layouts) and 2 operations for the one barrier: O(n) in total, and until that barrier a slow rank
+delays only the ranks it shares groups with. The per-group barriers add nothing a member relies
+on: a gloo group's rendezvous already connects every member to every other, and an NCCL
+communicator is created at its first collective, which waits for the unique id itself; what the
+barrier promised ("once we return, every rank has its groups") the one barrier at the end still
+gives. Without the barrier (torch >= 2.1's default) both strategies issue the same store
+operations; ``light`` still skips the per-group Python work on non-members, and it keeps start-up
+O(n) whatever ``TORCH_DIST_INIT_BARRIER`` says.
 
 Why the group name needs care. With ``use_local_synchronization=True`` torch names a group by a
 hash of its ranks *and of how many groups this process already holds* (``_hash_ranks_to_str``).
@@ -79,7 +86,11 @@ RELIED_ON_SOURCES = {
     # non-members return before naming; members name through _process_group_name(hashed=True)
     "torch.distributed.distributed_c10d:_new_group_with_tag": "fef33c1ee0580a5f",
     "torch.distributed.distributed_c10d:_process_group_name": "b242a927cc6857a5",
+    # the per-group barrier of _new_group_with_tag asks this, once per group
+    "torch.distributed.distributed_c10d:_is_barrier_after_init": "f6218773e858b436",
 }
+
+READY_BARRIER_PREFIX = "mega_groups_ready"
 
 
 def initialize_model_parallel(strategy: str = "default", **megatron_kwargs: Any) -> None:
@@ -147,12 +158,27 @@ def members_only_group_creation() -> Iterator[None]:
         return group
 
     base = c10d._world.group_count
+    barrier_after_init = c10d._is_barrier_after_init()
+    original_barrier_after_init = c10d._is_barrier_after_init
     parallel_state.create_group = create_group
     c10d._process_group_name = group_name
+    c10d._is_barrier_after_init = lambda: 0  # one barrier at the end instead of one per group
     try:
         yield
     finally:
         parallel_state.create_group = original_create_group
         c10d._process_group_name = original_group_name
+        c10d._is_barrier_after_init = original_barrier_after_init
         # as if every rank had called new_group for every group: later names agree with `default`
         c10d._world.group_count = base + created
+    if barrier_after_init == 1:
+        world_barrier(c10d._get_default_store(), f"{READY_BARRIER_PREFIX}:{base}", dist.get_world_size())
+
+
+def world_barrier(store, key: str, world_size: int) -> None:
+    """Every rank of the world: one ``add`` and one ``wait`` (the rank that completes the count
+    also ``set``s the release key), under the store's timeout. torch's ``_store_based_barrier``
+    spends three operations per rank (it re-reads the count with ``add(key, 0)``)."""
+    if store.add(key, 1) == world_size:
+        store.set(key + ":done", b"1")
+    store.wait([key + ":done"])

@@ -123,15 +123,20 @@ def test_training_over_a_password_protected_redis_store(tmp_path, data_index, da
         cfg = compose(["model=tiny", "parallelism=dp2", "train.steps=2", f"train.run_dir={tmp_path}",
                        f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
                        "checkpoint.interval=0", "cluster.store=redis", f"cluster.redis_url={server.url}"])
-        result = run_training(cfg, data_index, log=lambda line: None)
+        messages = []
+        result = run_training(cfg, data_index, log=messages.append)
         probe = RedisStore(server.url, job_id="probe")
-        namespaces = {key.decode().rsplit(":", 2)[0] for key in probe._r.scan_iter("mega:*:kv")}
+        left = list(probe._r.scan_iter("mega:*"))
         probe.close()
 
     assert result.final_step == 2 and result.attempts == 1
+    # the ranks' rendezvous keys existed (one namespace: job id, attempt 0) and the launcher
+    # dropped them once the ranks were gone
+    dropped = [m for m in messages if m.startswith("attempt 0: dropped its ")]
+    assert len(dropped) == 1 and int(dropped[0].split()[4]) > 0, messages
+    assert left == []
     assert result.init["store"] == "redis" and result.init["group_init"] == "light"
     assert result.init["pg_init_s"] > 0 and result.init["model_parallel_init_s"] > 0
-    assert len(namespaces) == 1 and next(iter(namespaces)).startswith("mega:dp2-")  # job id, attempt 0
     saved = (tmp_path / "config.json").read_text()
     assert f"127.0.0.1:{server.port}" in saved and password not in saved
     for path in tmp_path.rglob("*"):

@@ -21,8 +21,10 @@ from datetime import timedelta
 
 import pytest
 
+from mega import bootstrap_sim as bs
 from mega import parallel_groups
 from mega.config import compose, save
+from mega.store.recording import load_recordings
 
 # layout name -> megatron-core keyword arguments (world size 4)
 LAYOUTS_4 = [
@@ -175,12 +177,15 @@ def _groups_rank(rank: int, world: int, port: int, layouts, results) -> None:
                 ops = [keys for _, keys in store.ops]
                 row = {"state": _megatron_state(base), "getters": _getters(base),
                        "created": c10d._world.group_count - base, "ops": len(ops),
+                       "group_barrier_ops": sum("store_based_barrier_key" in k for keys in ops for k in keys),
+                       "ready_barrier_ops": sum(parallel_groups.READY_BARRIER_PREFIX in k for keys in ops for k in keys),
                        "touched": sorted({i for keys in ops for k in keys
                                           if (i := _group_index(k, base)) is not None}),
                        "member_of": sorted(int(g.group_name) - base for g in ps._global_process_group_list[1:]),
                        # the context manager put megatron's and torch's functions back
                        "restored": ps.create_group.__module__ == ps.__name__
-                                   and c10d._process_group_name.__module__ == c10d.__name__,
+                                   and c10d._process_group_name.__module__ == c10d.__name__
+                                   and c10d._is_barrier_after_init.__module__ == c10d.__name__,
                        "sums": _all_reduce_every_group(rank)}
                 ps.destroy_model_parallel()
                 rows[f"{name}/{strategy}"] = row
@@ -242,6 +247,10 @@ def _check_layouts(rows: dict, layouts, world: int) -> None:
             assert default["touched"] == list(range(default["created"])), where
             assert set(light["touched"]) <= set(light["member_of"]), where
             assert light["ops"] < default["ops"], where
+            # default: torch's barrier after every group, world-wide; light: none per group, one
+            # world barrier at the end (add + wait, and the set of the rank completing the count)
+            assert default["group_barrier_ops"] >= 3 * default["created"] and not default["ready_barrier_ops"], where
+            assert light["group_barrier_ops"] == 0 and light["ready_barrier_ops"] in (2, 3), where
             for strategy in ("default", "light"):
                 totals[strategy] = totals.get(strategy, 0) + by_layout[f"{name}/{strategy}"]["ops"]
         print(f"{name} (world {world}): store ops default={totals['default']} light={totals['light']}")
@@ -311,7 +320,8 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
         run_dir = tmp_path / strategy
         cfg = compose(["model=tiny", "parallelism=pp2", "parallelism.dp=2", "train.steps=3",
                        f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}", "train.tensorboard=false",
-                       "optimizer.warmup_steps=1", "checkpoint.interval=0", f"cluster.group_init={strategy}"])
+                       "optimizer.warmup_steps=1", "checkpoint.interval=0", f"cluster.group_init={strategy}",
+                       "cluster.record_store=true"])
         assert cfg.parallelism.world_size == 4
         run_dir.mkdir()
         save(cfg, run_dir / "config.json")
@@ -322,4 +332,12 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
         losses[strategy] = [(m["loss"], m["grad_norm"]) for m in metrics]
         init = json.loads((run_dir / "init.json").read_text())
         assert init["group_init"] == strategy and init["store"] == "tcp" and init["world_size"] == 4
+        # cluster.record_store: each rank's store traffic up to its groups, exactly what the
+        # bootstrap simulator replays for this layout (torch's post-init barrier is off here)
+        recorded = load_recordings(run_dir / "store-traffic" / "train-attempt0")
+        simulated: list = []
+        bs.run_in_memory(strategy, bs.Layout(4, 1, 2, backend="gloo", gloo_groups=True, barrier=False), ops=simulated)
+        assert sorted(recorded) == [0, 1, 2, 3]
+        for rank, row in recorded.items():
+            assert [tuple(op) for op in row["ops"]] == simulated[rank], (strategy, rank)
     assert losses["light"] == losses["default"]  # same groups, same order of reductions: bit-equal

@@ -7,8 +7,8 @@ Rows (``strategy``):
 * ``default-tcpstore``: megatron's pattern (every rank calls ``new_group`` for every group, a
   world-wide store barrier after each) on torch's TCPStore server
 * ``default-redis``: the same on Redis (``mega.store.RedisStore``'s commands)
-* ``light-redis``: barrier-light creation (``mega.parallel_groups`` ``light``: members only,
-  members-only barrier) on Redis
+* ``light-redis``: barrier-light creation (``mega.parallel_groups`` ``light``: each group by its
+  members only, no barrier per group, one world barrier once all exist) on Redis
 
 Layout: TP=8 x PP=8 x DP=N/64 (``conf/parallelism/paper-175b-256gpu.yaml``'s TP and PP), NCCL
 main groups, no gloo copies, ``TORCH_DIST_INIT_BARRIER=1`` (see docs/bootstrap.md for why).

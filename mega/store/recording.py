@@ -11,8 +11,9 @@ the C++ side calls back into this Python object for each operation::
     store.dump(directory)          # <directory>/rank-<rank>.json: {"rank", "counts", "ops"}
 
 Keys are recorded as the wrapped store sees them, i.e. with torch's ``PrefixStore`` prefixes
-(``"<group name>/cpu/rank_3"``). ``record_dir_from_env()`` reads ``$MEGA_STORE_RECORD_DIR``, the
-directory a rank entry point dumps its recording into when it is set.
+(``"<group name>/cpu/rank_3"``). Training and bootstrap ranks record through it with
+``cluster.record_store=true`` (``mega.bootstrap.init_process_group``), writing
+``<train.run_dir>/store-traffic/<part>/rank-<r>.json`` once their groups exist.
 
 Blocking operations are recorded when they are issued (before they block), so a recording taken
 from a rank that timed out still shows what it waited on.
@@ -30,13 +31,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RecordingStore", "RECORD_DIR_ENV", "record_dir_from_env", "load_recordings"]
-
-RECORD_DIR_ENV = "MEGA_STORE_RECORD_DIR"
+__all__ = ["RecordingStore", "load_recordings"]
 
 # every keyed operation of the c10d Store interface that torch's C++ side can forward to Python
 OP_KINDS = ("set", "get", "add", "compare_set", "wait", "check", "delete_key", "num_keys",
             "multi_get", "multi_set", "append", "queue_push", "queue_pop", "queue_len")
+
+
+_ALIVE: list["RecordingStore"] = []
 
 
 class RecordingStore(dist.Store):
@@ -48,6 +50,9 @@ class RecordingStore(dist.Store):
         self.rank = rank
         self.ops: list[tuple[str, tuple[str, ...]]] = []
         self._lock = threading.Lock()  # gloo may call the store from more than one thread
+        # torch keeps only a C++ handle to the store it is given, and a Python store object that
+        # only C++ references loses its Python methods (docs/bootstrap.md): keep every one alive
+        _ALIVE.append(self)
         try:
             self.set_timeout(inner.timeout)
         except (AttributeError, RuntimeError):
@@ -108,6 +113,13 @@ class RecordingStore(dist.Store):
     getNumKeys = num_keys
     deleteKey = delete_key
 
+    def clone(self) -> "RecordingStore":
+        """A clone of the inner store whose operations land in this recording (gloo clones the
+        store it is given, one connection per process group)."""
+        twin = RecordingStore(self.inner.clone(), self.rank)
+        twin.ops, twin._lock = self.ops, self._lock
+        return twin
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self._note("multi_get", *keys)
         return self.inner.multi_get(keys)
@@ -154,12 +166,6 @@ class RecordingStore(dist.Store):
         path = directory / f"rank-{self.rank if self.rank is not None else os.getpid()}.json"
         path.write_text(json.dumps(self.to_dict()))
         return path
-
-
-def record_dir_from_env() -> Path | None:
-    """``$MEGA_STORE_RECORD_DIR`` as a path, or None when it is not set."""
-    value = os.environ.get(RECORD_DIR_ENV)
-    return Path(value) if value else None
 
 
 def load_recordings(directory: str | Path) -> dict[int, dict[str, Any]]:

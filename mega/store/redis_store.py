@@ -413,6 +413,10 @@ class RedisStore(dist.Store):
                         f"(Redis {self.address}, namespace {self.prefix})")
                 block_ms = max(1, min(BLOCK_SLICE_MS, int(left_ms) + 1))
             woke = self._call("wait", lambda: self._r.xread(streams, count=1, block=block_ms))
+            if woke and len(pending) == 2 and not values:
+                # the one missing key was created while we waited: `wait` is satisfied (as
+                # TCPStore's, which returns once the key has been set), no re-read
+                return []
             if values and len(keys) == 1 and woke:
                 # the signal carries the value the key was created with: a valid result of this
                 # get (created while it waited), one round trip less per released waiter
