@@ -127,19 +127,24 @@ def test_cli_prints_the_resolved_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_multirun_sweeps_two_layouts(tmp_path, data_cache):
-    out = cli("-m", "parallelism=single,dp2", "train.steps=2", "optimizer.warmup_steps=1",
-              "checkpoint.interval=0", "train.tensorboard=false", f"data.cache_dir={data_cache}",
-              f"train.run_dir={tmp_path}/runs/${{parallelism.name}}", f"hydra.sweep.dir={tmp_path}/multirun",
-              cwd=tmp_path, timeout=600)
+def test_cli_multirun_sweeps_the_ablation_features(tmp_path, data_cache):
+    """`-m features=...`: the paper's ablation as a Hydra sweep, one flow run per preset (one
+    process each: the layouts are tests/test_training.py's)."""
+    out = cli("-m", "features=megatron-baseline,ptb", "parallelism=single", "train.steps=2",
+              "optimizer.warmup_steps=1", "checkpoint.interval=0", "train.tensorboard=false",
+              f"data.cache_dir={data_cache}", f"train.run_dir={tmp_path}/runs/${{model.block}}",
+              f"hydra.sweep.dir={tmp_path}/multirun", cwd=tmp_path, timeout=600)
 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for layout, world in (("single", 1), ("dp2", 2)):
-        run_dir = tmp_path / "runs" / layout
+    losses = {}
+    for block in ("sequential", "parallel"):
+        run_dir = tmp_path / "runs" / block
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in metrics] == [1, 2], layout
-        assert json.loads((run_dir / "config.json").read_text())["cluster"]["procs_per_node"] == world
+        assert [m["step"] for m in metrics] == [1, 2], block
+        assert json.loads((run_dir / "config.json").read_text())["model"]["block"] == block
         assert (run_dir / "loss.png").read_bytes()[:8] == PNG_MAGIC
+        losses[block] = [m["loss"] for m in metrics]
+    assert losses["sequential"] != losses["parallel"]  # two models, not one run twice
     assert sorted(p.name for p in (tmp_path / "multirun").iterdir() if p.is_dir()) == ["0", "1"]
 
 
