@@ -872,8 +872,11 @@ def _drop_namespace(url: str, ns: _RedisNamespace) -> None:
 
 
 def _record_rank(rank: int, world: int, port: int, tp: int, pp: int, strategies: tuple[str, ...],
-                 gloo_groups: bool, results) -> None:
+                 gloo_groups: bool, barrier: bool, results) -> None:
     try:
+        # set here, not in the parent: a forkserver child has the environment the forkserver
+        # started with (maybe long before, by another caller), not the parent's current one
+        os.environ["TORCH_DIST_INIT_BARRIER"] = "1" if barrier else "0"
         import torch.distributed as dist
         from megatron.core import parallel_state
         from torch.distributed import PrefixStore, TCPStore
@@ -914,20 +917,14 @@ def record_real_ranks(strategies: tuple[str, ...], world: int, tp: int, pp: int,
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.parallel_groups",
                                 "mega.store.recording"])
-    old = os.environ.get("TORCH_DIST_INIT_BARRIER")
-    os.environ["TORCH_DIST_INIT_BARRIER"] = "1" if barrier else "0"  # read by torch in each rank
     results = ctx.Queue()
     procs = [ctx.Process(target=_record_rank, args=(r, world, server.port, tp, pp, tuple(strategies),
-                                                    gloo_groups, results), daemon=True) for r in range(world)]
+                                                    gloo_groups, barrier, results), daemon=True) for r in range(world)]
     try:
         for p in procs:
             p.start()
         rows = [results.get(timeout=timeout_s) for _ in range(world)]
     finally:
-        if old is None:
-            os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
-        else:
-            os.environ["TORCH_DIST_INIT_BARRIER"] = old
         for p in procs:
             if p.pid is None:
                 continue

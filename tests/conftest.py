@@ -79,7 +79,21 @@ def seaweed(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect server with its own SQLite database for the whole session."""
+    import httpx
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # The harness picks its port by binding port 0 and releasing it before the server binds it;
+    # with the other test worker's ranks opening ephemeral ports at the same time, that port is
+    # sometimes taken in between (seen: the health check reset by whatever got it). Try anew.
+    for attempt in range(3):
+        harness = prefect_test_harness(server_startup_timeout=120)
+        try:
+            harness.__enter__()
+            break
+        except (httpx.HTTPError, RuntimeError, TimeoutError):
+            if attempt == 2:
+                raise
+    try:
         yield
+    finally:
+        harness.__exit__(None, None, None)

