@@ -98,14 +98,3 @@ def prefect_harness():
     finally:
         harness.__exit__(None, None, None)
 
-
-# The longest test files first: pytest-xdist's loadfile hands files to its two workers in
-# collection order, so a long file collected last (test_training.py, alphabetically) would run
-# alone at the end while the other worker idles. The sort is stable: order within a file stays.
-LONGEST_FILES_FIRST = ("test_training.py", "test_flow.py", "test_recovery.py", "test_lamb.py",
-                       "test_checkpoint.py", "test_parallel_block.py", "test_fused_ops.py", "test_ablation.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
