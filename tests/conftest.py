@@ -97,4 +97,3 @@ def prefect_harness():
         yield
     finally:
         harness.__exit__(None, None, None)
-
