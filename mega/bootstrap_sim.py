@@ -60,13 +60,14 @@ from datetime import timedelta
 from functools import lru_cache
 from typing import Any, Callable, Generator, Iterator
 
+from mega.parallel_groups import READY_BARRIER_PREFIX
+
 __all__ = ["STRATEGIES", "STORES", "Layout", "megatron_groups", "rank_program", "plan_counts",
            "run_in_memory", "simulate", "TCPStoreServer", "record_real_ranks"]
 
 STRATEGIES = ("default", "light")
 STORES = ("tcpstore", "redis")
 BARRIER_PREFIX = "store_based_barrier_key"  # torch.distributed.distributed_c10d.STORE_BASED_BARRIER_PREFIX
-READY_BARRIER_PREFIX = "mega_groups_ready"  # mega.parallel_groups.READY_BARRIER_PREFIX
 DEFAULT_PG = "0"
 
 Op = tuple  # ("set", key) | ("get", key) | ("add", key, delta) | ("wait", key)
@@ -495,67 +496,13 @@ class RespError(RuntimeError):
     pass
 
 
-class _PyRespReader:
-    """hiredis.Reader's interface (feed, gets -> value or False) in Python, for where hiredis is
-    missing; replies that are errors come back as RespError instances, as hiredis' do."""
-
-    def __init__(self):
-        self.buf = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        self.buf += data
-
-    def gets(self):
-        value, nxt = _parse_resp(self.buf)
-        if value is _MORE:
-            return False
-        del self.buf[:nxt]
-        return value
-
-
 def _resp_reader():
-    """A RESP2 reply parser per connection: hiredis' C one (what redis-py uses) when installed.
-    The replay's client CPU is the simulator's own cost, not the store's: on a cluster every rank
-    parses its replies on its own CPU."""
-    try:
-        import hiredis
-    except ImportError:
-        return _PyRespReader()
+    """A RESP2 reply parser per connection: hiredis' C one, what redis-py uses. The replay's client
+    CPU is the simulator's own cost, not the store's: on a cluster every rank parses its replies
+    on its own CPU."""
+    import hiredis
+
     return hiredis.Reader()
-
-
-def _parse_resp(buf: bytearray, pos: int = 0):
-    """One RESP2 value from buf[pos:] -> (value, next pos), or (_MORE, pos) when incomplete."""
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        return _MORE, pos
-    t, line = buf[pos:pos + 1], bytes(buf[pos + 1:end])
-    nxt = end + 2
-    if t == b"+":
-        return line, nxt
-    if t == b"-":
-        return RespError(line.decode(errors="replace")), nxt
-    if t == b":":
-        return int(line), nxt
-    if t == b"$":
-        n = int(line)
-        if n < 0:
-            return None, nxt
-        if len(buf) < nxt + n + 2:
-            return _MORE, pos
-        return bytes(buf[nxt:nxt + n]), nxt + n + 2
-    if t == b"*":
-        n = int(line)
-        if n < 0:
-            return None, nxt
-        items = []
-        for _ in range(n):
-            item, nxt = _parse_resp(buf, nxt)
-            if item is _MORE:
-                return _MORE, pos
-            items.append(item)
-        return items, nxt
-    raise RespError(f"unexpected RESP type {t!r}")
 
 
 class _RedisRank(_Rank):
@@ -745,12 +692,10 @@ async def _replay(strategy: str, store: str, layout: Layout, ranks: range, membe
 
 
 def _run_loop(coro):
-    """uvloop's event loop (libuv) when installed, else asyncio's: like the reply parser, the
-    loop's CPU per callback is the simulator's cost, which real ranks spread over their hosts."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
+    """uvloop's event loop (libuv): like the reply parser, the loop's CPU per callback is the
+    simulator's cost, which real ranks spread over their hosts."""
+    import uvloop
+
     return uvloop.run(coro)
 
 
