@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefect_pool import ensure_work_pool
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -154,14 +155,9 @@ def test_cli_multirun_sweeps_the_ablation_features(tmp_path, data_cache):
 
 def test_prefect_yaml_deploys(prefect_harness):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.settings import PREFECT_API_URL
-    from prefect.workers.process import ProcessWorker
 
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(
-            name="mega-process", type="process",
-            base_job_template=ProcessWorker.get_default_base_job_template()))
+    ensure_work_pool()
     before = (REPO / "infra" / "prefect.yaml").read_text()
 
     out = subprocess.run(

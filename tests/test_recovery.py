@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect_pool import ensure_work_pool
 
 from mega import runs
 from mega.config import compose, from_dict, save
@@ -287,10 +288,8 @@ def deploy_all() -> None:
     """`prefect deploy --all` of infra/prefect.yaml against the session's server, unless it ran
     already this session (tests/test_flow.py deploys the same file; a second deploy costs ~20 s)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL
-    from prefect.workers.process import ProcessWorker
 
     with get_client(sync_client=True) as client:
         try:
@@ -298,11 +297,7 @@ def deploy_all() -> None:
             return
         except ObjectNotFound:
             pass
-        try:
-            client.create_work_pool(WorkPoolCreate(
-                name="mega-process", type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
-        except ObjectAlreadyExists:  # test_flow.py's deploy test made it in this session
-            pass
+    ensure_work_pool()
     out = subprocess.run(
         [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all"],
         cwd=REPO, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
