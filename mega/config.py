@@ -91,17 +91,32 @@ class ParallelismConfig:
 
 @dataclass
 class ClusterConfig:
+    """What the hardware is (how a run starts is ``launcher``). One schema for every consumer:
+    the launch backends, the self-check floors, MFU, and the performance model (mega/perf)."""
+
     name: str = "local-cpu"
     nodes: int = 1
     procs_per_node: int = 1
     backend: str = "gloo"  # gloo | nccl
     device: str = "cpu"  # cpu | cuda
+    # The launchers this hardware can be started by (launcher.name); a pairing outside this list
+    # is refused before launch (e.g. a GPU cluster preset with launcher=local-nodes).
+    launchers: list[str] = field(default_factory=lambda: ["local", "local-nodes", "slurm", "kubernetes"])
+    # Hardware facts (docs/cluster.md cites the datasheets). null = not known: CPU presets measure
+    # the GEMM peak at run time; the performance model needs them set.
+    device_name: str | None = None  # e.g. "NVIDIA H100 80GB HBM3"
+    peak_tflops: float | None = None  # dense bf16 TFLOP/s per device (no sparsity)
+    memory_gib: float | None = None  # device memory per device
+    memory_tb_per_s: float | None = None  # device memory bandwidth, TB/s
+    nvlink_gb_per_s: float | None = None  # intra-node bandwidth per device, GB/s, both directions (datasheet)
+    nics_per_node: int = 0  # inter-node NICs per node (one per GPU on DGX-class nodes)
+    nic_gbit_per_s: float | None = None  # line rate of one NIC, Gbit/s, each direction
     store: str = "tcp"  # tcp (torch TCPStore via torchrun) | redis (mega.store.RedisStore, docs/bootstrap.md)
     # store=redis: redis://[user[:password]@]host:port/db (rediss:// = TLS) of a running server.
     # Prefer $MEGA_REDIS_PASSWORD to a password in the URL: configs are saved into run dirs.
     redis_url: str | None = field(default=None, repr=False)  # repr=False: may hold a password
     start_local_redis: bool = True  # store=redis and no redis_url: start a local redis-server
-    # How megatron-core's model-parallel groups are created (mega/parallel_groups.py):
+    # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
     group_init: str = "light"  # light | default
     # Each rank records its store operations (init_process_group + group creation) and writes
@@ -118,6 +133,72 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def node_nic_gb_per_s(self) -> float | None:
+        """Inter-node bandwidth of one node, GB/s each direction (all NICs together)."""
+        if self.nic_gbit_per_s is None or not self.nics_per_node:
+            return None
+        return self.nics_per_node * self.nic_gbit_per_s / 8
+
+
+LAUNCHERS = ("local", "local-nodes", "slurm", "kubernetes")
+
+
+@dataclass
+class LocalNodesConfig:
+    """launcher=local-nodes: every node is a torchrun agent on this machine."""
+
+    # As root: each node gets its own network namespace and address on a bridge (veth pairs), so
+    # the rendezvous and every collective cross a real interface. Needs root (CI is root).
+    netns: bool = False
+    subnet: str = "10.213.0.0/24"  # the bridge takes .1, node k takes .(k + 2)
+    link_mbit: float | None = None  # tc tbf rate of every node's link (null: unshaped)
+
+
+@dataclass
+class SlurmConfig:
+    """launcher=slurm: an sbatch script, one torchrun agent per node through srun."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = "04:00:00"
+    cpus_per_task: int | None = None  # per node (one task per node); null: the partition's default
+    mem: str | None = "0"  # "0": all of each node's memory
+    exclusive: bool = True
+    container_image: str | None = None  # pyxis/enroot --container-image, when the cluster has it
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun (modules, venv)
+    use_submitit: bool = False  # submit through submitit instead of sbatch
+
+
+@dataclass
+class KubernetesConfig:
+    """launcher=kubernetes: an indexed Job (one pod per node) and a headless Service."""
+
+    namespace: str = "default"
+    image: str = "ghcr.io/mega-llm/mega:latest"
+    image_pull_policy: str = "IfNotPresent"
+    service_account: str | None = None
+    gpu_resource: str = "nvidia.com/gpu"
+    cpu: str | None = None  # per pod requests (null: none)
+    memory: str | None = None
+    shm_size: str = "64Gi"  # /dev/shm for the data loader and NCCL
+    node_selector: dict[str, str] = field(default_factory=dict)
+    backoff_limit: int = 0  # the driver relaunches, not the Job controller
+
+
+@dataclass
+class LauncherConfig:
+    """How a run starts (the hardware it runs on is ``cluster``): local (one torchrun agent, this
+    machine), local-nodes (N agents on this machine), slurm, kubernetes. The driver owns membership:
+    it starts one agent per node and relaunches every node from ``latest`` when any fails."""
+
+    name: str = "local"
+    rdzv_port: int = 29500  # the first node's TCPStore port (multi-node launchers; 0 = free port)
+    local_nodes: LocalNodesConfig = field(default_factory=LocalNodesConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
 
 @dataclass
@@ -194,6 +275,7 @@ class MegaConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -370,6 +452,7 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _require(c.world_size == p.world_size, "cluster.procs_per_node",
              f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
              f"does not equal tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.world_size}")
+    _validate_launcher(cfg)
     _one_of(c.backend, "cluster.backend", ("gloo", "nccl"))
     _one_of(c.device, "cluster.device", ("cpu", "cuda"))
     _one_of(c.store, "cluster.store", ("tcp", "redis"))
@@ -392,7 +475,7 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     for k, v in c.env.items():
         _require(isinstance(v, str) and k.isidentifier() and k.upper() == k, f"cluster.env.{k}",
                  "environment presets must be UPPER_CASE names with string values")
-    from mega.nccl import check_env  # torch-free: known NCCL/torch-NCCL variables and their ranges
+    from mega.cluster.nccl import check_env  # torch-free: known NCCL/torch-NCCL variables and their ranges
 
     for key, problem in check_env(c.env).items():
         raise ConfigError(f"cluster.env.{key}", problem)
@@ -429,6 +512,38 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
                  f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})")
     return cfg
+
+
+def _validate_launcher(cfg: MegaConfig) -> None:
+    c, la = cfg.cluster, cfg.launcher
+    _one_of(la.name, "launcher.name", LAUNCHERS)
+    for name in c.launchers:
+        _one_of(name, "cluster.launchers", LAUNCHERS)
+    _require(la.name in c.launchers, "launcher.name",
+             f"cluster={c.name} cannot be started by launcher={la.name} (it pairs with {c.launchers})")
+    if la.name == "local":
+        _require(c.nodes == 1, "cluster.nodes",
+                 f"launcher=local starts one node; cluster.nodes={c.nodes} needs launcher=local-nodes "
+                 "(agents on this machine), slurm or kubernetes")
+    if la.name == "local-nodes":
+        _require(c.device == "cpu", "launcher.name",
+                 "launcher=local-nodes runs CPU ranks (cluster.device=cpu); GPU nodes need slurm or kubernetes")
+    for key, value in [("cluster.peak_tflops", c.peak_tflops), ("cluster.memory_gib", c.memory_gib),
+                       ("cluster.memory_tb_per_s", c.memory_tb_per_s), ("cluster.nvlink_gb_per_s", c.nvlink_gb_per_s),
+                       ("cluster.nic_gbit_per_s", c.nic_gbit_per_s), ("launcher.local_nodes.link_mbit",
+                                                                     la.local_nodes.link_mbit)]:
+        _require(value is None or value > 0, key, f"must be positive or null, got {value}")
+    _require(c.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {c.nics_per_node}")
+    _require(0 <= la.rdzv_port < 65536, "launcher.rdzv_port", f"not a port: {la.rdzv_port}")
+    import ipaddress
+
+    try:
+        net = ipaddress.ip_network(la.local_nodes.subnet)
+    except ValueError as err:
+        raise ConfigError("launcher.local_nodes.subnet", str(err)) from None
+    _require(net.version == 4 and net.is_private and net.num_addresses >= c.nodes + 3,
+             "launcher.local_nodes.subnet",
+             f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}")
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:

@@ -41,13 +41,13 @@ def setup_distributed(cfg: MegaConfig) -> dict:
     cluster.group_init way) and seeds; returns how long init took."""
     from megatron.core import tensor_parallel
 
-    from mega import bootstrap, parallel_groups
+    from mega.cluster import parallel_groups, rendezvous
 
     p = cfg.parallelism
     t0 = time.perf_counter()
     if cfg.cluster.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    recorder = bootstrap.init_process_group(cfg)
+    recorder = rendezvous.init_process_group(cfg)
     t1 = time.perf_counter()
     parallel_groups.initialize_model_parallel(
         cfg.cluster.group_init,
@@ -57,7 +57,7 @@ def setup_distributed(cfg: MegaConfig) -> dict:
         create_gloo_process_groups=cfg.cluster.backend == "gloo",
     )
     t2 = time.perf_counter()
-    bootstrap.dump_store_traffic(cfg, recorder, f"train-attempt{os.environ.get('MEGA_ATTEMPT', '0')}")
+    rendezvous.dump_store_traffic(cfg, recorder, f"train-attempt{os.environ.get('MEGA_ATTEMPT', '0')}")
     # megatron seeds the default generator through torch.cuda.manual_seed, a no-op without CUDA.
     torch.manual_seed(cfg.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)

@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mega.bootstrap import StoreNotAvailable, time_process_groups, verify_store
+from mega.cluster.bootstrap import StoreNotAvailable, time_process_groups, verify_store
 from mega.config import MegaConfig
 
 

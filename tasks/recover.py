@@ -1,5 +1,5 @@
 """Prefect tasks of the recovery flow: find runs that should be training but are not, restart one
-from its latest durable checkpoint, and report what was found and done (mega.runs does the work)."""
+from its latest durable checkpoint, and report what was found and done (mega.launch.runs does the work)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mega import runs
+from mega.launch import runs
 from mega.data import prepare_dataset
-from mega.launcher import TrainingFailed, run_training
+from mega.launch import TrainingFailed, run_training
 
 
 def _cancelled_flow_runs(ids: list[str]) -> set[str]:

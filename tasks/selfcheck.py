@@ -10,7 +10,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from mega.config import MegaConfig
-from mega.selfcheck import run_selfcheck, verdict_table
+from mega.cluster.selfcheck import run_selfcheck, verdict_table
 
 
 class NodeUnhealthy(RuntimeError):

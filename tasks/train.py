@@ -9,7 +9,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from mega.config import MegaConfig
-from mega.launcher import TrainingResult, run_training
+from mega.launch import TrainingResult, run_training
 
 
 # No Prefect retries: run_training already relaunches failed ranks from the latest checkpoint

@@ -7,16 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from mega.bootstrap import (
-    connect_tcp_store,
-    new_job_id,
-    rendezvous_env,
-    split_redis_password,
-    start_tcp_store,
-    time_process_groups,
-    verify_store,
-    without_secrets,
-)
+from mega.cluster.bootstrap import connect_tcp_store, start_tcp_store, time_process_groups, verify_store
+from mega.cluster.rendezvous import new_job_id, rendezvous_env, split_redis_password, without_secrets
 from mega.config import compose, from_dict
 
 
@@ -115,7 +107,7 @@ def test_redis_password_travels_by_environment_only():
 def test_training_over_a_password_protected_redis_store(tmp_path, data_index, data_cache):
     """run_training with cluster.store=redis: ranks build their process group on RedisStore; the
     password reaches them only through the environment; init times land in init.json."""
-    from mega.launcher import run_training
+    from mega.launch import run_training
     from mega.store import RedisServer, RedisStore
 
     password = "pw-" + "x7" * 8

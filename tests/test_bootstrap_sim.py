@@ -9,12 +9,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from mega import bootstrap_sim as bs
+from mega.cluster import bootstrap_sim as bs
 from mega.store import RedisServer
 from mega.store.recording import RecordingStore, load_recordings
 
 LAST_WORKER = ":last_worker"
-READY_DONE = ":done"  # mega.parallel_groups.world_barrier's release key
+READY_DONE = ":done"  # mega.cluster.parallel_groups.world_barrier's release key
 
 
 def _is_barrier_release(op) -> bool:

@@ -27,7 +27,7 @@ from botocore.config import Config
 
 from mega.checkpoint import read_save_log
 from mega.config import compose
-from mega.launcher import run_training
+from mega.launch import run_training
 from mega.metrics import read_metrics
 from mega.storage import open_storage
 from mega.storage.seaweed import SeaweedS3

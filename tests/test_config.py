@@ -39,6 +39,16 @@ def test_single_layout_runs_one_process():
     (["parallelism=single", "parallelism.sequence_parallel=true"], "parallelism.sequence_parallel", "tp>1"),
     (["fault.kill_rank=8", "fault.kill_at_step=3"], "fault.kill_rank", "no rank 8 in world 8"),
     (["fault.kill_rank=-1", "fault.kill_at_step=3"], "fault.kill_rank", "no rank -1"),
+    # nodes and launchers: how a run starts must fit what the hardware is
+    (["cluster.nodes=2", "cluster.procs_per_node=4"], "cluster.nodes", "launcher=local starts one node"),
+    (["launcher=local-nodes", "cluster.nodes=3", "cluster.procs_per_node=3"], "cluster.procs_per_node",
+     "3*3=9 does not equal"),
+    (["launcher=slurm"], "launcher.name", "cluster=local-cpu cannot be started by launcher=slurm"),
+    (["cluster=h100-8x", "launcher=local-nodes"], "launcher.name", "cannot be started by launcher=local-nodes"),
+    (["launcher=nope"], "launcher", "'nope'"),
+    (["launcher=local-nodes", "launcher.local_nodes.subnet=8.8.8.0/24"], "launcher.local_nodes.subnet",
+     "private IPv4"),
+    (["cluster.peak_tflops=-1"], "cluster.peak_tflops", "must be positive"),
 ])
 def test_rejection_names_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
@@ -63,12 +73,16 @@ def test_from_dict_names_the_full_dotted_key(data, key):
 # consistent, and the key it is rejected with when composed alone.
 COMPANIONS = {
     "model/gpt-530b": ["parallelism=tp2"],  # 105 layers do not split over pp=2
-    "parallelism/paper-175b-256gpu": ["model=gpt-175b", "cluster=h100-8x", "cluster.nodes=32"],
+    "parallelism/paper-175b-256gpu": ["model=gpt-175b", "cluster=h100-8x", "cluster.nodes=32", "launcher=slurm"],
     "cluster/gpu-1": ["parallelism=single"],  # one GPU, one process
+    "launcher/slurm": ["cluster=h100-8x"],  # the CPU preset pairs with local launchers only
+    "launcher/kubernetes": ["cluster=a100-8x"],
 }
 ALONE_FAILS_WITH = {
     "model/gpt-530b": "parallelism.pp",
     "parallelism/paper-175b-256gpu": "parallelism.tp",  # tiny's 4 heads over tp=8
+    "launcher/slurm": "launcher.name",
+    "launcher/kubernetes": "launcher.name",
 }
 GROUP_OPTIONS = sorted(f"{p.parent.name}/{p.stem}" for p in CONF_DIR.glob("*/*.yaml"))
 

@@ -11,7 +11,7 @@ import torch
 
 from mega.checkpoint import iteration_dir
 from mega.config import ConfigError, compose
-from mega.launcher import run_training
+from mega.launch import run_training
 from mega.optim import lamb as lamb_module
 from mega.optim.lamb import Lamb
 

@@ -1,11 +1,11 @@
-"""NCCL environment presets are checked before launch (mega/nccl.py via mega.config.validate)."""
+"""NCCL environment presets are checked before launch (mega/cluster/nccl.py via mega.config.validate)."""
 
 from __future__ import annotations
 
 import pytest
 
 from mega.config import ConfigError, compose, from_dict
-from mega.nccl import KNOWN, check_env
+from mega.cluster.nccl import KNOWN, check_env
 
 
 @pytest.mark.parametrize("preset", ["h100-8x", "gpu-1"])

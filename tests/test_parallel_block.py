@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mega.config import ConfigError, compose, from_dict
-from mega.launcher import run_training
+from mega.launch import run_training
 
 # A small model whose every TP split is even: 2 layers, 4 heads of 8, ffn 128, seq 16.
 MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,

@@ -1,4 +1,4 @@
-"""Barrier-light group creation (mega/parallel_groups.py) builds exactly megatron-core's groups.
+"""Barrier-light group creation (mega/cluster/parallel_groups.py) builds exactly megatron-core's groups.
 
 Real gloo worlds of 4 and 8 processes build megatron-core's model-parallel groups for several
 layouts, first the upstream way (``default``) and then members-only (``light``), and compare every
@@ -21,8 +21,8 @@ from datetime import timedelta
 
 import pytest
 
-from mega import bootstrap_sim as bs
-from mega import parallel_groups
+from mega.cluster import bootstrap_sim as bs
+from mega.cluster import parallel_groups
 from mega.config import compose, save
 from mega.store.recording import load_recordings
 
@@ -202,7 +202,7 @@ def _groups_rank(rank: int, world: int, port: int, layouts, results) -> None:
 
 def _run_world(world: int, target, args_for, timeout_s: float = 240) -> dict:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.parallel_groups",
+    ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.cluster.parallel_groups",
                                 "mega.store.recording", "mega.train"])
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args_for(rank), results), daemon=True) for rank in range(world)]
@@ -289,7 +289,7 @@ def test_relied_on_sources_unchanged(target):
     from mega.megatron_cpu import source_fingerprint
 
     assert source_fingerprint(target) == parallel_groups.RELIED_ON_SOURCES[target], (
-        f"{target} changed: re-verify mega/parallel_groups.py against it"
+        f"{target} changed: re-verify mega/cluster/parallel_groups.py against it"
     )
 
 

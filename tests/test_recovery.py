@@ -1,4 +1,4 @@
-"""Recovery of runs that should be training but are not: the run registry (mega.runs), a real
+"""Recovery of runs that should be training but are not: the run registry (mega.launch.runs), a real
 launcher killed mid-run and restarted by the `recover` flow onto the uninterrupted loss curve, and
 the `recover-runs` deployment, schedule and automation of infra/prefect.yaml under real Prefect."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect_pool import ensure_work_pool
 
-from mega import runs
+from mega.launch import runs
 from mega.config import compose, from_dict, save
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ def test_bad_state_and_unreadable_config_are_errors_not_crashes(tmp_path):
 def test_claim_is_exclusive_across_processes(tmp_path):
     run_dir = make_run(tmp_path, "run", pid=dead_pid())
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mega import runs\n"
+        [sys.executable, "-c", "import sys, time; from mega.launch import runs\n"
                                "with runs.hold(sys.argv[1], 'other recovery'):\n"
                                "    print('held', flush=True); time.sleep(60)", str(run_dir)],
         cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -145,7 +145,7 @@ def test_claim_is_exclusive_across_processes(tmp_path):
     with runs.hold(run_dir, "me"):
         with runs.hold(run_dir, "me again"):
             assert not runs.held_elsewhere(run_dir)
-        probe = subprocess.run([sys.executable, "-c", "import sys; from mega import runs; "
+        probe = subprocess.run([sys.executable, "-c", "import sys; from mega.launch import runs; "
                                 "print(runs.held_elsewhere(sys.argv[1]))", str(run_dir)],
                                cwd=REPO, capture_output=True, text=True, check=True)
         assert probe.stdout.strip() == "True"
@@ -196,7 +196,7 @@ def overrides(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_index, data_cache):
     """The uninterrupted run every recovered one must reproduce (bit-exact on CPU)."""
-    from mega.launcher import run_training
+    from mega.launch import run_training
 
     run_dir = tmp_path_factory.mktemp("reference")
     result = run_training(compose(overrides(run_dir, data_cache)), data_index)
@@ -225,7 +225,7 @@ def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, 
     hang_at_step_4 = overrides(run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "fault.mode=hang")
     cfg = compose(hang_at_step_4)
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from mega import config; from mega.launcher import run_training\n"
+        [sys.executable, "-c", "import sys; from mega import config; from mega.launch import run_training\n"
                                "run_training(config.compose(sys.argv[2:]), sys.argv[1])",
          str(data_index), *hang_at_step_4],
         cwd=REPO, start_new_session=True)
@@ -317,7 +317,7 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
 
     from flows.pretrain import pretrain
     from flows.recover import recover
-    from mega.launcher import TrainingFailed
+    from mega.launch import TrainingFailed
     from mega.metrics import read_metrics
 
     deploy_all()

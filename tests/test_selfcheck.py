@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mega.config import from_dict
-from mega.selfcheck import node_verdict, run_selfcheck, verdict_table
+from mega.cluster.selfcheck import node_verdict, run_selfcheck, verdict_table
 
 
 def node_config(**cluster):
@@ -85,7 +85,7 @@ def test_node_verdict(rows, expected, reason):
 
 
 def test_library_modules_import_neither_prefect_nor_gpu_packages():
-    code = ("import sys, mega.selfcheck, mega.bootstrap, mega.report; "
+    code = ("import sys, mega.cluster.selfcheck, mega.cluster.bootstrap, mega.report; "
             "bad = [m for m in ('prefect', 'megatron', 'transformer_engine', 'apex', 'flash_attn') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

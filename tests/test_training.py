@@ -7,7 +7,7 @@ import pytest
 
 from mega.checkpoint import read_latest
 from mega.config import compose
-from mega.launcher import TrainingFailed, run_training
+from mega.launch import TrainingFailed, run_training
 from mega.metrics import read_metrics
 
 STEPS = 4

@@ -1,13 +1,13 @@
 """``python -m mega.bench bootstrap --ranks 256,1024,2048,4096,12288 [--max-seconds S] [--out DIR]``
 Start-up store traffic at scale: megatron-core's group creation for N simulated ranks, replayed
-against a real server by ``mega.bootstrap_sim`` (one client connection per rank).
+against a real server by ``mega.cluster.bootstrap_sim`` (one client connection per rank).
 
 Rows (``strategy``):
 
 * ``default-tcpstore``: megatron's pattern (every rank calls ``new_group`` for every group, a
   world-wide store barrier after each) on torch's TCPStore server
 * ``default-redis``: the same on Redis (``mega.store.RedisStore``'s commands)
-* ``light-redis``: barrier-light creation (``mega.parallel_groups`` ``light``: each group by its
+* ``light-redis``: barrier-light creation (``mega.cluster.parallel_groups`` ``light``: each group by its
   members only, no barrier per group, one world barrier once all exist) on Redis
 
 Layout: TP=8 x PP=8 x DP=N/64 (``conf/parallelism/paper-175b-256gpu.yaml``'s TP and PP), NCCL
@@ -46,7 +46,7 @@ TARGETS = {"light_redis_s_at_2048": 5.0, "light_redis_s_at_12288": 30.0, "speedu
 
 
 def layout_for(ranks: int, tp: int = TP, pp: int = PP):
-    from mega.bootstrap_sim import Layout
+    from mega.cluster.bootstrap_sim import Layout
 
     if ranks % (tp * pp):
         raise ValueError(f"--ranks: {ranks} is not a multiple of tp*pp={tp * pp}")
@@ -72,7 +72,7 @@ def extrapolate(points: list[tuple[int, float]], k: float | None, n: int) -> flo
 
 
 def _run_point(name: str, ranks: int, max_seconds: float, workers: int, tp: int, pp: int) -> dict[str, Any]:
-    from mega.bootstrap_sim import plan_counts, simulate
+    from mega.cluster.bootstrap_sim import plan_counts, simulate
     from mega.store import RedisServer
 
     strategy, store = STRATEGIES[name]
@@ -97,7 +97,7 @@ def _run_point(name: str, ranks: int, max_seconds: float, workers: int, tp: int,
 
 
 def _skipped(name: str, ranks: int, tp: int, pp: int) -> dict[str, Any]:
-    from mega.bootstrap_sim import plan_counts
+    from mega.cluster.bootstrap_sim import plan_counts
 
     strategy, _ = STRATEGIES[name]
     planned = sum(plan_counts(strategy, layout_for(ranks, tp, pp)).values())

@@ -33,7 +33,7 @@ def prepare_data(cfg: MegaConfig) -> Path:
 
 def train(cfg: MegaConfig, index: Path):
     """Run the training job to ``train.steps``; returns the launcher's ``TrainingResult``."""
-    from mega.launcher import run_training
+    from mega.launch import run_training
 
     return run_training(cfg, index, log=log)
 

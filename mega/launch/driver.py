@@ -1,28 +1,23 @@
-"""Launch and watch training processes: torchrun jobs, and the checkpoint-and-restart loop.
+"""The driver: train to ``train.steps``, relaunching the job from ``latest`` when it fails.
 
-Ranks are processes started by torchrun (or a scheduler), never in-process work: ``torchrun``
-runs one job in its own session so that a timeout, a stall or Ctrl-C kills every rank it started;
+Ranks are processes started by torchrun (mega/launch/torchrun.py), never in-process work;
 ``run_training`` relaunches a failed job from the checkpoint ``latest`` with bounded attempts
 and exponential backoff.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mega import bootstrap, runs
 from mega import config as mega_config
+from mega.cluster import rendezvous
 from mega.config import MegaConfig
+from mega.launch import runs
+from mega.launch.torchrun import TIMEOUT_EXIT, torchrun
 from mega.metrics import METRICS_FILE, read_metrics
-
-TIMEOUT_EXIT = 124
 
 
 class TrainingFailed(RuntimeError):
@@ -38,84 +33,11 @@ class TrainingResult:
     init: dict = field(default_factory=dict)
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-
-def torchrun(
-    module: str,
-    args: list[str],
-    nproc: int,
-    *,
-    env: dict | None = None,
-    timeout_s: float | None = None,
-    log_path: Path | None = None,
-    progress_file: Path | None = None,
-    stall_timeout_s: float | None = None,
-    on_poll: Callable[[], None] | None = None,
-) -> int:
-    """Run ``module`` on ``nproc`` local ranks; return the exit code (124 on timeout or stall).
-
-    ``progress_file``: a file the job appends to as it makes progress; when it has not changed for
-    ``stall_timeout_s`` the job is taken as hung and killed, rather than waited on forever.
-    A file that exists before the launch counts as progress only once it changes.
-    ``on_poll``: called about once a second while the ranks run (the run record's heartbeat).
-    """
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", "--max-restarts=0",
-        "-m", module, *args,
-    ]
-    full_env = {**os.environ, **(env or {})}
-    out = open(log_path, "ab") if log_path else None
-    try:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
-        started = last_progress = time.monotonic()
-        initial_mtime = progress_file.stat().st_mtime if progress_file and progress_file.exists() else None
-        last_mtime = None
-        while True:
-            try:
-                return proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
-            if on_poll is not None:
-                on_poll()
-            now = time.monotonic()
-            if progress_file is not None and progress_file.exists():
-                mtime = progress_file.stat().st_mtime
-                if mtime != last_mtime and mtime != initial_mtime:
-                    last_mtime, last_progress = mtime, now
-            if timeout_s is not None and now - started > timeout_s:
-                _kill_session(proc)
-                return TIMEOUT_EXIT
-            # Start-up (imports, process groups, checkpoint load) is bounded by the ranks' own
-            # collective timeouts; the stall clock runs from the first sign of progress.
-            if stall_timeout_s is not None and last_mtime is not None and now - last_progress > stall_timeout_s:
-                _kill_session(proc)
-                return TIMEOUT_EXIT
-    except BaseException:
-        if "proc" in locals() and proc.poll() is None:
-            _kill_session(proc)
-        raise
-    finally:
-        if out:
-            out.close()
-
-
 def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
                  flow_run_id: str | None = None, recovery: bool = False) -> TrainingResult:
     """Train to ``train.steps``; when the ranks die or hang, restart them from ``latest``.
 
-    While it runs, the run's record (``<run_dir>/run.json``, mega.runs) says training, with a
+    While it runs, the run's record (``<run_dir>/run.json``, mega.launch.runs) says training, with a
     heartbeat; after, completed or failed. ``flow_run_id`` names the flow run driving it and
     ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
     (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
@@ -124,7 +46,7 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     run_dir.mkdir(parents=True, exist_ok=True)
     with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
                     target_steps=cfg.train.steps, flow_run_id=flow_run_id, recovery=recovery) as run, \
-            bootstrap.rendezvous_env(cfg) as store_env:  # cluster.store=redis: URL, job id (, server)
+            rendezvous.rendezvous_env(cfg) as store_env:  # cluster.store=redis: URL, job id (, server)
         result = _train_with_restarts(cfg, index_path, log, run, store_env)
         run.finish("completed", result.final_step)
         return result
@@ -140,7 +62,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
-    mega_config.save(bootstrap.without_secrets(cfg), config_path)  # ranks get the password by env
+    mega_config.save(rendezvous.without_secrets(cfg), config_path)  # ranks get the password by env
     args = ["--config", str(config_path), "--data-index", str(index_path)]
     env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
 
@@ -167,7 +89,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         )
         attempts += 1
         try:
-            dropped = bootstrap.drop_attempt_keys(store_env, n)
+            dropped = rendezvous.drop_attempt_keys(store_env, n)
         except Exception as e:  # noqa: BLE001 - the keys expire anyway (RedisStore's TTL)
             log(f"attempt {n}: could not drop its store keys ({type(e).__name__}); they expire by TTL")
         else:

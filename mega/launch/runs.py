@@ -1,6 +1,6 @@
 """Run registry: each run directory says what its run should be doing, in ``run.json``.
 
-The launcher (``mega.launcher.run_training``) owns the record of the run it drives::
+The launcher (``mega.launch.run_training``) owns the record of the run it drives::
 
     state         training | completed | failed | stopped
     config        the resolved config (``<run_dir>/config.json``), data_index: the data index

@@ -4,7 +4,7 @@ MegaScale (NSDI'24, section 4.2) screens every node with light-weight self-check
 starts, so a slow GEMM unit or a broken link is found in seconds instead of as a hang hours in.
 This module is both:
 
-* a torchrun job (``python -m mega.selfcheck --out result.json ...``): every rank of the node
+* a torchrun job (``python -m mega.cluster.selfcheck --out result.json ...``): every rank of the node
   checks its matrix unit (float32 GEMM vs a float64 reference, and GFLOP/s) and its links
   (all-to-all between the node's ranks: every rank must receive exactly what the others sent,
   and at what MB/s; on GPUs also an NCCL all-reduce); rank 0 gathers the rows and writes the
@@ -225,7 +225,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mega.selfcheck", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mega.cluster.selfcheck", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="result.json written by rank 0")
     p.add_argument("--min-gemm-gflops", type=float, required=True)
     p.add_argument("--min-alltoall-mb-per-s", type=float, required=True)
@@ -247,7 +247,7 @@ def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = 
     ``exit_code``, ``elapsed_s`` and ``result_path``. A job that crashes or times out yields
     ``healthy: False`` with the reason, never an exception or a hang.
     """
-    from mega.launcher import torchrun
+    from mega.launch import torchrun
 
     c = cfg.cluster
     out_dir = Path(out_dir)
@@ -263,7 +263,7 @@ def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = 
         args += ["--fail-rank", str(fail_rank)]
 
     start = time.perf_counter()
-    code = torchrun("mega.selfcheck", args, c.procs_per_node, env=dict(c.env), timeout_s=timeout_s,
+    code = torchrun("mega.cluster.selfcheck", args, c.procs_per_node, env=dict(c.env), timeout_s=timeout_s,
                     log_path=out_dir / "selfcheck.log")
     elapsed = time.perf_counter() - start
 

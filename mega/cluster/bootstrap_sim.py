@@ -15,7 +15,7 @@ of real ranks, ``tests/test_bootstrap_sim.py``):
   order of ``new_group`` calls (ranks, gloo or default backend) of the layout, no hand-written copy.
 * **init_process_group** (default group "0", on the store as given) and every ``new_group``:
   torch names the i-th group ``str(i)`` and gives it ``PrefixStore("<name>/", default store)``;
-  the default store is ``PrefixStore("0/", store)``. ``light`` (``mega.parallel_groups``) keeps
+  the default store is ``PrefixStore("0/", store)``. ``light`` (``mega.cluster.parallel_groups``) keeps
   those names (torch's own hashed names would differ between members, see that module).
 * **Backend rendezvous of the members**: gloo (recorded): ``set(<p>cpu//0/<group rank>)``, then
   for every member ``j``: ``wait(<p>cpu//0/<j>)`` and ``get(<p>cpu//0/<j>)`` -- a full mesh,
@@ -30,7 +30,7 @@ of real ranks, ``tests/test_bootstrap_sim.py``):
   store; with it, only the members, on the group's store.
 
 Strategies: ``default`` is megatron's pattern (every rank calls ``new_group`` for every group,
-world-wide barrier each time); ``light`` is ``mega.parallel_groups``' members-only creation with
+world-wide barrier each time); ``light`` is ``mega.cluster.parallel_groups``' members-only creation with
 ``use_local_synchronization=True``: no barrier per group, one world barrier once every group
 exists (``add`` + ``wait`` per rank on ``mega_groups_ready:1``, one ``set`` of its ``:done`` key by
 the rank completing the count). With the barrier off both issue the same operations. ``plan_counts`` gives the operations
@@ -60,7 +60,7 @@ from datetime import timedelta
 from functools import lru_cache
 from typing import Any, Callable, Generator, Iterator
 
-from mega.parallel_groups import READY_BARRIER_PREFIX
+from mega.cluster.parallel_groups import READY_BARRIER_PREFIX
 
 __all__ = ["STRATEGIES", "STORES", "Layout", "megatron_groups", "rank_program", "plan_counts",
            "run_in_memory", "simulate", "TCPStoreServer", "record_real_ranks"]
@@ -201,7 +201,7 @@ def rank_program(strategy: str, layout: Layout, rank: int,
                 yield from _rendezvous(f"{root}{name}//", m.gloo, m.group_rank, len(m.ranks))
             if layout.barrier:
                 yield from _barrier(root, name, world)
-    else:  # mega.parallel_groups "light": members only, each group under default's name
+    else:  # mega.cluster.parallel_groups "light": members only, each group under default's name
         for m in mine:
             name = str(m.index + 1)
             yield from _rendezvous(f"{root}{name}//", m.gloo, m.group_rank, len(m.ranks))
@@ -210,7 +210,7 @@ def rank_program(strategy: str, layout: Layout, rank: int,
 
 
 def _ready_barrier(store_prefix: str, size: int) -> Generator[Op, Any, None]:
-    """mega.parallel_groups.world_barrier after light creation (the first group is named "1")."""
+    """mega.cluster.parallel_groups.world_barrier after light creation (the first group is named "1")."""
     key = f"{store_prefix}{READY_BARRIER_PREFIX}:1"
     arrived = yield ("add", key, 1)
     if arrived == size:
@@ -826,7 +826,7 @@ def _record_rank(rank: int, world: int, port: int, tp: int, pp: int, strategies:
         from megatron.core import parallel_state
         from torch.distributed import PrefixStore, TCPStore
 
-        from mega import parallel_groups
+        from mega.cluster import parallel_groups
         from mega.store.recording import RecordingStore
 
         timeout = timedelta(seconds=60)
@@ -851,7 +851,7 @@ def _record_rank(rank: int, world: int, port: int, tp: int, pp: int, strategies:
 def record_real_ranks(strategies: tuple[str, ...], world: int, tp: int, pp: int, *, gloo_groups: bool = True,
                       barrier: bool = True, timeout_s: float = 150.0) -> dict[str, dict[int, dict[str, Any]]]:
     """Run ``world`` real gloo ranks (processes; forkserver with torch and megatron-core preloaded)
-    that create megatron's groups with each of ``strategies`` in turn (``mega.parallel_groups``)
+    that create megatron's groups with each of ``strategies`` in turn (``mega.cluster.parallel_groups``)
     over a TCPStore wrapped in ``RecordingStore``. Returns ``{strategy: {rank: {"rank", "counts",
     "ops"}}}``. ``barrier`` sets TORCH_DIST_INIT_BARRIER in the ranks."""
     import multiprocessing as mp
@@ -860,7 +860,7 @@ def record_real_ranks(strategies: tuple[str, ...], world: int, tp: int, pp: int,
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.parallel_groups",
+    ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.cluster.parallel_groups",
                                 "mega.store.recording"])
     results = ctx.Queue()
     procs = [ctx.Process(target=_record_rank, args=(r, world, server.port, tp, pp, tuple(strategies),
@@ -883,7 +883,7 @@ def record_real_ranks(strategies: tuple[str, ...], world: int, tp: int, pp: int,
     return {s: {row["rank"]: row["recordings"][s] for row in rows} for s in strategies}
 
 
-if __name__ == "__main__":  # python -m mega.bootstrap_sim STRATEGY STORE N [TP PP]: one replay, JSON
+if __name__ == "__main__":  # python -m mega.cluster.bootstrap_sim STRATEGY STORE N [TP PP]: one replay, JSON
     strategy, store, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
     tp, pp = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (8, 8)
     lay = Layout(n, tp, pp)

@@ -5,21 +5,18 @@ building the many communicator groups of 3D parallelism; both are measured here 
 
 * ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``cluster.redis_url`` / a local
   redis-server), connect a client, time set/get/add/wait round trips.
-* ``time_process_groups(cfg)``: a torchrun job (``python -m mega.bootstrap``) over the config's
+* ``time_process_groups(cfg)``: a torchrun job (``python -m mega.cluster.bootstrap``) over the config's
   world that times ``init_process_group`` (over ``cluster.store``) and megatron-core's
-  model-parallel groups (built the ``cluster.group_init`` way, mega/parallel_groups.py) and
+  model-parallel groups (built the ``cluster.group_init`` way, mega/cluster/parallel_groups.py) and
   reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init"}.
-* ``rendezvous_env(cfg)`` (launcher side) and ``init_process_group(cfg)`` (rank side) wire the
-  configured store into a job: with ``cluster.store=redis`` the launcher passes the Redis URL
-  (password split off into ``$MEGA_REDIS_PASSWORD``), a job id and the attempt to the ranks
-  through the environment, starting a local redis-server for the job when no URL is configured.
+
+How a job's ranks reach the store is mega/cluster/rendezvous.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -30,8 +27,10 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
-from urllib.parse import unquote, urlsplit
+from typing import TYPE_CHECKING, Any
+
+from mega.cluster.rendezvous import (ATTEMPT_ENV, drop_attempt_keys, dump_store_traffic, init_process_group,
+                                     redis_server_url, rendezvous_env, without_secrets)
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -39,12 +38,6 @@ if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 STORE_OPS = 50  # round trips per operation kind: enough for a stable median on loopback
-
-# What a launcher hands its ranks for cluster.store=redis (never the config: it is saved to disk)
-REDIS_URL_ENV = "MEGA_REDIS_URL"  # the server's URL, without a password
-REDIS_PASSWORD_ENV = "MEGA_REDIS_PASSWORD"  # RedisStore's fallback when the URL has no password
-JOB_ID_ENV = "MEGA_JOB_ID"  # one per launch: the store namespace of this job
-ATTEMPT_ENV = "MEGA_ATTEMPT"  # the restart count: a restarted job never reads a dead attempt's keys
 
 
 class StoreNotAvailable(NotImplementedError):
@@ -104,7 +97,6 @@ def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
     namespace is dropped afterwards and a local server stopped. The host/port reported are the
     Redis server's (never its credentials).
     """
-    import uuid
 
     from mega.store import RedisStore
 
@@ -161,138 +153,6 @@ def _expect(cond: bool, message: str) -> None:
     if not cond:
         raise RuntimeError(f"rendezvous store check failed: {message}")
 
-
-# ---------------------------------------------------------------------------------------------
-# The store in a job: launcher side and rank side
-
-
-def new_job_id(cfg: "MegaConfig") -> str:
-    """A store namespace unique to one launch (layout name, UTC time, random suffix)."""
-    layout = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in cfg.parallelism.name)[:64]
-    return f"{layout}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
-
-
-def split_redis_password(url: str) -> tuple[str, str | None]:
-    """(the URL without its password, the password or None); the user name stays in the URL."""
-    parts = urlsplit(url)
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url, None
-    user, _, password = userinfo.partition(":")
-    return parts._replace(netloc=f"{user}@{hostport}" if user else hostport).geturl(), unquote(password)
-
-
-def without_secrets(cfg: "MegaConfig") -> "MegaConfig":
-    """cfg with any password removed from cluster.redis_url: what may be saved next to a run."""
-    if cfg.cluster.redis_url is None:
-        return cfg
-    public, _ = split_redis_password(cfg.cluster.redis_url)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
-
-
-@contextlib.contextmanager
-def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None) -> Iterator[dict[str, str]]:
-    """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
-
-    tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
-    password), ``MEGA_REDIS_PASSWORD`` when the URL had one, ``MEGA_JOB_ID``; without
-    ``cluster.redis_url`` a local redis-server (127.0.0.1) runs for the block. The launcher adds
-    ``MEGA_ATTEMPT`` per launch. Nothing here is printed: the values may be secret.
-    """
-    if cfg.cluster.store != "redis":
-        yield {}
-        return
-    with redis_server_url(cfg) as url:
-        public, password = split_redis_password(url)
-        env = {REDIS_URL_ENV: public, JOB_ID_ENV: job_id or new_job_id(cfg)}
-        if password is not None:
-            env[REDIS_PASSWORD_ENV] = password
-        yield env
-
-
-@contextlib.contextmanager
-def redis_server_url(cfg: "MegaConfig") -> Iterator[str]:
-    """``cluster.redis_url``, or the URL of a local redis-server (127.0.0.1) running for the block."""
-    c = cfg.cluster
-    if c.redis_url is not None:
-        yield c.redis_url
-        return
-    if not c.start_local_redis:
-        raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
-                         "or cluster.start_local_redis=true")
-    from mega.store import RedisServer
-
-    server = RedisServer(host="127.0.0.1").start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
-    """After an attempt's ranks are gone: delete its store namespace (Redis), so a shared server
-    keeps no dead rendezvous keys; returns how many Redis keys went (None for the tcp store, whose
-    server ends with torchrun). A restarted attempt never reads them anyway (its own namespace)."""
-    url = store_env.get(REDIS_URL_ENV)
-    if not url:
-        return None
-    from mega.store import RedisStore
-
-    store = RedisStore(url, job_id=store_env[JOB_ID_ENV], attempt=attempt,
-                       password=store_env.get(REDIS_PASSWORD_ENV))
-    try:
-        return store.drop_namespace()
-    finally:
-        store.close()
-
-
-def init_process_group(cfg: "MegaConfig"):
-    """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
-
-    tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
-    namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
-    Returns the ``RecordingStore`` every store operation goes through when
-    ``cluster.record_store`` is set (``dump_store_traffic`` writes it), else None.
-    """
-    import torch.distributed as dist
-
-    c = cfg.cluster
-    timeout = timedelta(seconds=c.pg_timeout_s)
-    if c.store != "redis" and not c.record_store:
-        dist.init_process_group(c.backend, timeout=timeout)
-        return None
-    if c.store == "redis":
-        from mega.store import RedisStore
-
-        url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
-        if not url or not job_id:
-            raise RuntimeError(f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
-                               "launch ranks through mega.launcher (run_training) or mega.bootstrap")
-        store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    else:
-        # what init_process_group(init_method="env://") does inside (torchrun's agent store or
-        # MASTER_ADDR:MASTER_PORT, then a "default_pg" prefix), so that the recorder sits in between
-        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-        store.set_timeout(timeout)
-        store = dist.PrefixStore("default_pg", store)
-    recorder = None
-    if c.record_store:
-        from mega.store.recording import RecordingStore
-
-        store = recorder = RecordingStore(store, rank=rank)
-    dist.init_process_group(c.backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return recorder
-
-
-def dump_store_traffic(cfg: "MegaConfig", recorder, part: str) -> Path | None:
-    """Write what ``recorder`` saw so far to ``<train.run_dir>/store-traffic/<part>/rank-<r>.json``
-    (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder."""
-    if recorder is None:
-        return None
-    return recorder.dump(Path(cfg.train.run_dir) / "store-traffic" / part)
-
-
 # ---------------------------------------------------------------------------------------------
 # Process-group initialization timing (torchrun job)
 
@@ -307,7 +167,7 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     Raises RuntimeError when the job fails or times out.
     """
     from mega.config import save
-    from mega.launcher import torchrun
+    from mega.launch import torchrun
 
     c = cfg.cluster
     if c.nodes != 1:
@@ -321,7 +181,7 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
     timeout_s = timeout_s or c.pg_timeout_s + 120.0
     with rendezvous_env(cfg) as store_env:
-        code = torchrun("mega.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
+        code = torchrun("mega.cluster.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
                         c.procs_per_node, env={**c.env, **store_env, ATTEMPT_ENV: "0"},
                         timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
         try:
@@ -335,7 +195,7 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
 
 
 def _rank_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mega.bootstrap", description="time process-group init")
+    p = argparse.ArgumentParser(prog="python -m mega.cluster.bootstrap", description="time process-group init")
     p.add_argument("--config", required=True, help="config.json (mega.config.save)")
     p.add_argument("--out", required=True, help="result.json written by rank 0")
     args = p.parse_args(argv)
@@ -363,7 +223,7 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from mega import parallel_groups
+    from mega.cluster import parallel_groups
 
     c, p = cfg.cluster, cfg.parallelism
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

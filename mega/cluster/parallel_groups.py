@@ -154,7 +154,7 @@ def members_only_group_creation() -> Iterator[None]:
             next_name.clear()
         if unnamed:  # torch named the group some other way: members could disagree on the name
             raise RuntimeError("torch.distributed.new_group did not name the group through "
-                               "_process_group_name; re-verify mega/parallel_groups.py")
+                               "_process_group_name; re-verify mega/cluster/parallel_groups.py")
         return group
 
     base = c10d._world.group_count

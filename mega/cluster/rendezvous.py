@@ -1,0 +1,159 @@
+"""How the ranks of one job reach the rendezvous store: the launcher side and the rank side.
+
+* ``rendezvous_env(cfg)`` (launcher side): with ``cluster.store=redis`` the launcher passes the
+  Redis URL (password split off into ``$MEGA_REDIS_PASSWORD``), a job id and the attempt to the
+  ranks through the environment, starting a local redis-server for the job when no URL is
+  configured; tcp needs nothing (torchrun's store).
+* ``init_process_group(cfg)`` (rank side): ``torch.distributed.init_process_group`` over the
+  configured store, optionally recording every store operation (``cluster.record_store``).
+* ``drop_attempt_keys``: an attempt's Redis namespace, deleted once its ranks are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+from urllib.parse import unquote, urlsplit
+
+if TYPE_CHECKING:
+    from mega.config import MegaConfig
+
+# What a launcher hands its ranks for cluster.store=redis (never the config: it is saved to disk)
+REDIS_URL_ENV = "MEGA_REDIS_URL"  # the server's URL, without a password
+REDIS_PASSWORD_ENV = "MEGA_REDIS_PASSWORD"  # RedisStore's fallback when the URL has no password
+JOB_ID_ENV = "MEGA_JOB_ID"  # one per launch: the store namespace of this job
+ATTEMPT_ENV = "MEGA_ATTEMPT"  # the restart count: a restarted job never reads a dead attempt's keys
+
+
+def new_job_id(cfg: "MegaConfig") -> str:
+    """A store namespace unique to one launch (layout name, UTC time, random suffix)."""
+    layout = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in cfg.parallelism.name)[:64]
+    return f"{layout}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def split_redis_password(url: str) -> tuple[str, str | None]:
+    """(the URL without its password, the password or None); the user name stays in the URL."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url, None
+    user, _, password = userinfo.partition(":")
+    return parts._replace(netloc=f"{user}@{hostport}" if user else hostport).geturl(), unquote(password)
+
+
+def without_secrets(cfg: "MegaConfig") -> "MegaConfig":
+    """cfg with any password removed from cluster.redis_url: what may be saved next to a run."""
+    if cfg.cluster.redis_url is None:
+        return cfg
+    public, _ = split_redis_password(cfg.cluster.redis_url)
+    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
+
+
+@contextlib.contextmanager
+def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None) -> Iterator[dict[str, str]]:
+    """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
+
+    tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
+    password), ``MEGA_REDIS_PASSWORD`` when the URL had one, ``MEGA_JOB_ID``; without
+    ``cluster.redis_url`` a local redis-server (127.0.0.1) runs for the block. The launcher adds
+    ``MEGA_ATTEMPT`` per launch. Nothing here is printed: the values may be secret.
+    """
+    if cfg.cluster.store != "redis":
+        yield {}
+        return
+    with redis_server_url(cfg) as url:
+        public, password = split_redis_password(url)
+        env = {REDIS_URL_ENV: public, JOB_ID_ENV: job_id or new_job_id(cfg)}
+        if password is not None:
+            env[REDIS_PASSWORD_ENV] = password
+        yield env
+
+
+@contextlib.contextmanager
+def redis_server_url(cfg: "MegaConfig") -> Iterator[str]:
+    """``cluster.redis_url``, or the URL of a local redis-server (127.0.0.1) running for the block."""
+    c = cfg.cluster
+    if c.redis_url is not None:
+        yield c.redis_url
+        return
+    if not c.start_local_redis:
+        raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
+                         "or cluster.start_local_redis=true")
+    from mega.store import RedisServer
+
+    server = RedisServer(host="127.0.0.1").start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
+    """After an attempt's ranks are gone: delete its store namespace (Redis), so a shared server
+    keeps no dead rendezvous keys; returns how many Redis keys went (None for the tcp store, whose
+    server ends with torchrun). A restarted attempt never reads them anyway (its own namespace)."""
+    url = store_env.get(REDIS_URL_ENV)
+    if not url:
+        return None
+    from mega.store import RedisStore
+
+    store = RedisStore(url, job_id=store_env[JOB_ID_ENV], attempt=attempt,
+                       password=store_env.get(REDIS_PASSWORD_ENV))
+    try:
+        return store.drop_namespace()
+    finally:
+        store.close()
+
+
+def init_process_group(cfg: "MegaConfig"):
+    """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
+
+    tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
+    namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
+    Returns the ``RecordingStore`` every store operation goes through when
+    ``cluster.record_store`` is set (``dump_store_traffic`` writes it), else None.
+    """
+    import torch.distributed as dist
+
+    c = cfg.cluster
+    timeout = timedelta(seconds=c.pg_timeout_s)
+    if c.store != "redis" and not c.record_store:
+        dist.init_process_group(c.backend, timeout=timeout)
+        return None
+    if c.store == "redis":
+        from mega.store import RedisStore
+
+        url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
+        if not url or not job_id:
+            raise RuntimeError(f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
+                               "launch ranks through mega.launch (run_training) or mega.cluster.bootstrap")
+        store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    else:
+        # what init_process_group(init_method="env://") does inside (torchrun's agent store or
+        # MASTER_ADDR:MASTER_PORT, then a "default_pg" prefix), so that the recorder sits in between
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        store = dist.PrefixStore("default_pg", store)
+    recorder = None
+    if c.record_store:
+        from mega.store.recording import RecordingStore
+
+        store = recorder = RecordingStore(store, rank=rank)
+    dist.init_process_group(c.backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return recorder
+
+
+def dump_store_traffic(cfg: "MegaConfig", recorder, part: str) -> Path | None:
+    """Write what ``recorder`` saw so far to ``<train.run_dir>/store-traffic/<part>/rank-<r>.json``
+    (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder."""
+    if recorder is None:
+        return None
+    return recorder.dump(Path(cfg.train.run_dir) / "store-traffic" / part)
+
