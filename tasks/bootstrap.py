@@ -54,4 +54,9 @@ def time_process_group_init(cfg: MegaConfig, out_dir: str | Path) -> dict[str, A
     logger.info("init_process_group %.3f s (%s store), initialize_model_parallel %.3f s (%s groups), "
                 "max over %d ranks", init["pg_init_s"], init["store"], init["model_parallel_init_s"],
                 init["group_init"], init["world_size"])
+    ph = init["phases"]
+    logger.info("start-up of the timing job: %.1f s in all; process start %.1f s, imports %.1f s, waiting for "
+                "the slowest rank's imports %.2f s, groups %.2f s, exit %.1f s", init["job_s"], ph["spawn_s"] or 0.0,
+                ph["import_s"], ph["import_skew_s"] or 0.0, init["pg_init_s"] + init["model_parallel_init_s"],
+                init["exit_s"])
     return init

@@ -30,31 +30,60 @@ def test_bench_rejects_a_bad_config_naming_the_key():
 
 def test_bench_bootstrap_prints_results_and_plot(tmp_path):
     """Tiny N (TP=2 x PP=2): schema of the last line, every point replayed to the end on its real
-    server with the planned operations, and store operations growing as modelled."""
+    server with the planned operations, store operations growing as modelled, and one real-rank
+    row (a 2-rank tp2 timing job, light groups) with its start-up phases."""
     out = subprocess.run(
         [sys.executable, "-m", "mega.bench", "bootstrap", "--ranks", "8,16", "--tp", "2", "--pp", "2",
-         "--probe-ranks", "", "--max-seconds", "300", "--out", str(tmp_path), "--json"],
+         "--probe-ranks", "", "--max-seconds", "300", "--real", "tp2", "--real-group-init", "light",
+         "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     rows = result["results"]
-    assert [(r["strategy"], r["ranks"]) for r in rows] == [
-        (s, n) for s in ("default-tcpstore", "default-redis", "light-redis") for n in (8, 16)]
+    names = ("torch-default-tcpstore", "per-group-barrier-tcpstore", "per-group-barrier-redis", "light-redis",
+             "light-barrier-redis")
+    assert [(r["strategy"], r["ranks"]) for r in rows] == [(s, n) for s in names for n in (8, 16)]
+    assert result["baseline"] == "torch-default-tcpstore"
     for r in rows:
-        assert {"strategy", "ranks", "seconds", "store_ops", "completed"} <= set(r)
-        assert r["completed"] is True and isinstance(r["seconds"], float) and r["seconds"] > 0, r
+        assert {"strategy", "ranks", "seconds", "store_ops", "completed", "measured"} <= set(r)
+        assert r["measured"] is True and isinstance(r["seconds"], float) and r["seconds"] > 0, r
         assert isinstance(r["store_ops"], int) and r["store_ops"] == sum(r["planned_by_kind"].values())
         issued, planned = r["ops_by_kind"], r["planned_by_kind"]
         assert {k: v for k, v in issued.items() if k != "set"} == {k: v for k, v in planned.items() if k != "set"}
         assert issued["set"] >= planned["set"]  # ranks reaching a barrier together may each release it
+        assert r["torch_dist_init_barrier"] is ("barrier" in r["strategy"])
     ops = {(r["strategy"], r["ranks"]): r["store_ops"] for r in rows}
-    assert ops["default-tcpstore", 8] == ops["default-redis", 8]  # same traffic, two servers
-    # default: a world-wide barrier per group, groups ~ N -> ~N^2; light: members only -> ~N
-    assert ops["default-redis", 16] / ops["default-redis", 8] > 3
-    assert ops["light-redis", 16] / ops["light-redis", 8] < 2.2
-    assert ops["light-redis", 16] < ops["default-redis", 16] / 4
-    assert set(result["growth"]) == {"default-tcpstore", "default-redis", "light-redis"}
-    assert all(g["exponent"] is not None for g in result["growth"].values())
+    # torch 2.13's default issues no barrier: light and default send the same store traffic
+    assert ops["torch-default-tcpstore", 16] == ops["light-redis", 16]
+    assert ops["per-group-barrier-tcpstore", 8] == ops["per-group-barrier-redis", 8]  # two servers
+    # a world-wide barrier per group, groups ~ N -> ~N^2; light's one barrier -> ~N
+    assert ops["per-group-barrier-redis", 16] / ops["per-group-barrier-redis", 8] > 3
+    assert ops["light-barrier-redis", 16] / ops["light-barrier-redis", 8] < 2.2
+    assert ops["light-barrier-redis", 16] < ops["per-group-barrier-redis", 16] / 4
+    assert ops["torch-default-tcpstore", 16] < ops["light-barrier-redis", 16]
+    assert set(result["growth"]) == set(names)
+    assert all(g["exponent"] is not None and g["measured"] is False for g in result["growth"].values())
+    # speed-ups only between measured rows at the same N
+    seconds = {(r["strategy"], r["ranks"]): r["seconds"] for r in rows}
+    for s in result["speedups"]:
+        assert s["speedup"] == round(seconds[s["vs"], s["ranks"]] / seconds[s["strategy"], s["ranks"]], 2)
+    assert {(s["strategy"], s["vs"]) for s in result["speedups"] if s["ranks"] == 16} == {
+        *((n, "torch-default-tcpstore") for n in names[1:]),
+        *((n, "per-group-barrier-tcpstore") for n in names if n != "per-group-barrier-tcpstore")}
+    # nothing was replayed at 2,048 ranks: the targets there are unmeasured, never met
+    target = result["targets"]["speedup_vs_per_group_barrier_at_2048"]
+    assert target == {"value": None, "measured": False, "target": 100.0, "met": False}
+
+    (real,) = result["real"]
+    assert (real["strategy"], real["layout"], real["ranks"], real["measured"]) == ("real-light-tcpstore", "tp2", 2, True)
+    phases = real["phases"]
+    assert set(phases) == {"spawn_s", "import_s", "import_skew_s", "pg_init_s", "mp_store_s", "mp_connect_s",
+                           "mp_megatron_s", "mp_barrier_s"}
+    assert all(v >= 0 for v in phases.values()), phases
+    # megatron-core's import happens before the clock: it is the import phase, not group creation
+    assert phases["import_s"] > real["seconds"] > 0
+    assert real["job_s"] > phases["spawn_s"] + phases["import_s"]
+    assert result["targets"]["real_group_creation_s_tp2"]["measured"] is True
     assert result["layout"]["tp"] == 2 and result["layout"]["pp"] == 2
     assert os.path.getsize(result["plot"]) > 1000 and result["plot"].endswith(".png")

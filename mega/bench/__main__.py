@@ -9,9 +9,11 @@
             throughput, restore bytes per DP group (mega/bench/checkpoint.py): --steps N (30),
             --interval K (10), --storage URI (default: a local SeaweedFS S3 server)
             -> {"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "dp", "restore_bytes_read", ...}
-  bootstrap  store traffic of megatron's group creation for N simulated ranks on a real TCPStore /
-            Redis server (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --out DIR
-            -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "completed"}], "growth", "plot", ...}
+  bootstrap  megatron's group creation: real ranks of --real layouts (default tp2-pp2-dp2, start-up
+            by phase) and the store traffic of N simulated ranks on a real TCPStore / Redis server
+            (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --real L, --out DIR
+            -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "measured", ...}], "real": [...],
+                "speedups", "growth", "targets", "plot", ...}
 
 See docs/benchmarks.md.
 """
@@ -24,7 +26,8 @@ import sys
 
 from mega import config as mega_config
 from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_WINDOW, bench_ablation
-from mega.bench.bootstrap import bench_bootstrap
+from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
+from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
 from mega.bench.step import bench_step
 
@@ -55,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")
     boot.add_argument("--probe-ranks", default="64,128", help="smaller N run first for the growth fit ('' for none)")
     boot.add_argument("--max-seconds", type=float, default=60.0, help="per point; slower = completed=false")
-    boot.add_argument("--strategies", default=None, help="subset of default-tcpstore,default-redis,light-redis")
+    boot.add_argument("--strategies", default=None,
+                      help="simulated rows, a subset of " + ",".join(BOOTSTRAP_ROWS))
+    boot.add_argument("--real", default=",".join(DEFAULT_REAL_LAYOUTS),
+                      help="conf/parallelism layouts to time with real ranks on this machine ('' for none)")
+    boot.add_argument("--real-group-init", default="light,default", help="cluster.group_init of the real rows")
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
     args = parser.parse_intermixed_args(argv)
@@ -68,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",
                                      strategies=args.strategies.split(",") if args.strategies else None,
-                                     tp=args.tp, pp=args.pp)
+                                     tp=args.tp, pp=args.pp, real_layouts=_names(args.real),
+                                     real_group_inits=_names(args.real_group_init))
         else:
             result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
                                     args.lamb_lr)
@@ -85,12 +93,17 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _print_human(benchmark: str, result: dict) -> None:
     if benchmark == "bootstrap":
-        print(f"{'strategy':<17} {'ranks':>6} {'seconds':>8} {'store ops':>14}", file=sys.stderr)
-        for row in result["results"]:
-            took = f"{row['seconds']:.2f}" if row["completed"] else "-"
-            print(f"{row['strategy']:<17} {row['ranks']:>6} {took:>8} {row['store_ops']:>14,}", file=sys.stderr)
+        print(f"{'strategy':<27} {'ranks':>6} {'seconds':>8} {'store ops':>14}", file=sys.stderr)
+        for row in [*result["real"], *result["results"]]:
+            took = f"{row['seconds']:.2f}" if row["measured"] else "-"
+            ops = f"{row['store_ops']:,}" if row.get("store_ops") is not None else "-"
+            print(f"{row['strategy']:<27} {row['ranks']:>6} {took:>8} {ops:>14}", file=sys.stderr)
         for name, fit in result["growth"].items():
             print(f"{name}: time ~ N^{fit['exponent']}, store ops ~ N^{fit['ops_exponent']}", file=sys.stderr)
         return

@@ -8,7 +8,9 @@ building the many communicator groups of 3D parallelism; both are measured here 
 * ``time_process_groups(cfg)``: a torchrun job (``python -m mega.cluster.bootstrap``) over the config's
   world that times ``init_process_group`` (over ``cluster.store``) and megatron-core's
   model-parallel groups (built the ``cluster.group_init`` way, mega/cluster/parallel_groups.py) and
-  reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init"}.
+  reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init",
+  "phases", "job_s"}, with start-up broken down by phase (``PHASES``: process start, imports, import
+  skew, the default group, and group creation's store, connection, megatron and barrier parts).
 
 How a job's ranks reach the store is mega/cluster/rendezvous.py.
 """
@@ -156,15 +158,30 @@ def _expect(cond: bool, message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Process-group initialization timing (torchrun job)
 
+LAUNCH_TIME_ENV = "MEGA_BOOTSTRAP_LAUNCH_TIME"  # time.time() when the launcher started torchrun
+# Start-up phases of one rank, in the order they happen (seconds; docs/bootstrap.md#where-start-up-goes):
+PHASES = (
+    "spawn_s",  # launcher starts torchrun -> this rank's process exists (torchrun's start, agent, fork+exec)
+    "import_s",  # process start -> torch, megatron-core and mega imported (interpreter start included)
+    "import_skew_s",  # waiting at the ready line for the slowest rank's imports
+    "pg_init_s",  # init_process_group + a world barrier (the default group's gloo full mesh)
+    "mp_store_s",  # initialize_model_parallel: inside store operations (incl. waiting for peers' keys)
+    "mp_connect_s",  # ... in torch's new_group outside the store: gloo pair connections, torch bookkeeping
+    "mp_megatron_s",  # ... outside new_group: megatron's rank lists and module state
+    "mp_barrier_s",  # ... the world barrier after it (the slowest rank's groups)
+)
+
 
 def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
                         timeout_s: float | None = None) -> dict[str, Any]:
     """Launch one rank per process of cfg's world; max over ranks of the init times.
 
-    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "ranks":
-    per-rank rows}; files (config without secrets, result, log) go to out_dir, by default
-    ``<train.run_dir>/bootstrap``. The job rendezvouses over ``cluster.store`` (its own job id).
-    Raises RuntimeError when the job fails or times out.
+    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "phases":
+    {phase: max over ranks} (``PHASES``), "job_s": the launcher's wall time, "exit_s": the part of
+    it after the result was written (teardown), "ranks": per-rank rows}. ``model_parallel_init_s`` is megatron-core's group creation only: every import happens
+    before the ranks line up, and the sum of the ``mp_*`` phases. Files (config without secrets,
+    result, log) go to out_dir, by default ``<train.run_dir>/bootstrap``. The job rendezvouses over
+    ``cluster.store`` (its own job id). Raises RuntimeError when the job fails or times out.
     """
     from mega.config import save
     from mega.launch import torchrun
@@ -181,9 +198,12 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
     timeout_s = timeout_s or c.pg_timeout_s + 120.0
     with rendezvous_env(cfg) as store_env:
+        launched = time.time()
         code = torchrun("mega.cluster.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
-                        c.procs_per_node, env={**c.env, **store_env, ATTEMPT_ENV: "0"},
+                        c.procs_per_node, env={**c.env, **store_env, ATTEMPT_ENV: "0",
+                                               LAUNCH_TIME_ENV: repr(launched)},
                         timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
+        job_s = time.time() - launched
         try:
             drop_attempt_keys(store_env, 0)
         except Exception:  # noqa: BLE001 - a shared server expires them anyway (RedisStore's TTL)
@@ -191,7 +211,12 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     if code != 0 or not result_path.exists():
         why = f"timed out after {timeout_s:g} s" if code == 124 else f"exited with code {code}"
         raise RuntimeError(f"process-group timing job {why} (see {out_dir / 'bootstrap.log'})")
-    return json.loads(result_path.read_text())
+    result = json.loads(result_path.read_text())
+    result["job_s"] = job_s
+    # after the result: gathering it, destroying the groups, interpreter exit, torchrun's shutdown
+    result["exit_s"] = launched + job_s - result.pop("written_at")
+    result_path.write_text(json.dumps(result, indent=2))
+    return result
 
 
 def _rank_main(argv: list[str] | None = None) -> int:
@@ -200,11 +225,22 @@ def _rank_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="result.json written by rank 0")
     args = p.parse_args(argv)
 
+    # Everything the measurement needs is imported before the clock starts: megatron-core alone
+    # takes seconds per process, and imported lazily inside initialize_model_parallel it used to be
+    # counted as group creation (19-27 s for 8 ranks on 2 cores; the groups take ~0.2 s).
+    import psutil
+    import torch.distributed as dist
+    from megatron.core import parallel_state  # noqa: F401 - imported here, outside the timing
+
+    from mega.cluster import parallel_groups  # noqa: F401
     from mega.config import load
 
+    imported = time.time()
     cfg = load(args.config)
     row = _time_rank_init(cfg)
-    import torch.distributed as dist
+    started = psutil.Process().create_time()
+    launched = float(os.environ.get(LAUNCH_TIME_ENV, "nan"))
+    row.update(spawn_s=started - launched if math.isfinite(launched) else None, import_s=imported - started)
 
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -212,14 +248,18 @@ def _rank_main(argv: list[str] | None = None) -> int:
         result = {"pg_init_s": max(r["pg_init_s"] for r in rows),
                   "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
                   "world_size": len(rows), "store": cfg.cluster.store,
-                  "group_init": cfg.cluster.group_init, "ranks": rows}
+                  "group_init": cfg.cluster.group_init,
+                  "phases": {k: max((r[k] for r in rows if r.get(k) is not None), default=None) for k in PHASES},
+                  "ranks": rows, "written_at": time.time()}
         Path(args.out).write_text(json.dumps(result, indent=2))
     _destroy_groups()
     return 0
 
 
 def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
-    """Time this rank's init_process_group and initialize_model_parallel (imports excluded)."""
+    """Time this rank's init_process_group and initialize_model_parallel, phase by phase (imports
+    excluded: the caller imported everything). Every store operation goes through a
+    ``RecordingStore``, whose ``busy_s`` is the store's part."""
     import torch
     import torch.distributed as dist
 
@@ -232,36 +272,74 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
     # megatron-core builds its groups with plain dist.new_group, which works on gloo: no CPU
     # adaptation of megatron-core is needed for this measurement.
     timeout = timedelta(seconds=c.pg_timeout_s)
-    _wait_for_all_ranks(timeout)
+    import_skew_s = _wait_for_all_ranks(timeout)
 
     start = time.perf_counter()
-    recorder = init_process_group(cfg)
+    recorder = init_process_group(cfg, record=True)
     dist.barrier()  # init returns before the slowest peer has joined; the barrier includes it
     pg_init_s = time.perf_counter() - start
+    pg_store_s, pg_ops = recorder.busy_s, len(recorder.ops)
 
-    start = time.perf_counter()
-    parallel_groups.initialize_model_parallel(
-        c.group_init,
-        tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
-        distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
-        create_gloo_process_groups=c.backend == "gloo")  # as mega.train builds them
+    with _timed_new_groups(recorder) as in_new_group:
+        start = time.perf_counter()
+        parallel_groups.initialize_model_parallel(
+            c.group_init,
+            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+            virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+            distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
+            create_gloo_process_groups=c.backend == "gloo")  # as mega.train builds them
+        created = time.perf_counter()
     dist.barrier()
-    model_parallel_init_s = time.perf_counter() - start
+    done = time.perf_counter()
     dump_store_traffic(cfg, recorder, "bootstrap")
-    return {"rank": dist.get_rank(), "pg_init_s": pg_init_s, "model_parallel_init_s": model_parallel_init_s}
+    mp_store_s = recorder.busy_s - pg_store_s  # in new_group, and light's one barrier outside it
+    return {"rank": dist.get_rank(), "pg_init_s": pg_init_s, "model_parallel_init_s": done - start,
+            "import_skew_s": import_skew_s, "pg_store_s": pg_store_s, "pg_store_ops": pg_ops,
+            "mp_store_s": mp_store_s, "mp_store_ops": len(recorder.ops) - pg_ops,
+            "mp_connect_s": in_new_group["s"] - in_new_group["store_s"],
+            "mp_megatron_s": created - start - in_new_group["s"] - (mp_store_s - in_new_group["store_s"]),
+            "mp_barrier_s": done - created, "new_group_calls": in_new_group["calls"]}
 
 
-def _wait_for_all_ranks(timeout: timedelta) -> None:
-    """Line the ranks up on torchrun's agent store, so the timing excludes import skew.
+@contextlib.contextmanager
+def _timed_new_groups(recorder):
+    """Time megatron-core's calls into torch's new_group (``parallel_state.create_group``, which
+    ``light`` routes its member ranks' calls through too): {"s": seconds, "store_s": the part of
+    them inside ``recorder``'s store operations, "calls": count}."""
+    from megatron.core import parallel_state
 
-    Without this, the first rank to finish ``import megatron.core`` (~10 s on small CPUs) would
-    count the slowest rank's import as process-group init.
+    timing = {"s": 0.0, "store_s": 0.0, "calls": 0}
+    original = parallel_state.create_group
+
+    def create_group(*args, **kwargs):
+        start, store_before = time.perf_counter(), recorder.busy_s
+        try:
+            return original(*args, **kwargs)
+        finally:
+            timing["s"] += time.perf_counter() - start
+            timing["store_s"] += recorder.busy_s - store_before
+            timing["calls"] += 1
+
+    parallel_state.create_group = create_group
+    try:
+        yield timing
+    finally:
+        parallel_state.create_group = original
+
+
+def _wait_for_all_ranks(timeout: timedelta) -> float | None:
+    """Line the ranks up on torchrun's agent store, so the timing excludes import skew; returns how
+    long this rank waited for the others (None when not under torchrun's agent store).
+
+    Without this, the first rank to finish its imports (~5 s per process for megatron-core alone,
+    several times that when 8 processes share 2 cores) would count the slowest rank's imports as
+    process-group init.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return  # not under torchrun's agent store: nothing to line up on before init
+        return None  # not under torchrun's agent store: nothing to line up on before init
     from torch.distributed import TCPStore
 
+    start = time.perf_counter()
     world = int(os.environ["WORLD_SIZE"])
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     store.add("mega/bootstrap/ready", 1)
@@ -270,6 +348,7 @@ def _wait_for_all_ranks(timeout: timedelta) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"not all {world} ranks started within {timeout}")
         time.sleep(0.005)
+    return time.perf_counter() - start
 
 
 def _destroy_groups() -> None:

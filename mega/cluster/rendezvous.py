@@ -111,19 +111,20 @@ def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
         store.close()
 
 
-def init_process_group(cfg: "MegaConfig"):
+def init_process_group(cfg: "MegaConfig", record: bool | None = None):
     """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
 
     tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
     namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
-    Returns the ``RecordingStore`` every store operation goes through when
-    ``cluster.record_store`` is set (``dump_store_traffic`` writes it), else None.
+    Returns the ``RecordingStore`` every store operation goes through when ``record`` (default:
+    ``cluster.record_store``) is set (``dump_store_traffic`` writes it), else None.
     """
     import torch.distributed as dist
 
     c = cfg.cluster
+    record = c.record_store if record is None else record
     timeout = timedelta(seconds=c.pg_timeout_s)
-    if c.store != "redis" and not c.record_store:
+    if c.store != "redis" and not record:
         dist.init_process_group(c.backend, timeout=timeout)
         return None
     if c.store == "redis":
@@ -142,7 +143,7 @@ def init_process_group(cfg: "MegaConfig"):
         store.set_timeout(timeout)
         store = dist.PrefixStore("default_pg", store)
     recorder = None
-    if c.record_store:
+    if record:
         from mega.store.recording import RecordingStore
 
         store = recorder = RecordingStore(store, rank=rank)
@@ -152,8 +153,9 @@ def init_process_group(cfg: "MegaConfig"):
 
 def dump_store_traffic(cfg: "MegaConfig", recorder, part: str) -> Path | None:
     """Write what ``recorder`` saw so far to ``<train.run_dir>/store-traffic/<part>/rank-<r>.json``
-    (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder."""
-    if recorder is None:
+    (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder or
+    without ``cluster.record_store``."""
+    if recorder is None or not cfg.cluster.record_store:
         return None
     return recorder.dump(Path(cfg.train.run_dir) / "store-traffic" / part)
 

@@ -16,14 +16,18 @@ Keys are recorded as the wrapped store sees them, i.e. with torch's ``PrefixStor
 ``<train.run_dir>/store-traffic/<part>/rank-<r>.json`` once their groups exist.
 
 Blocking operations are recorded when they are issued (before they block), so a recording taken
-from a rank that timed out still shows what it waited on.
+from a rank that timed out still shows what it waited on. ``busy_s`` is the time spent inside the
+wrapped store's operations (a blocking ``wait``/``get`` counts the time it waited for a peer's key):
+the store part of a start-up, as the bootstrap timing job reports it.
 """
 
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import threading
+import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +53,7 @@ class RecordingStore(dist.Store):
         self.inner = inner
         self.rank = rank
         self.ops: list[tuple[str, tuple[str, ...]]] = []
+        self._busy = [0.0]  # seconds inside the inner store's operations (shared with clones)
         self._lock = threading.Lock()  # gloo may call the store from more than one thread
         # torch keeps only a C++ handle to the store it is given, and a Python store object that
         # only C++ references loses its Python methods (docs/bootstrap.md): keep every one alive
@@ -58,9 +63,24 @@ class RecordingStore(dist.Store):
         except (AttributeError, RuntimeError):
             pass
 
-    def _note(self, kind: str, *keys: str) -> None:
+    @contextlib.contextmanager
+    def _note(self, kind: str, *keys: str):
+        """Record the operation as issued, then time the inner store's work on it."""
         with self._lock:
             self.ops.append((kind, keys))
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._busy[0] += elapsed
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent inside the wrapped store's operations so far (summed over threads)."""
+        with self._lock:
+            return self._busy[0]
 
     @property
     def counts(self) -> dict[str, int]:
@@ -71,43 +91,44 @@ class RecordingStore(dist.Store):
     def reset(self) -> None:
         with self._lock:
             self.ops.clear()
+            self._busy[0] = 0.0
 
     # -- the c10d Store interface --------------------------------------------------------------
 
     def set(self, key: str, value: bytes | str) -> None:
-        self._note("set", key)
-        self.inner.set(key, value)
+        with self._note("set", key):
+            self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
-        self._note("get", key)
-        return self.inner.get(key)
+        with self._note("get", key):
+            return self.inner.get(key)
 
     def add(self, key: str, value: int) -> int:
-        self._note("add", key)
-        return self.inner.add(key, value)
+        with self._note("add", key):
+            return self.inner.add(key, value)
 
     def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
-        self._note("compare_set", key)
-        return self.inner.compare_set(key, expected_value, desired_value)
+        with self._note("compare_set", key):
+            return self.inner.compare_set(key, expected_value, desired_value)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._note("wait", *keys)
-        if timeout is None:
-            self.inner.wait(keys)
-        else:
-            self.inner.wait(keys, timeout)
+        with self._note("wait", *keys):
+            if timeout is None:
+                self.inner.wait(keys)
+            else:
+                self.inner.wait(keys, timeout)
 
     def check(self, keys: list[str]) -> bool:
-        self._note("check", *keys)
-        return self.inner.check(keys)
+        with self._note("check", *keys):
+            return self.inner.check(keys)
 
     def delete_key(self, key: str) -> bool:
-        self._note("delete_key", key)
-        return self.inner.delete_key(key)
+        with self._note("delete_key", key):
+            return self.inner.delete_key(key)
 
     def num_keys(self) -> int:
-        self._note("num_keys")
-        return self.inner.num_keys()
+        with self._note("num_keys"):
+            return self.inner.num_keys()
 
     # the C++ trampoline looks these two up by their C++ names
     getNumKeys = num_keys
@@ -117,35 +138,35 @@ class RecordingStore(dist.Store):
         """A clone of the inner store whose operations land in this recording (gloo clones the
         store it is given, one connection per process group)."""
         twin = RecordingStore(self.inner.clone(), self.rank)
-        twin.ops, twin._lock = self.ops, self._lock
+        twin.ops, twin._busy, twin._lock = self.ops, self._busy, self._lock
         return twin
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self._note("multi_get", *keys)
-        return self.inner.multi_get(keys)
+        with self._note("multi_get", *keys):
+            return self.inner.multi_get(keys)
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
-        self._note("multi_set", *keys)
-        self.inner.multi_set(keys, values)
+        with self._note("multi_set", *keys):
+            self.inner.multi_set(keys, values)
 
     def append(self, key: str, value: bytes | str) -> None:
-        self._note("append", key)
-        self.inner.append(key, value)
+        with self._note("append", key):
+            self.inner.append(key, value)
 
     def has_extended_api(self) -> bool:
         return self.inner.has_extended_api()
 
     def queue_push(self, key: str, value: bytes | str) -> None:
-        self._note("queue_push", key)
-        self.inner.queue_push(key, value)
+        with self._note("queue_push", key):
+            self.inner.queue_push(key, value)
 
     def queue_pop(self, key: str, block: bool = True) -> bytes:
-        self._note("queue_pop", key)
-        return self.inner.queue_pop(key, block)
+        with self._note("queue_pop", key):
+            return self.inner.queue_pop(key, block)
 
     def queue_len(self, key: str) -> int:
-        self._note("queue_len", key)
-        return self.inner.queue_len(key)
+        with self._note("queue_len", key):
+            return self.inner.queue_len(key)
 
     def set_timeout(self, timeout: timedelta) -> None:
         super().set_timeout(timeout)
