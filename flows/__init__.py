@@ -1,0 +1,16 @@
+"""Prefect flows (``pretrain``, ``recover``): the only package that imports Prefect's flow API.
+
+Importing this package sets one default for a Prefect server the process starts itself (a local
+run without ``PREFECT_API_URL`` gets Prefect's temporary server), before Prefect is imported;
+an explicit setting in the environment wins:
+
+* ``PREFECT_SERVER_ANALYTICS_ENABLED=false``: the temporary server's telemetry service writes its
+  session into the server's new SQLite database while the first flow run writes there too (on a
+  fresh machine the first run printed a ``sqlite3.OperationalError: database is locked`` traceback
+  from ``send_telemetry_heartbeat``), then posts to prefect.io, which logs an ERROR on a machine
+  without internet access. A server started with ``prefect server start`` is not affected.
+"""
+
+import os
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

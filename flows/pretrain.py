@@ -4,25 +4,28 @@ Two ways in, one composition per flow run:
 
 * Prefect (deployments, the UI, Python): ``pretrain(overrides=["parallelism=dp2", ...])`` composes
   ``conf/`` with Hydra inside the flow; ``pretrain(config={...})`` takes an already resolved config.
-* The CLI, ``python -m flows.pretrain [hydra overrides]``: Hydra composes (so ``--cfg job``,
-  ``--help`` and ``-m`` sweeps work), the config is validated before anything launches (exit 2
-  naming the key), and each job calls the flow with the resolved dict.
+* The CLI, ``python -m flows.pretrain [hydra overrides]`` (flows/cli.py): Hydra composes (so
+  ``--cfg job``, ``--help`` and ``-m`` sweeps work), the config is validated before anything
+  launches (exit 2 naming the key), and each job calls the flow with the resolved dict.
 
-Prefect runs with its embedded defaults: without PREFECT_API_URL it starts a temporary local server.
+Prefect runs with its embedded defaults: without PREFECT_API_URL it starts a temporary local server
+(with the defaults flows/__init__.py sets for it).
 """
 
 from __future__ import annotations
 
-import logging
-import sys
+if __name__ == "__main__":  # the CLI, before this module's imports: showing a config needs none of them
+    from flows.cli import main
+
+    main()
+    raise SystemExit(0)
+
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig
 from prefect import flow, get_run_logger
 
-from mega.config import ConfigError, MegaConfig, compose, from_container, from_dict, register_schema, to_dict
+from mega.config import MegaConfig, compose, from_dict
 from tasks.bootstrap import check_rendezvous_store, time_process_group_init
 from tasks.data import prepare_data
 from tasks.report import report
@@ -69,31 +72,3 @@ def resolve_config(overrides: list[str] | None, config: dict[str, Any] | None) -
             raise ValueError("pass either overrides or a resolved config, not both")
         return from_dict(config)
     return compose(overrides)
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def _hydra_job(dcfg: DictConfig) -> dict[str, Any]:
-    try:
-        cfg = from_container(dcfg)
-    except ConfigError as err:
-        # one line naming the key, before any process is launched
-        print(f"pretrain: invalid config: {err}", file=sys.stderr)
-        sys.exit(2)
-    # Hydra's job logging puts the root logger at INFO: every HTTP call to the Prefect server and
-    # megatron-core's import notes would flood the console. Prefect's own loggers keep INFO.
-    for chatty in ("httpx", "httpcore", "megatron"):
-        logging.getLogger(chatty).setLevel(logging.WARNING)
-    return pretrain(config=to_dict(cfg))
-
-
-def main() -> None:
-    register_schema()  # typed conf/ and the ${mega.mul:...} resolver, before Hydra composes
-    _hydra_job()
-
-
-if __name__ == "__main__":
-    main()

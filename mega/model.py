@@ -56,6 +56,7 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         use_cpu_initialization=cfg.cluster.device == "cpu",
+        cuda_graph_scope=[],  # megatron's default "full" is deprecated, warns, and means [] (no CUDA graphs)
         # gloo pairs batched sends to the same peer in the wrong order when prev == next stage
         # (PP=2 interleaved): wrong losses, no error. Plain isend/irecv is correct everywhere.
         batch_p2p_comm=cfg.cluster.backend != "gloo",

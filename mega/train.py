@@ -21,8 +21,12 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu
+from mega import megatron_cpu, optional_packages
 from mega.config import MegaConfig
+
+# megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
+# process the checkpoint writer spawns, which re-imports this module); the train task says it once
+optional_packages.quiet_megatron(cuda=torch.cuda.is_available())
 
 
 @dataclass

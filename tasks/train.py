@@ -8,6 +8,7 @@ from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from mega import optional_packages
 from mega.config import MegaConfig
 from mega.launch import TrainingResult, run_training
 
@@ -20,6 +21,9 @@ def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
     # The flow run's id goes into the run's record (run.json): the recovery automation maps a
     # Failed or Crashed pretrain flow run to its run directory by it.
     flow_run_id = runtime.flow_run.id  # a UUID, None outside a flow run
+    absent = optional_packages.notice(cfg.cluster.device)  # once, instead of megatron's per-rank warnings
+    if absent:
+        logger.info(absent)
     result = run_training(cfg, index_path, log=logger.info, flow_run_id=flow_run_id and str(flow_run_id))
     create_table_artifact(
         key="training-run",

@@ -99,11 +99,29 @@ def test_flow_takes_overrides_or_a_resolved_config_not_both(prefect_harness):
 # CLI: python -m flows.pretrain [hydra overrides]
 
 
-def cli(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None,
+        python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     # The Prefect settings of conftest (a throwaway PREFECT_HOME, no API URL) are inherited, so
     # the CLI runs against its own temporary server, as it would on a fresh machine.
-    return subprocess.run([sys.executable, "-m", "flows.pretrain", *args], cwd=cwd, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *python_flags, "-m", "flows.pretrain", *args], cwd=cwd,
+                          env=dict(os.environ) if env is None else env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def first_run_env(tmp_path: Path) -> dict:
+    """A user's first run: an empty Prefect home, and Prefect's own settings left as the project
+    sets them (conftest turns the server's telemetry off for every test; a user has not)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
+    return env
+
+
+def assert_clean_console(text: str) -> None:
+    """No traceback, no error, and no warning line printed twice."""
+    assert "Traceback" not in text and "ERROR" not in text, text[-5000:]
+    warning_lines = [line.strip() for line in text.splitlines() if "warn" in line.lower()]
+    repeated = {line for line in warning_lines if warning_lines.count(line) > 1}
+    assert not repeated, repeated
 
 
 def test_cli_rejects_a_bad_config_before_launching(tmp_path):
@@ -118,28 +136,47 @@ def test_cli_rejects_a_bad_config_before_launching(tmp_path):
 
 
 def test_cli_prints_the_resolved_config(tmp_path):
-    out = cli("--cfg", "job", "--resolve", "parallelism=dp2", "train.steps=7", cwd=tmp_path)
+    out = cli("--cfg", "job", "--resolve", "parallelism=dp2", "train.steps=7", cwd=tmp_path,
+              python_flags=("-X", "importtime"))
 
     assert out.returncode == 0, out.stderr
     assert "dp: 2" in out.stdout and "steps: 7" in out.stdout
     assert "procs_per_node: 2" in out.stdout  # ${mega.mul:tp,pp,dp} resolved
     assert "run_dir: runs/tiny-dp2" in out.stdout
     assert not (tmp_path / "runs").exists()  # nothing ran
+    # showing a config imports Hydra and mega.config, nothing heavy (-X importtime lists every import)
+    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert {"hydra", "mega.config"} <= imported, sorted(imported)[:50]
+    heavy = {name for name in imported if name.split(".")[0] in ("torch", "megatron", "prefect", "numpy")}
+    assert not heavy, sorted(heavy)[:20]
 
 
 @pytest.mark.slow
 def test_cli_multirun_sweeps_the_ablation_features(tmp_path, data_cache):
     """`-m features=...`: the paper's ablation as a Hydra sweep, one flow run per preset (one
-    process each: the layouts are tests/test_training.py's)."""
+    process each: the layouts are tests/test_training.py's). Run as a user's first run (a fresh
+    Prefect home, Prefect's settings as the project leaves them), its console shows no traceback
+    and no warning twice, and the ranks' logs none of megatron's warnings about absent GPU
+    packages (one notice per flow run instead) or its "Overwriting ..." at each save."""
     out = cli("-m", "features=megatron-baseline,ptb", "parallelism=single", "train.steps=2",
-              "optimizer.warmup_steps=1", "checkpoint.interval=0", "train.tensorboard=false",
+              "optimizer.warmup_steps=1", "checkpoint.interval=2", "train.tensorboard=false",
               f"data.cache_dir={data_cache}", f"train.run_dir={tmp_path}/runs/${{model.block}}",
-              f"hydra.sweep.dir={tmp_path}/multirun", cwd=tmp_path, timeout=600)
+              f"hydra.sweep.dir={tmp_path}/multirun", cwd=tmp_path, timeout=600, env=first_run_env(tmp_path))
 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    console = out.stdout + out.stderr
+    assert_clean_console(console)
+    from mega.optional_packages import missing
+
+    assert console.count("optional GPU packages not installed") == (2 if missing() else 0)  # once per flow run
     losses = {}
     for block in ("sequential", "parallel"):
         run_dir = tmp_path / "runs" / block
+        rank_log = (run_dir / "train-attempt0.log").read_text()
+        assert "checkpoint iter_0000002" in rank_log  # a save happened
+        for noise in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                      "Overwriting old incomplete", "CUDA_DEVICE_MAX_CONNECTIONS", "full scope is deprecated"):
+            assert noise not in rank_log, (noise, rank_log[-3000:])
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1, 2], block
         assert json.loads((run_dir / "config.json").read_text())["model"]["block"] == block

@@ -229,7 +229,12 @@ def _rank_main(argv: list[str] | None = None) -> int:
     # takes seconds per process, and imported lazily inside initialize_model_parallel it used to be
     # counted as group creation (19-27 s for 8 ranks on 2 cores; the groups take ~0.2 s).
     import psutil
+    import torch
     import torch.distributed as dist
+
+    from mega import optional_packages
+
+    optional_packages.quiet_megatron(cuda=torch.cuda.is_available())  # before megatron-core's import
     from megatron.core import parallel_state  # noqa: F401 - imported here, outside the timing
 
     from mega.cluster import parallel_groups  # noqa: F401

@@ -1,0 +1,39 @@
+"""``python -m flows.pretrain [hydra overrides]``: Hydra composes ``conf/``, the config is validated
+before anything launches (exit 2 naming the key), and each job calls the ``pretrain`` flow with the
+resolved dict. ``--cfg job``, ``--help`` and ``--info`` only compose and print: nothing here imports
+Prefect, torch or megatron-core until a job runs (flows/pretrain.py hands its ``__main__`` here
+before its own imports).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from mega.config import CONF_DIR, ConfigError, from_container, register_schema, to_dict
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_job(dcfg: DictConfig) -> dict[str, Any]:
+    try:
+        cfg = from_container(dcfg)
+    except ConfigError as err:
+        # one line naming the key, before any process is launched
+        print(f"pretrain: invalid config: {err}", file=sys.stderr)
+        sys.exit(2)
+    # Hydra's job logging puts the root logger at INFO: every HTTP call to the Prefect server and
+    # megatron-core's import notes would flood the console. Prefect's own loggers keep INFO.
+    for chatty in ("httpx", "httpcore", "megatron"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    from flows.pretrain import pretrain  # Prefect and the tasks: only now that a job runs
+
+    return pretrain(config=to_dict(cfg))
+
+
+def main() -> None:
+    register_schema()  # typed conf/ and the ${mega.mul:...} resolver, before Hydra composes
+    _hydra_job()
