@@ -265,6 +265,11 @@ class TrainConfig:
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
+    # Validation loss on the held-out split (mega/validation.py), logged as val_loss: over this many
+    # global batches of a fixed set of held-out sequences (0: no evaluation) ...
+    eval_batches: int = 4
+    # ... after every eval_interval steps and after the last one (0: after the last step only)
+    eval_interval: int = 0
 
 
 @dataclass
@@ -507,6 +512,10 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _validate_checkpoint(cfg.checkpoint)
 
     _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
+    _require(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {t.eval_batches}")
+    _require(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
+    _require(t.eval_batches == 0 or cfg.data.val_fraction > 0, "train.eval_batches",
+             "validation needs a held-out split: set data.val_fraction > 0, or train.eval_batches=0")
     if t.precision in ("bf16", "fp16"):
         _require(c.device == "cuda", "train.precision",
                  f"{t.precision} training is for GPUs; use fp32 with cluster.device=cpu")

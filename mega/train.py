@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu, optional_packages
+from mega import megatron_cpu, optional_packages, validation
 from mega.config import MegaConfig
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
@@ -140,14 +140,15 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def step_microbatches(trainer: Trainer, step: int) -> list[dict]:
+def step_microbatches(trainer: Trainer, step: int, dataset=None) -> list[dict]:
+    """This rank's microbatches of global batch ``step`` of ``dataset`` (default: the training data)."""
     from megatron.core import parallel_state as ps
 
     p = trainer.cfg.parallelism
     return [
         {
             k: v.to(trainer.device, non_blocking=True)
-            for k, v in trainer.dataset.microbatch(
+            for k, v in (trainer.dataset if dataset is None else dataset).microbatch(
                 step=step,
                 microbatch=m,
                 dp_rank=ps.get_data_parallel_rank(),
@@ -244,6 +245,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     os.environ.update(cfg.cluster.env)
 
     trainer = build(cfg, data_index)
+    held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
     start_step = 0
@@ -268,6 +270,8 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         result = train_step(trainer, step)
         step_s = time.perf_counter() - t0
         done = step + 1
+        if validation.due(cfg, done):
+            result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step, step_microbatches)
         logger.log(
             {
                 "step": done,

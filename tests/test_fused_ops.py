@@ -1,7 +1,10 @@
 """Fused operators (model.fused_ops): every fused path against its unfused reference, on CPU.
 
 bias-GeLU and bias-dropout-add are megatron's torch.compile'd functions; the LayerNorm is
-mega's ``FusedLayerNorm`` (compiled when Inductor works, eager otherwise). The whole-model check
+mega's ``FusedLayerNorm`` (compiled when Inductor works, eager otherwise), checked against a
+float64 LayerNorm written out here (not torch's kernel). fused_ops changes one thing on purpose:
+the MLP's GeLU becomes its tanh approximation, which the whole-model check pins down against
+float64 references of both forms. The whole-model check
 runs megatron in one spawned gloo process, so that its CPU patches stay out of pytest's.
 Shapes are the model's ([seq 16, batch 2, hidden 32], ffn 128) so that Inductor's on-disk graph
 cache (TORCHINDUCTOR_CACHE_DIR, set in conftest) serves the worker's compiles.
@@ -156,12 +159,46 @@ def layer_norm_state(monkeypatch):
     return fused
 
 
+def _layer_norm_float64(x, weight, bias, eps):
+    """LayerNorm over the last dimension from its definition, in float64 (no aten layer_norm)."""
+    mean = x.mean(dim=-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # biased, as LayerNorm's
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def test_fused_layer_norm_matches_a_float64_reference(layer_norm_state):
+    """Outputs and the three gradients of the compiled FusedLayerNorm (fp32) against the float64
+    definition, differentiated by autograd: the kernel under test shares no code with it."""
+    from mega.layers.fused import FusedLayerNorm, compile_unavailable_reason
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen) * 3 + 1
+    g = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    weight, bias = torch.linspace(0.5, 1.5, HIDDEN), torch.linspace(-0.2, 0.2, HIDDEN)
+    fused = FusedLayerNorm(_norm_config(), HIDDEN, eps=1e-5)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        fused.bias.copy_(bias)
+    x32 = x.clone().requires_grad_()
+    out = fused(x32)
+    out.backward(g)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, weight, bias))
+    want = _layer_norm_float64(x64, w64, b64, 1e-5)
+    want.backward(g.double())
+
+    assert layer_norm_state.layer_norm_mode() == ("compiled" if compile_unavailable_reason() is None else "eager")
+    for got, ref in [(out, want), (x32.grad, x64.grad), (fused.weight.grad, w64.grad), (fused.bias.grad, b64.grad)]:
+        assert got.dtype == torch.float32
+        # fp32 rounding of O(1) values, sums over up to 32 positions
+        _close(got.double(), ref.detach(), 2e-5 * max(1.0, ref.abs().max().item()))
+    # the reference is sharp enough to see a wrong epsilon (1e-3 instead of 1e-5)
+    wrong_eps = _layer_norm_float64(x.double(), weight.double(), bias.double(), 1e-3)
+    assert (wrong_eps - want.detach()).abs().max().item() > 1e-4
+
+
 def test_fused_layer_norm_matches_torch_layer_norm(layer_norm_state):
     for got, want in _layer_norm_vs_torch():
         _close(got, want, 2e-6)
-    from mega.layers.fused import compile_unavailable_reason
-
-    assert layer_norm_state.layer_norm_mode() == ("compiled" if compile_unavailable_reason() is None else "eager")
 
 
 def test_fused_layer_norm_without_a_compiler_runs_eagerly_and_says_so_once(layer_norm_state, monkeypatch, caplog):
@@ -291,12 +328,29 @@ def _loss_and_grads(cfg) -> dict:
     loss = model(tokens, positions, None, labels=labels).mean()
     loss.backward()
     return {
+        "mlp_vs_gelu": _mlp_against_gelu_forms(model.decoder.layers[0].mlp),
         "loss": loss.item(),
         "norms": norms,
         "all_fused_norms": all(n == FusedLayerNorm.__name__ for n in norms),
         "params": {n: p.detach().tolist() for n, p in model.named_parameters()},
         "grads": {n: p.grad.tolist() for n, p in model.named_parameters()},
     }
+
+
+def _mlp_against_gelu_forms(mlp) -> dict:
+    """Max |difference| of the model's first MLP (fc1 -> activation -> fc2, biases as megatron adds
+    them) from float64 references of the same weights with tanh GeLU and with erf GeLU."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen) * 30  # fc1 pre-activations of O(1): where the forms differ
+    with torch.no_grad():
+        out, out_bias = mlp(x)
+        out = out + out_bias if out_bias is not None else out
+        w1, b1 = mlp.linear_fc1.weight.double(), mlp.linear_fc1.bias.double()
+        w2, b2 = mlp.linear_fc2.weight.double(), mlp.linear_fc2.bias.double()
+        h = x.double() @ w1.T + b1
+        tanh = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h ** 3)))
+        erf = 0.5 * h * (1 + torch.erf(h / 2 ** 0.5))
+    return {form: (out.double() - (act @ w2.T + b2)).abs().max().item() for form, act in [("tanh", tanh), ("erf", erf)]}
 
 
 def _model_worker(rank: int, port: int, out_dir: str) -> None:
@@ -343,7 +397,11 @@ def test_whole_model_step_same_loss_and_grads_with_fused_ops(whole_model, block)
     assert len(fused["norms"]) == len(plain["norms"]) == (5 if block == "sequential" else 3)
     # same parameter names and the same initial weights: checkpoints are interchangeable
     assert fused["params"] == plain["params"]
-    # the only numerical change is GeLU's tanh approximation in the fused bias-GeLU
+    # the only numerical change: fused_ops computes the MLP with GeLU's tanh approximation, the
+    # unfused MLP with erf GeLU; each matches its float64 reference, and is clearly off the other's
+    # (measured: 7e-7 from its own form, 1.7e-4 from the other)
+    assert fused["mlp_vs_gelu"]["tanh"] < 1e-5 and 100 * fused["mlp_vs_gelu"]["tanh"] < fused["mlp_vs_gelu"]["erf"]
+    assert plain["mlp_vs_gelu"]["erf"] < 1e-5 and 100 * plain["mlp_vs_gelu"]["erf"] < plain["mlp_vs_gelu"]["tanh"]
     assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
     for name, want in plain["grads"].items():
         want, got = torch.tensor(want), torch.tensor(fused["grads"][name])

@@ -47,6 +47,10 @@ def _assert_same_curve(metrics, reference, rtol=RTOL):
     for got, want in zip(metrics, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=rtol), (got, want)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (got, want)
+        # the held-out evaluation after the last step (forward only through the same schedule)
+        assert ("val_loss" in got) == ("val_loss" in want), (got, want)
+        if "val_loss" in want:
+            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=rtol), (got, want)
 
 
 def test_reference_run_learns(reference):
@@ -55,6 +59,9 @@ def test_reference_run_learns(reference):
     assert all(loss == loss for loss in losses)  # no NaN
     assert losses[-1] < losses[0]
     assert all(m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 for m in reference)
+    # train.eval_batches=4, eval_interval=0: one validation loss, after the last step
+    assert [("val_loss" in m) for m in reference] == [False, False, False, True]
+    assert 0 < reference[-1]["val_loss"] < 10
 
 
 @pytest.mark.parametrize(

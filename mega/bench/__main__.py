@@ -2,9 +2,11 @@
 
   step      time training steps of a config (mega/bench/step.py):
             --steps N (8), --warmup N (2) -> {"tokens_per_s", "mfu", "step_s", "device", "config"}
-  ablation  convergence of baseline / ptb / ptb+swa / ptb+swa+lamb4x for one token budget
-            (mega/bench/ablation.py): --tokens N, --window W, --lamb-lr LR, --out DIR
-            -> {"rows": [{"name", "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
+  ablation  convergence of baseline / ptb / ptb+swa / ptb+swa+lamb4x for one token budget, on held-out
+            data, over seeds (mega/bench/ablation.py): --tokens N, --seeds S,S, --window W, --lamb-lr LR,
+            --tune-lamb-lr LR,LR, --eval-sequences N, --out DIR
+            -> {"rows": [{"name", "seeds", "val_loss", "val_loss_per_seed", "val_loss_vs_baseline",
+                "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
   checkpoint  training blocked per two-stage save vs a synchronous save of the same state, upload
             throughput, restore bytes per DP group (mega/bench/checkpoint.py): --steps N (30),
             --interval K (10), --storage URI (default: a local SeaweedFS S3 server)
@@ -25,7 +27,7 @@ import json
 import sys
 
 from mega import config as mega_config
-from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_WINDOW, bench_ablation
+from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
@@ -50,7 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     ablation.add_argument("--out", default=None,
                           help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap)")
     ablation.add_argument("--lamb-lr", type=float, default=DEFAULT_LAMB_LR,
-                          help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, tuned for model=tiny)")
+                          help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, chosen for model=tiny on "
+                               f"seed {TUNING_SEED})")
+    ablation.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
+                          help="train.seed of every row's runs (the reported seeds)")
+    ablation.add_argument("--tune-lamb-lr", default="",
+                          help="candidate peak LRs of the lamb row, tried on --tuning-seed first; the lowest "
+                               "validation loss replaces --lamb-lr")
+    ablation.add_argument("--tuning-seed", type=int, default=TUNING_SEED, help="the seed hyperparameters are chosen on")
+    ablation.add_argument("--eval-sequences", type=int, default=None,
+                          help="held-out sequences every run evaluates (default: the whole split, whole batches)")
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
     ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
@@ -79,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                      real_group_inits=_names(args.real_group_init))
         else:
             result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
-                                    args.lamb_lr)
+                                    args.lamb_lr, seeds=_ints(args.seeds),
+                                    tune_lamb_lr=[float(x) for x in _names(args.tune_lamb_lr)],
+                                    tuning_seed=args.tuning_seed, n_eval_sequences=args.eval_sequences)
     except mega_config.ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -108,11 +121,12 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{name}: time ~ N^{fit['exponent']}, store ops ~ N^{fit['ops_exponent']}", file=sys.stderr)
         return
     if benchmark == "ablation":
-        print(f"{'row':<16} {'final loss':>10} {'vs baseline':>11} {'tokens/s':>9} {'steps':>5} {'batch':>5}",
-              file=sys.stderr)
+        print(f"{'row':<16} {'val loss':>9} {'vs baseline':>11} {'train loss':>10} {'vs baseline':>11} "
+              f"{'tokens/s':>9} {'steps':>5} {'batch':>5}  seeds", file=sys.stderr)
         for row in result["rows"]:
-            print(f"{row['name']:<16} {row['final_loss']:>10.4f} {row['loss_vs_baseline']:>+11.2%} "
-                  f"{row['tokens_per_s']:>9.0f} {row['steps']:>5} {row['global_batch_size']:>5}", file=sys.stderr)
+            print(f"{row['name']:<16} {row['val_loss']:>9.4f} {row['val_loss_vs_baseline']:>+11.2%} "
+                  f"{row['final_loss']:>10.4f} {row['loss_vs_baseline']:>+11.2%} {row['tokens_per_s']:>9.0f} "
+                  f"{row['steps']:>5} {row['global_batch_size']:>5}  {row['seeds']}", file=sys.stderr)
         return
     for key, value in result.items():
         print(f"{key:>14}: {value}", file=sys.stderr)
