@@ -87,7 +87,7 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
-def quiet_megatron(cuda: bool) -> None:
+def quiet_megatron(cuda: bool = True) -> None:
     """Filter, in this process, megatron-core's warnings about the absent optional packages (the
     train task's one ``notice`` replaces them), the messages in ``_CHATTER``, the CUDA-streams advice
     when ``cuda`` is false, and dist_checkpointing's "Overwriting old incomplete / corrupted

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_step_prints_json_last_line(data_cache):
     out = subprocess.run(
@@ -34,7 +36,7 @@ def test_bench_bootstrap_prints_results_and_plot(tmp_path):
     row (a 2-rank tp2 timing job, light groups) with its start-up phases."""
     out = subprocess.run(
         [sys.executable, "-m", "mega.bench", "bootstrap", "--ranks", "8,16", "--tp", "2", "--pp", "2",
-         "--probe-ranks", "", "--max-seconds", "300", "--real", "tp2", "--real-group-init", "light",
+         "--probe-ranks", "", "--max-seconds", "300", "--real", "tp2", "--real-group-init", "light", "--real-repeats", "1",
          "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=900,
     )
@@ -81,6 +83,10 @@ def test_bench_bootstrap_prints_results_and_plot(tmp_path):
     assert set(phases) == {"spawn_s", "import_s", "import_skew_s", "pg_init_s", "mp_store_s", "mp_connect_s",
                            "mp_megatron_s", "mp_barrier_s"}
     assert all(v >= 0 for v in phases.values()), phases
+    # the slowest rank's group creation, split without remainder
+    parts = ("mp_store_s", "mp_connect_s", "mp_megatron_s", "mp_barrier_s")
+    assert sum(phases[k] for k in parts) == pytest.approx(real["seconds"], abs=1e-6)
+    assert real["seconds_per_repeat"] == [real["seconds"]]
     # megatron-core's import happens before the clock: it is the import phase, not group creation
     assert phases["import_s"] > real["seconds"] > 0
     assert real["job_s"] > phases["spawn_s"] + phases["import_s"]

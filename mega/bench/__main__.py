@@ -27,6 +27,7 @@ import json
 import sys
 
 from mega import config as mega_config
+from mega import optional_packages
 from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
@@ -74,9 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     boot.add_argument("--real", default=",".join(DEFAULT_REAL_LAYOUTS),
                       help="conf/parallelism layouts to time with real ranks on this machine ('' for none)")
     boot.add_argument("--real-group-init", default="light,default", help="cluster.group_init of the real rows")
+    boot.add_argument("--real-repeats", type=int, default=3, help="timing jobs per real row (the median counts)")
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
     args = parser.parse_intermixed_args(argv)
+    # the launcher side imports megatron-core too (checkpoint discovery): its warnings about absent
+    # GPU packages are said once here instead
+    optional_packages.quiet_megatron()
+    if args.benchmark != "bootstrap" and optional_packages.notice("cpu"):
+        print(optional_packages.notice("cpu"), file=sys.stderr)
     try:
         if args.benchmark == "step":
             result = bench_step(args.overrides, args.steps or 8, args.warmup)
@@ -87,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.out or "runs/bench-bootstrap",
                                      strategies=args.strategies.split(",") if args.strategies else None,
                                      tp=args.tp, pp=args.pp, real_layouts=_names(args.real),
-                                     real_group_inits=_names(args.real_group_init))
+                                     real_group_inits=_names(args.real_group_init),
+                                     real_repeats=args.real_repeats)
         else:
             result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
                                     args.lamb_lr, seeds=_ints(args.seeds),

@@ -3,7 +3,8 @@ Start-up of megatron-core's group creation, two ways, side by side in one run:
 
 * **real ranks** (``real``): the flow's own timing job (``mega.cluster.bootstrap.time_process_groups``)
   for each ``--real`` layout (default ``tp2-pp2-dp2``: 8 gloo processes on this machine), with
-  ``cluster.group_init`` light and default on torchrun's TCPStore; start-up broken down by phase
+  ``cluster.group_init`` light and default on torchrun's TCPStore, ``--real-repeats`` (3) times
+  each (the median counts); start-up broken down by phase
   (process start, imports, import skew, default group, group creation's store / connection /
   megatron / barrier parts). Measured end to end: ``measured: true`` when the job completed.
 * **simulated ranks** (``results``): the store traffic of N ranks, replayed against a real server
@@ -164,10 +165,12 @@ def plot(rows: list[dict], fits: dict, png_path: Path, title: str) -> Path:
     return png_path
 
 
-def run_real(layout: str, group_init: str, out_dir: Path, overrides: list[str] | None = None) -> dict[str, Any]:
+def run_real(layout: str, group_init: str, out_dir: Path, overrides: list[str] | None = None,
+             repeats: int = 1) -> dict[str, Any]:
     """The flow's process-group timing job for a ``conf/parallelism`` layout on this machine (one
-    torchrun process per rank, torchrun's TCPStore), as a row: ``seconds`` is megatron-core's group
-    creation (max over ranks, imports excluded), ``phases`` the whole start-up by phase."""
+    torchrun process per rank, torchrun's TCPStore), ``repeats`` times, as a row: ``seconds`` is
+    megatron-core's group creation (max over ranks, imports excluded; the median over the repeats,
+    each in ``seconds_per_repeat``), ``phases`` the start-up of the median repeat's slowest rank."""
     from mega.cluster.bootstrap import time_process_groups
     from mega.config import compose
 
@@ -176,13 +179,18 @@ def run_real(layout: str, group_init: str, out_dir: Path, overrides: list[str] |
     row: dict[str, Any] = {"strategy": f"real-{group_init}-tcpstore", "layout": layout,
                            "ranks": cfg.parallelism.world_size, "group_init": group_init, "store": cfg.cluster.store,
                            "load_avg_1m": round(os.getloadavg()[0], 1)}
-    try:
-        res = time_process_groups(cfg, out_dir)
-    except RuntimeError as err:  # the job failed or timed out: reported, not measured
-        return {**row, "seconds": None, "measured": False, "completed": False, "error": str(err)}
+    runs = []
+    for i in range(repeats):
+        try:
+            runs.append(time_process_groups(cfg, out_dir / f"repeat-{i}"))
+        except RuntimeError as err:  # the job failed or timed out: reported, not measured
+            return {**row, "seconds": None, "measured": False, "completed": False, "error": str(err)}
+    runs.sort(key=lambda r: r["model_parallel_init_s"])
+    res = runs[(len(runs) - 1) // 2]  # the median (the lower one of an even count)
     slowest = max(res["ranks"], key=lambda r: r["model_parallel_init_s"])
     return {**row, "seconds": res["model_parallel_init_s"], "measured": True, "completed": True,
-            "pg_init_s": res["pg_init_s"], "phases": res["phases"], "job_s": res["job_s"], "exit_s": res["exit_s"],
+            "seconds_per_repeat": [r["model_parallel_init_s"] for r in runs], "pg_init_s": res["pg_init_s"],
+            "phases": res["phases"], "phases_max": res["phases_max"], "job_s": res["job_s"], "exit_s": res["exit_s"],
             "new_group_calls": slowest["new_group_calls"], "store_ops": slowest["pg_store_ops"] + slowest["mp_store_ops"]}
 
 
@@ -190,7 +198,7 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
                     max_seconds: float = DEFAULT_MAX_SECONDS, out_dir: str | Path = "runs/bench-bootstrap",
                     workers: int = 2, strategies: list[str] | None = None, tp: int = TP,
                     pp: int = PP, real_layouts: list[str] | None = None,
-                    real_group_inits: list[str] | None = None) -> dict[str, Any]:
+                    real_group_inits: list[str] | None = None, real_repeats: int = 3) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)
@@ -212,11 +220,12 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
     for layout in real_layouts:
         for group_init in real_group_inits:
             console.print(f"[bold]real[/] {layout}, {group_init} groups: timing job ...", highlight=False)
-            row = run_real(layout, group_init, out_dir / f"real-{layout}-{group_init}")
+            row = run_real(layout, group_init, out_dir / f"real-{layout}-{group_init}", repeats=real_repeats)
             real.append(row)
             if row["measured"]:
                 ph = row["phases"]
-                console.print(f"  group creation {row['seconds']:.3f} s (store {ph['mp_store_s']:.3f}, connections "
+                console.print(f"  group creation {row['seconds']:.3f} s (median of "
+                              f"{', '.join(f'{s:.3f}' for s in row['seconds_per_repeat'])}; slowest rank: store {ph['mp_store_s']:.3f}, connections "
                               f"{ph['mp_connect_s']:.3f}, megatron {ph['mp_megatron_s']:.3f}, barrier "
                               f"{ph['mp_barrier_s']:.3f}); init_process_group {row['pg_init_s']:.3f} s; imports "
                               f"{ph['import_s']:.1f} s; job {row['job_s']:.1f} s; load {row['load_avg_1m']}",
