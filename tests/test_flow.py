@@ -111,7 +111,8 @@ def cli(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None,
 def first_run_env(tmp_path: Path) -> dict:
     """A user's first run: an empty Prefect home, and Prefect's own settings left as the project
     sets them (conftest turns the server's telemetry off for every test; a user has not)."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")}
     env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
     return env
 
