@@ -722,6 +722,8 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
     start together. Past ``max_seconds`` the point is ``completed=False, seconds=None``."""
     import multiprocessing as mp
 
+    from redis.exceptions import RedisError
+
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     planned = sum(plan_counts(strategy, layout).values())
@@ -764,7 +766,10 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
         if server is not None:
             server.stop()
         if ns is not None:
-            _drop_namespace(redis_url, ns)
+            try:
+                _drop_namespace(redis_url, ns)
+            except RedisError:  # a server still busy with a timed-out replay; the keys carry a TTL
+                pass
     errors = [r["error"] for r in rows if r.get("error")]
     completed = all(r["completed"] for r in rows)
     seconds = None
@@ -781,7 +786,10 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
 
 
 def _server_cpu(redis_url: str | None, server: TCPStoreServer | None) -> float | None:
-    """CPU seconds the server process has used so far (Redis: INFO cpu; TCPStore: /proc)."""
+    """CPU seconds the server process has used so far (Redis: INFO cpu; TCPStore: /proc); None when
+    the server does not answer (a Redis still busy with a replay that ran out of time)."""
+    from redis.exceptions import RedisError
+
     try:
         if server is not None and server.proc is not None:
             fields = open(f"/proc/{server.proc.pid}/stat").read().rsplit(")", 1)[1].split()
@@ -795,7 +803,7 @@ def _server_cpu(redis_url: str | None, server: TCPStoreServer | None) -> float |
             finally:
                 client.close()
             return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-    except (OSError, ValueError, KeyError, IndexError):
+    except (OSError, ValueError, KeyError, IndexError, RedisError):
         return None
     return None
 
