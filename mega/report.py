@@ -27,12 +27,14 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     the means unless it is the only step.
     """
     if not metrics:
-        return {"total_steps": 0, "final_loss": None, "mean_tokens_per_s": None, "mean_mfu": None,
+        return {"total_steps": 0, "final_loss": None, "val_loss": None, "mean_tokens_per_s": None, "mean_mfu": None,
                 "mean_step_s": None, "restarts": 0}
     steady = metrics[1:] or metrics
     return {
         "total_steps": metrics[-1]["step"],
         "final_loss": metrics[-1]["loss"],
+        # the last held-out evaluation (mega/validation.py), None when the run made none
+        "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),
         "min_loss": min(m["loss"] for m in metrics),
         "mean_tokens_per_s": _mean(steady, "tokens_per_s"),
         "mean_mfu": _mean(steady, "mfu"),
@@ -58,6 +60,10 @@ def plot_loss_curve(metrics: list[dict[str, Any]], png_path: str | Path, title: 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     try:
         ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".", lw=1.2, label="loss")
+        evaluated = [m for m in metrics if "val_loss" in m]
+        if evaluated:
+            ax.plot([m["step"] for m in evaluated], [m["val_loss"] for m in evaluated], marker="D", ls="--",
+                    lw=1, label="validation loss (held-out)")
         for i, step in enumerate(restart_steps(metrics)):
             ax.axvline(step, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
         ax.set(xlabel="step", ylabel="loss", title=title)
@@ -79,6 +85,7 @@ def markdown_report(summary: dict[str, Any], png_path: str | Path, title: str = 
     rows = [
         ("steps", summary.get("total_steps")),
         ("final loss", _fmt(summary.get("final_loss"), ".4f")),
+        ("validation loss (held-out)", _fmt(summary.get("val_loss"), ".4f")),
         ("mean tokens/s", _fmt(summary.get("mean_tokens_per_s"), ",.0f")),
         ("mean MFU", _fmt(summary.get("mean_mfu"), ".2%")),
         ("mean step time (s)", _fmt(summary.get("mean_step_s"), ".3f")),

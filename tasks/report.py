@@ -21,5 +21,6 @@ def report(run_dir: str | Path, title: str, metrics: list[dict] | None = None) -
     summary = summarize(metrics)
     create_markdown_artifact(key="training-report", markdown=markdown_report(summary, png, title=title),
                              description=f"loss curve and throughput of {run_dir}")
-    logger.info("final loss %s after %s steps; loss curve %s", summary["final_loss"], summary["total_steps"], png)
+    logger.info("final loss %s after %s steps, validation loss %s (held-out split); loss curve %s",
+                summary["final_loss"], summary["total_steps"], summary["val_loss"], png)
     return {**summary, "loss_curve": str(png)}

@@ -51,6 +51,7 @@ def test_pretrain_flow_end_to_end(prefect_harness, tmp_path, data_cache):
     report = summary["report"]
     assert report["total_steps"] == 6 and report["restarts"] == 0
     assert report["final_loss"] < 10 and report["mean_tokens_per_s"] > 0 and 0 < report["mean_mfu"] < 1
+    assert 0 < report["val_loss"] < 10  # the held-out evaluation after the last step
 
     assert Path(report["loss_curve"]).read_bytes()[:8] == PNG_MAGIC
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 6

@@ -46,6 +46,15 @@ def test_summarize(restarted_run):
     assert summary["mean_tokens_per_s"] == pytest.approx(1750.0)
     assert summary["mean_mfu"] == pytest.approx(0.175)
     assert summary["mean_step_s"] == pytest.approx(0.5)
+    assert summary["val_loss"] is None  # no evaluation in these rows
+
+
+def test_summary_and_plot_carry_the_last_validation_loss(tmp_path):
+    metrics = [row(1, 4.0, 0), {**row(2, 3.5, 0), "val_loss": 3.8}, row(3, 3.2, 0), {**row(4, 3.0, 0), "val_loss": 3.3}]
+    summary = summarize(metrics)
+    assert summary["val_loss"] == 3.3 and summary["final_loss"] == 3.0
+    png = plot_loss_curve(metrics, tmp_path / "loss.png")
+    assert "| validation loss (held-out) | 3.3000 |" in markdown_report(summary, png)
 
 
 def test_summarize_edge_cases():
