@@ -27,7 +27,7 @@ GIB = 1024**3
 # Fraction of the dense tensor-core peak that a large GEMM of a transformer layer reaches. The one
 # constant fitted to published numbers: least squares over Korthikanti et al. 2022 Table 5 (eight
 # iteration times, A100), then frozen; every other published row is out of sample.
-GEMM_EFFICIENCY = 0.74
+GEMM_EFFICIENCY = 0.76
 # Per-shape GEMM efficiency (docs/perf-model.md): output tiles of TILE_M x TILE_N run in waves over
 # the streaming multiprocessors (a last, partial wave idles SMs), and each tile pays a fixed
 # prologue/epilogue worth GEMM_K_OVERHEAD elements of its inner dimension. 256 x 128 is the usual

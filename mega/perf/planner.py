@@ -35,6 +35,25 @@ KNOBS = {  # knob name -> the config key a user fixes it with
 LAYOUT = {"tp": "parallelism.tp", "pp": "parallelism.pp", "vpp": "parallelism.vpp", "dp": "parallelism.dp"}
 
 
+def settle_precision(plan: Planning) -> None:
+    """The precision knob first (the hardware's peak depends on it): bf16 on GPUs, fp32 on CPUs
+    when the overrides leave ``train.precision`` open."""
+    if plan.is_open(KNOBS["precision"]) and "precision" not in plan.chosen:
+        precision = "bf16" if plan.cfg.cluster.device == "cuda" else "fp32"
+        plan.cfg = dataclasses.replace(plan.cfg, train=dataclasses.replace(plan.cfg.train, precision=precision))
+        plan.chosen["precision"] = precision
+
+
+def settle_dp(plan: Planning) -> None:
+    """dp left open: the cluster's GPU count over tp x pp (so a sweep over tp or pp needs no dp)."""
+    c, p = plan.cfg.cluster, plan.cfg.parallelism
+    world = c.nodes * c.procs_per_node
+    if plan.is_open(LAYOUT["dp"]) and world % (p.tp * p.pp) == 0 and world // (p.tp * p.pp) != p.dp:
+        dp = world // (p.tp * p.pp)
+        plan.cfg = dataclasses.replace(plan.cfg, parallelism=dataclasses.replace(p, dp=dp))
+        plan.chosen["dp"] = dp
+
+
 def hardware_for(cfg: MegaConfig, calibration: str | Path | None = None) -> tuple[Hardware, float]:
     """The Hardware of ``cfg``'s cluster and the MFU denominator per device: the preset's dense
     bf16 peak on GPUs; on a CPU cluster the calibrated GEMM rate (the calibration JSON written by
@@ -97,19 +116,16 @@ def _knob_values(plan: Planning, cfg: MegaConfig) -> dict[str, list]:
         "micro_batch_size": [b for b in MICRO_BATCH_SIZES if per_replica and per_replica % b == 0] or [p.micro_batch_size],
         "recompute": [None, "selective", "full"],
         "sequence_parallel": [True, False] if p.tp > 1 else [False],
-        "precision": ["bf16" if cfg.cluster.device == "cuda" else "fp32"],
     }
     fixed = {"micro_batch_size": p.micro_batch_size, "recompute": m.recompute,
-             "sequence_parallel": p.sequence_parallel, "precision": cfg.train.precision}
+             "sequence_parallel": p.sequence_parallel}
     return {k: (v if plan.is_open(KNOBS[k]) else [fixed[k]]) for k, v in values.items()}
 
 
 def _with(cfg: MegaConfig, knobs: dict[str, Any], layout: dict[str, Any] | None = None) -> MegaConfig:
     par = dataclasses.replace(cfg.parallelism, micro_batch_size=knobs["micro_batch_size"],
                               sequence_parallel=knobs["sequence_parallel"], **(layout or {}))
-    return dataclasses.replace(cfg, parallelism=par,
-                               model=dataclasses.replace(cfg.model, recompute=knobs["recompute"]),
-                               train=dataclasses.replace(cfg.train, precision=knobs["precision"]))
+    return dataclasses.replace(cfg, parallelism=par, model=dataclasses.replace(cfg.model, recompute=knobs["recompute"]))
 
 
 def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None = None,
@@ -117,6 +133,9 @@ def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None 
              **predict_kwargs: Any) -> Evaluation:
     """The layout of ``plan`` (or ``layout`` over it) with its open knobs chosen as the best that
     fits. Raises the ConfigError of the first candidate when no candidate is a valid config."""
+    settle_precision(plan)
+    if not layout:
+        settle_dp(plan)
     base = plan.cfg
     if layout:
         base = dataclasses.replace(base, parallelism=dataclasses.replace(base.parallelism, **layout))
@@ -145,8 +164,7 @@ def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None 
         raise first_error
     _, cfg, pr, knobs = best
     chosen = [k for k in names if plan.is_open(KNOBS[k])]
-    knobs = dict(knobs)
-    knobs.update({k: v for k, v in plan.chosen.items()})
+    knobs = {**knobs, "precision": cfg.train.precision, **plan.chosen}
     return Evaluation(cfg, pr, knobs, chosen + list(plan.chosen), evaluated)
 
 
@@ -184,6 +202,7 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
 
 def search(plan: Planning, calibration: str | Path | None = None, **predict_kwargs: Any) -> dict[str, Any]:
     """Every layout of the cluster's GPU count that fits, ranked by predicted MFU."""
+    settle_precision(plan)
     hw, mfu_peak = hardware_for(plan.cfg, calibration)
     rows, rejected = [], {"invalid": 0, "does_not_fit": 0}
     for layout in layouts(plan, hw):

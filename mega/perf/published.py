@@ -23,7 +23,7 @@ from typing import Any
 from mega.flops import model_flops_per_step
 from mega.perf import hardware
 from mega.perf.configs import Composer
-from mega.perf.planner import evaluate, hardware_for
+from mega.perf.planner import evaluate, hardware_for, settle_precision
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "published"
 METRICS = ("step_s", "mfu", "tflops_per_gpu")
@@ -66,34 +66,51 @@ def load(directory: Path = DEFAULT_DIR) -> list[dict[str, Any]]:
     return fixtures
 
 
-def predict_rows(fixtures: list[dict[str, Any]], gemm_efficiency: float | None = None) -> list[RowResult]:
-    """Predict every row (``gemm_efficiency`` replaces the global constant: used by the fit)."""
-    results = []
+@dataclass
+class Case:
+    """A fixture row composed for planning (composition is the slow part: done once)."""
+
+    fixture: dict[str, Any]
+    row: dict[str, Any]
+    plan: Any
+
+
+def cases(fixtures: list[dict[str, Any]]) -> list[Case]:
+    out = []
     with Composer() as composer:
         for fx in fixtures:
-            system = fx.get("system", {})
             for row in fx["rows"]:
-                overrides = [*fx.get("common", []), *row["overrides"]]
-                plan = composer.plan(overrides)
+                plan = composer.plan([*fx.get("common", []), *row["overrides"]])
                 plan.given -= set(fx.get("open", []))  # unpublished knobs: the planner chooses them
-                hw, peak = hardware_for(plan.cfg)
-                if gemm_efficiency is not None:
-                    hw = dataclasses.replace(hw, gemm_efficiency=gemm_efficiency)
-                ev = evaluate(plan, hw, peak, p2p_scatter_gather=system.get("p2p_scatter_gather", False))
-                pr, cfg = ev.prediction, ev.cfg
-                gpus = cfg.parallelism.world_size
-                if fx["metric"] == "step_s":
-                    predicted, pub_step = pr.step_s, row["value"]
-                elif fx["metric"] == "mfu":
-                    predicted = pr.mfu
-                    pub_step = model_flops_per_step(cfg) / (row["value"] * gpus * peak)
-                else:
-                    hw_flops = pr.hfu * pr.step_s * gpus * peak  # FLOPs per step counting recompute
-                    predicted = pr.hfu * peak / 1e12
-                    pub_step = hw_flops / (row["value"] * 1e12 * gpus)
-                results.append(RowResult(fx["source"], fx["group"], row["id"], row.get("row", row["id"]),
-                                         fx["metric"], row["value"], predicted, pub_step, pr.step_s, gpus,
-                                         ev.knobs, pr.fits))
+                out.append(Case(fx, row, plan))
+    return out
+
+
+def predict_rows(fixtures: list[dict[str, Any]] | list[Case], gemm_efficiency: float | None = None) -> list[RowResult]:
+    """Predict every row (``gemm_efficiency`` replaces the global constant: used by the fit)."""
+    todo = fixtures if fixtures and isinstance(fixtures[0], Case) else cases(fixtures)  # type: ignore[arg-type]
+    results = []
+    for case in todo:
+        fx, row, plan = case.fixture, case.row, case.plan
+        settle_precision(plan)
+        hw, peak = hardware_for(plan.cfg)
+        if gemm_efficiency is not None:
+            hw = dataclasses.replace(hw, gemm_efficiency=gemm_efficiency)
+        ev = evaluate(plan, hw, peak, p2p_scatter_gather=fx.get("system", {}).get("p2p_scatter_gather", False))
+        pr, cfg = ev.prediction, ev.cfg
+        gpus = cfg.parallelism.world_size
+        if fx["metric"] == "step_s":
+            predicted, pub_step = pr.step_s, row["value"]
+        elif fx["metric"] == "mfu":
+            predicted = pr.mfu
+            pub_step = model_flops_per_step(cfg) / (row["value"] * gpus * peak)
+        else:
+            hw_flops = pr.hfu * pr.step_s * gpus * peak  # FLOPs per step counting recompute
+            predicted = pr.hfu * peak / 1e12
+            pub_step = hw_flops / (row["value"] * 1e12 * gpus)
+        results.append(RowResult(fx["source"], fx["group"], row["id"], row.get("row", row["id"]),
+                                 fx["metric"], row["value"], predicted, pub_step, pr.step_s, gpus,
+                                 ev.knobs, pr.fits))
     return results
 
 
@@ -110,8 +127,10 @@ def summary(results: list[RowResult]) -> dict[str, Any]:
 def fit_gemm_efficiency(fixtures: list[dict[str, Any]], lo: float = 0.5, hi: float = 1.0, tol: float = 1e-3) -> float:
     """The GEMM efficiency minimizing the sum of squared log step-time errors over ``fixtures``
     (golden-section search): how hardware.GEMM_EFFICIENCY was set, on Korthikanti et al. Table 5."""
+    prepared = cases(fixtures)
+
     def loss(e: float) -> float:
-        return sum(math.log(r.predicted_step_s / r.published_step_s) ** 2 for r in predict_rows(fixtures, e))
+        return sum(math.log(r.predicted_step_s / r.published_step_s) ** 2 for r in predict_rows(prepared, e))
 
     g = (math.sqrt(5) - 1) / 2
     a, b = lo, hi

@@ -302,7 +302,8 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     fill = 2 * (pp - 1) * p2p if (pp > 1 and p.overlap_p2p_comm) else 0.0
     terms.append(Term("pp_p2p", mb * st["p2p"] + fill,
                       f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
-                      f"(overlap_p2p_comm={p.overlap_p2p_comm}: only the fill/drain stays exposed)",
+                      f"(overlap_p2p_comm={p.overlap_p2p_comm}" + (": only the fill/drain is exposed)" if p.overlap_p2p_comm
+                                                                   else ": blocking, on the critical path)"),
                       total_s=p2p_total if pp > 1 else 0.0))
     bubble = (pp - 1) / vpp * t_avg
     terms.append(Term("pp_bubble", bubble, f"(pp-1)/vpp = {pp - 1}/{vpp} microbatch-times of the average stage "
