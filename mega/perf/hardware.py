@@ -92,6 +92,7 @@ class Hardware:
     layer_overhead_s: float = 0.0  # per layer forward, per microbatch (backward counts 2x)
     microbatch_overhead_s: float = 0.0  # per microbatch and model chunk: schedule, embedding, loss
     step_overhead_s: float = 0.0  # per step: zero_grad, grad-norm, scheduler, logging
+    layer_step_overhead_s: float = 0.0  # per layer and step: the optimizer's per-tensor work
     data_s_per_token: float = 0.0  # building a microbatch's tensors and copying them to the device
     collective_cpu_fraction: float = 0.0  # CPU: share of a collective's byte time that busies a core
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
@@ -195,28 +196,28 @@ def from_cluster(cluster: ClusterConfig, precision: str, fused_ops: bool) -> Har
 
 def from_calibration(calibration: dict[str, Any], cluster: ClusterConfig, source: str) -> Hardware:
     """Hardware measured on this machine (the ``hardware`` block of a calibration JSON)."""
-    hw = calibration["hardware"]
-    memory = float(hw["memory_bytes"])
+    hw = from_calibration_block(calibration["hardware"], cluster.procs_per_node, f"calibration: {source}")
+    return dataclasses.replace(hw, extra={"machine": calibration.get("machine", {})})
+
+
+def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: str = "calibration") -> Hardware:
+    """The measured rates of a calibration. Ranks run ``cores // procs_per_node`` threads each (at
+    least one: mega.train), so the per-thread GEMM rate scales by that; collectives inside and
+    across "nodes" of this machine use the same loopback gloo."""
+    link = Link(float(block["gloo_bytes_per_s"]), float(block["gloo_latency_s"]))
+    cores = int(block["cores"])
+    threads = max(1, cores // max(1, procs_per_node))
+    memory = float(block["memory_bytes"])
     return Hardware(
-        name=hw["name"],
-        source=f"calibration: {source}",
-        peak_flops=float(hw["gemm_flops_per_s"]),
+        name=block["name"], source=source, peak_flops=float(block["gemm_flops_per_s"]) * threads,
         gemm_efficiency=1.0,  # the measured rate is already what GEMMs reach
-        attention_efficiency=1.0,
-        kernel_s=float(hw["kernel_s"]),
-        memory_bytes_per_s=float(hw["memory_bytes_per_s"]),
-        memory_bytes=memory,
-        memory_capacity_bytes=memory,
-        intra=Link(float(hw["gloo_bytes_per_s"]), float(hw["gloo_latency_s"])),
-        inter=Link(float(hw["gloo_bytes_per_s"]), float(hw["gloo_latency_s"])),
-        procs_per_node=cluster.procs_per_node,
-        sms=None,
-        flash_attention=False,
-        cores=int(hw["cores"]),
-        layer_overhead_s=float(hw["layer_overhead_s"]),
-        microbatch_overhead_s=float(hw["microbatch_overhead_s"]),
-        step_overhead_s=float(hw["step_overhead_s"]),
-        data_s_per_token=float(hw["data_s_per_token"]),
-        collective_cpu_fraction=float(hw.get("collective_cpu_fraction", 1.0)),
-        extra={"machine": calibration.get("machine", {})},
+        attention_efficiency=1.0, kernel_s=float(block["kernel_s"]),
+        memory_bytes_per_s=float(block["memory_bytes_per_s"]), memory_bytes=memory, memory_capacity_bytes=memory,
+        intra=link, inter=link, procs_per_node=procs_per_node, sms=None, flash_attention=False, cores=cores,
+        layer_overhead_s=float(block.get("layer_overhead_s", 0.0)),
+        microbatch_overhead_s=float(block.get("microbatch_overhead_s", 0.0)),
+        step_overhead_s=float(block.get("step_overhead_s", 0.0)),
+        layer_step_overhead_s=float(block.get("layer_step_overhead_s", 0.0)),
+        data_s_per_token=float(block["data_s_per_token"]),
+        collective_cpu_fraction=float(block.get("collective_cpu_fraction", 1.0)),
     )

@@ -338,7 +338,8 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4  # state r/w, grad, master r/w, weights, norm, zero
     if cfg.optimizer.name == "lamb":
         per_param += 8  # the per-tensor trust ratio reads weights and update once more
-    opt_s = hw.stream_s(opt_params * per_param, 8) + 2 * hw.collective_s("all_reduce", 8, world)
+    opt_s = (hw.stream_s(opt_params * per_param, 8) + 2 * hw.collective_s("all_reduce", 8, world)
+             + hw.layer_step_overhead_s * layers_per_stage)
     terms.append(Term("optimizer", opt_s, f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters "
                                           f"x {per_param} B of memory traffic + grad-norm all-reduces"))
 

@@ -1,0 +1,348 @@
+"""``python -m mega.plan calibrate [--out FILE] [--steps N] [--quick] [--json]``: measure this
+machine, then check the model against real training steps of tiny configs over several layouts.
+
+1. Microbenchmarks (each rank of the calibration layouts runs one thread, so do they): fp32 GEMMs
+   over the shapes the models use (-> GEMM rate), elementwise adds (-> memory bandwidth, the fixed
+   cost of one op), gloo all-reduce / all-gather / reduce-scatter / send-recv between processes
+   on this machine (-> latency per ring step and bandwidth), building microbatches (-> data cost).
+2. Host-overhead probes: four single-process runs of a model too small to compute anything
+   (2 or 8 layers x 1 or 4 microbatches) through the real launcher; their step times minus the
+   model's compute give megatron's Python cost per step, per layer and step (optimizer), per
+   microbatch and per layer and microbatch.
+3. Validation: real training runs (``run_training``: torchrun ranks, gloo) of one tiny-but-not-
+   trivial model over the LAYOUTS below; predicted vs measured median step time.
+
+Nothing in step 3 feeds the hardware numbers: they come from steps 1 and 2 only. The JSON written
+to ``--out`` (default runs/perf-calibration.json) is what ``python -m mega.plan cluster=local-cpu``
+reads. Timings on a shared machine are noisy: the JSON records the load average around each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mega.perf.hardware import from_calibration_block
+
+DEFAULT_OUT = Path("runs/perf-calibration.json")
+# The validation model: big enough that GEMMs, not only Python, show in a step (vocab 512 keeps the
+# tokenizer the tests and the default run already cached).
+MODEL = ["model=tiny", "model.num_layers=8", "model.hidden_size=128", "model.num_attention_heads=4",
+         "model.seq_length=128"]
+# TP, PP, VPP, DP and their mixes; 2 to 8 ranks (8 ranks share the cores: the core-sharing bound).
+LAYOUTS: dict[str, list[str]] = {
+    "tp2": ["parallelism=tp2"],
+    "pp2": ["parallelism=pp2"],
+    "dp2": ["parallelism=dp2"],
+    "pp2-vpp2": ["parallelism=pp2-vpp2"],
+    "tp2-dp2": ["parallelism=tp2", "parallelism.dp=2", "parallelism.name=tp2-dp2"],
+    "pp4": ["parallelism=pp2", "parallelism.pp=4", "parallelism.name=pp4"],
+    "tp2-pp2-dp2": ["parallelism=tp2-pp2-dp2"],
+    "tp2-pp2-vpp2-dp2": ["parallelism=tp2-pp2-vpp2-dp2"],
+}
+QUICK = ("tp2", "pp2", "dp2", "pp2-vpp2", "tp2-dp2", "tp2-pp2-dp2")
+PROBE_MODEL = ["model=tiny", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32"]
+RUN = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.tensorboard=false", "optimizer.warmup_steps=1"]
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return {"cpu": model, "cores": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "python": platform.python_version(), "torch": torch.__version__, "load_average": os.getloadavg(),
+            "date": _dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def _time(fn, repeats: int, min_s: float = 0.02) -> float:
+    """Median seconds of one call, each sample repeated until it lasts ``min_s``."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_s / once))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def _fit(columns: list[list[float]], times: list[float]) -> list[float]:
+    """Least squares of times = columns . x, weighted by 1/time (relative errors), x >= 0."""
+    a = np.array(columns, dtype=float).T
+    y = np.array(times, dtype=float)
+    w = 1 / y
+    x, *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
+    return [max(0.0, float(v)) for v in x]
+
+
+def bench_gemm(threads: int = 1) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    shapes = [(64, 64, 64), (256, 128, 128), (256, 384, 128), (256, 512, 128), (256, 128, 512), (512, 512, 512),
+              (1024, 1024, 1024), (4096, 128, 128), (4096, 512, 128), (4096, 128, 512)]
+    points = []
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        t = _time(lambda: torch.mm(a, b), 5)
+        points.append({"m": m, "n": n, "k": k, "seconds": t, "gflops": 2 * m * n * k / t / 1e9})
+    t0, inv_rate = _fit([[1.0] * len(points), [2.0 * p["m"] * p["n"] * p["k"] for p in points]],
+                        [p["seconds"] for p in points])
+    return {"threads": threads, "points": points, "fixed_s": t0, "flops_per_s": 1 / inv_rate if inv_rate else float("nan")}
+
+
+def bench_memory(threads: int = 1) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    points = []
+    for n in (16, 1024, 16384, 262144, 1048576, 4194304):
+        a, b = torch.randn(n), torch.randn(n)
+        out = torch.empty(n)
+        t = _time(lambda: torch.add(a, b, out=out), 5)
+        points.append({"elements": n, "bytes": 12 * n, "seconds": t})
+    fixed, inv_bw = _fit([[1.0] * len(points), [p["bytes"] for p in points]], [p["seconds"] for p in points])
+    return {"threads": threads, "points": points, "kernel_s": fixed, "bytes_per_s": 1 / inv_bw if inv_bw else float("nan")}
+
+
+def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    points = []
+    try:
+        for nbytes in (4096, 65536, 1 << 20, 4 << 20):
+            n = nbytes // 4
+            x = torch.randn(n)
+            gathered, part, shard = torch.empty(n), x[: n // world].clone(), torch.empty(n // world)
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            ops = {
+                "all_reduce": lambda: dist.all_reduce(x),
+                "all_gather": lambda: all_gather(gathered, part),
+                "reduce_scatter": lambda: reduce_scatter(shard, x),
+                "send": (lambda: dist.send(x, 1)) if rank == 0 else (lambda: dist.recv(x, 0)),
+            }
+            iters = 20 if nbytes <= 65536 else 5  # the same on every rank: collectives must pair up
+            for kind, fn in ops.items():
+                try:
+                    fn()
+                    samples = []
+                    for _ in range(5):
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        for _ in range(iters):
+                            fn()
+                        samples.append((time.perf_counter() - t0) / iters)
+                except (RuntimeError, NotImplementedError) as err:  # an op gloo lacks
+                    points.append({"kind": kind, "bytes": nbytes, "error": str(err).splitlines()[0]})
+                    continue
+                points.append({"kind": kind, "bytes": nbytes, "world": world, "seconds": statistics.median(samples)})
+        if rank == 0:
+            Path(out).write_text(json.dumps(points))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_gloo(world: int = 2) -> dict[str, Any]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port for the workers' TCP rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/gloo.json"
+        mp.spawn(_gloo_worker, args=(world, port, out), nprocs=world, join=True)
+        points = json.loads(Path(out).read_text())
+    ok = [p for p in points if "seconds" in p]
+    n = world
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "send": 1}
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "send": 1.0}
+    latency, inv_bw = _fit([[steps[p["kind"]] for p in ok], [factor[p["kind"]] * p["bytes"] for p in ok]],
+                           [p["seconds"] for p in ok])
+    return {"world": world, "points": points, "latency_s": latency, "bytes_per_s": 1 / inv_bw if inv_bw else float("nan")}
+
+
+def bench_data(index: Path, seq_length: int, micro_batch: int = 2) -> float:
+    """Seconds per token to build a microbatch (TokenDataset.microbatch), as each rank does."""
+    from mega.data import TokenDataset
+
+    ds = TokenDataset(index, seq_length=seq_length, seed=1234)
+    step = iter(range(10**9))
+    t = _time(lambda: ds.microbatch(next(step), 0, 0, 1, micro_batch, 1), 5)
+    return t / (micro_batch * seq_length)
+
+
+def run_layout(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
+    """Train ``steps`` steps with the real launcher; the median step time after ``warmup``."""
+    from mega.bench import common
+
+    with tempfile.TemporaryDirectory(prefix="mega-calibrate-") as tmp:
+        cfg = common.compose_run([*overrides, *RUN], steps, f"{tmp}/run")
+        load_before = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        result = common.train(cfg, common.prepare_data(cfg))
+        wall = time.perf_counter() - t0
+    timed = common.steady(result.metrics, warmup)
+    return {"step_s": common.median(timed, "step_s"), "steps_s": [r["step_s"] for r in timed],
+            "load_before": load_before, "load_after": os.getloadavg()[0], "wall_s": wall}
+
+
+def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_token: float,
+                   overheads: dict[str, float]) -> dict[str, Any]:
+    return {
+        "name": f"cpu: {mach['cpu']} x{mach['cores']}",
+        "gemm_flops_per_s": gemm["flops_per_s"],
+        "kernel_s": mem["kernel_s"],
+        "memory_bytes_per_s": mem["bytes_per_s"],
+        "memory_bytes": mach["memory_bytes"],
+        "gloo_latency_s": gloo["latency_s"],
+        "gloo_bytes_per_s": gloo["bytes_per_s"],
+        "cores": mach["cores"],
+        "data_s_per_token": data_s_per_token,
+        "collective_cpu_fraction": 1.0,  # loopback gloo: both ends copy through the kernel on a core
+        **overheads,
+    }
+
+
+def probe_overheads(block: dict[str, Any], steps: int, warmup: int) -> tuple[dict[str, float], list[dict]]:
+    """Fit the host overheads: step = c_step + L c_layer_step + M (c_mb + L c_layer) + compute."""
+    from mega.config import compose
+    from mega.perf.step import predict
+
+    rows = []
+    for layers in (2, 8):
+        for mb in (1, 4):
+            overrides = [*PROBE_MODEL, f"model.num_layers={layers}", "parallelism=single",
+                         "parallelism.micro_batch_size=1", f"parallelism.global_batch_size={mb}",
+                         "parallelism.name=probe"]
+            log(f"calibrate: probe {layers} layers x {mb} microbatches")
+            measured = run_layout(overrides, steps, warmup)
+            cfg = compose([*overrides, *RUN])
+            compute = predict(cfg, from_calibration_block(block, 1)).step_s
+            rows.append({"layers": layers, "microbatches": mb, "measured_step_s": measured["step_s"],
+                         "modelled_compute_s": compute, "load_before": measured["load_before"],
+                         "load_after": measured["load_after"]})
+    c_step, c_layer_step, c_mb, c_layer = _fit(
+        [[1.0] * 4, [r["layers"] for r in rows], [r["microbatches"] for r in rows],
+         [r["microbatches"] * r["layers"] for r in rows]],
+        [max(1e-4, r["measured_step_s"] - r["modelled_compute_s"]) for r in rows])
+    return ({"step_overhead_s": c_step, "layer_step_overhead_s": c_layer_step, "microbatch_overhead_s": c_mb,
+             "layer_overhead_s": c_layer / 3}, rows)  # a layer's backward costs twice its forward
+
+
+def compare(calibration: dict[str, Any], layouts: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
+    """Predicted vs measured step time of every recorded layout (used by the tests on fixtures)."""
+    from mega.perf.configs import Composer
+
+    out = []
+    with Composer() as composer:
+        for row in calibration["layouts"]:
+            plan = composer.plan(row["overrides"])
+            cfg = plan.cfg
+            hw = from_calibration_block(calibration["hardware"], cfg.cluster.procs_per_node)
+            from mega.perf.step import predict
+
+            pr = predict(cfg, hw)
+            out.append({"name": row["name"], "measured_step_s": row["measured_step_s"], "predicted_step_s": pr.step_s,
+                        "error": pr.step_s / row["measured_step_s"] - 1,
+                        "breakdown": {k: v["seconds"] for k, v in pr.breakdown().items() if v["seconds"]}})
+    return out
+
+
+def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dict[str, Any]:
+    from mega.bench import common
+    from mega.config import compose
+
+    mach = machine()
+    log(f"calibrate: {mach['cpu']} x{mach['cores']}, load average {mach['load_average']}")
+    gemm, mem = bench_gemm(1), bench_memory(1)
+    log(f"calibrate: GEMM {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per thread, memory "
+        f"{mem['bytes_per_s'] / 1e9:.1f} GB/s, {mem['kernel_s'] * 1e6:.1f} us per op")
+    gloo = bench_gloo(2)
+    log(f"calibrate: gloo {gloo['latency_s'] * 1e6:.0f} us per ring step, {gloo['bytes_per_s'] / 1e9:.2f} GB/s")
+    cfg = compose([*MODEL, "parallelism=tp2"])
+    data = bench_data(common.prepare_data(cfg), cfg.model.seq_length)
+    block = hardware_block(mach, gemm, mem, gloo, data, {})
+    overheads, probes = probe_overheads(block, steps, warmup)
+    block.update(overheads)
+    log("calibrate: overheads " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in overheads.items()))
+    result: dict[str, Any] = {
+        "machine": mach, "hardware": block,
+        "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data, "probes": probes},
+        "model": MODEL, "steps": steps, "warmup": warmup, "layouts": [],
+        "note": "measured on a machine shared with other jobs unless the load averages say otherwise; "
+                "re-run on a quiet machine for final figures",
+    }
+    for name in names:
+        overrides = [*MODEL, *LAYOUTS[name]]
+        log(f"calibrate: layout {name}")
+        measured = run_layout(overrides, steps, warmup)
+        result["layouts"].append({"name": name, "overrides": overrides, "measured_step_s": measured["step_s"],
+                                  "steps_s": measured["steps_s"], "load_before": measured["load_before"],
+                                  "load_after": measured["load_after"]})
+    for row, cmp in zip(result["layouts"], compare(result)):
+        row.update(predicted_step_s=cmp["predicted_step_s"], error=cmp["error"], breakdown=cmp["breakdown"])
+        log(f"calibrate: {row['name']:<18} measured {row['measured_step_s']:.3f} s predicted "
+            f"{row['predicted_step_s']:.3f} s {row['error']:+.1%}")
+    errors = [abs(r["error"]) for r in result["layouts"]]
+    result["summary"] = {"layouts": len(errors), "max_abs_error": max(errors), "mean_abs_error": sum(errors) / len(errors),
+                         "within_15_percent": sum(e <= 0.15 for e in errors)}
+    result["machine"]["load_average_end"] = os.getloadavg()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mega.plan calibrate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help=f"six layouts only: {', '.join(QUICK)}")
+    parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ", ".join(LAYOUTS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    names = tuple(args.layouts.split(",")) if args.layouts else (QUICK if args.quick else tuple(LAYOUTS))
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        print(f"calibrate: unknown layouts {unknown}; known: {list(LAYOUTS)}", file=sys.stderr)
+        return 2
+    result = calibrate(Path(args.out), args.steps, args.warmup, names)
+    if not args.json:
+        log(f"calibrate: {result['summary']}; written to {args.out}")
+    print(json.dumps({"out": args.out, "summary": result["summary"],
+                      "layouts": [{k: r[k] for k in ("name", "measured_step_s", "predicted_step_s", "error")}
+                                  for r in result["layouts"]]}))
+    return 0
