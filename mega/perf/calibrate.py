@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,19 +77,21 @@ def machine() -> dict[str, Any]:
             "date": _dt.datetime.now().isoformat(timespec="seconds")}
 
 
-def _time(fn, repeats: int, min_s: float = 0.02) -> float:
-    """Median seconds of one call, each sample repeated until it lasts ``min_s``."""
+def _time(fn, repeats: int, min_s: float = 0.02, clock=time.thread_time) -> float:
+    """Median seconds of one call, each sample repeated until it lasts ``min_s``. The default clock
+    is this thread's CPU time: single-threaded work measured so is not slowed by other processes
+    sharing the cores (the machine this runs on usually is shared)."""
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
-    once = max(time.perf_counter() - t0, 1e-7)
+    once = max(clock() - t0, 1e-7)
     inner = max(1, int(min_s / once))
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(inner):
             fn()
-        samples.append((time.perf_counter() - t0) / inner)
+        samples.append((clock() - t0) / inner)
     return statistics.median(samples)
 
 
@@ -99,6 +102,22 @@ def _fit(columns: list[list[float]], times: list[float]) -> list[float]:
     w = 1 / y
     x, *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
     return [max(0.0, float(v)) for v in x]
+
+
+def _nnls(columns: list[list[float]], times: list[float]) -> list[float]:
+    """Non-negative least squares (relative errors) by dropping the most negative coefficient
+    until none is left: the overheads are times, never negative."""
+    active = list(range(len(columns)))
+    while True:
+        x = np.zeros(len(columns))
+        a = np.array([columns[i] for i in active], dtype=float).T
+        y = np.array(times, dtype=float)
+        sol, *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+        if (sol >= 0).all() or len(active) == 1:
+            for i, v in zip(active, sol):
+                x[i] = max(0.0, float(v))
+            return [float(v) for v in x]
+        active.pop(int(np.argmin(sol)))
 
 
 def bench_gemm(threads: int = 1) -> dict[str, Any]:
@@ -155,17 +174,20 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
             for kind, fn in ops.items():
                 try:
                     fn()
-                    samples = []
-                    for _ in range(5):
+                    wall, cpu = [], []
+                    for _ in range(7):
                         dist.barrier()
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         for _ in range(iters):
                             fn()
-                        samples.append((time.perf_counter() - t0) / iters)
+                        wall.append((time.perf_counter() - t0) / iters)
+                        cpu.append((time.process_time() - c0) / iters)
                 except (RuntimeError, NotImplementedError) as err:  # an op gloo lacks
                     points.append({"kind": kind, "bytes": nbytes, "error": str(err).splitlines()[0]})
                     continue
-                points.append({"kind": kind, "bytes": nbytes, "world": world, "seconds": statistics.median(samples)})
+                # the fastest sample: the least disturbed by other processes on the cores
+                points.append({"kind": kind, "bytes": nbytes, "world": world, "seconds": min(wall),
+                               "median_s": statistics.median(wall), "cpu_seconds": statistics.median(cpu)})
         if rank == 0:
             Path(out).write_text(json.dumps(points))
     finally:
@@ -190,7 +212,9 @@ def bench_gloo(world: int = 2) -> dict[str, Any]:
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "send": 1.0}
     latency, inv_bw = _fit([[steps[p["kind"]] for p in ok], [factor[p["kind"]] * p["bytes"] for p in ok]],
                            [p["seconds"] for p in ok])
-    return {"world": world, "points": points, "latency_s": latency, "bytes_per_s": 1 / inv_bw if inv_bw else float("nan")}
+    cpu_fraction = statistics.median(min(1.0, p["cpu_seconds"] / p["seconds"]) for p in ok)
+    return {"world": world, "points": points, "latency_s": latency, "bytes_per_s": 1 / inv_bw if inv_bw else float("nan"),
+            "cpu_fraction": cpu_fraction}
 
 
 def bench_data(index: Path, seq_length: int, micro_batch: int = 2) -> float:
@@ -203,19 +227,79 @@ def bench_data(index: Path, seq_length: int, micro_batch: int = 2) -> float:
     return t / (micro_batch * seq_length)
 
 
+class RankSampler(threading.Thread):
+    """Every ``period`` seconds: the CPU seconds used so far by the training ranks (this process's
+    descendants running mega.train) and the number of steps logged to metrics.jsonl. CPU seconds
+    per step do not grow when other jobs share the cores; wall seconds do."""
+
+    def __init__(self, metrics: Path, period: float = 0.05):
+        super().__init__(daemon=True)
+        self.metrics, self.period = metrics, period
+        self.samples: list[tuple[float, int, float]] = []  # (wall, steps logged, rank CPU seconds)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me, ranks, cpu = psutil.Process(), {}, {}
+        while not self._done.wait(self.period):
+            for child in me.children(recursive=True):
+                if child.pid not in ranks:
+                    try:
+                        if "mega.train" in " ".join(child.cmdline()):
+                            ranks[child.pid] = child
+                    except psutil.Error:
+                        continue
+            for pid, proc in ranks.items():
+                try:
+                    t = proc.cpu_times()
+                    cpu[pid] = t.user + t.system  # an exited rank keeps its last reading
+                except psutil.Error:
+                    pass
+            try:
+                steps = self.metrics.read_text().count("\n")
+            except OSError:
+                steps = 0
+            self.samples.append((time.perf_counter(), steps, sum(cpu.values())))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+    def per_step(self, first: int, last: int) -> dict[str, float]:
+        """CPU and wall seconds per step between the logging of step ``first`` and ``last``."""
+        def at(step: int) -> tuple[float, int, float]:
+            return next(x for x in self.samples if x[1] >= step)
+
+        end = at(last) if any(x[1] >= last for x in self.samples) else max(self.samples, key=lambda x: x[1])
+        start = at(first)
+        n = end[1] - start[1]
+        if n <= 0:
+            return {"cpu_s": float("nan"), "wall_s": float("nan"), "steps": 0}
+        return {"cpu_s": (end[2] - start[2]) / n, "wall_s": (end[0] - start[0]) / n, "steps": n}
+
+
 def run_layout(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
-    """Train ``steps`` steps with the real launcher; the median step time after ``warmup``."""
+    """Train ``steps`` steps with the real launcher: the median step time (wall) after ``warmup``
+    and the ranks' CPU seconds per step over the same steps."""
     from mega.bench import common
+    from mega.metrics import METRICS_FILE
 
     with tempfile.TemporaryDirectory(prefix="mega-calibrate-") as tmp:
         cfg = common.compose_run([*overrides, *RUN], steps, f"{tmp}/run")
+        index = common.prepare_data(cfg)
         load_before = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        result = common.train(cfg, common.prepare_data(cfg))
-        wall = time.perf_counter() - t0
+        sampler = RankSampler(Path(cfg.train.run_dir) / METRICS_FILE)
+        sampler.start()
+        try:
+            result = common.train(cfg, index)
+        finally:
+            sampler.stop()
     timed = common.steady(result.metrics, warmup)
+    usage = sampler.per_step(warmup, steps)
     return {"step_s": common.median(timed, "step_s"), "steps_s": [r["step_s"] for r in timed],
-            "load_before": load_before, "load_after": os.getloadavg()[0], "wall_s": wall}
+            "cpu_s": usage["cpu_s"], "sampled_wall_s": usage["wall_s"],
+            "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_token: float,
@@ -230,13 +314,14 @@ def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_tok
         "gloo_bytes_per_s": gloo["bytes_per_s"],
         "cores": mach["cores"],
         "data_s_per_token": data_s_per_token,
-        "collective_cpu_fraction": 1.0,  # loopback gloo: both ends copy through the kernel on a core
+        "collective_cpu_fraction": gloo["cpu_fraction"],
         **overheads,
     }
 
 
 def probe_overheads(block: dict[str, Any], steps: int, warmup: int) -> tuple[dict[str, float], list[dict]]:
-    """Fit the host overheads: step = c_step + L c_layer_step + M (c_mb + L c_layer) + compute."""
+    """Fit the host overheads on the rank's CPU seconds per step of four single-process probes:
+    cpu = c_step + L c_layer_step + M (c_mb + L c_layer) + the modelled compute."""
     from mega.config import compose
     from mega.perf.step import predict
 
@@ -249,33 +334,32 @@ def probe_overheads(block: dict[str, Any], steps: int, warmup: int) -> tuple[dic
             log(f"calibrate: probe {layers} layers x {mb} microbatches")
             measured = run_layout(overrides, steps, warmup)
             cfg = compose([*overrides, *RUN])
-            compute = predict(cfg, from_calibration_block(block, 1)).step_s
-            rows.append({"layers": layers, "microbatches": mb, "measured_step_s": measured["step_s"],
-                         "modelled_compute_s": compute, "load_before": measured["load_before"],
-                         "load_after": measured["load_after"]})
-    c_step, c_layer_step, c_mb, c_layer = _fit(
+            compute = predict(cfg, from_calibration_block(block, 1)).busy_s
+            rows.append({"layers": layers, "microbatches": mb, "cpu_s": measured["cpu_s"],
+                         "measured_step_s": measured["step_s"], "modelled_compute_s": compute,
+                         "load_before": measured["load_before"], "load_after": measured["load_after"]})
+    c_step, c_layer_step, c_mb, c_layer = _nnls(
         [[1.0] * 4, [r["layers"] for r in rows], [r["microbatches"] for r in rows],
          [r["microbatches"] * r["layers"] for r in rows]],
-        [max(1e-4, r["measured_step_s"] - r["modelled_compute_s"]) for r in rows])
+        [max(1e-4, r["cpu_s"] - r["modelled_compute_s"]) for r in rows])
     return ({"step_overhead_s": c_step, "layer_step_overhead_s": c_layer_step, "microbatch_overhead_s": c_mb,
              "layer_overhead_s": c_layer / 3}, rows)  # a layer's backward costs twice its forward
 
 
-def compare(calibration: dict[str, Any], layouts: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
-    """Predicted vs measured step time of every recorded layout (used by the tests on fixtures)."""
+def compare(calibration: dict[str, Any]) -> list[dict[str, Any]]:
+    """Predicted vs measured per recorded layout: step time (wall) and the ranks' CPU seconds per
+    step (busy time). Used by ``calibrate`` and by the tests on recorded calibrations."""
     from mega.perf.configs import Composer
+    from mega.perf.step import predict
 
     out = []
     with Composer() as composer:
         for row in calibration["layouts"]:
-            plan = composer.plan(row["overrides"])
-            cfg = plan.cfg
-            hw = from_calibration_block(calibration["hardware"], cfg.cluster.procs_per_node)
-            from mega.perf.step import predict
-
-            pr = predict(cfg, hw)
+            cfg = composer.plan(row["overrides"]).cfg
+            pr = predict(cfg, from_calibration_block(calibration["hardware"], cfg.cluster.procs_per_node))
             out.append({"name": row["name"], "measured_step_s": row["measured_step_s"], "predicted_step_s": pr.step_s,
-                        "error": pr.step_s / row["measured_step_s"] - 1,
+                        "error": pr.step_s / row["measured_step_s"] - 1, "measured_cpu_s": row["cpu_s"],
+                        "predicted_cpu_s": pr.busy_s, "cpu_error": pr.busy_s / row["cpu_s"] - 1,
                         "breakdown": {k: v["seconds"] for k, v in pr.breakdown().items() if v["seconds"]}})
     return out
 
@@ -309,15 +393,19 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
         log(f"calibrate: layout {name}")
         measured = run_layout(overrides, steps, warmup)
         result["layouts"].append({"name": name, "overrides": overrides, "measured_step_s": measured["step_s"],
-                                  "steps_s": measured["steps_s"], "load_before": measured["load_before"],
+                                  "steps_s": measured["steps_s"], "cpu_s": measured["cpu_s"],
+                                  "sampled_wall_s": measured["sampled_wall_s"], "load_before": measured["load_before"],
                                   "load_after": measured["load_after"]})
     for row, cmp in zip(result["layouts"], compare(result)):
-        row.update(predicted_step_s=cmp["predicted_step_s"], error=cmp["error"], breakdown=cmp["breakdown"])
-        log(f"calibrate: {row['name']:<18} measured {row['measured_step_s']:.3f} s predicted "
-            f"{row['predicted_step_s']:.3f} s {row['error']:+.1%}")
-    errors = [abs(r["error"]) for r in result["layouts"]]
-    result["summary"] = {"layouts": len(errors), "max_abs_error": max(errors), "mean_abs_error": sum(errors) / len(errors),
-                         "within_15_percent": sum(e <= 0.15 for e in errors)}
+        row.update({k: cmp[k] for k in ("predicted_step_s", "error", "predicted_cpu_s", "cpu_error", "breakdown")})
+        log(f"calibrate: {row['name']:<18} step measured {row['measured_step_s']:.3f} s predicted "
+            f"{row['predicted_step_s']:.3f} s ({row['error']:+.1%}); CPU s/step measured {row['cpu_s']:.3f} "
+            f"predicted {row['predicted_cpu_s']:.3f} ({row['cpu_error']:+.1%}); load {row['load_before']:.1f}")
+    result["summary"] = {"layouts": len(result["layouts"])}
+    for key in ("error", "cpu_error"):
+        errors = [abs(r[key]) for r in result["layouts"]]
+        result["summary"][key] = {"max_abs": max(errors), "mean_abs": sum(errors) / len(errors),
+                                  "within_15_percent": sum(e <= 0.15 for e in errors)}
     result["machine"]["load_average_end"] = os.getloadavg()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -343,6 +431,7 @@ def main(argv: list[str]) -> int:
     if not args.json:
         log(f"calibrate: {result['summary']}; written to {args.out}")
     print(json.dumps({"out": args.out, "summary": result["summary"],
-                      "layouts": [{k: r[k] for k in ("name", "measured_step_s", "predicted_step_s", "error")}
+                      "layouts": [{k: r[k] for k in ("name", "measured_step_s", "predicted_step_s", "error", "cpu_s",
+                                                     "predicted_cpu_s", "cpu_error", "load_before")}
                                   for r in result["layouts"]]}))
     return 0

@@ -55,6 +55,7 @@ class Prediction:
     fits: bool
     terms: list[Term]
     stages: dict = field(default_factory=dict)
+    busy_s: float = 0.0  # all ranks' busy (non-waiting) seconds in one step: CPU seconds on a CPU
 
     def breakdown(self) -> dict[str, dict]:
         return {t.name: t.to_dict() for t in self.terms}
@@ -369,18 +370,15 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     terms.append(Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"))
 
     step_s = sum(t.seconds for t in terms)
+    # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
+    # with the calibrated share of a collective's time that keeps a core busy.
+    comm_s = sum(t.total_s or 0.0 for t in terms if t.name in ("tp_comm", "pp_p2p", "dp_grad_reduce", "dp_param_gather"))
+    busy_s = tp * dp * sum(mb * (x["total"] - x["p2p"] - x["layers"].tp_exposed - x["extra"].tp_exposed)
+                           + opt_s + data + hw.step_overhead_s + hw.collective_cpu_fraction * comm_s for x in stages)
     if hw.cores is not None and hw.cores < hw.procs_per_node:
-        # Ranks share cores: every rank's busy time (its share of a collective's bytes included)
-        # must fit into cores x step time.
-        comm_bytes_s = sum(t.total_s or 0.0 for t in terms if t.name in ("tp_comm", "pp_p2p", "dp_grad_reduce",
-                                                                         "dp_param_gather"))
-        busy = 0.0
-        for x in stages:
-            compute = mb * (x["total"] - x["p2p"] - x["layers"].tp_exposed - x["extra"].tp_exposed)
-            busy += tp * dp * (compute + opt_s + data + hw.step_overhead_s
-                               + hw.collective_cpu_fraction * comm_bytes_s)
+        # Ranks share cores: all ranks' busy time must fit into cores x step time.
         nodes = max(1, world // hw.procs_per_node)
-        floor = busy / nodes / hw.cores
+        floor = busy_s / nodes / hw.cores
         terms.append(Term("core_sharing", max(0.0, floor - step_s),
                           f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
                           f"= {floor:.3f} s bounds the step from below"))
@@ -409,4 +407,5 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
         terms=terms,
         stages={"slowest": slowest, "microbatch_s": [x["total"] for x in stages], "pipeline_s": pipeline_s,
                 "microbatches": mb},
+        busy_s=busy_s,
     )
