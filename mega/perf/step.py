@@ -227,6 +227,183 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     return Unit(fwd, bwd, Pass())
 
 
+def p2p_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, scatter_gather: bool) -> tuple[float, float]:
+    """(seconds, bytes) of one pipeline message: a microbatch's activation to the next stage, whose
+    ranks are tp*dp away (megatron's tp-cp-ep-dp-pp rank order); across nodes one rank's NIC."""
+    m, p = cfg.model, cfg.parallelism
+    if p.pp == 1:
+        return 0.0, 0.0
+    activation = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
+    nbytes = activation / (p.tp if (p.sequence_parallel or scatter_gather) else 1)
+    stride = p.tp * p.dp
+    if hw.link(p.pp, stride)[0] is hw.inter:
+        seconds = hw.inter.latency_s + nbytes / hw.inter.bytes_per_s
+    else:
+        seconds = hw.collective_s("send", nbytes, p.pp, stride=stride)
+    if scatter_gather and not p.sequence_parallel:
+        seconds += hw.collective_s("all_gather", activation, p.tp)
+    return seconds, nbytes
+
+
+@dataclass
+class Stage:
+    """One pipeline stage, one microbatch through all its model chunks."""
+
+    forward: Pass  # its transformer layers
+    backward: Pass
+    recompute: Pass
+    extra: Pass  # embedding (first stage), output layer and loss (last stage)
+    overhead: float  # host cost per microbatch and chunk
+    p2p: float  # blocking pipeline messages on the critical path
+
+    @property
+    def layers(self) -> Pass:
+        return self.forward + self.backward
+
+    @property
+    def total(self) -> float:
+        return self.layers.total + self.recompute.total + self.extra.total + self.overhead + self.p2p
+
+    @property
+    def busy(self) -> float:
+        """Seconds not spent waiting on a collective or a pipeline message."""
+        return self.total - self.p2p - self.layers.tp_exposed - self.extra.tp_exposed
+
+
+def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Stage]:
+    p = cfg.parallelism
+    pp, vpp = p.pp, p.vpp or 1
+    n = cfg.model.num_layers // pp
+    layer, emb, head = layer_unit(cfg, hw, dtype), embedding_unit(cfg, hw, dtype), logits_unit(cfg, hw, dtype)
+    blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else 2 * vpp * p2p  # each chunk: one message each way
+    out = []
+    for stage in range(pp):
+        extra = Pass()
+        if stage == 0:
+            extra = extra + emb.forward + emb.backward
+        if stage == pp - 1:
+            extra = extra + head.forward + head.backward
+        out.append(Stage(layer.forward.scaled(n), layer.backward.scaled(n), layer.recompute.scaled(n), extra,
+                         vpp * hw.microbatch_overhead_s, blocking))
+    return out
+
+
+def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: float, p2p_bytes: float) -> list[Term]:
+    """The microbatches through the slowest stage, term by term, then the bubble."""
+    m, p = cfg.model, cfg.parallelism
+    pp, vpp, mb = p.pp, p.vpp or 1, p.num_microbatches
+    slowest = max(range(pp), key=lambda i: stages[i].total)
+    st = stages[slowest]
+    lay, ext = st.layers, st.extra
+    avg = sum(x.total for x in stages) / pp
+    fill = 2 * (pp - 1) * p2p if (pp > 1 and p.overlap_p2p_comm) else 0.0
+    return [
+        Term("gemm", mb * (lay.gemm + ext.gemm),
+             f"{mb} microbatches x stage {slowest}: {m.num_layers // pp} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
+             f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
+             f"{hw.peak_flops / 1e12:.1f} TFLOP/s, per-shape efficiency"),
+        Term("attention", mb * (lay.attention + ext.attention),
+             "attention core: " + ("fused flash kernels (windowed keys only)" if hw.flash_attention else
+                                   "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic")),
+        Term("elementwise", mb * (lay.elementwise + ext.elementwise),
+             "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved memory bandwidth"),
+        Term("tp_comm", mb * (lay.tp_exposed + ext.tp_exposed),
+             f"TP{'+SP' if p.sequence_parallel else ''} collectives over {p.tp} ranks, exposed part "
+             f"(tp_overlap={p.tp_overlap}; megatron's async backward hides the column-parallel ones)",
+             total_s=mb * (lay.tp_total + ext.tp_total)),
+        Term("recompute", mb * st.recompute.total, f"model.recompute={m.recompute}: forward work redone in the backward"),
+        Term("host_overhead", mb * (lay.overhead + ext.overhead + st.overhead),
+             "host (Python) time the device does not hide: per layer and per microbatch/chunk"),
+        Term("pp_p2p", mb * st.p2p + fill,
+             f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
+             f"(overlap_p2p_comm={p.overlap_p2p_comm}"
+             + (": only the fill/drain is exposed)" if p.overlap_p2p_comm else ": blocking, on the critical path)"),
+             total_s=mb * 2 * vpp * p2p),
+        Term("pp_bubble", (pp - 1) / vpp * avg, f"(pp-1)/vpp = {pp - 1}/{vpp} microbatch-times of the average stage "
+                                                f"({avg * 1e3:.2f} ms) for pipeline fill and drain"),
+    ]
+
+
+def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: float) -> tuple[float, str]:
+    """A memory-bound pass over this rank's shard of the optimizer state, the grad-norm
+    all-reduces, and (CPU) the per-layer host cost of the per-tensor updates."""
+    p = cfg.parallelism
+    opt_params = params_rank / (p.dp if p.use_distributed_optimizer else 1)
+    state = 8 if cfg.optimizer.name != "sgd" else 4
+    # state read + write, fp32 gradient, fp32 master read + write (16-bit weights), weights, norm, zeroing
+    per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4
+    if cfg.optimizer.name == "lamb":
+        per_param += 8  # the per-tensor trust ratio reads weights and update once more
+    seconds = (hw.stream_s(opt_params * per_param, 8) + 2 * hw.collective_s("all_reduce", 8, p.world_size)
+               + hw.layer_step_overhead_s * cfg.model.num_layers // p.pp)
+    return seconds, (f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters x {per_param} B of memory "
+                     "traffic + grad-norm all-reduces")
+
+
+def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage],
+                        bubble: float) -> tuple[list[Term], float]:
+    """Gradient reduction, optimizer step, parameter all-gather; returns the terms and the
+    optimizer's seconds."""
+    m, p = cfg.model, cfg.parallelism
+    tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
+    params_rank = max(stage_params(m, tp, pp))
+    grad_bytes = params_rank * 4  # fp32 main gradients
+    n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
+    if p.use_distributed_optimizer:
+        rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
+        ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
+    else:
+        rs_total = n_buckets * hw.collective_s("all_reduce", grad_bytes / n_buckets, dp, stride=tp)
+        ag_total = 0.0
+    first = stages[0]
+    if p.overlap_grad_reduce and dp > 1:
+        # buckets reduce as the last microbatch's backward produces them (the first stage's first
+        # chunk finishes last); with interleaving the chunks done earlier reduce during the drain
+        last_backward = (first.backward.total + first.recompute.total) / vpp
+        rs_exposed = max(rs_total / n_buckets, rs_total - last_backward - (vpp - 1) / vpp * bubble)
+    else:
+        rs_exposed = rs_total
+    opt_s, opt_what = optimizer_seconds(cfg, hw, dtype, params_rank)
+    if not p.use_distributed_optimizer or dp == 1:
+        ag_exposed = ag_total
+    elif p.overlap_param_gather_with_optimizer_step:
+        ag_exposed = max(0.0, ag_total / n_buckets - opt_s)
+    elif p.overlap_param_gather and p.align_param_gather:
+        ag_exposed = ag_total / n_buckets  # the first chunk prefetched: one bucket waits
+    elif p.overlap_param_gather:
+        first_forward = first.forward.total / vpp
+        ag_exposed = max(ag_total / n_buckets, ag_total / vpp - first_forward)
+    else:
+        ag_exposed = ag_total
+    terms = [
+        Term("dp_grad_reduce", rs_exposed,
+             f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB fp32 "
+             f"gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
+             total_s=rs_total),
+        Term("optimizer", opt_s, opt_what),
+        Term("dp_param_gather", ag_exposed,
+             f"all-gather of updated {precision_of(cfg)} parameters over dp={dp} (overlap_param_gather="
+             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
+             f"{p.overlap_param_gather_with_optimizer_step})", total_s=ag_total),
+    ]
+    return terms, opt_s
+
+
+def hardware_flops_per_step(cfg: MegaConfig) -> float:
+    """Model FLOPs + the recomputed forward work (HFU's numerator)."""
+    m, p = cfg.model, cfg.parallelism
+    tokens = p.global_batch_size * m.seq_length
+    if m.recompute == "full":
+        return model_flops_per_token(m, recompute=True, window=m.window_size,
+                                     full_attention_every=m.full_attention_every) * tokens
+    flops = model_flops_per_step(cfg)
+    if m.recompute == "selective":
+        windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
+        keys = windowed * min((m.window_size or m.seq_length) + 1, m.seq_length) + full * m.seq_length
+        flops += 4 * keys * m.hidden_size * tokens
+    return flops
+
+
 def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
             p2p_scatter_gather: bool = False) -> Prediction:
     """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
@@ -237,175 +414,54 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     NIC and the receiving stage all-gathers it over NVLink. megatron-core, and so mega, sends the
     whole tensor from every TP rank (the default). Only the published Megatron-LM rows set it."""
     m, p = cfg.model, cfg.parallelism
-    precision = precision_of(cfg)
-    dtype = DTYPE_BYTES[precision]
-    tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
-    mb = p.num_microbatches
-    layers_per_stage = m.num_layers // pp
-    world = tp * pp * dp
+    dtype = DTYPE_BYTES[precision_of(cfg)]
+    tp, dp, mb, world = p.tp, p.dp, p.num_microbatches, p.world_size
 
-    layer = layer_unit(cfg, hw, dtype)
-    emb = embedding_unit(cfg, hw, dtype)
-    head = logits_unit(cfg, hw, dtype)
-
-    # Pipeline point-to-point: one activation per microbatch and model chunk each way; a stage's
-    # neighbours are tp*dp ranks away (megatron's tp-cp-ep-dp-pp rank order).
-    activation = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
-    split = p.sequence_parallel or p2p_scatter_gather
-    p2p_bytes = activation / (tp if split else 1)
-    p2p = hw.collective_s("send", p2p_bytes, pp, stride=tp * dp) if pp > 1 else 0.0
-    if pp > 1 and hw.link(pp, tp * dp)[0] is hw.inter:  # one rank's NIC, not a group's
-        p2p = hw.inter.latency_s + p2p_bytes / hw.inter.bytes_per_s
-    if pp > 1 and p2p_scatter_gather and not p.sequence_parallel:
-        p2p += hw.collective_s("all_gather", activation, tp)
-    p2p_per_mb = 0.0 if (pp == 1 or p.overlap_p2p_comm) else 2 * vpp * p2p
-
-    stages = []
-    for stage in range(pp):
-        f = layer.forward.scaled(layers_per_stage)
-        bwd = layer.backward.scaled(layers_per_stage)
-        rc = layer.recompute.scaled(layers_per_stage)
-        extra_f, extra_b = Pass(), Pass()
-        if stage == 0:
-            extra_f, extra_b = extra_f + emb.forward, extra_b + emb.backward
-        if stage == pp - 1:
-            extra_f, extra_b = extra_f + head.forward, extra_b + head.backward
-        overhead = vpp * hw.microbatch_overhead_s
-        total = f.total + bwd.total + rc.total + extra_f.total + extra_b.total + overhead + p2p_per_mb
-        stages.append({"layers": f + bwd, "recompute": rc, "extra": extra_f + extra_b, "overhead": overhead,
-                       "p2p": p2p_per_mb, "total": total})
-    slowest = max(range(pp), key=lambda i: stages[i]["total"])
-    st = stages[slowest]
-    t_max = st["total"]
-    t_avg = sum(x["total"] for x in stages) / pp
-    pipeline_s = mb * t_max
-
-    terms: list[Term] = []
-    lay, ext = st["layers"], st["extra"]
-    terms.append(Term("gemm", mb * (lay.gemm + ext.gemm),
-                      f"{mb} microbatches x stage {slowest}: {layers_per_stage} layers' QKV/proj/fc1/fc2 GEMMs "
-                      f"(fwd + dgrad + wgrad) + the embedding/output-layer GEMMs; roofline at "
-                      f"{hw.gemm_efficiency:.2f} x {hw.peak_flops / 1e12:.1f} TFLOP/s"))
-    terms.append(Term("attention", mb * (lay.attention + ext.attention),
-                      "attention core: " + ("fused flash kernels (windowed keys only)" if hw.flash_attention else
-                                            "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic")))
-    terms.append(Term("elementwise", mb * (lay.elementwise + ext.elementwise),
-                      "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved HBM bandwidth"))
-    terms.append(Term("tp_comm", mb * (lay.tp_exposed + ext.tp_exposed),
-                      f"TP{'+SP' if p.sequence_parallel else ''} collectives over {tp} ranks, exposed part "
-                      f"(tp_overlap={p.tp_overlap}; megatron's async backward hides the column-parallel ones)",
-                      total_s=mb * (lay.tp_total + ext.tp_total)))
-    rc = st["recompute"]
-    terms.append(Term("recompute", mb * rc.total, f"model.recompute={m.recompute}: forward work redone in the backward"))
-    terms.append(Term("host_overhead", mb * (lay.overhead + ext.overhead + st["overhead"]),
-                      "host (Python) time the device does not hide: per layer and per microbatch/chunk"))
-    p2p_total = mb * 2 * vpp * p2p
-    fill = 2 * (pp - 1) * p2p if (pp > 1 and p.overlap_p2p_comm) else 0.0
-    terms.append(Term("pp_p2p", mb * st["p2p"] + fill,
-                      f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
-                      f"(overlap_p2p_comm={p.overlap_p2p_comm}" + (": only the fill/drain is exposed)" if p.overlap_p2p_comm
-                                                                   else ": blocking, on the critical path)"),
-                      total_s=p2p_total if pp > 1 else 0.0))
-    bubble = (pp - 1) / vpp * t_avg
-    terms.append(Term("pp_bubble", bubble, f"(pp-1)/vpp = {pp - 1}/{vpp} microbatch-times of the average stage "
-                                           f"({t_avg * 1e3:.2f} ms) for pipeline fill and drain"))
-
-    # Data parallelism: gradients in fp32, parameters at the training precision.
-    params_rank = max(stage_params(m, tp, pp))
-    grad_bytes = params_rank * 4
-    n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
-    if p.use_distributed_optimizer:
-        rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
-        ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
-    else:
-        rs_total = n_buckets * hw.collective_s("all_reduce", grad_bytes / n_buckets, dp, stride=tp)
-        ag_total = 0.0
-    last_backward = (layer.backward.total + layer.recompute.total) * layers_per_stage / vpp
-    if p.overlap_grad_reduce and dp > 1:
-        # buckets reduce as the last microbatch's backward produces them; with interleaving the
-        # chunks finished earlier reduce during the pipeline drain
-        window = last_backward + (vpp - 1) / vpp * bubble
-        rs_exposed = max(rs_total / n_buckets, rs_total - window)
-    else:
-        rs_exposed = rs_total
-    terms.append(Term("dp_grad_reduce", rs_exposed,
-                      f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of "
-                      f"{grad_bytes / 2**30:.2f} GiB fp32 gradients over dp={dp} in {n_buckets} buckets "
-                      f"(overlap_grad_reduce={p.overlap_grad_reduce})", total_s=rs_total))
-
-    # Optimizer: a memory-bound pass over this rank's shard of the fp32 state.
-    opt_params = params_rank / (dp if p.use_distributed_optimizer else 1)
-    state = 8 if cfg.optimizer.name != "sgd" else 4
-    per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4  # state r/w, grad, master r/w, weights, norm, zero
-    if cfg.optimizer.name == "lamb":
-        per_param += 8  # the per-tensor trust ratio reads weights and update once more
-    opt_s = (hw.stream_s(opt_params * per_param, 8) + 2 * hw.collective_s("all_reduce", 8, world)
-             + hw.layer_step_overhead_s * layers_per_stage)
-    terms.append(Term("optimizer", opt_s, f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters "
-                                          f"x {per_param} B of memory traffic + grad-norm all-reduces"))
-
-    if not p.use_distributed_optimizer or dp == 1:
-        ag_exposed = ag_total
-    elif p.overlap_param_gather_with_optimizer_step:
-        ag_exposed = max(0.0, ag_total / n_buckets - opt_s)
-    elif p.overlap_param_gather and p.align_param_gather:
-        ag_exposed = ag_total / n_buckets
-    elif p.overlap_param_gather:
-        first_forward = layer.forward.total * layers_per_stage / vpp
-        ag_exposed = max(ag_total / n_buckets, ag_total / vpp - first_forward)
-    else:
-        ag_exposed = ag_total
-    terms.append(Term("dp_param_gather", ag_exposed,
-                      f"all-gather of updated {precision} parameters over dp={dp} (overlap_param_gather="
-                      f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
-                      f"{p.overlap_param_gather_with_optimizer_step})", total_s=ag_total))
-
+    p2p, p2p_bytes = p2p_seconds(cfg, hw, dtype, p2p_scatter_gather)
+    stages = stages_of(cfg, hw, dtype, p2p)
+    terms = pipeline_terms(cfg, hw, stages, p2p, p2p_bytes)
+    bubble = terms[-1].seconds
+    dp_terms, opt_s = data_parallel_terms(cfg, hw, dtype, stages, bubble)
+    terms += dp_terms
     emb_sync = 0.0
-    if pp > 1 and m.tie_embeddings:
-        emb_sync = hw.collective_s("all_reduce", m.padded_vocab_size * m.hidden_size / tp * 4, 2, stride=tp * dp * (pp - 1))
-    terms.append(Term("embedding_sync", emb_sync, "all-reduce of the tied word-embedding gradient between the first "
-                                                  "and last stage"))
+    if p.pp > 1 and m.tie_embeddings:
+        emb_sync = hw.collective_s("all_reduce", m.padded_vocab_size * m.hidden_size / tp * 4, 2,
+                                   stride=tp * dp * (p.pp - 1))
     data = hw.data_s_per_token * mb * p.micro_batch_size * m.seq_length
-    terms.append(Term("data", data, "building the step's microbatches and copying them to the device"))
-    terms.append(Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"))
-
+    terms += [
+        Term("embedding_sync", emb_sync, "all-reduce of the tied word-embedding gradient between the first and last stage"),
+        Term("data", data, "building the step's microbatches and copying them to the device"),
+        Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
+    ]
     step_s = sum(t.seconds for t in terms)
+
     # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
     # with the calibrated share of a collective's time that keeps a core busy.
     comm_s = sum(t.total_s or 0.0 for t in terms if t.name in ("tp_comm", "pp_p2p", "dp_grad_reduce", "dp_param_gather"))
-    busy_s = tp * dp * sum(mb * (x["total"] - x["p2p"] - x["layers"].tp_exposed - x["extra"].tp_exposed)
-                           + opt_s + data + hw.step_overhead_s + hw.collective_cpu_fraction * comm_s for x in stages)
+    busy_s = tp * dp * sum(mb * x.busy + opt_s + data + hw.step_overhead_s + hw.collective_cpu_fraction * comm_s
+                           for x in stages)
     if hw.cores is not None and hw.cores < hw.procs_per_node:
         # Ranks share cores: all ranks' busy time must fit into cores x step time.
-        nodes = max(1, world // hw.procs_per_node)
-        floor = busy_s / nodes / hw.cores
+        floor = busy_s / max(1, world // hw.procs_per_node) / hw.cores
         terms.append(Term("core_sharing", max(0.0, floor - step_s),
                           f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
                           f"= {floor:.3f} s bounds the step from below"))
         step_s = sum(t.seconds for t in terms)
 
-    flops = model_flops_per_step(cfg)
-    hw_flops = flops
-    if m.recompute == "full":
-        hw_flops = model_flops_per_token(m, recompute=True, window=m.window_size,
-                                         full_attention_every=m.full_attention_every) * p.global_batch_size * m.seq_length
-    elif m.recompute == "selective":
-        windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
-        keys = windowed * min((m.window_size or m.seq_length) + 1, m.seq_length) + full * m.seq_length
-        hw_flops += 4 * keys * m.hidden_size * p.global_batch_size * m.seq_length
     peak = mfu_peak_flops or hw.peak_flops
     memory = memory_per_gpu(cfg, dtype, hw.flash_attention)
-    tokens = p.global_batch_size * m.seq_length
+    flops = model_flops_per_step(cfg)
     return Prediction(
         step_s=step_s,
         mfu=flops / (step_s * world * peak),
-        hfu=hw_flops / (step_s * world * peak),
-        tokens_per_s=tokens / step_s,
+        hfu=hardware_flops_per_step(cfg) / (step_s * world * peak),
+        tokens_per_s=p.global_batch_size * m.seq_length / step_s,
         model_flops_per_step=flops,
         memory=memory,
         fits=memory.total <= hw.memory_bytes,
         terms=terms,
-        stages={"slowest": slowest, "microbatch_s": [x["total"] for x in stages], "pipeline_s": pipeline_s,
+        stages={"slowest": max(range(p.pp), key=lambda i: stages[i].total),
+                "microbatch_s": [x.total for x in stages], "pipeline_s": mb * max(x.total for x in stages),
                 "microbatches": mb},
         busy_s=busy_s,
     )
