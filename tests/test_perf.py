@@ -263,12 +263,15 @@ def test_a_calibration_is_recorded():
 
 @pytest.mark.parametrize("path", _calibrations(), ids=lambda p: p.stem)
 def test_model_against_recorded_calibration(path):
+    """The CPU seconds per step of every layout within the goal. They are what other jobs on the
+    cores do not change; the wall-clock step times recorded next to them (with the load average)
+    are only comparable on a quiet machine (docs/perf-model.md)."""
     cal = json.loads(path.read_text())
     names = {row["name"] for row in cal["layouts"]}
     assert len(names) >= 6 and any("tp" in n for n in names) and any("vpp" in n for n in names) \
         and any("dp" in n for n in names) and any("pp" in n for n in names)
     assert cal["machine"]["load_average"] and all("load_before" in row for row in cal["layouts"])
     rows = compare(cal)
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    assert abs(worst["error"]) <= CALIBRATION_GOAL, rows
+    worst = max(rows, key=lambda r: abs(r["cpu_error"]))
+    assert abs(worst["cpu_error"]) <= CALIBRATION_GOAL, [(r["name"], r["cpu_error"]) for r in rows]
     assert all(math.isfinite(r["predicted_step_s"]) and r["predicted_step_s"] > 0 for r in rows)

@@ -2,15 +2,20 @@
 machine, then check the model against real training steps of tiny configs over several layouts.
 
 1. Microbenchmarks (each rank of the calibration layouts runs one thread, so do they): fp32 GEMMs
-   over the shapes the models use (-> GEMM rate), elementwise adds (-> memory bandwidth, the fixed
-   cost of one op), gloo all-reduce / all-gather / reduce-scatter / send-recv between processes
+   over the shapes and operand layouts the models use (-> GEMM rate), elementwise adds (-> memory
+   bandwidth, the fixed cost of one op), GeLU / softmax / LayerNorm (-> activation-op bytes/s), gloo all-reduce / all-gather / reduce-scatter / send-recv between processes
    on this machine (-> latency per ring step and bandwidth), building microbatches (-> data cost).
-2. Host-overhead probes: four single-process runs of a model too small to compute anything
-   (2 or 8 layers x 1 or 4 microbatches) through the real launcher; their step times minus the
-   model's compute give megatron's Python cost per step, per layer and step (optimizer), per
-   microbatch and per layer and microbatch.
+2. Host-overhead probes: six runs of a model too small to compute anything through the real
+   launcher, two ranks of one thread (dp2: 2 or 8 layers x 1 or 4 microbatches; tp2: 2 or 8
+   layers x 4 microbatches); their CPU seconds per step minus the model's compute give megatron's
+   Python cost per step, per layer and step (optimizer), per microbatch, per layer and microbatch,
+   and what tensor parallelism adds per microbatch and per layer. Two more dp2 probes of a model
+   that computes (hidden 192, 96 tokens: another shape than the validation model) measure how much
+   slower compute runs inside training than in the microbenchmarks; the GEMM and elementwise
+   rates are divided by that factor.
 3. Validation: real training runs (``run_training``: torchrun ranks, gloo) of one tiny-but-not-
-   trivial model over the LAYOUTS below; predicted vs measured median step time.
+   trivial model over the LAYOUTS below; predicted vs measured median step time (wall) and the
+   ranks' CPU seconds per step (what other jobs on the cores do not change).
 
 Nothing in step 3 feeds the hardware numbers: they come from steps 1 and 2 only. The JSON written
 to ``--out`` (default runs/perf-calibration.json) is what ``python -m mega.plan cluster=local-cpu``
@@ -54,6 +59,10 @@ LAYOUTS: dict[str, list[str]] = {
 }
 QUICK = ("tp2", "pp2", "dp2", "pp2-vpp2", "tp2-dp2", "tp2-pp2-dp2")
 PROBE_MODEL = ["model=tiny", "model.hidden_size=32", "model.num_attention_heads=2", "model.seq_length=32"]
+# Probes of a model that computes, of another shape than the validation model (so that none of
+# the validation rows is fitted): how much slower a layer's compute runs inside training than
+# in the microbenchmarks (allocation, cache misses between ops, autograd bookkeeping).
+SIZE_PROBE_MODEL = ["model=tiny", "model.hidden_size=192", "model.num_attention_heads=6", "model.seq_length=96"]
 RUN = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.tensorboard=false", "optimizer.warmup_steps=1"]
 
 
@@ -121,23 +130,29 @@ def _nnls(columns: list[list[float]], times: list[float]) -> list[float]:
 
 
 def bench_gemm(threads: int = 1) -> dict[str, Any]:
+    """GEMMs as a layer runs them: forward (A @ B), dgrad (A @ B^T) and wgrad (A^T @ B) operands."""
     import torch
 
     torch.set_num_threads(threads)
-    shapes = [(64, 64, 64), (256, 128, 128), (256, 384, 128), (256, 512, 128), (256, 128, 512), (512, 512, 512),
-              (1024, 1024, 1024), (4096, 128, 128), (4096, 512, 128), (4096, 128, 512)]
+    shapes = [(256, 384, 128), (256, 128, 128), (256, 512, 128), (256, 128, 512), (512, 512, 512),
+              (1024, 1024, 1024), (4096, 384, 128), (4096, 128, 512), (128, 128, 32), (128, 32, 128)]
     points = []
     for m, n, k in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        t = _time(lambda: torch.mm(a, b), 5)
-        points.append({"m": m, "n": n, "k": k, "seconds": t, "gflops": 2 * m * n * k / t / 1e9})
+        variants = {"nn": (torch.randn(m, k), torch.randn(k, n)), "nt": (torch.randn(m, k), torch.randn(n, k).t()),
+                    "tn": (torch.randn(k, m).t(), torch.randn(k, n))}
+        for name, (a, b) in variants.items():
+            t = _time(lambda: torch.mm(a, b), 5)
+            points.append({"m": m, "n": n, "k": k, "layout": name, "seconds": t, "gflops": 2 * m * n * k / t / 1e9})
     t0, inv_rate = _fit([[1.0] * len(points), [2.0 * p["m"] * p["n"] * p["k"] for p in points]],
                         [p["seconds"] for p in points])
     return {"threads": threads, "points": points, "fixed_s": t0, "flops_per_s": 1 / inv_rate if inv_rate else float("nan")}
 
 
 def bench_memory(threads: int = 1) -> dict[str, Any]:
+    """Streaming adds (bandwidth, the fixed cost of one op) and the unfused activation ops a layer
+    runs on a CPU (GeLU, softmax, LayerNorm, add, dropout-less bias-add): their bytes/s."""
     import torch
+    import torch.nn.functional as F
 
     torch.set_num_threads(threads)
     points = []
@@ -147,7 +162,17 @@ def bench_memory(threads: int = 1) -> dict[str, Any]:
         t = _time(lambda: torch.add(a, b, out=out), 5)
         points.append({"elements": n, "bytes": 12 * n, "seconds": t})
     fixed, inv_bw = _fit([[1.0] * len(points), [p["bytes"] for p in points]], [p["seconds"] for p in points])
-    return {"threads": threads, "points": points, "kernel_s": fixed, "bytes_per_s": 1 / inv_bw if inv_bw else float("nan")}
+    ops = {"gelu": lambda x: F.gelu(x), "softmax": lambda x: torch.softmax(x, -1),
+           "layer_norm": lambda x: F.layer_norm(x, (x.shape[-1],)), "add": lambda x: x + x}
+    activation = []
+    for n in (32768, 131072, 524288):
+        x = torch.randn(n // 128, 128)
+        for name, op in ops.items():
+            t = _time(lambda: op(x), 5)
+            activation.append({"op": name, "elements": n, "bytes": 8 * n, "seconds": t})
+    elementwise = sum(p["bytes"] for p in activation) / sum(p["seconds"] for p in activation)
+    return {"threads": threads, "points": points, "activation_ops": activation, "kernel_s": fixed,
+            "bytes_per_s": 1 / inv_bw if inv_bw else float("nan"), "elementwise_bytes_per_s": elementwise}
 
 
 def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -309,6 +334,7 @@ def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_tok
         "gemm_flops_per_s": gemm["flops_per_s"],
         "kernel_s": mem["kernel_s"],
         "memory_bytes_per_s": mem["bytes_per_s"],
+        "elementwise_bytes_per_s": mem["elementwise_bytes_per_s"],
         "memory_bytes": mach["memory_bytes"],
         "gloo_latency_s": gloo["latency_s"],
         "gloo_bytes_per_s": gloo["bytes_per_s"],
@@ -319,31 +345,65 @@ def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_tok
     }
 
 
+PROBES = [("dp2", 2, 1), ("dp2", 2, 4), ("dp2", 8, 1), ("dp2", 8, 4), ("tp2", 2, 4), ("tp2", 8, 4)]
+
+
 def probe_overheads(block: dict[str, Any], steps: int, warmup: int) -> tuple[dict[str, float], list[dict]]:
-    """Fit the host overheads on the rank's CPU seconds per step of four single-process probes:
-    cpu = c_step + L c_layer_step + M (c_mb + L c_layer) + the modelled compute."""
+    """Fit the host overheads on CPU seconds per step of six probes, two ranks of one thread each
+    (as in the validation layouts: a rank with two threads would charge OpenMP's spinning),
+    a model too small to compute: dp2 with 2 or 8 layers x 1 or 4 microbatches, tp2 with 2 or 8
+    layers x 4 microbatches. Per rank, after the modelled compute:
+    cpu = c_step + L c_layer_step + M (c_mb + L c_layer) [+ M (c_tp_mb + L c_tp_layer) with TP]."""
     from mega.config import compose
     from mega.perf.step import predict
 
     rows = []
-    for layers in (2, 8):
-        for mb in (1, 4):
-            overrides = [*PROBE_MODEL, f"model.num_layers={layers}", "parallelism=single",
-                         "parallelism.micro_batch_size=1", f"parallelism.global_batch_size={mb}",
-                         "parallelism.name=probe"]
-            log(f"calibrate: probe {layers} layers x {mb} microbatches")
-            measured = run_layout(overrides, steps, warmup)
-            cfg = compose([*overrides, *RUN])
-            compute = predict(cfg, from_calibration_block(block, 1)).busy_s
-            rows.append({"layers": layers, "microbatches": mb, "cpu_s": measured["cpu_s"],
-                         "measured_step_s": measured["step_s"], "modelled_compute_s": compute,
-                         "load_before": measured["load_before"], "load_after": measured["load_after"]})
-    c_step, c_layer_step, c_mb, c_layer = _nnls(
-        [[1.0] * 4, [r["layers"] for r in rows], [r["microbatches"] for r in rows],
-         [r["microbatches"] * r["layers"] for r in rows]],
-        [max(1e-4, r["cpu_s"] - r["modelled_compute_s"]) for r in rows])
+    for layout, layers, mb in PROBES:
+        batch = mb * (2 if layout == "dp2" else 1)
+        overrides = [*PROBE_MODEL, f"model.num_layers={layers}", f"parallelism={layout}",
+                     "parallelism.micro_batch_size=1", f"parallelism.global_batch_size={batch}",
+                     "parallelism.name=probe"]
+        log(f"calibrate: probe {layout}, {layers} layers x {mb} microbatches")
+        measured = run_layout(overrides, steps, warmup)
+        cfg = compose([*overrides, *RUN])
+        compute = predict(cfg, from_calibration_block(block, 2)).busy_s
+        rows.append({"layout": layout, "layers": layers, "microbatches": mb, "cpu_s": measured["cpu_s"],
+                     "measured_step_s": measured["step_s"], "modelled_compute_s": compute,
+                     "load_before": measured["load_before"], "load_after": measured["load_after"]})
+    tp = [1.0 if r["layout"] == "tp2" else 0.0 for r in rows]
+    fit = _nnls(
+        [[1.0] * len(rows), [r["layers"] for r in rows], [r["microbatches"] for r in rows],
+         [r["microbatches"] * r["layers"] for r in rows], [t * r["microbatches"] for t, r in zip(tp, rows)],
+         [t * r["microbatches"] * r["layers"] for t, r in zip(tp, rows)]],
+        [max(1e-4, (r["cpu_s"] - r["modelled_compute_s"]) / 2) for r in rows])  # per rank
+    c_step, c_layer_step, c_mb, c_layer, c_tp_mb, c_tp_layer = fit
     return ({"step_overhead_s": c_step, "layer_step_overhead_s": c_layer_step, "microbatch_overhead_s": c_mb,
-             "layer_overhead_s": c_layer / 3}, rows)  # a layer's backward costs twice its forward
+             "layer_overhead_s": c_layer / 3, "tp_microbatch_overhead_s": c_tp_mb,
+             "tp_layer_overhead_s": c_tp_layer / 3}, rows)  # a layer's backward costs twice its forward
+
+
+def probe_compute_scale(block: dict[str, Any], steps: int, warmup: int) -> tuple[float, list[dict]]:
+    """In-training compute vs the microbenchmarks: dp2 probes of SIZE_PROBE_MODEL (2 and 8 layers,
+    4 microbatches). Returns k = (measured CPU - modelled overheads and collectives) / modelled
+    compute, averaged over the probes; the calibrated GEMM and elementwise rates are divided by it."""
+    from mega.config import compose
+    from mega.perf.step import predict
+
+    rows, ratios = [], []
+    for layers in (2, 8):
+        overrides = [*SIZE_PROBE_MODEL, f"model.num_layers={layers}", "parallelism=dp2",
+                     "parallelism.micro_batch_size=2", "parallelism.global_batch_size=16", "parallelism.name=probe"]
+        log(f"calibrate: compute probe dp2, {layers} layers of hidden 192")
+        measured = run_layout(overrides, steps, warmup)
+        pr = predict(compose([*overrides, *RUN]), from_calibration_block(block, 2))
+        terms = {t.name: t.seconds for t in pr.terms}
+        compute = terms["gemm"] + terms["attention"] + terms["elementwise"]  # per rank (one stage)
+        ratio = 1 + (measured["cpu_s"] / 2 - pr.busy_s / 2) / compute
+        ratios.append(ratio)
+        rows.append({"layers": layers, "cpu_s": measured["cpu_s"], "predicted_busy_s": pr.busy_s,
+                     "modelled_compute_s": compute, "ratio": ratio, "measured_step_s": measured["step_s"],
+                     "load_before": measured["load_before"], "load_after": measured["load_after"]})
+    return max(1.0, sum(ratios) / len(ratios)), rows
 
 
 def compare(calibration: dict[str, Any]) -> list[dict[str, Any]]:
@@ -381,9 +441,15 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
     overheads, probes = probe_overheads(block, steps, warmup)
     block.update(overheads)
     log("calibrate: overheads " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in overheads.items()))
+    scale, size_probes = probe_compute_scale(block, steps, warmup)
+    block["compute_scale"] = scale
+    block["gemm_flops_per_s"] = gemm["flops_per_s"] / scale
+    block["elementwise_bytes_per_s"] = mem["elementwise_bytes_per_s"] / scale
+    log(f"calibrate: compute inside training runs {scale:.2f}x the microbenchmarks' time")
     result: dict[str, Any] = {
         "machine": mach, "hardware": block,
-        "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data, "probes": probes},
+        "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data, "probes": probes,
+                         "compute_probes": size_probes},
         "model": MODEL, "steps": steps, "warmup": warmup, "layouts": [],
         "note": "measured on a machine shared with other jobs unless the load averages say otherwise; "
                 "re-run on a quiet machine for final figures",

@@ -93,8 +93,13 @@ class Hardware:
     microbatch_overhead_s: float = 0.0  # per microbatch and model chunk: schedule, embedding, loss
     step_overhead_s: float = 0.0  # per step: zero_grad, grad-norm, scheduler, logging
     layer_step_overhead_s: float = 0.0  # per layer and step: the optimizer's per-tensor work
+    tp_layer_overhead_s: float = 0.0  # with tp > 1, per layer forward and microbatch: the TP wrappers and collective calls
+    tp_microbatch_overhead_s: float = 0.0  # with tp > 1, per microbatch: vocab-parallel embedding and cross entropy
     data_s_per_token: float = 0.0  # building a microbatch's tensors and copying them to the device
     collective_cpu_fraction: float = 0.0  # CPU: share of a collective's byte time that busies a core
+    # Activation elementwise ops (GeLU, softmax, LayerNorm...): bytes/s they reach. None = the
+    # streaming bandwidth (GPUs: memory-bound); a CPU runs their transcendentals far slower.
+    elementwise_bytes_per_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
 
     def gemm_s(self, m: int, n: int, k: int, batch: int = 1, dtype_bytes: int = 2) -> float:
@@ -111,6 +116,10 @@ class Hardware:
     def stream_s(self, nbytes: float, kernels: int) -> float:
         """Memory-bound kernels moving ``nbytes`` in all (elementwise ops, optimizer)."""
         return nbytes / self.memory_bytes_per_s + kernels * self.kernel_s
+
+    def elementwise_s(self, nbytes: float, kernels: int) -> float:
+        """Activation elementwise kernels moving ``nbytes`` in all."""
+        return nbytes / (self.elementwise_bytes_per_s or self.memory_bytes_per_s) + kernels * self.kernel_s
 
     def attention_s(self, flops: float, kernels: int = 1) -> float:
         """A fused attention kernel doing ``flops``."""
@@ -218,6 +227,9 @@ def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: s
         microbatch_overhead_s=float(block.get("microbatch_overhead_s", 0.0)),
         step_overhead_s=float(block.get("step_overhead_s", 0.0)),
         layer_step_overhead_s=float(block.get("layer_step_overhead_s", 0.0)),
+        tp_layer_overhead_s=float(block.get("tp_layer_overhead_s", 0.0)),
+        tp_microbatch_overhead_s=float(block.get("tp_microbatch_overhead_s", 0.0)),
         data_s_per_token=float(block["data_s_per_token"]),
         collective_cpu_fraction=float(block.get("collective_cpu_fraction", 1.0)),
+        elementwise_bytes_per_s=float(block["elementwise_bytes_per_s"]) if "elementwise_bytes_per_s" in block else None,
     )

@@ -139,10 +139,10 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
         drop = m.attention_dropout > 0
         attn_f = (hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
                   + hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
-                  + hw.stream_s(scores * (2 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
+                  + hw.elementwise_s(scores * (2 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
         attn_b = (2 * hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
                   + 2 * hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
-                  + hw.stream_s(scores * (3 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
+                  + hw.elementwise_s(scores * (3 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
 
     # Elementwise: LayerNorm(s), bias-dropout-add(s), bias-GeLU; h-sized tensors are split by SP.
     rows = tokens / t if sp else tokens
@@ -154,7 +154,7 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
         h_bytes = rows * h * (2 * 2 * dtype + 2 * (3 * dtype + mask))
         kernels = 5
     elem_bytes = h_bytes + tokens * f / t * 2 * dtype
-    elem_f, elem_b = hw.stream_s(elem_bytes, kernels), hw.stream_s(2 * elem_bytes, 2 * kernels)
+    elem_f, elem_b = hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
 
     # Tensor-parallel collectives over the full activation of the microbatch.
     act = tokens * h * dtype
@@ -181,7 +181,7 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
                 tp_f += _exposed(ar, r_f, t, chunked, False)
                 tp_b += _exposed(ar, c_w, t, chunked, True)
                 total_f, total_b = total_f + ar, total_b + ar
-    ovh = hw.layer_overhead_s
+    ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if t > 1 else 0.0)
     forward = Pass(gemm_f, attn_f, elem_f, tp_f, total_f, ovh)
     backward = Pass(gemm_b, attn_b, elem_b, tp_b, total_b, 2 * ovh)
     if m.recompute == "full":
@@ -199,8 +199,8 @@ def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     tokens, h, t = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp
     act = tokens * h * dtype
     comm = hw.collective_s("reduce_scatter" if p.sequence_parallel else "all_reduce", act, t)
-    fwd = Pass(elementwise=hw.stream_s(3 * act, 2), tp_exposed=comm, tp_total=comm)
-    bwd = Pass(elementwise=hw.stream_s(3 * act, 2))
+    fwd = Pass(elementwise=hw.elementwise_s(3 * act, 2), tp_exposed=comm, tp_total=comm)
+    bwd = Pass(elementwise=hw.elementwise_s(3 * act, 2))
     return Unit(fwd, bwd, Pass())
 
 
@@ -221,9 +221,9 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
         c_f, c_b = 0.0, hw.collective_s("all_reduce", act, t)
     wgrad = hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
     b_exposed = _exposed(c_b, wgrad, t, False, True)
-    fwd = Pass(gemm=gemm_f, elementwise=hw.stream_s(norm + 6 * logits, 6), tp_exposed=c_f + ce_reductions,
+    fwd = Pass(gemm=gemm_f, elementwise=hw.elementwise_s(norm + 6 * logits, 6), tp_exposed=c_f + ce_reductions,
                tp_total=c_f + ce_reductions)
-    bwd = Pass(gemm=gemm_b, elementwise=hw.stream_s(2 * norm + 3 * logits, 4), tp_exposed=b_exposed, tp_total=c_b)
+    bwd = Pass(gemm=gemm_b, elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4), tp_exposed=b_exposed, tp_total=c_b)
     return Unit(fwd, bwd, Pass())
 
 
@@ -283,8 +283,9 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Sta
             extra = extra + emb.forward + emb.backward
         if stage == pp - 1:
             extra = extra + head.forward + head.backward
+        overhead = vpp * hw.microbatch_overhead_s + (hw.tp_microbatch_overhead_s if p.tp > 1 else 0.0)
         out.append(Stage(layer.forward.scaled(n), layer.backward.scaled(n), layer.recompute.scaled(n), extra,
-                         vpp * hw.microbatch_overhead_s, blocking))
+                         overhead, blocking))
     return out
 
 
