@@ -200,7 +200,7 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
                 try:
                     fn()
                     wall, cpu = [], []
-                    for _ in range(7):
+                    for _ in range(11):
                         dist.barrier()
                         t0, c0 = time.perf_counter(), time.process_time()
                         for _ in range(iters):
@@ -235,11 +235,21 @@ def bench_gloo(world: int = 2) -> dict[str, Any]:
     n = world
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "send": 1}
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "send": 1.0}
-    latency, inv_bw = _fit([[steps[p["kind"]] for p in ok], [factor[p["kind"]] * p["bytes"] for p in ok]],
-                           [p["seconds"] for p in ok])
-    cpu_fraction = statistics.median(min(1.0, p["cpu_seconds"] / p["seconds"]) for p in ok)
-    return {"world": world, "points": points, "latency_s": latency, "bytes_per_s": 1 / inv_bw if inv_bw else float("nan"),
-            "cpu_fraction": cpu_fraction}
+    # Two points rather than a joint fit (one disturbed sample can drive a joint fit's bandwidth
+    # negative): the latency per ring step from the smallest messages, the bandwidth from the
+    # largest once that latency is taken off.
+    small, large = min(p["bytes"] for p in ok), max(p["bytes"] for p in ok)
+    latency = statistics.median(p["seconds"] / steps[p["kind"]] for p in ok if p["bytes"] == small)
+    bandwidth = statistics.median(factor[p["kind"]] * p["bytes"] / max(p["seconds"] - steps[p["kind"]] * latency,
+                                                                        0.1 * p["seconds"])
+                                  for p in ok if p["bytes"] == large)
+    # the same for the core time a call costs its rank (CPU seconds: not inflated by other jobs)
+    cpu_latency = statistics.median(p["cpu_seconds"] / steps[p["kind"]] for p in ok if p["bytes"] == small)
+    cpu_bandwidth = statistics.median(
+        factor[p["kind"]] * p["bytes"] / max(p["cpu_seconds"] - steps[p["kind"]] * cpu_latency, 0.1 * p["cpu_seconds"])
+        for p in ok if p["bytes"] == large)
+    return {"world": world, "points": points, "latency_s": latency, "bytes_per_s": bandwidth,
+            "cpu_latency_s": cpu_latency, "cpu_bytes_per_s": cpu_bandwidth}
 
 
 def bench_data(index: Path, seq_length: int, micro_batch: int = 2) -> float:
@@ -340,7 +350,8 @@ def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_tok
         "gloo_bytes_per_s": gloo["bytes_per_s"],
         "cores": mach["cores"],
         "data_s_per_token": data_s_per_token,
-        "collective_cpu_fraction": gloo["cpu_fraction"],
+        "gloo_cpu_latency_s": gloo["cpu_latency_s"],
+        "gloo_cpu_bytes_per_s": gloo["cpu_bytes_per_s"],
         **overheads,
     }
 

@@ -96,7 +96,9 @@ class Hardware:
     tp_layer_overhead_s: float = 0.0  # with tp > 1, per layer forward and microbatch: the TP wrappers and collective calls
     tp_microbatch_overhead_s: float = 0.0  # with tp > 1, per microbatch: vocab-parallel embedding and cross entropy
     data_s_per_token: float = 0.0  # building a microbatch's tensors and copying them to the device
-    collective_cpu_fraction: float = 0.0  # CPU: share of a collective's byte time that busies a core
+    # CPU: the core time a collective call costs its rank (latency per ring step, bytes/s), measured
+    # in CPU seconds; None on GPUs (NCCL runs on the device)
+    collective_cpu: Link | None = None
     # Activation elementwise ops (GeLU, softmax, LayerNorm...): bytes/s they reach. None = the
     # streaming bandwidth (GPUs: memory-bound); a CPU runs their transcendentals far slower.
     elementwise_bytes_per_s: float | None = None
@@ -149,6 +151,15 @@ class Hardware:
         if kind == "send":
             return link.latency_s + nbytes / bw
         raise ValueError(f"unknown collective {kind!r}")
+
+    def collective_cpu_s(self, kind: str, nbytes: float, group_size: int) -> float:
+        """Core seconds one rank spends in a collective (CPU machines; 0 on GPUs)."""
+        if self.collective_cpu is None or group_size <= 1:
+            return 0.0
+        n, link = group_size, self.collective_cpu
+        steps, factor = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+                         "reduce_scatter": (n - 1, (n - 1) / n), "send": (1, 1.0)}[kind]
+        return steps * link.latency_s + factor * nbytes / link.bytes_per_s
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -230,6 +241,6 @@ def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: s
         tp_layer_overhead_s=float(block.get("tp_layer_overhead_s", 0.0)),
         tp_microbatch_overhead_s=float(block.get("tp_microbatch_overhead_s", 0.0)),
         data_s_per_token=float(block["data_s_per_token"]),
-        collective_cpu_fraction=float(block.get("collective_cpu_fraction", 1.0)),
+        collective_cpu=Link(float(block["gloo_cpu_bytes_per_s"]), float(block["gloo_cpu_latency_s"])),
         elementwise_bytes_per_s=float(block["elementwise_bytes_per_s"]) if "elementwise_bytes_per_s" in block else None,
     )

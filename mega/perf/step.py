@@ -17,6 +17,7 @@ off the critical path), ``overlap_grad_reduce``, ``overlap_param_gather``, ``ali
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from mega.config import MegaConfig
@@ -71,6 +72,7 @@ class Pass:
     tp_exposed: float = 0.0
     tp_total: float = 0.0
     overhead: float = 0.0
+    comm_cpu: float = 0.0  # core seconds of its collectives (CPU machines)
 
     @property
     def total(self) -> float:
@@ -78,11 +80,10 @@ class Pass:
 
     def scaled(self, k: float) -> Pass:
         return Pass(*(k * x for x in (self.gemm, self.attention, self.elementwise, self.tp_exposed,
-                                      self.tp_total, self.overhead)))
+                                      self.tp_total, self.overhead, self.comm_cpu)))
 
     def __add__(self, o: Pass) -> Pass:
-        return Pass(self.gemm + o.gemm, self.attention + o.attention, self.elementwise + o.elementwise,
-                    self.tp_exposed + o.tp_exposed, self.tp_total + o.tp_total, self.overhead + o.overhead)
+        return Pass(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
 
 
 @dataclass
@@ -159,7 +160,8 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     # Tensor-parallel collectives over the full activation of the microbatch.
     act = tokens * h * dtype
     ag, rs, ar = (hw.collective_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
-    tp_f = tp_b = total_f = total_b = 0.0
+    agc, rsc, arc = (hw.collective_cpu_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    tp_f = tp_b = total_f = total_b = cpu_f = cpu_b = 0.0
     if t > 1:
         if parallel:  # one column-parallel input (QKV | fc1) and one row-parallel output per layer
             col_f, row_f = fwd["qkv"] + fwd["fc1"], fwd["proj"] + fwd["fc2"]
@@ -177,13 +179,15 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
                 tp_b += (_exposed(ag, r_d, t, chunked, False) + _exposed(ag, c_d, t, chunked, True)
                          + _exposed(rs, c_w, t, chunked, True))
                 total_f, total_b = total_f + ag + rs, total_b + 2 * ag + rs
+                cpu_f, cpu_b = cpu_f + agc + rsc, cpu_b + 2 * agc + rsc
             else:
                 tp_f += _exposed(ar, r_f, t, chunked, False)
                 tp_b += _exposed(ar, c_w, t, chunked, True)
                 total_f, total_b = total_f + ar, total_b + ar
+                cpu_f, cpu_b = cpu_f + arc, cpu_b + arc
     ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if t > 1 else 0.0)
-    forward = Pass(gemm_f, attn_f, elem_f, tp_f, total_f, ovh)
-    backward = Pass(gemm_b, attn_b, elem_b, tp_b, total_b, 2 * ovh)
+    forward = Pass(gemm_f, attn_f, elem_f, tp_f, total_f, ovh, cpu_f)
+    backward = Pass(gemm_b, attn_b, elem_b, tp_b, total_b, 2 * ovh, cpu_b)
     if m.recompute == "full":
         recompute = forward
     elif m.recompute == "selective":
@@ -198,8 +202,10 @@ def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     m, p = cfg.model, cfg.parallelism
     tokens, h, t = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp
     act = tokens * h * dtype
-    comm = hw.collective_s("reduce_scatter" if p.sequence_parallel else "all_reduce", act, t)
-    fwd = Pass(elementwise=hw.elementwise_s(3 * act, 2), tp_exposed=comm, tp_total=comm)
+    kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
+    comm = hw.collective_s(kind, act, t)
+    fwd = Pass(elementwise=hw.elementwise_s(3 * act, 2), tp_exposed=comm, tp_total=comm,
+               comm_cpu=hw.collective_cpu_s(kind, act, t))
     bwd = Pass(elementwise=hw.elementwise_s(3 * act, 2))
     return Unit(fwd, bwd, Pass())
 
@@ -215,15 +221,19 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     norm = tokens * h * 2 * dtype / (t if p.sequence_parallel else 1)
     act = tokens * h * dtype
     ce_reductions = 3 * hw.collective_s("all_reduce", tokens * 4, t)  # max, sum of exp, target logit
+    cpu_f = 3 * hw.collective_cpu_s("all_reduce", tokens * 4, t)
     if p.sequence_parallel:
         c_f, c_b = hw.collective_s("all_gather", act, t), hw.collective_s("reduce_scatter", act, t)
+        cpu_f, cpu_b = cpu_f + hw.collective_cpu_s("all_gather", act, t), hw.collective_cpu_s("reduce_scatter", act, t)
     else:
         c_f, c_b = 0.0, hw.collective_s("all_reduce", act, t)
+        cpu_b = hw.collective_cpu_s("all_reduce", act, t)
     wgrad = hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
     b_exposed = _exposed(c_b, wgrad, t, False, True)
     fwd = Pass(gemm=gemm_f, elementwise=hw.elementwise_s(norm + 6 * logits, 6), tp_exposed=c_f + ce_reductions,
-               tp_total=c_f + ce_reductions)
-    bwd = Pass(gemm=gemm_b, elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4), tp_exposed=b_exposed, tp_total=c_b)
+               tp_total=c_f + ce_reductions, comm_cpu=cpu_f)
+    bwd = Pass(gemm=gemm_b, elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4), tp_exposed=b_exposed, tp_total=c_b,
+               comm_cpu=cpu_b)
     return Unit(fwd, bwd, Pass())
 
 
@@ -266,8 +276,10 @@ class Stage:
 
     @property
     def busy(self) -> float:
-        """Seconds not spent waiting on a collective or a pipeline message."""
-        return self.total - self.p2p - self.layers.tp_exposed - self.extra.tp_exposed
+        """Seconds a core works: everything but waiting on collectives and pipeline messages, plus
+        the core time the collectives themselves cost (CPU machines)."""
+        parts = (self.layers, self.recompute, self.extra)
+        return (self.total - self.p2p - sum(x.tp_exposed for x in parts) + sum(x.comm_cpu for x in parts))
 
 
 def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Stage]:
@@ -342,9 +354,9 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
 
 
 def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage],
-                        bubble: float) -> tuple[list[Term], float]:
-    """Gradient reduction, optimizer step, parameter all-gather; returns the terms and the
-    optimizer's seconds."""
+                        bubble: float) -> tuple[list[Term], float, float]:
+    """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
+    optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
     params_rank = max(stage_params(m, tp, pp))
@@ -353,9 +365,12 @@ def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[
     if p.use_distributed_optimizer:
         rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
         ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
+        cpu = n_buckets * (hw.collective_cpu_s("reduce_scatter", grad_bytes / n_buckets, dp)
+                           + hw.collective_cpu_s("all_gather", params_rank * dtype / n_buckets, dp))
     else:
         rs_total = n_buckets * hw.collective_s("all_reduce", grad_bytes / n_buckets, dp, stride=tp)
         ag_total = 0.0
+        cpu = n_buckets * hw.collective_cpu_s("all_reduce", grad_bytes / n_buckets, dp)
     first = stages[0]
     if p.overlap_grad_reduce and dp > 1:
         # buckets reduce as the last microbatch's backward produces them (the first stage's first
@@ -387,7 +402,7 @@ def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[
              f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
              f"{p.overlap_param_gather_with_optimizer_step})", total_s=ag_total),
     ]
-    return terms, opt_s
+    return terms, opt_s, cpu
 
 
 def hardware_flops_per_step(cfg: MegaConfig) -> float:
@@ -422,7 +437,7 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     stages = stages_of(cfg, hw, dtype, p2p)
     terms = pipeline_terms(cfg, hw, stages, p2p, p2p_bytes)
     bubble = terms[-1].seconds
-    dp_terms, opt_s = data_parallel_terms(cfg, hw, dtype, stages, bubble)
+    dp_terms, opt_s, dp_cpu = data_parallel_terms(cfg, hw, dtype, stages, bubble)
     terms += dp_terms
     emb_sync = 0.0
     if p.pp > 1 and m.tie_embeddings:
@@ -437,10 +452,9 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     step_s = sum(t.seconds for t in terms)
 
     # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
-    # with the calibrated share of a collective's time that keeps a core busy.
-    comm_s = sum(t.total_s or 0.0 for t in terms if t.name in ("tp_comm", "pp_p2p", "dp_grad_reduce", "dp_param_gather"))
-    busy_s = tp * dp * sum(mb * x.busy + opt_s + data + hw.step_overhead_s + hw.collective_cpu_fraction * comm_s
-                           for x in stages)
+    # with the core time of the collectives (each pipeline message: a send and a receive each way).
+    p2p_cpu = 4 * (p.vpp or 1) * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
+    busy_s = tp * dp * sum(mb * (x.busy + p2p_cpu) + opt_s + data + hw.step_overhead_s + dp_cpu for x in stages)
     if hw.cores is not None and hw.cores < hw.procs_per_node:
         # Ranks share cores: all ranks' busy time must fit into cores x step time.
         floor = busy_s / max(1, world // hw.procs_per_node) / hw.cores
