@@ -359,62 +359,84 @@ def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_tok
 PROBES = [("dp2", 2, 1), ("dp2", 2, 4), ("dp2", 8, 1), ("dp2", 8, 4), ("tp2", 2, 4), ("tp2", 8, 4)]
 
 
-def probe_overheads(block: dict[str, Any], steps: int, warmup: int) -> tuple[dict[str, float], list[dict]]:
-    """Fit the host overheads on CPU seconds per step of six probes, two ranks of one thread each
-    (as in the validation layouts: a rank with two threads would charge OpenMP's spinning),
-    a model too small to compute: dp2 with 2 or 8 layers x 1 or 4 microbatches, tp2 with 2 or 8
-    layers x 4 microbatches. Per rank, after the modelled compute:
-    cpu = c_step + L c_layer_step + M (c_mb + L c_layer) [+ M (c_tp_mb + L c_tp_layer) with TP]."""
+def probe_configs() -> list[dict[str, Any]]:
+    """The probes: six overhead probes, two ranks of one thread each (as in the validation layouts:
+    a rank with two threads would charge OpenMP's spinning), a model too small to compute (dp2: 2 or
+    8 layers x 1 or 4 microbatches; tp2: 2 or 8 layers x 4 microbatches); two compute probes, dp2,
+    SIZE_PROBE_MODEL with 2 and 8 layers."""
+    out = []
+    for layout, layers, mb in PROBES:
+        out.append({"kind": "overhead", "layout": layout, "layers": layers, "microbatches": mb,
+                    "overrides": [*PROBE_MODEL, f"model.num_layers={layers}", f"parallelism={layout}",
+                                  "parallelism.micro_batch_size=1",
+                                  f"parallelism.global_batch_size={mb * (2 if layout == 'dp2' else 1)}",
+                                  "parallelism.name=probe"]})
+    for layers in (2, 8):
+        out.append({"kind": "compute", "layout": "dp2", "layers": layers, "microbatches": 4,
+                    "overrides": [*SIZE_PROBE_MODEL, f"model.num_layers={layers}", "parallelism=dp2",
+                                  "parallelism.micro_batch_size=2", "parallelism.global_batch_size=16",
+                                  "parallelism.name=probe"]})
+    return out
+
+
+def measure_probes(steps: int, warmup: int) -> list[dict[str, Any]]:
+    rows = []
+    for probe in probe_configs():
+        log(f"calibrate: {probe['kind']} probe {probe['layout']}, {probe['layers']} layers x "
+            f"{probe['microbatches']} microbatches")
+        measured = run_layout(probe["overrides"], steps, warmup)
+        rows.append({**probe, "cpu_s": measured["cpu_s"], "measured_step_s": measured["step_s"],
+                     "load_before": measured["load_before"], "load_after": measured["load_after"]})
+    return rows
+
+
+def _predict_probe(block: dict[str, Any], overrides: list[str]):
     from mega.config import compose
     from mega.perf.step import predict
 
-    rows = []
-    for layout, layers, mb in PROBES:
-        batch = mb * (2 if layout == "dp2" else 1)
-        overrides = [*PROBE_MODEL, f"model.num_layers={layers}", f"parallelism={layout}",
-                     "parallelism.micro_batch_size=1", f"parallelism.global_batch_size={batch}",
-                     "parallelism.name=probe"]
-        log(f"calibrate: probe {layout}, {layers} layers x {mb} microbatches")
-        measured = run_layout(overrides, steps, warmup)
-        cfg = compose([*overrides, *RUN])
-        compute = predict(cfg, from_calibration_block(block, 2)).busy_s
-        rows.append({"layout": layout, "layers": layers, "microbatches": mb, "cpu_s": measured["cpu_s"],
-                     "measured_step_s": measured["step_s"], "modelled_compute_s": compute,
-                     "load_before": measured["load_before"], "load_after": measured["load_after"]})
+    return predict(compose([*overrides, *RUN]), from_calibration_block(block, 2))
+
+
+def fit_overheads(block: dict[str, Any], probes: list[dict[str, Any]]) -> dict[str, float]:
+    """Per rank, after the modelled compute and collectives (non-negative least squares):
+    cpu = c_step + L c_layer_step + M (c_mb + L c_layer) [+ M (c_tp_mb + L c_tp_layer) with TP]."""
+    rows = [r for r in probes if r["kind"] == "overhead"]
+    residual = [max(1e-4, (r["cpu_s"] - _predict_probe(block, r["overrides"]).busy_s) / 2) for r in rows]
     tp = [1.0 if r["layout"] == "tp2" else 0.0 for r in rows]
-    fit = _nnls(
+    c_step, c_layer_step, c_mb, c_layer, c_tp_mb, c_tp_layer = _nnls(
         [[1.0] * len(rows), [r["layers"] for r in rows], [r["microbatches"] for r in rows],
          [r["microbatches"] * r["layers"] for r in rows], [t * r["microbatches"] for t, r in zip(tp, rows)],
-         [t * r["microbatches"] * r["layers"] for t, r in zip(tp, rows)]],
-        [max(1e-4, (r["cpu_s"] - r["modelled_compute_s"]) / 2) for r in rows])  # per rank
-    c_step, c_layer_step, c_mb, c_layer, c_tp_mb, c_tp_layer = fit
-    return ({"step_overhead_s": c_step, "layer_step_overhead_s": c_layer_step, "microbatch_overhead_s": c_mb,
-             "layer_overhead_s": c_layer / 3, "tp_microbatch_overhead_s": c_tp_mb,
-             "tp_layer_overhead_s": c_tp_layer / 3}, rows)  # a layer's backward costs twice its forward
+         [t * r["microbatches"] * r["layers"] for t, r in zip(tp, rows)]], residual)
+    return {"step_overhead_s": c_step, "layer_step_overhead_s": c_layer_step, "microbatch_overhead_s": c_mb,
+            "layer_overhead_s": c_layer / 3, "tp_microbatch_overhead_s": c_tp_mb,
+            "tp_layer_overhead_s": c_tp_layer / 3}  # a layer's backward costs twice its forward
 
 
-def probe_compute_scale(block: dict[str, Any], steps: int, warmup: int) -> tuple[float, list[dict]]:
-    """In-training compute vs the microbenchmarks: dp2 probes of SIZE_PROBE_MODEL (2 and 8 layers,
-    4 microbatches). Returns k = (measured CPU - modelled overheads and collectives) / modelled
-    compute, averaged over the probes; the calibrated GEMM and elementwise rates are divided by it."""
-    from mega.config import compose
-    from mega.perf.step import predict
-
-    rows, ratios = [], []
-    for layers in (2, 8):
-        overrides = [*SIZE_PROBE_MODEL, f"model.num_layers={layers}", "parallelism=dp2",
-                     "parallelism.micro_batch_size=2", "parallelism.global_batch_size=16", "parallelism.name=probe"]
-        log(f"calibrate: compute probe dp2, {layers} layers of hidden 192")
-        measured = run_layout(overrides, steps, warmup)
-        pr = predict(compose([*overrides, *RUN]), from_calibration_block(block, 2))
+def fit_compute_scale(block: dict[str, Any], probes: list[dict[str, Any]]) -> float:
+    """k = (measured CPU - modelled overheads and collectives) / modelled compute, over the compute
+    probes: how much slower compute runs inside training than in the microbenchmarks (allocation,
+    cache misses between ops, autograd bookkeeping)."""
+    extra, compute = 0.0, 0.0
+    for r in (r for r in probes if r["kind"] == "compute"):
+        pr = _predict_probe(block, r["overrides"])
         terms = {t.name: t.seconds for t in pr.terms}
-        compute = terms["gemm"] + terms["attention"] + terms["elementwise"]  # per rank (one stage)
-        ratio = 1 + (measured["cpu_s"] / 2 - pr.busy_s / 2) / compute
-        ratios.append(ratio)
-        rows.append({"layers": layers, "cpu_s": measured["cpu_s"], "predicted_busy_s": pr.busy_s,
-                     "modelled_compute_s": compute, "ratio": ratio, "measured_step_s": measured["step_s"],
-                     "load_before": measured["load_before"], "load_after": measured["load_after"]})
-    return max(1.0, sum(ratios) / len(ratios)), rows
+        per_rank = terms["gemm"] + terms["attention"] + terms["elementwise"]  # one stage: its only one
+        extra += r["cpu_s"] / 2 - pr.busy_s / 2
+        compute += per_rank
+    return max(1.0, 1 + extra / compute)
+
+
+def derive_hardware(cal: dict[str, Any]) -> dict[str, Any]:
+    """The hardware block of a calibration from its raw measurements, with the current model:
+    microbenchmarks, then the overhead probes' fit, then the compute scale."""
+    mach, meas = cal["machine"], cal["measurements"]
+    block = hardware_block(mach, meas["gemm"], meas["memory"], meas["gloo"], meas["data_s_per_token"], {})
+    block.update(fit_overheads(block, meas["probes"]))
+    scale = fit_compute_scale(block, meas["probes"])
+    block["compute_scale"] = scale
+    block["gemm_flops_per_s"] = meas["gemm"]["flops_per_s"] / scale
+    block["elementwise_bytes_per_s"] = meas["memory"]["elementwise_bytes_per_s"] / scale
+    return block
 
 
 def compare(calibration: dict[str, Any]) -> list[dict[str, Any]]:
@@ -423,11 +445,12 @@ def compare(calibration: dict[str, Any]) -> list[dict[str, Any]]:
     from mega.perf.configs import Composer
     from mega.perf.step import predict
 
+    block = derive_hardware(calibration)
     out = []
     with Composer() as composer:
         for row in calibration["layouts"]:
             cfg = composer.plan(row["overrides"]).cfg
-            pr = predict(cfg, from_calibration_block(calibration["hardware"], cfg.cluster.procs_per_node))
+            pr = predict(cfg, from_calibration_block(block, cfg.cluster.procs_per_node))
             out.append({"name": row["name"], "measured_step_s": row["measured_step_s"], "predicted_step_s": pr.step_s,
                         "error": pr.step_s / row["measured_step_s"] - 1, "measured_cpu_s": row["cpu_s"],
                         "predicted_cpu_s": pr.busy_s, "cpu_error": pr.busy_s / row["cpu_s"] - 1,
@@ -448,23 +471,16 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
     log(f"calibrate: gloo {gloo['latency_s'] * 1e6:.0f} us per ring step, {gloo['bytes_per_s'] / 1e9:.2f} GB/s")
     cfg = compose([*MODEL, "parallelism=tp2"])
     data = bench_data(common.prepare_data(cfg), cfg.model.seq_length)
-    block = hardware_block(mach, gemm, mem, gloo, data, {})
-    overheads, probes = probe_overheads(block, steps, warmup)
-    block.update(overheads)
-    log("calibrate: overheads " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in overheads.items()))
-    scale, size_probes = probe_compute_scale(block, steps, warmup)
-    block["compute_scale"] = scale
-    block["gemm_flops_per_s"] = gemm["flops_per_s"] / scale
-    block["elementwise_bytes_per_s"] = mem["elementwise_bytes_per_s"] / scale
-    log(f"calibrate: compute inside training runs {scale:.2f}x the microbenchmarks' time")
     result: dict[str, Any] = {
-        "machine": mach, "hardware": block,
-        "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data, "probes": probes,
-                         "compute_probes": size_probes},
+        "machine": mach,
+        "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data,
+                         "probes": measure_probes(steps, warmup)},
         "model": MODEL, "steps": steps, "warmup": warmup, "layouts": [],
         "note": "measured on a machine shared with other jobs unless the load averages say otherwise; "
                 "re-run on a quiet machine for final figures",
     }
+    result["hardware"] = derive_hardware(result)
+    log("calibrate: " + ", ".join(f"{k} {v:.3g}" for k, v in result["hardware"].items() if k.endswith(("_s", "scale"))))
     for name in names:
         overrides = [*MODEL, *LAYOUTS[name]]
         log(f"calibrate: layout {name}")
@@ -473,6 +489,13 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
                                   "steps_s": measured["steps_s"], "cpu_s": measured["cpu_s"],
                                   "sampled_wall_s": measured["sampled_wall_s"], "load_before": measured["load_before"],
                                   "load_after": measured["load_after"]})
+    result["machine"]["load_average_end"] = os.getloadavg()
+    return finish(result, out)
+
+
+def finish(result: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Hardware from the measurements, predicted vs measured per layout, the summary; written to ``out``."""
+    result["hardware"] = derive_hardware(result)
     for row, cmp in zip(result["layouts"], compare(result)):
         row.update({k: cmp[k] for k in ("predicted_step_s", "error", "predicted_cpu_s", "cpu_error", "breakdown")})
         log(f"calibrate: {row['name']:<18} step measured {row['measured_step_s']:.3f} s predicted "
@@ -483,7 +506,6 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
         errors = [abs(r[key]) for r in result["layouts"]]
         result["summary"][key] = {"max_abs": max(errors), "mean_abs": sum(errors) / len(errors),
                                   "within_15_percent": sum(e <= 0.15 for e in errors)}
-    result["machine"]["load_average_end"] = os.getloadavg()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
@@ -497,8 +519,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help=f"six layouts only: {', '.join(QUICK)}")
     parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ", ".join(LAYOUTS))
+    parser.add_argument("--refit", default=None, metavar="FILE",
+                        help="measure nothing: derive the hardware of a recorded calibration again with the "
+                             "current model and compare its layouts (written to --out)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.refit:
+        result = finish(json.loads(Path(args.refit).read_text()), Path(args.out))
+        print(json.dumps({"out": args.out, "summary": result["summary"]}))
+        return 0
     names = tuple(args.layouts.split(",")) if args.layouts else (QUICK if args.quick else tuple(LAYOUTS))
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:

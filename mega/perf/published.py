@@ -124,10 +124,11 @@ def summary(results: list[RowResult]) -> dict[str, Any]:
     return out
 
 
-def fit_gemm_efficiency(fixtures: list[dict[str, Any]], lo: float = 0.5, hi: float = 1.0, tol: float = 1e-3) -> float:
+def fit_gemm_efficiency(fixtures: list[dict[str, Any]] | list[Case], lo: float = 0.5, hi: float = 1.0,
+                        tol: float = 1e-3) -> float:
     """The GEMM efficiency minimizing the sum of squared log step-time errors over ``fixtures``
     (golden-section search): how hardware.GEMM_EFFICIENCY was set, on Korthikanti et al. Table 5."""
-    prepared = cases(fixtures)
+    prepared = fixtures if fixtures and isinstance(fixtures[0], Case) else cases(fixtures)  # type: ignore[arg-type]
 
     def loss(e: float) -> float:
         return sum(math.log(r.predicted_step_s / r.published_step_s) ** 2 for r in predict_rows(prepared, e))
