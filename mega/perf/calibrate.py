@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -267,7 +268,7 @@ class RankSampler(threading.Thread):
     descendants running mega.train) and the number of steps logged to metrics.jsonl. CPU seconds
     per step do not grow when other jobs share the cores; wall seconds do."""
 
-    def __init__(self, metrics: Path, period: float = 0.05):
+    def __init__(self, metrics: Path, period: float = 0.01):
         super().__init__(daemon=True)
         self.metrics, self.period = metrics, period
         self.samples: list[tuple[float, int, float]] = []  # (wall, steps logged, rank CPU seconds)
@@ -314,6 +315,19 @@ class RankSampler(threading.Thread):
         return {"cpu_s": (end[2] - start[2]) / n, "wall_s": (end[0] - start[0]) / n, "steps": n}
 
 
+QUIET = {"max_load": None, "max_wait_s": 0.0}  # --max-load / --max-wait: wait for a quieter machine
+
+
+def wait_for_quiet() -> float:
+    """Wait (up to --max-wait seconds) until the 1-minute load average is at most --max-load: on a
+    shared machine other jobs' bursts come and go, and even CPU seconds grow under heavy load
+    (caches and memory bandwidth are shared too). Returns the load average at the start."""
+    deadline = time.monotonic() + QUIET["max_wait_s"]
+    while QUIET["max_load"] is not None and os.getloadavg()[0] > QUIET["max_load"] and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
 def run_layout(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
     """Train ``steps`` steps with the real launcher: the median step time (wall) after ``warmup``
     and the ranks' CPU seconds per step over the same steps."""
@@ -323,7 +337,7 @@ def run_layout(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mega-calibrate-") as tmp:
         cfg = common.compose_run([*overrides, *RUN], steps, f"{tmp}/run")
         index = common.prepare_data(cfg)
-        load_before = os.getloadavg()[0]
+        load_before = wait_for_quiet()
         sampler = RankSampler(Path(cfg.train.run_dir) / METRICS_FILE)
         sampler.start()
         try:
@@ -380,11 +394,13 @@ def probe_configs() -> list[dict[str, Any]]:
 
 
 def measure_probes(steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Overhead probes run 4x the steps: theirs last milliseconds, and the CPU clock ticks 10 ms."""
     rows = []
     for probe in probe_configs():
         log(f"calibrate: {probe['kind']} probe {probe['layout']}, {probe['layers']} layers x "
             f"{probe['microbatches']} microbatches")
-        measured = run_layout(probe["overrides"], steps, warmup)
+        n = steps * 4 if probe["kind"] == "overhead" else steps
+        measured = run_layout(probe["overrides"], n, warmup)
         rows.append({**probe, "cpu_s": measured["cpu_s"], "measured_step_s": measured["step_s"],
                      "load_before": measured["load_before"], "load_after": measured["load_after"]})
     return rows
@@ -400,7 +416,7 @@ def _predict_probe(block: dict[str, Any], overrides: list[str]):
 def fit_overheads(block: dict[str, Any], probes: list[dict[str, Any]]) -> dict[str, float]:
     """Per rank, after the modelled compute and collectives (non-negative least squares):
     cpu = c_step + L c_layer_step + M (c_mb + L c_layer) [+ M (c_tp_mb + L c_tp_layer) with TP]."""
-    rows = [r for r in probes if r["kind"] == "overhead"]
+    rows = [r for r in probes if r["kind"] == "overhead" and math.isfinite(r["cpu_s"])]
     residual = [max(1e-4, (r["cpu_s"] - _predict_probe(block, r["overrides"]).busy_s) / 2) for r in rows]
     tp = [1.0 if r["layout"] == "tp2" else 0.0 for r in rows]
     c_step, c_layer_step, c_mb, c_layer, c_tp_mb, c_tp_layer = _nnls(
@@ -417,7 +433,7 @@ def fit_compute_scale(block: dict[str, Any], probes: list[dict[str, Any]]) -> fl
     probes: how much slower compute runs inside training than in the microbenchmarks (allocation,
     cache misses between ops, autograd bookkeeping)."""
     extra, compute = 0.0, 0.0
-    for r in (r for r in probes if r["kind"] == "compute"):
+    for r in (r for r in probes if r["kind"] == "compute" and math.isfinite(r["cpu_s"])):
         pr = _predict_probe(block, r["overrides"])
         terms = {t.name: t.seconds for t in pr.terms}
         per_rank = terms["gemm"] + terms["attention"] + terms["elementwise"]  # one stage: its only one
@@ -519,6 +535,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help=f"six layouts only: {', '.join(QUICK)}")
     parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ", ".join(LAYOUTS))
+    parser.add_argument("--max-load", type=float, default=None,
+                        help="before each run wait until the 1-minute load average is at most this")
+    parser.add_argument("--max-wait", type=float, default=300.0, help="... for at most this many seconds per run")
     parser.add_argument("--refit", default=None, metavar="FILE",
                         help="measure nothing: derive the hardware of a recorded calibration again with the "
                              "current model and compare its layouts (written to --out)")
@@ -528,6 +547,7 @@ def main(argv: list[str]) -> int:
         result = finish(json.loads(Path(args.refit).read_text()), Path(args.out))
         print(json.dumps({"out": args.out, "summary": result["summary"]}))
         return 0
+    QUIET.update(max_load=args.max_load, max_wait_s=args.max_wait)
     names = tuple(args.layouts.split(",")) if args.layouts else (QUICK if args.quick else tuple(LAYOUTS))
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
