@@ -351,8 +351,8 @@ def run_layout(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
             "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
-def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_token: float,
-                   overheads: dict[str, float]) -> dict[str, Any]:
+def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_token: float) -> dict[str, Any]:
+    """The microbenchmarks' part of a calibration's hardware block (the probes add the rest)."""
     return {
         "name": f"cpu: {mach['cpu']} x{mach['cores']}",
         "gemm_flops_per_s": gemm["flops_per_s"],
@@ -366,7 +366,6 @@ def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_tok
         "data_s_per_token": data_s_per_token,
         "gloo_cpu_latency_s": gloo["cpu_latency_s"],
         "gloo_cpu_bytes_per_s": gloo["cpu_bytes_per_s"],
-        **overheads,
     }
 
 
@@ -446,7 +445,7 @@ def derive_hardware(cal: dict[str, Any]) -> dict[str, Any]:
     """The hardware block of a calibration from its raw measurements, with the current model:
     microbenchmarks, then the overhead probes' fit, then the compute scale."""
     mach, meas = cal["machine"], cal["measurements"]
-    block = hardware_block(mach, meas["gemm"], meas["memory"], meas["gloo"], meas["data_s_per_token"], {})
+    block = hardware_block(mach, meas["gemm"], meas["memory"], meas["gloo"], meas["data_s_per_token"])
     block.update(fit_overheads(block, meas["probes"]))
     scale = fit_compute_scale(block, meas["probes"])
     block["compute_scale"] = scale
@@ -491,7 +490,7 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
         "machine": mach,
         "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data,
                          "probes": measure_probes(steps, warmup)},
-        "model": MODEL, "steps": steps, "warmup": warmup, "layouts": [],
+        "model": MODEL, "steps": steps, "warmup": warmup, "layouts": [], "command": " ".join(sys.argv),
         "note": "measured on a machine shared with other jobs unless the load averages say otherwise; "
                 "re-run on a quiet machine for final figures",
     }
