@@ -25,11 +25,11 @@ def tp_overlap_problems(cfg) -> list[tuple[str, str]]:
         problems.append(("cluster.device", f"tp_overlap={mode} runs CUDA kernels over NVLink: needs "
                          f"cluster.device=cuda and cluster.backend=nccl (got {c.device}/{c.backend}); "
                          "tp_overlap=ring runs anywhere"))
+    if mode in ("symm_mem", "te") and c.procs_per_node % p.tp:
+        memory = "Transformer Engine userbuffers" if mode == "te" else "symmetric memory"
+        problems.append(("parallelism.tp", f"tp_overlap={mode} keeps each TP group inside one NVLink node "
+                         f"({memory}): tp={p.tp} must divide cluster.procs_per_node={c.procs_per_node}"))
     if mode == "te":
-        if c.procs_per_node % p.tp:
-            problems.append(("parallelism.tp", f"tp_overlap=te keeps each TP group inside one NVLink node "
-                             f"(Transformer Engine userbuffers): tp={p.tp} must divide "
-                             f"cluster.procs_per_node={c.procs_per_node}"))
         if c.env.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
             problems.append(("cluster.env.CUDA_DEVICE_MAX_CONNECTIONS",
                              "tp_overlap=te needs CUDA_DEVICE_MAX_CONNECTIONS=1 in cluster.env (one hardware "
