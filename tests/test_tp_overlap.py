@@ -66,6 +66,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         torch.manual_seed(0)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         results[f"tp{tp}"] = {"linears": _linear_checks(tp), "decoder": _decoder_checks(tp)}
+    # the GPU comparison script's logic, at TP=4 on CPU (te cannot run here: skipped by its config check)
+    from mega.overlap.compare import compare, parse_args
+
+    args = parse_args(["--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "16", "--micro-batch", "2",
+                       "--warmup", "0", "--iters", "1"])
+    results["compare_script"] = compare(["none", "ring", "te"], args, WORLD, cuda=False)
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
     ps.destroy_model_parallel()
@@ -265,6 +271,15 @@ def test_ring_replaces_the_tp_collectives(worker_results, tp, block):
     for phase, per_layer in zip(("forward", "backward"), rings):
         expected = per_layer * layers * (tp - 1)
         assert ring[phase] == {"isend": expected, "irecv": expected}, (phase, ring)
+
+
+@pytest.mark.slow
+def test_gpu_comparison_script_logic_on_cpu(worker_results):
+    rows = {row["backend"]: row for row in worker_results["compare_script"]}
+    assert rows["none"]["step_ms_median"] > 0 and "max_rel_diff_vs_none" not in rows["none"]
+    diff = rows["ring"]["max_rel_diff_vs_none"]
+    assert diff["params_compared"] > 5 and max(v for k, v in diff.items() if k != "params_compared") <= REL_TOL
+    assert "cluster.device" in rows["te"]["skipped"]
 
 
 # ---------------------------------------------------------------------------------------------

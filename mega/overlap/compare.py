@@ -78,9 +78,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare(backends: list[str], args, world: int, cuda: bool) -> list[dict]:
-    runs = {b: run_backend(b, args, world, cuda) for b in backends}
+    from mega.config import ConfigError
+
+    runs, rows = {}, []
+    for backend in backends:
+        try:
+            runs[backend] = run_backend(backend, args, world, cuda)
+        except (ConfigError, ImportError) as err:  # e.g. te with --block parallel, TE not installed
+            rows.append({"backend": backend, "skipped": str(err)})
     ref = runs.get("none")
-    rows = []
     for backend, r in runs.items():
         row = {"backend": backend, "step_ms_median": 1e3 * statistics.median(r["times"]),
                "step_ms_min": 1e3 * min(r["times"]), "iters": len(r["times"])}
