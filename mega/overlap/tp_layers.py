@@ -100,17 +100,25 @@ class DeferredRowParallelLinear(UnreducedRowParallelLinear):
         return BACKENDS[cls.backend][1](pairs, group)
 
 
-def _backend_class(base: type, backend: str) -> type:
-    if backend == "ring":
-        return base
-    return type(f"{backend.title().replace('_', '')}{base.__name__.removeprefix('Overlapped')}",
-                (base,), {"backend": backend, "__module__": __name__})
+class SymmMemColumnParallelLinear(OverlappedColumnParallelLinear):
+    backend = "symm_mem"
 
 
-_CLASSES = {
-    (base, backend): _backend_class(base, backend)
-    for base in (OverlappedColumnParallelLinear, OverlappedRowParallelLinear, DeferredRowParallelLinear)
-    for backend in BACKENDS
+class SymmMemRowParallelLinear(OverlappedRowParallelLinear):
+    backend = "symm_mem"
+
+
+class SymmMemDeferredRowParallelLinear(DeferredRowParallelLinear):
+    backend = "symm_mem"
+
+
+_CLASSES = {  # (ring class, backend) -> the class of that backend
+    (OverlappedColumnParallelLinear, "ring"): OverlappedColumnParallelLinear,
+    (OverlappedRowParallelLinear, "ring"): OverlappedRowParallelLinear,
+    (DeferredRowParallelLinear, "ring"): DeferredRowParallelLinear,
+    (OverlappedColumnParallelLinear, "symm_mem"): SymmMemColumnParallelLinear,
+    (OverlappedRowParallelLinear, "symm_mem"): SymmMemRowParallelLinear,
+    (DeferredRowParallelLinear, "symm_mem"): SymmMemDeferredRowParallelLinear,
 }
 
 
