@@ -272,6 +272,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "tokens_per_s": tokens_per_step / step_s,
                 "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
                 "attempt": attempt,
+                "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
             }
         )
         checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)

@@ -5,10 +5,12 @@
   ablation  convergence of baseline / ptb / ptb+swa / ptb+swa+lamb4x for one token budget
             (mega/bench/ablation.py): --tokens N, --window W, --lamb-lr LR, --out DIR
             -> {"rows": [{"name", "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
-  checkpoint  training blocked per two-stage save vs a synchronous save of the same state, upload
-            throughput, restore bytes per DP group (mega/bench/checkpoint.py): --steps N (30),
-            --interval K (10), --storage URI (default: a local SeaweedFS S3 server)
-            -> {"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "dp", "restore_bytes_read", ...}
+  checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
+            blocked per save, restore bytes counted against the naive restore, the largest per-rank
+            restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
+            --storage URI (default: a local SeaweedFS S3 server)
+            -> {"train_slowdown", "sync_train_slowdown", "stall_s", "restore_bytes_read",
+                "naive_restore_bytes", "restore_peak_bytes_per_rank", ...}
   bootstrap  store traffic of megatron's group creation for N simulated ranks on a real TCPStore /
             Redis server (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --out DIR
             -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "completed"}], "growth", "plot", ...}

@@ -54,6 +54,9 @@ class CorruptCheckpoint(StorageError):
         where = f"{name}/{relpath}" if relpath else name
         super().__init__(f"checkpoint {where}: {reason}")
 
+    def __reduce__(self):  # picklable: torch's collectives pass it between ranks
+        return type(self), (self.name, self.relpath, self.reason)
+
 
 def is_valid_name(name: str) -> bool:
     return isinstance(name, str) and bool(_NAME.fullmatch(name)) and name != LATEST
