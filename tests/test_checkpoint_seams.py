@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+import multiprocessing as mp
 
 from mega.checkpoint import megatron_io
 
@@ -102,7 +102,20 @@ def test_pieces_are_read_once_per_group_and_go_only_where_needed(tmp_path):
         port = s.getsockname()[1]
     out = tmp_path / "out"
     out.mkdir()
-    mp.start_processes(_rank, args=(port, str(tmp_path), str(out)), nprocs=WORLD, start_method="fork")
+    # forkserver with torch preloaded: clean processes (not forks of this one), started quickly
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "mega.checkpoint.exchange"])
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), str(out))) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(timeout=120)
+    finally:
+        for proc in procs:
+            if proc.is_alive():  # a hung exchange: fail, leave nothing behind
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0] * WORLD
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
     files = {"__0_0.distcp": shard, "common.pt": common}

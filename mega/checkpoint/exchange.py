@@ -66,6 +66,7 @@ class PieceExchange:
         self.me = self.group_ranks.index(dist.get_rank())
         self.device = device
         self.share = share and len(self.group_ranks) > 1
+        self._entries = {e.path: e for e in manifest.files}
         self.stats = ExchangeStats()
         self._data: dict[Piece, memoryview] = {}
         self._uses: Counter = Counter()
@@ -76,7 +77,7 @@ class PieceExchange:
         """The verifiable piece holding bytes [offset, offset+length) of ``path``: that range
         when the manifest hashed it, else the whole file. CorruptCheckpoint when the manifest
         does not list the file or the range lies outside it."""
-        entry = entry_of(self.manifest, path)
+        entry = self._entries.get(path) or entry_of(self.manifest, path)  # the latter raises
         if offset < 0 or offset + length > entry.size:
             raise CorruptCheckpoint(self.manifest.name, path, f"bytes [{offset}, {offset + length}) lie outside "
                                                               f"its {entry.size} bytes in the manifest")
@@ -108,8 +109,8 @@ class PieceExchange:
                 self._read([p for p, r in readers.items() if r == me])
             except CorruptCheckpoint as e:
                 error = ("corrupt", e.name, e.relpath, e.reason)
-            except StorageError as e:
-                error = ("storage", self.manifest.name, None, str(e))
+            except Exception as e:  # noqa: BLE001 - StorageError or not, every rank must hear of it
+                error = ("storage", self.manifest.name, None, f"{type(e).__name__}: {e}")
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # every rank takes the same decision
         bad = [e for e in errors if e is not None]

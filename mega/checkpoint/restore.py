@@ -156,7 +156,7 @@ def _restore_from(store, name: str, local_dir: Path, model_chunks, optimizer, sc
     requests = [] if audit is not None else None
     try:
         step, buffers = load(local_dir, model_chunks, optimizer, scheduler, exchange, requests)
-    except Exception as e:  # noqa: BLE001 - re-raised, unwrapped when it is our verdict
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; re-raised
         inner = _unwrap(e)
         if inner is e:
             raise

@@ -186,7 +186,19 @@ class Checkpointer:
         # --ckpt-assume-constant-structure); the sharding is validated on the first save only.
         self._strategy = _save_strategy()
         self._validated = False
-        self._durable: str | None = None  # the last checkpoint this run committed
+        self._durable = self._latest_now()  # what `latest` names: the last durable checkpoint
+
+    def _latest_now(self) -> str | None:
+        """Rank 0: `latest` in the store now, for the record of a save that fails (None when
+        there is none or the store cannot say)."""
+        from mega.storage import StorageError
+
+        if self.rank != 0:
+            return None
+        try:
+            return self.store.read_latest()
+        except StorageError:
+            return None
 
     # -- the training thread's side
     def save(self, step: int) -> dict:

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -36,10 +37,11 @@ class FileEntry:
         """The sha256 the manifest lists for exactly bytes [offset, offset+length), or None."""
         if offset == 0 and length == self.size:
             return self.sha256
-        for o, n, h in self.ranges:  # a handful per file; restores look each piece up once
-            if o == offset and n == length:
-                return h
-        return None
+        return self._range_index.get((offset, length))
+
+    @cached_property
+    def _range_index(self) -> dict[tuple[int, int], str]:
+        return {(o, n): h for o, n, h in self.ranges}
 
 
 @dataclass
