@@ -60,6 +60,7 @@ from mega.checkpoint.common import (
 )
 
 SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
+STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -103,9 +104,12 @@ def _save_strategy():
 
 class _Worker:
     """One daemon thread running jobs in order. Daemon: a rank that fails while an upload
-    retries must still exit (the half-uploaded checkpoint is never committed)."""
+    retries must still exit (the half-uploaded checkpoint is never committed). ``nice``: the
+    thread's scheduling priority (Linux: per thread; the writer processes it forks and the upload
+    threads it starts inherit it)."""
 
-    def __init__(self):
+    def __init__(self, nice: int = 0):
+        self._nice = nice
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-stage2", daemon=True)
         self._thread.start()
@@ -120,6 +124,11 @@ class _Worker:
         self._thread.join()
 
     def _loop(self) -> None:
+        if self._nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+                pass
         while (job := self._jobs.get()) is not None:
             future, fn, args = job
             try:
@@ -169,7 +178,10 @@ class Checkpointer:
         self.run_dir = Path(cfg.train.run_dir)
         self._log = log or (lambda m: print(f"[checkpoint] {m}", file=sys.stderr, flush=True))
         # One thread: stage 2 of a save and (rank 0) the commit run in order, never two at once.
-        self._worker = _Worker()
+        # Asynchronous saves run it at a lower priority: where training keeps every core busy
+        # (CPU ranks), serialising, hashing and uploading yield to it instead of slowing each
+        # step. A synchronous save is what training waits for: normal priority.
+        self._worker = _Worker(nice=STAGE2_NICE if self.ck.async_save else 0)
         # The training thread's own checks on saves in flight (poll, finish) use this group:
         # stage 2 may be running collectives on the default group at the same time (the save
         # plan of a deferred save), and a communicator must never be shared by two threads.
