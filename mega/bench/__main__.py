@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                           help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, tuned for model=tiny)")
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
+    ckpt.add_argument("--repeats", type=int, default=1, help="rounds of the async/sync/no-save runs (medians)")
     ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
     boot = parser.add_argument_group("bootstrap")
     boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.benchmark == "step":
             result = bench_step(args.overrides, args.steps or 8, args.warmup)
         elif args.benchmark == "checkpoint":
-            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage)
+            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage, args.repeats)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",

@@ -5,7 +5,9 @@ torchrun ranks) with a model of ~100 MB of checkpoint state, against an S3 serve
 started here) or ``--storage``:
 
 * Training: the same ``--steps`` (30) three times -- saving every ``--interval`` (10) steps with
-  asynchronous (two-stage) saves, with synchronous saves to the same store, and with no saves.
+  asynchronous (two-stage) saves, with synchronous saves to the same store, and with no saves;
+  ``--repeats R`` runs R rounds of the three, each round in a rotated order (so a drifting load
+  on a shared machine does not always favour the same mode), and reports medians.
   steps/s is wall clock from the end of step 1 to the end of the last step (the saves at 10, 20
   fall inside, the one at the last step after it), from the ``time`` of each metrics row.
   ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
@@ -37,7 +39,7 @@ from mega.bench import common
 MODEL = ("model=tiny", "model.name=ckpt-bench", "model.hidden_size=320", "model.num_layers=6",
          "model.seq_length=32")
 LAYOUT = ("parallelism=tp2-pp2-dp2",)
-MODES = ("none", "sync", "async")  # in this order: the machine's load drifts; none is the baseline
+MODES = ("none", "sync", "async")  # round r runs them rotated by r
 
 
 def _compose(overrides: list[str], steps: int, run_dir: Path, uri: str, interval: int,
@@ -57,10 +59,13 @@ def steps_per_s(metrics: list[dict]) -> float:
     return (last["step"] - first["step"]) / (last["time"] - first["time"])
 
 
-def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: str | None) -> dict:
+def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: str | None,
+                     repeats: int = 1) -> dict:
     from mega.checkpoint import read_save_log
     from mega.checkpoint.restore import NAIVE_REFERENCE_ENV
 
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="mega-bench-ckpt-") as tmp:
         tmp = Path(tmp)
@@ -74,39 +79,50 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
                 os.environ.update(server.env())  # the ranks inherit the credential chain
                 storage = server.uri("bench")
             storage = storage.rstrip("/")
-            runs, logs = {}, {}
-            for mode in MODES:
-                cfg = _compose(overrides, steps, tmp / mode, f"{storage}/{mode}", 0 if mode == "none" else interval,
-                               async_save=mode == "async")
-                index = common.prepare_data(cfg)
-                common.log(f"checkpoint bench: {steps} steps, {'no saves' if mode == 'none' else f'{mode} saves every {interval} steps to {storage}/{mode}'}")
-                runs[mode] = common.train(cfg, index)
-                logs[mode] = read_save_log(cfg.train.run_dir)
-            # The restore: one more step from the async run's last checkpoint, nothing saved;
-            # then the same checkpoint loaded again the naive way, for its byte count.
+            rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+            saves: dict[str, list[dict]] = {"sync": [], "async": []}
+            commits: list[dict] = []  # of the async runs
+            for r in range(repeats):
+                for mode in MODES[r % 3:] + MODES[: r % 3]:
+                    where = f"{storage}/{mode}-{r}"
+                    cfg = _compose(overrides, steps, tmp / f"{mode}-{r}", where, 0 if mode == "none" else interval,
+                                   async_save=mode == "async")
+                    index = common.prepare_data(cfg)
+                    what = "no saves" if mode == "none" else f"{mode} saves every {interval} steps to {where}"
+                    common.log(f"checkpoint bench, round {r + 1}/{repeats}: {steps} steps, {what}")
+                    rates[mode].append(steps_per_s(common.train(cfg, index).metrics))
+                    # the first save of a run pays one-off start-up costs: left out of the timings
+                    log = read_save_log(cfg.train.run_dir)
+                    if mode != "none":
+                        here = [x for x in log if x["event"] == "save"]
+                        saves[mode] += here[1:] or here
+                    if mode == "async":
+                        here = [x for x in log if x["event"] == "committed"]
+                        commits += here[1:] or here
+            # The restore: one more step from the last async run's last checkpoint, nothing
+            # saved; then the same checkpoint loaded again the naive way, for its byte count.
             os.environ[NAIVE_REFERENCE_ENV] = "1"
-            restore_cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async", 0)
+            restore_cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async-{repeats - 1}", 0)
             restored = common.train(restore_cfg, index).init["restore"]
         finally:
             os.environ.clear()
             os.environ.update(saved_env)
             if server is not None:
                 server.stop()
-    rates = {mode: steps_per_s(r.metrics) for mode, r in runs.items()}
-    slowdown = {mode: rates["none"] / rates[mode] - 1 for mode in ("sync", "async")}
-    saves = {mode: [r for r in logs[mode] if r["event"] == "save"] for mode in ("sync", "async")}
-    timed = {mode: rows[1:] or rows for mode, rows in saves.items()}
-    commits = [r for r in logs["async"] if r["event"] == "committed"]
+    median_rate = {mode: statistics.median(rates[mode]) for mode in MODES}
+    slowdown = {mode: median_rate["none"] / median_rate[mode] - 1 for mode in ("sync", "async")}
     common.log(json.dumps({"saves": saves, "commits": commits, "restore": restored}))
 
     def med(key: str, mode: str = "async") -> float:
-        return statistics.median(r[key] for r in timed[mode])
+        return statistics.median(r[key] for r in saves[mode])
 
     sync_s, stall_s = med("stall_s", "sync"), med("stall_s")
     p = cfg.parallelism
     return {
         "layout": p.name, "tp": p.tp, "pp": p.pp, "dp": p.dp, "steps": steps, "interval": interval,
-        "steps_per_s": rates,
+        "repeats": repeats,
+        "steps_per_s": median_rate,  # median over the rounds
+        "steps_per_s_runs": rates,
         "train_slowdown": slowdown["async"],
         "sync_train_slowdown": slowdown["sync"],
         "slowdown_target_met": slowdown["async"] <= slowdown["sync"] / 3,
@@ -114,12 +130,12 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
         "sync_save_s": sync_s,
         "stall_s": stall_s,
         "stall_ratio": stall_s / sync_s,
-        "upload_mb_per_s": statistics.median(r["upload_mb_per_s"] for r in (commits[1:] or commits)),
-        "checkpoint_mb": commits[-1]["bytes"] / 1e6,
+        "upload_mb_per_s": statistics.median(r["upload_mb_per_s"] for r in commits),
+        "checkpoint_mb": restored["checkpoint_bytes"] / 1e6,
         # stage 1 of an async save, split; and the wait for the previous save
         "state_dict_s": med("state_dict_s"), "snapshot_s": med("snapshot_s"), "plan_s": med("plan_s"),
         "wait_s": med("wait_s"),
-        "saves": len(saves["async"]),
+        "saves_timed": len(saves["async"]),
         "restore_bytes_read": restored["restore_bytes_read"],
         "naive_restore_bytes": restored["naive_restore_bytes"],
         "restore_peak_bytes_per_rank": restored["restore_peak_bytes_per_rank"],

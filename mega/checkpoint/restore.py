@@ -146,9 +146,13 @@ def _restore_from(store, name: str, local_dir: Path, model_chunks, optimizer, sc
     """Collective: load checkpoint ``name`` through a PieceExchange; (step, the exchange)."""
     from megatron.core import parallel_state as ps
 
+    from mega.storage import CorruptCheckpoint
+
     manifest = _broadcast_manifest(store, name)
     exchange = PieceExchange(store, manifest, ps.get_data_parallel_group(), device, share=share)
     listed = {e.path for e in manifest.files}
+    if META_FILE not in listed:  # the same manifest on every rank: the same decision
+        raise CorruptCheckpoint(name, META_FILE, "not in the manifest")
     _stage_files(exchange, [p for p in COMMON_FILES if p in listed], local_dir)
     saved_layout = json.loads((local_dir / META_FILE).read_text())["layout"]
     own_rng = _rng_file(dist.get_rank())
@@ -231,7 +235,7 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
             # store must not keep pointing at a checkpoint that cannot be read.
             store.write_latest(name)
             log(f"`latest` moved back to {name}")
-        info.update(checkpoint=name, step=step, restore_s=restore_s,
+        info.update(checkpoint=name, step=step, restore_s=restore_s, checkpoint_bytes=exchange.manifest.total_bytes,
                     restore_bytes_read=totals["read"], restore_bytes_exchanged=totals["sent"],
                     restore_peak_bytes_per_rank=totals["peak"], per_rank=totals["per_rank"])
         if audit is not None:
