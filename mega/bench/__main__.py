@@ -8,7 +8,7 @@
   checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
             blocked per save, restore bytes counted against the naive restore, the largest per-rank
             restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
-            --storage URI (default: a local SeaweedFS S3 server)
+            --repeats R (1), --storage URI (default: a local SeaweedFS S3 server)
             -> {"train_slowdown", "sync_train_slowdown", "stall_s", "restore_bytes_read",
                 "naive_restore_bytes", "restore_peak_bytes_per_rank", ...}
   bootstrap  store traffic of megatron's group creation for N simulated ranks on a real TCPStore /
