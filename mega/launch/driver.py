@@ -102,7 +102,10 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         else:
             if dropped is not None:
                 log(f"attempt {n}: dropped its {dropped} store keys")
-        init = json.loads(init_file.read_text()) if init_file.exists() else {}
+        try:
+            init = json.loads(init_file.read_text()) if init_file.exists() else {}
+        except ValueError:  # rank 0 died while writing it
+            init = {}
         if init.get("restore", {}).get("checkpoint"):
             r = init["restore"]
             log(f"attempt {n}: resumed from {r['checkpoint']}"
