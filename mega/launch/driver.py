@@ -32,6 +32,11 @@ class TrainingResult:
     metrics: list[dict] = field(default_factory=list)
     init: dict = field(default_factory=dict)
 
+    @property
+    def restored(self) -> str | None:
+        """The checkpoint the last attempt's ranks actually restored (None: started fresh)."""
+        return self.init.get("restore", {}).get("checkpoint")
+
 
 def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
                  flow_run_id: str | None = None, recovery: bool = False) -> TrainingResult:
@@ -73,14 +78,16 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         run.beat(attempts=n + 1)
         env["MEGA_ATTEMPT"] = str(n)
         # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
-        # falling back past a corrupt one); this names it for the log.
+        # falling back past a corrupt one) and write what they restored into init.json.
         try:
             latest = latest_durable(cfg) if cfg.checkpoint.load else None
         except StorageError as e:
             latest = None
             log(f"attempt {n}: checkpoint store: {e}")
         log(f"attempt {n}: launching {cfg.parallelism.world_size} ranks"
-            + (f", resuming from {latest}" if latest else ""))
+            + (f"; `latest` is {latest}" if latest else ""))
+        init_file = run_dir / "init.json"
+        init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
         code = torchrun(
             "mega.train", args, cfg.cluster.procs_per_node, env=env,
             log_path=run_dir / f"train-attempt{n}.log",
@@ -95,12 +102,18 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         else:
             if dropped is not None:
                 log(f"attempt {n}: dropped its {dropped} store keys")
+        try:
+            init = json.loads(init_file.read_text()) if init_file.exists() else {}
+        except ValueError:  # rank 0 died while writing it
+            init = {}
+        if init.get("restore", {}).get("checkpoint"):
+            r = init["restore"]
+            log(f"attempt {n}: resumed from {r['checkpoint']}"
+                + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""))
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
         if code == 0 and final_step >= cfg.train.steps:
-            init_file = run_dir / "init.json"
-            init = json.loads(init_file.read_text()) if init_file.exists() else {}
             return TrainingResult(run_dir, attempts, final_step, metrics, init)
         reason = "hung (no progress)" if code == TIMEOUT_EXIT else f"exited with code {code}"
         log(f"attempt {n}: training {reason} at step {final_step}; "
