@@ -9,8 +9,8 @@ which writes one JSON line per step to ``<run_dir>/obs/attempt-<a>/rank-<r>.json
 Other threads may read, at any time and without locks (attribute reads of immutable values):
 
 * ``phase``: ``(category, name, since_ns)`` of the innermost open phase span (``data``,
-  ``forward``, ``backward``, ``optimizer``, ``checkpoint``, ``gc``; ``("idle", "", 0)`` outside
-  them); ``doing``: the same for the innermost span of any kind (e.g. ``("pp", "p2p recv_prev",
+  ``schedule`` (the forward-backward, between microbatches), ``forward``, ``backward``,
+  ``optimizer``, ``checkpoint``, ``gc``; ``("idle", "", 0)`` outside them); ``doing``: the same for the innermost span of any kind (e.g. ``("pp", "p2p recv_prev",
   t)`` while the schedule waits for a pipeline receive);
 * ``last_step``: the previous step's summary (a dict that is replaced, never mutated);
 * ``snapshot()``: all of it in one dict, with ages in seconds.
@@ -32,7 +32,7 @@ from mega.obs import timeline
 
 IDLE = ("idle", "", 0)
 _get_ident = threading.get_ident
-_PHASE_CATS = frozenset(timeline.PHASES)
+_PHASE_CATS = frozenset((*timeline.PHASES, "schedule"))  # what a watcher sees as the rank's phase
 # What end_step returns for the metrics row (mega.metrics logs them to TensorBoard too).
 # Instrumented code paths whose calls are counted (their unit cost: mega.obs.overhead.calibrate).
 COUNTED_PATHS = ("span", "fwdbwd", "communicate", "collective", "tp_mapping", "bucket", "p2p", "p2p_wait",
