@@ -278,7 +278,8 @@ def slow_run(tmp_path_factory, data_index, data_cache):
     cfg = compose(["model=tiny", "parallelism=tp2-pp2-dp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
                    f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
                    f"checkpoint.interval={STEPS}", f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.async_save=false",
-                   "train.gc_interval=2", f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.1"])
+                   "train.gc_interval=2", "train.profile_steps=[3,3]",
+                   f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.1"])
     result = run_training(cfg, data_index)
     return run_dir, result
 
@@ -390,6 +391,14 @@ def test_slow_rank_is_the_top_straggler_in_the_heat_map(slow_run):
     assert Path(built["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((run_dir / "tb").glob("events.out.tfevents.*"))
     assert "data:image/png;base64," in report.markdown(built)
+
+
+def test_profile_steps_leave_a_torch_profiler_trace_per_rank(slow_run):
+    run_dir, _ = slow_run
+    traces = sorted((run_dir / "profile").glob("rank-*.json"))
+    assert [p.name for p in traces] == [f"rank-{r:05d}.json" for r in range(8)]
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events)  # torch ops of the profiled step
 
 
 def test_recorder_overhead_is_accounted(slow_run):

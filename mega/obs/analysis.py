@@ -67,7 +67,10 @@ def load(run_dir: str | Path, steps: tuple[int, int] | None = None) -> RunTimeli
                 for line in f:
                     if not line.strip():
                         continue
-                    item = json.loads(line)
+                    try:
+                        item = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # the last line of a rank killed while its flush thread wrote
                     if "header" in item:
                         header = item["header"]
                         tl.headers[rank] = header

@@ -136,64 +136,65 @@ def _dev(rec: Recorder, d0) -> tuple | None:
 # Wrapped work handles: their wait() is the blocked time of an asynchronous operation
 
 
-class _TimedWork:
-    """An asynchronous collective's handle; ``wait()`` is recorded as a blocked span."""
+class _RecordedWait:
+    """A request handle whose ``wait()`` is recorded (the rest is the handle's own)."""
 
-    __slots__ = ("_work", "_rec", "_kind", "_label", "_record")
+    __slots__ = ("_work", "_rec")
+    counter = ""
+
+    def wait(self, *args, **kwargs):
+        rec = self._rec
+        if not rec.active or _get_ident() != rec.owner:
+            return self._work.wait(*args, **kwargs)
+        rec.counts[self.counter] += 1
+        d0 = rec.device_mark()
+        t0 = rec.clock()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._waited(rec, t0, rec.clock(), _dev(rec, d0))
+
+    def _waited(self, rec: Recorder, t0: int, t1: int, dev: tuple | None) -> None:
+        raise NotImplementedError
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _TimedWork(_RecordedWait):
+    """An asynchronous collective's handle; ``wait()`` is a blocked span and completes the
+    operation's in-flight record."""
+
+    __slots__ = ("_kind", "_label", "_record")
+    counter = "async"
 
     def __init__(self, work, rec: Recorder, kind: str, label: str, post_ns: int):
         self._work, self._rec, self._kind, self._label = work, rec, kind, label
         self._record = rec.async_posted(kind, label, post_ns)
 
-    def wait(self, *args, **kwargs):
-        rec = self._rec
-        if not rec.active or _get_ident() != rec.owner:
-            return self._work.wait(*args, **kwargs)
-        rec.counts["async"] += 1
-        d0 = rec.device_mark()
-        t0 = rec.clock()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            t1 = rec.clock()
-            if self._record[3] is None:
-                self._record[3], self._record[4] = t0, t1
-            rec.record(f"wait {self._label}", self._kind, t0, t1, True, None, _dev(rec, d0))
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+    def _waited(self, rec, t0, t1, dev):
+        if self._record[3] is None:
+            self._record[3], self._record[4] = t0, t1
+        rec.record(f"wait {self._label}", self._kind, t0, t1, True, None, dev)
 
 
-class _P2PWork:
+class _P2PWork(_RecordedWait):
     """A pipeline send/recv request; ``wait()`` completes the p2p records it covers (one, or
     every operation of a coalesced batch) and is recorded as a blocked ``pp`` span."""
 
-    __slots__ = ("_work", "_rec", "_records", "_label")
+    __slots__ = ("_records", "_label")
+    counter = "p2p_wait"
 
     def __init__(self, work, rec: Recorder, records: list, label: str):
         self._work, self._rec, self._records, self._label = work, rec, records, label
 
-    def wait(self, *args, **kwargs):
-        rec = self._rec
-        if not rec.active or _get_ident() != rec.owner:
-            return self._work.wait(*args, **kwargs)
-        rec.counts["p2p_wait"] += 1
-        d0 = rec.device_mark()
-        t0 = rec.clock()
-        try:
-            return self._work.wait(*args, **kwargs)
-        finally:
-            t1 = rec.clock()
-            dev = _dev(rec, d0)
-            for r in self._records:
-                if r[4] is None:
-                    r[4], r[5] = t0, t1
-                    if dev is not None:
-                        r[8], r[9] = dev
-            rec.record(self._label, "pp", t0, t1, True, {"p2p": [r[2] for r in self._records]}, dev)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+    def _waited(self, rec, t0, t1, dev):
+        for r in self._records:
+            if r[4] is None:
+                r[4], r[5] = t0, t1
+                if dev is not None:
+                    r[8], r[9] = dev
+        rec.record(self._label, "pp", t0, t1, True, {"p2p": [r[2] for r in self._records]}, dev)
 
 
 # ---------------------------------------------------------------------------------------------

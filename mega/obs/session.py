@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -59,10 +60,16 @@ class PostExchange:
         fn = dist.all_gather
         self.all_gather = getattr(fn, "__wrapped__", fn)
         self.size = group.size()
+        self.warned = False
 
     def post(self, mine: list):
         torch = self.torch
         rows = [[self.OPS[op], sender, receiver, seq, post] for (op, sender, receiver, seq), post in mine]
+        if len(rows) > self.capacity and not self.warned:
+            # cannot happen with megatron's schedules (4 per microbatch and chunk): say so if it does
+            self.warned = True
+            print(f"[mega.obs] {len(rows)} p2p operations in a step, more than {self.capacity}: the rest "
+                  "count as whole waits", file=sys.stderr)
         rows = rows[: self.capacity] + [[0] * 5] * (self.capacity - len(rows))
         table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         tables = [torch.empty_like(table) for _ in range(self.size)]
