@@ -11,8 +11,9 @@ Four real training jobs of one layout (default TP2 x PP2 x DP2, tiny model), und
 * ``off``: the same job with ``obs.enabled=false``; ``overhead_on_off`` = median step time on /
   off - 1 (for information: on a shared machine it is mostly noise).
 * ``gc-auto``: the recorder on with Python's automatic GC (``train.gc_interval=0``):
-  ``gc_step_time_cv_auto`` vs ``gc_step_time_cv_controlled`` (from ``on``) = stdev / mean of the
-  step time over the steps after the warm-up.
+  ``gc_step_time_cv_auto`` vs ``gc_step_time_cv_controlled`` (from ``on``) = stdev / mean, over
+  the steps after the warm-up, of the time from a step's start to the next's on the slowest rank
+  (from the span files: it includes the controlled collections between steps).
 * ``straggler``: ``fault.slow_rank`` sleeps in every forward; ``heatmap`` is its heat map and
   ``straggler_named`` whether the slowed rank has the top straggler score.
 
@@ -42,9 +43,18 @@ def _run(name: str, overrides: list[str], steps: int, out: Path, index: Path | N
     return cfg, common.train(cfg, index), index
 
 
-def _cv(rows: list[dict]) -> float:
-    values = [r["step_s"] for r in rows]
+def _cv(values: list[float]) -> float:
     return statistics.stdev(values) / statistics.fmean(values) if len(values) > 1 else 0.0
+
+
+def _step_intervals(tl, warmup: int) -> list[float]:
+    """Seconds from one step's start to the next's, slowest rank, after the warm-up (and before
+    the last step, whose tail is the job's shutdown): unlike the metrics' step_s this includes what
+    runs between steps (the controlled collections)."""
+    numbers = tl.step_numbers()
+    steps = [s for s in numbers[:-1] if s > warmup]
+    return [max((rec["tail_t1"] - rec["t0"]) * 1e-9 for per in tl.steps.values() if (rec := per.get(s)))
+            for s in steps]
 
 
 def bench_observability(overrides: list[str], steps: int, warmup: int, out: str | Path,
@@ -62,7 +72,7 @@ def bench_observability(overrides: list[str], steps: int, warmup: int, out: str 
     _, slow, _ = _run("straggler", [*base, f"fault.slow_rank={slow_rank}", f"fault.slow_s={slow_s}"],
                       max(4, warmup + 3), out, index)
 
-    timeline_on = analysis.load(on.run_dir)
+    timeline_on, timeline_auto = analysis.load(on.run_dir), analysis.load(auto.run_dir)
     counted = analysis.overhead(timeline_on)
     trace_path = trace.write(on.run_dir)
     processes = sum(1 for e in json.loads(trace_path.read_text())["traceEvents"]
@@ -78,8 +88,8 @@ def bench_observability(overrides: list[str], steps: int, warmup: int, out: str 
         "straggler_named": straggler["top_stragglers"][0]["rank"] == slow_rank,
         "trace": str(trace_path),
         "heatmap": straggler["heatmap"],
-        "gc_step_time_cv_auto": _cv(common.steady(auto.metrics, warmup)),
-        "gc_step_time_cv_controlled": _cv(steady_on),
+        "gc_step_time_cv_auto": _cv(_step_intervals(timeline_auto, warmup)),
+        "gc_step_time_cv_controlled": _cv(_step_intervals(timeline_on, warmup)),
     }
     details = {
         "result": result,
@@ -89,7 +99,9 @@ def bench_observability(overrides: list[str], steps: int, warmup: int, out: str 
         "accounting_per_rank": timeline_on.accounting,
         "step_s": {name: [r["step_s"] for r in res.metrics] for name, res in
                    (("on", on), ("off", off), ("gc-auto", auto), ("straggler", slow))},
-        "gc_s_per_step_auto": [_gc_s(analysis.load(auto.run_dir), s) for s in range(1, steps + 1)],
+        "step_interval_s": {"gc-auto": _step_intervals(timeline_auto, warmup),
+                            "on (gc controlled)": _step_intervals(timeline_on, warmup)},
+        "gc_s_per_step_auto": [_gc_s(timeline_auto, s) for s in range(1, steps + 1)],
         "straggler": {k: straggler[k] for k in ("top_stragglers", "straggler_scores", "exposed_mean_s")},
         "note": "timings from a shared machine are noisy; overhead is counted (CPU time of the recorder), "
                 "overhead_on_off is measured end to end and reported for information",
