@@ -116,6 +116,19 @@ def test_spans_nest_phase_is_readable_from_another_thread_and_the_file_is_flushe
     assert spans["all_reduce"][5] is True and spans["forward"][6] == {"mb": 0}
 
 
+def test_a_rank_that_fails_mid_step_leaves_its_last_steps(tmp_path):
+    code = ("import sys; from mega.obs.recorder import Recorder\n"
+            f"rec = Recorder({str(tmp_path)!r}, {{'rank': 0}})\n"
+            "rec.begin_step(0); rec.end_step(); rec.begin_step(1)\n"
+            "with rec.span('forward', 'forward'):\n    raise RuntimeError('boom')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 1 and "boom" in out.stderr
+    tl = analysis.load(tmp_path)
+    assert sorted(tl.steps[0]) == [1, 2]  # the finished step and the one it died in
+    assert tl.steps[0][2]["summary"] is None and [s[0] for s in tl.steps[0][2]["spans"]] == ["forward"]
+
+
 def test_a_disabled_recorder_records_nothing(tmp_path):
     rec = Recorder(tmp_path, {"rank": 0}, enabled=False)
     rec.begin_step(0)

@@ -20,6 +20,7 @@ Only the thread that created the recorder records; calls from other threads pass
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -108,6 +109,7 @@ class Recorder:
             self.path = Path(run_dir) / "obs" / f"attempt-{attempt}" / f"rank-{self.rank:05d}.jsonl"
             self._writer = _FlushThread(self.path, {"header": {**identity, "attempt": attempt,
                                                                "clock_offset_ns": clock_offset_ns}})
+            atexit.register(self._at_exit)  # a rank failing mid-run still leaves its last steps
 
     # -- spans ---------------------------------------------------------------------------------
 
@@ -275,6 +277,12 @@ class Recorder:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"accounting": accounting}) + "\n")
         return accounting
+
+    def _at_exit(self) -> None:
+        if self.enabled and self.active and self._writer is not None:
+            self._flush_step(self.clock())
+            self.active = False
+            self._writer.close(timeout=5.0)
 
     @property
     def flush_cpu_ns(self) -> int:
