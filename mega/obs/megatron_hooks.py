@@ -273,46 +273,39 @@ def _wrap_schedule(fn: Callable, name: str) -> Callable:
     return schedule
 
 
-def _wrap_forward_step(fn: Callable) -> Callable:
+def _output_id(output) -> int:
+    return id(output[0] if isinstance(output, list) else output)
+
+
+def _wrap_microbatch(fn: Callable, phase: str) -> Callable:
+    """``forward_step`` / ``backward_step``: a span per microbatch and model chunk. The forward
+    knows both (its ``current_microbatch``, ``vp_stage`` arguments) and leaves them under its
+    output tensor, which the schedule hands to the matching backward."""
+    forward = phase == "forward"
+
     @functools.wraps(fn)
-    def forward_step(*args, **kwargs):
+    def microbatch(*args, **kwargs):
         rec = _recording()
         if rec is None:
             return fn(*args, **kwargs)
         rec.counts["fwdbwd"] += 1
-        args_ = {"mb": kwargs.get("current_microbatch"), "chunk": kwargs.get("vp_stage") or 0}
-        s = _Span(rec, "forward", "forward", args_, False)
+        if forward:
+            meta = {"mb": kwargs.get("current_microbatch"), "chunk": kwargs.get("vp_stage") or 0}
+        else:
+            meta = rec.fwd_meta.pop(_output_id(args[1] if len(args) > 1 else kwargs.get("output_tensor")), None)
+        s = _Span(rec, phase, phase, meta, False)
         rec._push(s)
         try:
-            if _SLOW_S:
+            if forward and _SLOW_S:
                 time.sleep(_SLOW_S)
             out = fn(*args, **kwargs)
         finally:
             rec._pop(s)
-        output = out[0]
-        rec.fwd_meta[id(output[0] if isinstance(output, list) else output)] = args_
+        if forward:
+            rec.fwd_meta[_output_id(out[0])] = meta
         return out
 
-    return forward_step
-
-
-def _wrap_backward_step(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def backward_step(*args, **kwargs):
-        rec = _recording()
-        if rec is None:
-            return fn(*args, **kwargs)
-        rec.counts["fwdbwd"] += 1
-        output = args[1] if len(args) > 1 else kwargs.get("output_tensor")
-        args_ = rec.fwd_meta.pop(id(output[0] if isinstance(output, list) else output), None)
-        s = _Span(rec, "backward", "backward", args_, False)
-        rec._push(s)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            rec._pop(s)
-
-    return backward_step
+    return microbatch
 
 
 _P2P_SLOTS = (("tensor_send_prev", "send", "prev", "send_prev"), ("tensor_recv_prev", "recv", "prev", "recv_prev"),
@@ -444,8 +437,8 @@ def install(rec: Recorder, slow_s: float = 0.0) -> None:
 
     for name, label in _SCHEDULES.items():
         _replace(schedules, name, _wrap_schedule(getattr(schedules, name), label))
-    _replace(schedules, "forward_step", _wrap_forward_step(schedules.forward_step))
-    _replace(schedules, "backward_step", _wrap_backward_step(schedules.backward_step))
+    _replace(schedules, "forward_step", _wrap_microbatch(schedules.forward_step, "forward"))
+    _replace(schedules, "backward_step", _wrap_microbatch(schedules.backward_step, "backward"))
     _replace(p2p, "_p2p_ops", _wrap_p2p_ops(p2p._p2p_ops))
     _replace(p2p, "_batched_p2p_ops", _wrap_p2p_ops(p2p._batched_p2p_ops))
     _replace(p2p.P2PCommunicator, "_communicate", _wrap_communicate(p2p.P2PCommunicator._communicate))
