@@ -283,7 +283,8 @@ class FaultConfig:
     kill_at_step: int | None = None
     # kill | hang | kill_in_upload (SIGKILL while stage 2 uploads the checkpoint of kill_at_step)
     mode: str = "kill"
-    # A straggler drill: rank slow_rank sleeps slow_s inside every microbatch's forward.
+    # A straggler drill: rank slow_rank computes slow_s more CPU seconds in every microbatch's
+    # forward (a busy loop on its thread CPU clock: slowed by contention like real compute).
     slow_rank: int | None = None
     slow_s: float = 0.0
     # A clock drill: rank clock_skew_rank's timestamps run clock_skew_s ahead (the recorder's clock

@@ -292,7 +292,7 @@ def slow_run(tmp_path_factory, data_index, data_cache):
                    f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
                    f"checkpoint.interval={STEPS}", f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.async_save=false",
                    "train.gc_interval=2", "train.profile_steps=[3,3]",
-                   f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.2"])
+                   f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.1"])
     result = run_training(cfg, data_index)
     return run_dir, result
 

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
     obs = parser.add_argument_group("observability")
-    obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's sleep per forward (s)")
+    obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.benchmark == "step":

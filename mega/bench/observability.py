@@ -14,8 +14,8 @@ Four real training jobs of one layout (default TP2 x PP2 x DP2, tiny model), und
   ``gc_step_time_cv_auto`` vs ``gc_step_time_cv_controlled`` (from ``on``) = stdev / mean, over
   the steps after the warm-up, of the time from a step's start to the next's on the slowest rank
   (from the span files: it includes the controlled collections between steps).
-* ``straggler``: ``fault.slow_rank`` sleeps in every forward; ``heatmap`` is its heat map and
-  ``straggler_named`` whether the slowed rank has the top straggler score.
+* ``straggler``: ``fault.slow_rank`` burns ``--slow-s`` CPU seconds in every forward; ``heatmap``
+  is its heat map and ``straggler_named`` whether the slowed rank has the top straggler score.
 
 The last line is ``{"overhead", "overhead_on_off", "ranks_in_trace", "world_size", "straggler_named",
 "trace", "heatmap", "gc_step_time_cv_auto", "gc_step_time_cv_controlled"}``; every run's details

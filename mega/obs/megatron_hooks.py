@@ -78,7 +78,7 @@ _SCHEDULES = {"forward_backward_no_pipelining": "forward-backward (no pipelining
 
 _REC: Recorder | None = None
 _KINDS: dict = {}
-_SLOW_S = 0.0  # fault.slow_s on the slow rank: extra time inside every forward (a drill)
+_SLOW_S = 0.0  # fault.slow_s on the slow rank: extra CPU seconds inside every forward (a drill)
 _originals: list[tuple[Any, str, Any]] = []
 
 
@@ -273,6 +273,15 @@ def _wrap_schedule(fn: Callable, name: str) -> Callable:
     return schedule
 
 
+def _burn_cpu(seconds: float) -> None:
+    """The slow-rank drill's extra compute: a busy loop until this thread has used ``seconds`` of
+    CPU. Unlike a sleep it stretches under contention as the other ranks' compute does, so the
+    rank stays the slow one however loaded the machine is."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def _output_id(output) -> int:
     return id(output[0] if isinstance(output, list) else output)
 
@@ -297,7 +306,7 @@ def _wrap_microbatch(fn: Callable, phase: str) -> Callable:
         rec._push(s)
         try:
             if forward and _SLOW_S:
-                time.sleep(_SLOW_S)
+                _burn_cpu(_SLOW_S)
             out = fn(*args, **kwargs)
         finally:
             rec._pop(s)
@@ -419,7 +428,7 @@ def _replace(owner, name: str, new) -> None:
 
 def install(rec: Recorder, slow_s: float = 0.0) -> None:
     """Wrap megatron-core and torch.distributed for ``rec`` (idempotent: a second call re-targets
-    the recorder). ``slow_s``: sleep that long inside every forward (fault drill)."""
+    the recorder). ``slow_s``: burn that much CPU time inside every forward (fault drill)."""
     global _REC, _KINDS, _SLOW_S
     _REC, _SLOW_S = rec, slow_s
     _KINDS = group_kinds()

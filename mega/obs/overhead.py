@@ -58,7 +58,7 @@ def calibrate(iterations: int = 2000) -> dict[str, float]:
     rec = Recorder(None, {"rank": 0})
     rec.active = True
     saved = hooks._REC, hooks._KINDS, hooks._SLOW_S
-    hooks._REC, hooks._KINDS, hooks._SLOW_S = rec, {}, 0.0  # (no drill sleeps in the calibration)
+    hooks._REC, hooks._KINDS, hooks._SLOW_S = rec, {}, 0.0  # (no drill in the calibration)
     try:
         group = _Group()
         tensor = SimpleNamespace(numel=lambda: 1, element_size=lambda: 4)
