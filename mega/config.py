@@ -83,7 +83,7 @@ class ParallelismConfig:
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine
     # userbuffers), PP send/recv decoupled from compute (interleaved schedule only), and the DP
     # parameter all-gather aligned with the pipeline (first chunk prefetched).
-    tp_overlap: str = "none"
+    tp_overlap: str = "none"  # also "symm_mem": torch's fused symmetric-memory ops (CUDA)
     overlap_p2p_comm: bool = False
     overlap_p2p_comm_warmup_flush: bool = False
     align_param_gather: bool = False
@@ -483,6 +483,10 @@ def validate(cfg: MegaConfig) -> MegaConfig:
                  f"divisible by pp={p.pp}")
     _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallelism.overlap_param_gather",
              "needs parallelism.use_distributed_optimizer=true")
+    from mega.overlap.checks import tp_overlap_problems  # torch-free
+
+    for key, problem in tp_overlap_problems(cfg):
+        raise ConfigError(key, problem)
 
     _require(c.world_size == p.world_size, "cluster.procs_per_node",
              f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
