@@ -23,13 +23,15 @@ def current() -> Recorder:
     return _current
 
 
-def span(name: str, cat: str | None = None, args=None):
+def span(name: str, cat: str | None = None, args=None, blocked: bool = False):
     """A span of the current recorder, e.g. ``with obs.span("optimizer"): ...`` (``cat``
-    defaults to the name: the phases are data, forward, backward, optimizer, checkpoint, gc)."""
+    defaults to the name: the phases are data, forward, backward, optimizer, checkpoint, gc).
+    A communication kind (tp, pp, dp, other) with ``blocked=True`` is exposed communication:
+    ``with obs.span("ring wait", "tp", blocked=True): work.wait()``."""
     rec = _current
     if not rec.active:
         return NULL_SPAN
-    return rec.span(name, cat or name, args)
+    return rec.span(name, cat or name, args, blocked)
 
 
 __all__ = ["NULL_RECORDER", "ROW_KEYS", "Recorder", "current", "span"]
