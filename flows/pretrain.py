@@ -1,4 +1,5 @@
-"""The pretraining pipeline: prepare data -> node self-check -> bootstrap -> train -> report.
+"""The pretraining pipeline: prepare data -> node self-check -> bootstrap -> train -> report
+(loss curve; merged trace, heat map and stragglers).
 
 Two ways in, one composition per flow run:
 
@@ -25,6 +26,7 @@ from prefect import flow, get_run_logger
 from mega.config import ConfigError, MegaConfig, compose, from_container, from_dict, register_schema, to_dict
 from tasks.bootstrap import check_rendezvous_store, time_process_group_init
 from tasks.data import prepare_data
+from tasks.observability import observability
 from tasks.report import report
 from tasks.selfcheck import node_selfcheck
 from tasks.train import train
@@ -46,6 +48,8 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     init = time_process_group_init(cfg, run_dir / "bootstrap")
     result = train(cfg, index_path)
     summary = report(result.run_dir, title=f"{cfg.model.name} / {p.name}", metrics=result.metrics)
+    # merged trace, heat map, stragglers (docs/observability.md)
+    obs = observability(result.run_dir, title=f"{cfg.model.name} / {p.name}", tensorboard=cfg.train.tensorboard)
 
     return {
         "run_dir": str(result.run_dir),
@@ -59,6 +63,7 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
                                                     "store", "group_init")},
         "training": {"attempts": result.attempts, "final_step": result.final_step, "init": result.init},
         "report": summary,
+        "observability": obs,
     }
 
 

@@ -269,6 +269,12 @@ class TrainConfig:
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
+    # Automatic garbage collection off in the loop; every rank collects at the same step boundary
+    # every N steps (docs/observability.md). 0 = Python's automatic GC.
+    gc_interval: int = 10
+    # [first, last] (1-based steps): torch.profiler over those steps, a trace per rank in
+    # <run_dir>/profile/. null = off.
+    profile_steps: list[int] | None = None
 
 
 @dataclass
@@ -281,6 +287,25 @@ class FaultConfig:
     kill_at_step: int | None = None
     # kill | hang | kill_in_upload (SIGKILL while stage 2 uploads the checkpoint of kill_at_step)
     mode: str = "kill"
+    # A straggler drill: rank slow_rank computes slow_s more CPU seconds in every microbatch's
+    # forward (a busy loop on its thread CPU clock: slowed by contention like real compute).
+    slow_rank: int | None = None
+    slow_s: float = 0.0
+    # A clock drill: rank clock_skew_rank's timestamps run clock_skew_s ahead (the recorder's clock
+    # alignment must take it out; docs/observability.md).
+    clock_skew_rank: int | None = None
+    clock_skew_s: float = 0.0
+
+
+@dataclass
+class ObsConfig:
+    """Per-rank timelines, merged trace, heat maps, stragglers (docs/observability.md)."""
+
+    enabled: bool = True  # the span recorder in every rank (off: no spans, no trace, no obs fields)
+    clock_sync_rounds: int = 8  # store round trips per clock domain (node) at start
+    # Exchange p2p post times in the PP group at each step end, so that a pipeline wait counts as
+    # exposed communication only after the peer posted (one small all-gather per step).
+    pp_exchange: bool = True
 
 
 @dataclass
@@ -294,6 +319,7 @@ class MegaConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    obs: ObsConfig = field(default_factory=ObsConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,7 +558,26 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         k = cfg.checkpoint.interval
         _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
                  f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})")
+    _validate_obs(cfg)
     return cfg
+
+
+def _validate_obs(cfg: MegaConfig) -> None:
+    t, f, world = cfg.train, cfg.fault, cfg.parallelism.world_size
+    _require(isinstance(t.gc_interval, int) and t.gc_interval >= 0, "train.gc_interval",
+             f"must be >= 0 (0 = automatic GC), got {t.gc_interval!r}")
+    if t.profile_steps is not None:
+        ps = t.profile_steps
+        _require(len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps, "train.profile_steps",
+                 f"must be [first, last] with 1 <= first <= last <= train.steps={t.steps}, got {list(ps)}")
+    _require(cfg.obs.clock_sync_rounds >= 1, "obs.clock_sync_rounds",
+             f"must be >= 1, got {cfg.obs.clock_sync_rounds}")
+    for key, rank, amount in [("fault.slow_rank", f.slow_rank, f.slow_s),
+                              ("fault.clock_skew_rank", f.clock_skew_rank, f.clock_skew_s)]:
+        if rank is not None:
+            _require(0 <= rank < world, key, f"no rank {rank} in world {world}")
+            _require(amount != 0, key.replace("_rank", "_s"), f"needed (non-zero) with {key}")
+    _require(f.slow_s >= 0, "fault.slow_s", f"must be >= 0, got {f.slow_s}")
 
 
 def _validate_launcher(cfg: MegaConfig) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu
+from mega import megatron_cpu, obs
 from mega.config import MegaConfig
 
 
@@ -162,7 +162,8 @@ def train_step(trainer: Trainer, step: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cfg = trainer.cfg
-    microbatches = step_microbatches(trainer, step)
+    with obs.span("data"):
+        microbatches = step_microbatches(trainer, step)
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
@@ -175,9 +176,10 @@ def train_step(trainer: Trainer, step: int) -> dict:
         micro_batch_size=cfg.parallelism.micro_batch_size,
         forward_only=False,
     )
-    update_ok, grad_norm, _ = trainer.optimizer.step()
-    if update_ok:
-        trainer.scheduler.step(increment=1)
+    with obs.span("optimizer"):
+        update_ok, grad_norm, _ = trainer.optimizer.step()
+        if update_ok:
+            trainer.scheduler.step(increment=1)
     loss = float("nan")
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
@@ -231,6 +233,7 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
 def run(cfg: MegaConfig, data_index: str) -> None:
     from mega import checkpoint, flops
     from mega.metrics import MetricsLogger
+    from mega.obs.session import Session
 
     if cfg.cluster.device == "cpu":
         megatron_cpu.apply()
@@ -258,8 +261,11 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
     checkpointer = checkpoint.Checkpointer(cfg, chunks, trainer.optimizer, trainer.scheduler,
                                            mega_config.to_dict(cfg))
+    # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
+    session = Session.start(cfg)
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
+        session.begin_step(step)
         t0 = time.perf_counter()
         result = train_step(trainer, step)
         step_s = time.perf_counter() - t0
@@ -273,15 +279,19 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
                 "attempt": attempt,
                 "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
+                **session.end_step(),  # compute time, exposed communication per kind
             }
         )
         checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
         interval = cfg.checkpoint.interval
         if interval and (done % interval == 0 or done == cfg.train.steps):
-            saved = checkpointer.save(done)
+            with obs.span("checkpoint"):
+                saved = checkpointer.save(done)
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
+        session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
     checkpointer.close()  # the last save is committed before the job ends
+    session.close()
     logger.close()
 
 

@@ -14,6 +14,11 @@
   bootstrap  store traffic of megatron's group creation for N simulated ranks on a real TCPStore /
             Redis server (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --out DIR
             -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "completed"}], "growth", "plot", ...}
+  observability  the span recorder's counted overhead, on/off step times, the merged trace, the heat
+            map of a slowed rank, step-time variance with automatic vs controlled GC
+            (mega/bench/observability.py): --steps N (20), --warmup N (2), --out DIR, --slow-s S
+            -> {"overhead", "overhead_on_off", "ranks_in_trace", "world_size", "straggler_named",
+                "trace", "heatmap", "gc_step_time_cv_auto", "gc_step_time_cv_controlled"}
 
 See docs/benchmarks.md.
 """
@@ -28,26 +33,28 @@ from mega import config as mega_config
 from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_WINDOW, bench_ablation
 from mega.bench.bootstrap import bench_bootstrap
 from mega.bench.checkpoint import bench_checkpoint
+from mega.bench.observability import bench_observability
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_step", "main"]
+__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_observability", "bench_step", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap"])
+    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
-    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30")
+    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20")
     step.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ablation = parser.add_argument_group("ablation")
     ablation.add_argument("--tokens", type=int, default=None,
                           help="token budget of every row (default: 512 baseline steps' worth)")
     ablation.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="SWA window of the +swa rows")
     ablation.add_argument("--out", default=None,
-                          help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap)")
+                          help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap, "
+                               "runs/bench-observability)")
     ablation.add_argument("--lamb-lr", type=float, default=DEFAULT_LAMB_LR,
                           help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, tuned for model=tiny)")
     ckpt = parser.add_argument_group("checkpoint")
@@ -61,12 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     boot.add_argument("--strategies", default=None, help="subset of default-tcpstore,default-redis,light-redis")
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
+    obs = parser.add_argument_group("observability")
+    obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.benchmark == "step":
             result = bench_step(args.overrides, args.steps or 8, args.warmup)
         elif args.benchmark == "checkpoint":
             result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage, args.repeats)
+        elif args.benchmark == "observability":
+            result = bench_observability(args.overrides, args.steps or 20, args.warmup,
+                                         args.out or "runs/bench-observability", args.slow_s)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",

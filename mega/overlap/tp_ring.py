@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from mega import obs
+
 
 class _Ring:
     """A tensor-parallel group seen as a ring: this rank sends to rank+1, receives from rank-1."""
@@ -60,11 +62,12 @@ class _Ring:
 
     def wait(self, pending) -> None:
         works, tensors = pending
-        if not self.nccl:
-            for work in works:
-                work.wait()
-            return
-        self._wait_cuda(works, tensors)
+        with obs.span("ring wait", "tp", blocked=True):  # exposed TP communication (docs/observability.md)
+            if not self.nccl:
+                for work in works:
+                    work.wait()
+                return
+            self._wait_cuda(works, tensors)
 
     # -- NCCL: the p2p on a side stream (not exercised on CPU) ------------------------------------
 
