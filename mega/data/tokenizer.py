@@ -32,6 +32,7 @@ EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 MIN_FREQUENCY = 2
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens and EOS
+MAX_CACHED_CHUNK = 64  # characters: longer chunks are encoded but not memoized
 
 # Unicode White_Space, the set the tokenizers' regex engine means by \s. Python's \s also holds
 # U+001C..U+001F, which would put chunk boundaries where the tokenizer sees none.
@@ -148,7 +149,11 @@ class Encoder:
         new = list({c for chunks in chunked for c in chunks if c not in ids})
         if new:
             ids.update(zip(new, (e.ids for e in self.tokenizer.encode_batch_fast(new, add_special_tokens=False))))
-        return [list(chain.from_iterable(map(ids.__getitem__, chunks))) for chunks in chunked]
+        encoded = [list(chain.from_iterable(map(ids.__getitem__, chunks))) for chunks in chunked]
+        for chunk in new:  # long chunks (blobs, runs) are rarely seen twice: do not keep them
+            if len(chunk) > MAX_CACHED_CHUNK:
+                del ids[chunk]
+        return encoded
 
 
 def chunkable(spec: dict) -> bool:
