@@ -5,8 +5,11 @@ Runs in processes of its own (``spawn``), so it imports only what encoding needs
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +33,19 @@ class Encoded:
 _state: dict = {}
 
 
-def init_worker(tokenizer_path: str, text_field: str, eos: int, dtype: str) -> None:
+def die_with_parent(parent: int) -> None:
+    """Exit when the process that started this one dies, even by SIGKILL (Linux prctl): a killed
+    preparation or training rank leaves no orphans behind."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # it died before the prctl took effect
+        sys.exit(1)
+
+
+def init_worker(parent: int, tokenizer_path: str, text_field: str, eos: int, dtype: str) -> None:
+    die_with_parent(parent)
     # One process per core: the tokenizer's own thread pool would only oversubscribe them.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,9 @@ def prepare_megatron_source(data: DataConfig, source: str, cache_dir: Path, toke
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
 
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    with warnings.catch_warnings():  # megatron.core's import warns about GPU libraries files do not need
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     try:
         dataset = IndexedDataset(str(prefix), mmap=True)

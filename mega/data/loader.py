@@ -20,7 +20,6 @@ over the steps after the first).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from mega.data.corpus import DataError
+from mega.data.encode import die_with_parent
 
 HEADER_BYTES = 4096  # status text of the loader (what it is doing), then the slots
 
@@ -157,8 +157,11 @@ class NodeBatches:
     # -- what the errors say
     def _describe(self) -> str:
         who = f"the data loader of node {self.node} (pid {self.pid or '?'}"
-        if self.proc is not None and self.proc.poll() is not None:
-            who += f", exited with code {self.proc.returncode}"
+        if self.proc is not None:
+            try:  # its socket closes a moment before it can be reaped
+                who += f", exited with code {self.proc.wait(timeout=1.0)}"
+            except subprocess.TimeoutExpired:
+                pass
         status = "unknown"
         if self.shm is not None:
             status = bytes(self.shm.buf[:HEADER_BYTES]).split(b"\0", 1)[0].decode(errors="replace") or "unknown"
@@ -206,8 +209,9 @@ class NodeBatches:
                 data = self.sock.recv(65536)
             except TimeoutError:
                 continue
-            except OSError as err:
-                raise DataLoaderError(f"{self._describe()}: connection lost while {doing} ({err})") from None
+            except OSError as err:  # a reset: it died with messages of ours unread
+                raise DataLoaderError(f"{self._describe()}: the loader exited while this rank was {doing} "
+                                      f"({err.strerror or err})") from None
             if not data:
                 raise DataLoaderError(f"{self._describe()}: the loader exited while this rank was {doing}")
             self._buf += data
@@ -254,7 +258,7 @@ class _Loader:
         from mega.data.dataset import TokenDataset
 
         s = self.spec
-        _die_with_parent(s["parent"])
+        die_with_parent(s["parent"])
         dataset = TokenDataset(s["index"], s["seq_length"], s["seed"])
         Path(s["socket"]).unlink(missing_ok=True)
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -312,6 +316,7 @@ class _Loader:
                     for m in range(s["num_microbatches"]):
                         slots[k, row, m] = dataset.microbatch_samples(step, m, dp, s["dp_size"],
                                                                       s["micro_batch_size"], s["num_microbatches"])
+                self.status(f"delivering step {step} (slot {k})")
                 ready = json.dumps({"ready": step, "slot": k}).encode() + b"\n"
                 for conn in list(clients):
                     try:
@@ -355,16 +360,6 @@ def _read_line(conn: socket.socket) -> bytes:
             raise ConnectionError("closed before a full message")
         buf += data
     return buf.split(b"\n", 1)[0]
-
-
-def _die_with_parent(parent: int) -> None:
-    """Exit when the rank that started this loader dies, even by SIGKILL (Linux prctl)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # it died before the prctl took effect
-        sys.exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,7 +200,7 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
     tokenizer_path = str(work / bpe.TOKENIZER_FILE)
     with _progress(progress, corpus) as show, ProcessPoolExecutor(
             workers, mp_context=get_context("spawn"), initializer=init_worker,
-            initargs=(tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name)) as pool:
+            initargs=(os.getpid(), tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name)) as pool:
         inflight: deque = deque()
         file, offset, line = state["position"]
 

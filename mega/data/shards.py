@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 import os
 from pathlib import Path
 
@@ -117,7 +118,9 @@ def write_arrow(path: Path, tokens: np.ndarray) -> str:
 
 def write_megatron(out_dir: Path, stem: str, tokens: np.ndarray, lengths: list[int]) -> dict:
     """``<stem>.bin/.idx`` through megatron-core's own IndexedDatasetBuilder."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    with warnings.catch_warnings():  # megatron.core's import warns about GPU libraries files do not need
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     tmp_bin, tmp_idx = out_dir / f".{stem}.bin.tmp", out_dir / f".{stem}.idx.tmp"
     builder = IndexedDatasetBuilder(str(tmp_bin), dtype=tokens.dtype.type)
