@@ -597,13 +597,15 @@ def _validate_data(d: DataConfig) -> None:
         _require(b.source not in ("", "???"), f"data.blend.{i}.source", "missing")
         _require(b.weight > 0, f"data.blend.{i}.weight", f"must be positive, got {b.weight}")
     if d.s3_endpoint_url is not None:
-        from urllib.parse import urlparse
+        _check_endpoint(d.s3_endpoint_url, "data.s3_endpoint_url")
 
-        ep = urlparse(d.s3_endpoint_url)
-        _require(ep.scheme in ("http", "https") and bool(ep.hostname), "data.s3_endpoint_url",
-                 f"must be an http(s) URL, got {d.s3_endpoint_url!r}")
-        _require(not (ep.username or ep.password), "data.s3_endpoint_url",
-                 "must not carry credentials (they come from the standard AWS chain)")
+
+def _check_endpoint(url: str, key: str) -> None:
+    from urllib.parse import urlparse
+
+    ep = urlparse(url)
+    _require(ep.scheme in ("http", "https") and bool(ep.hostname), key, f"must be an http(s) URL, got {url!r}")
+    _require(not (ep.username or ep.password), key, "must not carry credentials (they come from the standard AWS chain)")
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
@@ -628,8 +630,4 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
                      "file URIs must be local: file:///abs/path")
         _require(bool(ck.storage_uri.strip()), "checkpoint.storage_uri", "must not be empty (null = checkpoint.dir)")
     if ck.s3_endpoint_url is not None:
-        ep = urlparse(ck.s3_endpoint_url)
-        _require(ep.scheme in ("http", "https") and bool(ep.hostname), "checkpoint.s3_endpoint_url",
-                 f"must be an http(s) URL, got {ck.s3_endpoint_url!r}")
-        _require(not (ep.username or ep.password), "checkpoint.s3_endpoint_url",
-                 "must not carry credentials (they come from the standard AWS chain)")
+        _check_endpoint(ck.s3_endpoint_url, "checkpoint.s3_endpoint_url")

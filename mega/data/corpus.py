@@ -215,26 +215,33 @@ def _open(corpus: Corpus, f: SourceFile, offset: int):
     return stream
 
 
+def _pieces(stream, offset: int, cut_at, size: int | None = None) -> Iterator[tuple[bytes, int, bool]]:
+    """(piece, its offset, whether it is the last) of a stream read in blocks; each piece ends where
+    ``cut_at(data)`` says (0: read on, the piece continues into the next block)."""
+    rest = b""
+    while True:
+        block = stream.read(BLOCK_BYTES)
+        data = rest + block
+        cut = cut_at(data) if block else len(data)
+        if block and cut == 0:
+            rest = data
+            continue
+        last = not block or (size is not None and offset + cut >= size)
+        yield data[:cut], offset, last
+        offset += cut
+        rest = data[cut:]
+        if last:
+            return
+
+
 def _jsonl_units(corpus: Corpus, i: int, offset: int, line: int, limit: int | None) -> Iterator[Unit]:
     f = corpus.files[i]
     with _open(corpus, f, offset) as stream:
-        rest = b""
-        while True:
-            block = stream.read(BLOCK_BYTES)
-            data = rest + block
-            if block:
-                cut = data.rfind(b"\n") + 1
-                if cut == 0:  # one line longer than a block: read on until it ends
-                    rest = data
-                    continue
-            else:
-                cut = len(data)
-            if cut:
-                yield Unit(i, f.label, "jsonl", data[:cut], offset, offset + cut, line)
-                line += data.count(b"\n", 0, cut)
-                offset += cut
-            rest = data[cut:]
-            if not block or (limit is not None and offset >= limit):
+        for piece, start, _ in _pieces(stream, offset, lambda data: data.rfind(b"\n") + 1):
+            if piece:  # whole lines (a line longer than a block is read on until it ends)
+                yield Unit(i, f.label, "jsonl", piece, start, start + len(piece), line)
+                line += piece.count(b"\n")
+            if limit is not None and start + len(piece) >= limit:
                 return
 
 
@@ -251,21 +258,10 @@ def _text_units(corpus: Corpus, i: int, offset: int, limit: int | None) -> Itera
         return
     digest, has_text, size = _digest_text(corpus, f) if limit is None else (None, True, None)
     with _open(corpus, f, offset) as stream:
-        rest = b""
-        while True:
-            block = stream.read(BLOCK_BYTES)
-            data = rest + block
-            if block:
-                cut = _text_cut(data)
-            else:
-                cut = len(data)
-            last = not block or (size is not None and offset + cut >= size)
-            if cut or last:
-                yield Unit(i, f.label, "txt", data[:cut], offset, offset + cut, doc_start=offset == 0,
-                           doc_end=last, digest=digest, has_text=has_text)
-            offset += cut
-            rest = data[cut:]
-            if last or (limit is not None and offset >= limit):
+        for piece, start, last in _pieces(stream, offset, _text_cut, size):
+            yield Unit(i, f.label, "txt", piece, start, start + len(piece), doc_start=start == 0,
+                       doc_end=last, digest=digest, has_text=has_text)
+            if limit is not None and start + len(piece) >= limit:
                 return
 
 
