@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from mega.config import DataConfig
 from mega.data.corpus import DataError
-from mega.data.shards import FORMAT_VERSION, INDEX_FILE, write_json
+from mega.data.shards import FORMAT_VERSION, INDEX_FILE, import_megatron_datasets, write_json
 
 
 def megatron_prefix(source: str) -> Path | None:
@@ -51,9 +50,7 @@ def prepare_megatron_source(data: DataConfig, source: str, cache_dir: Path, toke
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
 
-    with warnings.catch_warnings():  # megatron.core's import warns about GPU libraries files do not need
-        warnings.simplefilter("ignore", UserWarning)
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    IndexedDataset = import_megatron_datasets().IndexedDataset
 
     try:
         dataset = IndexedDataset(str(prefix), mmap=True)

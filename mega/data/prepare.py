@@ -31,7 +31,7 @@ import numpy as np
 from mega.config import DataConfig
 from mega.data import tokenizer as bpe
 from mega.data.corpus import DataError, open_corpus, read_units, unit_documents
-from mega.data.shards import FORMAT_VERSION, INDEX_FILE, SplitWriter, write_json
+from mega.data.shards import FORMAT_VERSION, INDEX_FILE, SplitWriter, preload_megatron, write_json
 
 SPLITS = ("train", "val")
 JOURNAL = "journal.json"
@@ -161,6 +161,8 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
     eos = bpe.eos_id(tokenizer, data.eos_token)
     dtype = bpe.token_dtype(tokenizer.get_vocab_size())
     writers = {s: SplitWriter(work, s, data.shard_tokens, dtype, tuple(settings["formats"])) for s in SPLITS}
+    if "megatron" in settings["formats"]:
+        preload_megatron()
     journal = _load_journal(work, key, writers)
     state = journal or {"position": [0, 0, 1], "chain": hashlib.sha256(json.dumps(settings, sort_keys=True)
                                                                          .encode()).hexdigest(),

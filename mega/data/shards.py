@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 import os
+import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -116,11 +117,25 @@ def write_arrow(path: Path, tokens: np.ndarray) -> str:
     return _publish(tmp, path)
 
 
+def import_megatron_datasets():
+    """megatron-core's indexed_dataset module. Importing megatron.core takes seconds (torch and
+    more): ``preload_megatron`` starts it in the background while the workers tokenize."""
+    with _import_lock, warnings.catch_warnings():  # it warns about GPU libraries files do not need
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def preload_megatron() -> None:
+    threading.Thread(target=import_megatron_datasets, name="import-megatron", daemon=True).start()
+
+
+_import_lock = threading.Lock()
+
+
 def write_megatron(out_dir: Path, stem: str, tokens: np.ndarray, lengths: list[int]) -> dict:
     """``<stem>.bin/.idx`` through megatron-core's own IndexedDatasetBuilder."""
-    with warnings.catch_warnings():  # megatron.core's import warns about GPU libraries files do not need
-        warnings.simplefilter("ignore", UserWarning)
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    IndexedDatasetBuilder = import_megatron_datasets().IndexedDatasetBuilder
 
     tmp_bin, tmp_idx = out_dir / f".{stem}.bin.tmp", out_dir / f".{stem}.idx.tmp"
     builder = IndexedDatasetBuilder(str(tmp_bin), dtype=tokens.dtype.type)
