@@ -16,7 +16,8 @@ write the same output: megatron-core IndexedDataset ``.bin/.idx`` (with EOS afte
     32)``, ``encode`` = json.loads + the tokenizer's ``encode(text).ids`` + EOS, feeding
     ``IndexedDatasetBuilder.add_document``.
 Each side runs as its own process; its wall time counts from process start to the last file
-written (what a user pays). Peak memory is the largest sum over the side's process tree, sampled
+written (what a user pays); ``report.json`` also has the CPU seconds of its process tree (less
+sensitive to a machine shared with other work). Peak memory is the largest sum over the side's process tree, sampled
 every 100 ms by psutil, of each process's resident memory counted as PSS (proportional set size):
 the baseline's forked workers share their parent's pages, which a plain RSS sum would count once
 per worker. The two outputs are checked to hold the same tokens.
@@ -45,6 +46,7 @@ from pathlib import Path
 from mega.bench import common
 
 CHUNKSIZE = 32  # preprocess_data.py's imap chunksize
+SHARD_TOKENS = 4 << 20  # ours: 8 MB .bin shards (a shard's tokens are held until it is written)
 LAYOUT = "tp2-pp2-dp2"
 
 
@@ -121,7 +123,7 @@ def run_ours(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
     from mega.data import prepare_dataset
 
     index = prepare_dataset(DataConfig(source=corpus, cache_dir=out, tokenizer_file=tokenizer, format="megatron",
-                                       val_fraction=0.0, workers=workers, shard_tokens=64 << 20), 0, progress=False)
+                                       val_fraction=0.0, workers=workers, shard_tokens=SHARD_TOKENS), 0, progress=False)
     meta = json.loads(Path(index).read_text())
     return {"tokens": meta["num_tokens"]["train"],
             "bins": [str(Path(index).parent / s["path"]) for s in meta["shards"]]}
@@ -177,6 +179,9 @@ def _side(name: str, corpus: Path, tokenizer: Path, out: Path, workers: int) -> 
             f"r = run_{name}({str(corpus)!r}, {str(tokenizer)!r}, {str(out)!r}, {workers}); "
             f"open({str(result_file)!r}, 'w').write(json.dumps(r))")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     peak, stop = [0], threading.Event()
@@ -201,12 +206,15 @@ def _side(name: str, corpus: Path, tokenizer: Path, out: Path, workers: int) -> 
     sampler.start()
     code_ = proc.wait()
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the side and every process it reaped
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     stop.set()
     sampler.join()
     if code_ != 0:
         raise RuntimeError(f"{name} side exited with {code_}")
     result = json.loads(result_file.read_text())
     return {"tokens": result["tokens"], "seconds": seconds, "tokens_per_s": result["tokens"] / seconds,
+            "cpu_s": cpu_s, "tokens_per_cpu_s": result["tokens"] / cpu_s,
             "peak_rss_mb": peak[0] / 2**20, "bins": result["bins"]}
 
 
@@ -260,8 +268,9 @@ def bench_data(sizes: list[int], workers: int | None, vocab: int, steps: int, ou
         corpus_mb = sum(p.stat().st_size for p in corpus.glob("*.jsonl")) / 1e6
         rows.append({"corpus_mb": round(corpus_mb, 1), "ours": ours, "baseline": base, "same_tokens": same,
                      "speedup": ours["tokens_per_s"] / base["tokens_per_s"]})
-        common.log(f"  {corpus_mb:.0f} MB: ours {ours['tokens_per_s']:,.0f} tok/s, peak {ours['peak_rss_mb']:.0f} MB; "
-                   f"baseline {base['tokens_per_s']:,.0f} tok/s, peak {base['peak_rss_mb']:.0f} MB")
+        for name, side in (("ours", ours), ("baseline", base)):
+            common.log(f"  {corpus_mb:.0f} MB {name}: {side['tokens_per_s']:,.0f} tokens/s wall, "
+                       f"{side['tokens_per_cpu_s']:,.0f} tokens per CPU-second, peak {side['peak_rss_mb']:.0f} MB")
     common.log(f"data bench: loader wait on {LAYOUT}, {steps} steps")
     loader = loader_wait(steps, out_dir, overrides)
     shutil.rmtree(out_dir / "loader-run", ignore_errors=True)

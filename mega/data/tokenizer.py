@@ -133,7 +133,7 @@ class Encoder:
     called on whole documents. ``max_cached`` bounds the memo (cleared when full).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_cached: int = 500_000):
+    def __init__(self, tokenizer: Tokenizer, max_cached: int = 200_000):
         self.tokenizer = tokenizer
         self.chunked = chunkable(json.loads(tokenizer.to_str()))
         self.max_cached = max_cached
