@@ -63,17 +63,10 @@ def encode_unit(unit: Unit) -> Encoded:
 def encode_documents(unit: Unit, encoder, text_field: str, eos: int, dtype: np.dtype) -> Encoded:
     documents = unit_documents(unit, text_field)
     piece = unit.kind == "txt" and not (unit.doc_start and unit.doc_end)
-    ids = encoder.encode(documents)
-    flat: list[int] = []
-    lengths = []
-    for doc_ids in ids:
-        flat += doc_ids
-        if not piece or unit.doc_end:
-            flat.append(eos)
-        lengths.append(len(doc_ids) + (not piece or unit.doc_end))
+    tokens, lengths = encoder.encode_flat(documents, eos if not piece or unit.doc_end else None)
     if piece:
         digests, ends = [None] * len(documents), [unit.doc_end] * len(documents)
     else:
         digests = [hashlib.sha256(doc.encode("utf-8")).digest() for doc in documents]
         ends = [True] * len(documents)
-    return Encoded(np.array(flat, dtype=dtype), lengths, digests, ends, sum(map(len, documents)))
+    return Encoded(tokens.astype(dtype), lengths, digests, ends, sum(map(len, documents)))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -137,23 +136,34 @@ class Encoder:
         self.tokenizer = tokenizer
         self.chunked = chunkable(json.loads(tokenizer.to_str()))
         self.max_cached = max_cached
-        self._ids: dict[str, list[int]] = {}
+        self._ids: dict[str, bytes] = {}  # chunk -> its ids as uint32 bytes (compact, joined in C)
 
     def encode(self, documents: list[str]) -> list[list[int]]:
+        tokens, lengths = self.encode_flat(documents)
+        bounds = np.cumsum([0, *lengths])
+        return [tokens[lo:hi].tolist() for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def encode_flat(self, documents: list[str], eos: int | None = None) -> tuple[np.ndarray, list[int]]:
+        """All documents' ids back to back (uint32; each followed by ``eos`` when given) and how
+        many each document has (its ``eos`` included)."""
+        tail = b"" if eos is None else np.uint32(eos).tobytes()
         if not self.chunked:
-            return [e.ids for e in self.tokenizer.encode_batch_fast(documents, add_special_tokens=False)]
-        if len(self._ids) > self.max_cached:
-            self._ids.clear()
-        chunked = [_CHUNK.findall(doc) for doc in documents]
-        ids = self._ids
-        new = list({c for chunks in chunked for c in chunks if c not in ids})
-        if new:
-            ids.update(zip(new, (e.ids for e in self.tokenizer.encode_batch_fast(new, add_special_tokens=False))))
-        encoded = [list(chain.from_iterable(map(ids.__getitem__, chunks))) for chunks in chunked]
-        for chunk in new:  # long chunks (blobs, runs) are rarely seen twice: do not keep them
-            if len(chunk) > MAX_CACHED_CHUNK:
-                del ids[chunk]
-        return encoded
+            pieces = [np.asarray(e.ids, dtype=np.uint32).tobytes() + tail
+                      for e in self.tokenizer.encode_batch_fast(documents, add_special_tokens=False)]
+        else:
+            if len(self._ids) > self.max_cached:
+                self._ids.clear()
+            chunked = [_CHUNK.findall(doc) for doc in documents]
+            ids = self._ids
+            new = list({c for chunks in chunked for c in chunks if c not in ids})
+            if new:
+                encoded = self.tokenizer.encode_batch_fast(new, add_special_tokens=False)
+                ids.update(zip(new, (np.asarray(e.ids, dtype=np.uint32).tobytes() for e in encoded)))
+            pieces = [b"".join(map(ids.__getitem__, chunks)) + tail for chunks in chunked]
+            for chunk in new:  # long chunks (blobs, runs) are rarely seen twice: do not keep them
+                if len(chunk) > MAX_CACHED_CHUNK:
+                    del ids[chunk]
+        return np.frombuffer(b"".join(pieces), dtype=np.uint32), [len(p) // 4 for p in pieces]
 
 
 def chunkable(spec: dict) -> bool:
