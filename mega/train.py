@@ -69,7 +69,7 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from mega.data import TokenDataset
+    from mega.data.loader import open_batches
     from mega.model import build_model_chunks, resolve_precision, transformer_config
     from mega.optim import build_optimizer
 
@@ -114,7 +114,7 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
         wd_incr_steps=cfg.train.steps,
         wd_incr_style="constant",
     )
-    dataset = TokenDataset(data_index, seq_length=cfg.model.seq_length, seed=cfg.train.seed)
+    dataset = open_batches(cfg, data_index)  # data.loader: this rank's reads, or the node's loader process
     if dataset.vocab_size > cfg.model.vocab_size:
         raise mega_config.ConfigError(
             "model.vocab_size",
@@ -137,23 +137,7 @@ def _forward_step(data_iterator, model):
 
 
 def step_microbatches(trainer: Trainer, step: int) -> list[dict]:
-    from megatron.core import parallel_state as ps
-
-    p = trainer.cfg.parallelism
-    return [
-        {
-            k: v.to(trainer.device, non_blocking=True)
-            for k, v in trainer.dataset.microbatch(
-                step=step,
-                microbatch=m,
-                dp_rank=ps.get_data_parallel_rank(),
-                dp_size=ps.get_data_parallel_world_size(),
-                micro_batch_size=p.micro_batch_size,
-                num_microbatches=p.num_microbatches,
-            ).items()
-        }
-        for m in range(p.num_microbatches)
-    ]
+    return trainer.dataset.step_microbatches(step, trainer.device)  # mega.data.loader
 
 
 def train_step(trainer: Trainer, step: int) -> dict:

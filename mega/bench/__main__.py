@@ -20,6 +20,11 @@
             -> {"overhead", "overhead_on_off", "ranks_in_trace", "world_size", "straggler_named",
                 "trace", "heatmap", "gc_step_time_cv_auto", "gc_step_time_cv_controlled"}
 
+  data      data preparation vs Megatron-LM's preprocess_data.py on a generated corpus, and the
+            node loader's wait on TP2xPP2xDP2 (mega/bench/data.py): --corpus-mb 25,100, --workers N,
+            --vocab V, --steps N -> {"prep_tokens_per_s", "baseline_tokens_per_s", "peak_rss_mb",
+            "baseline_peak_rss_mb", "loader_wait_fraction", "corpus_mb", "layout"}
+
 See docs/benchmarks.md.
 """
 
@@ -33,16 +38,18 @@ from mega import config as mega_config
 from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_WINDOW, bench_ablation
 from mega.bench.bootstrap import bench_bootstrap
 from mega.bench.checkpoint import bench_checkpoint
+from mega.bench.data import bench_data
 from mega.bench.observability import bench_observability
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_observability", "bench_step", "main"]
+__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_observability", "bench_step",
+           "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability"])
+    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
@@ -70,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     boot.add_argument("--pp", type=int, default=8)
     obs = parser.add_argument_group("observability")
     obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward")
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus-mb", default="25,100", help="generated corpus sizes (MB); the JSON reports the largest")
+    data.add_argument("--workers", type=int, default=None, help="tokenizer processes of both sides (default: the cores)")
+    data.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary of the shared tokenizer")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.benchmark == "step":
@@ -79,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.benchmark == "observability":
             result = bench_observability(args.overrides, args.steps or 20, args.warmup,
                                          args.out or "runs/bench-observability", args.slow_s)
+        elif args.benchmark == "data":
+            result = bench_data(_ints(args.corpus_mb), args.workers, args.vocab, args.steps or 12,
+                                args.out or "runs/bench-data", args.overrides)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",
