@@ -112,8 +112,8 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         history.append({"attempt": n, "code": outcome.code, "reason": outcome.reason,
                         "failed_nodes": outcome.failed_nodes, "final_step": final_step, "restored": restored,
                         "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
-        if init and init.get("restore") is not None:
-            log(f"attempt {n}: ranks restored {restored or 'nothing (no usable checkpoint): started at step 0'}")
+        if restored:
+            log(f"attempt {n}: ranks restored {restored}")
         if outcome.ok and final_step >= cfg.train.steps:
             return TrainingResult(run_dir, attempts, final_step, metrics, init or {}, history)
         if outcome.ok:  # every agent exited 0 short of train.steps: not a success

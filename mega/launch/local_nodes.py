@@ -143,6 +143,10 @@ class LocalNodesBackend:
     def poll(self) -> dict[int, int | None]:
         return {k: p.poll() for k, p in self._agents.items()}
 
+    def agent_pids(self) -> dict[int, int]:
+        """Node -> pid of its torchrun agent (the running job's)."""
+        return {k: p.pid for k, p in self._agents.items()}
+
     def processes(self) -> dict[int, int]:
         """pid -> node of every live process of the running job (agents, ranks, their helpers)."""
         return marked_processes(self.token) if self.token else {}
