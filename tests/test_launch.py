@@ -321,6 +321,12 @@ def test_a_killed_owners_network_is_cleaned_on_the_next_start(tmp_path):
 # Training on nodes (one shared multi-node run, checked many ways)
 
 
+def expected_addresses(run_dir: Path, nodes: int) -> list[str]:
+    """Node k of a namespace run is host k + 2 of the run's subnet (config.json)."""
+    subnet = json.loads((run_dir / "config.json").read_text())["launcher"]["local_nodes"]["subnet"]
+    return [str(ipaddress.ip_network(subnet).network_address + k + 2) for k in range(nodes)]
+
+
 def train(run_dir, data_index, data_cache, overrides, log=print, steps=STEPS):
     cfg = compose(["model=tiny", f"train.steps={steps}", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
                    "train.tensorboard=false", "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0",
@@ -386,9 +392,7 @@ def test_nodes_are_named_in_init_metrics_and_logs(two_nodes):
     nodes = result.init["nodes"]
     assert [(n["node"], n["ranks"]) for n in nodes] == [(0, [0, 1, 2, 3]), (1, [4, 5, 6, 7])]
     if ROOT:  # network-namespace nodes: a distinct address each, on the run's subnet
-        subnet = ipaddress.ip_network(json.loads((run_dir / "config.json").read_text())["launcher"]["local_nodes"]
-                                      ["subnet"])
-        assert [str(subnet.network_address + k + 2) for k in (0, 1)] == [n["address"] for n in nodes]
+        assert [n["address"] for n in nodes] == expected_addresses(run_dir, 2)
     # the logging rank (last stage, TP 0, DP 0) is global rank 6 of 8: node 1
     assert {m["node"] for m in result.metrics} == {1}
     for k in (0, 1):
@@ -401,10 +405,13 @@ def test_nodes_are_named_in_init_metrics_and_logs(two_nodes):
 def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, data_index, data_cache):
     """Node 1's torchrun agent is SIGKILLed at step 2; its rank trains on, orphaned. The driver sees
     the agent's exit within cluster.hang_timeout_s, stops every node (the orphan included: checked
-    by pid, alive when the failure was seen, dead before the relaunch), and the run finishes."""
-    seen, alive_at_failure, alive_at_relaunch = {}, [], []
+    by pid, alive when the failure was seen, dead before the relaunch), and the run finishes.
+    The nodes rendezvous over Redis (cluster.store=redis), from network namespaces as root: the
+    driver's redis-server listens on the bridge address, with a password of the job's."""
+    seen, alive_at_failure, alive_at_relaunch, messages = {}, [], [], []
 
     def log(message: str) -> None:
+        messages.append(message)
         if message.startswith("attempt 0:") and "stopping every node" in message:
             seen["time"], seen["message"] = time.time(), message
             alive_at_failure.extend(r["pid"] for r in read_processes(tmp_path, 0, node=1) if pid_alive(r["pid"]))
@@ -414,7 +421,8 @@ def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, 
     hang_timeout_s = 60
     result = train(tmp_path, data_index, data_cache,
                    ["parallelism=dp2", "launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
-                    "checkpoint.interval=20", f"cluster.hang_timeout_s={hang_timeout_s}",
+                    "checkpoint.interval=20", f"cluster.hang_timeout_s={hang_timeout_s}", "cluster.store=redis",
+                    f"launcher.local_nodes.netns={str(ROOT).lower()}", f"launcher.local_nodes.subnet={free_subnet()}",
                     "fault.kill_node=1", "fault.mode=kill_agent", "fault.kill_at_step=2"], log=log, steps=60)
     fault = json.loads((tmp_path / "faults.jsonl").read_text())
     assert fault["kind"] == "kill_agent" and fault["node"] == 1
@@ -424,6 +432,9 @@ def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, 
     assert alive_at_relaunch == []
     assert result.final_step == 60 and result.attempts == 2
     assert result.history[0]["failed_nodes"] == [1]
+    assert sum(m.startswith(("attempt 0: dropped its", "attempt 1: dropped its")) for m in messages) == 2  # Redis keys
+    if ROOT:
+        assert [n["address"] for n in result.init["nodes"]] == expected_addresses(tmp_path, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,7 +458,8 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     finally:
         backend.close()
     assert [n["healthy"] for n in result["nodes"]] == [True, True, False], result["reasons"]
-    assert [n["address"] for n in result["nodes"]] == [backend_address(cfg, k) for k in range(3)]
+    subnet = ipaddress.ip_network(cfg.launcher.local_nodes.subnet)
+    assert [n["address"] for n in result["nodes"]] == [str(subnet.network_address + k + 2) for k in range(3)]
     assert all("link to node" in r and "cluster.selfcheck_min_inter_node_mb_per_s=20" in r
                for r in result["nodes"][2]["reasons"])
     pairs = {tuple(p["nodes"]): p for p in result["pairs"]}
@@ -456,11 +468,6 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     assert sorted((r["node"], r["rank"]) for r in result["ranks"]) == [(k // 2, k) for k in range(6)]
     assert all(r["alltoall_ok"] and r["alltoall_mb_per_s"] > 0 for r in result["ranks"])  # within each node
     assert (tmp_path / "nodes" / "2" / "selfcheck.log").exists()
-
-
-def backend_address(cfg, k: int) -> str:
-    net = ipaddress.ip_network(cfg.launcher.local_nodes.subnet)
-    return str(net.network_address + k + 2)
 
 
 @pytest.mark.slow

@@ -86,9 +86,15 @@ def redis_server_url(cfg: "MegaConfig", host: str = "127.0.0.1") -> Iterator[str
     if not c.start_local_redis:
         raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
                          "or cluster.start_local_redis=true")
+    import ipaddress
+    import secrets
+
     from mega.store import RedisServer
 
-    server = RedisServer(host=host).start()
+    # Beyond loopback (the bridge of network-namespace nodes) Redis refuses clients without a
+    # password (protected mode), rightly: the job gets a random one, passed to ranks by env only.
+    local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    server = RedisServer(host=host, password=None if local else secrets.token_urlsafe(24)).start()
     try:
         yield server.url
     finally:
