@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
 from mega.cluster.node import read_processes
 from mega.cluster.selfcheck import cluster_verdict, pair_bandwidths, pair_rounds, run_selfcheck, selfcheck_floors
@@ -93,34 +94,44 @@ def test_kubernetes_is_rendered_not_driven(tmp_path):
 
 
 NODES2 = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4"]
+TWO_NODES = {"launcher": {"name": "local-nodes"}, "cluster": {"nodes": 2, "procs_per_node": 4},
+             "parallelism": {"tp": 2, "pp": 2, "dp": 2}, "model": {"num_layers": 4}}
+NETNS = {"launcher": {"name": "local-nodes", "local_nodes": {"netns": True}}}
 
 
-@pytest.mark.parametrize("overrides, key, fragment", [
-    ([*NODES2, "fault.kill_node=2", "fault.kill_at_step=1"], "fault.kill_node", "no node 2 in cluster.nodes=2"),
-    ([*NODES2, "fault.kill_node=1"], "fault.kill_at_step", "needed with fault.kill_node"),
-    ([*NODES2, "fault.kill_node=1", "fault.kill_rank=0", "fault.kill_at_step=1"], "fault.kill_node", "not both"),
-    ([*NODES2, "fault.mode=kill_agent", "fault.kill_rank=0", "fault.kill_at_step=1"], "fault.mode",
-     "set fault.kill_node"),
-    ([*NODES2, "fault.mode=kill_in_upload", "fault.kill_node=1", "fault.kill_at_step=1"], "fault.mode",
-     "use fault.kill_rank"),
-    (["launcher.local_nodes.netns=true"], "launcher.local_nodes.netns", "not launcher=local"),
-    ([*NODES2, "launcher.local_nodes.netns=true", "cluster.store=redis", "cluster.redis_url=redis://127.0.0.1:6379/0"],
-     "cluster.redis_url", "unreachable from network-namespace nodes"),
-    ([*NODES2, "launcher.local_nodes.netns=true", "checkpoint.s3_endpoint_url=http://localhost:8333"],
-     "checkpoint.s3_endpoint_url", "bridge address"),
-    (["cluster.selfcheck_gemm_fraction=1.5"], "cluster.selfcheck_gemm_fraction", "must be in (0, 1]"),
-    (["cluster.selfcheck_nic_fraction=0"], "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
-    (["cluster.selfcheck_min_inter_node_mb_per_s=-1"], "cluster.selfcheck_min_inter_node_mb_per_s", ">= 0"),
+def merged(*parts: dict) -> dict:
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+@pytest.mark.parametrize("data, key, fragment", [
+    ({"fault": {"kill_node": 2, "kill_at_step": 1}}, "fault.kill_node", "no node 2 in cluster.nodes=2"),
+    ({"fault": {"kill_node": 1}}, "fault.kill_at_step", "needed with fault.kill_node"),
+    ({"fault": {"kill_node": 1, "kill_rank": 0, "kill_at_step": 1}}, "fault.kill_node", "not both"),
+    ({"fault": {"mode": "kill_agent", "kill_rank": 0, "kill_at_step": 1}}, "fault.mode", "set fault.kill_node"),
+    ({"fault": {"mode": "kill_in_upload", "kill_node": 1, "kill_at_step": 1}}, "fault.mode", "use fault.kill_rank"),
+    ({"launcher": {"name": "local", "local_nodes": {"netns": True}}, "cluster": {"nodes": 1, "procs_per_node": 8}},
+     "launcher.local_nodes.netns", "not launcher=local"),
+    ({**NETNS, "cluster": {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}}, "cluster.redis_url",
+     "unreachable from network-namespace nodes"),
+    ({**NETNS, "checkpoint": {"s3_endpoint_url": "http://localhost:8333"}}, "checkpoint.s3_endpoint_url",
+     "bridge address"),
+    ({"cluster": {"selfcheck_gemm_fraction": 1.5}}, "cluster.selfcheck_gemm_fraction", "must be in (0, 1]"),
+    ({"cluster": {"selfcheck_nic_fraction": 0}}, "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
+    ({"cluster": {"selfcheck_min_inter_node_mb_per_s": -1}}, "cluster.selfcheck_min_inter_node_mb_per_s", ">= 0"),
 ])
-def test_config_rejections(overrides, key, fragment):
+def test_config_rejections(data, key, fragment):
     with pytest.raises(ConfigError) as info:
-        compose(overrides)
+        from_dict(merged(TWO_NODES, data))
     assert info.value.key == key and fragment in str(info.value), str(info.value)
 
 
 def test_netns_nodes_with_non_loopback_servers_are_accepted():
-    cfg = compose([*NODES2, "launcher.local_nodes.netns=true", "cluster.store=redis",
-                   "cluster.redis_url=redis://10.213.0.1:6379/0", "checkpoint.s3_endpoint_url=http://10.213.0.1:8333"])
+    cfg = from_dict(merged(TWO_NODES, NETNS, {"cluster": {"store": "redis", "redis_url": "redis://10.213.0.1:6379/0"},
+                                              "checkpoint": {"s3_endpoint_url": "http://10.213.0.1:8333"}}))
     assert cfg.launcher.local_nodes.netns
 
 
@@ -199,16 +210,6 @@ SLEEPER = textwrap.dedent("""
 """)
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 @pytest.mark.slow
 def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
     """torch starts each rank in a session of its own: killing a node's agent leaves its ranks
@@ -220,14 +221,14 @@ def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "SLEEPER_DIR": str(tmp_path)}
     try:
         backend.start(JobSpec("sleeper", [], env, tmp_path, "sleep"))
-        ranks = _wait_for(lambda: [json.loads(p.read_text()) for p in sorted(tmp_path.glob("[0-9].json"))]
+        ranks = wait_for(lambda: [json.loads(p.read_text()) for p in sorted(tmp_path.glob("[0-9].json"))]
                           if len(list(tmp_path.glob("[0-9].json"))) == 4 else None, 120, "4 ranks")
         assert sorted(r["node"] for r in ranks) == [0, 0, 1, 1]
         agents = backend.agent_pids()
         agent1 = agents[1]
         assert all(r["session"] not in (agent1, os.getsid(0)) for r in ranks)  # ranks lead sessions of their own
         os.kill(agent1, signal.SIGKILL)
-        _wait_for(lambda: backend.poll()[1] == -signal.SIGKILL, 30, "node 1's agent to die")
+        wait_for(lambda: backend.poll()[1] == -signal.SIGKILL, 30, "node 1's agent to die")
         node1 = [p for r in ranks if r["node"] == 1 for p in (r["pid"], r["helper"])]
         time.sleep(1.0)
         assert all(pid_alive(p) for p in node1), "its ranks outlive a killed agent: what stop() is for"

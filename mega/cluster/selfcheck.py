@@ -63,29 +63,23 @@ DEFAULT_TIMEOUT_S = 180.0  # the whole job; a node that needs longer than this i
 
 def selfcheck_floors(c: "ClusterConfig") -> dict[str, Any]:
     """The floors of ``c`` and, for each, what it was derived from (named in every verdict)."""
+    nvlink_one_way = c.nvlink_gb_per_s and c.nvlink_gb_per_s / 2 * 1e3  # the datasheet counts both directions
+    checks = [  # floor, tag, fraction key, hardware figure in the floor's unit (None: unknown), as read, absolute key
+        ("min_gemm_gflops", "gemm", "selfcheck_gemm_fraction", c.peak_tflops and c.peak_tflops * 1e3,
+         f"cluster.peak_tflops={c.peak_tflops}", "selfcheck_min_gemm_gflops"),
+        ("min_alltoall_mb_per_s", "alltoall", "selfcheck_nvlink_fraction", nvlink_one_way,
+         f"cluster.nvlink_gb_per_s={c.nvlink_gb_per_s}/2", "selfcheck_min_alltoall_mb_per_s"),
+        ("min_inter_node_mb_per_s", "inter_node", "selfcheck_nic_fraction", c.node_nic_gb_per_s and c.node_nic_gb_per_s * 1e3,
+         f"{c.nics_per_node} x cluster.nic_gbit_per_s={c.nic_gbit_per_s}/8", "selfcheck_min_inter_node_mb_per_s"),
+    ]
     floors: dict[str, Any] = {"max_gemm_rel_err": MAX_GEMM_REL_ERR}
-    if c.peak_tflops is not None:
-        floors["min_gemm_gflops"] = c.selfcheck_gemm_fraction * c.peak_tflops * 1e3
-        floors["gemm_from"] = (f"cluster.selfcheck_gemm_fraction={c.selfcheck_gemm_fraction:g} x "
-                               f"cluster.peak_tflops={c.peak_tflops:g}")
-    else:
-        floors["min_gemm_gflops"] = c.selfcheck_min_gemm_gflops
-        floors["gemm_from"] = f"cluster.selfcheck_min_gemm_gflops={c.selfcheck_min_gemm_gflops:g}"
-    if c.nvlink_gb_per_s is not None:  # the datasheet figure counts both directions
-        floors["min_alltoall_mb_per_s"] = c.selfcheck_nvlink_fraction * c.nvlink_gb_per_s / 2 * 1e3
-        floors["alltoall_from"] = (f"cluster.selfcheck_nvlink_fraction={c.selfcheck_nvlink_fraction:g} x "
-                                   f"cluster.nvlink_gb_per_s={c.nvlink_gb_per_s:g}/2")
-    else:
-        floors["min_alltoall_mb_per_s"] = c.selfcheck_min_alltoall_mb_per_s
-        floors["alltoall_from"] = f"cluster.selfcheck_min_alltoall_mb_per_s={c.selfcheck_min_alltoall_mb_per_s:g}"
-    if c.node_nic_gb_per_s is not None:
-        floors["min_inter_node_mb_per_s"] = c.selfcheck_nic_fraction * c.node_nic_gb_per_s * 1e3
-        floors["inter_node_from"] = (f"cluster.selfcheck_nic_fraction={c.selfcheck_nic_fraction:g} x "
-                                     f"{c.nics_per_node} x cluster.nic_gbit_per_s={c.nic_gbit_per_s:g}/8")
-    else:
-        floors["min_inter_node_mb_per_s"] = c.selfcheck_min_inter_node_mb_per_s
-        floors["inter_node_from"] = (f"cluster.selfcheck_min_inter_node_mb_per_s="
-                                     f"{c.selfcheck_min_inter_node_mb_per_s:g}")
+    for floor, tag, fraction_key, figure, figure_text, absolute_key in checks:
+        if figure:
+            fraction = getattr(c, fraction_key)
+            floors[floor], floors[f"{tag}_from"] = fraction * figure, f"cluster.{fraction_key}={fraction:g} x {figure_text}"
+        else:
+            value = getattr(c, absolute_key)
+            floors[floor], floors[f"{tag}_from"] = value, f"cluster.{absolute_key}={value:g}"
     return floors
 
 
