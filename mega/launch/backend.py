@@ -40,9 +40,10 @@ class JobSpec:
     log_dir: Path = Path(".")  # node k's agent log: log_dir/nodes/<k>/<name>.log (one local node: log_dir/<name>.log)
     name: str = "job"  # e.g. "train-attempt3"
 
-    def log_path(self, node: int, nodes: int) -> Path:
+    def log_path(self, node: int | str, nodes: int) -> Path:
         """Node ``node``'s agent log: ``log_dir/nodes/<k>/<name>.log``, or ``log_dir/<name>.log``
-        when the job has one node (where single-node runs have always kept it)."""
+        when the job has one node (where single-node runs have always kept it). ``node`` may be a
+        placeholder a node's shell expands."""
         if nodes == 1:
             return Path(self.log_dir) / f"{self.name}.log"
         return Path(self.log_dir) / "nodes" / str(node) / f"{self.name}.log"
@@ -62,14 +63,17 @@ class Backend(Protocol):
         """Release what the backend holds (namespaces, bridges, allocations); stops a running job."""
 
 
-def agent_argv(cfg: "MegaConfig", node_rank: int, master_addr: str, master_port: int, job: JobSpec) -> list[str]:
+def agent_argv(cfg: "MegaConfig", node_rank: int | str, master_addr: str, master_port: int | str, job: JobSpec,
+               python: str = sys.executable) -> list[str]:
     """The torchrun command line of node ``node_rank``'s agent.
 
     One node under ``launcher=local`` keeps ``--standalone`` (torchrun picks its own port);
     otherwise a static rendezvous on node 0's address, whose agent hosts the TCPStore. The
-    rendezvous gives up after ``cluster.pg_timeout_s`` if a node never joins."""
+    rendezvous gives up after ``cluster.pg_timeout_s`` if a node never joins. ``node_rank`` and
+    ``master_port`` may be placeholders a node's shell expands (``${SLURM_NODEID}``), ``python``
+    the interpreter on the nodes."""
     c = cfg.cluster
-    argv = [sys.executable, "-m", "torch.distributed.run"]
+    argv = [python, "-m", "torch.distributed.run"]
     if c.nodes == 1 and cfg.launcher.name == "local":
         argv += ["--standalone", "--nnodes=1"]
     else:
