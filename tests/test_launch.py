@@ -364,6 +364,14 @@ def two_nodes(tmp_path_factory, data_index, data_cache):
 
 
 @pytest.mark.slow
+def test_one_node_reference_learns(one_node):
+    """(Also builds the reference on its own, so no single test pays for both runs' time.)"""
+    losses = [m["loss"] for m in one_node.metrics]
+    assert len(losses) == STEPS and losses[-1] < losses[0] and one_node.attempts == 1
+    assert {m["node"] for m in one_node.metrics} == {0}
+
+
+@pytest.mark.slow
 def test_two_nodes_give_the_one_node_losses_bit_for_bit_through_a_node_kill(one_node, two_nodes):
     result = two_nodes["result"]
     assert result.attempts == 2 and result.final_step == STEPS
@@ -422,7 +430,7 @@ def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, 
     hang_timeout_s = 60
     result = train(tmp_path, data_index, data_cache,
                    ["parallelism=dp2", "launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
-                    "checkpoint.interval=20", f"cluster.hang_timeout_s={hang_timeout_s}", "cluster.store=redis",
+                    "checkpoint.interval=0", f"cluster.hang_timeout_s={hang_timeout_s}", "cluster.store=redis",
                     f"launcher.local_nodes.netns={str(ROOT).lower()}", f"launcher.local_nodes.subnet={free_subnet()}",
                     "fault.kill_node=1", "fault.mode=kill_agent", "fault.kill_at_step=2"], log=log, steps=60)
     fault = json.loads((tmp_path / "faults.jsonl").read_text())
