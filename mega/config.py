@@ -83,7 +83,7 @@ class ParallelismConfig:
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine
     # userbuffers), PP send/recv decoupled from compute (interleaved schedule only), and the DP
     # parameter all-gather aligned with the pipeline (first chunk prefetched).
-    tp_overlap: str = "none"
+    tp_overlap: str = "none"  # also "symm_mem": torch's fused symmetric-memory ops (CUDA)
     overlap_p2p_comm: bool = False
     overlap_p2p_comm_warmup_flush: bool = False
     align_param_gather: bool = False
@@ -266,6 +266,10 @@ class CheckpointConfig:
     upload_retry_s: float = 5.0  # store unreachable: wait this long, then try the upload again
     max_restarts: int = 3
     restart_backoff_s: float = 1.0
+    # Store unreachable this long (retrying every upload_retry_s): that checkpoint fails, training
+    # goes on and `latest` keeps naming the last durable one. Below cluster.hang_timeout_s, since
+    # the next save waits for this one.
+    upload_timeout_s: float = 120.0
 
 
 @dataclass
@@ -472,6 +476,10 @@ def validate(cfg: MegaConfig) -> MegaConfig:
                  f"divisible by pp={p.pp}")
     _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallelism.overlap_param_gather",
              "needs parallelism.use_distributed_optimizer=true")
+    from mega.overlap.checks import tp_overlap_problems  # torch-free
+
+    for key, problem in tp_overlap_problems(cfg):
+        raise ConfigError(key, problem)
 
     _require(c.world_size == p.world_size, "cluster.procs_per_node",
              f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
@@ -520,6 +528,10 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _require(0 <= cfg.data.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
 
     _validate_checkpoint(cfg.checkpoint)
+    _require(not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
+             "checkpoint.upload_timeout_s",
+             f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
+             f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}")
 
     _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
     if t.precision in ("bf16", "fp16"):
@@ -620,6 +632,9 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
     _require(isinstance(ck.keep_last, int) and ck.keep_last >= 1, "checkpoint.keep_last",
              f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}")
     _require(ck.upload_retry_s > 0, "checkpoint.upload_retry_s", f"must be positive, got {ck.upload_retry_s}")
+    _require(isinstance(ck.upload_timeout_s, (int, float)) and ck.upload_timeout_s >= ck.upload_retry_s,
+             "checkpoint.upload_timeout_s",
+             f"must be at least checkpoint.upload_retry_s={ck.upload_retry_s:g}, got {ck.upload_timeout_s!r}")
     _require(bool(ck.dir), "checkpoint.dir", "must not be empty")
     if ck.storage_uri is not None:
         uri = urlparse(ck.storage_uri)

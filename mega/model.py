@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from mega.config import MegaConfig
 from mega.layers import core_attention_class, fused, parallel_layer_spec
+from mega.overlap import tp as tp_overlap
 
 PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,6 +75,8 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         bias_dropout_fusion=m.fused_ops,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
+        # parallelism.tp_overlap=te: megatron's tp_comm_overlap (Transformer Engine userbuffers)
+        **tp_overlap.transformer_config_kwargs(cfg),
     )
 
 
@@ -94,7 +97,8 @@ def layer_spec(cfg: MegaConfig) -> ModuleSpec:
         spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
     if cfg.model.block == "parallel":
         spec = parallel_layer_spec(spec)
-    return spec
+    # parallelism.tp_overlap: TP/SP collectives overlapped with the GEMMs (docs/overlap.md)
+    return tp_overlap.layer_spec(cfg, spec)
 
 
 def decoder_spec(cfg: MegaConfig, tcfg: TransformerConfig,
@@ -111,6 +115,7 @@ def decoder_spec(cfg: MegaConfig, tcfg: TransformerConfig,
 def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
     vpp = cfg.parallelism.vpp if (cfg.parallelism.vpp or 1) > 1 else None
+    tp_overlap.before_model_build(cfg, tcfg.params_dtype)  # te: userbuffers precede the layers
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -170,7 +175,7 @@ def init_layout_invariant(model: MegatronModule, seed: int, std: float) -> None:
             if name.endswith("bias"):
                 param.zero_()
                 continue
-            if "layernorm" in name or "norm." in name:
+            if "layernorm" in name or "norm." in name or "layer_norm_weight" in name:  # TE fuses LN into linears
                 param.fill_(1.0)
                 continue
             full_shape = list(param.shape)

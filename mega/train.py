@@ -222,7 +222,7 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
     f = cfg.fault
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
     struck = f.kill_rank == dist.get_rank() or (f.kill_node is not None and f.kill_node == node.node_rank())
-    # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint.py), not here.
+    # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint/save.py), not here.
     if attempt == 0 and f.mode != "kill_in_upload" and struck and f.kill_at_step == step:
         print(f"[fault] {f.mode}: rank {dist.get_rank()} (node {node.node_rank()}) at step {step}",
               file=sys.stderr, flush=True)
@@ -284,6 +284,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "tokens_per_s": tokens_per_step / step_s,
                 "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
                 "attempt": attempt,
+                "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
                 "node": node.node_rank(),  # the logging rank's node
             }
         )

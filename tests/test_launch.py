@@ -389,7 +389,7 @@ def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nod
     faults = [json.loads(line) for line in (two_nodes["run_dir"] / "faults.jsonl").read_text().splitlines()]
     assert sorted(f["rank"] for f in faults) == [4, 5, 6, 7] and {f["node"] for f in faults} == {1}
     assert any("attempt 0: node 1: torchrun agent exited with code 1" in m for m in two_nodes["messages"])
-    assert "attempt 1: launching 8 ranks on 2 nodes (4 per node), resuming from iter_0000002" in two_nodes["messages"]
+    assert "attempt 1: launching 8 ranks on 2 nodes (4 per node); `latest` is iter_0000002" in two_nodes["messages"]
     attempt0 = read_processes(two_nodes["run_dir"], 0)
     assert sorted(r["rank"] for r in attempt0) == list(range(8))
     assert two_nodes["survivors"] == {0: []}, "ranks of attempt 0 were alive when attempt 1 launched"

@@ -5,10 +5,12 @@
   ablation  convergence of baseline / ptb / ptb+swa / ptb+swa+lamb4x for one token budget
             (mega/bench/ablation.py): --tokens N, --window W, --lamb-lr LR, --out DIR
             -> {"rows": [{"name", "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
-  checkpoint  training blocked per two-stage save vs a synchronous save of the same state, upload
-            throughput, restore bytes per DP group (mega/bench/checkpoint.py): --steps N (30),
-            --interval K (10), --storage URI (default: a local SeaweedFS S3 server)
-            -> {"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "dp", "restore_bytes_read", ...}
+  checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
+            blocked per save, restore bytes counted against the naive restore, the largest per-rank
+            restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
+            --repeats R (1), --storage URI (default: a local SeaweedFS S3 server)
+            -> {"train_slowdown", "sync_train_slowdown", "stall_s", "restore_bytes_read",
+                "naive_restore_bytes", "restore_peak_bytes_per_rank", ...}
   bootstrap  store traffic of megatron's group creation for N simulated ranks on a real TCPStore /
             Redis server (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --out DIR
             -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "completed"}], "growth", "plot", ...}
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                           help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, tuned for model=tiny)")
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
+    ckpt.add_argument("--repeats", type=int, default=1, help="rounds of the async/sync/no-save runs (medians)")
     ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
     boot = parser.add_argument_group("bootstrap")
     boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.benchmark == "step":
             result = bench_step(args.overrides, args.steps or 8, args.warmup)
         elif args.benchmark == "checkpoint":
-            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage)
+            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage, args.repeats)
         elif args.benchmark == "nodes":
             result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns)
         elif args.benchmark == "bootstrap":

@@ -41,6 +41,11 @@ class TrainingResult:
     # (the checkpoint its ranks restored, from their init.json; None = started from scratch)
     history: list[dict] = field(default_factory=list)
 
+    @property
+    def restored(self) -> str | None:
+        """The checkpoint the last attempt's ranks actually restored (None: started fresh)."""
+        return self.init.get("restore", {}).get("checkpoint")
+
 
 def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
                  flow_run_id: str | None = None, recovery: bool = False) -> TrainingResult:
@@ -83,16 +88,17 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         run.beat(attempts=n + 1)
         env["MEGA_ATTEMPT"] = str(n)
         # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
-        # falling back past a corrupt one); this names it for the log.
+        # falling back past a corrupt one) and write what they restored into init.json.
         try:
             latest = latest_durable(cfg) if cfg.checkpoint.load else None
         except StorageError as e:
             latest = None
             log(f"attempt {n}: checkpoint store: {e}")
         log(f"attempt {n}: launching {cfg.parallelism.world_size} ranks{where}"
-            + (f", resuming from {latest}" if latest else ""))
+            + (f"; `latest` is {latest}" if latest else ""))
+        init_file = run_dir / "init.json"
+        init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
         job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
-        launched = time.time()
         outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
                           stall_timeout_s=c.hang_timeout_s, on_poll=run.beat,
                           on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"))
@@ -104,18 +110,23 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         else:
             if dropped is not None:
                 log(f"attempt {n}: dropped its {dropped} store keys")
+        try:
+            init = json.loads(init_file.read_text()) if init_file.exists() else {}
+        except ValueError:  # rank 0 died while writing it
+            init = {}
+        if init.get("restore", {}).get("checkpoint"):
+            r = init["restore"]
+            log(f"attempt {n}: resumed from {r['checkpoint']}"
+                + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""))
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
-        init = _attempt_init(run_dir, launched)
-        restored = (init.get("restore") or {}).get("checkpoint") if init else None
         history.append({"attempt": n, "code": outcome.code, "reason": outcome.reason,
-                        "failed_nodes": outcome.failed_nodes, "final_step": final_step, "restored": restored,
+                        "failed_nodes": outcome.failed_nodes, "final_step": final_step,
+                        "restored": init.get("restore", {}).get("checkpoint"),
                         "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
-        if restored:
-            log(f"attempt {n}: ranks restored {restored}")
         if outcome.ok and final_step >= cfg.train.steps:
-            return TrainingResult(run_dir, attempts, final_step, metrics, init or {}, history)
+            return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
         if outcome.ok:  # every agent exited 0 short of train.steps: not a success
             outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
         log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
@@ -139,14 +150,3 @@ def _short(outcome: JobOutcome) -> str:
 def _logs(job: JobSpec, nodes: int, outcome: JobOutcome) -> str:
     show = outcome.failed_nodes or range(nodes)
     return ", ".join(str(job.log_path(k, nodes)) for k in show)
-
-
-def _attempt_init(run_dir: Path, launched: float) -> dict | None:
-    """The init.json rank 0 wrote during this attempt (None if it did not get that far)."""
-    path = run_dir / "init.json"
-    try:
-        if path.stat().st_mtime < launched:
-            return None
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
