@@ -379,16 +379,18 @@ def test_two_nodes_give_the_one_node_losses_bit_for_bit_through_a_node_kill(one_
     for got, want in zip(result.metrics, one_node.metrics):
         assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], (got, want)  # bit-exact
     assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]
-    # the step-2 checkpoint is what both nodes' ranks restored
-    assert [(h["attempt"], h["failed_nodes"], h["restored"]) for h in result.history] == [
-        (0, [1], None), (1, [], "iter_0000002")]
+    # the step-2 checkpoint is what both nodes' ranks restored; node 1 failed (node 0's ranks may
+    # have failed too by the driver's next look: their peers were gone)
+    assert [(h["attempt"], h["restored"]) for h in result.history] == [(0, None), (1, "iter_0000002")]
+    assert 1 in result.history[0]["failed_nodes"] and result.history[1]["failed_nodes"] == []
 
 
 @pytest.mark.slow
 def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nodes):
     faults = [json.loads(line) for line in (two_nodes["run_dir"] / "faults.jsonl").read_text().splitlines()]
     assert sorted(f["rank"] for f in faults) == [4, 5, 6, 7] and {f["node"] for f in faults} == {1}
-    assert any("attempt 0: node 1: torchrun agent exited with code 1" in m for m in two_nodes["messages"])
+    assert any(m.startswith("attempt 0:") and "node 1: torchrun agent exited with code 1" in m
+               and m.endswith("stopping every node") for m in two_nodes["messages"])
     assert "attempt 1: launching 8 ranks on 2 nodes (4 per node); `latest` is iter_0000002" in two_nodes["messages"]
     attempt0 = read_processes(two_nodes["run_dir"], 0)
     assert sorted(r["rank"] for r in attempt0) == list(range(8))
