@@ -43,7 +43,7 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     run_dir = Path(cfg.train.run_dir)
 
     index_path = prepare_data(cfg.data, cfg.model.vocab_size)
-    node = node_selfcheck(cfg, run_dir / "selfcheck")  # raises NodeUnhealthy: nothing trains
+    node = node_selfcheck(cfg, run_dir / "selfcheck")  # every node; raises NodeUnhealthy: nothing trains
     store = check_rendezvous_store(cfg)
     init = time_process_group_init(cfg, run_dir / "bootstrap")
     result = train(cfg, index_path)
@@ -57,7 +57,8 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "parallelism": p.name,
         "world_size": p.world_size,
         "data_index": str(index_path),
-        "selfcheck": {"node": node["node"], "healthy": node["healthy"], "reasons": node["reasons"]},
+        "selfcheck": {"node": node["node"], "healthy": node["healthy"], "reasons": node["reasons"],
+                      "nodes": [{k: n[k] for k in ("node", "address", "healthy")} for n in node["nodes"]]},
         "store": store,
         "process_group_init": {k: init[k] for k in ("pg_init_s", "model_parallel_init_s", "world_size",
                                                     "store", "group_init")},

@@ -136,8 +136,19 @@ class ClusterConfig:
     pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
     hang_timeout_s: int = 600  # no training progress for this long: the launcher kills and restarts
     env: dict[str, str] = field(default_factory=dict)  # e.g. NCCL_* presets exported to every rank
+    # Self-check floors without hardware facts (the CPU presets): absolute, per rank (GEMM, the
+    # all-to-all between a node's ranks) and per node pair (inter-node exchange); docs/launch.md
+    # says how the defaults were measured.
     selfcheck_min_gemm_gflops: float = 0.5
     selfcheck_min_alltoall_mb_per_s: float = 1.0
+
+    selfcheck_min_inter_node_mb_per_s: float = 1.0  # per node pair, each direction (no NIC facts)
+    # With hardware facts the floors are fractions of them, so a degraded node fails: GEMM (bf16
+    # on GPUs) >= fraction * peak_tflops; a rank's intra-node all-to-all >= fraction * nvlink (one
+    # direction); a node pair's exchange >= fraction * the node's NIC bandwidth (node_nic_gb_per_s).
+    selfcheck_gemm_fraction: float = 0.5
+    selfcheck_nvlink_fraction: float = 0.3
+    selfcheck_nic_fraction: float = 0.3
 
     @property
     def world_size(self) -> int:
@@ -315,7 +326,11 @@ class FaultConfig:
     kill_rank: int | None = None
     kill_at_step: int | None = None
     # kill | hang | kill_in_upload (SIGKILL while stage 2 uploads the checkpoint of kill_at_step)
+    # | kill_agent (with kill_node: SIGKILL the node's torchrun agent; its ranks run on, orphaned)
     mode: str = "kill"
+    # Instead of one rank, every rank of node kill_node (cluster.nodes > 1): killed (mode=kill),
+    # hung (mode=hang), or its agent killed (mode=kill_agent) at kill_at_step.
+    kill_node: int | None = None
     # A straggler drill: rank slow_rank computes slow_s more CPU seconds in every microbatch's
     # forward (a busy loop on its thread CPU clock: slowed by contention like real compute).
     slow_rank: int | None = None
@@ -583,7 +598,14 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     if f.kill_rank is not None:
         _require(0 <= f.kill_rank < p.world_size, "fault.kill_rank", f"no rank {f.kill_rank} in world {p.world_size}")
         _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
-    _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload"))
+    _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload", "kill_agent"))
+    if f.kill_node is not None:
+        _require(f.kill_rank is None, "fault.kill_node", "set fault.kill_rank or fault.kill_node, not both")
+        _require(0 <= f.kill_node < c.nodes, "fault.kill_node", f"no node {f.kill_node} in cluster.nodes={c.nodes}")
+        _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_node")
+        _require(f.mode != "kill_in_upload", "fault.mode", "kill_in_upload strikes one rank: use fault.kill_rank")
+    _require(f.mode != "kill_agent" or f.kill_node is not None, "fault.mode",
+             "kill_agent kills a node's torchrun agent: set fault.kill_node")
     if f.mode == "kill_in_upload" and f.kill_rank is not None:
         k = cfg.checkpoint.interval
         _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
@@ -630,6 +652,14 @@ def _validate_launcher(cfg: MegaConfig) -> None:
                                                                      la.local_nodes.link_mbit)]:
         _require(value is None or value > 0, key, f"must be positive or null, got {value}")
     _require(c.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {c.nics_per_node}")
+    for key, value in [("cluster.selfcheck_gemm_fraction", c.selfcheck_gemm_fraction),
+                       ("cluster.selfcheck_nvlink_fraction", c.selfcheck_nvlink_fraction),
+                       ("cluster.selfcheck_nic_fraction", c.selfcheck_nic_fraction)]:
+        _require(0 < value <= 1, key, f"must be in (0, 1] (a fraction of the hardware's figure), got {value}")
+    for key, value in [("cluster.selfcheck_min_gemm_gflops", c.selfcheck_min_gemm_gflops),
+                       ("cluster.selfcheck_min_alltoall_mb_per_s", c.selfcheck_min_alltoall_mb_per_s),
+                       ("cluster.selfcheck_min_inter_node_mb_per_s", c.selfcheck_min_inter_node_mb_per_s)]:
+        _require(value >= 0, key, f"must be >= 0, got {value}")
     _require(0 <= la.rdzv_port < 65536, "launcher.rdzv_port", f"not a port: {la.rdzv_port}")
     import ipaddress
 
@@ -640,6 +670,33 @@ def _validate_launcher(cfg: MegaConfig) -> None:
     _require(net.version == 4 and net.is_private and net.num_addresses >= c.nodes + 3,
              "launcher.local_nodes.subnet",
              f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}")
+    if la.local_nodes.netns:
+        _validate_netns(cfg)
+
+
+def _validate_netns(cfg: MegaConfig) -> None:
+    """Network-namespace nodes have loopbacks of their own: a server configured on this machine's
+    loopback is out of their reach (servers mega starts itself listen on the bridge address)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    _require(cfg.launcher.name == "local-nodes", "launcher.local_nodes.netns",
+             f"network-namespace nodes are a launcher=local-nodes option, not launcher={cfg.launcher.name}")
+
+    def loopback(host: str | None) -> bool:
+        if host is None or host == "localhost":
+            return host == "localhost"
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    hint = "unreachable from network-namespace nodes (each has its own loopback); use an address they reach, " \
+           f"e.g. the bridge address (the first host of launcher.local_nodes.subnet={cfg.launcher.local_nodes.subnet})"
+    for key, url in [("cluster.redis_url", cfg.cluster.redis_url), ("checkpoint.s3_endpoint_url",
+                                                                    cfg.checkpoint.s3_endpoint_url)]:
+        if url is not None:
+            _require(not loopback(urlsplit(url).hostname), key, f"{urlsplit(url).hostname} is {hint}")
 
 
 def _validate_data(d: DataConfig) -> None:

@@ -203,11 +203,21 @@ def measure_peak_flops(cfg: MegaConfig) -> float:
 
 
 def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
+    from mega.cluster import node
+
     f = cfg.fault
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    struck = f.kill_rank == dist.get_rank() or (f.kill_node is not None and f.kill_node == node.node_rank())
     # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint/save.py), not here.
-    if attempt == 0 and f.mode != "kill_in_upload" and f.kill_rank == dist.get_rank() and f.kill_at_step == step:
-        print(f"[fault] {f.mode}: rank {dist.get_rank()} at step {step}", file=sys.stderr, flush=True)
+    if attempt == 0 and f.mode != "kill_in_upload" and struck and f.kill_at_step == step:
+        print(f"[fault] {f.mode}: rank {dist.get_rank()} (node {node.node_rank()}) at step {step}",
+              file=sys.stderr, flush=True)
+        if f.mode == "kill_agent":  # the node's agent dies; its ranks run on until someone stops them
+            if node.local_rank() == 0:
+                node.record_fault(cfg.train.run_dir, "kill_agent", step, os.getppid())
+                os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent is its torchrun agent
+            return
+        node.record_fault(cfg.train.run_dir, f.mode, step, os.getpid())
         if f.mode == "hang":
             while True:  # alive but silent, like a rank stuck in a driver call
                 time.sleep(60)
@@ -216,18 +226,20 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
 
 def run(cfg: MegaConfig, data_index: str) -> None:
     from mega import checkpoint, flops
+    from mega.cluster import node
     from mega.metrics import MetricsLogger
     from mega.obs.session import Session
 
     if cfg.cluster.device == "cpu":
         megatron_cpu.apply()
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
     os.environ.update(cfg.cluster.env)
 
     trainer = build(cfg, data_index)
     run_dir = Path(cfg.train.run_dir)
+    node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
+    trainer.init_times["nodes"] = node.gather_table()
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
     start_step = 0
     chunks = [m.module for m in trainer.model]
@@ -263,6 +275,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
                 "attempt": attempt,
                 "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
+                "node": node.node_rank(),  # the logging rank's node
                 **session.end_step(),  # compute time, exposed communication per kind
             }
         )

@@ -25,6 +25,11 @@
             --vocab V, --steps N -> {"prep_tokens_per_s", "baseline_tokens_per_s", "peak_rss_mb",
             "baseline_peak_rss_mb", "loader_wait_fraction", "corpus_mb", "layout"}
 
+  nodes     the same 8-rank TP2xPP2xDP2 world as 1, 2 and 4 local nodes through the driver
+            (mega/bench/nodes.py): --nodes 1,2,4, --steps N (6), --warmup N (2), --netns
+            -> {"rows": [{"nodes", "procs_per_node", "world_size", "layout", "first_step_s", "step_s",
+                          "max_abs_loss_diff_vs_one_node", "completed"}], "details", ...}
+
 See docs/benchmarks.md.
 """
 
@@ -39,21 +44,23 @@ from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_WINDOW, bench_ablation
 from mega.bench.bootstrap import bench_bootstrap
 from mega.bench.checkpoint import bench_checkpoint
 from mega.bench.data import bench_data
+from mega.bench.nodes import bench_nodes
 from mega.bench.observability import bench_observability
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_observability", "bench_step",
-           "main"]
+__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_nodes",
+           "bench_observability", "bench_step", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data"])
+    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
+                                              "nodes"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
-    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20")
+    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20; nodes: 6")
     step.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ablation = parser.add_argument_group("ablation")
     ablation.add_argument("--tokens", type=int, default=None,
@@ -81,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--corpus-mb", default="25,100", help="generated corpus sizes (MB); the JSON reports the largest")
     data.add_argument("--workers", type=int, default=None, help="tokenizer processes of both sides (default: the cores)")
     data.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary of the shared tokenizer")
+    nodes = parser.add_argument_group("nodes")
+    nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
+    nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
     args = parser.parse_intermixed_args(argv)
     try:
         if args.benchmark == "step":
@@ -93,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.benchmark == "data":
             result = bench_data(_ints(args.corpus_mb), args.workers, args.vocab, args.steps or 12,
                                 args.out or "runs/bench-data", args.overrides)
+        elif args.benchmark == "nodes":
+            result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",
@@ -122,6 +134,17 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{row['strategy']:<17} {row['ranks']:>6} {took:>8} {row['store_ops']:>14,}", file=sys.stderr)
         for name, fit in result["growth"].items():
             print(f"{name}: time ~ N^{fit['exponent']}, store ops ~ N^{fit['ops_exponent']}", file=sys.stderr)
+        return
+    if benchmark == "nodes":
+        print(f"{'nodes':>5} {'x procs':>7} {'first step s':>12} {'step s':>8} {'max |dloss|':>11} completed",
+              file=sys.stderr)
+        def fmt(x, spec: str, width: int) -> str:
+            return format("-" if x is None else format(x, spec), f">{width}")
+
+        for row in result["rows"]:
+            print(f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
+                  f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
+                  f"{row['completed']}", file=sys.stderr)
         return
     if benchmark == "ablation":
         print(f"{'row':<16} {'final loss':>10} {'vs baseline':>11} {'tokens/s':>9} {'steps':>5} {'batch':>5}",

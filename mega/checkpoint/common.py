@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -46,7 +47,11 @@ def open_store(cfg):
 
 
 def staging_root(cfg) -> Path:
-    return Path(cfg.checkpoint.staging_dir or Path(cfg.train.run_dir) / "checkpoint-staging")
+    root = Path(cfg.checkpoint.staging_dir or Path(cfg.train.run_dir) / "checkpoint-staging")
+    # Node-local, and each node's local rank 0 clears it: nodes sharing one filesystem
+    # (launcher=local-nodes) get a directory each.
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    return root / f"node{os.environ.get('GROUP_RANK', '0')}" if nodes > 1 else root
 
 
 def latest_durable(cfg) -> str | None:
