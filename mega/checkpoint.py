@@ -126,13 +126,15 @@ def read_latest(root: str | Path) -> Path | None:
 
 
 def _model_state(model_chunks, metadata: dict) -> tuple[dict, dict]:
-    """(state by chunk key, all chunks' entries in one dict: what the optimizer's needs)."""
-    state, flat = {}, {}
+    """(state by chunk key, the same chunks for the optimizer's ``sharded_state_dict``).
+
+    The optimizer gets the chunks nested, as Megatron-LM passes them: virtual pipeline chunks
+    name their layers locally (``decoder.layers.0`` in every chunk), so merged into one dict the
+    later chunks would hide the earlier ones' parameters."""
+    state = {}
     for i, chunk in enumerate(model_chunks):
-        sd = chunk.sharded_state_dict(metadata=metadata)
-        state["model" if len(model_chunks) == 1 else f"model{i}"] = sd
-        flat.update(sd)
-    return state, flat
+        state["model" if len(model_chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
+    return state, dict(state)
 
 
 def _sharded_state(model_chunks, optimizer, is_loading: bool) -> dict:
@@ -667,7 +669,10 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
                     store.delete(n)
         candidates = [names]
     dist.broadcast_object_list(candidates, src=0)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.backend == "nccl" else torch.device("cpu")
+    from mega.cluster.backend_flags import backend_flags
+
+    device = torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).collective_device == "cuda" \
+        else torch.device("cpu")  # the DP peers exchange restored files by broadcast on the default group
     info: dict = {"refused": []}
     for name in candidates[0]:
         local_dir = staging_root(cfg) / "restore" / name / f"rank{dist.get_rank():05d}"
