@@ -195,6 +195,12 @@ class KubernetesConfig:
     shm_size: str = "64Gi"  # /dev/shm for the data loader and NCCL
     node_selector: dict[str, str] = field(default_factory=dict)
     backoff_limit: int = 0  # the driver relaunches, not the Job controller
+    # cluster.store=redis: the Secret (key "password") the pods read the Redis password from
+    redis_secret: str | None = None
+    # a ReadWriteMany PersistentVolumeClaim mounted in every pod (run dirs, data, file:// checkpoints)
+    volume_claim: str | None = None
+    mount_path: str = "/mnt/mega"
+    extra_resources: dict[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "8"}: per-pod limits
 
 
 @dataclass

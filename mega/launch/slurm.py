@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 
 NODE_LOST = -1  # poll(): the node's task ended without reporting an exit code (killed, node lost)
 PYTHON = "python"  # the interpreter on the nodes, after launcher.slurm.setup (a venv, a module, a container)
-_SECRET_ENV = (rendezvous.REDIS_PASSWORD_ENV,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,11 +96,6 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
     return "".join(f'"${{{variables[p]}}}"' if p in variables else (shlex.quote(p) if p else "") for p in parts)
 
 
-def public_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` without secrets: what may be written into a script, a manifest or a pickle."""
-    return {k: v for k, v in env.items() if k not in _SECRET_ENV}
-
-
 def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON) -> str:
     """The sbatch script of one attempt of ``job`` on ``cluster.nodes`` nodes."""
     check(cfg)
@@ -146,7 +140,7 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON) -> str:
     ]
     if s.setup:
         lines += ["# launcher.slurm.setup", *s.setup, ""]
-    env = {**c.env, **public_env(job.env)}
+    env = {**c.env, **rendezvous.public_env(job.env)}
     if env:
         lines += ["# cluster.env presets and this attempt's variables, exported to every node (srun)"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
@@ -246,8 +240,8 @@ class SlurmBackend:
         port = self.cfg.launcher.rdzv_port
         if self.cluster == "local" and not port:
             port = _free_port()  # one host: the driver can pick it
-        public = JobSpec(job.module, list(job.args), public_env(job.env), Path(job.log_dir).absolute(), job.name)
-        with _submission_environment({k: v for k, v in job.env.items() if k in _SECRET_ENV}):
+        public = JobSpec(job.module, list(job.args), rendezvous.public_env(job.env), Path(job.log_dir).absolute(), job.name)
+        with _submission_environment({k: v for k, v in job.env.items() if k not in rendezvous.public_env(job.env)}):
             self._job = self.executor.submit(run_node, self.cfg, public, port)
 
     def poll(self) -> dict[int, int | None]:
