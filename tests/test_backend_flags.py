@@ -119,3 +119,35 @@ def test_the_cpu_twin_of_a_gpu_preset_trains_saves_and_restores(tmp_path, data_i
     first, again = rows[2], rows[3]
     assert (again["loss"], again["grad_norm"]) == (first["loss"], first["grad_norm"])
     assert all(r["loss"] == r["loss"] for r in rows)  # no NaN
+
+
+@pytest.mark.parametrize("ngpu", [1, 2, 8])
+def test_gpu_smoke_script_is_valid_and_its_configs_compose(ngpu, tmp_path):
+    """infra/gpu-smoke.sh cannot run here (no GPU); its shell is checked, and every config it
+    would run composes and validates (dry run: the commands, not their execution)."""
+    import os
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from mega.bench import checkpoint as bench_checkpoint
+    from mega.bench import common
+
+    script = Path(__file__).resolve().parent.parent / "infra" / "gpu-smoke.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    lint = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "GPU_SMOKE_DRY_RUN": "1", "GPU_SMOKE_NGPU": str(ngpu)})
+    assert out.returncode == 0, out.stderr
+    commands = [shlex.split(line[2:]) for line in out.stdout.splitlines() if line.startswith("+ ")]
+    assert [c[3] for c in commands] == ["step", "step"] + (["checkpoint"] if ngpu > 1 else [])
+    for argv in commands:
+        overrides = [a for a in argv[4:] if "=" in a and not a.startswith("-")]
+        if argv[3] == "step":
+            cfg = common.compose_run([*overrides, "optimizer.warmup_steps=2"], 6, tmp_path / "run")  # as bench_step
+            assert cfg.model.name == "gpt-1.3b" and cfg.train.precision == "bf16"
+        else:
+            cfg = bench_checkpoint._compose(overrides, 12, tmp_path / "run", "file:///x", 4)
+        assert (cfg.cluster.backend, cfg.cluster.device) == ("nccl", "cuda")
+        assert cfg.parallelism.world_size in (1, ngpu)
