@@ -167,7 +167,8 @@ class LocalNodesConfig:
 
 @dataclass
 class SlurmConfig:
-    """launcher=slurm: an sbatch script, one torchrun agent per node through srun."""
+    """launcher=slurm: one torchrun agent per node -- the driver submits each attempt through
+    submitit, ``python -m mega.launch.slurm render`` writes the same launch as an sbatch script."""
 
     partition: str | None = None
     account: str | None = None
@@ -178,7 +179,6 @@ class SlurmConfig:
     exclusive: bool = True
     container_image: str | None = None  # pyxis/enroot --container-image, when the cluster has it
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (modules, venv)
-    use_submitit: bool = False  # submit through submitit instead of sbatch
 
 
 @dataclass
