@@ -241,7 +241,8 @@ class SlurmBackend:
         if self.cluster == "local" and not port:
             port = _free_port()  # one host: the driver can pick it
         public = JobSpec(job.module, list(job.args), rendezvous.public_env(job.env), Path(job.log_dir).absolute(), job.name)
-        with _submission_environment({k: v for k, v in job.env.items() if k not in rendezvous.public_env(job.env)}):
+        secrets = {k: v for k, v in job.env.items() if k not in public.env}
+        with _submission_environment(secrets):
             self._job = self.executor.submit(run_node, self.cfg, public, port)
 
     def poll(self) -> dict[int, int | None]:
@@ -265,9 +266,11 @@ class SlurmBackend:
         if job is None or self._ended(job):
             return
         if all(code is not None for code in self.poll().values()):
-            with contextlib.suppress(TimeoutError):
+            try:
                 self._wait_ended(job, timeout_s=10.0)
                 return
+            except TimeoutError:
+                pass  # every node reported but the job lingers: cancel it
         if self.cluster == "slurm":
             job.cancel(check=False)  # scancel
         else:
