@@ -80,7 +80,7 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
     assert ("--container-image=" in srun) == (s.container_image is not None)
     assert f"--nnodes={c.nodes}" in node_cmd and f"--nproc-per-node={c.procs_per_node}" in node_cmd
     assert '--node-rank="${SLURM_NODEID}"' in node_cmd and '--master-addr="${MASTER_ADDR}"' in node_cmd
-    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in script
     for key, value in c.env.items():
         assert f"export {key}={value}" in script
     assert all(line in script for line in s.setup)
@@ -133,8 +133,9 @@ def slurm_bin(tmp_path, monkeypatch):
     (bin_dir / "sbatch").write_text(
         '#!/bin/bash\n# stand-in: keep the script sbatch was given, then refuse it\n'
         f'cp "${{@: -1}}" {bin_dir}/submitted.sh\necho "sbatch: error: stand-in, not a Slurm cluster" >&2\nexit 1\n')
-    (bin_dir / "scontrol").write_text('#!/bin/bash\n# stand-in: `scontrol show hostnames` of a two-host allocation\n'
-                                      'printf "127.0.0.1\\n127.0.0.2\\n"\n')
+    # stand-in: `scontrol show hostnames`, the first host this machine; as on a large allocation
+    # the list is long, so a script that stops reading after one line gets scontrol killed by SIGPIPE
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho 127.0.0.1\nfor ((i = 2; i <= 20000; i++)); do echo "node$i"; done\n')
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n# stand-in: start --ntasks copies of the command, task k with SLURM_NODEID=k, as srun\n"
         "# does with one task per node; exit with the first failure\n"

@@ -150,7 +150,8 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON) -> str:
                   "# was called in (--export=ALL), never from this file.", ""]
     lines += [
         "# The master is the first host of the allocation: node 0's agent serves the rendezvous there.",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# (sed reads every line: `head -n 1` would let scontrol die of SIGPIPE, fatal under pipefail.)",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"MASTER_PORT={port}",
         "export MASTER_ADDR MASTER_PORT",
         f"mkdir -p {shlex.quote(str(log_dir))}",
