@@ -178,7 +178,8 @@ class LocalNodesConfig:
 
 @dataclass
 class SlurmConfig:
-    """launcher=slurm: an sbatch script, one torchrun agent per node through srun."""
+    """launcher=slurm: one torchrun agent per node -- the driver submits each attempt through
+    submitit, ``python -m mega.launch.slurm render`` writes the same launch as an sbatch script."""
 
     partition: str | None = None
     account: str | None = None
@@ -189,7 +190,6 @@ class SlurmConfig:
     exclusive: bool = True
     container_image: str | None = None  # pyxis/enroot --container-image, when the cluster has it
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (modules, venv)
-    use_submitit: bool = False  # submit through submitit instead of sbatch
 
 
 @dataclass
@@ -206,6 +206,12 @@ class KubernetesConfig:
     shm_size: str = "64Gi"  # /dev/shm for the data loader and NCCL
     node_selector: dict[str, str] = field(default_factory=dict)
     backoff_limit: int = 0  # the driver relaunches, not the Job controller
+    # cluster.store=redis: the Secret (key "password") the pods read the Redis password from
+    redis_secret: str | None = None
+    # a ReadWriteMany PersistentVolumeClaim mounted in every pod (run dirs, data, file:// checkpoints)
+    volume_claim: str | None = None
+    mount_path: str = "/mnt/mega"
+    extra_resources: dict[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "8"}: per-pod limits
 
 
 @dataclass

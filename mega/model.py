@@ -20,25 +20,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from mega.cluster.backend_flags import backend_flags
+from mega.cluster.backend_flags import resolve_precision as resolve_precision  # re-export
 from mega.config import MegaConfig
 from mega.layers import core_attention_class, fused, parallel_layer_spec
 from mega.overlap import tp as tp_overlap
 
-PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_precision(cfg: MegaConfig) -> str:
-    if cfg.train.precision == "auto":
-        return "bf16" if cfg.cluster.device == "cuda" else "fp32"
-    return cfg.train.precision
-
-
 def transformer_config(cfg: MegaConfig) -> TransformerConfig:
     m, p = cfg.model, cfg.parallelism
-    precision = resolve_precision(cfg)
+    flags = backend_flags(cfg)  # everything that differs between GPU and CPU runs
     if m.fused_ops:
-        fused.guard_megatron_fusions(cfg.cluster.device)
-    dtype = PARAMS_DTYPE[precision]
+        fused.guard_megatron_fusions(flags.device)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -52,14 +44,12 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
         sequence_parallel=p.sequence_parallel,
-        pipeline_dtype=dtype,
-        params_dtype=dtype,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        use_cpu_initialization=cfg.cluster.device == "cpu",
-        # gloo pairs batched sends to the same peer in the wrong order when prev == next stage
-        # (PP=2 interleaved): wrong losses, no error. Plain isend/irecv is correct everywhere.
-        batch_p2p_comm=cfg.cluster.backend != "gloo",
+        pipeline_dtype=flags.torch_dtype(flags.pipeline_dtype),
+        params_dtype=flags.torch_dtype(flags.params_dtype),
+        bf16=flags.precision == "bf16",
+        fp16=flags.precision == "fp16",
+        use_cpu_initialization=flags.use_cpu_initialization,
+        batch_p2p_comm=flags.batch_p2p_comm,  # off on gloo: wrong losses at PP=2 (backend_flags)
         recompute_granularity=m.recompute,
         recompute_method="uniform" if m.recompute == "full" else None,
         recompute_num_layers=1 if m.recompute == "full" else None,
@@ -132,7 +122,7 @@ def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTMode
         )
         if cfg.model.init == "layout_invariant":
             init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std)
-        if cfg.cluster.device == "cuda":
+        if backend_flags(cfg).device == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks

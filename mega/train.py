@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mega import config as mega_config
 from mega import megatron_cpu, obs
+from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
 
 
@@ -44,8 +45,9 @@ def setup_distributed(cfg: MegaConfig) -> dict:
     from mega.cluster import parallel_groups, rendezvous
 
     p = cfg.parallelism
+    flags = backend_flags(cfg)
     t0 = time.perf_counter()
-    if cfg.cluster.device == "cuda":
+    if flags.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     recorder = rendezvous.init_process_group(cfg)
     t1 = time.perf_counter()
@@ -54,7 +56,8 @@ def setup_distributed(cfg: MegaConfig) -> dict:
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
-        create_gloo_process_groups=cfg.cluster.backend == "gloo",
+        # on every backend: the distributed optimizer's checkpoint gathers over the gloo DP group
+        create_gloo_process_groups=flags.create_gloo_process_groups,
     )
     t2 = time.perf_counter()
     rendezvous.dump_store_traffic(cfg, recorder, f"train-attempt{os.environ.get('MEGA_ATTEMPT', '0')}")
@@ -66,27 +69,20 @@ def setup_distributed(cfg: MegaConfig) -> dict:
 
 
 def build(cfg: MegaConfig, data_index: str) -> Trainer:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from mega.data.loader import open_batches
-    from mega.model import build_model_chunks, resolve_precision, transformer_config
+    from mega.model import build_model_chunks, transformer_config
     from mega.optim import build_optimizer
 
     init_times = setup_distributed(cfg)
     p, o = cfg.parallelism, cfg.optimizer
-    precision = resolve_precision(cfg)
     tcfg = transformer_config(cfg)
     chunks = build_model_chunks(cfg, tcfg)
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=precision != "fp32",
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather,
-        use_distributed_optimizer=p.use_distributed_optimizer,
-    )
     model = [
-        DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(config=tcfg, ddp_config=ddp_config(cfg), module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
     # Hooks the pipeline schedules call: gradient reduction starts per chunk as soon as its last
@@ -99,7 +95,7 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
         tcfg.param_sync_func = model[0].start_param_sync if single else [m.start_param_sync for m in model]
     tcfg.finalize_model_grads_func = finalize_model_grads
 
-    optimizer = build_optimizer(cfg, model, tcfg)
+    optimizer = build_optimizer(cfg, model)
     tcfg.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -120,8 +116,22 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
             "model.vocab_size",
             f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({dataset.vocab_size})",
         )
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).device == "cuda" \
+        else torch.device("cpu")
     return Trainer(cfg, model, optimizer, scheduler, dataset, device, init_times)
+
+
+def ddp_config(cfg: MegaConfig):
+    """megatron DDP's settings: overlapped, bucketed gradient reduction into the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    p = cfg.parallelism
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=backend_flags(cfg).grad_reduce_in_fp32,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+    )
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -192,10 +202,9 @@ def measure_peak_flops(cfg: MegaConfig) -> float:
     once, so it reflects the cores they share), averaged over ranks."""
     from mega import flops
 
-    if cfg.cluster.device == "cuda":
-        from mega.model import resolve_precision
-
-        peak = flops.peak_flops(torch.cuda.get_device_name(), resolve_precision(cfg))
+    flags = backend_flags(cfg)
+    if flags.peak_flops == "datasheet":
+        peak = flops.peak_flops(torch.cuda.get_device_name(), flags.precision)
         return float(peak or "nan")
     local = torch.tensor([flops.measure_cpu_gemm_flops()], dtype=torch.float64)
     dist.all_reduce(local)
@@ -230,11 +239,13 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     from mega.metrics import MetricsLogger
     from mega.obs.session import Session
 
-    if cfg.cluster.device == "cpu":
+    flags = backend_flags(cfg)
+    if flags.megatron_cpu_patches:
         megatron_cpu.apply()
+    if flags.limit_cpu_threads:
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
-    os.environ.update(cfg.cluster.env)
+    os.environ.update({**flags.env, **cfg.cluster.env})  # before CUDA starts (setup_distributed)
 
     trainer = build(cfg, data_index)
     run_dir = Path(cfg.train.run_dir)

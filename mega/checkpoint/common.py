@@ -75,13 +75,15 @@ def read_latest(root: str | Path) -> Path | None:
 
 
 def model_state(model_chunks, metadata: dict) -> tuple[dict, dict]:
-    """(state by chunk key, all chunks' entries in one dict: what the optimizer's needs)."""
-    state, flat = {}, {}
+    """(state by chunk key, the same chunks for the optimizer's ``sharded_state_dict``).
+
+    The optimizer gets the chunks nested, as Megatron-LM passes them: virtual pipeline chunks
+    name their layers locally (``decoder.layers.0`` in every chunk), so merged into one dict the
+    later chunks would hide the earlier ones' parameters."""
+    state = {}
     for i, chunk in enumerate(model_chunks):
-        sd = chunk.sharded_state_dict(metadata=metadata)
-        state["model" if len(model_chunks) == 1 else f"model{i}"] = sd
-        flat.update(sd)
-    return state, flat
+        state["model" if len(model_chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
+    return state, dict(state)
 
 
 def sharded_state(model_chunks, optimizer, is_loading: bool) -> dict:

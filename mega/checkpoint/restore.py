@@ -210,7 +210,11 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
                     store.delete(n)
         candidates = [names]
     dist.broadcast_object_list(candidates, src=0)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.backend == "nccl" else torch.device("cpu")
+    from mega.cluster.backend_flags import backend_flags
+
+    # the DP peers exchange restored pieces point to point on the default group
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).collective_device == "cuda"
+              else torch.device("cpu"))
     audit_dir = os.environ.get(AUDIT_ENV)
     info: dict = {"refused": []}
     for name in candidates[0]:

@@ -233,6 +233,7 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
     import torch.distributed as dist
 
     from mega.cluster import node, parallel_groups
+    from mega.cluster.backend_flags import backend_flags
 
     c, p = cfg.cluster, cfg.parallelism
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -254,7 +255,7 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
         tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
         distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
-        create_gloo_process_groups=c.backend == "gloo")  # as mega.train builds them
+        create_gloo_process_groups=backend_flags(cfg).create_gloo_process_groups)  # as mega.train does
     dist.barrier()
     model_parallel_init_s = time.perf_counter() - start
     dump_store_traffic(cfg, recorder, "bootstrap")

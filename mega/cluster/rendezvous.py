@@ -55,6 +55,11 @@ def without_secrets(cfg: "MegaConfig") -> "MegaConfig":
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
 
 
+def public_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the store's password: what may go into a script, a manifest or a pickle."""
+    return {k: v for k, v in env.items() if k != REDIS_PASSWORD_ENV}
+
+
 @contextlib.contextmanager
 def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None, host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
