@@ -419,8 +419,10 @@ def load(path: str | Path) -> MegaConfig:
     return from_dict(json.loads(Path(path).read_text()))
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> MegaConfig:
-    """Compose ``conf/`` with Hydra overrides (e.g. ``["parallelism=tp2-pp2-dp2"]``) and validate."""
+def compose(overrides: list[str] | None = None, config_name: str = "config",
+            validate_config: bool = True) -> MegaConfig:
+    """Compose ``conf/`` with Hydra overrides (e.g. ``["parallelism=tp2-pp2-dp2"]``) and validate
+    (``validate_config=False``: typed but unchecked, for the planner that fills open knobs first)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -435,17 +437,17 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         raise _wrap_omegaconf_error(err) from None
     except HydraException as err:
         raise _wrap_hydra_error(err) from None
-    return from_container(dcfg)
+    return from_container(dcfg, validate_config)
 
 
-def from_container(dcfg: Any) -> MegaConfig:
+def from_container(dcfg: Any, validate_config: bool = True) -> MegaConfig:
     """A Hydra/OmegaConf node (e.g. the argument of a ``@hydra.main`` function) -> MegaConfig."""
     try:
         data = OmegaConf.to_container(dcfg, resolve=True)
     except OmegaConfBaseException as err:
         raise _wrap_omegaconf_error(err) from None
     data.pop("hydra", None)
-    return from_dict(data)
+    return from_dict(data, validate_config)
 
 
 def register_schema() -> None:
@@ -673,7 +675,8 @@ def _validate_launcher(cfg: MegaConfig) -> None:
         net = ipaddress.ip_network(la.local_nodes.subnet)
     except ValueError as err:
         raise ConfigError("launcher.local_nodes.subnet", str(err)) from None
-    _require(net.version == 4 and net.is_private and net.num_addresses >= c.nodes + 3,
+    # room for every node only matters where the nodes live on it (a slurm job of 1,536 nodes is fine)
+    _require(net.version == 4 and net.is_private and (la.name != "local-nodes" or net.num_addresses >= c.nodes + 3),
              "launcher.local_nodes.subnet",
              f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}")
     if la.local_nodes.netns:
