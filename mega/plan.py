@@ -113,9 +113,10 @@ def _multirun(overrides: list[str]) -> int:
     from mega.config import register_schema
 
     register_schema()
-    # Sweep jobs write only plan.json; no training run directory is involved.
+    # Sweep jobs write only plan.json; no training run directory is involved. Logging is left
+    # as the caller set it: Hydra's "disabled" preset would disable every logger that exists.
     defaults = ["hydra.sweep.dir=runs/plan-multirun/${now:%Y-%m-%d_%H-%M-%S}", "hydra.job.chdir=false",
-                "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+                "hydra/job_logging=none", "hydra/hydra_logging=none"]
     given = {o.split("=", 1)[0] for o in overrides}
     argv = [a for a in defaults if a.split("=", 1)[0] not in given] + overrides
     main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_hydra_job)

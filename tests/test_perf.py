@@ -8,6 +8,7 @@ calibrate``; its recorded JSON is checked here).
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -247,6 +248,7 @@ def test_cpu_cluster_needs_a_calibration(tmp_path):
 
 
 def test_hydra_sweep_one_evaluation_per_job(capsys, tmp_path):
+    bystander = logging.getLogger("mega.test.bystander")  # a library's logger in the same process
     assert plan_main(["-m", "model=gpt-13b", "cluster=a100-8x", "cluster.nodes=4", "parallelism.tp=8",
                       "parallelism.pp=1,2", "parallelism.global_batch_size=128", f"hydra.sweep.dir={tmp_path}",
                       "--json"]) == 0
@@ -255,6 +257,7 @@ def test_hydra_sweep_one_evaluation_per_job(capsys, tmp_path):
     assert [(r["layout"]["pp"], r["layout"]["dp"]) for r in results] == [(1, 4), (2, 2)]
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert [r["step_s"] for r in lines] == [r["step_s"] for r in results]
+    assert not bystander.disabled  # the sweep leaves the caller's logging alone
 
 
 # --- calibration (recorded on this project's CPU machine) -------------------------------------
