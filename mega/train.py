@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu, optional_packages, validation
+from mega import megatron_cpu, obs, optional_packages, validation
+from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
@@ -48,8 +49,9 @@ def setup_distributed(cfg: MegaConfig) -> dict:
     from mega.cluster import parallel_groups, rendezvous
 
     p = cfg.parallelism
+    flags = backend_flags(cfg)
     t0 = time.perf_counter()
-    if cfg.cluster.device == "cuda":
+    if flags.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     recorder = rendezvous.init_process_group(cfg)
     t1 = time.perf_counter()
@@ -58,7 +60,8 @@ def setup_distributed(cfg: MegaConfig) -> dict:
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
-        create_gloo_process_groups=cfg.cluster.backend == "gloo",
+        # on every backend: the distributed optimizer's checkpoint gathers over the gloo DP group
+        create_gloo_process_groups=flags.create_gloo_process_groups,
     )
     t2 = time.perf_counter()
     rendezvous.dump_store_traffic(cfg, recorder, f"train-attempt{os.environ.get('MEGA_ATTEMPT', '0')}")
@@ -70,27 +73,20 @@ def setup_distributed(cfg: MegaConfig) -> dict:
 
 
 def build(cfg: MegaConfig, data_index: str) -> Trainer:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from mega.data import TokenDataset
-    from mega.model import build_model_chunks, resolve_precision, transformer_config
+    from mega.data.loader import open_batches
+    from mega.model import build_model_chunks, transformer_config
     from mega.optim import build_optimizer
 
     init_times = setup_distributed(cfg)
     p, o = cfg.parallelism, cfg.optimizer
-    precision = resolve_precision(cfg)
     tcfg = transformer_config(cfg)
     chunks = build_model_chunks(cfg, tcfg)
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=precision != "fp32",
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather,
-        use_distributed_optimizer=p.use_distributed_optimizer,
-    )
     model = [
-        DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(config=tcfg, ddp_config=ddp_config(cfg), module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
     # Hooks the pipeline schedules call: gradient reduction starts per chunk as soon as its last
@@ -103,7 +99,7 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
         tcfg.param_sync_func = model[0].start_param_sync if single else [m.start_param_sync for m in model]
     tcfg.finalize_model_grads_func = finalize_model_grads
 
-    optimizer = build_optimizer(cfg, model, tcfg)
+    optimizer = build_optimizer(cfg, model)
     tcfg.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -118,14 +114,28 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
         wd_incr_steps=cfg.train.steps,
         wd_incr_style="constant",
     )
-    dataset = TokenDataset(data_index, seq_length=cfg.model.seq_length, seed=cfg.train.seed)
+    dataset = open_batches(cfg, data_index)  # data.loader: this rank's reads, or the node's loader process
     if dataset.vocab_size > cfg.model.vocab_size:
         raise mega_config.ConfigError(
             "model.vocab_size",
             f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({dataset.vocab_size})",
         )
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.device == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).device == "cuda" \
+        else torch.device("cpu")
     return Trainer(cfg, model, optimizer, scheduler, dataset, device, init_times)
+
+
+def ddp_config(cfg: MegaConfig):
+    """megatron DDP's settings: overlapped, bucketed gradient reduction into the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    p = cfg.parallelism
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=backend_flags(cfg).grad_reduce_in_fp32,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        use_distributed_optimizer=p.use_distributed_optimizer,
+    )
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -140,25 +150,8 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def step_microbatches(trainer: Trainer, step: int, dataset=None) -> list[dict]:
-    """This rank's microbatches of global batch ``step`` of ``dataset`` (default: the training data)."""
-    from megatron.core import parallel_state as ps
-
-    p = trainer.cfg.parallelism
-    return [
-        {
-            k: v.to(trainer.device, non_blocking=True)
-            for k, v in (trainer.dataset if dataset is None else dataset).microbatch(
-                step=step,
-                microbatch=m,
-                dp_rank=ps.get_data_parallel_rank(),
-                dp_size=ps.get_data_parallel_world_size(),
-                micro_batch_size=p.micro_batch_size,
-                num_microbatches=p.num_microbatches,
-            ).items()
-        }
-        for m in range(p.num_microbatches)
-    ]
+def step_microbatches(trainer: Trainer, step: int) -> list[dict]:
+    return trainer.dataset.step_microbatches(step, trainer.device)  # mega.data.loader
 
 
 def train_step(trainer: Trainer, step: int) -> dict:
@@ -167,7 +160,8 @@ def train_step(trainer: Trainer, step: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cfg = trainer.cfg
-    microbatches = step_microbatches(trainer, step)
+    with obs.span("data"):
+        microbatches = step_microbatches(trainer, step)
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
@@ -180,9 +174,10 @@ def train_step(trainer: Trainer, step: int) -> dict:
         micro_batch_size=cfg.parallelism.micro_batch_size,
         forward_only=False,
     )
-    update_ok, grad_norm, _ = trainer.optimizer.step()
-    if update_ok:
-        trainer.scheduler.step(increment=1)
+    with obs.span("optimizer"):
+        update_ok, grad_norm, _ = trainer.optimizer.step()
+        if update_ok:
+            trainer.scheduler.step(increment=1)
     loss = float("nan")
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         mean = torch.stack([x["lm loss"] for x in losses]).mean().reshape(1)
@@ -211,10 +206,9 @@ def measure_peak_flops(cfg: MegaConfig) -> float:
     once, so it reflects the cores they share), averaged over ranks."""
     from mega import flops
 
-    if cfg.cluster.device == "cuda":
-        from mega.model import resolve_precision
-
-        peak = flops.peak_flops(torch.cuda.get_device_name(), resolve_precision(cfg))
+    flags = backend_flags(cfg)
+    if flags.peak_flops == "datasheet":
+        peak = flops.peak_flops(torch.cuda.get_device_name(), flags.precision)
         return float(peak or "nan")
     local = torch.tensor([flops.measure_cpu_gemm_flops()], dtype=torch.float64)
     dist.all_reduce(local)
@@ -222,11 +216,21 @@ def measure_peak_flops(cfg: MegaConfig) -> float:
 
 
 def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
+    from mega.cluster import node
+
     f = cfg.fault
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
-    # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint.py), not here.
-    if attempt == 0 and f.mode != "kill_in_upload" and f.kill_rank == dist.get_rank() and f.kill_at_step == step:
-        print(f"[fault] {f.mode}: rank {dist.get_rank()} at step {step}", file=sys.stderr, flush=True)
+    struck = f.kill_rank == dist.get_rank() or (f.kill_node is not None and f.kill_node == node.node_rank())
+    # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint/save.py), not here.
+    if attempt == 0 and f.mode != "kill_in_upload" and struck and f.kill_at_step == step:
+        print(f"[fault] {f.mode}: rank {dist.get_rank()} (node {node.node_rank()}) at step {step}",
+              file=sys.stderr, flush=True)
+        if f.mode == "kill_agent":  # the node's agent dies; its ranks run on until someone stops them
+            if node.local_rank() == 0:
+                node.record_fault(cfg.train.run_dir, "kill_agent", step, os.getppid())
+                os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent is its torchrun agent
+            return
+        node.record_fault(cfg.train.run_dir, f.mode, step, os.getpid())
         if f.mode == "hang":
             while True:  # alive but silent, like a rank stuck in a driver call
                 time.sleep(60)
@@ -235,18 +239,23 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
 
 def run(cfg: MegaConfig, data_index: str) -> None:
     from mega import checkpoint, flops
+    from mega.cluster import node
     from mega.metrics import MetricsLogger
+    from mega.obs.session import Session
 
-    if cfg.cluster.device == "cpu":
+    flags = backend_flags(cfg)
+    if flags.megatron_cpu_patches:
         megatron_cpu.apply()
+    if flags.limit_cpu_threads:
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    os.environ.update(cfg.cluster.env)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
+    os.environ.update({**flags.env, **cfg.cluster.env})  # before CUDA starts (setup_distributed)
 
     trainer = build(cfg, data_index)
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
+    node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
+    trainer.init_times["nodes"] = node.gather_table()
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
     start_step = 0
     chunks = [m.module for m in trainer.model]
@@ -264,14 +273,17 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
     checkpointer = checkpoint.Checkpointer(cfg, chunks, trainer.optimizer, trainer.scheduler,
                                            mega_config.to_dict(cfg))
+    # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
+    session = Session.start(cfg)
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
+        session.begin_step(step)
         t0 = time.perf_counter()
         result = train_step(trainer, step)
         step_s = time.perf_counter() - t0
         done = step + 1
         if validation.due(cfg, done):
-            result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step, step_microbatches)
+            result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
         logger.log(
             {
                 "step": done,
@@ -280,15 +292,21 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "tokens_per_s": tokens_per_step / step_s,
                 "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
                 "attempt": attempt,
+                "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
+                "node": node.node_rank(),  # the logging rank's node
+                **session.end_step(),  # compute time, exposed communication per kind
             }
         )
         checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
         interval = cfg.checkpoint.interval
         if interval and (done % interval == 0 or done == cfg.train.steps):
-            saved = checkpointer.save(done)
+            with obs.span("checkpoint"):
+                saved = checkpointer.save(done)
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
+        session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
     checkpointer.close()  # the last save is committed before the job ends
+    session.close()
     logger.close()
 
 

@@ -28,7 +28,7 @@ def held_out_dataset(cfg, data_index: str | Path):
     """The held-out split as a ``TokenDataset``; None when evaluation is off (train.eval_batches=0)."""
     if cfg.train.eval_batches == 0:
         return None
-    from mega.data import TokenDataset
+    from mega.data.dataset import TokenDataset
 
     return TokenDataset(data_index, seq_length=cfg.model.seq_length, seed=HELD_OUT_SEED, split="val")
 
@@ -41,10 +41,22 @@ def due(cfg, step: int) -> bool:
     return step == t.steps or (t.eval_interval > 0 and step % t.eval_interval == 0)
 
 
-def validation_loss(trainer, dataset, forward_step: Callable, microbatches: Callable) -> float:
+def _microbatches(trainer, dataset, batch: int) -> list[dict]:
+    """This rank's microbatches of held-out global batch ``batch`` (read here: the node loader,
+    data.loader=node, serves the training split only)."""
+    from megatron.core import parallel_state as ps
+
+    p = trainer.cfg.parallelism
+    layout = (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), p.micro_batch_size,
+              p.num_microbatches)
+    return [{k: v.to(trainer.device) for k, v in dataset.microbatch(batch, m, *layout).items()}
+            for m in range(p.num_microbatches)]
+
+
+def validation_loss(trainer, dataset, forward_step: Callable) -> float:
     """Mean loss over ``train.eval_batches`` held-out global batches, forward only; the value on
-    the last pipeline stage (NaN on the others, as the training loss). ``forward_step`` and
-    ``microbatches(trainer, batch, dataset)`` are the training loop's own."""
+    the last pipeline stage (NaN on the others, as the training loss). ``forward_step`` is the
+    training loop's own."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -56,7 +68,7 @@ def validation_loss(trainer, dataset, forward_step: Callable, microbatches: Call
     try:
         with torch.no_grad():
             for batch in range(cfg.train.eval_batches):
-                data = microbatches(trainer, batch, dataset)
+                data = _microbatches(trainer, dataset, batch)
                 losses += get_forward_backward_func()(
                     forward_step_func=forward_step,
                     data_iterator=[iter(data) for _ in chunks] if len(chunks) > 1 else iter(data),

@@ -43,13 +43,15 @@ def time_process_group_init(cfg: MegaConfig, out_dir: str | Path) -> dict[str, A
     how = {"store": init["store"], "group_init": init["group_init"]}
     create_table_artifact(
         key="process-group-init",
-        table=[{"rank": "max", **how, "pg_init_s": round(init["pg_init_s"], 4),
+        table=[{"rank": "max", "node": "all", **how, "pg_init_s": round(init["pg_init_s"], 4),
                 "model_parallel_init_s": round(init["model_parallel_init_s"], 4)}]
-              + [{"rank": r["rank"], **how, "pg_init_s": round(r["pg_init_s"], 4),
+              + [{"rank": "max", "node": n["node"], **how, "pg_init_s": round(n["pg_init_s"], 4),
+                  "model_parallel_init_s": round(n["model_parallel_init_s"], 4)} for n in init["nodes"]]
+              + [{"rank": r["rank"], "node": r["node"], **how, "pg_init_s": round(r["pg_init_s"], 4),
                   "model_parallel_init_s": round(r["model_parallel_init_s"], 4)} for r in init["ranks"]],
-        description=f"Process-group init over {init['world_size']} ranks "
+        description=f"Process-group init over {init['world_size']} ranks on {len(init['nodes'])} node(s) "
                     f"(tp={p.tp} pp={p.pp} vpp={p.vpp} dp={p.dp}, {cfg.cluster.backend}, "
-                    f"{init['store']} store, {init['group_init']} group creation); slowest rank first",
+                    f"{init['store']} store, {init['group_init']} group creation); slowest rank first, then per node",
     )
     logger.info("init_process_group %.3f s (%s store), initialize_model_parallel %.3f s (%s groups), "
                 "max over %d ranks", init["pg_init_s"], init["store"], init["model_parallel_init_s"],

@@ -28,7 +28,8 @@ def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
     create_table_artifact(
         key="training-run",
         table=[{"run_dir": str(result.run_dir), "attempts": result.attempts, "final_step": result.final_step,
-                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.init.items()}}],
+                "nodes": len(result.init.get("nodes") or []) or cfg.cluster.nodes,
+                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.init.items() if k != "nodes"}}],
         description=f"{cfg.model.name} on {cfg.parallelism.name}: {result.final_step} steps "
                     f"in {result.attempts} attempt(s)",
     )

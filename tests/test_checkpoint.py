@@ -4,8 +4,10 @@ One module-scoped SeaweedFS; each run works under its own prefix. Three torchrun
 (DP=2, two ranks each), shared by the tests:
 
 * ``reference``: asynchronous saves every 2 steps; the store is stopped right after start-up and
-  started again once training has gone past the save that cannot upload. Never restarted: its
-  loss curve is the uninterrupted one.
+  stays down longer than ``checkpoint.upload_timeout_s``, so the step-2 save fails while training
+  goes on; it is started again when that failure is logged, and the step-4 save (retrying
+  meanwhile) and every later one are durable. Never restarted: its loss curve is the
+  uninterrupted one.
 * ``killed``: asynchronous saves every step (each waits for the previous one's commit, so steps
   1-3 are durable when step 4's is made); rank 0 is SIGKILLed while stage 2 uploads the step-4
   checkpoint. Before the launcher restarts it, one shard of `latest` (step 3) is corrupted and
@@ -28,7 +30,6 @@ from botocore.config import Config
 from mega.checkpoint import read_save_log
 from mega.config import compose
 from mega.launch import run_training
-from mega.metrics import read_metrics
 from mega.storage import open_storage
 from mega.storage.seaweed import SeaweedS3
 from s3_env import hermetic_s3_env
@@ -63,29 +64,24 @@ def _curve(metrics):
     return [(m["step"], m["loss"], m["grad_norm"]) for m in metrics]
 
 
-def _pending_save(run_dir) -> int | None:
-    log = read_save_log(run_dir)
-    committed = {r["step"] for r in log if r["event"] == "committed"}
-    pending = [r["step"] for r in log if r["event"] == "save" and r["step"] not in committed]
-    return min(pending) if pending else None
+UPLOAD_TIMEOUT_S = 10  # longer than a SeaweedFS restart takes (4 s at load average 20)
 
 
 def _outage(s3: SeaweedS3, run_dir, seen: dict) -> None:
-    """Stop the store once the run has restored (init.json); start it again once a save is
-    retrying and training has logged a step after that save."""
+    """Stop the store once the run has restored (init.json), before its first save; start it
+    again once that save has failed (checkpoint.upload_timeout_s)."""
     while not (run_dir / "init.json").exists():
         time.sleep(0.05)
     s3.stop()
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
-        pending = _pending_save(run_dir)
-        steps = [m["step"] for m in read_metrics(run_dir)]
-        retried = any(r["event"] == "retry" for r in read_save_log(run_dir))
-        if retried and pending is not None and steps and max(steps) > pending:
-            seen.update(pending=pending, last_step=max(steps))
+        failed = [r for r in read_save_log(run_dir) if r["event"] == "failed"]
+        if failed:
+            seen["failed"] = failed[0]
             break
         time.sleep(0.1)
     s3.start()
+    seen["back_at"] = time.time()
 
 
 class _Corrupter:
@@ -123,7 +119,7 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
         chaos.start()
         try:
             reference = train(tmp / "reference", data_index, data_cache, uris["reference"],
-                              ["checkpoint.upload_retry_s=0.5"])
+                              ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"])
         finally:
             chaos.join()
             s3.start()
@@ -137,19 +133,29 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
         mp.undo()
 
 
-def test_store_outage_during_a_save(runs):
-    """Training went on while the store was down; the save retried and completed when it came
-    back, and every save after it too, without a restart."""
-    run_dir = runs["tmp"] / "reference"
+def test_store_outage_longer_than_the_upload_timeout(runs):
+    """The store stayed down past checkpoint.upload_timeout_s: the step-2 save failed with an
+    error naming the timeout, `latest` stayed where it was (nothing durable yet), training went
+    on meanwhile and was never restarted; the step-4 save, retrying while the store came back,
+    and the step-5 save are durable."""
+    run_dir, outage = runs["tmp"] / "reference", runs["outage"]
     assert runs["reference"].attempts == 1
-    assert runs["outage"], "the store never made a save retry while training went on"
-    assert runs["outage"]["last_step"] > runs["outage"]["pending"]
+    assert "failed" in outage, "the save never gave up while the store was down"
+    failed = outage["failed"]
+    assert failed["step"] == 2 and failed["latest"] is None
+    assert "checkpoint.upload_timeout_s=10" in failed["error"] and "giving up" in failed["error"]
     log = read_save_log(run_dir)
-    assert any(r["event"] == "retry" for r in log)
-    assert [r["step"] for r in log if r["event"] == "committed"] == [2, 4, 5]
+    retries = [r for r in log if r["event"] == "retry" and r["time"] < failed["time"]]
+    assert retries and failed["time"] - min(r["time"] for r in retries) >= UPLOAD_TIMEOUT_S - 1
+    # training went on while the failing save retried: the steps after it ended before it gave up
+    steps = {m["step"]: m["time"] for m in runs["reference"].metrics}
+    saved = next(r for r in log if r["event"] == "save" and r["step"] == 2)
+    assert saved["time"] < steps[3] < steps[4] < failed["time"]
+    assert [r["step"] for r in log if r["event"] == "committed"] == [4, 5]
+    assert any(r["event"] == "retry" and r["time"] > failed["time"] for r in log)  # step 4 waited it out
     store = open_storage(runs["uris"]["reference"])
     assert store.read_latest() == "iter_0000005"
-    assert store.list_checkpoints() == ["iter_0000002", "iter_0000004", "iter_0000005"]
+    assert store.list_checkpoints() == ["iter_0000004", "iter_0000005"]
     store.download_dir("iter_0000005", runs["tmp"] / "check")  # complete and verified
 
 
@@ -158,8 +164,11 @@ def test_kill_during_upload_keeps_latest_and_resumes_on_the_same_curve(runs):
     log0 = (runs["tmp"] / "killed" / "train-attempt0.log").read_text()
     assert "[fault] kill_in_upload: rank 0 during stage 2 of step 4" in log0
     assert killed.attempts == 2
-    # `latest` did not move to the half-uploaded step-4 checkpoint.
-    assert "attempt 1: launching 2 ranks, resuming from iter_0000003" in runs["messages"], runs["messages"]
+    # `latest` did not move to the half-uploaded step-4 checkpoint; the driver reports what the
+    # ranks restored (step 1: see below), not what `latest` named.
+    assert "attempt 1: launching 2 ranks; `latest` is iter_0000003" in runs["messages"], runs["messages"]
+    assert "attempt 1: resumed from iter_0000001 (refused iter_0000003, iter_0000002)" in runs["messages"]
+    assert killed.restored == "iter_0000001"
     rows = [json.loads(x) for x in (runs["tmp"] / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["attempt"] == 1] == [2, 3, 4, 5]  # from step 1: see below
     # Bit-exact: the asynchronous checkpoint holds exactly the state of its step.
@@ -172,7 +181,7 @@ def test_kill_during_upload_keeps_latest_and_resumes_on_the_same_curve(runs):
 def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     """`latest` (step 3) with one shard corrupted (same size) and step 2 with a truncated file:
     both refused naming the file, the restart resumes from step 1, reading each byte from the
-    store once per DP group (the two DP ranks split the files)."""
+    store once per DP group (one group here: the two DP ranks split the pieces)."""
     damaged, info = runs["damaged"], runs["killed"].init["restore"]
     assert [(r["name"], r["file"]) for r in info["refused"]] == [("iter_0000003", damaged["iter_0000003"]),
                                                                  ("iter_0000002", damaged["iter_0000002"])]
@@ -180,8 +189,9 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     assert info["checkpoint"] == "iter_0000001"
     log1 = (runs["tmp"] / "killed" / "train-attempt1.log").read_text()
     assert f"refusing iter_0000003: checkpoint iter_0000003/{damaged['iter_0000003']}: sha256" in log1
-    assert info["restore_bytes_read"] == damaged["good_bytes"]
-    assert info["naive_restore_bytes"] == 2 * damaged["good_bytes"]
+    assert info["restore_bytes_read"] == damaged["good_bytes"]  # both ranks together, every byte once
+    reads = [r["read_bytes"] for r in info["per_rank"]]
+    assert all(0 < n < damaged["good_bytes"] for n in reads) and sum(reads) == damaged["good_bytes"]
 
 
 @pytest.mark.parametrize("override, key", [
@@ -192,6 +202,8 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     ("checkpoint.s3_endpoint_url=localhost:8333", "checkpoint.s3_endpoint_url"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
     ("checkpoint.upload_retry_s=0", "checkpoint.upload_retry_s"),
+    ("checkpoint.upload_timeout_s=1", "checkpoint.upload_timeout_s"),  # below upload_retry_s (5)
+    ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above cluster.hang_timeout_s
     ("fault.mode=kill_in_upload", None),  # no kill_rank: nothing to check
 ])
 def test_checkpoint_config_is_checked_before_launch(override, key):

@@ -4,6 +4,7 @@ import math
 import time
 
 import pytest
+import torch  # noqa: F401  mega.flops imports torch only when it times a GEMM: pay the import here
 
 from mega.config import ModelConfig, compose
 from mega.flops import measure_cpu_gemm_flops, mfu, model_flops_per_step, model_flops_per_token, peak_flops

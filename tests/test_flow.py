@@ -61,14 +61,18 @@ def test_pretrain_flow_end_to_end(prefect_harness, tmp_path, data_cache):
 
     task_runs, artifacts = flow_run_records(state.state_details.flow_run_id)
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(
-        ["prepare-data", "node-selfcheck", "verify-store", "time-process-groups", "train", "report"])
+        ["prepare-data", "node-selfcheck", "verify-store", "time-process-groups", "train", "report", "observability"])
     assert all(t.state.is_completed() for t in task_runs)
     by_key = {a.key: a for a in artifacts}
     assert {"node-selfcheck", "rendezvous-store", "process-group-init", "training-run",
-            "training-report"} <= set(by_key)
+            "training-report", "observability", "stragglers"} <= set(by_key)
     assert "healthy" in by_key["node-selfcheck"].description
     assert "data:image/png;base64," in by_key["training-report"].data
     assert "| steps | 6 |" in by_key["training-report"].data
+    obs = summary["observability"]  # merged trace and heat map of both ranks (docs/observability.md)
+    assert obs["enabled"] and obs["ranks"] == 2 and obs["steps"] == 6
+    assert Path(obs["trace"]).exists() and Path(obs["heatmap"]).read_bytes()[:8] == PNG_MAGIC
+    assert "data:image/png;base64," in by_key["observability"].data
 
 
 def test_unhealthy_node_fails_the_flow_before_training(prefect_harness, tmp_path, data_cache):

@@ -7,16 +7,16 @@ that reshard across TP. Megatron runs in spawned gloo processes (CPU patches sta
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import socket
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+
+from comm_count import counting_communication
 
 from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
@@ -93,36 +93,6 @@ def _loss(model) -> float:
     return model(tokens, positions, None, labels=tokens).mean().item()
 
 
-@contextlib.contextmanager
-def _counting_collectives():
-    """Count the tensor-parallel collectives megatron issues, by kind. Megatron binds all-gather
-    and reduce-scatter at import, in two modules, so those names are wrapped where they live."""
-    import torch.distributed as dist
-    from megatron.core.tensor_parallel import layers, mappings
-
-    counts = Counter()
-    targets = [(dist, "all_reduce", "all_reduce")] + [
-        (module, name, kind)
-        for module in (mappings, layers)
-        for name, kind in [("dist_reduce_scatter_func", "reduce_scatter"), ("dist_all_gather_func", "all_gather")]
-    ]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in targets]
-
-    def counting(kind, fn):
-        def wrapper(*args, **kwargs):
-            counts[kind] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    for (module, name, kind), (_, _, fn) in zip(targets, originals):
-        setattr(module, name, counting(kind, fn))
-    try:
-        yield counts
-    finally:
-        for module, name, fn in originals:
-            setattr(module, name, fn)
-
-
 # ---------------------------------------------------------------------------------------------
 # Workers (spawned processes)
 
@@ -153,9 +123,9 @@ def _tp2_checks(out_dir: str) -> dict:
             model = _build(_config(2, block=block, sp=sp))
             seq = MODEL["seq_length"] // (2 if sp else 1)  # the residual stream is split under SP
             hidden = torch.randn(seq, MICRO_BATCH, MODEL["hidden_size"], requires_grad=True)
-            with _counting_collectives() as forward:
+            with counting_communication() as forward:
                 out = model.decoder(hidden, attention_mask=None)
-            with _counting_collectives() as backward:
+            with counting_communication() as backward:
                 out.sum().backward()
             results[f"{block},sp={sp}"] = {"forward": dict(forward), "backward": dict(backward),
                                            "loss": _loss(model)}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from prefect_pool import ensure_work_pool
+from waiting import wait_for
 
 from mega.launch import runs
 from mega.config import compose, from_dict, save
@@ -202,16 +203,6 @@ def reference(tmp_path_factory, data_index, data_cache):
     result = run_training(compose(overrides(run_dir, data_cache)), data_index)
     assert runs.read_record(run_dir).state == "completed"
     return result.metrics
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, tmp_path, data_index,

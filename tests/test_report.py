@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mega.report import load_metrics, markdown_report, plot_loss_curve, restart_steps, summarize
+from mega.report import load_metrics, markdown_report, node_table, plot_loss_curve, restart_steps, summarize
 
 
 def row(step, loss, attempt, tokens_per_s=1000.0, mfu=0.1, step_s=0.5):
@@ -79,3 +79,14 @@ def test_plot_and_markdown(restarted_run):
 
 def test_plot_of_no_metrics_still_writes_a_png(tmp_path):
     assert plot_loss_curve([], tmp_path / "empty.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_names_the_nodes(restarted_run):
+    nodes = [{"node": 0, "host": "vm", "address": "10.9.0.2", "ranks": [0, 1, 2, 3]},
+             {"node": 1, "host": "vm", "address": "10.9.0.3", "ranks": [4, 5, 6, 7]}]
+    (restarted_run / "init.json").write_text(json.dumps({"world_size": 8, "nodes": nodes}))
+    assert node_table(restarted_run) == nodes
+    md = markdown_report(summarize(load_metrics(restarted_run)), plot_loss_curve([], restarted_run / "l.png"),
+                         nodes=node_table(restarted_run))
+    assert "| 0 | vm | 10.9.0.2 | 0-3 |" in md and "| 1 | vm | 10.9.0.3 | 4-7 |" in md
+    assert node_table(restarted_run / "nowhere") == []

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mega.config import from_dict
-from mega.cluster.selfcheck import node_verdict, run_selfcheck, verdict_table
+from mega.cluster.selfcheck import node_verdict, run_selfcheck, selfcheck_floors, verdict_table
 
 
 def node_config(**cluster):
@@ -58,7 +58,8 @@ def test_a_timeout_gives_an_unhealthy_verdict(tmp_path):
 
 ROW = {"rank": 0, "local_rank": 0, "device": "cpu", "error": None, "gemm_max_rel_err": 1e-7,
        "gemm_gflops": 10.0, "alltoall_ok": True, "alltoall_mb_per_s": 100.0}
-FLOORS = {"min_gemm_gflops": 1.0, "min_alltoall_mb_per_s": 1.0}
+FLOORS = selfcheck_floors(from_dict({"cluster": {"selfcheck_min_gemm_gflops": 1.0,
+                                                 "selfcheck_min_alltoall_mb_per_s": 1.0}}).cluster)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +77,7 @@ FLOORS = {"min_gemm_gflops": 1.0, "min_alltoall_mb_per_s": 1.0}
     ],
 )
 def test_node_verdict(rows, expected, reason):
-    verdict = node_verdict(rows, expected_ranks=expected, **FLOORS)
+    verdict = node_verdict(rows, expected_ranks=expected, floors=FLOORS)
     if reason is None:
         assert verdict == {"healthy": True, "reasons": []}
     else:

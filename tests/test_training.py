@@ -3,6 +3,8 @@ model as one process, a checkpoint resumes in another layout, and dead or hung r
 bounded restarts. (Bit-exact resume after a kill: tests/test_checkpoint.py, test_lamb.py,
 test_recovery.py.)"""
 
+import json
+
 import pytest
 
 from mega.checkpoint import read_latest
@@ -79,12 +81,15 @@ def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache,
     assert result.init["world_size"] == compose(layout).parallelism.world_size
 
 
-def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference):
+def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference, monkeypatch):
     """Save with TP2xPP2xDP2, resume with DP4 (TP and PP gone, the distributed optimizer's shards
     split four ways) and with one process: both continue the
     uninterrupted curve (megatron's fully reshardable format; the data order does not depend on
     the layout). The saving run dies right after its step-2 checkpoint, so that checkpoint is the
-    `latest` both resumes read; they save nothing themselves (interval 0), leaving it in place."""
+    `latest` both resumes read; they save nothing themselves (interval 0), leaving it in place.
+    Each rank of a resume held exactly what dist_checkpointing's metadata says its shards need."""
+    from mega.checkpoint.restore import AUDIT_ENV
+
     ckpt = ["checkpoint.dir=" + str(tmp_path / "checkpoints")]
     with pytest.raises(TrainingFailed):
         train(tmp_path / "saved", data_index, data_cache,
@@ -94,11 +99,68 @@ def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference)
     _assert_same_curve(saved, reference[:2])
     for name, layout in [("dp4", ["parallelism=dp2", "parallelism.dp=4"]),
                          ("single", ["parallelism=single"])]:
+        monkeypatch.setenv(AUDIT_ENV, str(tmp_path / f"audit-{name}"))
         resumed = train(tmp_path / name, data_index, data_cache, [*layout, "checkpoint.interval=0", *ckpt])
         assert [m["step"] for m in resumed.metrics] == [3, 4], name
         # resharded optimizer state, fp32 sums in another order: equal to ~5 digits
         _assert_same_curve(resumed.metrics, reference[2:], rtol=1e-4)
+        _assert_restore_footprint(tmp_path / f"audit-{name}", tmp_path / "checkpoints" / "iter_0000002",
+                                  resumed.init["restore"])
     assert read_latest(tmp_path / "checkpoints").name == "iter_0000002"
+
+
+def _assert_restore_footprint(audit_dir, ckpt_dir, info):
+    """Per rank: what it asked to load (its requests: tensor shards by key, global offset and
+    shape; objects by key), mapped through the checkpoint's ``.metadata`` (which chunk of which
+    tensor lives at which file offset) to byte ranges, plus the small files every rank reads, is
+    exactly what it fetched and the most it held at once besides its load buffers. The optimizer
+    state is requested for the rank's DP slice only; every byte was read from the store once."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mega.checkpoint.restore import COMMON_FILES
+
+    md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    where = {(i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
+             for i, s in md.storage_data.items()}
+    chunks = {k: [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks]
+              for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+    files = {f["path"]: f["size"] for f in json.loads((ckpt_dir / "manifest.json").read_text())["files"]}
+
+    def needs(requests):
+        pieces = set()
+        for r in requests:
+            if len(r) == 1:  # an object, stored whole
+                pieces.add(where[(r[0], None)])
+                continue
+            key, _, offset, shape = r
+            for c_offset, c_size in chunks[key]:
+                if all(o < g + n and g < o + s for o, s, g, n in zip(c_offset, c_size, offset, shape)):
+                    pieces.add(where[(key, c_offset)])
+        return pieces
+
+    audits = [json.loads(p.read_text()) for p in sorted(audit_dir.glob("rank*.json"))]
+    assert [a["rank"] for a in audits] == list(range(len(audits))) and audits
+    union, optimizer_bytes = set(), []
+    for a in audits:
+        pieces = needs(a["requests"])
+        held = {tuple(p[:3]) for p in a["pieces"]}
+        assert held == pieces | {(f, 0, files[f]) for f in COMMON_FILES}, a["rank"]
+        expected = sum(n for _, _, n in pieces) + sum(files[f] for f in COMMON_FILES)
+        assert a["peak_bytes"] - a["buffer_bytes"] == expected, a["rank"]
+        assert a["read_bytes"] + a["received_bytes"] == expected
+        optimizer_bytes.append(sum(n for r in a["requests"] if r[0].startswith("optimizer.")
+                                   for _, _, n in needs([r])))
+        union |= held
+    all_optimizer = sum(s.length for i, s in md.storage_data.items() if i.fqn.startswith("optimizer."))
+    if len(audits) > 1:  # DP slices: each rank asks for part of the optimizer state, all of it together
+        assert max(optimizer_bytes) < all_optimizer / 2, (optimizer_bytes, all_optimizer)
+    else:
+        assert optimizer_bytes == [all_optimizer]
+    assert {k for a in audits for k, *_ in a["requests"] if k.startswith("optimizer.")} == \
+        {k for k in md.state_dict_metadata if k.startswith("optimizer.")}
+    # one DP group: every piece read from the store once, by one rank
+    assert info["restore_bytes_read"] == sum(a["read_bytes"] for a in audits) == sum(n for _, _, n in union)
+    assert info["restore_peak_bytes_per_rank"] == max(a["peak_bytes"] for a in audits)
 
 
 def test_restarts_are_bounded(tmp_path, data_index, data_cache):
@@ -114,6 +176,7 @@ def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, data_index, dat
     messages = []
     result = train(tmp_path, data_index, data_cache,
                    ["parallelism=dp2", "checkpoint.interval=2", "cluster.hang_timeout_s=12",
+                    "checkpoint.upload_timeout_s=6",
                     "fault.kill_rank=1", "fault.kill_at_step=3", "fault.mode=hang"], steps=4,
                    log=messages.append)
     assert result.attempts == 2

@@ -7,15 +7,32 @@
             --tune-lamb-lr LR,LR, --eval-sequences N, --out DIR
             -> {"rows": [{"name", "seeds", "val_loss", "val_loss_per_seed", "val_loss_vs_baseline",
                 "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
-  checkpoint  training blocked per two-stage save vs a synchronous save of the same state, upload
-            throughput, restore bytes per DP group (mega/bench/checkpoint.py): --steps N (30),
-            --interval K (10), --storage URI (default: a local SeaweedFS S3 server)
-            -> {"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "dp", "restore_bytes_read", ...}
+  checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
+            blocked per save, restore bytes counted against the naive restore, the largest per-rank
+            restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
+            --repeats R (1), --storage URI (default: a local SeaweedFS S3 server)
+            -> {"train_slowdown", "sync_train_slowdown", "stall_s", "restore_bytes_read",
+                "naive_restore_bytes", "restore_peak_bytes_per_rank", ...}
   bootstrap  megatron's group creation: real ranks of --real layouts (default tp2-pp2-dp2, start-up
             by phase) and the store traffic of N simulated ranks on a real TCPStore / Redis server
             (mega/bench/bootstrap.py): --ranks 256,1024,..., --max-seconds S (60), --real L, --out DIR
             -> {"results": [{"strategy", "ranks", "seconds", "store_ops", "measured", ...}], "real": [...],
                 "speedups", "growth", "targets", "plot", ...}
+  observability  the span recorder's counted overhead, on/off step times, the merged trace, the heat
+            map of a slowed rank, step-time variance with automatic vs controlled GC
+            (mega/bench/observability.py): --steps N (20), --warmup N (2), --out DIR, --slow-s S
+            -> {"overhead", "overhead_on_off", "ranks_in_trace", "world_size", "straggler_named",
+                "trace", "heatmap", "gc_step_time_cv_auto", "gc_step_time_cv_controlled"}
+
+  data      data preparation vs Megatron-LM's preprocess_data.py on a generated corpus, and the
+            node loader's wait on TP2xPP2xDP2 (mega/bench/data.py): --corpus-mb 25,100, --workers N,
+            --vocab V, --steps N -> {"prep_tokens_per_s", "baseline_tokens_per_s", "peak_rss_mb",
+            "baseline_peak_rss_mb", "loader_wait_fraction", "corpus_mb", "layout"}
+
+  nodes     the same 8-rank TP2xPP2xDP2 world as 1, 2 and 4 local nodes through the driver
+            (mega/bench/nodes.py): --nodes 1,2,4, --steps N (6), --warmup N (2), --netns
+            -> {"rows": [{"nodes", "procs_per_node", "world_size", "layout", "first_step_s", "step_s",
+                          "max_abs_loss_diff_vs_one_node", "completed"}], "details", ...}
 
 See docs/benchmarks.md.
 """
@@ -32,26 +49,32 @@ from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, 
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
+from mega.bench.data import bench_data
+from mega.bench.nodes import bench_nodes
+from mega.bench.observability import bench_observability
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_step", "main"]
+__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_nodes",
+           "bench_observability", "bench_step", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap"])
+    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
+                                              "nodes"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
-    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30")
+    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20; nodes: 6")
     step.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ablation = parser.add_argument_group("ablation")
     ablation.add_argument("--tokens", type=int, default=None,
                           help="token budget of every row (default: 512 baseline steps' worth)")
     ablation.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="SWA window of the +swa rows")
     ablation.add_argument("--out", default=None,
-                          help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap)")
+                          help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap, "
+                               "runs/bench-observability)")
     ablation.add_argument("--lamb-lr", type=float, default=DEFAULT_LAMB_LR,
                           help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, chosen for model=tiny on "
                                f"seed {TUNING_SEED})")
@@ -65,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                           help="held-out sequences every run evaluates (default: the whole split, whole batches)")
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
+    ckpt.add_argument("--repeats", type=int, default=1, help="rounds of the async/sync/no-save runs (medians)")
     ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
     boot = parser.add_argument_group("bootstrap")
     boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")
@@ -78,6 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     boot.add_argument("--real-repeats", type=int, default=3, help="timing jobs per real row (the median counts)")
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
+    obs = parser.add_argument_group("observability")
+    obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward")
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus-mb", default="25,100", help="generated corpus sizes (MB); the JSON reports the largest")
+    data.add_argument("--workers", type=int, default=None, help="tokenizer processes of both sides (default: the cores)")
+    data.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary of the shared tokenizer")
+    nodes = parser.add_argument_group("nodes")
+    nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
+    nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
     args = parser.parse_intermixed_args(argv)
     # the launcher side imports megatron-core too (checkpoint discovery): its warnings about absent
     # GPU packages are said once here instead
@@ -88,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.benchmark == "step":
             result = bench_step(args.overrides, args.steps or 8, args.warmup)
         elif args.benchmark == "checkpoint":
-            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage)
+            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage, args.repeats)
+        elif args.benchmark == "observability":
+            result = bench_observability(args.overrides, args.steps or 20, args.warmup,
+                                         args.out or "runs/bench-observability", args.slow_s)
+        elif args.benchmark == "data":
+            result = bench_data(_ints(args.corpus_mb), args.workers, args.vocab, args.steps or 12,
+                                args.out or "runs/bench-data", args.overrides)
+        elif args.benchmark == "nodes":
+            result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",
@@ -127,6 +168,17 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{row['strategy']:<27} {row['ranks']:>6} {took:>8} {ops:>14}", file=sys.stderr)
         for name, fit in result["growth"].items():
             print(f"{name}: time ~ N^{fit['exponent']}, store ops ~ N^{fit['ops_exponent']}", file=sys.stderr)
+        return
+    if benchmark == "nodes":
+        print(f"{'nodes':>5} {'x procs':>7} {'first step s':>12} {'step s':>8} {'max |dloss|':>11} completed",
+              file=sys.stderr)
+        def fmt(x, spec: str, width: int) -> str:
+            return format("-" if x is None else format(x, spec), f">{width}")
+
+        for row in result["rows"]:
+            print(f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
+                  f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
+                  f"{row['completed']}", file=sys.stderr)
         return
     if benchmark == "ablation":
         print(f"{'row':<16} {'val loss':>9} {'vs baseline':>11} {'train loss':>10} {'vs baseline':>11} "

@@ -1,17 +1,27 @@
 """``python -m mega.bench checkpoint [overrides] [--steps N] [--interval K] [--storage URI] [--json]``.
 
-What a two-stage checkpoint costs training. One real training job (torchrun ranks, DP=2 by
-default) with a model of ~100 MB of checkpoint state saves every ``--interval`` steps to an S3
-server (SeaweedFS, started here) or to ``--storage``. At each save, in the same run and on the
-same state, the ranks first time a synchronous ``dist_checkpointing`` save into a scratch
-directory (the reference), then make the real, asynchronous save and time how long training is
-blocked (stage 1, plus any wait for the previous save). A second job then restores the last
-checkpoint and reports how many bytes each DP group read from the store against the naive path
-(every rank reading everything).
+What checkpoints cost a user, measured end to end in one run of the bench, at TP2xPP2xDP2 (8
+torchrun ranks) with a model of ~100 MB of checkpoint state, against an S3 server (SeaweedFS,
+started here) or ``--storage``:
 
-Last line: {"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "dp",
-"restore_bytes_read", "naive_restore_bytes", ...} (medians over the saves after the first,
-which pays one-off start-up costs), with stage 1 split into its parts.
+* Training: the same ``--steps`` (30) three times -- saving every ``--interval`` (10) steps with
+  asynchronous (two-stage) saves, with synchronous saves to the same store, and with no saves;
+  ``--repeats R`` runs R rounds of the three, each round in a rotated order (so a drifting load
+  on a shared machine does not always favour the same mode), and reports medians.
+  steps/s is wall clock from the end of step 1 to the end of the last step (the saves at 10, 20
+  fall inside, the one at the last step after it), from the ``time`` of each metrics row.
+  ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
+  for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``.
+* Restore: a fourth job restores the asynchronous run's last checkpoint, then (in the same job)
+  loads it again the naive way -- every rank fetching everything it needs itself. The byte
+  counts are the store's counters summed over all ranks (``restore_bytes_read`` vs
+  ``naive_restore_bytes``), and ``restore_peak_bytes_per_rank`` the most bytes one rank held at
+  once (staged files, fetched pieces, load buffers).
+
+Last line: {"steps_per_s": {...}, "train_slowdown", "sync_train_slowdown", "slowdown_target_met",
+"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "restore_bytes_read",
+"naive_restore_bytes", "restore_peak_bytes_per_rank", ...} (save timings are medians over the
+saves after the first, which pays one-off start-up costs).
 """
 
 from __future__ import annotations
@@ -28,20 +38,35 @@ from mega.bench import common
 # ~8.2M parameters: fp32 weights + Adam's two moments = ~100 MB of checkpoint state.
 MODEL = ("model=tiny", "model.name=ckpt-bench", "model.hidden_size=320", "model.num_layers=6",
          "model.seq_length=32")
-LAYOUT = ("parallelism=dp2",)
+LAYOUT = ("parallelism=tp2-pp2-dp2",)
+MODES = ("none", "sync", "async")  # round r runs them rotated by r
 
 
-def _compose(overrides: list[str], steps: int, run_dir: Path, uri: str, interval: int) -> mega_config.MegaConfig:
+def _compose(overrides: list[str], steps: int, run_dir: Path, uri: str, interval: int,
+             async_save: bool = True) -> mega_config.MegaConfig:
     return mega_config.compose([
         *MODEL, *LAYOUT, *overrides, f"train.steps={steps}", f"train.run_dir={run_dir}",
         "train.tensorboard=false", "optimizer.warmup_steps=1", "checkpoint.max_restarts=0",
         f"checkpoint.storage_uri={uri}", f"checkpoint.interval={interval}",
+        f"checkpoint.async_save={str(async_save).lower()}",
     ])
 
 
-def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: str | None) -> dict:
-    from mega.checkpoint import SYNC_REFERENCE_ENV, read_save_log
+def steps_per_s(metrics: list[dict]) -> float:
+    """Wall-clock steps/s from the end of the first logged step to the end of the last."""
+    rows = sorted(metrics, key=lambda r: r["step"])
+    first, last = rows[0], rows[-1]
+    return (last["step"] - first["step"]) / (last["time"] - first["time"])
 
+
+def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: str | None,
+                     repeats: int = 1) -> dict:
+    from mega.checkpoint import read_save_log
+    from mega.checkpoint.restore import NAIVE_REFERENCE_ENV
+
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="mega-bench-ckpt-") as tmp:
         tmp = Path(tmp)
         server = None
@@ -53,45 +78,69 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
                 server = SeaweedS3(tmp / "seaweed", bucket="mega-bench").start(timeout=120)
                 os.environ.update(server.env())  # the ranks inherit the credential chain
                 storage = server.uri("bench")
-            os.environ[SYNC_REFERENCE_ENV] = "1"
-            cfg = _compose(overrides, steps, tmp / "save", storage, interval)
-            index = common.prepare_data(cfg)
-            common.log(f"checkpoint bench: saving every {interval} steps to {storage}")
-            common.train(cfg, index)
-            del os.environ[SYNC_REFERENCE_ENV]
-            log = read_save_log(cfg.train.run_dir)
-            # The restore: one more step from the last checkpoint, nothing saved.
-            restore_cfg = _compose(overrides, steps + 1, tmp / "restore", storage, 0)
+            storage = storage.rstrip("/")
+            rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+            saves: dict[str, list[dict]] = {"sync": [], "async": []}
+            commits: list[dict] = []  # of the async runs
+            for r in range(repeats):
+                for mode in MODES[r % 3:] + MODES[: r % 3]:
+                    where = f"{storage}/{mode}-{r}"
+                    cfg = _compose(overrides, steps, tmp / f"{mode}-{r}", where, 0 if mode == "none" else interval,
+                                   async_save=mode == "async")
+                    index = common.prepare_data(cfg)
+                    what = "no saves" if mode == "none" else f"{mode} saves every {interval} steps to {where}"
+                    common.log(f"checkpoint bench, round {r + 1}/{repeats}: {steps} steps, {what}")
+                    rates[mode].append(steps_per_s(common.train(cfg, index).metrics))
+                    # the first save of a run pays one-off start-up costs: left out of the timings
+                    log = read_save_log(cfg.train.run_dir)
+                    if mode != "none":
+                        here = [x for x in log if x["event"] == "save"]
+                        saves[mode] += here[1:] or here
+                    if mode == "async":
+                        here = [x for x in log if x["event"] == "committed"]
+                        commits += here[1:] or here
+            # The restore: one more step from the last async run's last checkpoint, nothing
+            # saved; then the same checkpoint loaded again the naive way, for its byte count.
+            os.environ[NAIVE_REFERENCE_ENV] = "1"
+            restore_cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async-{repeats - 1}", 0)
             restored = common.train(restore_cfg, index).init["restore"]
         finally:
             os.environ.clear()
             os.environ.update(saved_env)
             if server is not None:
                 server.stop()
-    saves = [r for r in log if r["event"] == "save"]
-    commits = [r for r in log if r["event"] == "committed"]
-    timed = saves[1:] or saves
-    sync_s = statistics.median(r["sync_save_s"] for r in timed)
-    stall_s = statistics.median(r["stall_s"] for r in timed)
+    median_rate = {mode: statistics.median(rates[mode]) for mode in MODES}
+    slowdown = {mode: median_rate["none"] / median_rate[mode] - 1 for mode in ("sync", "async")}
     common.log(json.dumps({"saves": saves, "commits": commits, "restore": restored}))
 
-    def med(key: str) -> float:
-        return statistics.median(r[key] for r in timed)
+    def med(key: str, mode: str = "async") -> float:
+        return statistics.median(r[key] for r in saves[mode])
 
+    sync_s, stall_s = med("stall_s", "sync"), med("stall_s")
+    p = cfg.parallelism
     return {
+        "layout": p.name, "tp": p.tp, "pp": p.pp, "dp": p.dp, "steps": steps, "interval": interval,
+        "repeats": repeats,
+        "steps_per_s": median_rate,  # median over the rounds
+        "steps_per_s_runs": rates,
+        "train_slowdown": slowdown["async"],
+        "sync_train_slowdown": slowdown["sync"],
+        "slowdown_target_met": slowdown["async"] <= slowdown["sync"] / 3,
+        # training blocked per save: synchronous (serialise, upload, commit) vs two-stage
         "sync_save_s": sync_s,
         "stall_s": stall_s,
         "stall_ratio": stall_s / sync_s,
-        "upload_mb_per_s": statistics.median(r["upload_mb_per_s"] for r in (commits[1:] or commits)),
-        "dp": cfg.parallelism.dp,
-        "restore_bytes_read": restored["restore_bytes_read"],
-        "naive_restore_bytes": restored["naive_restore_bytes"],
-        "checkpoint_mb": commits[-1]["bytes"] / 1e6,
-        # stage 1, split: megatron's optimizer state dict (fully_reshardable: a gather over DP),
-        # the host snapshot, dist_checkpointing's planning; and the wait for the previous save
+        "upload_mb_per_s": statistics.median(r["upload_mb_per_s"] for r in commits),
+        "checkpoint_mb": restored["checkpoint_bytes"] / 1e6,
+        # stage 1 of an async save, split; and the wait for the previous save
         "state_dict_s": med("state_dict_s"), "snapshot_s": med("snapshot_s"), "plan_s": med("plan_s"),
         "wait_s": med("wait_s"),
-        "saves": len(saves),
+        "saves_timed": len(saves["async"]),
+        "restore_bytes_read": restored["restore_bytes_read"],
+        "naive_restore_bytes": restored["naive_restore_bytes"],
+        "restore_peak_bytes_per_rank": restored["restore_peak_bytes_per_rank"],
+        "restore_s": restored["restore_s"],
         "storage": "s3 (SeaweedFS, local)" if server is not None else storage.split(":", 1)[0],
         "device": common.device_name(cfg),
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # 1-min, before and after
     }

@@ -5,10 +5,11 @@ building the many communicator groups of 3D parallelism; both are measured here 
 
 * ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``cluster.redis_url`` / a local
   redis-server), connect a client, time set/get/add/wait round trips.
-* ``time_process_groups(cfg)``: a torchrun job (``python -m mega.cluster.bootstrap``) over the config's
-  world that times ``init_process_group`` (over ``cluster.store``) and megatron-core's
-  model-parallel groups (built the ``cluster.group_init`` way, mega/cluster/parallel_groups.py) and
-  reports the slowest rank: {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init",
+* ``time_process_groups(cfg)``: a job on every node (``python -m mega.cluster.bootstrap``, one
+  torchrun agent per node) over the config's world that times ``init_process_group`` (over
+  ``cluster.store``) and megatron-core's model-parallel groups (built the ``cluster.group_init``
+  way, mega/cluster/parallel_groups.py) and reports the slowest rank, overall and per node:
+  {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "nodes", "ranks",
   "phases", "job_s"}, with start-up broken down by phase (``PHASES``: process start, imports, import
   skew, the default group, and group creation's store, connection, megatron and barrier parts).
 
@@ -174,23 +175,26 @@ PHASES = (
 
 def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
                         timeout_s: float | None = None) -> dict[str, Any]:
-    """Launch one rank per process of cfg's world; max over ranks of the init times.
+    """Launch cfg's world on every node (the launch backend of ``launcher``); the slowest rank's
+    init times, overall and per node.
 
-    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "phases":
-    {phase: seconds} of the rank slowest to create its groups (``PHASES``), "phases_max": each
-    phase's max over ranks, "job_s": the launcher's wall time, "exit_s": the part of
-    it after the result was written (teardown), "ranks": per-rank rows}. ``model_parallel_init_s`` is megatron-core's group creation only: every import happens
-    before the ranks line up, and the sum of the ``mp_*`` phases. Files (config without secrets,
-    result, log) go to out_dir, by default ``<train.run_dir>/bootstrap``. The job rendezvouses over
-    ``cluster.store`` (its own job id). Raises RuntimeError when the job fails or times out.
+    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "ranks":
+    per-rank rows (with their node), "nodes": per-node maxima, "phases": {phase: seconds} of the
+    rank slowest to create its groups (``PHASES``), "phases_max": each phase's max over ranks,
+    "job_s": the launcher's wall time, "exit_s": the part of it after the result was written
+    (teardown)}. ``model_parallel_init_s`` is megatron-core's group creation only: every import
+    happens before the ranks line up, and it is the sum of the ``mp_*`` phases. Files (config
+    without secrets, result, logs) go to out_dir, by default ``<train.run_dir>/bootstrap``. The job
+    rendezvouses over ``cluster.store`` (its own job id). Raises RuntimeError when the job fails or
+    times out.
     """
+    from contextlib import closing
+
     from mega.config import save
-    from mega.launch import torchrun
+    from mega.launch.backend import JobSpec, backend_for, server_host
+    from mega.launch.watch import TIMEOUT_EXIT, run_job
 
     c = cfg.cluster
-    if c.nodes != 1:
-        raise ValueError("cluster.nodes: time_process_groups launches one node (--standalone); "
-                         f"got nodes={c.nodes}")
     out_dir = Path(out_dir or Path(cfg.train.run_dir) / "bootstrap")
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, result_path = out_dir / "config.json", out_dir / "result.json"
@@ -198,23 +202,25 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     result_path.unlink(missing_ok=True)
     # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
     timeout_s = timeout_s or c.pg_timeout_s + 120.0
-    with rendezvous_env(cfg) as store_env:
+    job = JobSpec("mega.cluster.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
+                  log_dir=out_dir, name="bootstrap")
+    with closing(backend_for(cfg, out_dir)) as backend, rendezvous_env(cfg, host=server_host(backend)) as store_env:
         launched = time.time()
-        code = torchrun("mega.cluster.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
-                        c.procs_per_node, env={**c.env, **store_env, ATTEMPT_ENV: "0",
-                                               LAUNCH_TIME_ENV: repr(launched)},
-                        timeout_s=timeout_s, log_path=out_dir / "bootstrap.log")
+        job.env = {**c.env, **store_env, ATTEMPT_ENV: "0",
+                   LAUNCH_TIME_ENV: repr(launched)}
+        outcome = run_job(backend, job, timeout_s=timeout_s)
         job_s = time.time() - launched
         try:
             drop_attempt_keys(store_env, 0)
         except Exception:  # noqa: BLE001 - a shared server expires them anyway (RedisStore's TTL)
             pass
-    if code != 0 or not result_path.exists():
-        why = f"timed out after {timeout_s:g} s" if code == 124 else f"exited with code {code}"
-        raise RuntimeError(f"process-group timing job {why} (see {out_dir / 'bootstrap.log'})")
+    if not outcome.ok or not result_path.exists():
+        why = f"timed out after {timeout_s:g} s" if outcome.code == TIMEOUT_EXIT else outcome.reason
+        logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
+        raise RuntimeError(f"process-group timing job {why} (see {logs})")
     result = json.loads(result_path.read_text())
     result["job_s"] = job_s
-    # after the result: gathering it, destroying the groups, interpreter exit, torchrun's shutdown
+    # after the result: gathering it, destroying the groups, interpreter exit, the agents' shutdown
     result["exit_s"] = launched + job_s - result.pop("written_at")
     result_path.write_text(json.dumps(result, indent=2))
     return result
@@ -252,14 +258,19 @@ def _rank_main(argv: list[str] | None = None) -> int:
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
         slowest = max(rows, key=lambda r: r["model_parallel_init_s"])
+        nodes = sorted({r["node"] for r in rows})
         result = {"pg_init_s": max(r["pg_init_s"] for r in rows),
                   "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
                   "world_size": len(rows), "store": cfg.cluster.store,
-                  "group_init": cfg.cluster.group_init,
+                  "group_init": cfg.cluster.group_init, "ranks": rows,
+                  "nodes": [{"node": k, "address": next(r["address"] for r in rows if r["node"] == k),
+                             "pg_init_s": max(r["pg_init_s"] for r in rows if r["node"] == k),
+                             "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows if r["node"] == k)}
+                            for k in nodes],
                   # the rank that took longest to create its groups, phase by phase (they add up)
                   "phases": {k: slowest.get(k) for k in PHASES},
                   "phases_max": {k: max((r[k] for r in rows if r.get(k) is not None), default=None) for k in PHASES},
-                  "ranks": rows, "written_at": time.time()}
+                  "written_at": time.time()}
         Path(args.out).write_text(json.dumps(result, indent=2))
     _destroy_groups()
     return 0
@@ -272,7 +283,8 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from mega.cluster import parallel_groups
+    from mega.cluster import node, parallel_groups
+    from mega.cluster.backend_flags import backend_flags
 
     c, p = cfg.cluster, cfg.parallelism
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -296,13 +308,14 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
             tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
             virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
             distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
-            create_gloo_process_groups=c.backend == "gloo")  # as mega.train builds them
+            create_gloo_process_groups=backend_flags(cfg).create_gloo_process_groups)  # as mega.train does
         created = time.perf_counter()
     dist.barrier()
     done = time.perf_counter()
     dump_store_traffic(cfg, recorder, "bootstrap")
     mp_store_s = recorder.busy_s - pg_store_s  # in new_group, and light's one barrier outside it
-    return {"rank": dist.get_rank(), "pg_init_s": pg_init_s, "model_parallel_init_s": done - start,
+    return {"rank": dist.get_rank(), "node": node.node_rank(), "address": node.address(),
+            "pg_init_s": pg_init_s, "model_parallel_init_s": done - start,
             "import_skew_s": import_skew_s, "pg_store_s": pg_store_s, "pg_store_ops": pg_ops,
             "mp_store_s": mp_store_s, "mp_store_ops": len(recorder.ops) - pg_ops,
             "mp_connect_s": in_new_group["s"] - in_new_group["store_s"],

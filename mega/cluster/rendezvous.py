@@ -55,19 +55,25 @@ def without_secrets(cfg: "MegaConfig") -> "MegaConfig":
     return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
 
 
+def public_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the store's password: what may go into a script, a manifest or a pickle."""
+    return {k: v for k, v in env.items() if k != REDIS_PASSWORD_ENV}
+
+
 @contextlib.contextmanager
-def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None) -> Iterator[dict[str, str]]:
+def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None, host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
 
     tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
     password), ``MEGA_REDIS_PASSWORD`` when the URL had one, ``MEGA_JOB_ID``; without
-    ``cluster.redis_url`` a local redis-server (127.0.0.1) runs for the block. The launcher adds
-    ``MEGA_ATTEMPT`` per launch. Nothing here is printed: the values may be secret.
+    ``cluster.redis_url`` a local redis-server runs for the block, listening on ``host`` (the
+    launch backend's ``server_host``: the bridge address for network-namespace nodes). The
+    launcher adds ``MEGA_ATTEMPT`` per launch. Nothing here is printed: the values may be secret.
     """
     if cfg.cluster.store != "redis":
         yield {}
         return
-    with redis_server_url(cfg) as url:
+    with redis_server_url(cfg, host=host) as url:
         public, password = split_redis_password(url)
         env = {REDIS_URL_ENV: public, JOB_ID_ENV: job_id or new_job_id(cfg)}
         if password is not None:
@@ -76,8 +82,8 @@ def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None) -> Iterator[dic
 
 
 @contextlib.contextmanager
-def redis_server_url(cfg: "MegaConfig") -> Iterator[str]:
-    """``cluster.redis_url``, or the URL of a local redis-server (127.0.0.1) running for the block."""
+def redis_server_url(cfg: "MegaConfig", host: str = "127.0.0.1") -> Iterator[str]:
+    """``cluster.redis_url``, or the URL of a local redis-server on ``host`` running for the block."""
     c = cfg.cluster
     if c.redis_url is not None:
         yield c.redis_url
@@ -85,9 +91,15 @@ def redis_server_url(cfg: "MegaConfig") -> Iterator[str]:
     if not c.start_local_redis:
         raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
                          "or cluster.start_local_redis=true")
+    import ipaddress
+    import secrets
+
     from mega.store import RedisServer
 
-    server = RedisServer(host="127.0.0.1").start()
+    # Beyond loopback (the bridge of network-namespace nodes) Redis refuses clients without a
+    # password (protected mode), rightly: the job gets a random one, passed to ranks by env only.
+    local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    server = RedisServer(host=host, password=None if local else secrets.token_urlsafe(24)).start()
     try:
         yield server.url
     finally:

@@ -1,7 +1,8 @@
-"""Launching: the driver loop that owns a run's membership and restarts (``driver``), torchrun
-jobs (``torchrun``) and the run registry (``runs``)."""
+"""Launching: the driver loop that owns a run's membership and restarts (``driver``), the launch
+backends that start one torchrun agent per node (``backend``, ``local_nodes``, ``netns``), the
+job watch (``watch``) and the run registry (``runs``)."""
 
 from mega.launch.driver import TrainingFailed, TrainingResult, run_training
-from mega.launch.torchrun import TIMEOUT_EXIT, torchrun
+from mega.launch.watch import TIMEOUT_EXIT, JobOutcome, run_job
 
-__all__ = ["TIMEOUT_EXIT", "TrainingFailed", "TrainingResult", "run_training", "torchrun"]
+__all__ = ["TIMEOUT_EXIT", "JobOutcome", "TrainingFailed", "TrainingResult", "run_job", "run_training"]

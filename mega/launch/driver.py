@@ -1,12 +1,17 @@
-"""The driver: train to ``train.steps``, relaunching the job from ``latest`` when it fails.
+"""The driver: train to ``train.steps`` on a set of nodes, relaunching every node from ``latest``
+when any fails.
 
-Ranks are processes started by torchrun (mega/launch/torchrun.py), never in-process work;
-``run_training`` relaunches a failed job from the checkpoint ``latest`` with bounded attempts
-and exponential backoff.
+A run is ``cluster.nodes`` torchrun agents started by the launch backend (mega/launch/backend.py);
+ranks are processes, never in-process work. The driver owns membership: it starts every node's
+agent for an attempt, watches them (a node's agent exiting, a stall of ``metrics.jsonl`` for
+``cluster.hang_timeout_s``), and on any failure stops every node's agent and ranks and relaunches
+all nodes from the durable ``latest``, with bounded attempts and exponential backoff.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +21,8 @@ from mega import config as mega_config
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.launch import runs
-from mega.launch.torchrun import TIMEOUT_EXIT, torchrun
+from mega.launch.backend import Backend, JobSpec, backend_for, server_host
+from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
 
 
@@ -31,11 +37,19 @@ class TrainingResult:
     final_step: int
     metrics: list[dict] = field(default_factory=list)
     init: dict = field(default_factory=dict)
+    # one row per attempt of this launch: attempt, outcome, failed_nodes, final_step, restored
+    # (the checkpoint its ranks restored, from their init.json; None = started from scratch)
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def restored(self) -> str | None:
+        """The checkpoint the last attempt's ranks actually restored (None: started fresh)."""
+        return self.init.get("restore", {}).get("checkpoint")
 
 
 def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
                  flow_run_id: str | None = None, recovery: bool = False) -> TrainingResult:
-    """Train to ``train.steps``; when the ranks die or hang, restart them from ``latest``.
+    """Train to ``train.steps``; when any node's ranks die or hang, restart all from ``latest``.
 
     While it runs, the run's record (``<run_dir>/run.json``, mega.launch.runs) says training, with a
     heartbeat; after, completed or failed. ``flow_run_id`` names the flow run driving it and
@@ -46,47 +60,48 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     run_dir.mkdir(parents=True, exist_ok=True)
     with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
                     target_steps=cfg.train.steps, flow_run_id=flow_run_id, recovery=recovery) as run, \
-            rendezvous.rendezvous_env(cfg) as store_env:  # cluster.store=redis: URL, job id (, server)
-        result = _train_with_restarts(cfg, index_path, log, run, store_env)
+            contextlib.closing(backend_for(cfg, run_dir)) as backend, \
+            rendezvous.rendezvous_env(cfg, host=server_host(backend)) as store_env:  # store=redis: URL, job id
+        result = _train_with_restarts(cfg, index_path, log, run, backend, store_env)
         run.finish("completed", result.final_step)
         return result
 
 
-def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str], None],
-                         run: runs.RunTracker, store_env: dict[str, str]) -> TrainingResult:
-    import json
-
+def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str], None], run: runs.RunTracker,
+                         backend: Backend, store_env: dict[str, str]) -> TrainingResult:
     from mega.checkpoint import latest_durable
     from mega.storage import StorageError
 
     run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.json"
     mega_config.save(rendezvous.without_secrets(cfg), config_path)  # ranks get the password by env
     args = ["--config", str(config_path), "--data-index", str(index_path)]
     env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
+    c = cfg.cluster
+    where = f" on {c.nodes} nodes ({c.procs_per_node} per node)" if c.nodes > 1 else ""
 
     first = run.record.attempts
     attempts = 0
+    history: list[dict] = []
     while True:
         n = first + attempts  # this attempt's number over the run's life
         run.beat(attempts=n + 1)
         env["MEGA_ATTEMPT"] = str(n)
         # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
-        # falling back past a corrupt one); this names it for the log.
+        # falling back past a corrupt one) and write what they restored into init.json.
         try:
             latest = latest_durable(cfg) if cfg.checkpoint.load else None
         except StorageError as e:
             latest = None
             log(f"attempt {n}: checkpoint store: {e}")
-        log(f"attempt {n}: launching {cfg.parallelism.world_size} ranks"
-            + (f", resuming from {latest}" if latest else ""))
-        code = torchrun(
-            "mega.train", args, cfg.cluster.procs_per_node, env=env,
-            log_path=run_dir / f"train-attempt{n}.log",
-            progress_file=run_dir / METRICS_FILE, stall_timeout_s=cfg.cluster.hang_timeout_s,
-            on_poll=run.beat,
-        )
+        log(f"attempt {n}: launching {cfg.parallelism.world_size} ranks{where}"
+            + (f"; `latest` is {latest}" if latest else ""))
+        init_file = run_dir / "init.json"
+        init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
+        job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
+        outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
+                          stall_timeout_s=c.hang_timeout_s, on_poll=run.beat,
+                          on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"))
         attempts += 1
         try:
             dropped = rendezvous.drop_attempt_keys(store_env, n)
@@ -95,21 +110,43 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         else:
             if dropped is not None:
                 log(f"attempt {n}: dropped its {dropped} store keys")
+        try:
+            init = json.loads(init_file.read_text()) if init_file.exists() else {}
+        except ValueError:  # rank 0 died while writing it
+            init = {}
+        if init.get("restore", {}).get("checkpoint"):
+            r = init["restore"]
+            log(f"attempt {n}: resumed from {r['checkpoint']}"
+                + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""))
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
-        if code == 0 and final_step >= cfg.train.steps:
-            init_file = run_dir / "init.json"
-            init = json.loads(init_file.read_text()) if init_file.exists() else {}
-            return TrainingResult(run_dir, attempts, final_step, metrics, init)
-        reason = "hung (no progress)" if code == TIMEOUT_EXIT else f"exited with code {code}"
-        log(f"attempt {n}: training {reason} at step {final_step}; "
-            f"log: {run_dir / f'train-attempt{n}.log'}")
+        history.append({"attempt": n, "code": outcome.code, "reason": outcome.reason,
+                        "failed_nodes": outcome.failed_nodes, "final_step": final_step,
+                        "restored": init.get("restore", {}).get("checkpoint"),
+                        "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
+        if outcome.ok and final_step >= cfg.train.steps:
+            return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
+        if outcome.ok:  # every agent exited 0 short of train.steps: not a success
+            outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
+        log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
+            f"logs: {_logs(job, c.nodes, outcome)}")
         if attempts > cfg.checkpoint.max_restarts:
             failed = TrainingFailed(
-                f"training failed {attempts} times (last: {reason}); "
-                f"see {run_dir}/train-attempt*.log"
+                f"training failed {attempts} times (last: {outcome.reason}); "
+                f"see {run_dir}/{'nodes/*/' if c.nodes > 1 else ''}train-attempt*.log"
             )
             run.finish("failed", final_step, error=str(failed))
             raise failed
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
+
+
+def _short(outcome: JobOutcome) -> str:
+    if outcome.failed_nodes and len(outcome.exit_codes) == 1:  # one node: as single-node runs always said
+        return f"exited with code {outcome.code}"
+    return outcome.reason
+
+
+def _logs(job: JobSpec, nodes: int, outcome: JobOutcome) -> str:
+    show = outcome.failed_nodes or range(nodes)
+    return ", ".join(str(job.log_path(k, nodes)) for k in show)

@@ -35,6 +35,11 @@ class UnreducedRowParallelLinear(RowParallelLinear):
     is returned separately and never added here: added before a reduction it would count TP times.
     """
 
+    # A subclass may defer its GEMM to the layer (mega/overlap, parallelism.tp_overlap): its
+    # forward then returns its input, and this classmethod computes sum_i x_i @ W_i^T of the
+    # layer's (input, weight) pairs and reduce-scatters it, overlapping GEMMs and communication.
+    fused_gemm_reduce_scatter = None
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.skip_bias_add:
@@ -76,6 +81,13 @@ class ParallelTransformerLayer(TransformerLayer):
                            ("mlp.linear_fc2", getattr(self.mlp, "linear_fc2", None))]:
             if not isinstance(proj, UnreducedRowParallelLinear):
                 problems.append(f"{name} must be UnreducedRowParallelLinear, got {type(proj).__name__}")
+        projections = {type(getattr(self.self_attention, "linear_proj", None)),
+                       type(getattr(self.mlp, "linear_fc2", None))}
+        if len(projections) != 1:
+            problems.append("linear_proj and linear_fc2 must be of one class (both deferred to the fused "
+                            "GEMM->reduce-scatter or neither)")
+        elif getattr(projections.pop(), "fused_gemm_reduce_scatter", None) and not self.config.sequence_parallel:
+            problems.append("projections deferred to a GEMM->reduce-scatter need sequence parallelism")
         if not isinstance(self.cross_attention, IdentityOp):
             problems.append("cross attention is not supported")
         if self.is_moe_layer:
@@ -122,11 +134,14 @@ class ParallelTransformerLayer(TransformerLayer):
 
         # The one TP collective of the layer: [s, b, h] partial sums -> [s, b, h] (or [s/tp, b, h]
         # under sequence parallelism, the layout the residual stream has there).
-        summed = attn_partial + mlp_partial
-        if self.config.sequence_parallel:
-            reduced = reduce_scatter_to_sequence_parallel_region(summed, group=self.tp_group)
+        fused = self.self_attention.linear_proj.fused_gemm_reduce_scatter
+        if fused is not None:  # the projections returned their inputs: GEMMs and reduction in one
+            reduced = fused([(attn_partial, self.self_attention.linear_proj.weight),
+                             (mlp_partial, self.mlp.linear_fc2.weight)], self.tp_group)
+        elif self.config.sequence_parallel:
+            reduced = reduce_scatter_to_sequence_parallel_region(attn_partial + mlp_partial, group=self.tp_group)
         else:
-            reduced = reduce_from_tensor_model_parallel_region(summed, group=self.tp_group)
+            reduced = reduce_from_tensor_model_parallel_region(attn_partial + mlp_partial, group=self.tp_group)
         if attn_bias is None or mlp_bias is None:  # add_bias_linear=False: both are None
             bias = mlp_bias if attn_bias is None else attn_bias
         else:

@@ -14,40 +14,49 @@ from __future__ import annotations
 
 import torch
 
+from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
 from mega.optim.lamb import Lamb
 
-__all__ = ["Lamb", "build_optimizer", "install_lamb"]
+__all__ = ["Lamb", "build_optimizer", "install_lamb", "optimizer_config"]
 
 
-def build_optimizer(cfg: MegaConfig, model_chunks: list, tcfg):
-    """megatron's optimizer for DDP-wrapped ``model_chunks`` (-> ``MegatronOptimizer``)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from mega.model import resolve_precision
+def optimizer_config(cfg: MegaConfig):
+    """megatron's ``OptimizerConfig`` of ``cfg.optimizer`` (lamb: the Adam chain, see the module doc)."""
+    from megatron.core.optimizer import OptimizerConfig
 
     o, p = cfg.optimizer, cfg.parallelism
-    precision = resolve_precision(cfg)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            # lamb: megatron builds the Adam chain, whose inner optimizer we replace below.
-            optimizer="adam" if o.name == "lamb" else o.name,
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            bf16=precision == "bf16",
-            fp16=precision == "fp16",
-            params_dtype=tcfg.params_dtype,
-            use_distributed_optimizer=p.use_distributed_optimizer,
-        ),
-        model_chunks,
+    flags = backend_flags(cfg)
+    return OptimizerConfig(
+        # lamb: megatron builds the Adam chain, whose inner optimizer we replace below.
+        optimizer="adam" if o.name == "lamb" else o.name,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=flags.precision == "bf16",
+        fp16=flags.precision == "fp16",
+        params_dtype=flags.torch_dtype(flags.params_dtype),
+        use_distributed_optimizer=p.use_distributed_optimizer,
     )
-    if o.name == "lamb":
-        install_lamb(optimizer, max_trust_ratio=o.lamb_max_trust_ratio)
+
+
+def build_optimizer(cfg: MegaConfig, model_chunks: list):
+    """megatron's optimizer for DDP-wrapped ``model_chunks`` (-> ``MegatronOptimizer``)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(
+        optimizer_config(cfg),
+        model_chunks,
+        # explicit, on every backend: the distributed optimizer gathers its fully_reshardable
+        # checkpoint over the gloo data-parallel group (mega.cluster.backend_flags)
+        use_gloo_process_groups=backend_flags(cfg).optimizer_gloo_process_groups,
+    )
+    if cfg.optimizer.name == "lamb":
+        install_lamb(optimizer, max_trust_ratio=cfg.optimizer.lamb_max_trust_ratio)
     return optimizer
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
@@ -53,6 +54,9 @@ class CorruptCheckpoint(StorageError):
         where = f"{name}/{relpath}" if relpath else name
         super().__init__(f"checkpoint {where}: {reason}")
 
+    def __reduce__(self):  # picklable: torch's collectives pass it between ranks
+        return type(self), (self.name, self.relpath, self.reason)
+
 
 def is_valid_name(name: str) -> bool:
     return isinstance(name, str) and bool(_NAME.fullmatch(name)) and name != LATEST
@@ -92,6 +96,22 @@ def step_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+MAX_SPAN = 64 << 20  # bytes per ranged read when adjacent pieces are fetched together
+
+
+def _spans(pieces: list[tuple[int, int]]):
+    """Sorted (offset, length) pieces as runs of adjacent ones: (start, [pieces]), each run at
+    most MAX_SPAN bytes (a longer piece is a run of its own)."""
+    run: list[tuple[int, int]] = []
+    for offset, length in pieces:
+        if run and (offset != run[-1][0] + run[-1][1] or offset + length - run[0][0] > MAX_SPAN):
+            yield run[0][0], run
+            run = []
+        run.append((offset, length))
+    if run:
+        yield run[0][0], run
+
+
 def _order(name: str) -> tuple[int, str]:
     return step_of(name), name
 
@@ -129,9 +149,12 @@ class CheckpointStorage(ABC):
 
     @abstractmethod
     def upload_files(self, local_dir: str | Path, name: str, relpaths: list[str],
-                     on_progress: ProgressFn | None = None) -> list[FileEntry]:
+                     on_progress: ProgressFn | None = None,
+                     ranges: dict[str, list[tuple[int, int]]] | None = None) -> list[FileEntry]:
         """Store some files of a checkpoint that several uploaders write (one per rank), without
-        a manifest; returns their entries (size, sha256 of the bytes sent) for ``commit``."""
+        a manifest; returns their entries (size, sha256 of the bytes sent) for ``commit``.
+        ``ranges[relpath]``: pieces (offset, length) of that file hashed on their own too, so a
+        restore can fetch and verify them one by one (``read_pieces``)."""
 
     @abstractmethod
     def commit(self, name: str, entries: list[FileEntry]) -> Manifest:
@@ -155,6 +178,35 @@ class CheckpointStorage(ABC):
     @abstractmethod
     def read_bytes(self, name: str, relpath: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset+length) of one file of a checkpoint (to its end if no length)."""
+
+    def read_pieces(self, manifest: Manifest, relpath: str, pieces: list[tuple[int, int]]) -> list[memoryview]:
+        """Pieces (offset, length) of one file of the complete checkpoint ``manifest`` names,
+        each verified against the manifest: a piece is the whole file or a range it hashed
+        (``FileEntry.range_hash``). Adjacent pieces are fetched in one ranged read of at most
+        ``MAX_SPAN`` bytes. CorruptCheckpoint names the file when the store holds fewer bytes than
+        the manifest says or a piece's sha256 differs; ValueError for a piece that was not hashed."""
+        entry = entry_of(manifest, relpath)
+        wanted = {}
+        for offset, length in pieces:
+            digest = entry.range_hash(offset, length)
+            if digest is None:
+                raise ValueError(f"{manifest.name}/{relpath}: bytes [{offset}, {offset + length}) were not hashed "
+                                 f"on their own: read the whole file")
+            wanted[(offset, length)] = digest
+        got: dict[tuple[int, int], memoryview] = {}
+        for start, group in _spans(sorted(wanted)):
+            size = sum(n for _, n in group)
+            data = memoryview(self.read_bytes(manifest.name, relpath, start, size))
+            if len(data) < size:
+                raise CorruptCheckpoint(manifest.name, relpath, f"size: the store holds {start + len(data)} bytes, "
+                                                                f"the manifest {entry.size}")
+            for offset, length in group:
+                piece = data[offset - start : offset - start + length]
+                if hashlib.sha256(piece).hexdigest() != wanted[(offset, length)]:
+                    raise CorruptCheckpoint(manifest.name, relpath, f"sha256 of bytes [{offset}, {offset + length}) "
+                                                                    f"differs from the manifest")
+                got[(offset, length)] = piece
+        return [got[p] for p in pieces]
 
     @abstractmethod
     def write_latest(self, name: str) -> None:

@@ -34,7 +34,7 @@ from mega.storage.base import (
     is_valid_name,
     log_transfer,
 )
-from mega.storage.manifest import CHUNK, MANIFEST, FileEntry, Manifest, local_files, sha256_file
+from mega.storage.manifest import CHUNK, MANIFEST, FileEntry, FileHasher, Manifest, local_files, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +132,24 @@ class FileStorage(CheckpointStorage):
         progress(n)
         return FileEntry(rel, n, h.hexdigest())
 
-    def _copy_in(self, rel: str, src: Path, dest_root: Path, progress) -> FileEntry:
+    def _copy_in(self, rel: str, src: Path, dest_root: Path, progress, ranges=None) -> FileEntry:
         dst = dest_root / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        h = hashlib.sha256()
-        n = 0
+        h = FileHasher(ranges)
         with open(src, "rb") as fi, open(dst, "wb") as fo:
             while chunk := fi.read(CHUNK):
                 h.update(chunk)  # hashed from the very bytes written: one read per byte
                 fo.write(chunk)
-                n += len(chunk)
                 progress(len(chunk))
             if self.fsync:
                 fo.flush()
                 os.fsync(fo.fileno())
-        return FileEntry(rel, n, h.hexdigest())
+        return h.finish(rel, h.pos)
 
-    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None) -> list[FileEntry]:
+    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None,
+                     ranges: dict[str, list[tuple[int, int]]] | None = None) -> list[FileEntry]:
         local_dir = Path(local_dir)
+        ranges = ranges or {}
         dest = self._dir(name)
         with self._errors(f"upload {name}"):
             if self.read_latest() == name:
@@ -157,7 +157,7 @@ class FileStorage(CheckpointStorage):
             paths = [(check_relpath(rel), local_dir / rel) for rel in relpaths]
             progress = ProgressCounter(sum(p.stat().st_size for _, p in paths), on_progress)
 
-            return [self._copy_in(rel, p, dest, progress) for rel, p in paths]
+            return [self._copy_in(rel, p, dest, progress, ranges.get(rel)) for rel, p in paths]
 
     def commit(self, name: str, entries: list[FileEntry]) -> Manifest:
         dest = self._dir(name)

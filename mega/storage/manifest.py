@@ -2,7 +2,9 @@
 
 ``manifest.json`` is the commit record of a checkpoint in a store: it is written last, so a
 checkpoint without one is an upload that never finished. It lists every file's relative path,
-size and sha256; a restore checks what it fetched against it.
+size and sha256, and for files a restore reads in pieces (dist_checkpointing's shard files) the
+sha256 of each piece (``ranges``: one per serialised tensor or object, as the writer laid them
+out); a restore checks what it fetched against it, whole files and pieces alike.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -20,11 +23,25 @@ FORMAT = 1
 CHUNK = 8 << 20  # read size for hashing and copying: large enough that syscalls don't matter
 
 
+Range = tuple[int, int, str]  # (offset, length, sha256) of one piece of a file
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative, '/'-separated
     size: int
     sha256: str
+    ranges: tuple[Range, ...] = ()  # pieces hashed on their own, sorted by offset
+
+    def range_hash(self, offset: int, length: int) -> str | None:
+        """The sha256 the manifest lists for exactly bytes [offset, offset+length), or None."""
+        if offset == 0 and length == self.size:
+            return self.sha256
+        return self._range_index.get((offset, length))
+
+    @cached_property
+    def _range_index(self) -> dict[tuple[int, int], str]:
+        return {(o, n): h for o, n, h in self.ranges}
 
 
 @dataclass
@@ -49,7 +66,7 @@ class Manifest:
             "name": self.name,
             "created": self.created,
             "total_bytes": self.total_bytes,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "files": [_entry_doc(f) for f in self.files],
         }
         return json.dumps(doc, indent=1).encode()
 
@@ -60,10 +77,19 @@ class Manifest:
             doc = json.loads(data)
             if doc.get("format") != FORMAT:
                 raise ValueError(f"unknown manifest format {doc.get('format')!r}")
-            files = [FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"])) for f in doc["files"]]
+            files = [FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"]),
+                               tuple((int(o), int(n), str(h)) for o, n, h in f.get("ranges", ())))
+                     for f in doc["files"]]
             return cls(name=str(doc["name"]), files=files, created=float(doc["created"]))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
+
+
+def _entry_doc(f: FileEntry) -> dict:
+    doc = {"path": f.path, "size": f.size, "sha256": f.sha256}
+    if f.ranges:
+        doc["ranges"] = [list(r) for r in f.ranges]
+    return doc
 
 
 def local_files(root: str | Path, skip_manifest: bool = False) -> list[tuple[str, Path]]:
@@ -101,6 +127,49 @@ def sha256_file(path: Path, start: int = 0, h=None) -> tuple[int, "hashlib._Hash
     return n, h
 
 
+class FileHasher:
+    """sha256 of a file fed in order, and of the pieces ``ranges`` names ((offset, length),
+    sorted, not overlapping) from the same bytes: one pass over the data."""
+
+    def __init__(self, ranges: list[tuple[int, int]] | None = None):
+        self.pos = 0
+        self._h = hashlib.sha256()
+        self._ranges = sorted(ranges or ())
+        for (o1, n1), (o2, _) in zip(self._ranges, self._ranges[1:]):
+            if o1 + n1 > o2:
+                raise ValueError(f"overlapping ranges to hash: ({o1}, {n1}) and ({o2}, ...)")
+        self._next = 0  # index of the range being hashed
+        self._piece = hashlib.sha256()
+        self._done: list[Range] = []
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._h.update(view)
+        start, end = self.pos, self.pos + len(view)
+        while self._next < len(self._ranges):
+            offset, length = self._ranges[self._next]
+            stop = offset + length
+            lo, hi = max(offset, start), min(stop, end)
+            if lo < hi:
+                self._piece.update(view[lo - start : hi - start])
+            if stop > end:
+                break  # the piece goes on in the next chunk (or starts there)
+            self._done.append((offset, length, self._piece.hexdigest()))
+            self._piece = hashlib.sha256()
+            self._next += 1
+        self.pos = end
+
+    def finish(self, relpath: str, size: int) -> FileEntry:
+        """The manifest entry; ValueError when the bytes fed were not ``size`` or a range was
+        not covered."""
+        if self.pos != size:
+            raise ValueError(f"{relpath} changed size during upload ({size} -> {self.pos} bytes)")
+        if self._next != len(self._ranges):
+            offset, length = self._ranges[self._next]
+            raise ValueError(f"{relpath}: range ({offset}, {length}) ends past the file's {size} bytes")
+        return FileEntry(relpath, size, self._h.hexdigest(), tuple(self._done))
+
+
 class HashingReader:
     """A seekable read-only file object that hashes a file while a transfer manager reads it.
 
@@ -109,18 +178,18 @@ class HashingReader:
     hash therefore follows a high-water mark: only bytes past what was hashed are fed to it, in
     order, so each byte is hashed exactly once. Whatever the transfer did not read in order is
     hashed from disk by ``finish()`` (never in practice; it keeps the manifest right regardless).
+    ``ranges`` are pieces of the file hashed on their own as well (``FileHasher``).
 
     The file is opened on the first read and closed at end of file, so a directory of thousands
     of files queued in one transfer manager does not hold thousands of descriptors.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, ranges: list[tuple[int, int]] | None = None):
         self.path = Path(path)
         self.size = self.path.stat().st_size
         self._f = None
         self._pos = 0
-        self._hashed = 0
-        self._h = hashlib.sha256()
+        self._hasher = FileHasher(ranges)
         self._lock = threading.Lock()  # read/seek may come from different transfer threads
 
     # -- the file-object protocol s3transfer and botocore use
@@ -146,9 +215,9 @@ class HashingReader:
             self._f.seek(self._pos)
             data = self._f.read() if n is None or n < 0 else self._f.read(n)
             start, end = self._pos, self._pos + len(data)
-            if start <= self._hashed < end:
-                self._h.update(memoryview(data)[self._hashed - start :])
-                self._hashed = end
+            hashed = self._hasher.pos
+            if start <= hashed < end:
+                self._hasher.update(memoryview(data)[hashed - start :])
             self._pos = end
             if not data or end >= self.size:
                 self._f.close()
@@ -165,8 +234,8 @@ class HashingReader:
     def finish(self, relpath: str) -> FileEntry:
         """The manifest entry of the file; raises ValueError if it changed size while read."""
         self.close()
-        n, _ = sha256_file(self.path, self._hashed, self._h)
-        total = self._hashed + n
-        if total != self.size:
-            raise ValueError(f"{relpath} changed size during upload ({self.size} -> {total} bytes)")
-        return FileEntry(relpath, total, self._h.hexdigest())
+        with open(self.path, "rb") as f:
+            f.seek(self._hasher.pos)
+            while chunk := f.read(CHUNK):
+                self._hasher.update(chunk)
+        return self._hasher.finish(relpath, self.size)

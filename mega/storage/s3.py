@@ -204,13 +204,15 @@ class S3Storage(CheckpointStorage):
         log_transfer("uploaded", manifest, self.uri, time.monotonic() - t0)
         return manifest
 
-    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None) -> list[FileEntry]:
+    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None,
+                     ranges: dict[str, list[tuple[int, int]]] | None = None) -> list[FileEntry]:
         check_name(name)
         local_dir = Path(local_dir)
+        ranges = ranges or {}
         with self._errors(f"upload {name}"):
             if self.read_latest() == name:
                 raise StorageError(f"refusing to overwrite {name}, which {LATEST} names")
-            readers = [(check_relpath(rel), HashingReader(local_dir / rel)) for rel in relpaths]
+            readers = [(check_relpath(rel), HashingReader(local_dir / rel, ranges.get(rel))) for rel in relpaths]
             self._send(name, readers, on_progress)
             try:
                 return [r.finish(rel) for rel, r in readers]

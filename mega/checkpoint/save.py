@@ -1,5 +1,4 @@
-"""Checkpoints of a training run: two-stage saves to a durable store, restores that read each
-byte of a checkpoint once per data-parallel group. See docs/checkpoints.md.
+"""Two-stage saves of a training run to a durable store (docs/checkpoints.md).
 
 Save (``Checkpointer.save``, collective):
 
@@ -13,7 +12,8 @@ Save (``Checkpointer.save``, collective):
   ``dist_checkpointing.save(..., async_sharded_save=True)`` plans the save (collectives on the
   default group) and returns an ``AsyncRequest``; training uses neither group while a save is in
   flight. The request's write function serialises this rank's shards into the node-local staging
-  directory, then the rank uploads its files to the store (``upload_files``, hashed while sent).
+  directory, then the rank uploads its files to the store (``upload_files``, hashed while sent:
+  each file and each serialised piece of it, as the writer reported them).
   The training thread checks at each step (one small all-reduce on a gloo group of its own)
   whether every rank is done; then it runs megatron's finalisation (collective: the global
   ``.metadata``), gathers every rank's manifest entries on rank 0, and rank 0's thread uploads
@@ -22,17 +22,9 @@ Save (``Checkpointer.save``, collective):
 
 At most one save is in flight: the next one waits for it (that wait counts as stall). A crash
 anywhere before ``latest`` moves leaves the previous ``latest`` in place. A store that is down
-makes the uploads retry every ``checkpoint.upload_retry_s`` while training goes on.
-
-Restore (``restore``, collective): rank 0 reads ``latest`` and the complete checkpoints before
-it; the ranks of each DP group split the manifest's files, each downloads and verifies (sha256)
-its share, and they broadcast the bytes to one another over the DP group, so the store serves
-each byte once per DP group instead of once per rank. A corrupt or torn checkpoint is refused
-(the error names the file) and the previous complete one is tried.
-
-The data-loader position is the step: ``TokenDataset.microbatch`` is a pure function of (seed,
-step, DP rank), so a restored step sees the same data. Nothing is unpickled except with
-``weights_only=True``.
+makes the uploads retry every ``checkpoint.upload_retry_s`` while training goes on, for at most
+``checkpoint.upload_timeout_s``: then that checkpoint fails (``latest`` unchanged) and the next
+one tries again.
 """
 
 from __future__ import annotations
@@ -54,112 +46,21 @@ import torch
 import torch.distributed as dist
 
 from mega import optimizer_snapshot
+from mega.checkpoint import megatron_io
+from mega.checkpoint.common import (
+    META_FILE,
+    SHARDING_METADATA,
+    iteration_name,
+    layout,
+    model_state,
+    open_store,
+    rng_state,
+    sharded_state,
+    staging_root,
+)
 
-# megatron-core is imported inside the functions that need it: the flow process reads `latest`
-# through this module and should not pay for (or print the warnings of) importing megatron.
-
-LATEST = "latest"
-SHARDING_METADATA = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    # The plain variant moves buffers to CUDA; the memory-efficient one gathers over gloo too.
-    "distrib_optim_fully_reshardable_mem_efficient": True,
-}
-META_FILE = "mega.json"
 SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
-SYNC_REFERENCE_ENV = "MEGA_CKPT_SYNC_REFERENCE"  # benchmarks: also time a synchronous save
-_EXCHANGE_CHUNK = 64 << 20  # bytes per broadcast when DP peers exchange restored files
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def iteration_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def iteration_dir(root: Path, step: int) -> Path:
-    return Path(root) / iteration_name(step)
-
-
-# ---------------------------------------------------------------------------------------------
-# Where checkpoints live
-
-
-def storage_uri(cfg) -> str:
-    """The durable store of a run: ``checkpoint.storage_uri``, else ``checkpoint.dir``."""
-    return cfg.checkpoint.storage_uri or str(Path(cfg.checkpoint.dir).absolute())
-
-
-def open_store(cfg):
-    from mega.storage import open_storage
-
-    uri = storage_uri(cfg)
-    opts = {}
-    if uri.startswith("s3://") and cfg.checkpoint.s3_endpoint_url:
-        opts["endpoint_url"] = cfg.checkpoint.s3_endpoint_url
-    return open_storage(uri, **opts)
-
-
-def staging_root(cfg) -> Path:
-    return Path(cfg.checkpoint.staging_dir or Path(cfg.train.run_dir) / "checkpoint-staging")
-
-
-def latest_durable(cfg) -> str | None:
-    """The checkpoint ``latest`` names in the run's durable store (None: there is none yet).
-
-    Raises ``mega.storage.StorageUnavailable`` (naming the endpoint) when the store cannot be
-    reached, and ``StorageError`` when it refuses (credentials, missing bucket)."""
-    return open_store(cfg).read_latest()
-
-
-def read_latest(root: str | Path) -> Path | None:
-    """The directory ``latest`` names in a file store (or an old local checkpoint directory)."""
-    marker = Path(root) / LATEST
-    if not marker.exists():
-        return None
-    name = marker.read_text().strip()
-    path = Path(root) / name
-    if not name.startswith("iter_") or not (path / META_FILE).exists():
-        raise CheckpointError(f"{marker} names {name!r}, which is not a complete checkpoint")
-    return path
-
-
-def _model_state(model_chunks, metadata: dict) -> tuple[dict, dict]:
-    """(state by chunk key, all chunks' entries in one dict: what the optimizer's needs)."""
-    state, flat = {}, {}
-    for i, chunk in enumerate(model_chunks):
-        sd = chunk.sharded_state_dict(metadata=metadata)
-        state["model" if len(model_chunks) == 1 else f"model{i}"] = sd
-        flat.update(sd)
-    return state, flat
-
-
-def _sharded_state(model_chunks, optimizer, is_loading: bool) -> dict:
-    metadata = dict(SHARDING_METADATA)  # megatron adds its process groups to the dict it is given
-    state, model_sd = _model_state(model_chunks, metadata)
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
-    return state
-
-
-def _rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    return {
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8),
-    }
-
-
-def _layout() -> dict:
-    from megatron.core import parallel_state as ps
-
-    return {
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
-    }
+STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -192,39 +93,6 @@ def _snapshot(state: dict) -> tuple[dict, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading a checkpoint directory on local disk (restore fetches it there first)
-
-
-def load(path: str | Path, model_chunks, optimizer, scheduler) -> int:
-    """Collective: restore model, optimizer, scheduler and (same layout only) RNG from a local
-    checkpoint directory; return the step."""
-    from megatron.core import dist_checkpointing
-    from megatron.core import tensor_parallel
-
-    path = Path(path)
-    meta = json.loads((path / META_FILE).read_text())
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        # torch Adam allocates state lazily; the distributed optimizer's loader fills it in place.
-        # (Megatron's other wrappers allocate it themselves, through init_state_fn.)
-        if not opt.optimizer.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
-            opt._init_optimizer_states_with_dummy_values()
-    state = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True), str(path))
-    for i, chunk in enumerate(model_chunks):
-        chunk.load_state_dict(state["model" if len(model_chunks) == 1 else f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(meta["scheduler"])
-
-    rng_file = path / "rng" / f"rank{dist.get_rank():05d}.pt"
-    if meta["layout"] == _layout() and rng_file.exists():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-        if torch.cuda.is_available() and rng["cuda"].numel():
-            torch.cuda.set_rng_state(rng["cuda"])
-    return int(meta["step"])
-
-
-# ---------------------------------------------------------------------------------------------
 # Two-stage save
 
 
@@ -236,9 +104,12 @@ def _save_strategy():
 
 class _Worker:
     """One daemon thread running jobs in order. Daemon: a rank that fails while an upload
-    retries must still exit (the half-uploaded checkpoint is never committed)."""
+    retries must still exit (the half-uploaded checkpoint is never committed). ``nice``: the
+    thread's scheduling priority (Linux: per thread; the writer processes it forks and the upload
+    threads it starts inherit it)."""
 
-    def __init__(self):
+    def __init__(self, nice: int = 0):
+        self._nice = nice
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-stage2", daemon=True)
         self._thread.start()
@@ -253,6 +124,11 @@ class _Worker:
         self._thread.join()
 
     def _loop(self) -> None:
+        if self._nice:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except (AttributeError, OSError):  # not Linux, or not allowed: normal priority
+                pass
         while (job := self._jobs.get()) is not None:
             future, fn, args = job
             try:
@@ -277,6 +153,7 @@ class _InFlight:
     # identified by, and megatron's metadata. Stage 2 builds and plans the save from them.
     deferred: tuple | None = None
     build_s: float = 0.0  # stage 2: building the deferred state and planning the save
+    tap: object = None  # megatron_io.WriteResultsTap: where each serialised piece went
     written: bool = False
     uploaded: bool = False
     error: str | None = None
@@ -301,7 +178,10 @@ class Checkpointer:
         self.run_dir = Path(cfg.train.run_dir)
         self._log = log or (lambda m: print(f"[checkpoint] {m}", file=sys.stderr, flush=True))
         # One thread: stage 2 of a save and (rank 0) the commit run in order, never two at once.
-        self._worker = _Worker()
+        # Asynchronous saves run it at a lower priority: where training keeps every core busy
+        # (CPU ranks), serialising, hashing and uploading yield to it instead of slowing each
+        # step. A synchronous save is what training waits for: normal priority.
+        self._worker = _Worker(nice=STAGE2_NICE if self.ck.async_save else 0)
         # The training thread's own checks on saves in flight (poll, finish) use this group:
         # stage 2 may be running collectives on the default group at the same time (the save
         # plan of a deferred save), and a communicator must never be shared by two threads.
@@ -317,9 +197,20 @@ class Checkpointer:
         # cached and validated by megatron after two saves (megatron's
         # --ckpt-assume-constant-structure); the sharding is validated on the first save only.
         self._strategy = _save_strategy()
-        self._reference_strategy = _save_strategy()  # the benchmark's synchronous reference
         self._validated = False
-        self._reference_validated = False
+        self._durable = self._latest_now()  # what `latest` names: the last durable checkpoint
+
+    def _latest_now(self) -> str | None:
+        """Rank 0: `latest` in the store now, for the record of a save that fails (None when
+        there is none or the store cannot say)."""
+        from mega.storage import StorageError
+
+        if self.rank != 0:
+            return None
+        try:
+            return self.store.read_latest()
+        except StorageError:
+            return None
 
     # -- the training thread's side
     def save(self, step: int) -> dict:
@@ -329,10 +220,6 @@ class Checkpointer:
         self.wait()  # at most one save in flight: bounded host memory
         waited = time.perf_counter() - t0
         record = {"event": "save", "step": step, "wait_s": waited}
-        if os.environ.get(SYNC_REFERENCE_ENV):
-            record["sync_save_s"] = self._time_sync_save(step)
-            t0 = time.perf_counter() - waited  # the reference is not part of this save's stall
-
         name = iteration_name(step)
         path = self.staging / name
         if self.local_leader and self.staging.exists():
@@ -341,12 +228,12 @@ class Checkpointer:
         path.mkdir(parents=True, exist_ok=True)
         (path / "rng").mkdir(exist_ok=True)
         t1 = time.perf_counter()
-        job = _InFlight(name, step, path, None, _rng_state(), [], time.perf_counter())
+        job = _InFlight(name, step, path, None, rng_state(), [], time.perf_counter())
         if self._defer_optimizer:
             metadata = dict(SHARDING_METADATA)
-            state, _ = _model_state(self.model_chunks, metadata)
+            state, _ = model_state(self.model_chunks, metadata)
             # a second, live copy: the optimizer's state dict identifies parameters by tensor
-            _, live_model_sd = _model_state(self.model_chunks, dict(SHARDING_METADATA))
+            _, live_model_sd = model_state(self.model_chunks, dict(SHARDING_METADATA))
             t2 = time.perf_counter()
             state, copied = _snapshot(state)
             view, optimizer_bytes = optimizer_snapshot.freeze(self.optimizer)
@@ -354,7 +241,7 @@ class Checkpointer:
             job.deferred = (state, view, live_model_sd, metadata)
             record.update(state_dict_s=t2 - t1, snapshot_s=time.perf_counter() - t2, plan_s=0.0)
         else:
-            state = _sharded_state(self.model_chunks, self.optimizer, is_loading=False)
+            state = sharded_state(self.model_chunks, self.optimizer, is_loading=False)
             t2 = time.perf_counter()
             state, copied = _snapshot(state)
             t3 = time.perf_counter()
@@ -364,7 +251,7 @@ class Checkpointer:
         if self.rank == 0:
             # Rank 0 writes the run-level metadata now: the scheduler changes with the next step.
             meta = {"step": step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
-                    "layout": _layout(), "config": self.config_dict}
+                    "layout": layout(), "config": self.config_dict}
             (path / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
         self._inflight = job
         self._worker.submit(self._stage2, job)
@@ -383,6 +270,7 @@ class Checkpointer:
                                               validate_access_integrity=not self._validated,
                                               async_sharded_save=True)
         self._validated = True
+        job.tap = megatron_io.tap_write_results(job.request)
         buckets = job.request.async_fn_args[1] if job.request.async_fn is not None else []
         job.files = [Path(b[0]).relative_to(job.path).as_posix() for b in buckets] + [f"rng/rank{self.rank:05d}.pt"]
 
@@ -432,11 +320,11 @@ class Checkpointer:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._control)
         self._inflight = None
         if not ok.item():
-            if job.error:
-                self._log(f"{job.name}: rank {self.rank}: {job.error}")
+            errors = [None] * dist.get_world_size() if self.rank == 0 else None
+            dist.gather_object(job.error, errors, dst=0, group=self._control)
             if self.rank == 0:
-                self._record({"event": "failed", "step": job.step, "name": job.name})
-                self._log(f"{job.name} not saved; `latest` is unchanged")
+                first = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), "finalising the shards failed")
+                self._failed(job, first)
             return
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object((job.entries, job.uploaded_bytes), gathered, dst=0, group=self._control)
@@ -466,9 +354,10 @@ class Checkpointer:
             return
         finally:
             job.written = True
+        pieces = job.tap.pieces() if job.tap is not None else {}
         try:
             job.entries = self._retrying(f"upload of {job.name}", lambda: self.store.upload_files(
-                job.path, job.name, job.files, on_progress=self._fault_hook(job.step)))
+                job.path, job.name, job.files, on_progress=self._fault_hook(job.step), ranges=pieces))
             job.uploaded_bytes = sum(e.size for e in job.entries)
             for rel in job.files:  # uploaded: the staging copy is no longer needed
                 (job.path / rel).unlink(missing_ok=True)
@@ -490,32 +379,52 @@ class Checkpointer:
             uploaded += sum(e.size for e in entries if e.path in extras)
             manifest = self._retrying(f"commit of {job.name}", lambda: self.store.commit(job.name, entries))
             self._retrying(f"`latest` -> {job.name}", lambda: self.store.write_latest(job.name))
-            seconds = time.perf_counter() - job.started
-            self._record({"event": "committed", "step": job.step, "name": job.name, "files": len(manifest.files),
-                          "bytes": manifest.total_bytes, "stage2_s": seconds,
-                          "upload_mb_per_s": uploaded / 1e6 / max(seconds, 1e-9)})
-            self._log(f"{job.name} is `latest` in {self.store.uri} ({manifest.total_bytes / 1e6:.1f} MB, "
-                      f"{seconds:.2f}s after stage 1)")
-            deleted = self._retrying("retention", lambda: self.store.apply_retention(self.ck.keep_last))
-            if deleted:
-                self._log(f"retention (keep {self.ck.keep_last}): deleted {deleted}")
         except StorageError as e:
-            self._record({"event": "failed", "step": job.step, "name": job.name, "error": str(e)})
-            self._log(f"{job.name} not committed, `latest` unchanged: {e}")
+            self._failed(job, str(e))
+            return
         finally:
             shutil.rmtree(job.path, ignore_errors=True)
+        self._durable = job.name
+        seconds = time.perf_counter() - job.started
+        self._record({"event": "committed", "step": job.step, "name": job.name, "files": len(manifest.files),
+                      "bytes": manifest.total_bytes, "stage2_s": seconds,
+                      "upload_mb_per_s": uploaded / 1e6 / max(seconds, 1e-9)})
+        self._log(f"{job.name} is `latest` in {self.store.uri} ({manifest.total_bytes / 1e6:.1f} MB, "
+                  f"{seconds:.2f}s after stage 1)")
+        try:  # `latest` has moved: a retention that fails leaves old checkpoints, nothing worse
+            deleted = self._retrying("retention", lambda: self.store.apply_retention(self.ck.keep_last))
+        except StorageError as e:
+            self._log(f"retention after {job.name} failed, old checkpoints stay until the next save: {e}")
+            return
+        if deleted:
+            self._log(f"retention (keep {self.ck.keep_last}): deleted {deleted}")
+
+    def _failed(self, job: _InFlight, error: str) -> None:
+        """Rank 0: record a save that will never be durable; `latest` still names the last one."""
+        self._record({"event": "failed", "step": job.step, "name": job.name, "error": error, "latest": self._durable})
+        self._log(f"{job.name} not saved, `latest` unchanged ({self._durable or 'none yet'}): {error}")
 
     def _retrying(self, what: str, fn):
-        """Run a store operation until the store answers; other errors go to the caller."""
+        """Run a store operation until the store answers, for at most checkpoint.upload_timeout_s
+        of it not answering; other errors go to the caller."""
         from mega.storage import StorageUnavailable
 
+        first_failure = None
         while True:
             try:
                 return fn()
             except StorageUnavailable as e:
+                now = time.monotonic()
+                first_failure = first_failure or now
+                left = self.ck.upload_timeout_s - (now - first_failure)
+                if left <= 0:
+                    raise StorageUnavailable(f"{what}: store unavailable for {now - first_failure:.1f}s "
+                                             f"(checkpoint.upload_timeout_s={self.ck.upload_timeout_s:g}), "
+                                             f"giving up on this checkpoint: {e}") from e
                 self._log(f"{what}: store unavailable, retrying in {self.ck.upload_retry_s:g}s: {e}")
-                self._record({"event": "retry", "what": what, "error": type(e).__name__})
-                if self._stop.wait(self.ck.upload_retry_s):
+                self._record({"event": "retry", "what": what, "error": type(e).__name__,
+                              "gives_up_at": time.time() + left})
+                if self._stop.wait(min(self.ck.upload_retry_s, left)):
                     raise
 
     def _fault_hook(self, step: int):
@@ -533,29 +442,6 @@ class Checkpointer:
         return kill
 
     # -- bookkeeping
-    def _time_sync_save(self, step: int) -> float:
-        """Benchmarks: a synchronous dist_checkpointing save of the same state, timed (max over
-        ranks), into a scratch directory that is removed afterwards."""
-        from megatron.core import dist_checkpointing
-
-        scratch = staging_root(self.cfg) / "sync-reference" / iteration_name(step)
-        if self.local_leader:
-            shutil.rmtree(scratch.parent, ignore_errors=True)
-        dist.barrier()
-        scratch.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        dist_checkpointing.save(_sharded_state(self.model_chunks, self.optimizer, is_loading=False), str(scratch),
-                                sharded_strategy=self._reference_strategy,
-                                validate_access_integrity=not self._reference_validated)
-        self._reference_validated = True
-        torch.save(_rng_state(), scratch / f"rng{self.rank:05d}.pt")
-        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        dist.barrier()
-        if self.local_leader:
-            shutil.rmtree(scratch.parent, ignore_errors=True)
-        return seconds.item()
-
     def _record(self, row: dict) -> None:
         if self.rank == 0:
             with open(self.run_dir / SAVE_LOG, "a") as f:
@@ -565,134 +451,3 @@ class Checkpointer:
 def read_save_log(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / SAVE_LOG
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-# ---------------------------------------------------------------------------------------------
-# Restore
-
-
-def _split(files: list, parts: int) -> list[list]:
-    """Files (manifest entries) into ``parts`` shares of about equal bytes, deterministically."""
-    shares: list[list] = [[] for _ in range(parts)]
-    load = [0] * parts
-    for e in sorted(files, key=lambda e: (-e.size, e.path)):
-        i = min(range(parts), key=lambda j: (load[j], j))
-        shares[i].append(e)
-        load[i] += e.size
-    return shares
-
-
-def _exchange(manifest, shares: list[list], local_dir: Path, group, group_ranks: list[int], device) -> None:
-    """Every file a DP peer downloaded is broadcast (in chunks) from it to the rest of the group."""
-    me = dist.get_rank()
-    if len(group_ranks) == 1:
-        return  # the only rank downloaded everything itself
-    for owner, share in zip(group_ranks, shares):
-        for e in share:
-            path = local_dir / e.path
-            if owner != me:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "rb" if owner == me else "wb") as f:
-                for offset in range(0, e.size, _EXCHANGE_CHUNK):
-                    n = min(_EXCHANGE_CHUNK, e.size - offset)
-                    if owner == me:
-                        buf = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).to(device)
-                    else:
-                        buf = torch.empty(n, dtype=torch.uint8, device=device)
-                    dist.broadcast(buf, src=owner, group=group)
-                    if owner != me:
-                        f.write(buf.cpu().numpy().tobytes())
-
-
-def _fetch(store, name: str, local_dir: Path, device) -> tuple[int, int]:
-    """Download checkpoint ``name`` onto every rank, one store read per DP group; raises
-    CorruptCheckpoint (the same decision on every rank). Returns (bytes this DP group read from
-    the store, bytes the naive path -- every rank reading everything -- would have read)."""
-    from megatron.core import parallel_state as ps
-
-    from mega.storage import CorruptCheckpoint, StorageError
-
-    group = ps.get_data_parallel_group()
-    dp = ps.get_data_parallel_world_size()
-    group_ranks = dist.get_process_group_ranks(group)
-    error: tuple | None = None
-    manifest = None
-    store.reset_bytes_read()
-    try:
-        manifest = store.read_manifest(name)
-        shares = _split(manifest.files, dp)
-        mine = shares[group_ranks.index(dist.get_rank())]
-        store.download_files(name, [e.path for e in mine], local_dir)  # sha256-verified
-    except CorruptCheckpoint as e:
-        error = ("corrupt", e.name, e.relpath, e.reason)
-    except StorageError as e:
-        error = ("storage", name, None, str(e))
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # every rank takes the same decision
-    bad = [e for e in errors if e is not None]
-    if bad:
-        kind, cname, relpath, reason = bad[0]
-        if kind == "corrupt":
-            raise CorruptCheckpoint(cname, relpath, reason)
-        raise StorageError(reason)
-    _exchange(manifest, shares, local_dir, group, group_ranks, device)
-    read = torch.tensor([store.bytes_read], dtype=torch.int64)
-    dist.all_reduce(read, group=group)
-    return int(read.item()), dp * manifest.total_bytes
-
-
-def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None) -> tuple[int, dict]:
-    """Collective: load ``latest`` from the durable store, falling back to the previous complete
-    checkpoint when it is refused. Returns (step to start from, what was done)."""
-    from mega.storage import CorruptCheckpoint, step_of
-
-    if log is None:
-        def log(message: str) -> None:  # every rank takes the same decisions: rank 0 tells them
-            if dist.get_rank() == 0:
-                print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
-    store = open_store(cfg)
-    t0 = time.perf_counter()
-    candidates = [None]
-    if dist.get_rank() == 0:
-        latest = store.read_latest()
-        names = []
-        if latest is not None:
-            complete = store.list_checkpoints()
-            names = [latest] + [n for n in reversed(complete) if step_of(n) < step_of(latest)]
-            for n in complete:
-                if step_of(n) > step_of(latest):
-                    # Committed but never made `latest` (a crash in between): not durable by the
-                    # protocol, and this run will save that step again.
-                    log(f"removing {n}: newer than `latest` ({latest}), never made durable")
-                    store.delete(n)
-        candidates = [names]
-    dist.broadcast_object_list(candidates, src=0)
-    device = torch.device("cuda", torch.cuda.current_device()) if cfg.cluster.backend == "nccl" else torch.device("cpu")
-    info: dict = {"refused": []}
-    for name in candidates[0]:
-        local_dir = staging_root(cfg) / "restore" / name / f"rank{dist.get_rank():05d}"
-        shutil.rmtree(local_dir, ignore_errors=True)
-        local_dir.mkdir(parents=True)
-        try:
-            try:
-                read, naive = _fetch(store, name, local_dir, device)
-            except CorruptCheckpoint as e:
-                log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
-                info["refused"].append({"name": name, "file": e.relpath, "reason": e.reason})
-                continue
-            step = load(local_dir, model_chunks, optimizer, scheduler)
-        finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
-        if info["refused"] and dist.get_rank() == 0:
-            # The refused ones are newer than this; this run saves their steps again, and the
-            # store must not keep pointing at a checkpoint that cannot be read.
-            store.write_latest(name)
-            log(f"`latest` moved back to {name}")
-        info.update(checkpoint=name, step=step, restore_bytes_read=read, naive_restore_bytes=naive,
-                    restore_s=time.perf_counter() - t0)
-        log(f"restored {name} (step {step}) from {store.uri}: {read} bytes read per DP group "
-            f"(naive: {naive})")
-        return step, info
-    if info["refused"]:
-        raise CheckpointError(f"no usable checkpoint in {store.uri}: refused {info['refused']}")
-    return 0, info

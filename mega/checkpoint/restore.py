@@ -1,0 +1,271 @@
+"""Restore: `latest` of the durable store, each rank fetching and holding only what its shards need.
+
+``restore`` (collective, at start-up) walks the candidates -- `latest`, then each older complete
+checkpoint -- and loads the first one that verifies:
+
+1. The small files every rank needs (dist_checkpointing's ``.metadata``, ``common.pt``,
+   ``metadata.json``, our ``mega.json``) and, when the layout is the saving one, the rank's own
+   RNG file are fetched through a ``PieceExchange`` (one read per DP group, verified, passed on
+   to the peers) into the rank's staging directory.
+2. The rank builds its load request: the model's shards of its TP/PP coordinates and the
+   optimizer state of its DP slice only (``megatron_io.optimizer_load_request``).
+3. ``dist_checkpointing.load`` plans it against ``.metadata`` (which tensor chunk lives at which
+   file offset) and reads through ``megatron_io.ExchangeReader``: the pieces of the plan are read
+   once per DP group with ranged reads, verified (sha256 of each piece, from the manifest), and
+   sent to the DP peers that need them.
+
+A corrupt or torn checkpoint is refused naming the file (every rank takes the same decision) and
+the next candidate is tried. Nothing is unpickled except with ``weights_only=True`` (RNG files,
+the shards) and by torch's own reader of dist_checkpointing's ``.metadata``, after that file's
+sha256 matched the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mega.checkpoint import megatron_io
+from mega.checkpoint.common import (
+    META_FILE,
+    SHARDING_METADATA,
+    CheckpointError,
+    layout,
+    model_state,
+    open_store,
+    staging_root,
+)
+from mega.checkpoint.exchange import PieceExchange
+
+COMMON_FILES = (".metadata", "common.pt", "metadata.json", META_FILE)  # every rank reads these
+# Benchmarks: after the restore, load the same checkpoint again the naive way (every rank reads
+# all it needs itself) and report the bytes that took (`naive_restore_bytes`).
+NAIVE_REFERENCE_ENV = "MEGA_CKPT_NAIVE_RESTORE_REFERENCE"
+# Tests and audits: each rank writes what it asked to load and what it held to <dir>/rankNNNNN.json.
+AUDIT_ENV = "MEGA_CKPT_RESTORE_AUDIT"
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng/rank{rank:05d}.pt"
+
+
+def load(path: str | Path, model_chunks, optimizer, scheduler, exchange: PieceExchange | None = None,
+         requests: list | None = None) -> tuple[int, int]:
+    """Collective: restore model, optimizer, scheduler and (same layout only) RNG from checkpoint
+    ``path``; return (step, bytes of load buffers allocated). With an ``exchange`` the shards come
+    from the store through it and ``path`` holds only the small files; without, all from ``path``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import tensor_parallel
+
+    path = Path(path)
+    meta = json.loads((path / META_FILE).read_text())
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # torch Adam allocates state lazily; the distributed optimizer's loader fills it in place.
+        # (Megatron's other wrappers allocate it themselves, through init_state_fn.)
+        if not opt.optimizer.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            opt._init_optimizer_states_with_dummy_values()
+    metadata = dict(SHARDING_METADATA)
+    state, model_sd = model_state(model_chunks, metadata)
+    state["optimizer"], buffer_bytes = megatron_io.optimizer_load_request(optimizer, model_sd, metadata)
+    if exchange is not None:
+        exchange.stats.hold(buffer_bytes)
+    strategy = megatron_io.load_strategy(exchange, requests) if exchange is not None else None
+    # The DP-slice request leaves other ranks' optimizer shards unrequested on purpose: megatron's
+    # check that every shard is loaded exactly once does not apply (and would gather every
+    # rank's shard metadata).
+    state = dist_checkpointing.load(state, str(path), sharded_strategy=strategy, validate_access_integrity=False)
+    for i, chunk in enumerate(model_chunks):
+        chunk.load_state_dict(state["model" if len(model_chunks) == 1 else f"model{i}"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(meta["scheduler"])
+
+    rng_file = path / _rng_file(dist.get_rank())
+    if meta["layout"] == layout() and rng_file.exists():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if torch.cuda.is_available() and rng["cuda"].numel():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return int(meta["step"]), buffer_bytes
+
+
+def _stage_files(exchange: PieceExchange, paths: list[str], local_dir: Path) -> None:
+    """Collective: fetch whole files (verified) into ``local_dir``. They stay counted as held."""
+    wanted = [(p, 0, exchange.manifest.entry(p).size) for p in paths]
+    exchange.fetch(wanted)
+    for piece in wanted:
+        dest = local_dir / piece[0]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(exchange.get(*piece))
+        exchange.release(*piece)
+        exchange.stats.hold(piece[2])  # on disk now, still held by this rank
+
+
+def _broadcast_manifest(store, name: str):
+    """Rank 0 reads the manifest, every rank gets it (or the same error)."""
+    from mega.storage import CorruptCheckpoint, StorageError
+
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box = [("ok", store.read_manifest(name))]
+        except CorruptCheckpoint as e:
+            box = [("corrupt", (e.name, e.relpath, e.reason))]
+        except StorageError as e:
+            box = [("storage", str(e))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "corrupt":
+        raise CorruptCheckpoint(*value)
+    if kind == "storage":
+        raise StorageError(value)
+    return value
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """torch DCP wraps what read_data raised in a CheckpointException: our verdict is inside."""
+    from mega.storage import StorageError
+
+    for failure in getattr(e, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, StorageError):
+            return inner
+    return e
+
+
+def _restore_from(store, name: str, local_dir: Path, model_chunks, optimizer, scheduler, device,
+                  share: bool, audit: dict | None) -> tuple[int, PieceExchange]:
+    """Collective: load checkpoint ``name`` through a PieceExchange; (step, the exchange)."""
+    from megatron.core import parallel_state as ps
+
+    from mega.storage import CorruptCheckpoint
+
+    manifest = _broadcast_manifest(store, name)
+    exchange = PieceExchange(store, manifest, ps.get_data_parallel_group(), device, share=share)
+    listed = {e.path for e in manifest.files}
+    if META_FILE not in listed:  # the same manifest on every rank: the same decision
+        raise CorruptCheckpoint(name, META_FILE, "not in the manifest")
+    _stage_files(exchange, [p for p in COMMON_FILES if p in listed], local_dir)
+    saved_layout = json.loads((local_dir / META_FILE).read_text())["layout"]
+    own_rng = _rng_file(dist.get_rank())
+    _stage_files(exchange, [own_rng] if saved_layout == layout() and own_rng in listed else [], local_dir)
+    requests = [] if audit is not None else None
+    try:
+        step, buffers = load(local_dir, model_chunks, optimizer, scheduler, exchange, requests)
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; re-raised
+        inner = _unwrap(e)
+        if inner is e:
+            raise
+        raise inner from None
+    finally:
+        exchange.drop()
+    if audit is not None:
+        audit.update(requests=requests, buffer_bytes=buffers,
+                     pieces=[[*p, src] for p, src in sorted(exchange.stats.sources.items())])
+    return step, exchange
+
+
+def _totals(stats) -> dict:
+    """Every rank's counters (collective): the sums over the job, the largest footprint of one
+    rank, and the per-rank rows."""
+    mine = {"read_bytes": stats.read_bytes, "received_bytes": stats.received_bytes, "sent_bytes": stats.sent_bytes,
+            "peak_bytes": stats.peak_bytes}
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    return {"read": sum(r["read_bytes"] for r in rows), "sent": sum(r["sent_bytes"] for r in rows),
+            "peak": max(r["peak_bytes"] for r in rows), "per_rank": rows}
+
+
+def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None) -> tuple[int, dict]:
+    """Collective: load ``latest`` from the durable store, falling back to the previous complete
+    checkpoint when it is refused. Returns (step to start from, what was done)."""
+    from mega.storage import CorruptCheckpoint, step_of
+
+    if log is None:
+        def log(message: str) -> None:  # every rank takes the same decisions: rank 0 tells them
+            if dist.get_rank() == 0:
+                print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+    store = open_store(cfg)
+    t0 = time.perf_counter()
+    candidates = [None]
+    if dist.get_rank() == 0:
+        latest = store.read_latest()
+        names = []
+        if latest is not None:
+            complete = store.list_checkpoints()
+            names = [latest] + [n for n in reversed(complete) if step_of(n) < step_of(latest)]
+            for n in complete:
+                if step_of(n) > step_of(latest):
+                    # Committed but never made `latest` (a crash in between): not durable by the
+                    # protocol, and this run will save that step again.
+                    log(f"removing {n}: newer than `latest` ({latest}), never made durable")
+                    store.delete(n)
+        candidates = [names]
+    dist.broadcast_object_list(candidates, src=0)
+    from mega.cluster.backend_flags import backend_flags
+
+    # the DP peers exchange restored pieces point to point on the default group
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).collective_device == "cuda"
+              else torch.device("cpu"))
+    audit_dir = os.environ.get(AUDIT_ENV)
+    info: dict = {"refused": []}
+    for name in candidates[0]:
+        local_dir = staging_root(cfg) / "restore" / name / f"rank{dist.get_rank():05d}"
+        shutil.rmtree(local_dir, ignore_errors=True)
+        local_dir.mkdir(parents=True)
+        audit = {} if audit_dir else None
+        try:
+            try:
+                step, exchange = _restore_from(store, name, local_dir, model_chunks, optimizer, scheduler,
+                                               device, True, audit)
+            except CorruptCheckpoint as e:
+                log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
+                info["refused"].append({"name": name, "file": e.relpath, "reason": e.reason})
+                continue
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        restore_s = time.perf_counter() - t0
+        totals = _totals(exchange.stats)
+        if info["refused"] and dist.get_rank() == 0:
+            # The refused ones are newer than this; this run saves their steps again, and the
+            # store must not keep pointing at a checkpoint that cannot be read.
+            store.write_latest(name)
+            log(f"`latest` moved back to {name}")
+        info.update(checkpoint=name, step=step, restore_s=restore_s, checkpoint_bytes=exchange.manifest.total_bytes,
+                    restore_bytes_read=totals["read"], restore_bytes_exchanged=totals["sent"],
+                    restore_peak_bytes_per_rank=totals["peak"], per_rank=totals["per_rank"])
+        if audit is not None:
+            audit.update(rank=dist.get_rank(), checkpoint=name, layout=layout(), read_bytes=exchange.stats.read_bytes,
+                         received_bytes=exchange.stats.received_bytes, peak_bytes=exchange.stats.peak_bytes)
+            Path(audit_dir).mkdir(parents=True, exist_ok=True)
+            (Path(audit_dir) / f"rank{dist.get_rank():05d}.json").write_text(json.dumps(audit))
+        if os.environ.get(NAIVE_REFERENCE_ENV):
+            info["naive_restore_bytes"] = _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, device)
+        log(f"restored {name} (step {step}) from {store.uri}: {totals['read']} bytes read from the store by "
+            f"{dist.get_world_size()} ranks, {totals['sent']} passed between DP peers; at most "
+            f"{totals['peak']} bytes held by one rank")
+        return step, info
+    if info["refused"]:
+        raise CheckpointError(f"no usable checkpoint in {store.uri}: refused {info['refused']}")
+    return 0, info
+
+
+def _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, device) -> int:
+    """Benchmarks: load ``name`` again with every rank reading all it needs itself; the bytes
+    that took from the store, summed over the job. (The state loaded is the same.)"""
+    local_dir = staging_root(cfg) / "restore-naive" / name / f"rank{dist.get_rank():05d}"
+    shutil.rmtree(local_dir, ignore_errors=True)
+    local_dir.mkdir(parents=True)
+    try:
+        _, exchange = _restore_from(store, name, local_dir, model_chunks, optimizer, scheduler, device, False, None)
+    finally:
+        shutil.rmtree(local_dir, ignore_errors=True)
+    return _totals(exchange.stats)["read"]

@@ -1,0 +1,106 @@
+"""Every setting that depends on the device and the communication backend, decided in one place.
+
+A GPU run (NCCL, CUDA) and a CPU run (gloo, host memory) of the same config must differ ONLY in
+the flags below; mega/train.py, mega/model.py, mega/optim and mega/checkpoint.py read them here
+instead of testing ``cluster.backend``/``cluster.device`` themselves. tests/test_backend_flags.py
+composes each GPU preset, swaps backend and device, and checks that exactly these flags (and the
+megatron-core arguments derived from them) change -- so the GPU configuration path is the one the
+CPU tests run, minus this list.
+
+Why each one differs:
+
+* ``device``: where parameters, activations and p2p buffers live (``cuda`` on GPUs).
+* ``collective_device``: where tensors handed to collectives on the default process group must
+  live -- NCCL takes CUDA tensors only, gloo host tensors only.
+* ``use_cpu_initialization``: megatron builds weights on the host; without CUDA it has to.
+* ``batch_p2p_comm``: megatron's batched isend/irecv. On gloo with PP=2 (previous stage == next
+  stage) gloo matches the two batched sends to the same peer in the wrong order: wrong losses,
+  no error (docs/training.md, shared notes on megatron-core on CPU). Plain isend/irecv is correct
+  everywhere; NCCL keeps megatron's default (batched), except that megatron requires it off under
+  ``overlap_p2p_comm``.
+* ``precision`` (and ``params_dtype``, ``pipeline_dtype``, ``grad_reduce_in_fp32``):
+  ``train.precision=auto`` is bf16 on GPUs and fp32 on CPUs; config validation refuses bf16/fp16
+  with ``cluster.device=cpu``.
+* ``megatron_cpu_patches`` / ``limit_cpu_threads``: the CPU adaptations of megatron-core
+  (mega/megatron_cpu.py) and one OpenMP thread pool per core share, CPU only.
+* ``peak_flops``: the MFU denominator -- the datasheet peak of the GPU, or a GEMM measured at
+  start-up on CPUs.
+* ``env``: process environment megatron-core expects on GPUs: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+  keeps one hardware queue per device so that the communication kernels megatron launches to
+  overlap with compute are scheduled in launch order (Megatron-LM sets it for TP/SP overlap).
+
+Identical on every backend (asserted by the same test), because megatron-core needs them there too:
+``create_gloo_process_groups`` and the optimizer's ``use_gloo_process_groups`` are True everywhere
+-- the distributed optimizer's ``fully_reshardable`` checkpoint gathers over megatron's gloo
+data-parallel group, which the background checkpoint stage uses so as not to touch the training
+thread's (NCCL) groups. Megatron-LM creates them by default for the same reason.
+
+Torch-free: the dtypes are names (``torch_dtype`` maps them), so launchers and config tools can
+read the flags without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from mega.config import MegaConfig
+
+DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class BackendFlags:
+    device: str  # "cpu" | "cuda": parameters, activations, p2p buffers
+    collective_device: str  # tensors for collectives on the default group (nccl: cuda, gloo: cpu)
+    use_cpu_initialization: bool  # TransformerConfig
+    batch_p2p_comm: bool  # TransformerConfig (False on gloo: silent corruption at PP=2)
+    precision: str  # train.precision resolved: fp32 | bf16 | fp16
+    params_dtype: str  # TransformerConfig / OptimizerConfig, a torch dtype name
+    pipeline_dtype: str  # TransformerConfig: dtype of the activations sent between stages
+    grad_reduce_in_fp32: bool  # DistributedDataParallelConfig: fp32 gradient buckets under bf16/fp16
+    megatron_cpu_patches: bool  # apply mega.megatron_cpu before building anything
+    limit_cpu_threads: bool  # torch.set_num_threads(cores // local ranks)
+    peak_flops: str  # MFU denominator: "datasheet" (GPU) | "measured" (a GEMM at start-up, CPU)
+    create_gloo_process_groups: bool  # initialize_model_parallel: gloo copies of the DP groups
+    optimizer_gloo_process_groups: bool  # get_megatron_optimizer(use_gloo_process_groups=...)
+    env: dict[str, str] = field(default_factory=dict)  # set in every rank before CUDA starts
+
+    def torch_dtype(self, name: str) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, name)
+
+
+def resolve_precision(cfg: "MegaConfig") -> str:
+    """``train.precision`` with ``auto`` decided: bf16 on GPUs, fp32 on CPUs."""
+    if cfg.train.precision == "auto":
+        return "bf16" if cfg.cluster.device == "cuda" else "fp32"
+    return cfg.train.precision
+
+
+def backend_flags(cfg: "MegaConfig") -> BackendFlags:
+    c = cfg.cluster
+    cuda = c.device == "cuda"
+    precision = resolve_precision(cfg)
+    dtype = DTYPE_OF_PRECISION[precision]
+    return BackendFlags(
+        device="cuda" if cuda else "cpu",
+        collective_device="cuda" if c.backend == "nccl" else "cpu",
+        use_cpu_initialization=not cuda,
+        # megatron: "batch_p2p_comm must be False if overlap_p2p_comm is True"
+        batch_p2p_comm=c.backend != "gloo" and not cfg.parallelism.overlap_p2p_comm,
+        precision=precision,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        grad_reduce_in_fp32=precision != "fp32",
+        megatron_cpu_patches=not cuda,
+        limit_cpu_threads=not cuda,
+        peak_flops="datasheet" if cuda else "measured",
+        create_gloo_process_groups=True,
+        optimizer_gloo_process_groups=True,
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cuda else {},
+    )

@@ -1,0 +1,341 @@
+"""``prepare_dataset``: corpus -> tokenizer -> token shards + index.json, streaming and resumable.
+
+    <cache_dir>/<key[:16]>/index.json     the dataset (key: settings + the source's file listing)
+    <cache_dir>/.tmp-<key[:16]>/          a preparation in progress: tokenizer, finished shards,
+                                          journal.json (where to go on) and the pending tails
+    <cache_dir>/blend-<hash[:16]>.json    data.blend: the sources' indexes and weights
+
+The corpus is read once, in bounded work units, by this process; ``data.workers`` processes
+tokenize them; shards are written as they fill. After a shard is finished the journal records the
+read position, the writers' pending tails and the running content hash, so a killed preparation
+goes on from there. The dataset directory is renamed into place only when its index.json is
+written: a directory with the final name is always complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+from mega.config import DataConfig
+from mega.data import tokenizer as bpe
+from mega.data.corpus import DataError, open_corpus, read_units, unit_documents
+from mega.data.shards import FORMAT_VERSION, INDEX_FILE, SplitWriter, preload_megatron, write_json
+
+SPLITS = ("train", "val")
+JOURNAL = "journal.json"
+COMMIT_EVERY_S = 5.0  # journal commits at most this often (and only after a shard is finished)
+LOCK_STALL_S = 600.0  # a preparation holding the lock whose files do not change for this long is stuck
+RESULT_TIMEOUT_S = 900.0  # one unit (a few MB) taking longer than this means a stuck worker
+# Fault injection for tests: SIGKILL this process after that many journal commits.
+KILL_AFTER_COMMITS = "MEGA_DATA_KILL_AFTER_COMMITS"
+
+
+def prepare_dataset(data: DataConfig, vocab_size: int, progress: bool = True) -> Path:
+    """Prepare ``data.source`` (or every source of ``data.blend``); return the index path. A second
+    call with the same files and settings returns at once."""
+    if data.tokenizer != "bpe":
+        raise DataError(f"data.tokenizer {data.tokenizer!r}: the only tokenizer is 'bpe'")
+    if data.shard_tokens < 1 or not 0 <= data.val_fraction < 1:
+        raise DataError(f"data.shard_tokens={data.shard_tokens} must be >= 1 and "
+                        f"data.val_fraction={data.val_fraction} in [0, 1)")
+    cache_dir = Path(data.cache_dir).expanduser().resolve()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if data.blend:
+        from mega.data.blend import prepare_blend
+
+        return prepare_blend(data, vocab_size, cache_dir, progress)
+    return prepare_source(data, data.source, data.text_field, vocab_size, cache_dir, progress)
+
+
+def formats_of(data: DataConfig) -> tuple[str, ...]:
+    return ("arrow", "megatron") if data.format == "both" else (data.format,)
+
+
+def prepare_source(data: DataConfig, source: str, text_field: str, vocab_size: int, cache_dir: Path,
+                   progress: bool, tokenizer_file: str | None = None) -> Path:
+    from mega.data.indexed import is_megatron_prefix, prepare_megatron_source
+
+    tokenizer_file = tokenizer_file or data.tokenizer_file
+    if is_megatron_prefix(source):
+        return prepare_megatron_source(data, source, cache_dir, tokenizer_file)
+    corpus = open_corpus(source, text_field, cache_dir, data.s3_endpoint_url, progress)
+    pretrained = bpe.load_pretrained(tokenizer_file, data.max_run_chars, data.eos_token) if tokenizer_file else None
+    tokenizer_settings = ({"kind": "pretrained", "sha256": hashlib.sha256(pretrained.to_str().encode()).hexdigest(),
+                           "eos_token": data.eos_token} if pretrained
+                          else bpe.settings(vocab_size, data.max_run_chars, data.tokenizer_sample_mb))
+    settings = {"version": FORMAT_VERSION, "tokenizer": tokenizer_settings, "val_fraction": data.val_fraction,
+                "shard_tokens": data.shard_tokens, "formats": list(formats_of(data))}
+    key = _digest({"settings": settings, "source": source, "text_field": text_field, "files": corpus.listing()})
+    final = cache_dir / key[:16]
+    if (final / INDEX_FILE).is_file():
+        return final / INDEX_FILE
+    with _locked(cache_dir, key[:16], progress):
+        if (final / INDEX_FILE).is_file():  # prepared by whoever held the lock before us
+            return final / INDEX_FILE
+        if final.exists():  # a finished dataset always has its index; this one was tampered with
+            shutil.rmtree(final)
+        work = cache_dir / f".tmp-{key[:16]}"
+        work.mkdir(exist_ok=True)
+        tokenizer = _tokenizer(work, corpus, pretrained, data, vocab_size, progress)
+        index = _stream(work, corpus, tokenizer, data, settings, key, vocab_size, progress)
+        write_json(work / INDEX_FILE, index)  # the commit record: written last
+        for stale in work.glob("pending-*"):
+            stale.unlink()
+        (work / JOURNAL).unlink(missing_ok=True)
+        os.rename(work, final)
+    return final / INDEX_FILE
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def is_val(digest: bytes, val_fraction: float) -> bool:
+    """The split rule: a document is in val when its sha256, read as a fraction of 2**64, is
+    below data.val_fraction (decided per document, whatever the corpus order or size)."""
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2.0 ** 64
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer: pretrained, or trained on a bounded sample spread over the corpus
+
+
+def _tokenizer(work: Path, corpus, pretrained, data: DataConfig, vocab_size: int, progress: bool):
+    from tokenizers import Tokenizer
+
+    path = work / bpe.TOKENIZER_FILE
+    if path.is_file():  # a resumed preparation: the tokenizer is part of what it finished
+        return Tokenizer.from_file(str(path))
+    if pretrained is None:
+        if progress:
+            print(f"training the tokenizer on up to {data.tokenizer_sample_mb} MB of {corpus.source}",
+                  file=sys.stderr)
+        pretrained = bpe.train_tokenizer(sample_documents([corpus], [1.0], data.tokenizer_sample_mb << 20,
+                                                          data.val_fraction),
+                                         vocab_size, data.max_run_chars)
+    tmp = work / f".{bpe.TOKENIZER_FILE}.tmp"
+    pretrained.save(str(tmp))
+    os.replace(tmp, path)
+    return pretrained
+
+
+def sample_documents(corpora: list, weights: list[float], budget: int, val_fraction: float):
+    """Train documents for the tokenizer: ``budget`` bytes split over the corpora by weight and
+    over each corpus's files by size, each file read from its start (all of it when it fits)."""
+    total_weight = sum(weights)
+    for corpus, weight in zip(corpora, weights):
+        share = budget * weight / total_weight
+        limits = None if corpus.total_bytes <= share else [
+            max(1, int(share * f.size / max(corpus.total_bytes, 1))) for f in corpus.files]
+        for unit in read_units(corpus, limit_bytes=limits):
+            for doc in unit_documents(unit, corpus.text_field):
+                digest = unit.digest or hashlib.sha256(doc.encode("utf-8")).digest()
+                if not is_val(digest, val_fraction):
+                    yield doc
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming: read units, tokenize them in the workers, write shards, commit the journal
+
+
+def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key: str, vocab_size: int,
+            progress: bool) -> dict:
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    from mega.data.encode import encode_unit, init_worker
+
+    eos = bpe.eos_id(tokenizer, data.eos_token)
+    dtype = bpe.token_dtype(tokenizer.get_vocab_size())
+    writers = {s: SplitWriter(work, s, data.shard_tokens, dtype, tuple(settings["formats"])) for s in SPLITS}
+    if "megatron" in settings["formats"]:
+        preload_megatron()
+    journal = _load_journal(work, key, writers)
+    state = journal or {"position": [0, 0, 1], "chain": hashlib.sha256(json.dumps(settings, sort_keys=True)
+                                                                         .encode()).hexdigest(),
+                        "generation": 0, "commits": 0}
+    resumed_at = state["position"] if journal else None
+    chain = bytes.fromhex(state["chain"])
+    workers = data.workers or len(os.sched_getaffinity(0))
+    started, last_commit, finished_since_commit = time.monotonic(), time.monotonic(), 0
+    counts = {"bytes": 0, "tokens": 0, "documents": 0}
+    kill_after = int(os.environ.get(KILL_AFTER_COMMITS, "0"))
+
+    def consume(unit, encoded) -> None:
+        nonlocal chain, finished_since_commit
+        offset = 0
+        for n, digest, ends in zip(encoded.lengths, encoded.digests, encoded.ends):
+            digest = digest or unit.digest
+            split = "val" if digest is not None and is_val(digest, data.val_fraction) else "train"
+            finished_since_commit += writers[split].add(encoded.tokens[offset:offset + n], ends_document=ends)
+            offset += n
+            if ends:
+                chain = hashlib.sha256(chain + digest).digest()
+        counts["bytes"] += len(unit.payload) if isinstance(unit.payload, bytes) else unit.payload.nbytes
+        counts["tokens"] += len(encoded.tokens)
+        counts["documents"] += sum(encoded.ends)
+        state["position"] = [unit.file, unit.end, unit.line + (unit.payload.count(b"\n") if unit.kind == "jsonl" else 0)]
+
+    def commit() -> None:
+        nonlocal last_commit, finished_since_commit
+        state["chain"] = chain.hex()
+        state["generation"] += 1
+        state["commits"] += 1
+        _write_journal(work, key, state, writers)
+        last_commit, finished_since_commit = time.monotonic(), 0
+        if kill_after and state["commits"] >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    tokenizer_path = str(work / bpe.TOKENIZER_FILE)
+    with _progress(progress, corpus) as show, ProcessPoolExecutor(
+            workers, mp_context=get_context("spawn"), initializer=init_worker,
+            initargs=(os.getpid(), tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name)) as pool:
+        inflight: deque = deque()
+        file, offset, line = state["position"]
+
+        def drain_one() -> None:
+            unit, future = inflight.popleft()
+            try:
+                consume(unit, future.result(timeout=RESULT_TIMEOUT_S))
+            except BrokenProcessPool:
+                raise DataError(f"a tokenizer worker died (killed, or out of memory?) while encoding "
+                                f"{unit.label} at offset {unit.start}") from None
+            except TimeoutError:
+                raise DataError(f"a tokenizer worker took over {RESULT_TIMEOUT_S:.0f}s on {unit.label} "
+                                f"at offset {unit.start}") from None
+            show(unit, counts, time.monotonic() - started)
+            if finished_since_commit and (kill_after or time.monotonic() - last_commit >= COMMIT_EVERY_S):
+                commit()
+
+        for unit in read_units(corpus, file, offset, line):
+            inflight.append((unit, pool.submit(encode_unit, unit)))
+            if len(inflight) > 2 * workers + 1:  # bounded read-ahead: memory stays flat
+                drain_one()
+        while inflight:
+            drain_one()
+
+    shards = [entry for s in SPLITS for entry in writers[s].close()]
+    if not any(w.num_documents for w in writers.values()):
+        raise DataError(f"empty corpus: {corpus.source} has no non-empty documents "
+                        f"(read {len(corpus.files)} file(s): {', '.join(f.rel for f in corpus.files[:5])})")
+    seconds = time.monotonic() - started
+    return {
+        "version": FORMAT_VERSION,
+        "content_hash": chain.hex(),
+        "key": key,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "requested_vocab_size": vocab_size,
+        "eos_id": eos,
+        "tokenizer": bpe.TOKENIZER_FILE,
+        "dtype": np.dtype(dtype).name,
+        "shards": shards,
+        "num_tokens": {s: writers[s].num_tokens for s in SPLITS},
+        "num_documents": {s: writers[s].num_documents for s in SPLITS},
+        "settings": settings,
+        "source": {"source": corpus.source, "text_field": corpus.text_field, "files": len(corpus.files),
+                   "bytes": corpus.total_bytes},
+        "prepared": {"seconds": round(seconds, 3), "workers": workers, "resumed_at": resumed_at,
+                     "tokens_read_now": counts["tokens"]},
+    }
+
+
+def _write_journal(work: Path, key: str, state: dict, writers: dict) -> None:
+    gen = state["generation"]
+    tails = {}
+    for split, writer in writers.items():
+        tokens, ends = writer.tail()
+        name = f"pending-{split}-{gen}.npz"
+        tmp = work / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            np.savez(f, tokens=tokens, ends=ends)
+        os.replace(tmp, work / name)
+        tails[split] = {"pending": name, "shards": writer.shards, "num_documents": writer.num_documents}
+    write_json(work / JOURNAL, {**state, "key": key, "writers": tails})
+    for old in work.glob("pending-*.npz"):
+        if not old.name.endswith(f"-{gen}.npz"):
+            old.unlink(missing_ok=True)
+
+
+def _load_journal(work: Path, key: str, writers: dict) -> dict | None:
+    path = work / JOURNAL
+    if not path.is_file():
+        return None
+    try:
+        journal = json.loads(path.read_text())
+        if journal.get("key") != key:
+            return None
+        for split, writer in writers.items():
+            entry = journal["writers"][split]
+            with np.load(work / entry["pending"]) as tail:
+                writer.restore(entry["shards"], entry["num_documents"], tail["tokens"], tail["ends"])
+        return journal
+    except (OSError, ValueError, KeyError) as err:  # a damaged journal: start over
+        print(f"prepare: {path} is unusable ({err}); starting this preparation over", file=sys.stderr)
+        for writer in writers.values():
+            writer.restore([], 0, np.empty(0, writer.dtype), np.empty(0, np.int64))
+        return None
+
+
+@contextlib.contextmanager
+def _locked(cache_dir: Path, name: str, progress: bool):
+    """One preparer per dataset: others wait while its files change, and take over (resuming its
+    journal) when it dies; one whose files stop changing for LOCK_STALL_S is reported as stuck."""
+    locks = cache_dir / ".locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / name, "a+") as f:
+        waited_since, last_change, told = time.monotonic(), None, False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                work = cache_dir / f".tmp-{name}"
+                change = max((p.stat().st_mtime for p in work.iterdir()), default=0) if work.is_dir() else 0
+                if change != last_change:
+                    last_change, waited_since = change, time.monotonic()
+                elif time.monotonic() - waited_since > LOCK_STALL_S:
+                    raise DataError(f"another preparation of this dataset ({work}) has made no progress for "
+                                    f"{LOCK_STALL_S:.0f}s; stop it (or delete {locks / name}) and retry") from None
+                if progress and not told:
+                    print(f"prepare: waiting for another process preparing {work}", file=sys.stderr)
+                    told = True
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, corpus):
+    """A live line: files, documents, tokens, MB/s (rich, on stderr)."""
+    if not enabled:
+        yield lambda *args: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task("tokenizing", total=len(corpus.files))
+
+        def show(unit, counts, seconds) -> None:
+            mb_s = counts["bytes"] / 1e6 / max(seconds, 1e-9)
+            bar.update(task, completed=unit.file + (unit.end >= corpus.files[unit.file].size),
+                       description=f"tokenizing: {counts['documents']:,} docs, {counts['tokens']:,} tokens, "
+                                   f"{mb_s:.1f} MB/s")
+
+        yield show

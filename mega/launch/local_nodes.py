@@ -1,0 +1,193 @@
+"""Local backends: ``launcher=local`` (one torchrun agent) and ``launcher=local-nodes`` (one agent
+per node on this machine, each with its node rank; optionally each in its own network namespace).
+
+**Killing a node.** torch's elastic agent starts every worker in a session of its own
+(``SubprocessHandler``: ``start_new_session=True``), so killing an agent's process group leaves
+its ranks running, and an agent that dies (SIGKILL) orphans them. Every process of a job therefore
+carries a mark in its environment, ``MEGA_JOB_MARK=<job token>/<node>``, which the agents pass to
+their ranks and the ranks to whatever they start (the checkpoint writer's helpers). ``stop()``
+finds the marked processes in ``/proc``, signals each one's process group (SIGTERM, then SIGKILL
+after a grace period) and returns only when none is left, however the job ended: a rank's own
+session, an orphan of a dead agent, a helper of a rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from mega.cluster.node import NODE_ADDR_ENV, RANKS_ON_HOST_ENV
+from mega.launch.backend import JobSpec, agent_argv
+
+if TYPE_CHECKING:
+    from mega.config import MegaConfig
+    from mega.launch.netns import NetnsNetwork
+
+MARK_ENV = "MEGA_JOB_MARK"
+TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
+KILL_WAIT_S = 20.0  # after SIGKILL: a process still there by then is stuck in the kernel
+NETNS_RDZV_PORT = 29500  # node 0's namespace is empty: any fixed port is free there
+
+
+class StopFailed(RuntimeError):
+    """Processes of a job survived SIGKILL (stuck in uninterruptible sleep); names them."""
+
+
+def marked_processes(token: str) -> dict[int, int]:
+    """pid -> node of every live process whose environment carries job ``token``'s mark."""
+    needle = f"{MARK_ENV}={token}/".encode()
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (proc / "environ").read_bytes()  # empty for zombies and kernel threads
+        except OSError:
+            continue
+        start = environ.find(needle)
+        if start >= 0 and (start == 0 or environ[start - 1] == 0):
+            value = environ[start + len(needle):].split(b"\0", 1)[0]
+            found[int(proc.name)] = int(value) if value.isdigit() else -1
+    return found
+
+
+def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
+    """Signal each process's group (ranks lead their own), and the process itself."""
+    own = os.getpgid(0)
+    for pid in pids:
+        try:
+            pgid = os.getpgid(pid)
+            if pgid != own:
+                os.killpg(pgid, sig)
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalNodesBackend:
+    """``cluster.nodes`` torchrun agents on this machine; node 0 hosts the rendezvous store."""
+
+    def __init__(self, cfg: "MegaConfig", run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.nodes = cfg.cluster.nodes
+        self.network: NetnsNetwork | None = None
+        if cfg.launcher.name == "local-nodes" and cfg.launcher.local_nodes.netns:
+            from mega.launch import netns
+
+            ln = cfg.launcher.local_nodes
+            self.network = netns.NetnsNetwork(netns.plan(ln.subnet, self.nodes)).create()
+            try:
+                if ln.link_mbit is not None:
+                    for k in range(self.nodes):
+                        self.network.shape(k, ln.link_mbit)
+            except BaseException:
+                self.network.close()
+                raise
+        # servers the nodes need listen here (a namespace's loopback is its own)
+        self.server_host = self.network.bridge_address if self.network else cfg.cluster.master_addr
+        self.token: str | None = None
+        self._agents: dict[int, subprocess.Popen] = {}
+        self._logs: list[IO[bytes]] = []
+
+    # -- addresses -------------------------------------------------------------------------------
+
+    def node_address(self, node: int) -> str:
+        return self.network.address(node) if self.network else self.cfg.cluster.master_addr
+
+    def _master(self) -> tuple[str, int]:
+        if self.network:
+            return self.network.address(0), self.cfg.launcher.rdzv_port or NETNS_RDZV_PORT
+        addr = self.cfg.cluster.master_addr
+        return addr, self.cfg.launcher.rdzv_port or _free_port(addr)
+
+    # -- Backend ---------------------------------------------------------------------------------
+
+    def start(self, job: JobSpec) -> None:
+        if self._agents:
+            raise RuntimeError("a job is still running on these nodes: stop() it first")
+        self.token = uuid.uuid4().hex[:12]
+        addr, port = self._master()
+        try:
+            for k in range(self.nodes):
+                self._start_agent(k, addr, port, job)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_agent(self, k: int, addr: str, port: int, job: JobSpec) -> None:
+        log_path = job.log_path(k, self.nodes)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **job.env, MARK_ENV: f"{self.token}/{k}", NODE_ADDR_ENV: self.node_address(k),
+               RANKS_ON_HOST_ENV: str(self.cfg.cluster.world_size)}  # local nodes share this machine's cores
+        argv = agent_argv(self.cfg, k, addr, port, job)
+        if self.network:
+            env.update(self.network.env(k))
+            argv = self.network.exec_prefix(k) + argv
+        log = open(log_path, "ab")
+        self._logs.append(log)
+        # own session: a Ctrl-C of the driver's terminal does not reach the agents half-way
+        self._agents[k] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+
+    def poll(self) -> dict[int, int | None]:
+        return {k: p.poll() for k, p in self._agents.items()}
+
+    def agent_pids(self) -> dict[int, int]:
+        """Node -> pid of its torchrun agent (the running job's)."""
+        return {k: p.pid for k, p in self._agents.items()}
+
+    def processes(self) -> dict[int, int]:
+        """pid -> node of every live process of the running job (agents, ranks, their helpers)."""
+        return marked_processes(self.token) if self.token else {}
+
+    def stop(self) -> None:
+        """SIGTERM every process group of the job, SIGKILL what is left after TERM_GRACE_S; on
+        return no agent, rank or helper of any node is alive (StopFailed names any that is)."""
+        try:
+            for sig, wait_s in ((signal.SIGTERM, TERM_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+                pids = set(self.processes()) | {p.pid for p in self._agents.values() if p.poll() is None}
+                if not pids:
+                    break
+                _signal_groups(sorted(pids), sig)
+                deadline = time.monotonic() + wait_s
+                while time.monotonic() < deadline:
+                    for p in self._agents.values():
+                        p.poll()  # reap exited agents (ours): a zombie is not "gone" to kill(0)
+                    if not self.processes():
+                        break
+                    if sig == signal.SIGKILL:  # a process may have forked since the scan
+                        _signal_groups(sorted(self.processes()), sig)
+                    time.sleep(0.05)
+            left = self.processes()
+            if left:
+                raise StopFailed(f"processes of job {self.token} survived SIGKILL: {sorted(left)}")
+            for p in self._agents.values():
+                p.wait(timeout=KILL_WAIT_S)
+        finally:
+            for log in self._logs:
+                log.close()
+            self._logs.clear()
+            self._agents.clear()
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            if self.network is not None:
+                self.network.close()
+                self.network = None
+
+    def __repr__(self) -> str:
+        where = f"netns {self.network.plan.subnet}" if self.network else self.cfg.cluster.master_addr
+        return f"LocalNodesBackend({self.nodes} nodes x {self.cfg.cluster.procs_per_node}, {where})"

@@ -1,0 +1,88 @@
+"""Run one job on a backend and watch it to the end: every node done, a node failed, a timeout,
+a stall, or Ctrl-C. Whatever the end, every node's agent and ranks are stopped before returning."""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from mega.launch.backend import Backend, JobSpec
+
+TIMEOUT_EXIT = 124
+
+
+@dataclass
+class JobOutcome:
+    code: int  # 0: every node's agent exited 0; TIMEOUT_EXIT: timed out or stalled; else the failed node's code
+    reason: str  # for people: "completed", "node 1: torchrun agent killed by SIGKILL", ...
+    failed_nodes: list[int] = field(default_factory=list)
+    exit_codes: dict[int, int | None] = field(default_factory=dict)  # at the moment the job ended
+    elapsed_s: float = 0.0
+    stop_s: float = 0.0  # how long stopping every node took
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"torchrun agent killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"torchrun agent killed by signal {-code}"
+    return f"torchrun agent exited with code {code}" + (" (a rank failed)" if code == 1 else "")
+
+
+def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, progress_file: Path | None = None,
+            stall_timeout_s: float | None = None, on_poll: Callable[[], None] | None = None,
+            on_failure: Callable[[JobOutcome], None] | None = None, poll_s: float = 0.5) -> JobOutcome:
+    """Start ``job`` on every node and wait; returns how it ended (never raises for the job's own
+    failure). When any node's agent exits non-zero, every node is stopped at once.
+
+    ``progress_file``: a file the job appends to as it makes progress; unchanged for
+    ``stall_timeout_s`` once it has changed counts as a hang (start-up is bounded by the ranks'
+    own timeouts). A file that exists before the start counts only once it changes.
+    ``on_poll``: called every poll (the run record's heartbeat). ``on_failure``: called with the
+    outcome once a failure is seen and before the nodes are stopped (drills look at survivors).
+    """
+    started = last_progress = time.monotonic()
+    initial_mtime = progress_file.stat().st_mtime if progress_file and progress_file.exists() else None
+    last_mtime = None
+    outcome: JobOutcome | None = None
+    backend.start(job)
+    try:
+        while outcome is None:
+            time.sleep(poll_s)
+            codes = backend.poll()
+            failed = sorted(k for k, c in codes.items() if c not in (None, 0))
+            now = time.monotonic()
+            if failed:
+                first = failed[0]
+                outcome = JobOutcome(codes[first], "; ".join(f"node {k}: {describe_exit(codes[k])}" for k in failed),
+                                     failed, codes)
+            elif codes and all(c == 0 for c in codes.values()):
+                outcome = JobOutcome(0, "completed", [], codes)
+            else:
+                if on_poll is not None:
+                    on_poll()
+                if progress_file is not None and progress_file.exists():
+                    mtime = progress_file.stat().st_mtime
+                    if mtime != last_mtime and mtime != initial_mtime:
+                        last_mtime, last_progress = mtime, now
+                if timeout_s is not None and now - started > timeout_s:
+                    outcome = JobOutcome(TIMEOUT_EXIT, f"timed out after {timeout_s:g} s", [], codes)
+                elif stall_timeout_s is not None and last_mtime is not None and now - last_progress > stall_timeout_s:
+                    outcome = JobOutcome(TIMEOUT_EXIT, "hung (no progress)", [], codes)
+        outcome.elapsed_s = time.monotonic() - started
+        if outcome.failed_nodes and on_failure is not None:
+            on_failure(outcome)
+    finally:
+        t0 = time.monotonic()
+        backend.stop()  # also on Ctrl-C or an error in a callback: nothing outlives the job
+        if outcome is not None:
+            outcome.stop_s = time.monotonic() - t0
+    return outcome

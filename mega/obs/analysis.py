@@ -1,0 +1,176 @@
+"""A run's per-rank timelines read back: per rank and step numbers, stragglers, heat-map data.
+
+``load(run_dir)`` reads ``<run_dir>/obs/attempt-*/rank-*.jsonl``. A step replayed after a restart
+is taken from the latest attempt that recorded it (as ``metrics.jsonl`` does).
+
+Straggler score of a rank: over the steps, the median of its compute time divided by the median
+compute time of the ranks doing the same work in that step (same pipeline stage: the same layers,
+the same microbatch count). 1.0 is typical; a rank 30 % slower than its peers scores 1.3. Compute
+time is forward, backward and optimizer time not blocked in communication (mega.obs.timeline),
+so a rank waiting on a slow peer does not look slow itself.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OBS_DIR = "obs"
+_RANK_FILE = re.compile(r"rank-(\d+)\.jsonl$")
+_ATTEMPT_DIR = re.compile(r"attempt-(\d+)$")
+
+
+@dataclass
+class RunTimeline:
+    """Every rank's header (identity, clock offset) and step records, by rank then step."""
+
+    run_dir: Path
+    headers: dict[int, dict] = field(default_factory=dict)
+    steps: dict[int, dict[int, dict]] = field(default_factory=dict)  # rank -> step -> record
+    accounting: dict[int, dict] = field(default_factory=dict)  # rank -> its last attempt's accounting
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.headers)
+
+    def step_numbers(self) -> list[int]:
+        return sorted({s for per_rank in self.steps.values() for s in per_rank})
+
+    def ordered_ranks(self) -> list[int]:
+        """Ranks laid out by their parallel coordinates: pipeline stage, then DP, then TP."""
+        return sorted(self.ranks, key=lambda r: (self.headers[r].get("pp", 0), self.headers[r].get("dp", 0),
+                                                 self.headers[r].get("tp", 0), r))
+
+    def offset(self, rank: int, step: int | None = None) -> int:
+        """ns to add to a rank's timestamps to put them on rank 0's clock (its record's attempt)."""
+        if step is not None and step in self.steps.get(rank, {}):
+            return self.steps[rank][step]["_offset"]
+        return self.headers[rank].get("clock_offset_ns", 0)
+
+
+def load(run_dir: str | Path, steps: tuple[int, int] | None = None) -> RunTimeline:
+    """Read the run's span files (``steps``: an inclusive 1-based range, to read less)."""
+    run_dir = Path(run_dir)
+    tl = RunTimeline(run_dir)
+    attempts = sorted((int(m.group(1)), d) for d in (run_dir / OBS_DIR).glob("attempt-*")
+                      if (m := _ATTEMPT_DIR.search(d.name)))
+    if not attempts:
+        raise FileNotFoundError(f"no span files under {run_dir / OBS_DIR} (was obs.enabled off?)")
+    for attempt, directory in attempts:  # later attempts overwrite replayed steps
+        for path in sorted(directory.glob("rank-*.jsonl")):
+            rank = int(_RANK_FILE.search(path.name).group(1))
+            header = None
+            with open(path) as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    try:
+                        item = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # the last line of a rank killed while its flush thread wrote
+                    if "header" in item:
+                        header = item["header"]
+                        tl.headers[rank] = header
+                    elif "accounting" in item:
+                        tl.accounting[rank] = item["accounting"]
+                    elif "step" in item:
+                        if steps is not None and not steps[0] <= item["step"] <= steps[1]:
+                            continue
+                        item["_offset"] = (header or {}).get("clock_offset_ns", 0)
+                        item["_attempt"] = attempt
+                        tl.steps.setdefault(rank, {})[item["step"]] = item
+    return tl
+
+
+def _summary(record: dict) -> dict:
+    return record.get("summary") or {}
+
+
+def table(tl: RunTimeline, key: str = "compute_s") -> dict[int, dict[int, float]]:
+    """``key`` of every (rank, step) summary: rank -> step -> value."""
+    return {r: {s: _summary(rec).get(key) for s, rec in tl.steps.get(r, {}).items()} for r in tl.ranks}
+
+
+def work_groups(tl: RunTimeline) -> dict[tuple, list[int]]:
+    """Ranks that do the same work: the same pipeline stage (its layers and microbatches)."""
+    groups: dict[tuple, list[int]] = {}
+    for r in tl.ranks:
+        groups.setdefault(("pp", tl.headers[r].get("pp", 0)), []).append(r)
+    return groups
+
+
+def relative_compute(tl: RunTimeline) -> dict[int, dict[int, float]]:
+    """Compute time of each (rank, step) over the median of its work group in that step."""
+    compute = table(tl, "compute_s")
+    out: dict[int, dict[int, float]] = {r: {} for r in tl.ranks}
+    for members in work_groups(tl).values():
+        for step in tl.step_numbers():
+            values = {r: compute[r].get(step) for r in members if compute[r].get(step) is not None}
+            if not values:
+                continue
+            median = statistics.median(values.values())
+            for r, v in values.items():
+                out[r][step] = v / median if median > 0 else 1.0
+    return out
+
+
+def straggler_scores(tl: RunTimeline, skip_first: bool = True) -> dict[int, float]:
+    """Per rank: the median over steps of its relative compute time (the first step, warm-up,
+    left out when there are others)."""
+    rel = relative_compute(tl)
+    scores = {}
+    for r, by_step in rel.items():
+        steps = sorted(by_step)
+        if skip_first and len(steps) > 1:
+            steps = steps[1:]
+        scores[r] = statistics.median(by_step[s] for s in steps) if steps else float("nan")
+    return scores
+
+
+def heatmap_data(tl: RunTimeline) -> dict:
+    """What the heat map draws: ranks (ordered by pp, dp, tp) x steps of compute seconds and of
+    compute relative to the work group, with labels and the straggler scores."""
+    ranks = tl.ordered_ranks()
+    steps = tl.step_numbers()
+    compute, rel = table(tl, "compute_s"), relative_compute(tl)
+    scores = straggler_scores(tl)
+    return {
+        "ranks": ranks,
+        "labels": [_coord_label(tl.headers[r]) for r in ranks],
+        "stages": [tl.headers[r].get("pp", 0) for r in ranks],
+        "steps": steps,
+        "compute_s": [[compute[r].get(s) for s in steps] for r in ranks],
+        "relative": [[rel[r].get(s) for s in steps] for r in ranks],
+        "scores": [scores[r] for r in ranks],
+        "top_straggler": max(scores, key=lambda r: scores[r]) if scores else None,
+    }
+
+
+def _coord_label(h: dict) -> str:
+    return f"pp{h.get('pp', 0)} dp{h.get('dp', 0)} tp{h.get('tp', 0)} · r{h.get('rank')} n{h.get('node', 0)}"
+
+
+def exposed_per_step(tl: RunTimeline) -> list[dict]:
+    """Per step, per communication kind: the exposed seconds, max and mean over ranks."""
+    out = []
+    for step in tl.step_numbers():
+        row: dict = {"step": step}
+        for kind in ("tp", "pp", "dp", "other"):
+            values = [v for r in tl.ranks
+                      if (v := _summary(tl.steps.get(r, {}).get(step, {})).get(f"exposed_{kind}_s")) is not None]
+            row[f"exposed_{kind}_max_s"] = max(values) if values else None
+            row[f"exposed_{kind}_mean_s"] = statistics.fmean(values) if values else None
+        out.append(row)
+    return out
+
+
+def overhead(tl: RunTimeline) -> dict:
+    """The recorder's counted cost over all ranks: sum of costs over sum of wall times."""
+    acc = list(tl.accounting.values())
+    total = sum(a["total_ns"] for a in acc)
+    wall = sum(a["wall_ns"] for a in acc)
+    return {"overhead": total / wall if wall else None, "ranks": len(acc), "total_s": total * 1e-9,
+            "wall_s": wall * 1e-9, "max_rank_overhead": max((a["overhead"] for a in acc), default=None)}

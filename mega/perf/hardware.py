@@ -1,0 +1,246 @@
+"""What the performance model knows about the machine: rates, bandwidths, latencies, capacities.
+
+Two sources, one shape (``Hardware``):
+
+* a GPU cluster preset (``conf/cluster/*.yaml``): the datasheet facts of ``ClusterConfig`` (dense
+  peak, HBM bandwidth and size, NVLink, NICs) times the global efficiency constants below;
+* a calibration (``python -m mega.plan calibrate``): rates and latencies measured on this machine
+  (CPU GEMMs, memory traffic, gloo collectives, the host overheads of megatron's Python).
+
+The constants are global: one value for every model, layout and published row, never per row.
+docs/perf-model.md says where each comes from and which one was fitted, on what.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from mega.config import ClusterConfig, ConfigError
+from mega.flops import device_key
+
+GIB = 1024**3
+
+# --- Global efficiency constants (docs/perf-model.md, "Constants") -------------------------------
+# Fraction of the dense tensor-core peak that a large GEMM of a transformer layer reaches. The one
+# constant fitted to published numbers: least squares over Korthikanti et al. 2022 Table 5 (eight
+# iteration times, A100), then frozen; every other published row is out of sample.
+GEMM_EFFICIENCY = 0.76
+# Per-shape GEMM efficiency (docs/perf-model.md): output tiles of TILE_M x TILE_N run in waves over
+# the streaming multiprocessors (a last, partial wave idles SMs), and each tile pays a fixed
+# prologue/epilogue worth GEMM_K_OVERHEAD elements of its inner dimension. 256 x 128 is the usual
+# cuBLAS/CUTLASS bf16 tile on A100 and H100; the SM counts are the NVIDIA architecture whitepapers'.
+TILE_M, TILE_N, GEMM_K_OVERHEAD = 256, 128, 64
+SMS = {"A100": 108, "H100 SXM": 132, "H100 PCIe": 114, "H100 NVL": 132, "H200": 132, "H200 NVL": 132,
+       "GH200": 132, "V100 SXM2": 80, "V100 PCIe": 80}
+# Fused attention kernels (flash-attn) against the dense peak: FlashAttention-2 reports 50-73% of
+# the A100 peak forward + backward (Dao 2023, section 4.1); the middle of that range.
+FLASH_ATTENTION_EFFICIENCY = 0.6
+# Achieved fraction of the HBM datasheet bandwidth by streaming kernels (elementwise, optimizer):
+# ~1.7 of 2.0 TB/s on A100 80GB in STREAM-like copies.
+MEMORY_EFFICIENCY = 0.85
+# NCCL bus bandwidth over NVLink against the datasheet's per-direction figure (nccl-tests
+# all_reduce_perf on DGX A100: ~230-240 GB/s of 300 GB/s per direction).
+NVLINK_EFFICIENCY = 0.8
+# NCCL bus bandwidth over InfiniBand against the NIC line rate (one NIC per GPU).
+NIC_EFFICIENCY = 0.85
+# Fixed cost of one GPU kernel (launch gap and tail), seconds: small kernels cannot go faster.
+GPU_KERNEL_S = 5e-6
+# Per-hop latency of a collective step (NCCL ring step), seconds: NVLink and InfiniBand.
+NVLINK_LATENCY_S = 5e-6
+NIC_LATENCY_S = 10e-6
+# Host->device copy of a microbatch's token tensors (PCIe 4 x16, ~25 GB/s achieved).
+PCIE_BYTES_PER_S = 25e9
+# Device memory a run cannot use for the model: CUDA context, NCCL buffers, cuBLAS workspaces,
+# allocator fragmentation.
+RESERVED_GIB = 2.0
+FRAGMENTATION = 0.05
+
+
+@dataclass(frozen=True)
+class Link:
+    """A class of interconnect as one rank sees it: bytes/s per direction, a per-step latency."""
+
+    bytes_per_s: float
+    latency_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    source: str  # "datasheet" (cluster preset x constants) or "calibration: <file>"
+    peak_flops: float  # dense per device at the training precision
+    gemm_efficiency: float  # fraction of peak_flops a large GEMM reaches
+    attention_efficiency: float  # fused attention kernels, fraction of peak_flops
+    kernel_s: float  # fixed cost of one kernel (GPU launch gap / CPU op dispatch)
+    memory_bytes_per_s: float  # achieved streaming bandwidth (efficiency applied)
+    memory_bytes: float  # device memory usable by the model (reserve and fragmentation taken off)
+    memory_capacity_bytes: float  # the datasheet size
+    intra: Link  # between ranks of one node (NVLink; CPU: gloo over loopback)
+    inter: Link  # between nodes, per rank's share of its node's NICs
+    procs_per_node: int
+    sms: int | None  # streaming multiprocessors per GPU (wave quantization); None on a CPU
+    flash_attention: bool  # fused attention kernels exist (model.fused_ops on a GPU)
+    # CPU: the ranks of a node share this many cores; None = one device per rank (GPU)
+    cores: int | None = None
+    # Host work that the device does not hide (CPU: megatron's Python per layer; GPU: 0)
+    layer_overhead_s: float = 0.0  # per layer forward, per microbatch (backward counts 2x)
+    microbatch_overhead_s: float = 0.0  # per microbatch and model chunk: schedule, embedding, loss
+    step_overhead_s: float = 0.0  # per step: zero_grad, grad-norm, scheduler, logging
+    layer_step_overhead_s: float = 0.0  # per layer and step: the optimizer's per-tensor work
+    tp_layer_overhead_s: float = 0.0  # with tp > 1, per layer forward and microbatch: the TP wrappers and collective calls
+    tp_microbatch_overhead_s: float = 0.0  # with tp > 1, per microbatch: vocab-parallel embedding and cross entropy
+    data_s_per_token: float = 0.0  # building a microbatch's tensors and copying them to the device
+    # CPU: the core time a collective call costs its rank (latency per ring step, bytes/s), measured
+    # in CPU seconds; None on GPUs (NCCL runs on the device)
+    collective_cpu: Link | None = None
+    # Activation elementwise ops (GeLU, softmax, LayerNorm...): bytes/s they reach. None = the
+    # streaming bandwidth (GPUs: memory-bound); a CPU runs their transcendentals far slower.
+    elementwise_bytes_per_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
+
+    def gemm_s(self, m: int, n: int, k: int, batch: int = 1, dtype_bytes: int = 2) -> float:
+        """Time of ``batch`` GEMMs (m x k) @ (k x n): roofline of compute and memory traffic,
+        plus one kernel's fixed cost."""
+        flops = 2.0 * m * n * k * batch
+        traffic = dtype_bytes * (m * k + k * n + m * n) * batch
+        efficiency = self.gemm_efficiency
+        if self.sms:
+            tiles = math.ceil(m / TILE_M) * math.ceil(n / TILE_N) * batch
+            efficiency *= tiles / (math.ceil(tiles / self.sms) * self.sms) * k / (k + GEMM_K_OVERHEAD)
+        return max(flops / (self.peak_flops * efficiency), traffic / self.memory_bytes_per_s) + self.kernel_s
+
+    def stream_s(self, nbytes: float, kernels: int) -> float:
+        """Memory-bound kernels moving ``nbytes`` in all (elementwise ops, optimizer)."""
+        return nbytes / self.memory_bytes_per_s + kernels * self.kernel_s
+
+    def elementwise_s(self, nbytes: float, kernels: int) -> float:
+        """Activation elementwise kernels moving ``nbytes`` in all."""
+        return nbytes / (self.elementwise_bytes_per_s or self.memory_bytes_per_s) + kernels * self.kernel_s
+
+    def attention_s(self, flops: float, kernels: int = 1) -> float:
+        """A fused attention kernel doing ``flops``."""
+        return flops / (self.peak_flops * self.attention_efficiency) + kernels * self.kernel_s
+
+    def link(self, group_size: int, stride: int) -> tuple[Link, float]:
+        """The link a collective over ``group_size`` ranks ``stride`` apart in rank order runs on,
+        and the bus bandwidth it gets (bytes/s per rank): within a node, the intra link; across
+        nodes, the inter link times the group's ranks per node (their NICs work in parallel),
+        capped by the intra link."""
+        per_node = max(1, min(group_size, self.procs_per_node // max(1, stride)))
+        if group_size <= per_node:
+            return self.intra, self.intra.bytes_per_s
+        return self.inter, min(self.intra.bytes_per_s, self.inter.bytes_per_s * per_node)
+
+    def collective_s(self, kind: str, nbytes: float, group_size: int, stride: int = 1) -> float:
+        """Ring collective over ``group_size`` ranks: ``nbytes`` is the full tensor (all-reduce,
+        the all-gather's output, the reduce-scatter's input), ``send`` one point-to-point message."""
+        if group_size <= 1 or nbytes <= 0:
+            return 0.0
+        link, bw = self.link(group_size, stride)
+        n = group_size
+        if kind == "all_reduce":
+            return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / bw
+        if kind in ("all_gather", "reduce_scatter"):
+            return (n - 1) * link.latency_s + (n - 1) / n * nbytes / bw
+        if kind == "send":
+            return link.latency_s + nbytes / bw
+        raise ValueError(f"unknown collective {kind!r}")
+
+    def collective_cpu_s(self, kind: str, nbytes: float, group_size: int) -> float:
+        """Core seconds one rank spends in a collective (CPU machines; 0 on GPUs)."""
+        if self.collective_cpu is None or group_size <= 1:
+            return 0.0
+        n, link = group_size, self.collective_cpu
+        steps, factor = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+                         "reduce_scatter": (n - 1, (n - 1) / n), "send": (1, 1.0)}[kind]
+        return steps * link.latency_s + factor * nbytes / link.bytes_per_s
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "source": self.source, "peak_tflops": self.peak_flops / 1e12,
+            "gemm_efficiency": self.gemm_efficiency, "attention_efficiency": self.attention_efficiency,
+            "memory_tb_per_s_achieved": self.memory_bytes_per_s / 1e12,
+            "memory_gib_usable": self.memory_bytes / GIB,
+            "intra_gb_per_s": self.intra.bytes_per_s / 1e9, "inter_gb_per_s_per_rank": self.inter.bytes_per_s / 1e9,
+            "procs_per_node": self.procs_per_node, "cores": self.cores, "flash_attention": self.flash_attention,
+        }
+
+
+def _need(value: Any, key: str) -> Any:
+    if value is None or value == 0:
+        raise ConfigError(key, "the performance model needs this hardware fact (set it in the cluster preset, "
+                               "or calibrate a CPU machine: python -m mega.plan calibrate)")
+    return value
+
+
+def from_cluster(cluster: ClusterConfig, precision: str, fused_ops: bool) -> Hardware:
+    """Hardware of a GPU cluster preset at a training precision: datasheet x global constants.
+
+    ``precision``: bf16/fp16 run at the dense peak of the preset; fp32 means TF32 tensor cores,
+    half of it on A100 and H100 (NVIDIA datasheets)."""
+    peak = _need(cluster.peak_tflops, "cluster.peak_tflops") * 1e12
+    if precision == "fp32":
+        peak /= 2
+    memory_gib = _need(cluster.memory_gib, "cluster.memory_gib")
+    hbm = _need(cluster.memory_tb_per_s, "cluster.memory_tb_per_s") * 1e12
+    nvlink = _need(cluster.nvlink_gb_per_s, "cluster.nvlink_gb_per_s") * 1e9 / 2  # per direction
+    if cluster.nodes > 1:
+        node_nic = _need(cluster.node_nic_gb_per_s, "cluster.nic_gbit_per_s") * 1e9
+    else:
+        node_nic = cluster.node_nic_gb_per_s * 1e9 if cluster.node_nic_gb_per_s else nvlink
+    capacity = memory_gib * GIB
+    return Hardware(
+        name=cluster.device_name or cluster.name,
+        source=f"datasheet: conf/cluster/{cluster.name}.yaml x constants in mega/perf/hardware.py",
+        peak_flops=peak,
+        gemm_efficiency=GEMM_EFFICIENCY,
+        attention_efficiency=FLASH_ATTENTION_EFFICIENCY,
+        kernel_s=GPU_KERNEL_S,
+        memory_bytes_per_s=hbm * MEMORY_EFFICIENCY,
+        memory_bytes=capacity * (1 - FRAGMENTATION) - RESERVED_GIB * GIB,
+        memory_capacity_bytes=capacity,
+        intra=Link(nvlink * NVLINK_EFFICIENCY, NVLINK_LATENCY_S),
+        inter=Link(node_nic / cluster.procs_per_node * NIC_EFFICIENCY, NIC_LATENCY_S),
+        procs_per_node=cluster.procs_per_node,
+        sms=SMS.get(device_key(cluster.device_name or "") or ""),
+        flash_attention=fused_ops,
+        data_s_per_token=16 / PCIE_BYTES_PER_S,  # tokens, labels, loss mask, positions (int32/fp32)
+    )
+
+
+def from_calibration(calibration: dict[str, Any], cluster: ClusterConfig, source: str) -> Hardware:
+    """Hardware measured on this machine (the ``hardware`` block of a calibration JSON)."""
+    hw = from_calibration_block(calibration["hardware"], cluster.procs_per_node, f"calibration: {source}")
+    return dataclasses.replace(hw, extra={"machine": calibration.get("machine", {})})
+
+
+def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: str = "calibration") -> Hardware:
+    """The measured rates of a calibration. Ranks run ``cores // procs_per_node`` threads each (at
+    least one: mega.train), so the per-thread GEMM rate scales by that; collectives inside and
+    across "nodes" of this machine use the same loopback gloo."""
+    link = Link(float(block["gloo_bytes_per_s"]), float(block["gloo_latency_s"]))
+    cores = int(block["cores"])
+    threads = max(1, cores // max(1, procs_per_node))
+    memory = float(block["memory_bytes"])
+    return Hardware(
+        name=block["name"], source=source, peak_flops=float(block["gemm_flops_per_s"]) * threads,
+        gemm_efficiency=1.0,  # the measured rate is already what GEMMs reach
+        attention_efficiency=1.0, kernel_s=float(block["kernel_s"]),
+        memory_bytes_per_s=float(block["memory_bytes_per_s"]), memory_bytes=memory, memory_capacity_bytes=memory,
+        intra=link, inter=link, procs_per_node=procs_per_node, sms=None, flash_attention=False, cores=cores,
+        layer_overhead_s=float(block.get("layer_overhead_s", 0.0)),
+        microbatch_overhead_s=float(block.get("microbatch_overhead_s", 0.0)),
+        step_overhead_s=float(block.get("step_overhead_s", 0.0)),
+        layer_step_overhead_s=float(block.get("layer_step_overhead_s", 0.0)),
+        tp_layer_overhead_s=float(block.get("tp_layer_overhead_s", 0.0)),
+        tp_microbatch_overhead_s=float(block.get("tp_microbatch_overhead_s", 0.0)),
+        data_s_per_token=float(block["data_s_per_token"]),
+        collective_cpu=Link(float(block["gloo_cpu_bytes_per_s"]), float(block["gloo_cpu_latency_s"])),
+        elementwise_bytes_per_s=float(block["elementwise_bytes_per_s"]) if "elementwise_bytes_per_s" in block else None,
+    )

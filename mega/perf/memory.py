@@ -1,0 +1,152 @@
+"""Memory per GPU: weights, gradients, optimizer state (sharded by the distributed optimizer), and
+the activations of the microbatches the pipeline schedule keeps in flight.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", section 4): per layer and microbatch ``sbh (34 + 5as/h)`` bytes with 16-bit activations
+and dropout, of which tensor parallelism splits ``24 + 5as/h`` (``sbh (10 + 24/t + 5as/(ht))``),
+sequence parallelism splits the rest (``sbh/t (34 + 5as/h)``), selective recomputation drops the
+``5as/h`` attention-score terms and full recomputation keeps only each layer's input (``2sbh``).
+The terms are built below from their parts, so GQA, a non-4h MLP, the parallel block, no dropout,
+fp32 activations and fused (flash) attention change the right parts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mega.config import MegaConfig, ModelConfig
+
+GIB = 1024**3
+
+
+def kv_size(m: ModelConfig) -> int:
+    return m.hidden_size * (m.num_query_groups or m.num_attention_heads) // m.num_attention_heads
+
+
+def layer_params(m: ModelConfig, tp: int) -> float:
+    """Parameters of one transformer layer held by one tensor-parallel rank."""
+    h, f, kv = m.hidden_size, m.ffn, kv_size(m)
+    qkv = h * (h + 2 * kv) / tp + (h + 2 * kv) / tp
+    proj = h * h / tp + h
+    fc1 = h * f / tp + f / tp
+    fc2 = f * h / tp + h
+    norms = (1 if m.block == "parallel" else 2) * 2 * h  # LayerNorm weight + bias, replicated
+    return qkv + proj + fc1 + fc2 + norms
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int) -> list[float]:
+    """Parameters per tensor-parallel rank of each pipeline stage. The first stage holds the word
+    and position embeddings, the last the final LayerNorm and the output layer (a copy of the word
+    embeddings when they are tied and pp > 1, its own weights otherwise)."""
+    per_stage = m.num_layers // pp * layer_params(m, tp)
+    embedding = m.padded_vocab_size * m.hidden_size / tp
+    stages = [per_stage] * pp
+    stages[0] += embedding + m.seq_length * m.hidden_size
+    if pp > 1 or not m.tie_embeddings:
+        stages[-1] += embedding
+    stages[-1] += 2 * m.hidden_size
+    return stages
+
+
+def model_params(m: ModelConfig) -> float:
+    return sum(stage_params(m, 1, 1))
+
+
+def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str | None,
+                               dtype_bytes: int, flash: bool) -> float:
+    """Bytes one layer keeps for its backward, per microbatch, on one tensor-parallel rank."""
+    s, h, a, f, kv = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn, kv_size(m)
+    tokens = s * micro_batch
+    if recompute == "full":  # only the layer's input is kept
+        return dtype_bytes * tokens * h / (tp if sp else 1)
+    hidden_mask = 1 if m.hidden_dropout > 0 else 0
+    norms = 1 if m.block == "parallel" else 2
+    # Kept whole on every TP rank unless sequence-parallel: LayerNorm inputs, the inputs of the
+    # column-parallel GEMMs (one shared LayerNorm output in the parallel block), dropout masks.
+    replicated = tokens * h * (dtype_bytes * norms + dtype_bytes * norms + 2 * hidden_mask)
+    if m.block == "parallel":
+        replicated = tokens * h * (dtype_bytes + dtype_bytes + 2 * hidden_mask)
+    # Split by TP: Q, K, V, the attention output (projection input), the MLP's two inner tensors.
+    split = tokens * dtype_bytes * (h + 2 * kv + h + 2 * f)
+    # Attention scores: softmax output (+ dropout mask and output); none with fused attention or
+    # selective recomputation (recomputed in the backward).
+    scores = 0.0
+    if not flash and recompute != "selective":
+        per_score = dtype_bytes + (1 + dtype_bytes if m.attention_dropout > 0 else 0)
+        scores = micro_batch * a * s * s * per_score
+    elif flash:
+        split += tokens * dtype_bytes * h  # flash-attn keeps its output and row statistics
+    return (replicated / (tp if sp else 1)) + (split + scores) / tp
+
+
+def in_flight(pp: int, vpp: int, microbatches: int, stage: int) -> float:
+    """Layers' worth of microbatch activations a stage holds at its peak, in units of one chunk of
+    ``num_layers / (pp * vpp)`` layers: 1F1B keeps ``pp - stage`` microbatches in flight; the
+    interleaved schedule's warm-up runs ``2 (pp - stage - 1) + (vpp - 1) pp + 1`` chunk-forwards
+    (megatron-core schedules.py), capped by the microbatches there are."""
+    if vpp == 1:
+        return min(pp - stage, microbatches)
+    return min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, microbatches * vpp)
+
+
+@dataclass
+class Memory:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    temporary: float  # logits for the loss, one layer's recompute buffers
+    stage: int  # the stage with the most memory
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.temporary
+
+    def to_gib(self) -> dict[str, float]:
+        return {"weights": self.weights / GIB, "gradients": self.gradients / GIB, "optimizer": self.optimizer / GIB,
+                "activations": self.activations / GIB, "temporary": self.temporary / GIB,
+                "total": self.total / GIB, "stage": self.stage}
+
+
+def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
+    """fp32 state per parameter: Adam/LAMB two moments (8), SGD a momentum (4); with 16-bit
+    weights also an fp32 master copy (4)."""
+    moments = 4 if optimizer == "sgd" else 8
+    return moments + (4 if dtype_bytes < 4 else 0)
+
+
+def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool) -> Memory:
+    """The most-loaded pipeline stage's memory per GPU."""
+    m, p = cfg.model, cfg.parallelism
+    tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
+    params = stage_params(m, tp, pp)
+    per_layer = activation_bytes_per_layer(m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute,
+                                           dtype_bytes, flash)
+    chunk_layers = m.num_layers / (pp * vpp)
+    tokens = m.seq_length * p.micro_batch_size
+    full_layer = activation_bytes_per_layer(m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash)
+    best: Memory | None = None
+    for stage in range(pp):
+        n = params[stage]
+        weights = n * dtype_bytes
+        gradients = n * 4  # megatron's fp32 main-grad buffer (16-bit training reduces in fp32)
+        optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
+        if p.use_distributed_optimizer:
+            optimizer /= dp
+        activations = in_flight(pp, vpp, p.num_microbatches, stage) * chunk_layers * per_layer
+        temporary = 0.0
+        if m.recompute == "full":
+            temporary += full_layer  # the layer being recomputed
+        if stage == pp - 1:  # fp32 logits and their gradient for the vocab-parallel cross entropy
+            temporary += 2 * 4 * tokens * m.padded_vocab_size / tp
+        candidate = Memory(weights, gradients, optimizer, activations, temporary, stage)
+        if best is None or candidate.total > best.total:
+            best = candidate
+    assert best is not None
+    return best
+
+
+def buckets(params: float, dp: int) -> int:
+    """Gradient buckets of megatron-core's DDP (bucket_size default max(4e7, 1e6 * dp) elements)."""
+    return max(1, math.ceil(params / max(40_000_000, 1_000_000 * dp)))

@@ -1,0 +1,227 @@
+"""The planner: evaluate a layout with its open knobs chosen, or search the layouts for a GPU count.
+
+Knobs the planner chooses when the overrides leave them open (configs.py says what "open" means):
+micro-batch size, recomputation (none / selective / full), sequence parallelism (tp > 1) and the
+training precision (bf16 on GPUs, fp32 on CPUs). The best choice is the one with the highest
+predicted MFU among those that fit in memory; when nothing fits, the one needing the least memory
+(reported with ``fits: false``). ``search`` also enumerates tp, pp, vpp and dp (tp within a node:
+TP across nodes is never faster) for the cluster's GPU count, keeping the layout keys the user
+fixed, and ranks every layout that fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mega.config import ConfigError, MegaConfig, validate
+from mega.perf import hardware
+from mega.perf.configs import Planning
+from mega.perf.hardware import GIB, Hardware
+from mega.perf.step import Prediction, precision_of, predict
+
+DEFAULT_CALIBRATION = Path("runs/perf-calibration.json")
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+KNOBS = {  # knob name -> the config key a user fixes it with
+    "micro_batch_size": "parallelism.micro_batch_size",
+    "recompute": "model.recompute",
+    "sequence_parallel": "parallelism.sequence_parallel",
+    "precision": "train.precision",
+}
+LAYOUT = {"tp": "parallelism.tp", "pp": "parallelism.pp", "vpp": "parallelism.vpp", "dp": "parallelism.dp"}
+
+
+def settle_precision(plan: Planning) -> None:
+    """The precision knob first (the hardware's peak depends on it): bf16 on GPUs, fp32 on CPUs
+    when the overrides leave ``train.precision`` open."""
+    if plan.is_open(KNOBS["precision"]) and "precision" not in plan.chosen:
+        precision = "bf16" if plan.cfg.cluster.device == "cuda" else "fp32"
+        plan.cfg = dataclasses.replace(plan.cfg, train=dataclasses.replace(plan.cfg.train, precision=precision))
+        plan.chosen["precision"] = precision
+
+
+def settle_dp(plan: Planning) -> None:
+    """dp left open: the cluster's GPU count over tp x pp (so a sweep over tp or pp needs no dp)."""
+    c, p = plan.cfg.cluster, plan.cfg.parallelism
+    world = c.nodes * c.procs_per_node
+    if plan.is_open(LAYOUT["dp"]) and world % (p.tp * p.pp) == 0 and world // (p.tp * p.pp) != p.dp:
+        dp = world // (p.tp * p.pp)
+        plan.cfg = dataclasses.replace(plan.cfg, parallelism=dataclasses.replace(p, dp=dp))
+        plan.chosen["dp"] = dp
+
+
+def hardware_for(cfg: MegaConfig, calibration: str | Path | None = None) -> tuple[Hardware, float]:
+    """The Hardware of ``cfg``'s cluster and the MFU denominator per device: the preset's dense
+    bf16 peak on GPUs; on a CPU cluster the calibrated GEMM rate (the calibration JSON written by
+    ``python -m mega.plan calibrate``)."""
+    c = cfg.cluster
+    if c.device == "cuda":
+        hw = hardware.from_cluster(c, precision_of(cfg), cfg.model.fused_ops)
+        return hw, c.peak_tflops * 1e12
+    path = Path(calibration) if calibration else DEFAULT_CALIBRATION
+    if not path.is_file():
+        raise ConfigError("cluster.peak_tflops", f"cluster={c.name} is a CPU cluster without datasheet facts: "
+                                                 f"run `python -m mega.plan calibrate` first (writes {DEFAULT_CALIBRATION}) "
+                                                 "or pass --calibration FILE")
+    hw = hardware.from_calibration(json.loads(path.read_text()), c, str(path))
+    return hw, hw.peak_flops
+
+
+@dataclass
+class Evaluation:
+    cfg: MegaConfig
+    prediction: Prediction
+    knobs: dict[str, Any]
+    chosen: list[str]
+    evaluated: int
+
+    def to_dict(self, hw: Hardware | None = None) -> dict[str, Any]:
+        pr, p, m = self.prediction, self.cfg.parallelism, self.cfg.model
+        out = {
+            "mfu": pr.mfu,
+            "step_s": pr.step_s,
+            "tokens_per_s": pr.tokens_per_s,
+            "memory_gib": pr.memory.total / GIB,
+            "fits": pr.fits,
+            "knobs": self.knobs,
+            "breakdown": pr.breakdown(),
+            "chosen": self.chosen,
+            "hfu": pr.hfu,
+            "layout": {"tp": p.tp, "pp": p.pp, "vpp": p.vpp or 1, "dp": p.dp, "world_size": p.world_size,
+                       "global_batch_size": p.global_batch_size, "microbatches": p.num_microbatches,
+                       "nodes": self.cfg.cluster.nodes},
+            "memory": pr.memory.to_gib(),
+            "model": {"name": m.name, "block": m.block, "window_size": m.window_size, "fused_ops": m.fused_ops,
+                      "optimizer": self.cfg.optimizer.name},
+            "overlap": {k: getattr(p, k) for k in ("tp_overlap", "overlap_p2p_comm", "overlap_grad_reduce",
+                                                   "overlap_param_gather", "align_param_gather",
+                                                   "overlap_param_gather_with_optimizer_step")},
+            "model_flops_per_step": pr.model_flops_per_step,
+            "evaluated": self.evaluated,
+        }
+        if hw is not None:
+            out["hardware"] = hw.describe()
+            out["memory"]["usable"] = hw.memory_bytes / GIB
+        return out
+
+
+def _knob_values(plan: Planning, cfg: MegaConfig) -> dict[str, list]:
+    p, m = cfg.parallelism, cfg.model
+    per_replica = p.global_batch_size // p.dp if p.global_batch_size % p.dp == 0 else 0
+    values: dict[str, list] = {
+        "micro_batch_size": [b for b in MICRO_BATCH_SIZES if per_replica and per_replica % b == 0] or [p.micro_batch_size],
+        "recompute": [None, "selective", "full"],
+        "sequence_parallel": [True, False] if p.tp > 1 else [False],
+    }
+    fixed = {"micro_batch_size": p.micro_batch_size, "recompute": m.recompute,
+             "sequence_parallel": p.sequence_parallel}
+    return {k: (v if plan.is_open(KNOBS[k]) else [fixed[k]]) for k, v in values.items()}
+
+
+def _with(cfg: MegaConfig, knobs: dict[str, Any], layout: dict[str, Any] | None = None) -> MegaConfig:
+    par = dataclasses.replace(cfg.parallelism, micro_batch_size=knobs["micro_batch_size"],
+                              sequence_parallel=knobs["sequence_parallel"], **(layout or {}))
+    return dataclasses.replace(cfg, parallelism=par, model=dataclasses.replace(cfg.model, recompute=knobs["recompute"]))
+
+
+def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None = None,
+             calibration: str | Path | None = None, layout: dict[str, Any] | None = None,
+             **predict_kwargs: Any) -> Evaluation:
+    """The layout of ``plan`` (or ``layout`` over it) with its open knobs chosen as the best that
+    fits. Raises the ConfigError of the first candidate when no candidate is a valid config."""
+    settle_precision(plan)
+    if not layout:
+        settle_dp(plan)
+    base = plan.cfg
+    if layout:
+        base = dataclasses.replace(base, parallelism=dataclasses.replace(base.parallelism, **layout))
+    if hw is None:
+        hw, mfu_peak = hardware_for(base, calibration)
+    values = _knob_values(plan, base)
+    best: tuple | None = None
+    first_error: ConfigError | None = None
+    evaluated = 0
+    names = list(values)
+    for combo in itertools.product(*(values[n] for n in names)):
+        knobs = dict(zip(names, combo))
+        cfg = _with(base, knobs)
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            first_error = first_error or err
+            continue
+        pr = predict(cfg, hw, mfu_peak, **predict_kwargs)
+        evaluated += 1
+        rank = (pr.fits, pr.mfu if pr.fits else -pr.memory.total)
+        if best is None or rank > best[0]:
+            best = (rank, cfg, pr, knobs)
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    _, cfg, pr, knobs = best
+    chosen = [k for k in names if plan.is_open(KNOBS[k])]
+    knobs = {**knobs, "precision": cfg.train.precision, **plan.chosen}
+    return Evaluation(cfg, pr, knobs, chosen + list(plan.chosen), evaluated)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
+    """(tp, pp, vpp, dp) for the cluster's world size; fixed keys stay as given."""
+    cfg = plan.cfg
+    m, p, c = cfg.model, cfg.parallelism, cfg.cluster
+    world = c.nodes * c.procs_per_node
+    groups = m.num_query_groups or m.num_attention_heads
+    tps = [p.tp] if not plan.is_open(LAYOUT["tp"]) else [
+        t for t in _divisors(min(world, hw.procs_per_node)) if groups % t == 0 and m.ffn % t == 0]
+    pps = [p.pp] if not plan.is_open(LAYOUT["pp"]) else _divisors(m.num_layers)
+    out = []
+    for tp in tps:
+        for pp in pps:
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if not plan.is_open(LAYOUT["dp"]) and dp != p.dp:
+                continue
+            if p.global_batch_size % dp:
+                continue
+            if not plan.is_open(LAYOUT["vpp"]):
+                vpps = [p.vpp]
+            else:
+                vpps = [None] + ([v for v in _divisors(m.num_layers // pp) if 1 < v <= 16] if pp > 1 else [])
+            for vpp in vpps:
+                out.append({"tp": tp, "pp": pp, "vpp": vpp, "dp": dp})
+    return out
+
+
+def search(plan: Planning, calibration: str | Path | None = None, **predict_kwargs: Any) -> dict[str, Any]:
+    """Every layout of the cluster's GPU count that fits, ranked by predicted MFU."""
+    settle_precision(plan)
+    hw, mfu_peak = hardware_for(plan.cfg, calibration)
+    rows, rejected = [], {"invalid": 0, "does_not_fit": 0}
+    for layout in layouts(plan, hw):
+        try:
+            ev = evaluate(plan, hw, mfu_peak, layout=layout, **predict_kwargs)
+        except ConfigError:
+            rejected["invalid"] += 1
+            continue
+        if not ev.prediction.fits:
+            rejected["does_not_fit"] += 1
+            continue
+        row = ev.to_dict()
+        row.pop("breakdown")
+        rows.append(row)
+    rows.sort(key=lambda r: r["mfu"], reverse=True)
+    best = None
+    if rows:
+        top = rows[0]["layout"]
+        best = evaluate(plan, hw, mfu_peak, layout={k: (top[k] if k != "vpp" or top[k] > 1 else None)
+                                                    for k in ("tp", "pp", "vpp", "dp")},
+                        **predict_kwargs).to_dict(hw)
+    return {"best": best, "rows": rows, "rejected": rejected, "world_size": plan.cfg.cluster.nodes * plan.cfg.cluster.procs_per_node}

@@ -1,0 +1,482 @@
+"""Step time of a training configuration as a sum of explicit terms (docs/perf-model.md).
+
+One microbatch through one transformer layer on one rank costs GEMMs (roofline), attention (two
+batched GEMMs + softmax traffic, or one fused kernel), elementwise traffic, the exposed part of its
+tensor-parallel collectives and, under recomputation, part of its forward again. A pipeline stage
+runs its layers (+ embedding / logits and loss) for every microbatch; the slowest stage sets the
+pace and the interleaved 1F1B bubble adds ``(pp - 1) / vpp`` microbatch-times. Data parallelism
+adds the exposed part of the gradient reduce-scatter and the parameter all-gather; then come the
+optimizer step, the tied-embedding gradient sync, data loading and host overheads. On a CPU whose
+ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
+
+Overlap features are read from the config, not from a preset name: ``parallelism.tp_overlap``
+(ring/te: TP collectives chunked with their GEMMs), ``overlap_p2p_comm`` (pipeline send/receive
+off the critical path), ``overlap_grad_reduce``, ``overlap_param_gather``, ``align_param_gather``,
+``overlap_param_gather_with_optimizer_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from mega.config import MegaConfig
+from mega.flops import attention_layer_counts, model_flops_per_step, model_flops_per_token
+from mega.perf.hardware import Hardware
+from mega.perf.memory import Memory, buckets, kv_size, memory_per_gpu, stage_params
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Term:
+    """One line of the breakdown: ``seconds`` on the step's critical path; for communication
+    ``total_s`` is its whole duration before overlap hides part of it."""
+
+    name: str
+    seconds: float
+    what: str
+    total_s: float | None = None
+
+    def to_dict(self) -> dict:
+        d = {"seconds": self.seconds, "what": self.what}
+        if self.total_s is not None:
+            d["total_s"] = self.total_s
+        return d
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    mfu: float
+    hfu: float
+    tokens_per_s: float
+    model_flops_per_step: float
+    memory: Memory
+    fits: bool
+    terms: list[Term]
+    stages: dict = field(default_factory=dict)
+    busy_s: float = 0.0  # all ranks' busy (non-waiting) seconds in one step: CPU seconds on a CPU
+
+    def breakdown(self) -> dict[str, dict]:
+        return {t.name: t.to_dict() for t in self.terms}
+
+
+@dataclass
+class Pass:
+    """Seconds of one microbatch through one unit (a layer, the embedding, the logits) on one rank."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    tp_exposed: float = 0.0
+    tp_total: float = 0.0
+    overhead: float = 0.0
+    comm_cpu: float = 0.0  # core seconds of its collectives (CPU machines)
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.tp_exposed + self.overhead
+
+    def scaled(self, k: float) -> Pass:
+        return Pass(*(k * x for x in (self.gemm, self.attention, self.elementwise, self.tp_exposed,
+                                      self.tp_total, self.overhead, self.comm_cpu)))
+
+    def __add__(self, o: Pass) -> Pass:
+        return Pass(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+
+
+@dataclass
+class Unit:
+    forward: Pass
+    backward: Pass
+    recompute: Pass  # extra forward work done in the backward
+
+
+def precision_of(cfg: MegaConfig) -> str:
+    if cfg.train.precision == "auto":
+        return "bf16" if cfg.cluster.device == "cuda" else "fp32"
+    return cfg.train.precision
+
+
+def _exposed(comm: float, gemm: float, tp: int, chunked: bool, async_overlap: bool) -> float:
+    """Exposed part of a TP collective next to a GEMM of ``gemm`` seconds. ``chunked`` (tp_overlap):
+    a ring of ``tp`` steps overlaps all but the first chunk with the GEMM on the chunk in hand.
+    ``async_overlap`` (megatron's async linear backward): overlapped with the GEMM as a whole."""
+    if chunked:
+        return comm / tp + (tp - 1) / tp * max(0.0, comm - gemm)
+    if async_overlap:
+        return max(0.0, comm - gemm)
+    return comm
+
+
+def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
+    """One transformer layer, one microbatch, one tensor-parallel rank."""
+    m, p = cfg.model, cfg.parallelism
+    t, b, s, h, a, f = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn
+    kv, sp, tokens = kv_size(m), p.sequence_parallel, b * m.seq_length
+    chunked = p.tp_overlap != "none" and t > 1
+    parallel = m.block == "parallel"
+
+    # GEMMs: (rows, cols, inner) of the forward; the backward runs a dgrad and a wgrad GEMM each.
+    shapes = {"qkv": (tokens, (h + 2 * kv) // t, h), "proj": (tokens, h, h // t),
+              "fc1": (tokens, f // t, h), "fc2": (tokens, h, f // t)}
+    fwd = {k: hw.gemm_s(*v, dtype_bytes=dtype) for k, v in shapes.items()}
+    dgrad = {k: hw.gemm_s(r, i, c, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
+    wgrad = {k: hw.gemm_s(i, c, r, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
+    gemm_f, gemm_b = sum(fwd.values()), sum(dgrad.values()) + sum(wgrad.values())
+
+    # Attention core. Fused (flash) kernels skip the blocks outside a sliding window; the unfused
+    # path (megatron's banded mask) computes the whole s x s score matrix whatever the window.
+    heads = a // t
+    if hw.flash_attention:
+        windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
+        keys = (windowed * min((m.window_size or s) + 1, s) + full * s) / m.num_layers
+        flops = 2 * 2 * tokens * keys * h / t
+        attn_f, attn_b = hw.attention_s(flops), hw.attention_s(2.5 * flops, kernels=2)  # bwd recomputes S
+    else:
+        hd = h // a
+        scores = b * heads * s * s
+        drop = m.attention_dropout > 0
+        attn_f = (hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
+                  + hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
+                  + hw.elementwise_s(scores * (2 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
+        attn_b = (2 * hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
+                  + 2 * hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
+                  + hw.elementwise_s(scores * (3 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
+
+    # Elementwise: LayerNorm(s), bias-dropout-add(s), bias-GeLU; h-sized tensors are split by SP.
+    rows = tokens / t if sp else tokens
+    mask = 1 if m.hidden_dropout > 0 else 0
+    if parallel:
+        h_bytes = rows * h * (2 * dtype + 4 * dtype + 2 * mask)
+        kernels = 3
+    else:
+        h_bytes = rows * h * (2 * 2 * dtype + 2 * (3 * dtype + mask))
+        kernels = 5
+    elem_bytes = h_bytes + tokens * f / t * 2 * dtype
+    elem_f, elem_b = hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
+
+    # Tensor-parallel collectives over the full activation of the microbatch.
+    act = tokens * h * dtype
+    ag, rs, ar = (hw.collective_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    agc, rsc, arc = (hw.collective_cpu_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    tp_f = tp_b = total_f = total_b = cpu_f = cpu_b = 0.0
+    if t > 1:
+        if parallel:  # one column-parallel input (QKV | fc1) and one row-parallel output per layer
+            col_f, row_f = fwd["qkv"] + fwd["fc1"], fwd["proj"] + fwd["fc2"]
+            col_d, col_w, row_d = dgrad["qkv"] + dgrad["fc1"], wgrad["qkv"] + wgrad["fc1"], dgrad["proj"] + dgrad["fc2"]
+            pairs = [("col", col_f, col_d, col_w, row_f, row_d)]
+        else:
+            pairs = [("attn", fwd["qkv"], dgrad["qkv"], wgrad["qkv"], fwd["proj"], dgrad["proj"]),
+                     ("mlp", fwd["fc1"], dgrad["fc1"], wgrad["fc1"], fwd["fc2"], dgrad["fc2"])]
+        for _, c_f, c_d, c_w, r_f, r_d in pairs:
+            if sp:
+                # forward: all-gather before the column GEMM, reduce-scatter after the row GEMM
+                tp_f += _exposed(ag, c_f, t, chunked, False) + _exposed(rs, r_f, t, chunked, False)
+                # backward: all-gather of the output gradient (row), the input all-gather redone
+                # under the dgrad GEMM and the input-gradient reduce-scatter under the wgrad GEMM
+                tp_b += (_exposed(ag, r_d, t, chunked, False) + _exposed(ag, c_d, t, chunked, True)
+                         + _exposed(rs, c_w, t, chunked, True))
+                total_f, total_b = total_f + ag + rs, total_b + 2 * ag + rs
+                cpu_f, cpu_b = cpu_f + agc + rsc, cpu_b + 2 * agc + rsc
+            else:
+                tp_f += _exposed(ar, r_f, t, chunked, False)
+                tp_b += _exposed(ar, c_w, t, chunked, True)
+                total_f, total_b = total_f + ar, total_b + ar
+                cpu_f, cpu_b = cpu_f + arc, cpu_b + arc
+    ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if t > 1 else 0.0)
+    forward = Pass(gemm_f, attn_f, elem_f, tp_f, total_f, ovh, cpu_f)
+    backward = Pass(gemm_b, attn_b, elem_b, tp_b, total_b, 2 * ovh, cpu_b)
+    if m.recompute == "full":
+        recompute = forward
+    elif m.recompute == "selective":
+        recompute = Pass(attention=attn_f)
+    else:
+        recompute = Pass()
+    return Unit(forward, backward, recompute)
+
+
+def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
+    """Word + position embedding lookup on the first stage, its vocab-parallel reduction."""
+    m, p = cfg.model, cfg.parallelism
+    tokens, h, t = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp
+    act = tokens * h * dtype
+    kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
+    comm = hw.collective_s(kind, act, t)
+    fwd = Pass(elementwise=hw.elementwise_s(3 * act, 2), tp_exposed=comm, tp_total=comm,
+               comm_cpu=hw.collective_cpu_s(kind, act, t))
+    bwd = Pass(elementwise=hw.elementwise_s(3 * act, 2))
+    return Unit(fwd, bwd, Pass())
+
+
+def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
+    """Final LayerNorm, output layer (column-parallel over the vocabulary) and the vocab-parallel
+    cross entropy in fp32 on the last stage."""
+    m, p = cfg.model, cfg.parallelism
+    tokens, h, t, vocab = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp, m.padded_vocab_size
+    gemm_f = hw.gemm_s(tokens, vocab // t, h, dtype_bytes=dtype)
+    gemm_b = hw.gemm_s(tokens, h, vocab // t, dtype_bytes=dtype) + hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
+    logits = tokens * vocab / t * 4
+    norm = tokens * h * 2 * dtype / (t if p.sequence_parallel else 1)
+    act = tokens * h * dtype
+    ce_reductions = 3 * hw.collective_s("all_reduce", tokens * 4, t)  # max, sum of exp, target logit
+    cpu_f = 3 * hw.collective_cpu_s("all_reduce", tokens * 4, t)
+    if p.sequence_parallel:
+        c_f, c_b = hw.collective_s("all_gather", act, t), hw.collective_s("reduce_scatter", act, t)
+        cpu_f, cpu_b = cpu_f + hw.collective_cpu_s("all_gather", act, t), hw.collective_cpu_s("reduce_scatter", act, t)
+    else:
+        c_f, c_b = 0.0, hw.collective_s("all_reduce", act, t)
+        cpu_b = hw.collective_cpu_s("all_reduce", act, t)
+    wgrad = hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
+    b_exposed = _exposed(c_b, wgrad, t, False, True)
+    fwd = Pass(gemm=gemm_f, elementwise=hw.elementwise_s(norm + 6 * logits, 6), tp_exposed=c_f + ce_reductions,
+               tp_total=c_f + ce_reductions, comm_cpu=cpu_f)
+    bwd = Pass(gemm=gemm_b, elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4), tp_exposed=b_exposed, tp_total=c_b,
+               comm_cpu=cpu_b)
+    return Unit(fwd, bwd, Pass())
+
+
+def p2p_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, scatter_gather: bool) -> tuple[float, float]:
+    """(seconds, bytes) of one pipeline message: a microbatch's activation to the next stage, whose
+    ranks are tp*dp away (megatron's tp-cp-ep-dp-pp rank order); across nodes one rank's NIC."""
+    m, p = cfg.model, cfg.parallelism
+    if p.pp == 1:
+        return 0.0, 0.0
+    activation = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
+    nbytes = activation / (p.tp if (p.sequence_parallel or scatter_gather) else 1)
+    stride = p.tp * p.dp
+    if hw.link(p.pp, stride)[0] is hw.inter:
+        seconds = hw.inter.latency_s + nbytes / hw.inter.bytes_per_s
+    else:
+        seconds = hw.collective_s("send", nbytes, p.pp, stride=stride)
+    if scatter_gather and not p.sequence_parallel:
+        seconds += hw.collective_s("all_gather", activation, p.tp)
+    return seconds, nbytes
+
+
+@dataclass
+class Stage:
+    """One pipeline stage, one microbatch through all its model chunks."""
+
+    forward: Pass  # its transformer layers
+    backward: Pass
+    recompute: Pass
+    extra: Pass  # embedding (first stage), output layer and loss (last stage)
+    overhead: float  # host cost per microbatch and chunk
+    p2p: float  # blocking pipeline messages on the critical path
+
+    @property
+    def layers(self) -> Pass:
+        return self.forward + self.backward
+
+    @property
+    def total(self) -> float:
+        return self.layers.total + self.recompute.total + self.extra.total + self.overhead + self.p2p
+
+    @property
+    def busy(self) -> float:
+        """Seconds a core works: everything but waiting on collectives and pipeline messages, plus
+        the core time the collectives themselves cost (CPU machines)."""
+        parts = (self.layers, self.recompute, self.extra)
+        return (self.total - self.p2p - sum(x.tp_exposed for x in parts) + sum(x.comm_cpu for x in parts))
+
+
+def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Stage]:
+    p = cfg.parallelism
+    pp, vpp = p.pp, p.vpp or 1
+    n = cfg.model.num_layers // pp
+    layer, emb, head = layer_unit(cfg, hw, dtype), embedding_unit(cfg, hw, dtype), logits_unit(cfg, hw, dtype)
+    blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else 2 * vpp * p2p  # each chunk: one message each way
+    out = []
+    for stage in range(pp):
+        extra = Pass()
+        if stage == 0:
+            extra = extra + emb.forward + emb.backward
+        if stage == pp - 1:
+            extra = extra + head.forward + head.backward
+        overhead = vpp * hw.microbatch_overhead_s + (hw.tp_microbatch_overhead_s if p.tp > 1 else 0.0)
+        out.append(Stage(layer.forward.scaled(n), layer.backward.scaled(n), layer.recompute.scaled(n), extra,
+                         overhead, blocking))
+    return out
+
+
+def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: float, p2p_bytes: float) -> list[Term]:
+    """The microbatches through the slowest stage, term by term, then the bubble."""
+    m, p = cfg.model, cfg.parallelism
+    pp, vpp, mb = p.pp, p.vpp or 1, p.num_microbatches
+    slowest = max(range(pp), key=lambda i: stages[i].total)
+    st = stages[slowest]
+    lay, ext = st.layers, st.extra
+    avg = sum(x.total for x in stages) / pp
+    fill = 2 * (pp - 1) * p2p if (pp > 1 and p.overlap_p2p_comm) else 0.0
+    return [
+        Term("gemm", mb * (lay.gemm + ext.gemm),
+             f"{mb} microbatches x stage {slowest}: {m.num_layers // pp} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
+             f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
+             f"{hw.peak_flops / 1e12:.1f} TFLOP/s, per-shape efficiency"),
+        Term("attention", mb * (lay.attention + ext.attention),
+             "attention core: " + ("fused flash kernels (windowed keys only)" if hw.flash_attention else
+                                   "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic")),
+        Term("elementwise", mb * (lay.elementwise + ext.elementwise),
+             "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved memory bandwidth"),
+        Term("tp_comm", mb * (lay.tp_exposed + ext.tp_exposed),
+             f"TP{'+SP' if p.sequence_parallel else ''} collectives over {p.tp} ranks, exposed part "
+             f"(tp_overlap={p.tp_overlap}; megatron's async backward hides the column-parallel ones)",
+             total_s=mb * (lay.tp_total + ext.tp_total)),
+        Term("recompute", mb * st.recompute.total, f"model.recompute={m.recompute}: forward work redone in the backward"),
+        Term("host_overhead", mb * (lay.overhead + ext.overhead + st.overhead),
+             "host (Python) time the device does not hide: per layer and per microbatch/chunk"),
+        Term("pp_p2p", mb * st.p2p + fill,
+             f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
+             f"(overlap_p2p_comm={p.overlap_p2p_comm}"
+             + (": only the fill/drain is exposed)" if p.overlap_p2p_comm else ": blocking, on the critical path)"),
+             total_s=mb * 2 * vpp * p2p),
+        Term("pp_bubble", (pp - 1) / vpp * avg, f"(pp-1)/vpp = {pp - 1}/{vpp} microbatch-times of the average stage "
+                                                f"({avg * 1e3:.2f} ms) for pipeline fill and drain"),
+    ]
+
+
+def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: float) -> tuple[float, str]:
+    """A memory-bound pass over this rank's shard of the optimizer state, the grad-norm
+    all-reduces, and (CPU) the per-layer host cost of the per-tensor updates."""
+    p = cfg.parallelism
+    opt_params = params_rank / (p.dp if p.use_distributed_optimizer else 1)
+    state = 8 if cfg.optimizer.name != "sgd" else 4
+    # state read + write, fp32 gradient, fp32 master read + write (16-bit weights), weights, norm, zeroing
+    per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4
+    if cfg.optimizer.name == "lamb":
+        per_param += 8  # the per-tensor trust ratio reads weights and update once more
+    seconds = (hw.stream_s(opt_params * per_param, 8) + 2 * hw.collective_s("all_reduce", 8, p.world_size)
+               + hw.layer_step_overhead_s * cfg.model.num_layers // p.pp)
+    return seconds, (f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters x {per_param} B of memory "
+                     "traffic + grad-norm all-reduces")
+
+
+def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage],
+                        bubble: float) -> tuple[list[Term], float, float]:
+    """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
+    optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
+    m, p = cfg.model, cfg.parallelism
+    tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
+    params_rank = max(stage_params(m, tp, pp))
+    grad_bytes = params_rank * 4  # fp32 main gradients
+    n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
+    if p.use_distributed_optimizer:
+        rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
+        ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
+        cpu = n_buckets * (hw.collective_cpu_s("reduce_scatter", grad_bytes / n_buckets, dp)
+                           + hw.collective_cpu_s("all_gather", params_rank * dtype / n_buckets, dp))
+    else:
+        rs_total = n_buckets * hw.collective_s("all_reduce", grad_bytes / n_buckets, dp, stride=tp)
+        ag_total = 0.0
+        cpu = n_buckets * hw.collective_cpu_s("all_reduce", grad_bytes / n_buckets, dp)
+    first = stages[0]
+    if p.overlap_grad_reduce and dp > 1:
+        # buckets reduce as the last microbatch's backward produces them (the first stage's first
+        # chunk finishes last); with interleaving the chunks done earlier reduce during the drain
+        last_backward = (first.backward.total + first.recompute.total) / vpp
+        rs_exposed = max(rs_total / n_buckets, rs_total - last_backward - (vpp - 1) / vpp * bubble)
+    else:
+        rs_exposed = rs_total
+    opt_s, opt_what = optimizer_seconds(cfg, hw, dtype, params_rank)
+    if not p.use_distributed_optimizer or dp == 1:
+        ag_exposed = ag_total
+    elif p.overlap_param_gather_with_optimizer_step:
+        ag_exposed = max(0.0, ag_total / n_buckets - opt_s)
+    elif p.overlap_param_gather and p.align_param_gather:
+        ag_exposed = ag_total / n_buckets  # the first chunk prefetched: one bucket waits
+    elif p.overlap_param_gather:
+        first_forward = first.forward.total / vpp
+        ag_exposed = max(ag_total / n_buckets, ag_total / vpp - first_forward)
+    else:
+        ag_exposed = ag_total
+    terms = [
+        Term("dp_grad_reduce", rs_exposed,
+             f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB fp32 "
+             f"gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
+             total_s=rs_total),
+        Term("optimizer", opt_s, opt_what),
+        Term("dp_param_gather", ag_exposed,
+             f"all-gather of updated {precision_of(cfg)} parameters over dp={dp} (overlap_param_gather="
+             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
+             f"{p.overlap_param_gather_with_optimizer_step})", total_s=ag_total),
+    ]
+    return terms, opt_s, cpu
+
+
+def hardware_flops_per_step(cfg: MegaConfig) -> float:
+    """Model FLOPs + the recomputed forward work (HFU's numerator)."""
+    m, p = cfg.model, cfg.parallelism
+    tokens = p.global_batch_size * m.seq_length
+    if m.recompute == "full":
+        return model_flops_per_token(m, recompute=True, window=m.window_size,
+                                     full_attention_every=m.full_attention_every) * tokens
+    flops = model_flops_per_step(cfg)
+    if m.recompute == "selective":
+        windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
+        keys = windowed * min((m.window_size or m.seq_length) + 1, m.seq_length) + full * m.seq_length
+        flops += 4 * keys * m.hidden_size * tokens
+    return flops
+
+
+def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
+            p2p_scatter_gather: bool = False) -> Prediction:
+    """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
+    device (default the cluster's dense bf16 peak, or the calibrated GEMM rate on a CPU).
+
+    ``p2p_scatter_gather``: Megatron-LM's 2021-22 pipeline optimization (Narayanan et al. SC'21
+    section 4.1): without sequence parallelism each TP rank sends 1/tp of the activation over its
+    NIC and the receiving stage all-gathers it over NVLink. megatron-core, and so mega, sends the
+    whole tensor from every TP rank (the default). Only the published Megatron-LM rows set it."""
+    m, p = cfg.model, cfg.parallelism
+    dtype = DTYPE_BYTES[precision_of(cfg)]
+    tp, dp, mb, world = p.tp, p.dp, p.num_microbatches, p.world_size
+
+    p2p, p2p_bytes = p2p_seconds(cfg, hw, dtype, p2p_scatter_gather)
+    stages = stages_of(cfg, hw, dtype, p2p)
+    terms = pipeline_terms(cfg, hw, stages, p2p, p2p_bytes)
+    bubble = terms[-1].seconds
+    dp_terms, opt_s, dp_cpu = data_parallel_terms(cfg, hw, dtype, stages, bubble)
+    terms += dp_terms
+    emb_sync = 0.0
+    if p.pp > 1 and m.tie_embeddings:
+        emb_sync = hw.collective_s("all_reduce", m.padded_vocab_size * m.hidden_size / tp * 4, 2,
+                                   stride=tp * dp * (p.pp - 1))
+    data = hw.data_s_per_token * mb * p.micro_batch_size * m.seq_length
+    terms += [
+        Term("embedding_sync", emb_sync, "all-reduce of the tied word-embedding gradient between the first and last stage"),
+        Term("data", data, "building the step's microbatches and copying them to the device"),
+        Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
+    ]
+    step_s = sum(t.seconds for t in terms)
+
+    # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
+    # with the core time of the collectives (each pipeline message: a send and a receive each way).
+    p2p_cpu = 4 * (p.vpp or 1) * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
+    busy_s = tp * dp * sum(mb * (x.busy + p2p_cpu) + opt_s + data + hw.step_overhead_s + dp_cpu for x in stages)
+    if hw.cores is not None and hw.cores < hw.procs_per_node:
+        # Ranks share cores: all ranks' busy time must fit into cores x step time.
+        floor = busy_s / max(1, world // hw.procs_per_node) / hw.cores
+        terms.append(Term("core_sharing", max(0.0, floor - step_s),
+                          f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
+                          f"= {floor:.3f} s bounds the step from below"))
+        step_s = sum(t.seconds for t in terms)
+
+    peak = mfu_peak_flops or hw.peak_flops
+    memory = memory_per_gpu(cfg, dtype, hw.flash_attention)
+    flops = model_flops_per_step(cfg)
+    return Prediction(
+        step_s=step_s,
+        mfu=flops / (step_s * world * peak),
+        hfu=hardware_flops_per_step(cfg) / (step_s * world * peak),
+        tokens_per_s=p.global_batch_size * m.seq_length / step_s,
+        model_flops_per_step=flops,
+        memory=memory,
+        fits=memory.total <= hw.memory_bytes,
+        terms=terms,
+        stages={"slowest": max(range(p.pp), key=lambda i: stages[i].total),
+                "microbatch_s": [x.total for x in stages], "pipeline_s": mb * max(x.total for x in stages),
+                "microbatches": mb},
+        busy_s=busy_s,
+    )

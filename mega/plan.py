@@ -1,0 +1,183 @@
+"""``python -m mega.plan [hydra overrides] [--search] [--explain] [--json]``: predict a training step.
+
+  (default)   evaluate the layout the overrides give; knobs they leave open (micro-batch size,
+              recomputation, sequence parallelism, precision) are chosen as the best that fits
+              -> {"mfu", "step_s", "tokens_per_s", "memory_gib", "fits", "knobs", "breakdown", ...}
+  --search    every layout (tp, pp, vpp, dp) of the cluster's GPU count that fits, ranked by MFU;
+              layout keys the overrides set stay fixed -> {"best": {...}, "rows": [...]}
+  --explain   the terms of the step time, one per line, with what each counts (stderr)
+  -m          a Hydra sweep: one evaluation per job (e.g. -m parallelism.pp=4,8,16), each job's
+              JSON in its sweep directory (plan.json) and on stdout
+  calibrate   measure this machine, time tiny configs over six+ layouts with the real launcher and
+              compare with the model (mega/perf/calibrate.py): --out FILE, --steps N, --quick
+  validate    the model against the published results in tests/fixtures/published: --plot PNG
+
+The last line of stdout is JSON. A CPU cluster (cluster=local-cpu) needs a calibration:
+``--calibration FILE`` (default runs/perf-calibration.json). See docs/perf-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mega.config import CONF_DIR, ConfigError
+
+_STATE: dict[str, Any] = {}
+
+
+def _print_explain(result: dict[str, Any]) -> None:
+    out = sys.stderr
+    step = result["step_s"]
+    print(f"step {step:.4f} s   MFU {result['mfu']:.1%}   HFU {result['hfu']:.1%}   "
+          f"{result['tokens_per_s']:,.0f} tokens/s   memory {result['memory_gib']:.1f} GiB "
+          f"({'fits' if result['fits'] else 'does NOT fit'} in {result.get('memory', {}).get('usable', float('nan')):.1f})",
+          file=out)
+    print(f"knobs: {result['knobs']}   (chosen by the planner: {', '.join(result['chosen']) or 'none'})", file=out)
+    print(f"{'term':<18} {'seconds':>10} {'share':>6} {'total (before overlap)':>22}  what", file=out)
+    for name, t in result["breakdown"].items():
+        total = f"{t['total_s']:.4f}" if "total_s" in t else ""
+        print(f"{name:<18} {t['seconds']:>10.4f} {t['seconds'] / step:>6.1%} {total:>22}  {t['what']}", file=out)
+    mem = result["memory"]
+    print("memory GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "stage")
+          + f" (pipeline stage {mem['stage']})", file=out)
+
+
+def _summary(result: dict[str, Any]) -> None:
+    if "best" in result:
+        print(f"{len(result['rows'])} layouts fit (rejected: {result['rejected']})", file=sys.stderr)
+        for row in result["rows"][:10]:
+            lay = row["layout"]
+            print(f"  tp{lay['tp']} pp{lay['pp']} vpp{lay['vpp']} dp{lay['dp']}  MFU {row['mfu']:.1%}  "
+                  f"step {row['step_s']:.3f} s  {row['memory_gib']:.1f} GiB  {row['knobs']}", file=sys.stderr)
+        return
+    print(f"MFU {result['mfu']:.1%}, step {result['step_s']:.4f} s, {result['tokens_per_s']:,.0f} tokens/s, "
+          f"{result['memory_gib']:.1f} GiB per GPU ({'fits' if result['fits'] else 'does not fit'}), "
+          f"knobs {result['knobs']}", file=sys.stderr)
+
+
+def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
+    from mega.perf import configs, planner
+
+    plan = configs.for_planning(overrides)
+    if search:
+        return planner.search(plan, calibration)
+    planner.settle_precision(plan)
+    hw, peak = planner.hardware_for(plan.cfg, calibration)
+    return planner.evaluate(plan, hw, peak).to_dict(hw)
+
+
+def _emit(result: dict[str, Any]) -> None:
+    if _STATE.get("explain") and "breakdown" in result:
+        _print_explain(result)
+    elif _STATE.get("explain") and result.get("best"):
+        _print_explain(result["best"])
+    if not _STATE.get("json"):
+        _summary(result)
+    print(json.dumps(result), flush=True)
+
+
+def _hydra_job(dcfg: Any) -> dict[str, Any]:
+    """One job of a ``-m`` sweep: the job's overrides, composed by Hydra, planned like a single run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from mega.config import from_container
+    from mega.perf import configs, planner
+
+    hc = HydraConfig.get()
+    overrides = list(hc.overrides.task)
+    try:
+        plan = configs.prepare(from_container(dcfg, validate_config=False), configs.given_keys(overrides))
+        if _STATE.get("search"):
+            result = planner.search(plan, _STATE.get("calibration"))
+        else:
+            planner.settle_precision(plan)
+            hw, peak = planner.hardware_for(plan.cfg, _STATE.get("calibration"))
+            result = planner.evaluate(plan, hw, peak).to_dict(hw)
+    except ConfigError as err:
+        result = {"error": str(err), "key": err.key}
+    result["overrides"] = overrides
+    out = Path(hc.runtime.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(result, indent=1))
+    _emit(result)
+    return result
+
+
+def _multirun(overrides: list[str]) -> int:
+    import hydra
+
+    from mega.config import register_schema
+
+    register_schema()
+    # Sweep jobs write only plan.json; no training run directory is involved. Logging is left
+    # as the caller set it: Hydra's "disabled" preset would disable every logger that exists.
+    defaults = ["hydra.sweep.dir=runs/plan-multirun/${now:%Y-%m-%d_%H-%M-%S}", "hydra.job.chdir=false",
+                "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    given = {o.split("=", 1)[0] for o in overrides}
+    argv = [a for a in defaults if a.split("=", 1)[0] not in given] + overrides
+    main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_hydra_job)
+    saved = sys.argv
+    sys.argv = [saved[0], "-m", *argv]
+    try:
+        main()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "calibrate":
+        from mega.perf.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
+    if argv and argv[0] == "validate":
+        return _validate(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m mega.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b cluster=a100-8x")
+    parser.add_argument("--search", action="store_true", help="rank every layout that fits")
+    parser.add_argument("--explain", action="store_true", help="print the step-time terms (stderr)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--calibration", default=None, help="calibration JSON for CPU clusters")
+    parser.add_argument("-m", "--multirun", action="store_true", help="Hydra sweep: one evaluation per job")
+    args = parser.parse_intermixed_args(argv)
+    _STATE.update(search=args.search, explain=args.explain, json=args.json, calibration=args.calibration)
+    if args.multirun:
+        return _multirun(args.overrides)
+    try:
+        result = plan_once(args.overrides, args.search, args.calibration)
+    except ConfigError as err:
+        print(f"plan: invalid config: {err}", file=sys.stderr)
+        return 2
+    _emit(result)
+    return 0
+
+
+def _validate(argv: list[str]) -> int:
+    from mega.perf import published
+
+    parser = argparse.ArgumentParser(prog="python -m mega.plan validate",
+                                     description="predicted vs published (tests/fixtures/published/*.json)")
+    parser.add_argument("--fixtures", default=str(published.DEFAULT_DIR))
+    parser.add_argument("--plot", default=None, help="write the predicted-vs-published PNG here")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = published.validate(Path(args.fixtures), args.plot)
+    if not args.json:
+        for r in result["rows"]:
+            print(f"{r['source'][:40]:<40} {r['id']:<14} {r['metric']:<15} published {r['published']:>9.3f} "
+                  f"predicted {r['predicted']:>9.3f} {r['error']:>+7.1%}", file=sys.stderr)
+        for group, s in result["summary"].items():
+            print(f"{group}: {s['rows']} rows, max |error| {s['max_abs_error']:.1%}, mean |error| "
+                  f"{s['mean_abs_error']:.1%}", file=sys.stderr)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The pieces of a restore that scales, in isolation (end to end: tests/test_checkpoint.py and
+tests/test_training.py::test_resume_with_another_layout):
+
+* ``PieceExchange`` among three real gloo processes over a real file store whose manifest hashes
+  each piece: every rank gets exactly the bytes it asked for, each piece needed anywhere is read
+  from the store once, passed only to the ranks that need it, and a corrupt piece is refused on
+  every rank alike, naming the file;
+* the megatron-core and torch code the seams in mega/checkpoint/megatron_io.py rely on has not
+  changed under them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import multiprocessing as mp
+
+from mega.checkpoint import megatron_io
+
+WORLD = 3
+PIECES = [(0, 1000), (1000, 0), (1000, 5000), (6000, 30000), (36000, 4000)]  # the shard file's layout
+WANTS = {  # rank -> wanted (path, offset, length); `common.pt` is fetched whole
+    0: [("__0_0.distcp", *PIECES[0]), ("__0_0.distcp", *PIECES[2]), ("common.pt", 0, 700)],
+    1: [("__0_0.distcp", *PIECES[2]), ("__0_0.distcp", *PIECES[3]), ("__0_0.distcp", *PIECES[1]),
+        ("common.pt", 0, 700)],
+    2: [("__0_0.distcp", *PIECES[3]), ("__0_0.distcp", *PIECES[4]), ("common.pt", 100, 50)],
+}
+
+
+@pytest.mark.parametrize("target", sorted(megatron_io.RELIED_ON_SOURCES))
+def test_relied_on_sources_unchanged(target):
+    from mega.megatron_cpu import source_fingerprint
+
+    assert source_fingerprint(target) == megatron_io.RELIED_ON_SOURCES[target], (
+        f"{target} changed: re-verify mega/checkpoint/megatron_io.py against it"
+    )
+
+
+def _rank(rank: int, port: int, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from mega.checkpoint.exchange import PieceExchange
+    from mega.storage import CorruptCheckpoint, open_storage
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    store = open_storage(Path(root, "store").as_uri())
+    result = {}
+    for name, share in (("iter_0000001", True), ("iter_0000001", False), ("iter_0000002", True)):
+        manifest = store.read_manifest(name)
+        ex = PieceExchange(store, manifest, dist.group.WORLD, torch_device(), share=share)
+        try:
+            ex.fetch(WANTS[rank])
+        except CorruptCheckpoint as e:
+            result[f"{name}/{share}"] = {"refused": [e.relpath, e.reason]}
+            continue
+        got = {f"{p}:{o}:{n}": bytes(ex.get(p, o, n)).hex() for p, o, n in WANTS[rank]}
+        held_after_fetch = ex.stats.held_bytes
+        for piece in WANTS[rank]:
+            ex.release(*piece)
+        result[f"{name}/{share}"] = {"got": got, "read": ex.stats.read_bytes, "received": ex.stats.received_bytes,
+                                     "sent": ex.stats.sent_bytes, "peak": ex.stats.peak_bytes,
+                                     "held_after_fetch": held_after_fetch, "held_after_release": ex.stats.held_bytes}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def torch_device():
+    import torch
+
+    return torch.device("cpu")
+
+
+def _checkpoint(root: Path, name: str, shard: bytes, common: bytes):
+    from mega.storage import open_storage
+
+    src = root / f"src-{name}"
+    src.mkdir()
+    (src / "__0_0.distcp").write_bytes(shard)
+    (src / "common.pt").write_bytes(common)
+    store = open_storage((root / "store").as_uri())
+    entries = store.upload_files(src, name, ["__0_0.distcp", "common.pt"],
+                                 ranges={"__0_0.distcp": [p for p in PIECES]})
+    store.commit(name, entries)
+    return store
+
+
+def test_pieces_are_read_once_per_group_and_go_only_where_needed(tmp_path):
+    shard, common = os.urandom(40000), os.urandom(700)
+    _checkpoint(tmp_path, "iter_0000001", shard, common)
+    store = _checkpoint(tmp_path, "iter_0000002", shard, common)
+    # iter_0000002 is damaged behind the store's back: one byte of the piece ranks 1 and 2 share
+    path = store.root / "iter_0000002" / "__0_0.distcp"
+    damaged = bytearray(path.read_bytes())
+    damaged[20000] ^= 0xFF
+    path.write_bytes(bytes(damaged))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    # forkserver with torch preloaded: clean processes (not forks of this one), started quickly
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "mega.checkpoint.exchange"])
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), str(out))) for r in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    try:
+        for proc in procs:
+            proc.join(timeout=120)
+    finally:
+        for proc in procs:
+            if proc.is_alive():  # a hung exchange: fail, leave nothing behind
+                proc.kill()
+    assert [proc.exitcode for proc in procs] == [0] * WORLD
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+    files = {"__0_0.distcp": shard, "common.pt": common}
+    needed = {r: {(p, *((0, len(files[p])) if p == "common.pt" else (o, n))) for p, o, n in WANTS[r]}
+              for r in range(WORLD)}  # what each rank must hold: common.pt is only hashed whole
+    union = set().union(*needed.values())
+    for mode in ("iter_0000001/True", "iter_0000001/False"):
+        for r, res in enumerate(results):
+            got = res[mode]
+            assert got["got"] == {f"{p}:{o}:{n}": files[p][o:o + n].hex() for p, o, n in WANTS[r]}
+            own = sum(n for _, _, n in needed[r])
+            assert got["peak"] == got["held_after_fetch"] == own  # exactly what it needs, at once
+            assert got["held_after_release"] == 0
+            assert got["read"] + got["received"] == own
+    shared = [res["iter_0000001/True"] for res in results]
+    assert sum(g["read"] for g in shared) == sum(n for _, _, n in union)  # each piece once
+    assert sum(g["sent"] for g in shared) == sum(g["received"] for g in shared) > 0
+    naive = [res["iter_0000001/False"] for res in results]
+    assert sum(g["read"] for g in naive) == sum(n for r in needed for _, _, n in needed[r])
+    assert all(g["received"] == g["sent"] == 0 for g in naive)
+    # the damaged piece is needed by ranks 1 and 2 only, and read by one of them: all refuse
+    for res in results:
+        relpath, reason = res["iter_0000002/True"]["refused"]
+        assert relpath == "__0_0.distcp" and reason.startswith("sha256 of bytes [6000, 36000)")
+
+
+def test_write_results_tap_reports_each_piece_and_passes_results_on():
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    class Queue:
+        def __init__(self):
+            self.items = []
+
+        def put(self, item):
+            self.items.append(item)
+
+    def result(path, offset, length):
+        return WriteResult(MetadataIndex("k"), length, _StorageInfo(path, offset, length))
+
+    queue = Queue()
+    tap = megatron_io.WriteResultsTap(queue)
+    written = {0: [result("__3_0.distcp", 0, 10), result("__3_0.distcp", 10, 5)], 1: [result("__3_1.distcp", 0, 7)]}
+    tap.put(written)
+    assert queue.items == [written]  # megatron's finalisation still gets them
+    assert tap.pieces() == {"__3_0.distcp": [(0, 10), (10, 5)], "__3_1.distcp": [(0, 7)]}
+    failed = megatron_io.WriteResultsTap(Queue())
+    failed.put(RuntimeError("worker died"))
+    assert failed.pieces() == {}
