@@ -85,12 +85,7 @@ def verify_store(cfg: "MegaConfig") -> dict[str, Any]:
         timings = _time_store_ops(server, client)
     finally:
         del client, server  # closes the sockets; the port is free again
-    result: dict[str, Any] = {"store": "tcp", "host": c.master_addr, "port": timings.pop("port"),
-                              "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
-    all_ms = [ms for op_ms in timings.values() for ms in op_ms]
-    result["roundtrip_ms"] = round(statistics.median(all_ms), 4)
-    result.update({f"{op}_ms": round(statistics.median(ms), 4) for op, ms in timings.items()})
-    return result
+    return _store_report("tcp", c.master_addr, connect_ms, timings)
 
 
 def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
@@ -116,7 +111,12 @@ def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
         open_stores.callback(peer.close)
         timings = _time_store_ops(peer, client)
         client.drop_namespace()
-    result: dict[str, Any] = {"store": "redis", "host": client.host, "port": timings.pop("port"),
+    return _store_report("redis", client.host, connect_ms, timings)
+
+
+def _store_report(store: str, host: str, connect_ms: float, timings: dict[str, Any]) -> dict[str, Any]:
+    """verify_store's result from ``_time_store_ops``'s timings: medians per op and over all."""
+    result: dict[str, Any] = {"store": store, "host": host, "port": timings.pop("port"),
                               "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
     all_ms = [ms for op_ms in timings.values() for ms in op_ms]
     result["roundtrip_ms"] = round(statistics.median(all_ms), 4)
