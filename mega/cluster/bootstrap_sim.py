@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import struct
 import sys
 import time
@@ -775,7 +776,15 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
     try:
         for proc in procs:
             proc.start()
-        rows = [out.get(timeout=max_seconds + 300) for _ in procs]
+        rows = []
+        deadline = time.monotonic() + max_seconds + 300  # connecting thousands of clients comes first
+        for _ in procs:
+            try:
+                rows.append(out.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:  # a worker still connecting or replaying: the point did not complete
+                rows.append({"completed": False, "error": f"no report within {max_seconds + 300:g} s",
+                             "ops_done": 0, "ops_by_kind": {}, "start": None, "end": None, "connect_s": 0.0,
+                             "client_cpu_s": 0.0})
         cpu_after = _server_cpu(redis_url, server)
     finally:
         for proc in procs:
