@@ -19,8 +19,6 @@ import math
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 HELD_OUT_SEED = 0  # the order of the held-out sequences, whatever train.seed is
 
 
@@ -31,6 +29,20 @@ def held_out_dataset(cfg, data_index: str | Path):
     from mega.data.dataset import TokenDataset
 
     return TokenDataset(data_index, seq_length=cfg.model.seq_length, seed=HELD_OUT_SEED, split="val")
+
+
+def check_held_out(cfg, data_index: str | Path) -> None:
+    """Before launch: with evaluation on, the prepared data must hold at least one held-out
+    sequence (a small corpus may have no val document at all: the split is per document).
+    Raises ConfigError naming data.val_fraction; otherwise every rank would fail the same way."""
+    from mega.config import ConfigError
+    from mega.data.corpus import DataError
+
+    try:
+        held_out_dataset(cfg, data_index)
+    except DataError as err:
+        raise ConfigError("data.val_fraction", f"{err}; train.eval_batches={cfg.train.eval_batches} needs a "
+                          "held-out split: raise data.val_fraction, or set train.eval_batches=0") from err
 
 
 def due(cfg, step: int) -> bool:
@@ -57,6 +69,7 @@ def validation_loss(trainer, dataset, forward_step: Callable) -> float:
     """Mean loss over ``train.eval_batches`` held-out global batches, forward only; the value on
     the last pipeline stage (NaN on the others, as the training loss). ``forward_step`` is the
     training loop's own."""
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 

@@ -103,6 +103,22 @@ def test_a_killed_preparation_resumes_where_it_was(tmp_path):
     assert not work.exists()
 
 
+def test_a_dataset_without_held_out_text_is_refused_before_launch(tmp_path):
+    from mega.config import ConfigError, compose
+    from mega.launch.driver import run_training
+
+    corpus = write_jsonl(tmp_path / "few.jsonl", make_documents(4, seed=3))
+    index = prepare_dataset(config(corpus, tmp_path / "cache", val_fraction=0.01), 300, progress=False)
+    assert read_index(index)["num_tokens"]["val"] == 0  # 4 documents at 1%: none held out
+    run_dir = tmp_path / "run"
+    cfg = compose(["model=tiny", "model.vocab_size=300", f"data.source={corpus}", "data.val_fraction=0.01",
+                   f"train.run_dir={run_dir}", "train.steps=2", "optimizer.warmup_steps=1"])
+    with pytest.raises(ConfigError, match="held-out") as err:
+        run_training(cfg, index)
+    assert err.value.key == "data.val_fraction"
+    assert not run_dir.exists()  # refused before the run record, before any rank
+
+
 # ---------------------------------------------------------------------------------------------
 # Blends
 
@@ -116,7 +132,7 @@ def blend_index(tmp_path_factory):
                  blend=[{"source": str(alpha), "weight": 3.0}, {"source": str(beta), "weight": 1.0}])
     from mega.config import from_dict
 
-    data = from_dict({"data": cfg.__dict__}).data
+    data = from_dict({"data": cfg.__dict__, "train": {"eval_batches": 0}}).data  # no held-out split
     return prepare_dataset(data, 300, progress=False)
 
 

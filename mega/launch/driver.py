@@ -56,6 +56,9 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
     (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
     """
+    from mega import validation
+
+    validation.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
