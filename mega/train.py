@@ -282,8 +282,10 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         result = train_step(trainer, step)
         step_s = time.perf_counter() - t0
         done = step + 1
+        step_obs = session.end_step()  # compute time, exposed communication per kind
         if validation.due(cfg, done):
-            result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
+            with obs.paused():  # evaluation is not training: its passes stay out of the step's timeline
+                result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
         logger.log(
             {
                 "step": done,
@@ -294,7 +296,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                 "attempt": attempt,
                 "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
                 "node": node.node_rank(),  # the logging rank's node
-                **session.end_step(),  # compute time, exposed communication per kind
+                **step_obs,
             }
         )
         checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)

@@ -141,10 +141,11 @@ def test_shakespeare_token_dataset(shakespeare):
     assert (ds.vocab_size, ds.eos_id) == (512, 0)
     assert ds.num_samples == index["num_tokens"]["train"] // 33
     assert np.array_equal(ds.sample(0), read_shard(index_path.parent / "train-00000.arrow")[:33])
-    # None of the 42 plays' digests falls below 1% of the hash space: no val split (docs/data.md)
-    assert index["num_tokens"]["val"] == 0
-    with pytest.raises(DataError, match="split 'val' has 0 tokens"):
-        TokenDataset(index_path, seq_length=32, seed=1234, split="val")
+    # two of the 42 plays' digests fall below 3% of the hash space (docs/data.md)
+    assert index["num_documents"]["val"] == 2
+    val = TokenDataset(index_path, seq_length=32, seed=1234, split="val")
+    assert val.num_tokens == index["num_tokens"]["val"] > 0
+    assert not np.array_equal(val.sample(0), ds.sample(0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ Importing this package is cheap (no torch, no megatron).
 
 from __future__ import annotations
 
+import contextlib
+
 from mega.obs.recorder import NULL_SPAN, ROW_KEYS, Recorder
 
 NULL_RECORDER = Recorder(None, {}, enabled=False)
@@ -21,6 +23,17 @@ def current() -> Recorder:
     """This process's active recorder (a disabled one outside a training loop): a watcher thread
     reads ``current().snapshot()``, ``.phase`` and ``.last_step``."""
     return _current
+
+
+@contextlib.contextmanager
+def paused():
+    """Nothing is recorded inside (e.g. the validation passes after a step's ``end_step``)."""
+    rec = _current
+    was, rec.active = rec.active, False
+    try:
+        yield
+    finally:
+        rec.active = was
 
 
 def span(name: str, cat: str | None = None, args=None, blocked: bool = False):
@@ -34,4 +47,4 @@ def span(name: str, cat: str | None = None, args=None, blocked: bool = False):
     return rec.span(name, cat or name, args, blocked)
 
 
-__all__ = ["NULL_RECORDER", "ROW_KEYS", "Recorder", "current", "span"]
+__all__ = ["NULL_RECORDER", "ROW_KEYS", "Recorder", "current", "paused", "span"]
