@@ -92,6 +92,9 @@ class ParallelismConfig:
     # turned on, the rest are listed in the log and init.json; "off": only the flags set explicitly.
     # An explicit flag the layout cannot honour is an error (mega/overlap/pp_dp.py).
     comm_overlap: str = "off"
+    # megatron DDP's bucket size in parameters (null: megatron's max(4e7, 1e6*dp)): smaller buckets
+    # let gradient reduction and parameter all-gather start earlier and overlap more
+    ddp_bucket_size: int | None = None
 
     @property
     def world_size(self) -> int:

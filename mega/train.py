@@ -137,6 +137,7 @@ def ddp_config(cfg: MegaConfig):
         grad_reduce_in_fp32=backend_flags(cfg).grad_reduce_in_fp32,
         overlap_grad_reduce=p.overlap_grad_reduce,
         use_distributed_optimizer=p.use_distributed_optimizer,
+        bucket_size=p.ddp_bucket_size,
     )
 
 

@@ -1,7 +1,9 @@
 """PP and DP communication overlap (issue 13, docs/overlap.md): megatron's decoupled pipeline
 send/receive (with its warm-up/flush variant) and the aligned, prefetched parameter all-gather
 change when bytes move, never what is computed. One pair of 4-rank gloo runs (tp1-pp2-vpp2-dp2,
-overlap off and ``parallelism.comm_overlap=auto``), checked several ways."""
+overlap off and ``parallelism.comm_overlap=auto``), checked several ways, and one pair of 2-rank
+runs without virtual stages (dp2, small buckets), where auto turns on only the all-gather overlap
+and mega's own first-bucket prefetch."""
 
 import json
 
@@ -15,11 +17,14 @@ STEPS = 3
 LAYOUT = ["parallelism=tp2-pp2-vpp2-dp2", "parallelism.tp=1", "parallelism.name=tp1-pp2-vpp2-dp2"]
 
 
-def _train(run_dir, data_index, data_cache, overrides):
+DP2 = ["parallelism=dp2", "parallelism.ddp_bucket_size=20000"]  # the tiny model in several buckets
+
+
+def _train(run_dir, data_index, data_cache, overrides, layout=LAYOUT):
     cfg = compose(["model=tiny", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
                    f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
                    "checkpoint.interval=0", "checkpoint.max_restarts=0",
-                   "train.eval_batches=0", *LAYOUT, *overrides])
+                   "train.eval_batches=0", *layout, *overrides])
     run_training(cfg, data_index, log=print)
     return run_dir
 
@@ -29,6 +34,12 @@ def runs(tmp_path_factory, data_index, data_cache):
     off = _train(tmp_path_factory.mktemp("overlap-off"), data_index, data_cache, [])
     on = _train(tmp_path_factory.mktemp("overlap-on"), data_index, data_cache, ["parallelism.comm_overlap=auto"])
     return off, on
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory, data_index, data_cache):
+    return tuple(_train(tmp_path_factory.mktemp(f"dp2-{mode}"), data_index, data_cache,
+                        [f"parallelism.comm_overlap={mode}"], DP2) for mode in ("off", "auto"))
 
 
 def _rank_steps(run_dir, rank):
@@ -74,3 +85,21 @@ def test_first_chunk_all_gather_starts_before_the_data(runs):
         for step in _rank_steps(off, rank):
             assert _gathers_before_data(step) == [], (rank, step["step"])
             assert any(s[0].startswith("all_gather params") for s in step["spans"])  # but it gathers
+
+
+@pytest.mark.slow
+def test_without_virtual_stages_auto_overlaps_the_all_gather_only(dp_runs):
+    off, on = dp_runs
+    record = json.loads((on / "init.json").read_text())["comm_overlap"]
+    assert record["on"] == ["overlap_param_gather"]
+    assert set(record["left_off"]) == {"overlap_p2p_comm", "align_param_gather"}
+    a, b = read_metrics(off), read_metrics(on)
+    assert len(a) == len(b) == STEPS
+    assert [(m["loss"], m["grad_norm"]) for m in a] == [(m["loss"], m["grad_norm"]) for m in b]  # bit-identical
+    for rank in range(2):
+        on_steps = _rank_steps(on, rank)
+        buckets = {s[6]["bucket"] for step in on_steps for s in step["spans"] if s[0].startswith("all_gather params")}
+        assert len(buckets) > 2  # several buckets, gathered one after another by the pre-hooks
+        for step in on_steps:  # one bucket prefetched before the data, asynchronously
+            gathers = _gathers_before_data(step)
+            assert len(gathers) == 1 and gathers[0][1] is False, (rank, step["step"], gathers)

@@ -34,6 +34,11 @@
             -> {"rows": [{"nodes", "procs_per_node", "world_size", "layout", "first_step_s", "step_s",
                           "max_abs_loss_diff_vs_one_node", "completed"}], "details", ...}
 
+  overlap   TP / PP / DP communication overlap off vs on, 2 ranks on 2 netns nodes over a tc-shaped
+            veth (mega/bench/overlap.py, root): --steps N (8), --warmup N (3), --link-mbit M (1000)
+            -> {"rows": [{"name", "link", "exposed_comm_off_s", "exposed_comm_on_s", "step_off_s",
+                          "step_on_s", "loss_equal", "target_met", ...}], ...}
+
 See docs/benchmarks.md.
 """
 
@@ -52,17 +57,18 @@ from mega.bench.checkpoint import bench_checkpoint
 from mega.bench.data import bench_data
 from mega.bench.nodes import bench_nodes
 from mega.bench.observability import bench_observability
+from mega.bench.overlap import bench_overlap
 from mega.bench.step import bench_step
 
 __all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_nodes",
-           "bench_observability", "bench_step", "main"]
+           "bench_observability", "bench_overlap", "bench_step", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
-                                              "nodes"])
+                                              "nodes", "overlap"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes = parser.add_argument_group("nodes")
     nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
     nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
+    parser.add_argument("--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link")
     args = parser.parse_intermixed_args(argv)
     # the launcher side imports megatron-core too (checkpoint discovery): its warnings about absent
     # GPU packages are said once here instead
@@ -130,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                                 args.out or "runs/bench-data", args.overrides)
         elif args.benchmark == "nodes":
             result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns)
+        elif args.benchmark == "overlap":
+            result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3),
+                                   args.link_mbit)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",

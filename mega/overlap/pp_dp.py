@@ -20,9 +20,9 @@ so those need virtual stages (``parallelism.vpp>1``). Two ways to ask:
   supports is turned on and the rest are listed with the reason (``resolve``), in the run's log
   line and in ``init.json``'s ``comm_overlap``.
 
-With ``align_param_gather`` mega also prefetches chunk 0's all-gather at the very start of the
-step, before the microbatches are loaded (``prefetch_first_chunk``), where megatron's schedule
-would start it only once forward-backward begins. torch-free: config validation imports it.
+With ``overlap_param_gather`` mega also prefetches the first all-gather at the very start of the
+step, before the microbatches are loaded (``prefetch_first_chunk``), where megatron would start it
+only at the first forward. torch-free: config validation imports it.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def problems(cfg) -> list[tuple[str, str]]:
     for flag in ("align_param_gather", "overlap_param_gather_with_optimizer_step"):
         if getattr(p, flag) and not eff.overlap_param_gather:
             out.append((f"parallelism.{flag}", "needs parallelism.overlap_param_gather=true"))
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        out.append(("parallelism.ddp_bucket_size", f"must be a positive number of parameters or null, got {p.ddp_bucket_size}"))
     if eff.overlap_param_gather and not p.use_distributed_optimizer:
         out.append(("parallelism.overlap_param_gather", "needs parallelism.use_distributed_optimizer=true"))
     return out
@@ -157,8 +159,15 @@ def _unless_dispatched(chunk):
 
 
 def prefetch_first_chunk(cfg, model: list) -> None:
-    """Dispatch chunk 0's parameter all-gather now (the step's start, before its data is read).
-    Its result is needed by the first forward; megatron would dispatch it there."""
+    """Dispatch the first parameter all-gather of the step now, before its data is read; megatron
+    would dispatch it only at the first forward. With ``align_param_gather`` that is all of chunk 0
+    (the schedule dispatches whole chunks; ``param_sync_funcs`` then skips it). Without, it is the
+    bucket group the forward uses first (the last one: buckets are in reverse registration order);
+    the forward pre-hooks wait for it and dispatch the next one, as they would have."""
     eff = resolve(cfg.parallelism)
-    if eff.align_param_gather and not eff.overlap_param_gather_with_optimizer_step:
+    if not eff.overlap_param_gather or eff.overlap_param_gather_with_optimizer_step:
+        return  # synchronous gathers in the optimizer step, or dispatched there already
+    if eff.align_param_gather:
         model[0].start_param_sync()
+    elif model[0].bucket_groups and not model[0].bucket_groups[-1].param_gather_dispatched:
+        model[0].bucket_groups[-1].start_param_sync()  # not dispatched: validation may have gathered
