@@ -103,3 +103,30 @@ def test_without_virtual_stages_auto_overlaps_the_all_gather_only(dp_runs):
         for step in on_steps:  # one bucket prefetched before the data, asynchronously
             gathers = _gathers_before_data(step)
             assert len(gathers) == 1 and gathers[0][1] is False, (rank, step["step"], gathers)
+
+
+def _metrics(losses, step_s, exposed, kind="dp"):
+    return [{"step": i + 1, "loss": loss, "step_s": s, f"exposed_{kind}_s": e}
+            for i, (loss, s, e) in enumerate(zip(losses, step_s, exposed))]
+
+
+def test_overlap_bench_row_judges_the_goal():
+    """mega.bench overlap's row: medians after the warm-up, the issue's three conditions."""
+    from mega.bench.overlap import build_row
+
+    off = _metrics([3.0, 2.9, 2.8, 2.7], [9.0, 1.0, 1.2, 1.1], [5.0, 0.4, 0.5, 0.6])
+    on = _metrics([3.0, 2.9, 2.8, 2.7], [9.0, 1.0, 1.1, 1.15], [5.0, 0.2, 0.25, 0.1])
+    row = build_row("dp-overlap", "link", off, on, warmup=1)
+    assert (row["exposed_comm_off_s"], row["exposed_comm_on_s"]) == (0.5, 0.2)
+    assert (row["step_off_s"], row["step_on_s"]) == (1.1, 1.1)
+    assert row["loss_equal"] and row["target_met"]
+    # 0.26/0.5 > half: missed; a step 6% slower: missed; one loss bit off: missed (PP/DP are bitwise)
+    half = build_row("dp-overlap", "link", off, _metrics([3.0, 2.9, 2.8, 2.7], [1.0] * 4, [0.26] * 4), 1)
+    assert half["loss_equal"] and not half["target_met"]
+    assert not build_row("dp-overlap", "link", off, _metrics([3.0, 2.9, 2.8, 2.7], [1.166] * 4, [0.1] * 4), 1)["target_met"]
+    bad = build_row("dp-overlap", "link", off, _metrics([3.0, 2.9, 2.8, 2.7000001], [1.0] * 4, [0.1] * 4), 1)
+    assert not bad["loss_equal"] and not bad["target_met"]
+    # the TP ring agrees to fp32 rounding: within its tolerance the goal can still be met
+    tp_off = _metrics([3.0, 2.9, 2.8, 2.7], [1.0] * 4, [0.5] * 4, "tp")
+    tp = build_row("tp-overlap", "link", tp_off, _metrics([3.0, 2.9, 2.8, 2.70001], [1.0] * 4, [0.1] * 4, "tp"), 1)
+    assert not tp["loss_equal"] and tp["losses_match"] and tp["target_met"]
