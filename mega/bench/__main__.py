@@ -7,6 +7,10 @@
             --tune-lamb-lr LR,LR, --eval-sequences N, --out DIR
             -> {"rows": [{"name", "seeds", "val_loss", "val_loss_per_seed", "val_loss_vs_baseline",
                 "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
+            --throughput instead: tokens/s and exposed communication of ptb+swa, +tp-overlap,
+            +pp-overlap, +dp-overlap (cumulative) on tp2-pp2-vpp2-dp2, one seed, --steps N (8)
+            -> {"throughput_rows": [{"name", "tokens_per_s", "tokens_per_s_vs_previous", "step_s",
+                "exposed_tp_s", "exposed_pp_s", "exposed_dp_s", "losses"}], ...}
   checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
             blocked per save, restore bytes counted against the naive restore, the largest per-rank
             restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
@@ -50,7 +54,8 @@ import sys
 
 from mega import config as mega_config
 from mega import optional_packages
-from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation
+from mega.bench.ablation import (DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation,
+                                 bench_ablation_throughput)
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
@@ -89,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ablation.add_argument("--tune-lamb-lr", default="",
                           help="candidate peak LRs of the lamb row, tried on --tuning-seed first; the lowest "
                                "validation loss replaces --lamb-lr")
+    ablation.add_argument("--throughput", action="store_true",
+                          help="instead of the convergence rows: the throughput rows ptb+swa, +tp-overlap, "
+                               "+pp-overlap, +dp-overlap on 8 ranks, one seed (--steps, default 8)")
     ablation.add_argument("--tuning-seed", type=int, default=TUNING_SEED, help="the seed hyperparameters are chosen on")
     ablation.add_argument("--eval-sequences", type=int, default=None,
                           help="held-out sequences every run evaluates (default: the whole split, whole batches)")
@@ -147,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                                      tp=args.tp, pp=args.pp, real_layouts=_names(args.real),
                                      real_group_inits=_names(args.real_group_init),
                                      real_repeats=args.real_repeats)
+        elif args.throughput:
+            result = bench_ablation_throughput(args.overrides, args.window, args.steps or 8)
         else:
             result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
                                     args.lamb_lr, seeds=_ints(args.seeds),
@@ -189,6 +199,13 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
                   f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
                   f"{row['completed']}", file=sys.stderr)
+        return
+    if benchmark == "ablation" and "throughput_rows" in result:
+        print(f"{'row':<14} {'tokens/s':>9} {'vs prev':>8} {'exposed tp s':>12} {'pp s':>7} {'dp s':>7}", file=sys.stderr)
+        for row in result["throughput_rows"]:
+            vs = "-" if row["tokens_per_s_vs_previous"] is None else f"{row['tokens_per_s_vs_previous']:+.1%}"
+            print(f"{row['name']:<14} {row['tokens_per_s']:>9.0f} {vs:>8} {row['exposed_tp_s']:>12.4f} "
+                  f"{row['exposed_pp_s']:>7.4f} {row['exposed_dp_s']:>7.4f}", file=sys.stderr)
         return
     if benchmark == "ablation":
         print(f"{'row':<16} {'val loss':>9} {'vs baseline':>11} {'train loss':>10} {'vs baseline':>11} "
