@@ -79,7 +79,7 @@ def build_row(name: str, link: str, off: list[dict], on: list[dict], warmup: int
 
 def bench_overlap(overrides: list[str], steps: int = 8, warmup: int = 3, link_mbit: float = 1000.0,
                   names: tuple[str, ...] = tuple(ROWS)) -> dict:
-    link = f"veth between 2 netns nodes, tc tbf {link_mbit:g} Mbit/s"
+    link = f"2 netns nodes, each on a veth to the bridge shaped by tc tbf {link_mbit:g} Mbit/s"
     rows = []
     with tempfile.TemporaryDirectory(prefix="mega-bench-overlap-") as tmp:
         for name in names:
