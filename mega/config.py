@@ -88,6 +88,13 @@ class ParallelismConfig:
     overlap_p2p_comm_warmup_flush: bool = False
     align_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
+    # "auto" (features=megascale): every PP/DP overlap flag above that this layout supports is
+    # turned on, the rest are listed in the log and init.json; "off": only the flags set explicitly.
+    # An explicit flag the layout cannot honour is an error (mega/overlap/pp_dp.py).
+    comm_overlap: str = "off"
+    # megatron DDP's bucket size in parameters (null: megatron's max(4e7, 1e6*dp)): smaller buckets
+    # let gradient reduction and parameter all-gather start earlier and overlap more
+    ddp_bucket_size: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -544,9 +551,11 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         _require(p.num_microbatches % p.pp == 0, "parallelism.global_batch_size",
                  f"interleaved pipelining needs microbatches per step ({p.num_microbatches}) "
                  f"divisible by pp={p.pp}")
-    _require(not p.overlap_param_gather or p.use_distributed_optimizer, "parallelism.overlap_param_gather",
-             "needs parallelism.use_distributed_optimizer=true")
+    from mega.overlap import pp_dp  # torch-free
     from mega.overlap.checks import tp_overlap_problems  # torch-free
+
+    for key, problem in pp_dp.problems(cfg):  # PP/DP overlap flags vs the layout (needs vpp>1)
+        raise ConfigError(key, problem)
 
     for key, problem in tp_overlap_problems(cfg):
         raise ConfigError(key, problem)

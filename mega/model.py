@@ -24,6 +24,7 @@ from mega.cluster.backend_flags import backend_flags
 from mega.cluster.backend_flags import resolve_precision as resolve_precision  # re-export
 from mega.config import MegaConfig
 from mega.layers import core_attention_class, fused, parallel_layer_spec
+from mega.overlap import pp_dp
 from mega.overlap import tp as tp_overlap
 
 def transformer_config(cfg: MegaConfig) -> TransformerConfig:
@@ -68,6 +69,8 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         apply_rope_fusion=False,
         # parallelism.tp_overlap=te: megatron's tp_comm_overlap (Transformer Engine userbuffers)
         **tp_overlap.transformer_config_kwargs(cfg),
+        # parallelism.overlap_p2p_comm(_warmup_flush) / comm_overlap=auto (mega/overlap/pp_dp.py)
+        **pp_dp.transformer_config_kwargs(cfg),
     )
 
 

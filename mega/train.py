@@ -24,6 +24,7 @@ from mega import config as mega_config
 from mega import megatron_cpu, obs, optional_packages, validation
 from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
+from mega.overlap import pp_dp
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
@@ -95,8 +96,9 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
     tcfg.no_sync_func = model[0].no_sync if single else [m.no_sync for m in model]
     if p.overlap_grad_reduce:
         tcfg.grad_sync_func = model[0].start_grad_sync if single else [m.start_grad_sync for m in model]
-    if p.overlap_param_gather:
-        tcfg.param_sync_func = model[0].start_param_sync if single else [m.start_param_sync for m in model]
+    # The parameter all-gather: forward pre-hooks dispatch it, or with align_param_gather the
+    # interleaved schedule does, per chunk (as Megatron-LM's training.py wires it; pp_dp.py).
+    tcfg.param_sync_func = pp_dp.param_sync_funcs(cfg, model)
     tcfg.finalize_model_grads_func = finalize_model_grads
 
     optimizer = build_optimizer(cfg, model)
@@ -131,10 +133,11 @@ def ddp_config(cfg: MegaConfig):
 
     p = cfg.parallelism
     return DistributedDataParallelConfig(
+        **pp_dp.ddp_config_kwargs(cfg),  # overlap_param_gather, align_param_gather
         grad_reduce_in_fp32=backend_flags(cfg).grad_reduce_in_fp32,
         overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather,
         use_distributed_optimizer=p.use_distributed_optimizer,
+        bucket_size=p.ddp_bucket_size,
     )
 
 
@@ -160,6 +163,7 @@ def train_step(trainer: Trainer, step: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     cfg = trainer.cfg
+    pp_dp.prefetch_first_chunk(cfg, trainer.model)  # chunk 0's param all-gather, before the data
     with obs.span("data"):
         microbatches = step_microbatches(trainer, step)
     for chunk in trainer.model:
@@ -256,6 +260,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     run_dir = Path(cfg.train.run_dir)
     node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
     trainer.init_times["nodes"] = node.gather_table()
+    trainer.init_times["comm_overlap"] = pp_dp.record(cfg.parallelism)  # PP/DP overlap on/left off
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
     start_step = 0
     chunks = [m.module for m in trainer.model]
@@ -271,6 +276,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     if dist.get_rank() == 0:
         (run_dir / "init.json").write_text(json.dumps(trainer.init_times))
     logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
+    logger.event(pp_dp.log_line(cfg.parallelism))  # which PP/DP overlap this layout got
     checkpointer = checkpoint.Checkpointer(cfg, chunks, trainer.optimizer, trainer.scheduler,
                                            mega_config.to_dict(cfg))
     # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)

@@ -87,6 +87,27 @@ def test_row_configs_and_budget_arithmetic():
     assert ablation.final_loss([(4096, 1.0), (8192, 2.0)], 8192, 4096) == 2.0
 
 
+def test_throughput_rows_add_each_overlap_on_top_of_ptb_swa():
+    """The --throughput part: cumulative rows in the paper's order, each a valid 8-rank config with
+    exactly one more kind of overlap than the row before; tokens/s compared row to row."""
+    names = [r.name for r in ablation.throughput_rows()]
+    assert names == ["ptb+swa", "+tp-overlap", "+pp-overlap", "+dp-overlap"]
+    cfgs = [compose([*ablation.DEFAULT_OVERRIDES, *ablation.THROUGHPUT_LAYOUT, *r.overrides])
+            for r in ablation.throughput_rows()]
+    assert all(c.parallelism.world_size == 8 and c.model.block == "parallel" for c in cfgs)
+    flags = [(c.parallelism.tp_overlap, c.parallelism.overlap_p2p_comm, c.parallelism.align_param_gather) for c in cfgs]
+    assert flags == [("none", False, False), ("ring", False, False), ("ring", True, False), ("ring", True, True)]
+
+    def metrics(tps):
+        return [{"step": i + 1, "loss": 1.0, "tokens_per_s": t, "step_s": 1 / t, "exposed_tp_s": 0.1,
+                 "exposed_pp_s": 0.2, "exposed_dp_s": 0.3} for i, t in enumerate(tps)]
+
+    first = ablation.throughput_row("ptb+swa", metrics([1.0, 1.0, 100.0, 100.0, 100.0]), None)
+    second = ablation.throughput_row("+tp-overlap", metrics([1.0, 1.0, 110.0, 110.0, 120.0]), first)
+    assert (first["tokens_per_s"], second["tokens_per_s"]) == (100.0, 110.0)  # warm-up steps left out
+    assert first["tokens_per_s_vs_previous"] is None and second["tokens_per_s_vs_previous"] == 0.1
+
+
 @pytest.mark.parametrize("args, key", [
     (["features=megascale"], "features"),
     (["train.seed=3"], "train.seed"),

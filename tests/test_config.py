@@ -49,6 +49,19 @@ def test_single_layout_runs_one_process():
     (["launcher=local-nodes", "launcher.local_nodes.subnet=8.8.8.0/24"], "launcher.local_nodes.subnet",
      "private IPv4"),
     (["cluster.peak_tflops=-1"], "cluster.peak_tflops", "must be positive"),
+    # PP/DP overlap (issue 13): megatron's non-interleaved 1F1B refuses p2p overlap and never
+    # calls param_sync_func, so asking for them explicitly without virtual stages names vpp
+    (["parallelism.overlap_p2p_comm=true"], "parallelism.vpp", "refuses overlap_p2p_comm"),
+    (["parallelism=pp2", "parallelism.overlap_param_gather=true", "parallelism.align_param_gather=true"],
+     "parallelism.vpp", "never calls param_sync_func"),
+    (["parallelism=tp2-pp2-vpp2-dp2", "parallelism.overlap_p2p_comm_warmup_flush=true"],
+     "parallelism.overlap_p2p_comm_warmup_flush", "needs parallelism.overlap_p2p_comm=true"),
+    (["parallelism=tp2-pp2-vpp2-dp2", "parallelism.align_param_gather=true"],
+     "parallelism.align_param_gather", "needs parallelism.overlap_param_gather=true"),
+    (["parallelism.overlap_param_gather=true", "parallelism.use_distributed_optimizer=false"],
+     "parallelism.overlap_param_gather", "use_distributed_optimizer=true"),
+    (["parallelism.comm_overlap=on"], "parallelism.comm_overlap", "must be one of"),
+    (["parallelism.ddp_bucket_size=0"], "parallelism.ddp_bucket_size", "must be a positive number"),
 ])
 def test_rejection_names_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
@@ -130,3 +143,23 @@ def test_save_and_load_round_trip(tmp_path):
     assert isinstance(loaded, MegaConfig)
     assert loaded == cfg
     assert dataclasses.asdict(loaded) == dataclasses.asdict(cfg)
+
+
+@pytest.mark.parametrize("layout, on, left_off", [
+    # interleaved: everything megatron supports; 1F1B: only the pre-hook-driven all-gather
+    ("tp2-pp2-vpp2-dp2", ["overlap_p2p_comm", "overlap_p2p_comm_warmup_flush", "overlap_param_gather",
+                          "align_param_gather"], []),
+    ("tp2-pp2-dp2", ["overlap_param_gather"], ["overlap_p2p_comm", "align_param_gather"]),
+    ("pp2", [], ["overlap_p2p_comm", "overlap_param_gather"]),
+])
+def test_megascale_turns_on_what_the_layout_supports(layout, on, left_off):
+    from mega.overlap import pp_dp
+
+    cfg = compose([f"parallelism={layout}", "features=megascale"])
+    assert cfg.parallelism.comm_overlap == "auto"
+    record = pp_dp.record(cfg.parallelism)
+    assert record["on"] == on
+    assert sorted(record["left_off"]) == sorted(left_off)
+    assert all(f in pp_dp.log_line(cfg.parallelism) for f in on + left_off)
+    # the same layout without the feature: nothing on
+    assert pp_dp.record(compose([f"parallelism={layout}"]).parallelism)["on"] == []

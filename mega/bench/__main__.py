@@ -7,6 +7,10 @@
             --tune-lamb-lr LR,LR, --eval-sequences N, --out DIR
             -> {"rows": [{"name", "seeds", "val_loss", "val_loss_per_seed", "val_loss_vs_baseline",
                 "final_loss", "loss_vs_baseline", "tokens_per_s", ...}], "plot", ...}
+            --throughput instead: tokens/s and exposed communication of ptb+swa, +tp-overlap,
+            +pp-overlap, +dp-overlap (cumulative) on tp2-pp2-vpp2-dp2, one seed, --steps N (8)
+            -> {"throughput_rows": [{"name", "tokens_per_s", "tokens_per_s_vs_previous", "step_s",
+                "exposed_tp_s", "exposed_pp_s", "exposed_dp_s", "losses"}], ...}
   checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
             blocked per save, restore bytes counted against the naive restore, the largest per-rank
             restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
@@ -34,6 +38,11 @@
             -> {"rows": [{"nodes", "procs_per_node", "world_size", "layout", "first_step_s", "step_s",
                           "max_abs_loss_diff_vs_one_node", "completed"}], "details", ...}
 
+  overlap   TP / PP / DP communication overlap off vs on, 2 ranks on 2 netns nodes over a tc-shaped
+            veth (mega/bench/overlap.py, root): --steps N (8), --warmup N (3), --link-mbit M (1000)
+            -> {"rows": [{"name", "link", "exposed_comm_off_s", "exposed_comm_on_s", "step_off_s",
+                          "step_on_s", "loss_equal", "target_met", ...}], ...}
+
 See docs/benchmarks.md.
 """
 
@@ -45,24 +54,26 @@ import sys
 
 from mega import config as mega_config
 from mega import optional_packages
-from mega.bench.ablation import DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation
+from mega.bench.ablation import (DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation,
+                                 bench_ablation_throughput)
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
 from mega.bench.data import bench_data
 from mega.bench.nodes import bench_nodes
 from mega.bench.observability import bench_observability
+from mega.bench.overlap import bench_overlap
 from mega.bench.step import bench_step
 
 __all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_nodes",
-           "bench_observability", "bench_step", "main"]
+           "bench_observability", "bench_overlap", "bench_step", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
-                                              "nodes"])
+                                              "nodes", "overlap"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
@@ -83,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ablation.add_argument("--tune-lamb-lr", default="",
                           help="candidate peak LRs of the lamb row, tried on --tuning-seed first; the lowest "
                                "validation loss replaces --lamb-lr")
+    ablation.add_argument("--throughput", action="store_true",
+                          help="instead of the convergence rows: the throughput rows ptb+swa, +tp-overlap, "
+                               "+pp-overlap, +dp-overlap on 8 ranks, one seed (--steps, default 8)")
     ablation.add_argument("--tuning-seed", type=int, default=TUNING_SEED, help="the seed hyperparameters are chosen on")
     ablation.add_argument("--eval-sequences", type=int, default=None,
                           help="held-out sequences every run evaluates (default: the whole split, whole batches)")
@@ -111,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     nodes = parser.add_argument_group("nodes")
     nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
     nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
+    parser.add_argument("--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link")
     args = parser.parse_intermixed_args(argv)
     # the launcher side imports megatron-core too (checkpoint discovery): its warnings about absent
     # GPU packages are said once here instead
@@ -130,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                 args.out or "runs/bench-data", args.overrides)
         elif args.benchmark == "nodes":
             result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns)
+        elif args.benchmark == "overlap":
+            result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3),
+                                   args.link_mbit)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",
@@ -137,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                                      tp=args.tp, pp=args.pp, real_layouts=_names(args.real),
                                      real_group_inits=_names(args.real_group_init),
                                      real_repeats=args.real_repeats)
+        elif args.throughput:
+            result = bench_ablation_throughput(args.overrides, args.window, args.steps or 8)
         else:
             result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
                                     args.lamb_lr, seeds=_ints(args.seeds),
@@ -179,6 +199,13 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
                   f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
                   f"{row['completed']}", file=sys.stderr)
+        return
+    if benchmark == "ablation" and "throughput_rows" in result:
+        print(f"{'row':<14} {'tokens/s':>9} {'vs prev':>8} {'exposed tp s':>12} {'pp s':>7} {'dp s':>7}", file=sys.stderr)
+        for row in result["throughput_rows"]:
+            vs = "-" if row["tokens_per_s_vs_previous"] is None else f"{row['tokens_per_s_vs_previous']:+.1%}"
+            print(f"{row['name']:<14} {row['tokens_per_s']:>9.0f} {vs:>8} {row['exposed_tp_s']:>12.4f} "
+                  f"{row['exposed_pp_s']:>7.4f} {row['exposed_dp_s']:>7.4f}", file=sys.stderr)
         return
     if benchmark == "ablation":
         print(f"{'row':<16} {'val loss':>9} {'vs baseline':>11} {'train loss':>10} {'vs baseline':>11} "

@@ -331,3 +331,50 @@ def summarise(runs: list[RowResult], tokens: int, tail: int) -> dict:
         "eval_batches": first.cfg.train.eval_batches,
         "wall_s": sum(run.wall_s for run in runs),
     }
+
+
+# --- Throughput rows: communication overlap (paper Table 4's order, after PTB and SWA) -----------
+# Overlap changes when bytes move, not what is computed, so these rows measure speed only: one run
+# per row on one seed, a few steps, on a layout with all three kinds of communication
+# (``--throughput``; the convergence rows above are unaffected).
+THROUGHPUT_LAYOUT = ("parallelism=tp2-pp2-vpp2-dp2", "parallelism.sequence_parallel=true")
+THROUGHPUT_STEPS = 8
+THROUGHPUT_SEED = DEFAULT_SEEDS[0]
+
+
+def throughput_rows(window: int = DEFAULT_WINDOW) -> list[Row]:
+    """Cumulative: ``ptb+swa``, then each overlap on top of the row before it."""
+    base = ("features=ptb-swa", f"model.window_size={window}")
+    tp = ("parallelism.tp_overlap=ring",)
+    pp = ("parallelism.overlap_p2p_comm=true", "parallelism.overlap_p2p_comm_warmup_flush=true")
+    dp = ("parallelism.overlap_param_gather=true", "parallelism.align_param_gather=true")
+    return [Row("ptb+swa", base), Row("+tp-overlap", base + tp), Row("+pp-overlap", base + tp + pp),
+            Row("+dp-overlap", base + tp + pp + dp)]
+
+
+def throughput_row(name: str, metrics: list[dict], previous: dict | None) -> dict:
+    timed = common.steady(metrics, WARMUP)
+    row = {"name": name, "tokens_per_s": round(common.median(timed, "tokens_per_s"), 1),
+           "step_s": round(common.median(timed, "step_s"), 6),
+           **{f"exposed_{k}_s": round(common.median(timed, f"exposed_{k}_s"), 6) for k in ("tp", "pp", "dp")},
+           "losses": [m["loss"] for m in metrics]}
+    row["tokens_per_s_vs_previous"] = None if previous is None else \
+        round(row["tokens_per_s"] / previous["tokens_per_s"] - 1, 4)
+    return row
+
+
+def bench_ablation_throughput(overrides: list[str], window: int = DEFAULT_WINDOW, steps: int = THROUGHPUT_STEPS,
+                              seed: int = THROUGHPUT_SEED) -> dict:
+    _check_overrides(overrides)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="mega-ablation-throughput-") as tmp:
+        for row in throughput_rows(window):
+            cfg = common.compose_run([*DEFAULT_OVERRIDES, *THROUGHPUT_LAYOUT, *overrides, *row.overrides,
+                                      f"train.seed={seed}", "train.eval_batches=0", "optimizer.warmup_steps=1"],
+                                     steps, Path(tmp) / row.name.replace("+", "plus-"))
+            common.log(f"ablation throughput row {row.name}: {steps} steps on {cfg.parallelism.name}")
+            metrics = common.train(cfg, common.prepare_data(cfg)).metrics
+            out.append(throughput_row(row.name, metrics, out[-1] if out else None))
+            common.log(f"  {row.name}: {out[-1]['tokens_per_s']:.0f} tokens/s")
+    return {"throughput_rows": out, "layout": list(THROUGHPUT_LAYOUT), "steps": steps, "warmup_steps": WARMUP,
+            "seed": seed, "note": "throughput only, one seed; 8 ranks on a shared CPU machine: noisy"}

@@ -44,6 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mega.overlap import pp_dp  # torch-free
+
 if TYPE_CHECKING:
     import torch
 
@@ -92,7 +94,7 @@ def backend_flags(cfg: "MegaConfig") -> BackendFlags:
         collective_device="cuda" if c.backend == "nccl" else "cpu",
         use_cpu_initialization=not cuda,
         # megatron: "batch_p2p_comm must be False if overlap_p2p_comm is True"
-        batch_p2p_comm=c.backend != "gloo" and not cfg.parallelism.overlap_p2p_comm,
+        batch_p2p_comm=c.backend != "gloo" and not pp_dp.resolve(cfg.parallelism).overlap_p2p_comm,
         precision=precision,
         params_dtype=dtype,
         pipeline_dtype=dtype,

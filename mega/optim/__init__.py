@@ -41,6 +41,8 @@ def optimizer_config(cfg: MegaConfig):
         fp16=flags.precision == "fp16",
         params_dtype=flags.torch_dtype(flags.params_dtype),
         use_distributed_optimizer=p.use_distributed_optimizer,
+        # chunk 0's param all-gather dispatched at the end of the step (interleaved only; pp_dp.py)
+        overlap_param_gather_with_optimizer_step=p.overlap_param_gather_with_optimizer_step,
     )
 
 

@@ -1,0 +1,95 @@
+"""``python -m mega.bench overlap [overrides] [--steps N] [--warmup N] [--link-mbit M] [--json]``.
+
+Communication overlap, judged by exposed communication (docs/overlap.md, issue 13): for each of
+TP (``parallelism.tp_overlap=ring``), PP (``overlap_p2p_comm`` + warm-up/flush, interleaved) and
+DP (``overlap_param_gather``), the same 2-rank job runs with the overlap off and on, one after the
+other, as two local nodes in their own network namespaces joined by a veth shaped with ``tc tbf``
+(``launcher.local_nodes.link_mbit``, 1000 = 1 Gbit/s), so that a transfer costs wire time and not
+a memory copy competing with compute on the same cores. Per row: the median over the steps after
+the warm-up of the exposed communication of that kind (``exposed_{tp,pp,dp}_s`` of metrics.jsonl,
+mega/obs) and of the step time, both runs' loss curves compared exactly, and whether the issue's
+goal is met (exposed at most half of off, step at most 5% above off, losses equal: bitwise for
+PP and DP, to ``LOSS_RTOL`` for the TP ring, whose sums run in another order).
+
+Last line: ``{"rows": [{"name", "link", "exposed_comm_off_s", "exposed_comm_on_s", "step_off_s",
+"step_on_s", "loss_equal", "target_met", ...}], ...}``. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from mega.bench import common
+from mega.metrics import read_metrics
+
+# Big enough on 2 CPU cores that each kind's traffic is a real share of the step at 1 Gbit/s.
+MODEL = ["model=tiny", "model.hidden_size=512", "model.num_attention_heads=8", "model.seq_length=256",
+         "model.num_layers=4"]
+# The TP ring sums each output chunk in another order than megatron's reduce-scatter, so its losses
+# agree to fp32 rounding, not bitwise (the tolerance of tests/test_tp_overlap.py); PP and DP overlap
+# move the same bytes at other times and must be bit-identical.
+LOSS_RTOL = {"tp": 2e-5, "pp": 0.0, "dp": 0.0}
+# name -> (kind, layout overrides, overlap-on overrides); every layout is 2 ranks
+ROWS = {
+    "tp-overlap": ("tp", ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+                   ["parallelism.tp_overlap=ring"]),
+    "pp-overlap": ("pp", ["parallelism=pp2-vpp2", "parallelism.global_batch_size=8"],
+                   ["parallelism.overlap_p2p_comm=true", "parallelism.overlap_p2p_comm_warmup_flush=true"]),
+    # 2M-parameter buckets (~7 for this model): reduction and all-gather proceed bucket by bucket
+    "dp-overlap": ("dp", ["parallelism=dp2", "parallelism.global_batch_size=8", "parallelism.ddp_bucket_size=2000000"],
+                   ["parallelism.overlap_param_gather=true"]),
+}
+
+
+def link_overrides(link_mbit: float) -> list[str]:
+    return ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
+            "launcher.local_nodes.netns=true", f"launcher.local_nodes.link_mbit={link_mbit:g}"]
+
+
+def run_configs(name: str, overrides: list[str], steps: int, link_mbit: float, tmp: str):
+    """The off and on configs of one row (off first)."""
+    kind, layout, on = ROWS[name]
+    base = [*MODEL, *layout, *link_overrides(link_mbit), "train.eval_batches=0",
+            "optimizer.warmup_steps=1", *overrides]
+    return [common.compose_run([*base, *extra], steps, Path(tmp) / f"{name}-{label}")
+            for label, extra in (("off", []), ("on", on))]
+
+
+def build_row(name: str, link: str, off: list[dict], on: list[dict], warmup: int) -> dict:
+    """One row from the off and on runs' metrics rows."""
+    kind = ROWS[name][0]
+    key = f"exposed_{kind}_s"
+    a, b = common.steady(off, warmup), common.steady(on, warmup)
+    row = {"name": name, "link": link,
+           "exposed_comm_off_s": round(common.median(a, key), 6), "exposed_comm_on_s": round(common.median(b, key), 6),
+           "step_off_s": round(common.median(a, "step_s"), 6), "step_on_s": round(common.median(b, "step_s"), 6),
+           "loss_equal": [m["loss"] for m in off] == [m["loss"] for m in on] and len(off) == len(on) > 0,
+           "loss_max_rel_diff": max((abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(off, on)),
+                                    default=None),
+           "loss_rtol": LOSS_RTOL[kind], "steps_timed": len(b)}
+    row["losses_match"] = row["loss_equal"] or (len(off) == len(on) > 0 and row["loss_max_rel_diff"] <= row["loss_rtol"])
+    row["exposed_ratio"] = round(row["exposed_comm_on_s"] / row["exposed_comm_off_s"], 4) \
+        if row["exposed_comm_off_s"] > 0 else None
+    row["step_ratio"] = round(row["step_on_s"] / row["step_off_s"], 4)
+    row["target_met"] = bool(row["exposed_ratio"] is not None and row["exposed_ratio"] <= 0.5
+                             and row["step_ratio"] <= 1.05 and row["losses_match"])
+    return row
+
+
+def bench_overlap(overrides: list[str], steps: int = 8, warmup: int = 3, link_mbit: float = 1000.0,
+                  names: tuple[str, ...] = tuple(ROWS)) -> dict:
+    link = f"2 netns nodes, each on a veth to the bridge shaped by tc tbf {link_mbit:g} Mbit/s"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mega-bench-overlap-") as tmp:
+        for name in names:
+            metrics = []
+            for cfg in run_configs(name, overrides, steps, link_mbit, tmp):
+                index = common.prepare_data(cfg)
+                common.log(f"overlap: {name} {Path(cfg.train.run_dir).name} ({steps} steps, {link})")
+                common.train(cfg, index)
+                metrics.append(read_metrics(cfg.train.run_dir))
+            rows.append(build_row(name, link, *metrics, warmup))
+            common.log(f"overlap: {rows[-1]}")
+    return {"rows": rows, "steps": steps, "warmup_steps": warmup, "model": MODEL,
+            "note": "2 ranks on 2 CPU cores shared with the host; medians over the steps after the warm-up"}
