@@ -61,6 +61,8 @@ def test_single_layout_runs_one_process():
     (["parallelism.overlap_param_gather=true", "parallelism.use_distributed_optimizer=false"],
      "parallelism.overlap_param_gather", "use_distributed_optimizer=true"),
     (["parallelism.comm_overlap=on"], "parallelism.comm_overlap", "must be one of"),
+    (["parallelism.overlap_param_gather=true", "parallelism.overlap_grad_reduce=false"],
+     "parallelism.overlap_param_gather", "needs parallelism.overlap_grad_reduce=true"),
     (["parallelism.ddp_bucket_size=0"], "parallelism.ddp_bucket_size", "must be a positive number"),
 ])
 def test_rejection_names_the_key(overrides, key, fragment):

@@ -70,11 +70,13 @@ def resolve(p) -> PpDpOverlap:
             p2p = flush = True
         else:
             left_off["overlap_p2p_comm"] = "pp=1: no pipeline" if p.pp == 1 else vpp_reason
-        if p.use_distributed_optimizer and p.dp > 1:
+        if p.use_distributed_optimizer and p.overlap_grad_reduce and p.dp > 1:
             gather = True
         else:
-            left_off["overlap_param_gather"] = ("dp=1: nothing to all-gather" if p.dp == 1
-                                                else "needs parallelism.use_distributed_optimizer=true")
+            left_off["overlap_param_gather"] = (
+                "dp=1: nothing to all-gather" if p.dp == 1
+                else "needs parallelism.use_distributed_optimizer=true" if not p.use_distributed_optimizer
+                else "needs parallelism.overlap_grad_reduce=true")
         if gather and _interleaved(p):
             align = True
         elif gather:
@@ -106,6 +108,8 @@ def problems(cfg) -> list[tuple[str, str]]:
         out.append(("parallelism.ddp_bucket_size", f"must be a positive number of parameters or null, got {p.ddp_bucket_size}"))
     if eff.overlap_param_gather and not p.use_distributed_optimizer:
         out.append(("parallelism.overlap_param_gather", "needs parallelism.use_distributed_optimizer=true"))
+    if eff.overlap_param_gather and not p.overlap_grad_reduce:  # as Megatron-LM's arguments.py asserts
+        out.append(("parallelism.overlap_param_gather", "needs parallelism.overlap_grad_reduce=true"))
     return out
 
 
