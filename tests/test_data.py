@@ -423,7 +423,7 @@ def test_chunked_encoding_equals_the_tokenizer(tmp_path):
     docs = ["".join(rng.choice(words + odd) + rng.choice(["", " ", "\n", ".", ", "]) for _ in range(rng.randint(1, 400)))
             for _ in range(200)]
     trained = train_tokenizer(docs, 400, max_run=64)
-    encoder = Encoder(trained, max_cached=50)  # a small memo: exercised full, cleared and refilled
+    encoder = Encoder(trained, max_bytes=8000)  # a small memo: exercised full, cleared and refilled
     assert encoder.chunked
     for batch in (docs[:100], docs[100:], docs[:100]):
         assert encoder.encode(batch) == [trained.encode(d).ids for d in batch]
@@ -433,6 +433,31 @@ def test_chunked_encoding_equals_the_tokenizer(tmp_path):
     plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     short = [d for d in docs if "x" * 64 not in d and " " * 64 not in d][:50]
     assert short and [plain.encode(d).ids for d in short] == [trained.encode(d).ids for d in short]
+
+
+def test_the_chunk_memo_stays_within_its_byte_budget():
+    """On a stream of ever new words the memo is cleared when over its byte budget (it never holds
+    much more than the budget, measured by sys.getsizeof), and the ids stay the tokenizer's."""
+    import sys
+
+    from mega.data.tokenizer import Encoder, train_tokenizer
+
+    rng = random.Random(7)
+    letters = "abcdefghijklmnopqrstuvwxyzé"
+    trained = train_tokenizer(make_documents(300, seed=5), 400, max_run=64)
+    budget = 64 << 10
+    encoder = Encoder(trained, max_bytes=budget)
+    peak = cleared = 0
+    for _ in range(60):
+        batch = [" ".join("".join(rng.choice(letters) for _ in range(rng.randint(3, 12))) for _ in range(100))
+                 for _ in range(2)]  # ~200 distinct words a batch: the memo fills in a few batches
+        before = len(encoder._ids)
+        assert encoder.encode(batch) == [trained.encode(d).ids for d in batch]
+        cleared += len(encoder._ids) < before
+        held = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in encoder._ids.items()) + sys.getsizeof(encoder._ids)
+        peak = max(peak, held)
+    assert cleared >= 2  # the budget was reached, more than once
+    assert peak < 2 * budget, peak  # at most one batch's new words past the budget
 
 
 def test_a_text_document_larger_than_a_block_is_read_in_exact_pieces(tmp_path, monkeypatch):

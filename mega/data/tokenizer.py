@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -32,6 +33,10 @@ TOKENIZER_FILE = "tokenizer.json"
 MIN_FREQUENCY = 2
 MIN_VOCAB_SIZE = 257  # the 256 byte tokens and EOS
 MAX_CACHED_CHUNK = 64  # characters: longer chunks are encoded but not memoized
+# Per tokenizer worker: a natural-text vocabulary's common words fit well within this, and the
+# budget is reached early at any corpus size, so data preparation's peak memory stays flat.
+MEMO_BYTES = 16 << 20
+_DICT_SLOT_BYTES = 64  # a dict entry (hash, key, value pointers) plus the table's spare room, amortized
 
 # Unicode White_Space, the set the tokenizers' regex engine means by \s. Python's \s also holds
 # U+001C..U+001F, which would put chunk boundaries where the tokenizer sees none.
@@ -129,14 +134,17 @@ class Encoder:
     document into chunks that tokenize independently (see ``_CHUNK``) and memoizes chunk -> ids:
     natural text repeats its words, so most chunks are dictionary hits and only the new ones go
     through the tokenizer (in one ``encode_batch_fast`` call per batch). Other tokenizers are
-    called on whole documents. ``max_cached`` bounds the memo (cleared when full).
+    called on whole documents. ``max_bytes`` bounds the memo's memory (keys, values and dict slots,
+    counted as they are added; cleared when over), so a worker's footprint stops growing early
+    whatever the corpus size, instead of filling with every distinct word a large corpus has.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_cached: int = 200_000):
+    def __init__(self, tokenizer: Tokenizer, max_bytes: int = MEMO_BYTES):
         self.tokenizer = tokenizer
         self.chunked = chunkable(json.loads(tokenizer.to_str()))
-        self.max_cached = max_cached
+        self.max_bytes = max_bytes
         self._ids: dict[str, bytes] = {}  # chunk -> its ids as uint32 bytes (compact, joined in C)
+        self.memo_bytes = 0  # what self._ids holds, as counted by _entry_bytes
 
     def encode(self, documents: list[str]) -> list[list[int]]:
         tokens, lengths = self.encode_flat(documents)
@@ -151,8 +159,9 @@ class Encoder:
             pieces = [np.asarray(e.ids, dtype=np.uint32).tobytes() + tail
                       for e in self.tokenizer.encode_batch_fast(documents, add_special_tokens=False)]
         else:
-            if len(self._ids) > self.max_cached:
+            if self.memo_bytes > self.max_bytes:
                 self._ids.clear()
+                self.memo_bytes = 0
             chunked = [_CHUNK.findall(doc) for doc in documents]
             ids = self._ids
             new = list({c for chunks in chunked for c in chunks if c not in ids})
@@ -163,7 +172,14 @@ class Encoder:
             for chunk in new:  # long chunks (blobs, runs) are rarely seen twice: do not keep them
                 if len(chunk) > MAX_CACHED_CHUNK:
                     del ids[chunk]
+                else:
+                    self.memo_bytes += _entry_bytes(chunk, ids[chunk])
         return np.frombuffer(b"".join(pieces), dtype=np.uint32), [len(p) // 4 for p in pieces]
+
+
+def _entry_bytes(chunk: str, ids: bytes) -> int:
+    """What one memo entry costs: the key and value objects plus its share of the dict's table."""
+    return sys.getsizeof(chunk) + sys.getsizeof(ids) + _DICT_SLOT_BYTES
 
 
 def chunkable(spec: dict) -> bool:
