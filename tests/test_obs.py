@@ -449,7 +449,9 @@ def test_wait_on_a_delayed_peer_is_booked_after_its_send(tmp_path, free_port):
         assert recv[:3] == ["recv", 0, step - 1] and send[:3] == ["send", 1, step - 1]
         send_post = send[3] + tl.offset(0, step)
         wait0, wait1 = recv[4] + tl.offset(1, step), recv[5] + tl.offset(1, step)
-        assert wait0 < send_post < wait1
+        # the post lies inside the wait, up to the clock alignment's own error (a loaded machine)
+        err = tl.headers[0].get("clock_error_ns", 0) + tl.headers[1]["clock_error_ns"] + 1_000_000
+        assert wait0 - err < send_post < wait1
         assert row["exposed_pp_s"] == pytest.approx((wait1 - max(wait0, send_post)) * 1e-9, abs=2e-6)
         # without alignment the skewed clocks would book the whole wait
         naive = recv[5] - max(recv[4], send[3])
