@@ -373,6 +373,22 @@ class ObsConfig:
 
 
 @dataclass
+class StabilityConfig:
+    """Heartbeats, hang detection and localisation, stragglers (docs/stability.md)."""
+
+    enabled: bool = True  # heartbeat thread in every rank + the driver's watcher (off: hang_timeout_s only)
+    heartbeat_s: float = 2.0  # each rank writes its heartbeat to Redis this often
+    # A hang: no rank's step advanced for progress_factor x the median step time, but at least
+    # min_hang_s (first step, checkpoint saves) and at most cluster.hang_timeout_s (still the bound).
+    progress_factor: float = 10.0
+    min_hang_s: float = 60.0
+    # A straggler: one rank's compute time above straggler_factor x its peers' median for
+    # straggler_beats heartbeats in a row (reported, no restart).
+    straggler_factor: float = 1.5
+    straggler_beats: int = 3
+
+
+@dataclass
 class MegaConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -384,6 +400,7 @@ class MegaConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     obs: ObsConfig = field(default_factory=ObsConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,7 +656,20 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
                  f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})")
     _validate_obs(cfg)
+    _validate_stability(cfg)
     return cfg
+
+
+def _validate_stability(cfg: MegaConfig) -> None:
+    s = cfg.stability
+    _require(s.heartbeat_s > 0, "stability.heartbeat_s", f"must be positive, got {s.heartbeat_s}")
+    _require(s.progress_factor >= 2, "stability.progress_factor",
+             f"must be >= 2 (a slow step is not a hang), got {s.progress_factor}")
+    _require(s.min_hang_s >= 2 * s.heartbeat_s, "stability.min_hang_s",
+             f"must be >= 2 x stability.heartbeat_s={s.heartbeat_s} (a heartbeat late once is not a hang), "
+             f"got {s.min_hang_s}")
+    _require(s.straggler_factor > 1, "stability.straggler_factor", f"must be > 1, got {s.straggler_factor}")
+    _require(s.straggler_beats >= 1, "stability.straggler_beats", f"must be >= 1, got {s.straggler_beats}")
 
 
 def _validate_obs(cfg: MegaConfig) -> None:

@@ -64,6 +64,11 @@ def test_single_layout_runs_one_process():
     (["parallelism.overlap_param_gather=true", "parallelism.overlap_grad_reduce=false"],
      "parallelism.overlap_param_gather", "needs parallelism.overlap_grad_reduce=true"),
     (["parallelism.ddp_bucket_size=0"], "parallelism.ddp_bucket_size", "must be a positive number"),
+    # stability (issue 12): heartbeats and hang thresholds
+    (["stability.heartbeat_s=0"], "stability.heartbeat_s", "must be positive"),
+    (["stability.progress_factor=1"], "stability.progress_factor", "must be >= 2"),
+    (["stability.min_hang_s=1"], "stability.min_hang_s", "must be >= 2 x stability.heartbeat_s"),
+    (["stability.straggler_factor=1"], "stability.straggler_factor", "must be > 1"),
 ])
 def test_rejection_names_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
