@@ -246,6 +246,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     from mega.cluster import node
     from mega.metrics import MetricsLogger
     from mega.obs.session import Session
+    from mega.stability import heartbeat
 
     flags = backend_flags(cfg)
     if flags.megatron_cpu_patches:
@@ -281,6 +282,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                                            mega_config.to_dict(cfg))
     # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
     session = Session.start(cfg)
+    beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         session.begin_step(step)
@@ -289,6 +291,8 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         step_s = time.perf_counter() - t0
         done = step + 1
         step_obs = session.end_step()  # compute time, exposed communication per kind
+        if beat:
+            beat.step_done(done, result, step_s)
         if validation.due(cfg, done):
             with obs.paused():  # evaluation is not training: its passes stay out of the step's timeline
                 result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
@@ -314,6 +318,8 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
         session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
     checkpointer.close()  # the last save is committed before the job ends
+    if beat:
+        beat.close()
     session.close()
     logger.close()
 

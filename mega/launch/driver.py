@@ -24,6 +24,8 @@ from mega.launch import runs
 from mega.launch.backend import Backend, JobSpec, backend_for, server_host
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
+from mega.stability import channel as heartbeats
+from mega.stability.detect import Watcher
 
 
 class TrainingFailed(RuntimeError):
@@ -64,8 +66,9 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
                     target_steps=cfg.train.steps, flow_run_id=flow_run_id, recovery=recovery) as run, \
             contextlib.closing(backend_for(cfg, run_dir)) as backend, \
-            rendezvous.rendezvous_env(cfg, host=server_host(backend)) as store_env:  # store=redis: URL, job id
-        result = _train_with_restarts(cfg, index_path, log, run, backend, store_env)
+            rendezvous.rendezvous_env(cfg, host=server_host(backend)) as store_env, \
+            heartbeats.heartbeat_env(cfg, store_env, host=server_host(backend)) as hb_env:  # docs/stability.md
+        result = _train_with_restarts(cfg, index_path, log, run, backend, {**store_env, **hb_env})
         run.finish("completed", result.final_step)
         return result
 
@@ -102,8 +105,9 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         init_file = run_dir / "init.json"
         init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
         job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
+        watcher = Watcher(cfg, env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
         outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
-                          stall_timeout_s=c.hang_timeout_s, on_poll=run.beat,
+                          stall_timeout_s=c.hang_timeout_s, on_poll=lambda: run.beat() or watcher.poll(),
                           on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"))
         attempts += 1
         try:
@@ -124,6 +128,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
+        watcher.close(run, final_step, _durable_step(cfg) if watcher.incidents else None)
         history.append({"attempt": n, "code": outcome.code, "reason": outcome.reason,
                         "failed_nodes": outcome.failed_nodes, "final_step": final_step,
                         "restored": init.get("restore", {}).get("checkpoint"),
@@ -142,6 +147,18 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             run.finish("failed", final_step, error=str(failed))
             raise failed
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
+
+
+def _durable_step(cfg: MegaConfig) -> int | None:
+    """The step of the durable ``latest`` (what a relaunch resumes from), None when unknown."""
+    from mega.checkpoint import latest_durable
+    from mega.storage import StorageError
+
+    try:
+        latest = latest_durable(cfg) if cfg.checkpoint.load else None
+    except StorageError:
+        return None
+    return runs.checkpoint_step(latest) if latest else 0
 
 
 def _short(outcome: JobOutcome) -> str:

@@ -65,6 +65,7 @@ class RunRecord:
     recoveries: int = 0
     flow_run_ids: list[str] = field(default_factory=list)
     error: str | None = None
+    incidents: list[dict] = field(default_factory=list)  # mega.stability: hangs, stragglers (briefs)
 
     @property
     def path(self) -> Path:

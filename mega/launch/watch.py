@@ -46,7 +46,8 @@ def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, p
     ``progress_file``: a file the job appends to as it makes progress; unchanged for
     ``stall_timeout_s`` once it has changed counts as a hang (start-up is bounded by the ranks'
     own timeouts). A file that exists before the start counts only once it changes.
-    ``on_poll``: called every poll (the run record's heartbeat). ``on_failure``: called with the
+    ``on_poll``: called every poll (the run record's heartbeat, mega.stability's watcher); a
+    non-empty string returned ends the job as hung, with that reason. ``on_failure``: called with the
     outcome once a failure is seen and before the nodes are stopped (drills look at survivors).
     """
     started = last_progress = time.monotonic()
@@ -66,9 +67,9 @@ def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, p
                                      failed, codes)
             elif codes and all(c == 0 for c in codes.values()):
                 outcome = JobOutcome(0, "completed", [], codes)
+            elif on_poll is not None and (verdict := on_poll()):  # a watcher saw a hang: its reason
+                outcome = JobOutcome(TIMEOUT_EXIT, verdict, [], codes)
             else:
-                if on_poll is not None:
-                    on_poll()
                 if progress_file is not None and progress_file.exists():
                     mtime = progress_file.stat().st_mtime
                     if mtime != last_mtime and mtime != initial_mtime:

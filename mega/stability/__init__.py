@@ -1,0 +1,6 @@
+"""Stability of long runs (docs/stability.md): every rank's heartbeat to Redis (``heartbeat``), the
+driver's watcher that turns heartbeats into hang and straggler incidents (``detect``), the verdict
+that names the rank holding a hung job up (``localise``) and the incident record (``incident``).
+
+Importing this package is cheap (no torch, no redis); ``heartbeat`` imports torch lazily.
+"""

@@ -1,0 +1,79 @@
+"""Where heartbeats go: the Redis of the run, its key names and the environment that hands it to
+the ranks. Both sides (ranks, driver) use these; neither may ever block on Redis for long.
+
+Keys of one attempt: ``<prefix>:<attempt>:id:<rank>`` (a rank's identity, written once) and
+``<prefix>:<attempt>:hb:<rank>`` (its latest heartbeat, with expiry). ``<prefix>`` is unique per
+driver launch, so one Redis can serve many runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from typing import Iterator
+
+URL_ENV = "MEGA_HEARTBEAT_URL"  # redis:// URL without a password (logged nowhere anyway)
+PASSWORD_ENV = "MEGA_HEARTBEAT_PASSWORD"
+PREFIX_ENV = "MEGA_HEARTBEAT_PREFIX"
+TIMEOUT_S = 0.5  # every Redis call of a heartbeat or the watcher: connect and read bounded by this
+
+
+def id_key(prefix: str, attempt: int, rank: int) -> str:
+    return f"{prefix}:{attempt}:id:{rank}"
+
+
+def beat_key(prefix: str, attempt: int, rank: int) -> str:
+    return f"{prefix}:{attempt}:hb:{rank}"
+
+
+def client(url: str, password: str | None = None):
+    """A redis-py client whose every call gives up after TIMEOUT_S (no retries): a heartbeat is
+    dropped, never waited for."""
+    import redis
+
+    from mega.store.redis_server import parse_redis_url
+
+    p = parse_redis_url(url)
+    return redis.Redis(host=p["host"], port=p["port"], db=p["db"], username=p["username"],
+                       password=password if password is not None else p["password"], ssl=p["ssl"],
+                       socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S,
+                       retry=None, health_check_interval=0)
+
+
+def client_from_env(env: dict[str, str] | None = None):
+    """(client, prefix) from the heartbeat environment, or (None, None) when heartbeats are off."""
+    env = os.environ if env is None else env
+    if not env.get(URL_ENV):
+        return None, None
+    return client(env[URL_ENV], env.get(PASSWORD_ENV)), env[PREFIX_ENV]
+
+
+@contextlib.contextmanager
+def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
+    """Environment that points the ranks at the heartbeat Redis, valid inside the block.
+
+    ``cluster.store=redis``: the store's server (``store_env`` from ``rendezvous_env``). Otherwise
+    ``cluster.redis_url`` when set, else a local redis-server started for the block on ``host``
+    (mega.cluster.rendezvous.redis_server_url). Empty when ``stability.enabled`` is off or no
+    Redis may be started (``cluster.start_local_redis=false`` without a URL).
+    """
+    from mega.cluster import rendezvous
+
+    c = cfg.cluster
+    prefix = f"mega:hb:{secrets.token_hex(6)}"
+    if not cfg.stability.enabled or (c.store != "redis" and c.redis_url is None and not c.start_local_redis):
+        yield {}
+        return
+    if store_env.get(rendezvous.REDIS_URL_ENV):
+        env = {URL_ENV: store_env[rendezvous.REDIS_URL_ENV], PREFIX_ENV: prefix}
+        if store_env.get(rendezvous.REDIS_PASSWORD_ENV):
+            env[PASSWORD_ENV] = store_env[rendezvous.REDIS_PASSWORD_ENV]
+        yield env
+        return
+    with rendezvous.redis_server_url(cfg, host=host) as url:
+        public, password = rendezvous.split_redis_password(url)
+        env = {URL_ENV: public, PREFIX_ENV: prefix}
+        if password is not None:
+            env[PASSWORD_ENV] = password
+        yield env

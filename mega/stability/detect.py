@@ -1,0 +1,179 @@
+"""The driver's watcher: reads every rank's heartbeat each poll of the job and turns them into
+incidents (mega.stability.incident).
+
+* **hang**: no rank's step advanced for ``stability.progress_factor`` x the median step time, at
+  least ``stability.min_hang_s``, at most ``cluster.hang_timeout_s``. Counted from the first step
+  seen (start-up and restore are bounded by the ranks' own timeouts). ``localise`` names the
+  culprit; ``poll`` returns the reason, and the driver stops the attempt and relaunches from
+  ``latest``.
+* **straggler**: a rank whose compute time per step is above ``stability.straggler_factor`` x its
+  peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
+  attempt, no restart.
+
+A Redis that does not answer is counted (``read_errors``) and never declares anything by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Callable
+
+from mega.stability import channel
+from mega.stability.incident import Incident
+from mega.stability.localise import localise
+
+
+def hang_threshold_s(step_times: list[float], progress_factor: float, min_s: float, max_s: float) -> float:
+    """How long without any step before a hang: k x the median step time, within [min_s, max_s]."""
+    k = progress_factor * statistics.median(step_times) if step_times else 0.0
+    return min(max(k, min_s), max_s)
+
+
+def stragglers(compute: dict[int, dict[int, float]], factor: float, beats: int) -> dict[int, list[float]]:
+    """Ranks slow in each of the last ``beats`` steps seen by every rank: rank -> its ratio to the
+    peers' median per step. ``compute``: step -> rank -> compute seconds of that step."""
+    steps = sorted(s for s, row in compute.items() if len(row) >= 2)[-beats:]
+    if len(steps) < beats:
+        return {}
+    ratios: dict[int, list[float]] = {}
+    for s in steps:
+        row = compute[s]
+        for r, t in row.items():
+            peers = statistics.median(v for q, v in row.items() if q != r)
+            ratios.setdefault(r, []).append(t / peers if peers > 0 else 0.0)
+    return {r: v for r, v in ratios.items() if len(v) == beats and min(v) > factor}
+
+
+class Watcher:
+    """One attempt's watcher. ``poll()`` each poll of the job: the reason to stop it, or None."""
+
+    def __init__(self, cfg, hb_env: dict[str, str], attempt: int, log: Callable[[str], None] = print,
+                 clock: Callable[[], float] = time.time):
+        self.cfg, self.attempt, self.log, self.clock = cfg, attempt, log, clock
+        self.s = cfg.stability
+        self.world = cfg.parallelism.world_size
+        self.client, self.prefix = channel.client_from_env(hb_env)
+        self.identities: dict[int, dict] = {}
+        self.beats: dict[int, dict] = {}  # latest heartbeat seen per rank (kept after its key expires)
+        self.step_times: list[float] = []
+        self.compute: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
+        self.max_step: int | None = None
+        self.last_progress: float | None = None
+        self.next_read = 0.0
+        self.read_errors = 0
+        self.incidents: list[Incident] = []
+        self.straggling: set[int] = set()
+        self.silent_after_s = max(3 * self.s.heartbeat_s, 2 * channel.TIMEOUT_S + self.s.heartbeat_s)
+
+    @property
+    def enabled(self) -> bool:
+        return self.client is not None
+
+    def poll(self) -> str | None:
+        if not self.enabled:
+            return None
+        now = self.clock()
+        if now < self.next_read:
+            return None
+        self.next_read = now + self.s.heartbeat_s / 2
+        if not self._read():
+            return None
+        self._progress(now)
+        self._stragglers(now)
+        return self._hang(now)
+
+    def _read(self) -> bool:
+        import redis
+
+        ranks = range(self.world)
+        try:
+            if len(self.identities) < self.world:
+                ids = self.client.mget([channel.id_key(self.prefix, self.attempt, r) for r in ranks])
+                self.identities.update({r: json.loads(v) for r, v in zip(ranks, ids) if v})
+            values = self.client.mget([channel.beat_key(self.prefix, self.attempt, r) for r in ranks])
+        except (redis.RedisError, OSError):
+            self.read_errors += 1
+            return False
+        for r, v in zip(ranks, values):
+            if v:
+                self.beats[r] = json.loads(v)
+        return True
+
+    def _progress(self, now: float) -> None:
+        for r, b in self.beats.items():
+            step = b.get("step")
+            if step is None:
+                continue
+            if b.get("compute_s") is not None:
+                self.compute.setdefault(step, {})[r] = b["compute_s"]
+            if self.max_step is None or step > self.max_step:
+                if self.max_step is not None and b.get("step_s"):
+                    self.step_times.append(b["step_s"])
+                self.max_step, self.last_progress = step, now
+
+    def threshold_s(self) -> float:
+        return hang_threshold_s(self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s,
+                                self.cfg.cluster.hang_timeout_s)
+
+    def _hang(self, now: float) -> str | None:
+        if self.last_progress is None or any(i.kind == "hang" for i in self.incidents):
+            return None
+        stalled = now - self.last_progress
+        limit = self.threshold_s()
+        if stalled <= limit:
+            return None
+        culprit = localise(self.identities, self.beats, now, self.silent_after_s)
+        evidence = {"last_step": self.max_step, "stalled_s": round(stalled, 3), "threshold_s": round(limit, 3),
+                    "median_step_s": statistics.median(self.step_times) if self.step_times else None,
+                    "silent_after_s": self.silent_after_s, "read_errors": self.read_errors,
+                    "ranks": {r: {"age_s": round(now - b["time"], 3), "step": b.get("step"),
+                                  "phase": b.get("phase"), "doing": b.get("doing"), "seq": b.get("seq")}
+                              for r, b in sorted(self.beats.items())}}
+        summary = (f"no step for {stalled:.1f} s after step {self.max_step} (threshold {limit:.1f} s); "
+                   + (culprit.describe() if culprit else "culprit not found"))
+        self.incidents.append(Incident("hang", self.attempt, now, summary, culprit.to_dict() if culprit else None,
+                                       evidence, "relaunch from latest", time_to_detect_s=stalled))
+        self.log(f"attempt {self.attempt}: hang: {summary}")
+        return f"hung: {summary}"
+
+    def _stragglers(self, now: float) -> None:
+        slow = stragglers(self.compute, self.s.straggler_factor, self.s.straggler_beats)
+        for r, ratios in sorted(slow.items()):
+            if r in self.straggling or r not in self.identities:
+                continue
+            self.straggling.add(r)
+            ident = self.identities[r]
+            culprit = {"rank": r, "node": ident.get("node"), "host": ident.get("host"),
+                       "coords": {k: ident.get(k) for k in ("tp", "pp", "dp")}, "reason": "slow",
+                       "group": None, "group_ranks": []}
+            summary = (f"rank {r} (node {ident.get('node')}) computes {min(ratios):.1f}-{max(ratios):.1f}x "
+                       f"its peers' median over {len(ratios)} steps")
+            steps = sorted(self.compute)[-len(ratios):]
+            self.incidents.append(Incident("straggler", self.attempt, now, summary, culprit,
+                                           {"ratios": ratios, "steps": steps,
+                                            "compute_s": {s: self.compute[s] for s in steps}}, "reported"))
+            self.log(f"attempt {self.attempt}: straggler: {summary}")
+
+    def close(self, run, final_step: int, resumed_step: int | None) -> list:
+        """Write this attempt's incidents (``resumed_step``: the step the relaunch resumes from, for
+        steps lost) to the run directory and the run record; drop the attempt's keys."""
+        from mega.launch import runs
+
+        for inc in self.incidents:
+            if inc.kind == "hang" and resumed_step is not None:
+                inc.steps_lost = max(0, final_step - resumed_step)
+            path = inc.write(run.record.run_dir)
+            run.record.incidents.append(inc.brief(path))
+        if self.incidents:
+            runs.write_record(run.record)
+        if self.enabled:
+            try:
+                keys = list(self.client.scan_iter(f"{self.prefix}:{self.attempt}:*", count=1000))
+                if keys:
+                    self.client.delete(*keys)
+            except Exception:  # noqa: BLE001 - they expire anyway
+                pass
+            self.client.close()
+        return self.incidents

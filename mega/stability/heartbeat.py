@@ -1,0 +1,132 @@
+"""The rank side: a daemon thread that writes this rank's heartbeat to Redis every
+``stability.heartbeat_s``.
+
+A heartbeat is one small JSON value (``SET key value EX ttl``): the last finished step, its loss,
+grad norm, step and compute time, the phase the rank is in now (mega.obs's recorder: a watcher
+thread may read it), RSS, and the sequence number of every process group it belongs to (torch's
+per-group collective counter, ``ProcessGroup._get_sequence_number_for_group``: it counts the
+collectives this rank has entered, on gloo and NCCL alike). A rank stuck in compute stops counting
+while its peers enter the next collective; a stopped rank stops beating. The driver's watcher
+(mega.stability.detect) reads both. Once at start each rank also writes its identity: rank, node,
+host, TP/PP/DP coordinates and the ranks of each of its groups.
+
+Redis never stops training: every call is bounded by channel.TIMEOUT_S; a failed write is dropped
+and counted (``dropped``), and the next one is tried on time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from mega.stability import channel
+
+GROUPS = ("tp", "pp", "dp", "world")
+
+
+def _groups():
+    """name -> process group, from megatron's parallel_state (after initialize_model_parallel)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+            "dp": ps.get_data_parallel_group(), "world": dist.group.WORLD}
+
+
+def _seq(group) -> int | None:
+    try:
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):  # a torch without the counter: localisation by silence only
+        return None
+
+
+def _rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Heartbeat:
+    """One rank's heartbeat thread. ``step_done`` after each step; ``close`` at the end."""
+
+    def __init__(self, client, prefix: str, attempt: int, identity: dict, groups: dict, interval_s: float):
+        self.client = client
+        self.rank = identity["rank"]
+        self.key = channel.beat_key(prefix, attempt, self.rank)
+        self.id_key = channel.id_key(prefix, attempt, self.rank)
+        self.identity = identity
+        self.groups = groups
+        self.interval_s = interval_s
+        self.ttl_s = max(2, int(round(10 * interval_s)))  # a dead run's keys go by themselves
+        self.last: dict = {}  # replaced, never mutated: the thread reads it without a lock
+        self.sent = self.dropped = 0
+        self.cpu_ns = 0  # this thread's CPU time (heartbeat overhead)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mega-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._send(self.id_key, self.identity, ex=7 * 86400)
+        self._thread.start()
+        return self
+
+    def step_done(self, step: int, result: dict, step_s: float) -> None:
+        from mega import obs
+
+        self.last = {"step": step, "loss": result.get("loss"), "grad_norm": result.get("grad_norm"),
+                     "step_s": step_s, "compute_s": obs.current().last_step.get("compute_s")}
+
+    def record(self) -> dict:
+        from mega import obs
+
+        snap = obs.current().snapshot()
+        return {"rank": self.rank, "time": time.time(), **self.last,
+                "phase": snap.get("phase"), "phase_s": snap.get("phase_s"), "doing": snap.get("doing"),
+                "rss_mb": _rss_mb(), "seq": {name: _seq(g) for name, g in self.groups.items()},
+                "sent": self.sent, "dropped": self.dropped, "cpu_s": self.cpu_ns * 1e-9}
+
+    def beat(self) -> bool:
+        c0 = time.thread_time_ns()
+        try:
+            return self._send(self.key, self.record(), ex=self.ttl_s)
+        finally:
+            self.cpu_ns += time.thread_time_ns() - c0
+
+    def _send(self, key: str, value: dict, ex: int) -> bool:
+        import redis
+
+        try:
+            self.client.set(key, json.dumps(value, default=float), ex=ex)
+        except (redis.RedisError, OSError):
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * channel.TIMEOUT_S + self.interval_s)
+        self.client.close()
+
+
+def start(cfg) -> Heartbeat | None:
+    """This rank's heartbeat thread, started; None when the driver gave no heartbeat Redis
+    (stability.enabled=false, or a rank started by hand)."""
+    import torch.distributed as dist
+
+    from mega.obs.session import rank_identity
+
+    client, prefix = channel.client_from_env()
+    if client is None or not cfg.stability.enabled:
+        return None
+    groups = _groups()
+    identity = {**rank_identity(), "groups": {n: dist.get_process_group_ranks(g) for n, g in groups.items()}}
+    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    return Heartbeat(client, prefix, attempt, identity, groups, cfg.stability.heartbeat_s).start()

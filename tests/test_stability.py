@@ -1,0 +1,183 @@
+"""Heartbeats, hang localisation and incidents (mega/stability, docs/stability.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mega.stability import channel
+from mega.stability.detect import Watcher, hang_threshold_s, stragglers
+from mega.stability.heartbeat import Heartbeat
+from mega.stability.incident import Incident, read_incidents
+from mega.stability.localise import localise
+
+NOW = 1000.0
+
+
+def grid(tp=2, pp=2, dp=2, per_node=4) -> dict[int, dict]:
+    """Identities of a TP x PP x DP job in megatron's rank order (tp fastest, then dp, then pp)."""
+    ids = {}
+    for r in range(tp * pp * dp):
+        t, d, p = r % tp, (r // tp) % dp, r // (tp * dp)
+        ids[r] = {"rank": r, "node": r // per_node, "host": f"h{r // per_node}", "tp": t, "pp": p, "dp": d,
+                  "groups": {"tp": [p * tp * dp + d * tp + i for i in range(tp)],
+                             "dp": [p * tp * dp + j * tp + t for j in range(dp)],
+                             "pp": [k * tp * dp + d * tp + t for k in range(pp)],
+                             "world": list(range(tp * pp * dp))}}
+    return ids
+
+
+def beats(ids, seq: dict[int, dict] | None = None, age: dict[int, float] | None = None) -> dict[int, dict]:
+    """Everyone beat 0.5 s ago having entered 10 collectives per group, unless told otherwise."""
+    seq, age = seq or {}, age or {}
+    return {r: {"rank": r, "time": NOW - age.get(r, 0.5), "step": 3,
+                "seq": {g: seq.get(r, {}).get(g, 10) for g in ("tp", "pp", "dp", "world")}} for r in ids}
+
+
+def test_all_beating_and_level_is_no_culprit():
+    ids = grid()
+    assert localise(ids, beats(ids), NOW, silent_after_s=3.0) is None
+
+
+def test_silent_rank_in_a_tp_group_is_named_with_its_coordinates():
+    ids = grid()
+    # rank 5 stopped 20 s ago after 10 TP collectives; its TP peer (rank 4) entered the 11th and waits
+    b = beats(ids, seq={4: {"tp": 11}}, age={5: 20.0})
+    c = localise(ids, b, NOW, silent_after_s=3.0)
+    assert c is not None and c.rank == 5 and c.reason == "silent"
+    assert (c.node, c.host, c.coords) == (1, "h1", {"tp": 1, "pp": 1, "dp": 0})
+    assert (c.group, c.group_ranks, c.behind) == ("tp", [4, 5], 1)
+    assert c.silent_ranks == [5] and c.silent_nodes == []
+    assert "rank 5 (node 1, tp 1, pp 1, dp 0)" in c.describe()
+
+
+def test_never_seen_rank_is_silent_and_a_whole_silent_node_is_named():
+    ids = grid()
+    b = beats(ids, age={4: 30.0, 5: 30.0, 6: 30.0})
+    del b[7]  # rank 7 never beat
+    c = localise(ids, b, NOW, silent_after_s=3.0)
+    assert c is not None and c.reason == "silent" and c.rank in (4, 5, 6, 7)
+    assert c.silent_ranks == [4, 5, 6, 7] and c.silent_nodes == [1]
+
+
+def test_rank_behind_in_a_dp_group_is_the_culprit_not_its_waiting_peers():
+    ids = grid()
+    # rank 2 (tp 0, pp 0, dp 1) never reached the DP all-reduce its DP peer rank 0 waits in; its TP
+    # peer rank 3 waits for it in a TP collective, and so falls behind rank 1 in their DP group.
+    b = beats(ids, seq={0: {"dp": 11, "world": 10}, 3: {"tp": 11}, 1: {"dp": 11}})
+    c = localise(ids, b, NOW, silent_after_s=3.0)
+    assert c is not None and c.reason == "behind" and c.rank == 2
+    assert c.coords == {"tp": 0, "pp": 0, "dp": 1}
+    # it holds up both by one collective; the tie goes to the TP group (the tighter coupling)
+    assert (c.group, c.group_ranks, c.behind) == ("tp", [2, 3], 1)
+    assert c.silent_ranks == []
+
+
+def test_hang_threshold_is_k_times_the_median_step_within_bounds():
+    assert hang_threshold_s([1.0, 2.0, 100.0], 10, 5, 600) == 20.0
+    assert hang_threshold_s([0.1], 10, 5, 600) == 5  # at least min_hang_s
+    assert hang_threshold_s([100.0], 10, 5, 600) == 600  # cluster.hang_timeout_s stays the bound
+    assert hang_threshold_s([], 10, 5, 600) == 5
+
+
+def test_straggler_needs_every_one_of_the_last_steps_slow():
+    rows = {s: {0: 1.0, 1: 1.1, 2: 0.9, 3: 3.0} for s in range(1, 5)}
+    assert list(stragglers(rows, factor=1.5, beats=3)) == [3]
+    rows[4][3] = 1.2  # the latest step was normal: not (yet) a straggler
+    assert stragglers(rows, factor=1.5, beats=3) == {}
+    assert stragglers({1: {0: 1.0, 1: 5.0}}, factor=1.5, beats=3) == {}  # too few steps seen
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    from mega.store import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
+
+
+def _cfg(**stability):
+    from mega.config import compose
+
+    over = [f"stability.{k}={v}" for k, v in stability.items()]
+    return compose(["model=tiny", "parallelism=tp2-pp2-dp2", *over])
+
+
+def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
+    """Real Redis, heartbeats written as the ranks would, the clock driven by the test."""
+    import redis
+
+    cfg = _cfg(heartbeat_s=1, min_hang_s=5, progress_factor=10)
+    env = {channel.URL_ENV: redis_url, channel.PREFIX_ENV: "mega:hb:test1"}
+    r = redis.Redis.from_url(redis_url)
+    ids = grid()
+    for rank, ident in ids.items():
+        r.set(channel.id_key("mega:hb:test1", 0, rank), json.dumps(ident))
+    clock = [NOW]
+    w = Watcher(cfg, env, attempt=0, log=lambda s: None, clock=lambda: clock[0])
+
+    def publish(step, skip=()):
+        for rank in ids:
+            if rank not in skip:
+                rec = {"rank": rank, "time": clock[0], "step": step, "step_s": 0.2, "compute_s": 0.1,
+                       "seq": {"tp": 10 * step + (rank == 4), "pp": 10 * step, "dp": 10 * step, "world": step}}
+                r.set(channel.beat_key("mega:hb:test1", 0, rank), json.dumps(rec))
+
+    for step in range(1, 4):  # three steps, one per second
+        publish(step)
+        assert w.poll() is None
+        clock[0] += 1.0
+    for _ in range(6):  # rank 5 stops; the others beat on at step 3 for 6 s (threshold 5 s)
+        publish(3, skip={5})
+        reason = w.poll()
+        clock[0] += 1.0
+    assert reason is not None and "rank 5 (node 1, tp 1, pp 1, dp 0)" in reason
+    [inc] = w.incidents
+    assert inc.kind == "hang" and inc.culprit["rank"] == 5 and inc.culprit["group"] == "tp"
+    assert inc.evidence["threshold_s"] == 5 and inc.evidence["last_step"] == 3
+
+
+def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):
+    """The heartbeat's Redis goes away: writes are dropped within the socket timeout, never raise;
+    when it is back (same port), they go through again."""
+    import redis
+
+    from mega.store import RedisServer
+
+    server = RedisServer().start()
+    port = server.port
+    ident = {"rank": 3, "node": 0, "groups": {}}
+    hb = Heartbeat(channel.client(server.url), "mega:hb:test2", 0, ident, {}, interval_s=0.1)
+    try:
+        assert hb.beat() and hb.sent == 1
+        server.stop()
+        t0 = time.monotonic()
+        assert not hb.beat() and not hb.beat()
+        assert time.monotonic() - t0 < 4 * channel.TIMEOUT_S + 1 and hb.dropped == 2
+        server = RedisServer(port=port).start()
+        assert hb.beat()
+        value = json.loads(redis.Redis.from_url(server.url).get("mega:hb:test2:0:hb:3"))
+        assert value["rank"] == 3 and value["dropped"] == 2 and value["sent"] == 1
+    finally:
+        hb.client.close()
+        server.stop()
+
+
+def test_incident_is_written_as_json_and_markdown(tmp_path):
+    inc = Incident("hang", 0, NOW, "no step", {"rank": 5, "node": 1, "host": "h1",
+                                               "coords": {"tp": 1, "pp": 1, "dp": 0}, "group": "tp",
+                                               "group_ranks": [4, 5], "behind": 1, "reason": "silent"},
+                   {"stalled_s": 9.0}, "relaunch from latest", steps_lost=1)
+    path = inc.write(tmp_path)
+    assert path.name == "000-attempt0-hang.json"
+    [back] = read_incidents(tmp_path)
+    assert back["culprit"]["rank"] == 5 and back["steps_lost"] == 1
+    md = path.with_suffix(".md").read_text()
+    assert "rank 5 on node 1 (h1)" in md and "tp 1, pp 1, dp 0" in md
+    assert inc.brief(path)["file"] == "incidents/000-attempt0-hang.json"
