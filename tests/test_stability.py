@@ -9,6 +9,8 @@ import threading
 import time
 from pathlib import Path
 
+from mega.metrics import read_metrics
+
 import pytest
 
 from mega.stability import channel
@@ -181,3 +183,65 @@ def test_incident_is_written_as_json_and_markdown(tmp_path):
     md = path.with_suffix(".md").read_text()
     assert "rank 5 on node 1 (h1)" in md and "tp 1, pp 1, dp 0" in md
     assert inc.brief(path)["file"] == "incidents/000-attempt0-hang.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# The drill: real ranks, real Redis, real torchrun
+
+
+def _stop_rank_when(run_dir: Path, rank: int, at_step: int, done: dict, deadline_s: float = 240) -> None:
+    """In a thread: once the run logged ``at_step`` in attempt 0, SIGSTOP ``rank`` (pid from the
+    ranks' process records, mega.cluster.node.record_process)."""
+    from mega.cluster.node import read_processes
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end and "pid" not in done:
+        try:
+            steps = [m["step"] for m in read_metrics(run_dir) if m.get("attempt") == 0]
+        except (OSError, ValueError):
+            steps = []
+        procs = {p["rank"]: p for p in read_processes(run_dir, 0)}
+        if steps and max(steps) >= at_step and rank in procs:
+            os.kill(procs[rank]["pid"], signal.SIGSTOP)  # frozen: no step, no heartbeat, no exit
+            done.update(pid=procs[rank]["pid"], node=procs[rank]["node"], time=time.time(), step=max(steps))
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, data_index, data_cache):
+    """SIGSTOP one rank of a TP2 x PP2 x DP2 run: the watcher sees no step for min_hang_s, names
+    that rank with its node and coordinates, the driver relaunches from `latest`, the run ends."""
+    from mega.config import compose
+    from mega.launch import run_training
+    from mega.launch.runs import read_record
+
+    victim = 5  # tp 1, pp 1, dp 0 in megatron's order
+    cfg = compose(["model=tiny", "parallelism=tp2-pp2-dp2", "train.steps=6", f"train.run_dir={tmp_path}",
+                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
+                   "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", "checkpoint.interval=2",
+                   "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=30",
+                   "stability.heartbeat_s=1", "stability.min_hang_s=6", "stability.progress_factor=5"])
+    stopped: dict = {}
+    thread = threading.Thread(target=_stop_rank_when, args=(tmp_path, victim, 3, stopped), daemon=True)
+    thread.start()
+    messages: list[str] = []
+    result = run_training(cfg, data_index, log=messages.append)
+    thread.join(timeout=5)
+    assert stopped, "the rank was never stopped"
+    assert result.final_step == 6 and result.attempts == 2, messages
+    assert result.history[0]["reason"].startswith("hung: "), result.history
+    assert result.restored is not None  # attempt 1 resumed from a checkpoint, not from scratch
+
+    [inc] = read_incidents(tmp_path)
+    c = inc["culprit"]
+    assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
+    assert (c["rank"], c["node"], c["reason"]) == (victim, stopped["node"], "silent")
+    assert c["coords"] == {"tp": 1, "pp": 1, "dp": 0}
+    assert c["silent_ranks"] == [victim]
+    # detected within the threshold plus a few heartbeats of the last step's end
+    assert inc["detected_at"] - stopped["time"] < inc["evidence"]["threshold_s"] + 10
+    assert inc["steps_lost"] is not None and inc["steps_lost"] >= 0
+    assert (tmp_path / "incidents" / "000-attempt0-hang.md").exists()
+    [brief] = read_record(tmp_path).incidents
+    assert brief["culprit_rank"] == victim and brief["coords"] == c["coords"]

@@ -128,7 +128,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
-        watcher.close(run, final_step, _durable_step(cfg) if watcher.incidents else None)
+        watcher.close(run, final_step, outcome.reason, lambda: _durable_step(cfg))  # incidents/, run.json
         history.append({"attempt": n, "code": outcome.code, "reason": outcome.reason,
                         "failed_nodes": outcome.failed_nodes, "final_step": final_step,
                         "restored": init.get("restore", {}).get("checkpoint"),

@@ -122,9 +122,14 @@ class Watcher:
             return None
         stalled = now - self.last_progress
         limit = self.threshold_s()
-        if stalled <= limit:
+        # at the cap, cluster.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and
+        # close() localises it then: one verdict per hang, never two racing
+        if stalled <= limit or limit >= self.cfg.cluster.hang_timeout_s:
             return None
-        culprit = localise(self.identities, self.beats, now, self.silent_after_s)
+        return self._declare_hang(now, stalled, limit)
+
+    def _declare_hang(self, now: float, stalled: float, limit: float, silence_ref: float | None = None) -> str:
+        culprit = localise(self.identities, self.beats, silence_ref or now, self.silent_after_s)
         evidence = {"last_step": self.max_step, "stalled_s": round(stalled, 3), "threshold_s": round(limit, 3),
                     "median_step_s": statistics.median(self.step_times) if self.step_times else None,
                     "silent_after_s": self.silent_after_s, "read_errors": self.read_errors,
@@ -156,14 +161,21 @@ class Watcher:
                                             "compute_s": {s: self.compute[s] for s in steps}}, "reported"))
             self.log(f"attempt {self.attempt}: straggler: {summary}")
 
-    def close(self, run, final_step: int, resumed_step: int | None) -> list:
-        """Write this attempt's incidents (``resumed_step``: the step the relaunch resumes from, for
-        steps lost) to the run directory and the run record; drop the attempt's keys."""
+    def close(self, run, final_step: int, reason: str, resumed_step: Callable[[], int | None]) -> list:
+        """Write this attempt's incidents to the run directory and the run record; drop the
+        attempt's keys. ``reason``: how the attempt ended (a hang seen by the launcher's own stall
+        check is localised here); ``resumed_step()``: the step a relaunch resumes from (steps lost)."""
         from mega.launch import runs
 
+        if reason.startswith("hung") and self.enabled and not any(i.kind == "hang" for i in self.incidents):
+            now = self.clock()
+            self._read()  # the ranks are stopped by now: silence counts against the freshest heartbeat
+            fresh = max((b.get("time", 0) for b in self.beats.values()), default=now)
+            self._declare_hang(now, now - (self.last_progress or now), self.threshold_s(), silence_ref=fresh)
+        resumed = resumed_step() if self.incidents else None
         for inc in self.incidents:
-            if inc.kind == "hang" and resumed_step is not None:
-                inc.steps_lost = max(0, final_step - resumed_step)
+            if inc.kind == "hang" and resumed is not None:
+                inc.steps_lost = max(0, final_step - resumed)
             path = inc.write(run.record.run_dir)
             run.record.incidents.append(inc.brief(path))
         if self.incidents:
