@@ -220,7 +220,7 @@ def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, d
     cfg = compose(["model=tiny", "parallelism=tp2-pp2-dp2", "train.steps=6", f"train.run_dir={tmp_path}",
                    f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
                    "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", "checkpoint.interval=2",
-                   "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=30",
+                   "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=10",
                    "stability.heartbeat_s=1", "stability.min_hang_s=6", "stability.progress_factor=5"])
     stopped: dict = {}
     thread = threading.Thread(target=_stop_rank_when, args=(tmp_path, victim, 3, stopped), daemon=True)

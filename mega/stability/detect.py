@@ -2,7 +2,8 @@
 incidents (mega.stability.incident).
 
 * **hang**: no rank's step advanced for ``stability.progress_factor`` x the median step time, at
-  least ``stability.min_hang_s``, at most ``cluster.hang_timeout_s``. Counted from the first step
+  least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s`` while a rank saves), at
+  most ``cluster.hang_timeout_s``. Counted from the first step
   seen (start-up and restore are bounded by the ranks' own timeouts). ``localise`` names the
   culprit; ``poll`` returns the reason, and the driver stops the attempt and relaunches from
   ``latest``.
@@ -114,8 +115,13 @@ class Watcher:
                 self.max_step, self.last_progress = step, now
 
     def threshold_s(self) -> float:
-        return hang_threshold_s(self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s,
-                                self.cfg.cluster.hang_timeout_s)
+        limit = hang_threshold_s(self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s,
+                                 self.cfg.cluster.hang_timeout_s)
+        if any(b.get("phase") == "checkpoint" for b in self.beats.values()):
+            # a save blocks the step for up to checkpoint.upload_timeout_s by design (synchronous
+            # saves, the wait for the previous upload): not a hang until that is over too
+            limit = min(limit + self.cfg.checkpoint.upload_timeout_s, self.cfg.cluster.hang_timeout_s)
+        return limit
 
     def _hang(self, now: float) -> str | None:
         if self.last_progress is None or any(i.kind == "hang" for i in self.incidents):
