@@ -181,4 +181,10 @@ def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, data_index, dat
                    log=messages.append)
     assert result.attempts == 2
     assert any("hung (no progress) at step 3" in m for m in messages), messages
+    # the heartbeats localise it (mega.stability): rank 1 sleeps, alive, behind its DP peer
+    from mega.stability.incident import read_incidents
+
+    [incident] = read_incidents(tmp_path)
+    assert incident["culprit"]["rank"] == 1 and incident["culprit"]["reason"] == "behind", incident
+    assert incident["culprit"]["group"].startswith("dp")  # the DP (x CP) group its peer waits in
     assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]

@@ -23,16 +23,32 @@ import time
 
 from mega.stability import channel
 
-GROUPS = ("tp", "pp", "dp", "world")
-
-
 def _groups():
-    """name -> process group, from megatron's parallel_state (after initialize_model_parallel)."""
+    """name -> process group, from megatron's parallel_state (after initialize_model_parallel):
+    every group training's collectives run on (DDP reduces over the DP x CP group, the distributed
+    optimizer over its instance group, the grad norm over the model-parallel group), each once."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    return {"tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
-            "dp": ps.get_data_parallel_group(), "world": dist.group.WORLD}
+    getters = {"tp": lambda: ps.get_tensor_model_parallel_group(),
+               "pp": lambda: ps.get_pipeline_model_parallel_group(),
+               "dp": lambda: ps.get_data_parallel_group(),
+               "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+               "dp_opt": lambda: ps.get_intra_distributed_optimizer_instance_group(check_initialized=False),
+               "dp_gloo": lambda: ps.get_data_parallel_group_gloo(with_context_parallel=True),
+               "embd": lambda: ps.get_embedding_group(check_initialized=False),
+               "mp": lambda: ps.get_model_parallel_group(check_initialized=False),
+               "world": lambda: dist.group.WORLD}
+    groups: dict = {}
+    for name, get in getters.items():
+        try:
+            g = get()
+            member = dist.get_rank() in dist.get_process_group_ranks(g)
+        except (AssertionError, AttributeError, RuntimeError, TypeError, ValueError):  # not in this layout
+            continue
+        if member and all(g is not h for h in groups.values()):
+            groups[name] = g
+    return groups
 
 
 def _seq(group) -> int | None:

@@ -61,7 +61,7 @@ def _lags(rank: int, ident: dict, beats: dict[int, dict]) -> dict[str, int]:
 
 def _worst(lags: dict[str, int]) -> tuple[str | None, int | None]:
     """The group a rank holds up most (ties: the smallest group kind first, tp before dp)."""
-    order = {"tp": 0, "pp": 1, "dp": 2, "world": 3}
+    order = {"tp": 0, "pp": 1, "dp": 2, "dp_cp": 3, "dp_opt": 4, "dp_gloo": 5, "embd": 6, "mp": 7, "world": 8}
     if not lags:
         return None, None
     name = max(lags, key=lambda n: (lags[n], -order.get(n, 9)))
