@@ -94,6 +94,10 @@ def test_straggler_needs_every_one_of_the_last_steps_slow():
     rows[4][3] = 1.2  # the latest step was normal: not (yet) a straggler
     assert stragglers(rows, factor=1.5, beats=3) == {}
     assert stragglers({1: {0: 1.0, 1: 5.0}}, factor=1.5, beats=3) == {}  # too few steps seen
+    # the last pipeline stage (output layer, loss) computes more than the first: compared within
+    # its stage it is no straggler; rank 2 is, against its stage peer rank 0
+    rows = {s: {0: 1.0, 1: 2.0, 2: 1.8, 3: 2.1} for s in range(1, 4)}
+    assert list(stragglers(rows, factor=1.5, beats=3, stage={0: 0, 1: 1, 2: 0, 3: 1})) == [2]
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +249,26 @@ def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, d
     assert (tmp_path / "incidents" / "000-attempt0-hang.md").exists()
     [brief] = read_record(tmp_path).incidents
     assert brief["culprit_rank"] == victim and brief["coords"] == c["coords"]
+
+
+@pytest.mark.slow
+def test_slow_rank_is_reported_as_a_straggler_without_a_restart(tmp_path, data_index, data_cache):
+    """fault.slow_rank computes fault.slow_s more in every forward: named as a straggler from its
+    heartbeats' compute time, and the run goes on in one attempt."""
+    from mega.config import compose
+    from mega.launch import run_training
+    from mega.launch.runs import read_record
+
+    cfg = compose(["model=tiny", "parallelism=dp2", "train.steps=8", f"train.run_dir={tmp_path}",
+                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
+                   "checkpoint.interval=0",
+                   "fault.slow_rank=1", "fault.slow_s=0.3",
+                   "stability.heartbeat_s=0.25", "stability.min_hang_s=30", "stability.straggler_beats=2"])
+    result = run_training(cfg, data_index, log=lambda s: None)
+    assert result.attempts == 1 and result.final_step == 8
+    [inc] = read_incidents(tmp_path)
+    assert inc["kind"] == "straggler" and inc["action"] == "reported"
+    assert inc["culprit"]["rank"] == 1 and inc["culprit"]["coords"] == {"tp": 0, "pp": 0, "dp": 1}
+    assert min(inc["evidence"]["ratios"]) > cfg.stability.straggler_factor, inc["evidence"]
+    print(inc["summary"])
+    assert [b["kind"] for b in read_record(tmp_path).incidents] == ["straggler"]

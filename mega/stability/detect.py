@@ -32,9 +32,12 @@ def hang_threshold_s(step_times: list[float], progress_factor: float, min_s: flo
     return min(max(k, min_s), max_s)
 
 
-def stragglers(compute: dict[int, dict[int, float]], factor: float, beats: int) -> dict[int, list[float]]:
-    """Ranks slow in each of the last ``beats`` steps seen by every rank: rank -> its ratio to the
-    peers' median per step. ``compute``: step -> rank -> compute seconds of that step."""
+def stragglers(compute: dict[int, dict[int, float]], factor: float, beats: int,
+               stage: dict[int, int] | None = None) -> dict[int, list[float]]:
+    """Ranks slow in each of the last ``beats`` steps seen: rank -> its ratio to the peers' median
+    per step. ``compute``: step -> rank -> compute seconds of that step. ``stage``: rank -> pipeline
+    stage; peers are the ranks of the same stage (same layers, same work) when any was seen."""
+    stage = stage or {}
     steps = sorted(s for s, row in compute.items() if len(row) >= 2)[-beats:]
     if len(steps) < beats:
         return {}
@@ -42,7 +45,9 @@ def stragglers(compute: dict[int, dict[int, float]], factor: float, beats: int) 
     for s in steps:
         row = compute[s]
         for r, t in row.items():
-            peers = statistics.median(v for q, v in row.items() if q != r)
+            others = {q: v for q, v in row.items() if q != r}
+            same = [v for q, v in others.items() if stage.get(q) == stage.get(r)]
+            peers = statistics.median(same or others.values())
             ratios.setdefault(r, []).append(t / peers if peers > 0 else 0.0)
     return {r: v for r, v in ratios.items() if len(v) == beats and min(v) > factor}
 
@@ -150,7 +155,8 @@ class Watcher:
         return f"hung: {summary}"
 
     def _stragglers(self, now: float) -> None:
-        slow = stragglers(self.compute, self.s.straggler_factor, self.s.straggler_beats)
+        slow = stragglers(self.compute, self.s.straggler_factor, self.s.straggler_beats,
+                          {r: i.get("pp") for r, i in self.identities.items()})
         for r, ratios in sorted(slow.items()):
             if r in self.straggling or r not in self.identities:
                 continue
