@@ -38,7 +38,7 @@ def describe_exit(code: int) -> str:
 
 
 def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, progress_file: Path | None = None,
-            stall_timeout_s: float | None = None, on_poll: Callable[[], None] | None = None,
+            stall_timeout_s: float | None = None, on_poll: Callable[[], str | None] | None = None,
             on_failure: Callable[[JobOutcome], None] | None = None, poll_s: float = 0.5) -> JobOutcome:
     """Start ``job`` on every node and wait; returns how it ended (never raises for the job's own
     failure). When any node's agent exits non-zero, every node is stopped at once.
