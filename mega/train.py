@@ -24,6 +24,7 @@ from mega import config as mega_config
 from mega import megatron_cpu, obs, optional_packages, validation
 from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
+from mega.stability import rollback
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
@@ -275,13 +276,18 @@ def run(cfg: MegaConfig, data_index: str) -> None:
                                            mega_config.to_dict(cfg))
     # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
     session = Session.start(cfg)
+    skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability-recovery.md)
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
+        done = step + 1
+        rollback.maybe_poison(cfg, trainer, done)
         session.begin_step(step)
         t0 = time.perf_counter()
-        result = train_step(trainer, step)
+        result = rollback.skipped_step(trainer) if done in skips else train_step(trainer, step)
         step_s = time.perf_counter() - t0
-        done = step + 1
+        bad = None if done in skips else rollback.not_finite(result)  # every rank agrees (one all-reduce)
+        if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
+            rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):
             result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
         logger.log(
