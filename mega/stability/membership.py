@@ -101,10 +101,11 @@ def decide(cfg: "MegaConfig", members: Membership, bad: list[int]) -> Decision:
             nodes.remove(k)
     floor = cfg.cluster.min_nodes if cfg.cluster.min_nodes is not None else cfg.cluster.nodes
     if len(nodes) < floor:
+        floor_text = (f"cluster.min_nodes={cfg.cluster.min_nodes}" if cfg.cluster.min_nodes is not None
+                      else "cluster.min_nodes=null (never shrink)")
         raise CannotContinue(
             f"node(s) {bad} failed the self-check; {len(nodes)} healthy node(s) left, no spare "
-            f"(cluster.spare_nodes={cfg.cluster.spare_nodes}), and cluster.min_nodes="
-            f"{cfg.cluster.min_nodes} does not allow {len(nodes)}")
+            f"(cluster.spare_nodes={cfg.cluster.spare_nodes}), and {floor_text} does not allow {len(nodes)}")
     new_cfg = cfg if len(nodes) == len(members.nodes) else resize(cfg, len(nodes))
     if new_cfg is cfg:  # same layout on other nodes: the drills of the old nodes end too
         new_cfg = copy.deepcopy(cfg)
