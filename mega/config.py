@@ -156,6 +156,15 @@ class ClusterConfig:
     selfcheck_gemm_fraction: float = 0.5
     selfcheck_nvlink_fraction: float = 0.3
     selfcheck_nic_fraction: float = 0.3
+    # Membership on failure (mega/stability/membership.py, docs/stability.md): when a
+    # node's ranks die and either knob is set, the nodes run the self-check before the restart and
+    # a node that fails it is evicted: a spare node takes its place (spare_nodes: idle nodes held
+    # for the run; local-nodes starts one more agent slot) ...
+    spare_nodes: int = 0
+    # ... or, with no spare left, the run goes on with fewer nodes down to min_nodes (DP shrinks,
+    # the global batch stays through more microbatches). null: never shrink, and no self-check on
+    # failure unless spare_nodes > 0.
+    min_nodes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -335,6 +344,10 @@ class TrainConfig:
     # [first, last] (1-based steps): torch.profiler over those steps, a trace per rank in
     # <run_dir>/profile/. null = off.
     profile_steps: list[int] | None = None
+    # Steps (1-based, as logged) whose batch is never trained on: the step makes no update and the
+    # next step gets its own batch (mega/stability/rollback.py). The driver adds the steps it rolled
+    # back from (a NaN/Inf loss or grad norm) through $MEGA_SKIP_STEPS; set here, a run reproduces them.
+    skip_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -359,6 +372,11 @@ class FaultConfig:
     # alignment must take it out; docs/observability.md).
     clock_skew_rank: int | None = None
     clock_skew_s: float = 0.0
+    # Stability drills (mega/stability): every rank's loss is NaN at step nan_at_step (1-based, as
+    # logged; attempt 0 only: a weight of every rank is poisoned, so the NaN is real arithmetic);
+    # node bad_node fails its self-check (its GEMM check reports a fault) in every diagnosis.
+    nan_at_step: int | None = None
+    bad_node: int | None = None
 
 
 @dataclass
@@ -670,6 +688,25 @@ def _validate_stability(cfg: MegaConfig) -> None:
              f"got {s.min_hang_s}")
     _require(s.straggler_factor > 1, "stability.straggler_factor", f"must be > 1, got {s.straggler_factor}")
     _require(s.straggler_beats >= 1, "stability.straggler_beats", f"must be >= 1, got {s.straggler_beats}")
+    _validate_recovery(cfg)
+
+
+def _validate_recovery(cfg: MegaConfig) -> None:
+    """The rollback and membership knobs (mega/stability: rollback.py, membership.py)."""
+    c, t, f = cfg.cluster, cfg.train, cfg.fault
+    _require(isinstance(c.spare_nodes, int) and c.spare_nodes >= 0, "cluster.spare_nodes",
+             f"must be >= 0, got {c.spare_nodes!r}")
+    if c.min_nodes is not None:
+        _require(1 <= c.min_nodes <= c.nodes, "cluster.min_nodes",
+                 f"must be in [1, cluster.nodes={c.nodes}] or null, got {c.min_nodes}")
+    for s in t.skip_steps:
+        _require(isinstance(s, int) and 1 <= s <= t.steps, "train.skip_steps",
+                 f"steps are 1-based and at most train.steps={t.steps}, got {s!r}")
+    if f.nan_at_step is not None:
+        _require(1 <= f.nan_at_step <= t.steps, "fault.nan_at_step",
+                 f"must be in [1, train.steps={t.steps}], got {f.nan_at_step}")
+    if f.bad_node is not None:
+        _require(0 <= f.bad_node < c.nodes, "fault.bad_node", f"no node {f.bad_node} in cluster.nodes={c.nodes}")
 
 
 def _validate_obs(cfg: MegaConfig) -> None:

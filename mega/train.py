@@ -25,6 +25,7 @@ from mega import megatron_cpu, obs, optional_packages, validation
 from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
 from mega.overlap import pp_dp
+from mega.stability import rollback
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
@@ -283,16 +284,21 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
     session = Session.start(cfg)
     beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
+    skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
+        done = step + 1
+        rollback.maybe_poison(cfg, trainer, done)
         session.begin_step(step)
         t0 = time.perf_counter()
-        result = train_step(trainer, step)
+        result = rollback.skipped_step(trainer) if done in skips else train_step(trainer, step)
         step_s = time.perf_counter() - t0
-        done = step + 1
         step_obs = session.end_step()  # compute time, exposed communication per kind
         if beat:
             beat.step_done(done, result, step_s)
+        bad = None if done in skips else rollback.not_finite(result)  # every rank agrees (one all-reduce)
+        if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
+            rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):
             with obs.paused():  # evaluation is not training: its passes stay out of the step's timeline
                 result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)

@@ -69,6 +69,14 @@ def test_single_layout_runs_one_process():
     (["stability.progress_factor=1"], "stability.progress_factor", "must be >= 2"),
     (["stability.min_hang_s=1"], "stability.min_hang_s", "must be >= 2 x stability.heartbeat_s"),
     (["stability.straggler_factor=1"], "stability.straggler_factor", "must be > 1"),
+    # stability: membership on failure, rollback and its drills (mega/stability)
+    (["cluster.spare_nodes=-1"], "cluster.spare_nodes", "must be >= 0"),
+    (["cluster.min_nodes=2"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
+    (["cluster.min_nodes=0"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
+    (["train.steps=5", "optimizer.warmup_steps=1", "train.skip_steps=[6]"], "train.skip_steps", "at most train.steps=5"),
+    (["train.skip_steps=[0]"], "train.skip_steps", "1-based"),
+    (["train.steps=5", "optimizer.warmup_steps=1", "fault.nan_at_step=9"], "fault.nan_at_step", "must be in [1, train.steps=5]"),
+    (["fault.bad_node=1"], "fault.bad_node", "no node 1 in cluster.nodes=1"),
 ])
 def test_rejection_names_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:

@@ -368,6 +368,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
     try:
         intra = dist.new_subgroups(group_size=procs)[0] if nodes > 1 else None  # ranks are laid out node by node
         row = _check_rank(args.device, rank, local_rank, world, intra)
+        if args.bad_node == node.node_rank():  # drill (fault.bad_node): this node's matrix unit is broken
+            row["error"] = "injected fault (fault.bad_node): the GEMM check reports a broken matrix unit"
         device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
         pair_rows = _pair_checks(device, node.node_rank(), nodes, procs, local_rank,
                                  SIZES[args.device]["pair_bytes"]) if nodes > 1 else []
@@ -393,6 +395,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout")
     p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # test drill
+    p.add_argument("--bad-node", type=int, default=None, help=argparse.SUPPRESS)  # drill: node fails its checks
     return p.parse_args(argv)
 
 
@@ -401,7 +404,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  fail_rank: int | None = None, backend: "Backend | None" = None) -> dict[str, Any]:
+                  fail_rank: int | None = None, backend: "Backend | None" = None,
+                  bad_node: int | None = None) -> dict[str, Any]:
     """Check every node of cfg's cluster (``cluster.procs_per_node`` ranks each) on the launch
     backend of ``launcher`` (or ``backend``, left open); always returns a verdict dict.
 
@@ -425,6 +429,8 @@ def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = 
             "--timeout-s", str(pg_timeout)]
     if fail_rank is not None:
         args += ["--fail-rank", str(fail_rank)]
+    if bad_node is not None:
+        args += ["--bad-node", str(bad_node)]
     job = JobSpec("mega.cluster.selfcheck", args, dict(c.env), out_dir, "selfcheck")
 
     start = time.perf_counter()

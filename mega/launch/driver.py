@@ -21,10 +21,11 @@ from mega import config as mega_config
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.launch import runs
-from mega.launch.backend import Backend, JobSpec, backend_for, server_host
+from mega.launch.backend import JobSpec, server_host
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
 from mega.stability import channel as heartbeats
+from mega.stability import membership, rollback
 from mega.stability.detect import Watcher
 
 
@@ -65,26 +66,23 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     run_dir.mkdir(parents=True, exist_ok=True)
     with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
                     target_steps=cfg.train.steps, flow_run_id=flow_run_id, recovery=recovery) as run, \
-            contextlib.closing(backend_for(cfg, run_dir)) as backend, \
-            rendezvous.rendezvous_env(cfg, host=server_host(backend)) as store_env, \
-            heartbeats.heartbeat_env(cfg, store_env, host=server_host(backend)) as hb_env:  # docs/stability.md
-        result = _train_with_restarts(cfg, index_path, log, run, backend, {**store_env, **hb_env})
+            contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes, \
+            rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env, \
+            heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env:  # docs/stability.md
+        result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env})
         run.finish("completed", result.final_step)
         return result
 
 
 def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str], None], run: runs.RunTracker,
-                         backend: Backend, store_env: dict[str, str]) -> TrainingResult:
+                         nodes: membership.Nodes, store_env: dict[str, str]) -> TrainingResult:
     from mega.checkpoint import latest_durable
     from mega.storage import StorageError
 
     run_dir = Path(cfg.train.run_dir)
     config_path = run_dir / "config.json"
-    mega_config.save(rendezvous.without_secrets(cfg), config_path)  # ranks get the password by env
     args = ["--config", str(config_path), "--data-index", str(index_path)]
     env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
-    c = cfg.cluster
-    where = f" on {c.nodes} nodes ({c.procs_per_node} per node)" if c.nodes > 1 else ""
 
     first = run.record.attempts
     attempts = 0
@@ -93,6 +91,11 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         n = first + attempts  # this attempt's number over the run's life
         run.beat(attempts=n + 1)
         env["MEGA_ATTEMPT"] = str(n)
+        # the nodes (after an eviction: other or fewer) and the steps rolled back from (mega/stability)
+        cfg, backend, c = nodes.cfg, nodes.backend, nodes.cfg.cluster
+        mega_config.save(rendezvous.without_secrets(cfg), config_path)  # ranks get the password by env
+        env[rollback.SKIP_ENV] = rollback.skip_env(run.record.skipped_steps)
+        where = f" on {c.nodes} nodes ({c.procs_per_node} per node)" if c.nodes > 1 else ""
         # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
         # falling back past a corrupt one) and write what they restored into init.json.
         try:
@@ -139,6 +142,21 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
         log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
             f"logs: {_logs(job, c.nodes, outcome)}")
+        if (request := rollback.take(run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
+            run.record.skipped_steps.append(request)
+            history[-1]["skipped_step"] = request["step"]
+            log(f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
+                "and skipping the step's batch")
+        elif outcome.failed_nodes and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts:
+            try:
+                evicted = nodes.diagnose(n, outcome.failed_nodes, log)
+            except membership.CannotContinue as e:
+                run.finish("failed", final_step, error=str(e))
+                raise TrainingFailed(f"attempt {n}: {e}") from None
+            run.record.evicted_nodes += evicted
+            history[-1]["evicted"] = [e["node"] for e in evicted]
+        run.record.membership = nodes.as_record()
+        runs.write_record(run.record)
         if attempts > cfg.checkpoint.max_restarts:
             failed = TrainingFailed(
                 f"training failed {attempts} times (last: {outcome.reason}); "

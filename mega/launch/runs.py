@@ -9,6 +9,7 @@ The launcher (``mega.launch.run_training``) owns the record of the run it drives
     final_step    the last step logged when the record was last written
     recoveries    how many times recovery restarted the run
     flow_run_ids  the Prefect flow runs that drove it, first the pretrain one (opaque strings here)
+    skipped_steps, evicted_nodes, membership  rollbacks and evictions (mega/stability)
 
 A run **should be training but is not** when its state says ``training`` (or ``failed`` with
 steps left, when recovery of failed runs is allowed) while its launcher is gone — its process
@@ -66,6 +67,11 @@ class RunRecord:
     flow_run_ids: list[str] = field(default_factory=list)
     error: str | None = None
     incidents: list[dict] = field(default_factory=list)  # mega.stability: hangs, stragglers (briefs)
+    # mega/stability: steps rolled back from and skipped ({step, attempt, what, restored}), nodes
+    # evicted ({node, attempt, reasons, replaced_by}) and the nodes of the last attempt
+    skipped_steps: list[dict] = field(default_factory=list)
+    evicted_nodes: list[dict] = field(default_factory=list)
+    membership: dict | None = None
 
     @property
     def path(self) -> Path:
@@ -238,6 +244,8 @@ def track(run_dir: str | Path, *, config: str | Path, data_index: str | Path, ta
             # a launch by a person (not a recovery) gives the run a fresh recovery budget
             recoveries=(previous.recoveries if previous else 0) + 1 if recovery else 0,
             flow_run_ids=flow_runs,
+            skipped_steps=previous.skipped_steps if previous else [],  # a recovery skips them too
+            evicted_nodes=previous.evicted_nodes if previous else [],
         )
         write_record(record)
         tracker = RunTracker(record)

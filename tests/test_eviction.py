@@ -1,0 +1,163 @@
+"""Diagnosis before restart and eviction (mega/stability/membership.py).
+
+Unit tests: who runs next, given the nodes that failed their self-check and the config. Drills
+(CPU, real processes, launcher=local-nodes, 2 nodes x 1 rank, DP 2): node 1 dies at step 2 and
+fails its self-check; it is evicted and recorded; with a spare the run finishes at full size, and
+without one (cluster.min_nodes=1) on one node with DP 1 and twice the microbatches, the global
+batch unchanged: both losses match an independent one-process reference within 2e-5 per step."""
+
+import json
+
+import pytest
+
+from mega.config import compose
+from mega.launch import run_training
+from mega.launch.runs import read_record
+from mega.stability import membership
+from mega.stability.membership import CannotContinue, Membership, decide
+
+RTOL = 2e-5  # fp32 sums in another order (another DP size): equal to ~6 digits
+STEPS = 4
+
+
+def nodes_cfg(nodes=2, per_node=2, extra=()):
+    return compose(["model=tiny", "launcher=local-nodes", "parallelism=dp2", f"parallelism.dp={nodes * per_node}",
+                    f"cluster.nodes={nodes}", f"cluster.procs_per_node={per_node}", *extra])
+
+
+# ---------------------------------------------------------------------------------------------
+# Membership decisions (no processes)
+
+
+def test_a_spare_takes_the_evicted_nodes_place():
+    cfg = nodes_cfg(extra=["cluster.spare_nodes=1", "fault.bad_node=1", "fault.kill_node=1", "fault.kill_at_step=2"])
+    members = Membership.initial(cfg)
+    assert (members.nodes, members.spares) == ([0, 1], [2])
+    d = decide(cfg, members, [1])
+    assert (d.membership.nodes, d.membership.spares, d.membership.evicted) == ([0, 2], [], [1])
+    assert d.replaced == {1: 2} and d.evicted == [1]
+    assert (d.cfg.cluster.nodes, d.cfg.parallelism.dp) == (2, 4)  # full size
+    assert (d.cfg.fault.bad_node, d.cfg.fault.kill_node) == (None, None)  # the drill ends with the old node
+    assert "node 1 evicted, spare node 2 in its place" in d.note
+
+
+def test_without_a_spare_dp_shrinks_and_the_global_batch_stays():
+    cfg = nodes_cfg(extra=["cluster.min_nodes=1"])
+    d = decide(cfg, Membership.initial(cfg), [0])
+    assert d.membership.nodes == [1] and d.evicted == [0]
+    p = d.cfg.parallelism
+    assert (d.cfg.cluster.nodes, p.dp, p.global_batch_size) == (1, 2, cfg.parallelism.global_batch_size)
+    assert p.num_microbatches == 2 * cfg.parallelism.num_microbatches
+    assert "dp 4 -> 2" in d.note
+
+
+def test_model_parallel_groups_are_kept_when_shrinking():
+    cfg = compose(["model=tiny", "launcher=local-nodes", "parallelism=tp2-pp2-dp2", "cluster.nodes=2",
+                   "cluster.procs_per_node=4", "cluster.min_nodes=1"])
+    d = decide(cfg, Membership.initial(cfg), [1])
+    p = d.cfg.parallelism
+    assert (p.tp, p.pp, p.dp, d.cfg.cluster.nodes) == (2, 2, 1, 1)
+
+
+@pytest.mark.parametrize("extra, bad, fragment", [
+    ([], [1], "cluster.min_nodes=null (never shrink) does not allow 1"),  # no spare, no shrinking allowed
+    (["cluster.min_nodes=2"], [1], "cluster.min_nodes=2 does not allow 1"),
+    (["cluster.spare_nodes=1", "cluster.min_nodes=2"], [0, 1], "does not allow 1"),  # one spare, two bad
+])
+def test_cannot_continue_says_why(extra, bad, fragment):
+    cfg = nodes_cfg(extra=extra)
+    with pytest.raises(CannotContinue, match="failed the self-check") as info:
+        decide(cfg, Membership.initial(cfg), bad)
+    assert fragment in str(info.value)
+
+
+def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
+    # 3 nodes x 2 = DP 6 with a global batch of 12; on 2 nodes DP 4 would need 12 % (2*4) == 0
+    cfg = nodes_cfg(nodes=3, extra=["parallelism.global_batch_size=12", "cluster.min_nodes=1"])
+    with pytest.raises(CannotContinue, match="parallelism.global_batch_size"):
+        decide(cfg, Membership.initial(cfg), [2])
+    # TP 2 on 4 single-rank nodes: 3 ranks cannot hold TP groups of 2
+    cfg = compose(["model=tiny", "launcher=local-nodes", "parallelism=tp2", "parallelism.dp=2", "cluster.nodes=4",
+                   "cluster.procs_per_node=1", "cluster.min_nodes=1"])
+    with pytest.raises(CannotContinue, match="not a multiple of tp\\*pp=2\\*1"):
+        decide(cfg, Membership.initial(cfg), [3])
+
+
+def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
+    cfg = nodes_cfg(extra=["cluster.spare_nodes=1"])
+    members = Membership([0, 2], [], [1])  # after a first eviction: job node 1 is physical node 2
+    result = {"nodes": [{"node": 0, "healthy": True, "reasons": []},
+                        {"node": 1, "healthy": False, "reasons": ["rank 1: GEMM"]}]}
+    verdicts = membership.selfcheck_verdicts(result, members)
+    assert verdicts == {0: {"healthy": True, "reasons": []}, 2: {"healthy": False, "reasons": ["rank 1: GEMM"]}}
+    d = decide(cfg, members, [5])  # not a member
+    assert d.membership is members and d.cfg is cfg and d.evicted == []
+    assert not membership.diagnosis_enabled(nodes_cfg())
+    assert membership.diagnosis_enabled(nodes_cfg(extra=["cluster.min_nodes=2"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drills: real processes
+
+
+def train(run_dir, data_index, data_cache, overrides):
+    cfg = compose(["model=tiny", "parallelism=dp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
+                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "train.eval_batches=0",
+                   "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false",
+                   f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.interval=2", *overrides])
+    logs = []
+    return run_training(cfg, data_index, log=logs.append), logs
+
+
+NODE_1_DIES_AND_IS_BAD = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
+                          "fault.kill_node=1", "fault.kill_at_step=2", "fault.bad_node=1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_index, data_cache):
+    """One process, the same global batch: the curve every membership must continue."""
+    result, _ = train(tmp_path_factory.mktemp("reference"), data_index, data_cache,
+                      ["parallelism=single", "checkpoint.interval=0"])
+    return result.metrics
+
+
+def assert_same_curve(metrics, reference):
+    assert [m["step"] for m in metrics] == [r["step"] for r in reference]
+    for got, want in zip(metrics, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), (got, want)
+
+
+def assert_evicted(run_dir, result, replaced_by):
+    first, second = result.history
+    assert first["failed_nodes"] == [1] and first["evicted"] == [1]
+    assert second["restored"] == "iter_0000002"
+    record = read_record(run_dir)
+    [row] = record.evicted_nodes
+    assert (row["node"], row["attempt"], row["replaced_by"]) == (1, 0, replaced_by)
+    assert any("fault.bad_node" in r for r in row["reasons"]), row  # the self-check's own verdict
+    verdict = json.loads(open(row["selfcheck"]).read())
+    assert [n["healthy"] for n in verdict["nodes"]] == [True, False]  # node 0 passed the same check
+    return record
+
+
+@pytest.mark.slow
+def test_bad_node_is_evicted_and_a_spare_keeps_full_size(tmp_path, data_index, data_cache, reference):
+    result, logs = train(tmp_path, data_index, data_cache, [*NODE_1_DIES_AND_IS_BAD, "cluster.spare_nodes=1"])
+    record = assert_evicted(tmp_path, result, replaced_by=2)
+    assert record.membership == {"nodes": [0, 2], "spares": [], "evicted": [1]}
+    assert json.loads((tmp_path / "config.json").read_text())["parallelism"]["dp"] == 2  # full size
+    assert any("node 1 evicted, spare node 2 in its place" in line for line in logs), logs
+    assert_same_curve(result.metrics, reference)
+
+
+@pytest.mark.slow
+def test_without_a_spare_the_run_shrinks_and_matches(tmp_path, data_index, data_cache, reference):
+    result, logs = train(tmp_path, data_index, data_cache, [*NODE_1_DIES_AND_IS_BAD, "cluster.min_nodes=1"])
+    record = assert_evicted(tmp_path, result, replaced_by=None)
+    assert record.membership == {"nodes": [0], "spares": [], "evicted": [1]}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["cluster"]["nodes"], config["parallelism"]["dp"], config["parallelism"]["global_batch_size"]) \
+        == (1, 1, 16)
+    assert result.init["world_size"] == 1  # the last attempt ran on the one node left
+    assert any("dp 2 -> 1, 4 -> 8 microbatches per step, global batch 16" in line for line in logs), logs
+    assert_same_curve(result.metrics, reference)
