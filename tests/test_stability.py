@@ -291,7 +291,7 @@ def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_p
     for _ in range(4):
         clock[0] += 1.0
         assert w.poll() is None
-    record = RunRecord(run_dir=str(tmp_path), state="running", config="", data_index="", target_steps=4,
+    record = RunRecord(run_dir=str(tmp_path), state="training", config="", data_index="", target_steps=4,
                        cwd=".", pid=0, host="h", heartbeat=NOW, started=NOW)
     w.close(SimpleNamespace(record=record), 2, "failed: ranks exited", lambda: None)
     [inc] = read_incidents(tmp_path)
