@@ -402,3 +402,83 @@ def test_slow_rank_is_reported_as_a_straggler_without_a_restart(tmp_path, data_i
     assert min(inc["evidence"]["ratios"]) > cfg.stability.straggler_factor, inc["evidence"]
     print(inc["summary"])
     assert [b["kind"] for b in read_record(tmp_path).incidents] == ["straggler"]
+
+
+def _pause_redis_when(run_dir: Path, pid: int, at_step: int, pause_s: float, done: dict,
+                      deadline_s: float = 180) -> None:
+    """In a thread: once the run logged ``at_step``, SIGSTOP the redis-server ``pid`` for
+    ``pause_s`` (it keeps its port and connections, answers nothing: every call times out)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            steps = [m["step"] for m in read_metrics(run_dir) if m.get("attempt") == 0]
+        except (OSError, ValueError):
+            steps = []
+        if steps and max(steps) >= at_step:
+            os.kill(pid, signal.SIGSTOP)
+            done.update(stopped=time.time(), step=max(steps))
+            try:
+                time.sleep(pause_s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                done["resumed"] = time.time()
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_on(
+        tmp_path, data_index, data_cache):
+    """The heartbeat Redis (owned by the test, given as cluster.redis_url) SIGSTOPped for 10 s
+    mid-run: one attempt, every step done, one store incident (outage ~10 s, heartbeats resumed
+    from both ranks), no hang, nobody evicted; the ranks counted dropped beats."""
+    from mega.config import compose
+    from mega.launch import run_training
+    from mega.launch.runs import read_record
+    from mega.store import RedisServer
+
+    steps = 12
+    with RedisServer() as server:
+        # rank 1 burns fast.slow_s more per forward: steps of ~1 s, so the outage falls mid-run.
+        # A hang from stale heartbeats would be declared 8 s (min_hang_s) after the last step
+        # seen: within the outage, were hang detection not suspended. Stragglers are not the
+        # subject here (straggler_beats > steps).
+        cfg = compose(["model=tiny", "parallelism=dp2", f"train.steps={steps}", f"train.run_dir={tmp_path}",
+                       f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
+                       "checkpoint.interval=0", f"cluster.redis_url={server.url}",
+                       "fault.slow_rank=1", "fault.slow_s=0.5",
+                       "stability.heartbeat_s=0.5", "stability.min_hang_s=8", "stability.progress_factor=4",
+                       f"stability.straggler_beats={steps + 1}"])
+        paused: dict = {}
+        thread = threading.Thread(target=_pause_redis_when, args=(tmp_path, server._proc.pid, 2, 10.0, paused),
+                                  daemon=True)
+        thread.start()
+        messages: list[str] = []
+        try:
+            result = run_training(cfg, data_index, log=messages.append)
+        finally:
+            thread.join(timeout=15)
+    assert "resumed" in paused, ("Redis was never paused", messages)
+    assert result.attempts == 1 and result.final_step == steps, messages
+    last_step = max(m["step"] for m in read_metrics(tmp_path) if "step" in m)
+    ends = [m["time"] for m in read_metrics(tmp_path) if m.get("step") == last_step]
+    assert ends and ends[0] > paused["resumed"], "the run ended before Redis was back: not mid-run"
+
+    [inc] = read_incidents(tmp_path)  # the store outage, and no hang, no straggler
+    e = inc["evidence"]
+    assert inc["kind"] == "store" and inc["action"] == "reported" and inc["culprit"] == {"store": server.url}
+    assert 8.0 <= e["outage_s"] <= 13.0 and e["read_errors"] > 0, e
+    assert e["resumed"] is True and e["ranks_resumed"] == [0, 1], e
+    assert inc["detected_at"] > paused["resumed"]
+    assert any("store outage" in m for m in messages) and any("answers again" in m for m in messages)
+    record = read_record(tmp_path)
+    assert record.evicted_nodes == [] and [b["kind"] for b in record.incidents] == ["store"]
+
+    summary = json.loads((tmp_path / "heartbeats-attempt0.json").read_text())
+    assert summary["attempt"] == 0 and summary["heartbeat_s"] == 0.5 and sorted(summary["ranks"]) == ["0", "1"]
+    for rank, s in summary["ranks"].items():
+        # dropped while Redis was stopped (a write times out in 0.5 s: ~10-20 per rank), sent before and after
+        assert s["dropped"] > 0 and s["sent"] > s["dropped"], (rank, s)
+        assert 0 < s["cpu_s"] < s["wall_s"], (rank, s)
+        assert e["dropped"][rank] <= s["dropped"]  # the summary counts up to the ranks' last beat
+    print(inc["summary"], summary)
