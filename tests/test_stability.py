@@ -206,7 +206,7 @@ def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
         hb.close()  # the last beat carries step 7
         assert time.monotonic() - t0 < 6 * channel.TIMEOUT_S + 1
         last = json.loads(r.get("mega:hb:test4:0:hb:1"))
-        assert last["step"] == 7 and last["tokens_per_s"] == 2000 and last["dropped"] > 0
+        assert last["step"] == 7 and last["tokens_per_s"] == 2000 and last["dropped"] > 0 and last["closed"]
     finally:
         server.stop()
 
@@ -219,13 +219,13 @@ def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
     w = Watcher(cfg, {channel.URL_ENV: url, channel.PREFIX_ENV: prefix}, attempt=0, log=logs.append,
                 clock=lambda: clock[0])
 
-    def publish(step, dropped=0):
+    def publish(step, dropped=0, closed=False):
         r = redis.Redis.from_url(url)
         for rank, ident in grid().items():
             r.set(channel.id_key(prefix, 0, rank), json.dumps(ident))
             rec = {"rank": rank, "time": clock[0], "step": step, "step_s": 0.2, "compute_s": 0.1,
                    "seq": {"world": step}, "sent": 10 * step, "dropped": dropped + rank,
-                   "cpu_s": 0.01, "up_s": 5.0}
+                   "cpu_s": 0.01, "up_s": 5.0, "closed": closed}
             r.set(channel.beat_key(prefix, 0, rank), json.dumps(rec))
         r.close()
 
@@ -272,6 +272,22 @@ def test_watcher_reports_a_store_outage_once_heartbeats_resume(tmp_path):
     finally:
         w.client.close()
         server.stop()
+
+
+def test_no_hang_once_a_rank_closed_its_heartbeat(redis_url):
+    """After the last step the ranks save, close and exit: no more steps, and no hang either once
+    a rank's last beat says its training loop is over."""
+    clock, logs = [NOW], []
+    w, publish = _store_outage_watcher(redis_url, "mega:hb:test7", clock, logs)
+    for step in range(1, 4):
+        publish(step)
+        assert w.poll() is None
+        clock[0] += 1.0
+    publish(3, closed=True)
+    for _ in range(10):  # twice min_hang_s without a step
+        clock[0] += 1.0
+        assert w.poll() is None
+    assert w.incidents == []
 
 
 def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_path):

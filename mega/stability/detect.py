@@ -218,6 +218,10 @@ class Watcher:
     def _hang(self, now: float) -> str | None:
         if self.last_progress is None or any(i.kind == "hang" for i in self.incidents):
             return None
+        if any(b.get("closed") for b in self.beats.values()):
+            # a rank finished its training loop (its last beat): no more steps will come; the
+            # teardown is bounded by the launcher (cluster.hang_timeout_s, the job's exit)
+            return None
         stalled = now - self.last_progress
         limit = self.threshold_s()
         # at the cap, cluster.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and

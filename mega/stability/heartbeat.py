@@ -133,7 +133,8 @@ class Heartbeat:
                 "rss_mb": _rss_mb(), "device_mb": _device_mb(self.device),
                 "seq": {name: _seq(g) for name, g in self.groups.items()},
                 "sent": self.sent, "dropped": self.dropped, "cpu_s": self.cpu_ns * 1e-9,
-                "started": self.started, "up_s": time.monotonic() - self._t0}
+                "started": self.started, "up_s": time.monotonic() - self._t0,
+                "closed": self._stop.is_set()}  # the training loop is over: silence from now on is no hang
 
     def beat(self) -> bool:
         """One heartbeat (and the identity while it is owed); False when Redis did not take it."""
