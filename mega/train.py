@@ -296,7 +296,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         step_s = time.perf_counter() - t0
         step_obs = session.end_step()  # compute time, exposed communication per kind
         if beat:
-            beat.step_done(done, result, step_s)
+            beat.step_done(done, result, step_s, tokens_per_step)
         bad = None if done in skips else rollback.check_step(result, losses)  # NaN/Inf or spike: all agree
         if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
             rollback.request_rollback(cfg, done, bad, checkpointer)

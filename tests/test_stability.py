@@ -166,13 +166,159 @@ def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):
         t0 = time.monotonic()
         assert not hb.beat() and not hb.beat()
         assert time.monotonic() - t0 < 4 * channel.TIMEOUT_S + 1 and hb.dropped == 2
-        server = RedisServer(port=port).start()
+        server = RedisServer(port=port).start()  # back, and empty
         assert hb.beat()
-        value = json.loads(redis.Redis.from_url(server.url).get("mega:hb:test2:0:hb:3"))
+        back = redis.Redis.from_url(server.url)
+        value = json.loads(back.get("mega:hb:test2:0:hb:3"))
         assert value["rank"] == 3 and value["dropped"] == 2 and value["sent"] == 1
+        assert value["up_s"] > 0 and value["device_mb"] is None  # CPU: no device memory
+        # the identity written before the outage was lost with the server: written again
+        assert json.loads(back.get("mega:hb:test2:0:id:3")) == ident
     finally:
         hb.client.close()
         server.stop()
+
+
+def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
+    """No Redis at start: start() returns at once, the thread writes the identity once Redis is
+    there, and close() sends a last beat within its bound."""
+    import redis
+
+    from mega.store import RedisServer
+
+    server = RedisServer().start()
+    port = server.port
+    server.stop()
+    ident = {"rank": 1, "node": 0, "groups": {}}
+    hb = Heartbeat(channel.client(f"redis://127.0.0.1:{port}/0"), "mega:hb:test4", 0, ident, {}, interval_s=0.1)
+    t0 = time.monotonic()
+    hb.start()
+    assert time.monotonic() - t0 < 0.1
+    server = RedisServer(port=port).start()
+    try:
+        r = redis.Redis.from_url(server.url)
+        end = time.monotonic() + 10
+        while r.get("mega:hb:test4:0:id:1") is None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert json.loads(r.get("mega:hb:test4:0:id:1")) == ident
+        hb.step_done(7, {"loss": 2.0}, 0.5, tokens=1000)
+        t0 = time.monotonic()
+        hb.close()  # the last beat carries step 7
+        assert time.monotonic() - t0 < 6 * channel.TIMEOUT_S + 1
+        last = json.loads(r.get("mega:hb:test4:0:hb:1"))
+        assert last["step"] == 7 and last["tokens_per_s"] == 2000 and last["dropped"] > 0 and last["closed"]
+    finally:
+        server.stop()
+
+
+def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
+    """A TP2xPP2xDP2 watcher on the fake clock and a function writing every rank's heartbeat."""
+    import redis
+
+    cfg = _cfg(heartbeat_s=1, min_hang_s=5, progress_factor=10)
+    w = Watcher(cfg, {channel.URL_ENV: url, channel.PREFIX_ENV: prefix}, attempt=0, log=logs.append,
+                clock=lambda: clock[0])
+
+    def publish(step, dropped=0, closed=False):
+        r = redis.Redis.from_url(url)
+        for rank, ident in grid().items():
+            r.set(channel.id_key(prefix, 0, rank), json.dumps(ident))
+            rec = {"rank": rank, "time": clock[0], "step": step, "step_s": 0.2, "compute_s": 0.1,
+                   "seq": {"world": step}, "sent": 10 * step, "dropped": dropped + rank,
+                   "cpu_s": 0.01, "up_s": 5.0, "closed": closed}
+            r.set(channel.beat_key(prefix, 0, rank), json.dumps(rec))
+        r.close()
+
+    return w, publish
+
+
+def test_watcher_reports_a_store_outage_once_heartbeats_resume(tmp_path):
+    """Real Redis stopped for 12 s (fake clock) and started again, empty, on the same port: one
+    store incident once every rank beat again; no hang from the stale heartbeats meanwhile."""
+    from mega.store import RedisServer
+
+    server = RedisServer().start()
+    port = server.port
+    clock, logs = [NOW], []
+    w, publish = _store_outage_watcher(server.url, "mega:hb:test5", clock, logs)
+    try:
+        for step in range(1, 4):
+            publish(step)
+            assert w.poll() is None
+            clock[0] += 1.0
+        server.stop()
+        for _ in range(12):  # Redis gone for 12 s: far past min_hang_s (5 s) without a step seen
+            assert w.poll() is None
+            clock[0] += 1.0
+        assert w.outage is not None and w.outage["started"] == NOW + 3
+        assert any("store outage" in m for m in logs)
+        server = RedisServer(port=port).start()  # back, empty: the keys were lost
+        assert w.poll() is None and w.outage is not None  # answering, but no rank has beaten again
+        assert w.incidents == []  # and the stale heartbeats (12 s old) declared no hang
+        clock[0] += 1.0
+        publish(9, dropped=12)  # every rank beats again, after training on without Redis
+        assert w.poll() is None
+        [inc] = w.incidents
+        assert inc.kind == "store" and inc.action == "reported" and inc.culprit == {"store": server.url}
+        e = inc.evidence
+        assert e["outage_s"] == 12.0 and e["resumed"] and e["ranks_resumed"] == list(range(8))
+        assert e["read_errors"] == 12 and e["dropped"] == {r: 12 + r for r in range(8)}
+        assert w.outage is None and any("answers again" in m for m in logs)
+        for _ in range(6):  # hang detection is back: no step for 6 s more is a hang again
+            clock[0] += 1.0
+            publish(9)
+            reason = w.poll()
+        assert reason is not None and reason.startswith("hung") and w.incidents[-1].kind == "hang"
+    finally:
+        w.client.close()
+        server.stop()
+
+
+def test_no_hang_once_a_rank_closed_its_heartbeat(redis_url):
+    """After the last step the ranks save, close and exit: no more steps, and no hang either once
+    a rank's last beat says its training loop is over."""
+    clock, logs = [NOW], []
+    w, publish = _store_outage_watcher(redis_url, "mega:hb:test7", clock, logs)
+    for step in range(1, 4):
+        publish(step)
+        assert w.poll() is None
+        clock[0] += 1.0
+    publish(3, closed=True)
+    for _ in range(10):  # twice min_hang_s without a step
+        clock[0] += 1.0
+        assert w.poll() is None
+    assert w.incidents == []
+
+
+def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_path):
+    """Redis still down when the attempt ends: the store incident says not resumed; the heartbeat
+    summary file holds the last beats the watcher saw."""
+    from types import SimpleNamespace
+
+    from mega.launch.runs import RunRecord, read_record
+    from mega.store import RedisServer
+
+    server = RedisServer().start()
+    clock, logs = [NOW], []
+    w, publish = _store_outage_watcher(server.url, "mega:hb:test6", clock, logs)
+    publish(2)
+    assert w.poll() is None
+    server.stop()
+    for _ in range(4):
+        clock[0] += 1.0
+        assert w.poll() is None
+    record = RunRecord(run_dir=str(tmp_path), state="training", config="", data_index="", target_steps=4,
+                       cwd=".", pid=0, host="h", heartbeat=NOW, started=NOW)
+    w.close(SimpleNamespace(record=record), 2, "failed: ranks exited", lambda: None)
+    [inc] = read_incidents(tmp_path)
+    assert inc["kind"] == "store" and inc["evidence"]["resumed"] is False
+    # from the first failed read (NOW + 1) to the close (NOW + 4)
+    assert inc["evidence"]["answering"] is False and inc["evidence"]["outage_s"] == 3.0
+    assert "heartbeat Redis" in (tmp_path / "incidents" / "000-attempt0-store.md").read_text()
+    assert [b["kind"] for b in read_record(tmp_path).incidents] == ["store"]
+    summary = json.loads((tmp_path / "heartbeats-attempt0.json").read_text())
+    assert summary["attempt"] == 0 and summary["heartbeat_s"] == 1.0
+    assert summary["ranks"]["3"] == {"sent": 20, "dropped": 3, "cpu_s": 0.01, "wall_s": 5.0}
 
 
 def test_incident_is_written_as_json_and_markdown(tmp_path):
@@ -272,3 +418,83 @@ def test_slow_rank_is_reported_as_a_straggler_without_a_restart(tmp_path, data_i
     assert min(inc["evidence"]["ratios"]) > cfg.stability.straggler_factor, inc["evidence"]
     print(inc["summary"])
     assert [b["kind"] for b in read_record(tmp_path).incidents] == ["straggler"]
+
+
+def _pause_redis_when(run_dir: Path, pid: int, at_step: int, pause_s: float, done: dict,
+                      deadline_s: float = 180) -> None:
+    """In a thread: once the run logged ``at_step``, SIGSTOP the redis-server ``pid`` for
+    ``pause_s`` (it keeps its port and connections, answers nothing: every call times out)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            steps = [m["step"] for m in read_metrics(run_dir) if m.get("attempt") == 0]
+        except (OSError, ValueError):
+            steps = []
+        if steps and max(steps) >= at_step:
+            os.kill(pid, signal.SIGSTOP)
+            done.update(stopped=time.time(), step=max(steps))
+            try:
+                time.sleep(pause_s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                done["resumed"] = time.time()
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_on(
+        tmp_path, data_index, data_cache):
+    """The heartbeat Redis (owned by the test, given as cluster.redis_url) SIGSTOPped for 10 s
+    mid-run: one attempt, every step done, one store incident (outage ~10 s, heartbeats resumed
+    from both ranks), no hang, nobody evicted; the ranks counted dropped beats."""
+    from mega.config import compose
+    from mega.launch import run_training
+    from mega.launch.runs import read_record
+    from mega.store import RedisServer
+
+    steps = 12
+    with RedisServer() as server:
+        # rank 1 burns fast.slow_s more per forward: steps of ~1 s, so the outage falls mid-run.
+        # A hang from stale heartbeats would be declared 8 s (min_hang_s) after the last step
+        # seen: within the outage, were hang detection not suspended. Stragglers are not the
+        # subject here (straggler_beats > steps).
+        cfg = compose(["model=tiny", "parallelism=dp2", f"train.steps={steps}", f"train.run_dir={tmp_path}",
+                       f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
+                       "checkpoint.interval=0", f"cluster.redis_url={server.url}",
+                       "fault.slow_rank=1", "fault.slow_s=0.5",
+                       "stability.heartbeat_s=0.5", "stability.min_hang_s=8", "stability.progress_factor=4",
+                       f"stability.straggler_beats={steps + 1}"])
+        paused: dict = {}
+        thread = threading.Thread(target=_pause_redis_when, args=(tmp_path, server._proc.pid, 2, 10.0, paused),
+                                  daemon=True)
+        thread.start()
+        messages: list[str] = []
+        try:
+            result = run_training(cfg, data_index, log=messages.append)
+        finally:
+            thread.join(timeout=15)
+    assert "resumed" in paused, ("Redis was never paused", messages)
+    assert result.attempts == 1 and result.final_step == steps, messages
+    last_step = max(m["step"] for m in read_metrics(tmp_path) if "step" in m)
+    ends = [m["time"] for m in read_metrics(tmp_path) if m.get("step") == last_step]
+    assert ends and ends[0] > paused["resumed"], "the run ended before Redis was back: not mid-run"
+
+    [inc] = read_incidents(tmp_path)  # the store outage, and no hang, no straggler
+    e = inc["evidence"]
+    assert inc["kind"] == "store" and inc["action"] == "reported" and inc["culprit"] == {"store": server.url}
+    assert 8.0 <= e["outage_s"] <= 13.0 and e["read_errors"] > 0, e
+    assert e["resumed"] is True and e["ranks_resumed"] == [0, 1], e
+    assert inc["detected_at"] > paused["resumed"]
+    assert any("store outage" in m for m in messages) and any("answers again" in m for m in messages)
+    record = read_record(tmp_path)
+    assert record.evicted_nodes == [] and [b["kind"] for b in record.incidents] == ["store"]
+
+    summary = json.loads((tmp_path / "heartbeats-attempt0.json").read_text())
+    assert summary["attempt"] == 0 and summary["heartbeat_s"] == 0.5 and sorted(summary["ranks"]) == ["0", "1"]
+    for rank, s in summary["ranks"].items():
+        # dropped while Redis was stopped (a write times out in 0.5 s: ~10-20 per rank), sent before and after
+        assert s["dropped"] > 0 and s["sent"] > s["dropped"], (rank, s)
+        assert 0 < s["cpu_s"] < s["wall_s"], (rank, s)
+        assert e["dropped"][rank] <= s["dropped"]  # the summary counts up to the ranks' last beat
+    print(inc["summary"], summary)

@@ -11,7 +11,16 @@ incidents (mega.stability.incident).
   peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
   attempt, no restart.
 
-A Redis that does not answer is counted (``read_errors``) and never declares anything by itself.
+* **store**: the heartbeat Redis does not answer for longer than ``2 x stability.heartbeat_s``
+  (at least 4 socket timeouts). While it is out, and until every rank seen before has beaten
+  again, the watcher is blind: no hang is declared from stale heartbeats and they are no straggler
+  evidence (``cluster.hang_timeout_s``'s stall check on metrics.jsonl still bounds a real hang).
+  When every rank beat again after Redis answered (or after ``silent_after_s`` without some: then
+  those are silent and hang detection takes over), or when the attempt ends, the outage is one
+  incident, action "reported": training never waits on Redis.
+
+At ``close`` the watcher writes ``heartbeats-attempt<n>.json`` (per rank: heartbeats sent and
+dropped, the heartbeat thread's CPU and wall time: the heartbeat's overhead).
 """
 
 from __future__ import annotations
@@ -19,11 +28,14 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 from mega.stability import channel
 from mega.stability.incident import Incident
 from mega.stability.localise import localise
+
+SUMMARY = "heartbeats-attempt{attempt}.json"  # <run_dir>/..., written by Watcher.close
 
 
 def hang_threshold_s(step_times: list[float], progress_factor: float, min_s: float, max_s: float) -> float:
@@ -61,6 +73,7 @@ class Watcher:
         self.s = cfg.stability
         self.world = cfg.parallelism.world_size
         self.client, self.prefix = channel.client_from_env(hb_env)
+        self.client_url = hb_env.get(channel.URL_ENV, "")
         self.identities: dict[int, dict] = {}
         self.beats: dict[int, dict] = {}  # latest heartbeat seen per rank (kept after its key expires)
         self.step_times: list[float] = []
@@ -72,6 +85,11 @@ class Watcher:
         self.incidents: list[Incident] = []
         self.straggling: set[int] = set()
         self.silent_after_s = max(3 * self.s.heartbeat_s, 2 * channel.TIMEOUT_S + self.s.heartbeat_s)
+        # the store: reads failing for outage_after_s is an outage (a single slow read is not)
+        self.outage_after_s = max(2 * self.s.heartbeat_s, 4 * channel.TIMEOUT_S)
+        self.failing_since: float | None = None  # first failed read of the current run of failures
+        self.failing_errors = 0  # read_errors before it
+        self.outage: dict | None = None  # open: started, answered (first good read), ranks, errors0
 
     @property
     def enabled(self) -> bool:
@@ -84,9 +102,13 @@ class Watcher:
         if now < self.next_read:
             return None
         self.next_read = now + self.s.heartbeat_s / 2
-        if not self._read():
+        ok = self._read()
+        self._store(now, ok)
+        if not ok:
             return None
         self._progress(now)
+        if self.outage is not None:  # blind until every rank beats again: stale beats prove nothing
+            return None
         self._stragglers(now)
         return self._hang(now)
 
@@ -106,6 +128,71 @@ class Watcher:
             if v:
                 self.beats[r] = json.loads(v)
         return True
+
+    # -- the store ------------------------------------------------------------------------------
+
+    def _store(self, now: float, ok: bool) -> None:
+        """Opens, follows and ends a heartbeat Redis outage from this read's outcome."""
+        o = self.outage
+        if not ok:
+            if self.failing_since is None:
+                self.failing_since, self.failing_errors = now, self.read_errors - 1
+            if o is None and now - self.failing_since >= self.outage_after_s:
+                self.outage = {"started": self.failing_since, "answered": None, "ranks": sorted(self.beats),
+                               "errors0": self.failing_errors}
+                self.log(f"attempt {self.attempt}: heartbeat Redis {self._url()} not answering for "
+                         f"{now - self.failing_since:.1f} s: store outage; hang detection suspended, "
+                         "training goes on")
+            elif o is not None:
+                o["answered"] = None  # failing again before the ranks were back: the same outage
+            return
+        self.failing_since = None
+        if o is None:
+            return
+        if o["answered"] is None:
+            o["answered"] = now
+            self.log(f"attempt {self.attempt}: heartbeat Redis answers again after "
+                     f"{now - o['started']:.1f} s; waiting for every rank's heartbeat")
+        if not self._stale(o):
+            self._end_outage(now, resumed=True)
+        elif now - o["answered"] > self.silent_after_s:  # those still quiet are silent: hang detection's
+            self._end_outage(now, resumed=False)
+
+    def _fresh(self, o: dict) -> list[int]:
+        """Ranks with a heartbeat written after Redis answered again."""
+        if o["answered"] is None:
+            return []
+        return sorted(r for r in o["ranks"] if self.beats.get(r, {}).get("time", float("-inf")) >= o["answered"])
+
+    def _stale(self, o: dict) -> list[int]:
+        return sorted(set(o["ranks"]) - set(self._fresh(o)))
+
+    def _url(self) -> str:
+        from mega.store.redis_server import redact_url
+
+        return redact_url(self.client_url)
+
+    def _end_outage(self, now: float, resumed: bool) -> None:
+        o, self.outage = self.outage, None
+        outage_s = (o["answered"] if o["answered"] is not None else now) - o["started"]
+        fresh, stale = self._fresh(o), self._stale(o)
+        evidence = {"outage_s": round(outage_s, 3), "read_errors": self.read_errors - o["errors0"],
+                    "resumed": resumed, "ranks_resumed": fresh, "ranks_not_resumed": stale,
+                    "answering": o["answered"] is not None,
+                    "dropped": {r: b.get("dropped") for r, b in sorted(self.beats.items())}}
+        if resumed:
+            how = f"heartbeats resumed from all {len(fresh)} rank(s)"
+        elif o["answered"] is None:
+            how = "still not answering when the attempt ended"
+        else:
+            how = f"no heartbeat since from rank(s) {stale}"
+        summary = (f"heartbeat Redis {self._url()} did not answer for {outage_s:.1f} s "
+                   f"({evidence['read_errors']} failed reads); {how}; training went on")
+        self.incidents.append(Incident("store", self.attempt, now, summary, {"store": self._url()}, evidence,
+                                       "reported", time_to_detect_s=self.outage_after_s))
+        self.log(f"attempt {self.attempt}: store: {summary}")
+
+    # -- progress, hangs, stragglers -------------------------------------------------------------
 
     def _progress(self, now: float) -> None:
         for r, b in self.beats.items():
@@ -130,6 +217,10 @@ class Watcher:
 
     def _hang(self, now: float) -> str | None:
         if self.last_progress is None or any(i.kind == "hang" for i in self.incidents):
+            return None
+        if any(b.get("closed") for b in self.beats.values()):
+            # a rank finished its training loop (its last beat): no more steps will come; the
+            # teardown is bounded by the launcher (cluster.hang_timeout_s, the job's exit)
             return None
         stalled = now - self.last_progress
         limit = self.threshold_s()
@@ -179,9 +270,13 @@ class Watcher:
         check is localised here); ``resumed_step()``: the step a relaunch resumes from (steps lost)."""
         from mega.launch import runs
 
+        now = self.clock()
+        if self.enabled:  # the ranks are stopped by now: their last beats (heartbeat.close sends one)
+            self._store(now, self._read())
+            if self.outage is not None:
+                self._end_outage(now, resumed=False)
         if reason.startswith("hung") and self.enabled and not any(i.kind == "hang" for i in self.incidents):
-            now = self.clock()
-            self._read()  # the ranks are stopped by now: silence counts against the freshest heartbeat
+            # silence counts against the freshest heartbeat
             fresh = max((b.get("time", 0) for b in self.beats.values()), default=now)
             self._declare_hang(now, now - (self.last_progress or now), self.threshold_s(), silence_ref=fresh)
         resumed = resumed_step() if self.incidents else None
@@ -193,6 +288,7 @@ class Watcher:
         if self.incidents:
             runs.write_record(run.record)
         if self.enabled:
+            self.write_summary(run.record.run_dir)
             try:
                 keys = list(self.client.scan_iter(f"{self.prefix}:{self.attempt}:*", count=1000))
                 if keys:
@@ -201,3 +297,16 @@ class Watcher:
                 pass
             self.client.close()
         return self.incidents
+
+    def summary(self) -> dict:
+        """Per rank, from its last heartbeat read: beats sent and dropped, the heartbeat thread's
+        CPU time and how long it ran (``cpu_s / wall_s``: the heartbeat's overhead)."""
+        return {"attempt": self.attempt, "heartbeat_s": float(self.s.heartbeat_s), "read_errors": self.read_errors,
+                "ranks": {str(r): {"sent": b.get("sent", 0), "dropped": b.get("dropped", 0),
+                                   "cpu_s": b.get("cpu_s", 0.0), "wall_s": b.get("up_s", 0.0)}
+                          for r, b in sorted(self.beats.items())}}
+
+    def write_summary(self, run_dir) -> Path:
+        path = Path(run_dir) / SUMMARY.format(attempt=self.attempt)
+        path.write_text(json.dumps(self.summary(), indent=1))
+        return path

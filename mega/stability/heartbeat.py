@@ -2,16 +2,19 @@
 ``stability.heartbeat_s``.
 
 A heartbeat is one small JSON value (``SET key value EX ttl``): the last finished step, its loss,
-grad norm, step and compute time, the phase the rank is in now (mega.obs's recorder: a watcher
-thread may read it), RSS, and the sequence number of every process group it belongs to (torch's
-per-group collective counter, ``ProcessGroup._get_sequence_number_for_group``: it counts the
-collectives this rank has entered, on gloo and NCCL alike). A rank stuck in compute stops counting
+grad norm, step and compute time, tokens/s, the phase the rank is in now (mega.obs's recorder: a
+watcher thread may read it), RSS and device memory, and the sequence number of every process group
+it belongs to (torch's per-group collective counter, ``ProcessGroup._get_sequence_number_for_group``:
+it counts the collectives this rank has entered, on gloo and NCCL alike). A rank stuck in compute stops counting
 while its peers enter the next collective; a stopped rank stops beating. The driver's watcher
-(mega.stability.detect) reads both. Once at start each rank also writes its identity: rank, node,
-host, TP/PP/DP coordinates and the ranks of each of its groups.
+(mega.stability.detect) reads both. The thread also writes the rank's identity: rank, node,
+host, TP/PP/DP coordinates and the ranks of each of its groups, first thing and again after any
+dropped write (the Redis may have come back empty).
 
-Redis never stops training: every call is bounded by channel.TIMEOUT_S; a failed write is dropped
-and counted (``dropped``), and the next one is tried on time.
+Redis never stops training: only the thread talks to it, every call is bounded by
+channel.TIMEOUT_S; a failed write is dropped and counted (``dropped``), and the next one is tried
+on time. ``close`` has the thread send one last beat (bounded the same way), so the driver's
+heartbeat summary counts every beat.
 """
 
 from __future__ import annotations
@@ -58,6 +61,24 @@ def _seq(group) -> int | None:
         return None
 
 
+def _cuda_device() -> int | None:
+    """The CUDA device this rank trains on, read on the main thread (a new thread's current
+    device is 0); None on CPU, and nothing is initialised here."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
+def _device_mb(device: int | None) -> float | None:
+    if device is None:
+        return None
+    import torch
+
+    return torch.cuda.memory_allocated(device) / 2**20
+
+
 def _rss_mb() -> float | None:
     try:
         with open("/proc/self/statm") as f:
@@ -69,7 +90,8 @@ def _rss_mb() -> float | None:
 class Heartbeat:
     """One rank's heartbeat thread. ``step_done`` after each step; ``close`` at the end."""
 
-    def __init__(self, client, prefix: str, attempt: int, identity: dict, groups: dict, interval_s: float):
+    def __init__(self, client, prefix: str, attempt: int, identity: dict, groups: dict, interval_s: float,
+                 device: int | None = None):
         self.client = client
         self.rank = identity["rank"]
         self.key = channel.beat_key(prefix, attempt, self.rank)
@@ -77,23 +99,30 @@ class Heartbeat:
         self.identity = identity
         self.groups = groups
         self.interval_s = interval_s
+        self.device = device  # CUDA device index, None on CPU
         self.ttl_s = max(2, int(round(10 * interval_s)))  # a dead run's keys go by themselves
         self.last: dict = {}  # replaced, never mutated: the thread reads it without a lock
         self.sent = self.dropped = 0
         self.cpu_ns = 0  # this thread's CPU time (heartbeat overhead)
+        self.started = time.time()  # when the thread started: its wall time is the overhead's denominator
+        self._t0 = time.monotonic()
+        self._id_pending = True  # the identity is (re)written by the thread until a write goes through
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mega-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        self._send(self.id_key, self.identity, ex=7 * 86400)
+        """Starts the thread; never touches Redis itself (a Redis down at start costs nothing)."""
+        self.started, self._t0 = time.time(), time.monotonic()
         self._thread.start()
         return self
 
-    def step_done(self, step: int, result: dict, step_s: float) -> None:
+    def step_done(self, step: int, result: dict, step_s: float, tokens: int | None = None) -> None:
+        """After each step: its result, wall time and (``tokens``) the tokens it trained on."""
         from mega import obs
 
         self.last = {"step": step, "loss": result.get("loss"), "grad_norm": result.get("grad_norm"),
-                     "step_s": step_s, "compute_s": obs.current().last_step.get("compute_s")}
+                     "step_s": step_s, "compute_s": obs.current().last_step.get("compute_s"),
+                     "tokens_per_s": tokens / step_s if tokens and step_s > 0 else None}
 
     def record(self) -> dict:
         from mega import obs
@@ -101,13 +130,25 @@ class Heartbeat:
         snap = obs.current().snapshot()
         return {"rank": self.rank, "time": time.time(), **self.last,
                 "phase": snap.get("phase"), "phase_s": snap.get("phase_s"), "doing": snap.get("doing"),
-                "rss_mb": _rss_mb(), "seq": {name: _seq(g) for name, g in self.groups.items()},
-                "sent": self.sent, "dropped": self.dropped, "cpu_s": self.cpu_ns * 1e-9}
+                "rss_mb": _rss_mb(), "device_mb": _device_mb(self.device),
+                "seq": {name: _seq(g) for name, g in self.groups.items()},
+                "sent": self.sent, "dropped": self.dropped, "cpu_s": self.cpu_ns * 1e-9,
+                "started": self.started, "up_s": time.monotonic() - self._t0,
+                "closed": self._stop.is_set()}  # the training loop is over: silence from now on is no hang
 
     def beat(self) -> bool:
+        """One heartbeat (and the identity while it is owed); False when Redis did not take it."""
         c0 = time.thread_time_ns()
         try:
-            return self._send(self.key, self.record(), ex=self.ttl_s)
+            if self._id_pending:  # one timeout per tick at most: no identity, no beat this time
+                self._id_pending = not self._send(self.id_key, self.identity, ex=7 * 86400)
+            ok = not self._id_pending and self._send(self.key, self.record(), ex=self.ttl_s)
+            if ok:
+                self.sent += 1
+            else:
+                self.dropped += 1
+                self._id_pending = True  # a Redis back from an outage may have lost it
+            return ok
         finally:
             self.cpu_ns += time.thread_time_ns() - c0
 
@@ -117,18 +158,20 @@ class Heartbeat:
         try:
             self.client.set(key, json.dumps(value, default=float), ex=ex)
         except (redis.RedisError, OSError):
-            self.dropped += 1
             return False
-        self.sent += 1
         return True
 
     def _run(self) -> None:
+        self.beat()  # identity and a first beat now, not one interval later
         while not self._stop.wait(self.interval_s):
             self.beat()
+        self.beat()  # the last one: the driver's summary sees every beat up to the end
 
     def close(self) -> None:
+        """Stops the thread after its last beat. Bounded: a beat in flight and the last one each
+        take at most two socket timeouts (connect, reply)."""
         self._stop.set()
-        self._thread.join(timeout=2 * channel.TIMEOUT_S + self.interval_s)
+        self._thread.join(timeout=6 * channel.TIMEOUT_S + 1)
         self.client.close()
 
 
@@ -145,4 +188,5 @@ def start(cfg) -> Heartbeat | None:
     groups = _groups()
     identity = {**rank_identity(), "groups": {n: dist.get_process_group_ranks(g) for n, g in groups.items()}}
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
-    return Heartbeat(client, prefix, attempt, identity, groups, cfg.stability.heartbeat_s).start()
+    return Heartbeat(client, prefix, attempt, identity, groups, cfg.stability.heartbeat_s,
+                     device=_cuda_device()).start()

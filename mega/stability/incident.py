@@ -13,11 +13,11 @@ INCIDENTS_DIR = "incidents"
 
 @dataclass
 class Incident:
-    kind: str  # "hang" | "straggler"
+    kind: str  # "hang" | "straggler" | "store" | ...
     attempt: int
     detected_at: float  # unix time
     summary: str  # one line for people
-    culprit: dict | None = None  # mega.stability.localise.Culprit.to_dict(): rank, node, coords, group, ...
+    culprit: dict | None = None  # localise.Culprit.to_dict(): rank, node, coords, ...; {"store": url} for "store"
     evidence: dict = field(default_factory=dict)  # the numbers the verdict rests on
     action: str = "none"  # "relaunch from latest" | "reported" ...
     steps_lost: int | None = None  # steps done since the checkpoint the relaunch resumes from
@@ -31,7 +31,8 @@ class Incident:
         coords = c.get("coords") or {}
         rows = [("detected at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.detected_at))),
                 ("kind", self.kind), ("attempt", self.attempt),
-                ("culprit", f"rank {c['rank']} on node {c.get('node')} ({c.get('host')})" if c else "not named"),
+                ("culprit", f"rank {c['rank']} on node {c.get('node')} ({c.get('host')})" if "rank" in c
+                 else f"heartbeat Redis {c['store']}" if "store" in c else "not named"),
                 ("coordinates", ", ".join(f"{k} {v}" for k, v in coords.items()) if coords else "-"),
                 ("group held up", f"{c.get('group')} {c.get('group_ranks')}, {c.get('behind')} behind"
                  if c.get("group") else "-"),
