@@ -12,6 +12,7 @@ from mega.config import compose
 from mega.launch import run_training
 from mega.launch.runs import read_record
 from mega.stability import rollback
+from mega.stability.incident import read_incidents
 
 STEPS, NAN_AT = 6, 4
 
@@ -53,6 +54,11 @@ def test_nan_step_rolls_back_and_is_skipped(runs):
     assert skipped["data_skipped"] and skipped["skipped"] and math.isnan(skipped["loss"])
     assert all(math.isfinite(m["loss"]) for m in drill.metrics if not m.get("data_skipped"))
     assert not (root / "drill" / rollback.ROLLBACK_FILE).exists()  # taken by the driver
+    # an incident (mega/stability/incidents_of_attempt.py), recovered by the next attempt's first step
+    [inc] = [i for i in read_incidents(root / "drill") if i["kind"] != "straggler"]
+    assert (inc["kind"], inc["action"]) == ("nan", f"rolled back to iter_0000002, step {NAN_AT} skipped")
+    assert inc["summary"] == f"step {NAN_AT}: loss not finite and grad_norm not finite" and inc["steps_lost"] == 1
+    assert inc["time_to_recover_s"] > 0
 
 
 @pytest.mark.slow
