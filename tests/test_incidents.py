@@ -238,3 +238,12 @@ def test_event_names_and_artifact_keys():
     assert artifact_key(row) == "incident-my-run-v2-003-attempt1-rank-exit"
     assert event_name({**row, "stage": "detected"}) == "mega.incident.rank-exit"
     assert event_name({**row, "stage": "recovered"}) == "mega.recovery.rank-exit"
+
+
+def test_a_damaged_incident_file_never_stops_a_launch(book_on, tmp_path):
+    _, run, _, _ = book_on
+    (tmp_path / "incidents").mkdir()
+    (tmp_path / "incidents" / "000-attempt0-hang.json").write_text('{"kind": "hang", "attem')
+    said = []
+    book = Book(run, None, log=said.append)
+    assert book.pending == {} and any("000-attempt0-hang.json: unreadable (JSONDecodeError)" in s for s in said)

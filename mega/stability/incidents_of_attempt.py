@@ -98,8 +98,15 @@ class Book:
         self.run_dir = Path(run.record.run_dir)
         self.published = {b.get("file") for b in run.record.incidents}
         # incidents of earlier launches still waiting for a step (a run the recovery flow restarts)
-        self.pending: dict[Path, Incident] = {p: inc for p in sorted((self.run_dir / INCIDENTS_DIR).glob("*.json"))
-                                              if _awaits_recovery(inc := Incident.read(p))}
+        self.pending: dict[Path, Incident] = {}
+        for p in sorted((self.run_dir / INCIDENTS_DIR).glob("*.json")):
+            try:
+                inc = Incident.read(p)
+            except (OSError, ValueError, TypeError) as e:  # a damaged file never stops a launch
+                log(f"incident {p.name}: unreadable ({type(e).__name__}); its recovery is not tracked")
+                continue
+            if _awaits_recovery(inc):
+                self.pending[p] = inc
         self.metrics_mtime: float | None = None
         self.attempt = 0
 
@@ -194,7 +201,8 @@ class Book:
             else:  # no failed node: the driver stopped it (a hang without heartbeats, a timeout)
                 culprit = self._exit_culprit(outcome, scan)
                 who = (f"; culprit {_ranks_text(culprit)} (node {culprit.get('node')})" if culprit else "")
-                out.append(Incident("rank-exit" if outcome.failed_nodes else "hang", n, now, f"{outcome.reason}{who}", culprit,
+                seen_at = self.started + outcome.elapsed_s if outcome.elapsed_s else now  # before the stop
+                out.append(Incident("rank-exit" if outcome.failed_nodes else "hang", n, seen_at, f"{outcome.reason}{who}", culprit,
                                     {"code": outcome.code, "failed_nodes": outcome.failed_nodes,
                                      "exit_codes": outcome.exit_codes, "final_step": final_step,
                                      "logs": _evidence(scan)}, relaunch, lost, diagnosis=diagnosis))
