@@ -377,6 +377,8 @@ class FaultConfig:
     # node bad_node fails its self-check (its GEMM check reports a fault) in every diagnosis.
     nan_at_step: int | None = None
     bad_node: int | None = None
+    # ... and the last stage's final layer norm is scaled 30x before step spike_at_step (a loss spike).
+    spike_at_step: int | None = None
 
 
 @dataclass
@@ -404,6 +406,13 @@ class StabilityConfig:
     # straggler_beats heartbeats in a row (reported, no restart).
     straggler_factor: float = 1.5
     straggler_beats: int = 3
+    # A loss spike (mega/stability/rollback.py): robust z-score above spike_z against the last
+    # spike_window losses (once spike_min_steps are in) and the loss at least spike_min_increase
+    # above their median; rolled back and skipped like a NaN. spike_z=0 turns it off.
+    spike_z: float = 8.0
+    spike_window: int = 32
+    spike_min_steps: int = 8
+    spike_min_increase: float = 0.25
 
 
 @dataclass
@@ -705,6 +714,16 @@ def _validate_recovery(cfg: MegaConfig) -> None:
     if f.nan_at_step is not None:
         _require(1 <= f.nan_at_step <= t.steps, "fault.nan_at_step",
                  f"must be in [1, train.steps={t.steps}], got {f.nan_at_step}")
+    if f.spike_at_step is not None:
+        _require(1 <= f.spike_at_step <= t.steps, "fault.spike_at_step",
+                 f"must be in [1, train.steps={t.steps}], got {f.spike_at_step}")
+    st = cfg.stability
+    _require(st.spike_z >= 0, "stability.spike_z", f"must be >= 0 (0: off), got {st.spike_z}")
+    _require(st.spike_window >= 3, "stability.spike_window", f"must be >= 3, got {st.spike_window}")
+    _require(3 <= st.spike_min_steps <= st.spike_window, "stability.spike_min_steps",
+             f"must be in [3, stability.spike_window={st.spike_window}], got {st.spike_min_steps}")
+    _require(st.spike_min_increase >= 0, "stability.spike_min_increase",
+             f"must be >= 0, got {st.spike_min_increase}")
     if f.bad_node is not None:
         _require(0 <= f.bad_node < c.nodes, "fault.bad_node", f"no node {f.bad_node} in cluster.nodes={c.nodes}")
 

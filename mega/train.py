@@ -285,10 +285,11 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     session = Session.start(cfg)
     beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
+    losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         done = step + 1
-        rollback.maybe_poison(cfg, trainer, done)
+        rollback.maybe_poison(cfg, trainer, done, skips)
         session.begin_step(step)
         t0 = time.perf_counter()
         result = rollback.skipped_step(trainer) if done in skips else train_step(trainer, step)
@@ -296,7 +297,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         step_obs = session.end_step()  # compute time, exposed communication per kind
         if beat:
             beat.step_done(done, result, step_s)
-        bad = None if done in skips else rollback.not_finite(result)  # every rank agrees (one all-reduce)
+        bad = None if done in skips else rollback.check_step(result, losses)  # NaN/Inf or spike: all agree
         if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
             rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):

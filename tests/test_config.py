@@ -77,6 +77,9 @@ def test_single_layout_runs_one_process():
     (["train.skip_steps=[0]"], "train.skip_steps", "1-based"),
     (["train.steps=5", "optimizer.warmup_steps=1", "fault.nan_at_step=9"], "fault.nan_at_step", "must be in [1, train.steps=5]"),
     (["fault.bad_node=1"], "fault.bad_node", "no node 1 in cluster.nodes=1"),
+    (["stability.spike_z=-1"], "stability.spike_z", "must be >= 0 (0: off)"),
+    (["stability.spike_min_steps=40"], "stability.spike_min_steps", "must be in [3, stability.spike_window=32]"),
+    (["fault.spike_at_step=0"], "fault.spike_at_step", "must be in [1, train.steps="),
 ])
 def test_rejection_names_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:

@@ -351,3 +351,31 @@ def test_node_loader_training_matches_per_rank_loading_on_a_megatron_source(tmp_
     assert [m["grad_norm"] for m in node] == [m["grad_norm"] for m in per_rank]
     waits = [json.loads(p.read_text()) for p in sorted((tmp_path / "node" / "data-wait").glob("*.json"))]
     assert len(waits) == 4 and all(w["mode"] == "node" and w["steps"] == 2 for w in waits)
+
+
+def test_preparation_pins_glibcs_mmap_threshold():
+    """Big buffers stay on mmap in the preparation's processes (flat peak memory, docs/data.md):
+    after a 4 MB block is freed, a fresh 1 MB block is still mmapped (glibc's default would have
+    raised its threshold to 4 MB and served it from the heap)."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, sys
+from mega.data.encode import fixed_mmap_threshold
+pin = sys.argv[1] == "pin"
+if pin:
+    assert fixed_mmap_threshold()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(4 << 20))
+p = libc.malloc(1 << 20)
+maps = open("/proc/self/maps").read().splitlines()
+mapped = any(int(a, 16) <= p < int(b, 16) and "[heap]" not in line
+             for line in maps for a, b in [line.split()[0].split("-")])
+print("mmap" if mapped else "heap")
+"""
+    got = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
+           .stdout.strip() for mode in ("pin", "default")}
+    assert got == {"pin": "mmap", "default": "heap"}, got

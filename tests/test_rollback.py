@@ -1,11 +1,14 @@
-"""NaN/Inf steps roll back and skip (mega/stability/rollback.py): a NaN injected at step k ends
-the attempt before anything of step k is saved, the driver relaunches from `latest` skipping step
-k's batch, losses after are finite, the skip is recorded, and the curve equals a run configured
-from the start never to train on step k's batch, bit for bit (CPU, real processes)."""
+"""NaN/Inf steps and loss spikes roll back and skip (mega/stability/rollback.py): a NaN injected
+at step k ends the attempt before anything of step k is saved, the driver relaunches from `latest`
+skipping step k's batch, losses after are finite, the skip is recorded; a loss spike later in the
+same run (the last stage's final layer norm scaled 30x) is caught by the robust z-score and handled
+the same way; the curve equals a run configured from the start never to train on those batches,
+bit for bit (CPU, real processes)."""
 
 import json
 import math
 
+import numpy as np
 import pytest
 
 from mega.config import compose
@@ -14,44 +17,49 @@ from mega.launch.runs import read_record
 from mega.stability import rollback
 from mega.stability.incident import read_incidents
 
-STEPS, NAN_AT = 6, 4
+STEPS, NAN_AT, SPIKE_AT = 8, 4, 7
 
 
 def train(run_dir, data_index, data_cache, overrides):
     cfg = compose(["model=tiny", "parallelism=pp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
                    f"data.cache_dir={data_cache}", "train.tensorboard=false", "train.eval_batches=0",
                    "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false",
-                   f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.interval=2", *overrides])
+                   f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.interval=2", "stability.spike_min_steps=3", *overrides])
     logs = []
     return run_training(cfg, data_index, log=logs.append), logs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_index, data_cache):
-    """The drill (NaN at step 4 of attempt 0) and the reference (step 4 skipped from the start)."""
+    """The drill (NaN at step 4, a loss spike at step 7) and the reference (both steps skipped from
+    the start)."""
     root = tmp_path_factory.mktemp("rollback")
-    drill = train(root / "drill", data_index, data_cache, [f"fault.nan_at_step={NAN_AT}"])
-    reference = train(root / "reference", data_index, data_cache, [f"train.skip_steps=[{NAN_AT}]"])
+    drill = train(root / "drill", data_index, data_cache, [f"fault.nan_at_step={NAN_AT}", f"fault.spike_at_step={SPIKE_AT}"])
+    reference = train(root / "reference", data_index, data_cache, [f"train.skip_steps=[{NAN_AT},{SPIKE_AT}]"])
     return root, drill, reference
 
 
 @pytest.mark.slow
-def test_nan_step_rolls_back_and_is_skipped(runs):
+def test_nan_step_and_spike_roll_back_and_are_skipped(runs):
     root, (drill, logs), _ = runs
-    assert drill.attempts == 2
-    first, second = drill.history
+    assert drill.attempts == 3
+    first, second, third = drill.history
     assert first["skipped_step"] == NAN_AT and first["final_step"] == NAN_AT - 1  # nothing of step 4 logged
     assert second["restored"] == "iter_0000002"  # the last durable checkpoint before the NaN
     assert any(f"step {NAN_AT}: loss not finite and grad_norm not finite" in line for line in logs), logs
-    # the NaN was real arithmetic on every rank: the poisoned weight reached both stages' numbers
+    assert second["skipped_step"] == SPIKE_AT and second["final_step"] == SPIKE_AT - 1
+    assert third["restored"] == "iter_0000006"  # saved after the skipped step 4, before the spike
+    assert any(f"step {SPIKE_AT}: loss spike" in line for line in logs), logs
+    # both faults were real arithmetic: a poisoned weight (NaN), a 30x final layer norm (spike)
     faults = [json.loads(line) for line in (root / "drill" / "faults.jsonl").read_text().splitlines()]
-    assert {(f["kind"], f["step"], f["attempt"]) for f in faults} == {("nan", NAN_AT, 0)}
-    # the skip is in the run record and the metrics; every other step has a finite loss
+    assert {(f["kind"], f["step"], f["attempt"]) for f in faults} == {("nan", NAN_AT, 0), ("spike", SPIKE_AT, 1)}
+    # the skips are in the run record and the metrics; every other step has a finite loss
     record = read_record(root / "drill")
-    assert [(s["step"], s["attempt"]) for s in record.skipped_steps] == [(NAN_AT, 0)]
+    assert [(s["step"], s["attempt"]) for s in record.skipped_steps] == [(NAN_AT, 0), (SPIKE_AT, 1)]
     assert [m["step"] for m in drill.metrics] == list(range(1, STEPS + 1))
-    skipped = drill.metrics[NAN_AT - 1]
-    assert skipped["data_skipped"] and skipped["skipped"] and math.isnan(skipped["loss"])
+    for k in (NAN_AT, SPIKE_AT):
+        skipped = drill.metrics[k - 1]
+        assert skipped["data_skipped"] and skipped["skipped"] and math.isnan(skipped["loss"])
     assert all(math.isfinite(m["loss"]) for m in drill.metrics if not m.get("data_skipped"))
     assert not (root / "drill" / rollback.ROLLBACK_FILE).exists()  # taken by the driver
     # an incident (mega/stability/incidents_of_attempt.py), recovered by the next attempt's first step
@@ -59,6 +67,33 @@ def test_nan_step_rolls_back_and_is_skipped(runs):
     assert (inc["kind"], inc["action"]) == ("nan", f"rolled back to iter_0000002, step {NAN_AT} skipped")
     assert inc["summary"] == f"step {NAN_AT}: loss not finite and grad_norm not finite" and inc["steps_lost"] == 1
     assert inc["time_to_recover_s"] > 0
+
+
+def _window(losses, **stability):
+    cfg = compose(["model=tiny", *(f"stability.{k}={v}" for k, v in stability.items())])
+    w = rollback.LossWindow(cfg)
+    for x in losses:
+        w.add(x)
+    return w
+
+
+def test_spike_rule_is_a_robust_z_score_of_increases_only():
+    losses = [5.0, 4.9, 5.2, 4.8, 5.1, 5.0, 4.7, 5.3, 5.05]
+    w = _window(losses)
+    # independent reference: numpy's median, the MAD scaled to a normal's sigma
+    med = float(np.median(losses))
+    sigma = 1.4826 * float(np.median(np.abs(np.array(losses) - med)))
+    assert w.z_score(6.8) == pytest.approx((6.8 - med) / sigma, rel=1e-9)
+    assert w.is_spike(6.8)  # z ~ 12, 36% above the median
+    assert not w.is_spike(5.6)  # noise: z ~ 3.7
+    assert not w.is_spike(1.0)  # a fall is training, however large
+    assert not w.is_spike(float("nan"))  # not finite: the NaN rule's job
+    # a flat curve: z is huge for any rise, the relative floor keeps noise out
+    flat = _window([3.0] * 10)
+    assert not flat.is_spike(3.3) and flat.is_spike(3.9)
+    # too few losses yet, or the rule turned off
+    assert not _window(losses[:7]).is_spike(50.0)
+    assert not _window(losses, spike_z=0).is_spike(50.0)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@
                 "trace", "heatmap", "gc_step_time_cv_auto", "gc_step_time_cv_controlled"}
 
   data      data preparation vs Megatron-LM's preprocess_data.py on a generated corpus, and the
-            node loader's wait on TP2xPP2xDP2 (mega/bench/data.py): --corpus-mb 25,100, --workers N,
+            node loader's wait on TP2xPP2xDP2 (mega/bench/data.py): --corpus-mb 25,100,300, --workers N,
             --vocab V, --steps N -> {"prep_tokens_per_s", "baseline_tokens_per_s", "peak_rss_mb",
             "baseline_peak_rss_mb", "loader_wait_fraction", "corpus_mb", "layout"}
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     obs = parser.add_argument_group("observability")
     obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward")
     data = parser.add_argument_group("data")
-    data.add_argument("--corpus-mb", default="25,100", help="generated corpus sizes (MB); the JSON reports the largest")
+    data.add_argument("--corpus-mb", default="25,100,300", help="generated corpus sizes (MB); the JSON reports the largest")
     data.add_argument("--workers", type=int, default=None, help="tokenizer processes of both sides (default: the cores)")
     data.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary of the shared tokenizer")
     nodes = parser.add_argument_group("nodes")

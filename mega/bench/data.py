@@ -286,5 +286,9 @@ def bench_data(sizes: list[int], workers: int | None, vocab: int, steps: int, ou
         "baseline_peak_rss_mb": last["baseline"]["peak_rss_mb"],
         "loader_wait_fraction": loader["fraction"],
         "corpus_mb": last["corpus_mb"],
+        # flat or not: every size's peak, ours and the baseline's (the figures above are the largest's)
+        "peak_rss_mb_by_corpus_mb": {str(r["corpus_mb"]): round(r["ours"]["peak_rss_mb"], 1) for r in rows},
+        "baseline_peak_rss_mb_by_corpus_mb": {str(r["corpus_mb"]): round(r["baseline"]["peak_rss_mb"], 1)
+                                              for r in rows},
         "layout": f"{LAYOUT} ({loader['ranks']} ranks, 1 node, data.loader=node, model=tiny)",
     }

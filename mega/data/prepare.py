@@ -156,7 +156,9 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
     from concurrent.futures.process import BrokenProcessPool
     from multiprocessing import get_context
 
-    from mega.data.encode import encode_unit, init_worker
+    from mega.data.encode import encode_unit, fixed_mmap_threshold, init_worker
+
+    fixed_mmap_threshold()  # this process holds units and shard buffers too (see encode.py)
 
     eos = bpe.eos_id(tokenizer, data.eos_token)
     dtype = bpe.token_dtype(tokenizer.get_vocab_size())

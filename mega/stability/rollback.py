@@ -14,12 +14,22 @@ and the next step gets its own batch, so the loss curve after the skip is the on
 never trained on that batch (``train.skip_steps``). megatron-core's rerun state machine re-runs a
 step to tell a transient fault from a deterministic one; on CPU and gloo a relaunch from ``latest``
 does the same job with code that is already tested (restore, bit-exact resume).
+
+A **loss spike** is handled the same way: the last pipeline stage keeps a window of the last
+``stability.spike_window`` losses and flags a loss whose robust z-score (distance to the window's
+median in units of 1.4826 x its median absolute deviation) is above ``stability.spike_z`` and
+which is at least ``stability.spike_min_increase`` above the median (a flat, quiet curve has a
+tiny MAD: a z-score alone would call noise a spike). Only increases count: a falling loss is
+training. The check runs in the ranks, not in the driver, because it must come before the step's
+checkpoint: the driver reads metrics after the fact, when the step's update may already be saved.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections import deque
 import os
 import sys
 import time
@@ -52,36 +62,77 @@ def skipped_step(trainer: Any) -> dict:
             "skipped": True, "data_skipped": True}
 
 
-def maybe_poison(cfg: "MegaConfig", trainer: Any, step: int) -> None:
-    """Drill (``fault.nan_at_step``, attempt 0 only): one weight of every rank becomes NaN before
-    step ``step`` (1-based), so the loss and the gradients turn NaN through real arithmetic."""
+def maybe_poison(cfg: "MegaConfig", trainer: Any, step: int, skips: set[int]) -> None:
+    """Drills, each on the first attempt that trains step ``step`` (1-based; once rolled back, the
+    step is skipped): ``fault.nan_at_step`` makes one weight of every rank NaN, so the loss and the
+    gradients turn NaN through real arithmetic; ``fault.spike_at_step`` scales the final layer
+    norm's weight of the last stage by 30, so the logits are 30x too confident and the loss jumps."""
     import torch
 
     from mega.cluster import node
 
-    if cfg.fault.nan_at_step != step or int(os.environ.get("MEGA_ATTEMPT", "0")) != 0:
+    f = cfg.fault
+    if step in skips or step not in (f.nan_at_step, f.spike_at_step):
         return
+    kind = "nan" if step == f.nan_at_step else "spike"
     with torch.no_grad():
-        next(trainer.model[0].module.parameters()).view(-1)[0] = float("nan")
+        if kind == "nan":
+            next(trainer.model[0].module.parameters()).view(-1)[0] = float("nan")
+        else:
+            for chunk in trainer.model:
+                for name, p in chunk.module.named_parameters():
+                    if name.endswith("final_layernorm.weight"):  # only the last stage has one
+                        p.mul_(30.0)
     if node.local_rank() == 0:
-        print(f"[fault] nan: a weight of every rank poisoned before step {step}", file=sys.stderr, flush=True)
-        node.record_fault(cfg.train.run_dir, "nan", step, os.getpid())
+        print(f"[fault] {kind}: weights poisoned before step {step}", file=sys.stderr, flush=True)
+        node.record_fault(cfg.train.run_dir, kind, step, os.getpid())
 
 
-def not_finite(result: dict) -> dict[str, bool] | None:
-    """Every rank's verdict on the step just taken (collective: one 2-element all-reduce over the
-    world). None when the loss (last stage) and the grad norm (every rank) are finite; else which."""
+class LossWindow:
+    """The last stage's recent losses, and the spike rule (see the module's docstring)."""
+
+    def __init__(self, cfg: "MegaConfig"):
+        s = cfg.stability
+        self.z_max, self.min_increase, self.min_steps = s.spike_z, s.spike_min_increase, s.spike_min_steps
+        self.losses: deque[float] = deque(maxlen=s.spike_window)
+
+    def z_score(self, loss: float) -> float | None:
+        """The loss's robust z-score against the window, None until the window has min_steps."""
+        if len(self.losses) < self.min_steps:
+            return None
+        med = statistics.median(self.losses)
+        mad = statistics.median(abs(x - med) for x in self.losses)
+        return (loss - med) / (1.4826 * mad + 1e-12 * max(1.0, abs(med)))
+
+    def is_spike(self, loss: float) -> bool:
+        if self.z_max <= 0 or not math.isfinite(loss):  # spike_z=0: off; not finite: not a spike
+            return False
+        z = self.z_score(loss)
+        return z is not None and z > self.z_max and loss > (1 + self.min_increase) * statistics.median(self.losses)
+
+    def add(self, loss: float) -> None:
+        self.losses.append(loss)
+
+
+def check_step(result: dict, window: LossWindow) -> dict[str, bool] | None:
+    """Every rank's verdict on the step just taken (collective: one 3-element all-reduce over the
+    world). None when the loss (last stage) and the grad norm (every rank) are finite and the loss
+    is no spike; else which of loss/grad_norm/spike. A good loss joins the window."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    loss_bad = ps.is_pipeline_last_stage(ignore_virtual=True) and not math.isfinite(result["loss"])
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    loss_bad = last and not math.isfinite(result["loss"])
     norm_bad = result["grad_norm"] is not None and not math.isfinite(result["grad_norm"])
-    flags = torch.tensor([float(loss_bad), float(norm_bad)])
+    spike = last and window.is_spike(result["loss"])
+    flags = torch.tensor([float(loss_bad), float(norm_bad), float(spike)])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if not flags.any():
+        if last:
+            window.add(result["loss"])
         return None
-    return {"loss": bool(flags[0]), "grad_norm": bool(flags[1])}
+    return {"loss": bool(flags[0]), "grad_norm": bool(flags[1]), "spike": bool(flags[2])}
 
 
 def request_rollback(cfg: "MegaConfig", step: int, bad: dict[str, bool], checkpointer: Any) -> None:
@@ -90,7 +141,7 @@ def request_rollback(cfg: "MegaConfig", step: int, bad: dict[str, bool], checkpo
 
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
     if dist.get_rank() == 0:
-        what = " and ".join(f"{k} not finite" for k, v in bad.items() if v)
+        what = " and ".join("loss spike" if k == "spike" else f"{k} not finite" for k, v in bad.items() if v)
         write_request(cfg.train.run_dir, {"step": step, "attempt": attempt, "what": what, "time": time.time()})
         print(f"[mega] step {step}: {what}; rolling back to the last durable checkpoint and skipping its batch",
               file=sys.stderr, flush=True)
