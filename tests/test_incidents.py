@@ -176,6 +176,10 @@ def test_a_nan_rollback_and_an_eviction_are_incidents(book_on, tmp_path):
     assert (nan.kind, nan.action, nan.summary) == (
         "nan", "rolled back to iter_0000002, step 4 skipped", "step 4: loss not finite and grad_norm not finite")
     assert nan.culprit is None and nan.steps_lost == 1
+    spike = {"step": 5, "attempt": 0, "what": "loss spike", "time": time.time()}
+    [inc] = book.end(JobOutcome(1, "node 0: exit 1", [0], {0: 1}), final_step=4, rollback=spike)
+    assert (inc.kind, inc.action, inc.steps_lost) == ("spike", "rolled back to iter_0000002, step 5 skipped", 2)
+    assert "robust z-score" in inc.diagnosis
 
     # node 1's ranks died, its self-check failed, the spare (physical node 2) took its place
     check = tmp_path / "diagnosis" / "attempt0" / "result.json"
@@ -191,15 +195,15 @@ def test_a_nan_rollback_and_an_eviction_are_incidents(book_on, tmp_path):
     shrink = Diagnosed([1], [0, 1], 2, evicted=[{"node": 1, "reasons": ["x"], "replaced_by": None}], nodes_after=[0],
                        dp_after=1)
     assert shrink.action(shrink.evicted[0]) == "evicted node 1; continuing on 1 nodes (dp 2 -> 1, same global batch)"
-    assert [i["kind"] for i in read_incidents(tmp_path)] == ["nan", "rank-exit", "eviction"]
-    assert [h["kind"] for h in heard] == ["nan", "rank-exit", "eviction"]
+    assert [i["kind"] for i in read_incidents(tmp_path)] == ["nan", "spike", "rank-exit", "eviction"]
+    assert [h["kind"] for h in heard] == ["nan", "spike", "rank-exit", "eviction"]
 
-    # a later launch (the recovery flow) recovers what is still pending: all three here
+    # a later launch (the recovery flow) recovers what is still pending: all four here
     log_step(tmp_path, 3, 1, time.time() + 1)
     heard2 = []
     book2 = Book(run, heard2.append, log=lambda _: None)
     book2.poll()
-    assert sorted(h["kind"] for h in heard2) == ["eviction", "nan", "rank-exit"]
+    assert sorted(h["kind"] for h in heard2) == ["eviction", "nan", "rank-exit", "spike"]
     assert all(h["stage"] == "recovered" and h["time_to_recover_s"] > 0 for h in heard2)
 
 

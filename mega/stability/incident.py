@@ -13,7 +13,7 @@ INCIDENTS_DIR = "incidents"
 
 @dataclass
 class Incident:
-    kind: str  # "hang" | "straggler" | "rank-exit" | "nan" | "eviction" (mega.stability.incidents_of_attempt)
+    kind: str  # "hang" | "straggler" | "rank-exit" | "nan" | "spike" | "eviction" (mega.stability.incidents_of_attempt)
     attempt: int
     detected_at: float  # unix time
     summary: str  # one line for people

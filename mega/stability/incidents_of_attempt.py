@@ -7,8 +7,8 @@ rest, from an attempt's outcome, once the driver has decided what to do about it
   table in the agent logs (mega.stability.logscan: a rank killed by a signal other than the
   SIGTERM torchrun stops survivors with, else the root cause that raised no peer error), their
   coordinates from the ranks' heartbeat identities (or the process records of mega.cluster.node).
-* **nan**: a rank asked for a rollback (mega.stability.rollback): the step, what was not finite,
-  the checkpoint rolled back to.
+* **nan** / **spike**: the ranks asked for a rollback (mega.stability.rollback): the step, what was
+  not finite or the loss spike, the checkpoint rolled back to.
 * **eviction**: the diagnosis (mega.stability.membership) evicted a node: its self-check reasons,
   and the spare in its place or the smaller size the run continues at.
 
@@ -183,12 +183,14 @@ class Book:
         out: list[Incident] = []
         if rollback is not None:
             checkpoint = f"iter_{resumed:07d}" if resumed else "the start (no checkpoint)"
-            out.append(Incident("nan", n, rollback.get("time", now), f"step {rollback['step']}: {rollback['what']}",
+            what, step = rollback["what"], rollback["step"]
+            spike = "not finite" not in what  # a loss spike alone (mega.stability.rollback's LossWindow)
+            out.append(Incident("spike" if spike else "nan", n, rollback.get("time", now), f"step {step}: {what}",
                                 None, {"request": rollback, "final_step": final_step},
-                                f"rolled back to {checkpoint}, step {rollback['step']} skipped"
-                                if restarts_left else relaunch, lost,
-                                diagnosis=f"{rollback['what']} at step {rollback['step']} on every rank "
-                                          "(one all-reduce of the ranks' verdicts)"))
+                                f"rolled back to {checkpoint}, step {step} skipped" if restarts_left else relaunch,
+                                lost, diagnosis=(f"{what} at step {step}: the last stage's loss far above its recent "
+                                                 "median (robust z-score > stability.spike_z)" if spike else
+                                                 f"{what} at step {step} (one all-reduce of every rank's verdict)")))
         else:
             scan = logscan.scan_logs(self._logs(outcome, watcher_incidents), device=self.cfg.cluster.device,
                                      since=self.started)
