@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from mega.launch import runs
 from mega.data import prepare_dataset
 from mega.launch import TrainingFailed, run_training
+from tasks.incidents import publish_incident
 
 
 def _cancelled_flow_runs(ids: list[str]) -> set[str]:
@@ -116,7 +117,7 @@ def restart_run(status: runs.RunStatus, stale_after_s: float, include_failed: bo
             row["checkpoint"] = now.checkpoint or "none (from step 0)"
             logger.info("%s: restarting from %s", status.run_dir, row["checkpoint"])
             result = run_training(cfg, index, log=logger.info, flow_run_id=flow_run_id,
-                                  recovery=True)
+                                  recovery=True, on_incident=publish_incident)  # and the recoveries
     except runs.RunBusy as e:
         return {**row, "action": "skipped", "result": str(e)}
     except TrainingFailed as e:

@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from mega import optional_packages
 from mega.config import MegaConfig
 from mega.launch import TrainingResult, run_training
+from tasks.incidents import publish_incident
 
 
 # No Prefect retries: run_training already relaunches failed ranks from the latest checkpoint
@@ -24,7 +25,9 @@ def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
     absent = optional_packages.notice(cfg.cluster.device)  # once, instead of megatron's per-rank warnings
     if absent:
         logger.info(absent)
-    result = run_training(cfg, index_path, log=logger.info, flow_run_id=flow_run_id and str(flow_run_id))
+    # every incident (hang, rank exit, NaN, eviction, straggler) a Prefect event and artifact
+    result = run_training(cfg, index_path, log=logger.info, flow_run_id=flow_run_id and str(flow_run_id),
+                          on_incident=publish_incident)
     create_table_artifact(
         key="training-run",
         table=[{"run_dir": str(result.run_dir), "attempts": result.attempts, "final_step": result.final_step,

@@ -14,6 +14,7 @@ from mega.config import compose
 from mega.launch import run_training
 from mega.launch.runs import read_record
 from mega.stability import membership
+from mega.stability.incident import read_incidents
 from mega.stability.membership import CannotContinue, Membership, decide
 
 RTOL = 2e-5  # fp32 sums in another order (another DP size): equal to ~6 digits
@@ -137,6 +138,16 @@ def assert_evicted(run_dir, result, replaced_by):
     assert any("fault.bad_node" in r for r in row["reasons"]), row  # the self-check's own verdict
     verdict = json.loads(open(row["selfcheck"]).read())
     assert [n["healthy"] for n in verdict["nodes"]] == [True, False]  # node 0 passed the same check
+    # the node's death and its eviction are incidents, both recovered by the next attempt
+    by_kind = {i["kind"]: i for i in read_incidents(run_dir) if i["kind"] != "straggler"}
+    assert sorted(by_kind) == ["eviction", "rank-exit"]
+    died, evicted = by_kind["rank-exit"], by_kind["eviction"]
+    assert (died["culprit"]["rank"], died["culprit"]["node"]) == (1, 1) and "killed by SIGKILL" in died["diagnosis"]
+    assert "self-check of node 1: unhealthy" in died["diagnosis"]
+    assert evicted["culprit"]["node"] == 1 and "fault.bad_node" in evicted["diagnosis"]
+    assert evicted["action"] == (f"evicted node 1, spare node {replaced_by} in its place" if replaced_by is not None
+                                 else "evicted node 1; continuing on 1 nodes (dp 2 -> 1, same global batch)")
+    assert died["time_to_recover_s"] > 0 and evicted["time_to_recover_s"] > 0
     return record
 
 

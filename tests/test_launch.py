@@ -28,6 +28,7 @@ from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
 from mega.launch.backend import JobSpec, agent_argv, backend_for
 from mega.launch.runs import pid_alive
+from mega.stability.incident import read_incidents
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces need root (CI runs as root)")
@@ -395,6 +396,12 @@ def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nod
     attempt0 = read_processes(two_nodes["run_dir"], 0)
     assert sorted(r["rank"] for r in attempt0) == list(range(8))
     assert two_nodes["survivors"] == {0: []}, "ranks of attempt 0 were alive when attempt 1 launched"
+    # the incident names node 1's SIGKILLed ranks (not node 0's ranks that lost their peers), the
+    # first with its coordinates (rank = tp + 2 dp + 4 pp, as the hang drill of test_stability names rank 5)
+    [inc] = [i for i in read_incidents(two_nodes["run_dir"]) if i["kind"] != "straggler"]
+    c = inc["culprit"]
+    assert (inc["kind"], c["ranks"], c["node"], c["coords"]) == ("rank-exit", [4, 5, 6, 7], 1, {"tp": 0, "pp": 1, "dp": 0})
+    assert "rank 4 killed by SIGKILL" in inc["diagnosis"] and inc["time_to_recover_s"] > 0
 
 
 @pytest.mark.slow

@@ -338,6 +338,16 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
     failed_id = str(failed.state_details.flow_run_id)
     record = runs.read_record(run_dir)
     assert record.state == "failed" and record.flow_run_ids == [failed_id] and record.final_step == 3
+    # the rank's death is an incident: a markdown artifact of the flow run and an event (docs/stability.md)
+    [brief] = record.incidents
+    assert (brief["kind"], brief["culprit_rank"], brief["culprit_node"]) == ("rank-exit", 0, 0)
+    artifacts = flow_run_artifacts(failed.state_details.flow_run_id)
+    [artifact] = [a for a in artifacts if a.key == "incident-run-000-attempt0-rank-exit"]
+    assert "| culprit | rank 0 on node 0" in artifact.data and "rank 0 killed by SIGKILL" in artifact.data
+    assert "| time to recovery | not recovered |" in artifact.data
+    [event] = wait_for(lambda: incident_events(run_dir, "mega.incident.rank-exit"), 30, "the incident's event")
+    assert event.payload["culprit_rank"] == 0 and event.payload["stage"] == "detected"
+    assert f"prefect.flow-run.{failed_id}" in {r.id for r in event.related}  # automations can match the flow run
 
     def triggered():
         with get_client(sync_client=True) as client:
@@ -358,3 +368,31 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in reference]
     record = runs.read_record(run_dir)
     assert (record.state, record.recoveries, record.flow_run_ids) == ("completed", 1, [failed_id, str(flow_run.id)])
+    # the recovery's first step ends the incident: a second event, a new version of the artifact
+    [back] = record.incidents
+    assert back["time_to_recover_s"] > 0
+    [event] = wait_for(lambda: incident_events(run_dir, "mega.recovery.rank-exit"), 30, "the recovery's event")
+    assert event.payload["time_to_recover_s"] == back["time_to_recover_s"]
+    artifacts = flow_run_artifacts(flow_run.id)
+    [artifact] = [a for a in artifacts if a.key == "incident-run-000-attempt0-rank-exit"]
+    assert f"| time to recovery | {back['time_to_recover_s']:.1f} s |" in artifact.data
+
+
+def flow_run_artifacts(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+def incident_events(run_dir, name):
+    """The events named ``name`` about run ``run_dir`` (tasks/incidents.py)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    with get_client(sync_client=True) as client:
+        page = client.read_events(EventFilter(event=EventNameFilter(name=[name]),
+                                              resource=EventResourceFilter(id=[f"mega.run.{run_dir.name}"])),
+                                  limit=50)  # the server's maximum (the client's default, 100, is refused)
+    return [e for e in page.events if e.resource.get("mega.run-dir") == str(run_dir)]

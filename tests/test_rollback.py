@@ -15,6 +15,7 @@ from mega.config import compose
 from mega.launch import run_training
 from mega.launch.runs import read_record
 from mega.stability import rollback
+from mega.stability.incident import read_incidents
 
 STEPS, NAN_AT, SPIKE_AT = 8, 4, 7
 
@@ -61,6 +62,14 @@ def test_nan_step_and_spike_roll_back_and_are_skipped(runs):
         assert skipped["data_skipped"] and skipped["skipped"] and math.isnan(skipped["loss"])
     assert all(math.isfinite(m["loss"]) for m in drill.metrics if not m.get("data_skipped"))
     assert not (root / "drill" / rollback.ROLLBACK_FILE).exists()  # taken by the driver
+    # incidents (mega/stability/incidents_of_attempt.py), each recovered by the next attempt's first step
+    nan, spike = [i for i in read_incidents(root / "drill") if i["kind"] != "straggler"]
+    assert (nan["kind"], nan["action"]) == ("nan", f"rolled back to iter_0000002, step {NAN_AT} skipped")
+    assert nan["summary"] == f"step {NAN_AT}: loss not finite and grad_norm not finite" and nan["steps_lost"] == 1
+    assert (spike["kind"], spike["action"], spike["attempt"]) == (
+        "spike", f"rolled back to iter_0000006, step {SPIKE_AT} skipped", 1)
+    assert spike["summary"] == f"step {SPIKE_AT}: loss spike" and spike["steps_lost"] == 0
+    assert nan["time_to_recover_s"] > 0 and spike["time_to_recover_s"] > 0
 
 
 def _window(losses, **stability):

@@ -25,7 +25,7 @@ from mega.launch.backend import JobSpec, server_host
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
 from mega.stability import channel as heartbeats
-from mega.stability import membership, rollback
+from mega.stability import incidents_of_attempt, membership, rollback
 from mega.stability.detect import Watcher
 
 
@@ -51,13 +51,16 @@ class TrainingResult:
 
 
 def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
-                 flow_run_id: str | None = None, recovery: bool = False) -> TrainingResult:
+                 flow_run_id: str | None = None, recovery: bool = False,
+                 on_incident: Callable[[dict], None] | None = None) -> TrainingResult:
     """Train to ``train.steps``; when any node's ranks die or hang, restart all from ``latest``.
 
     While it runs, the run's record (``<run_dir>/run.json``, mega.launch.runs) says training, with a
     heartbeat; after, completed or failed. ``flow_run_id`` names the flow run driving it and
     ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
     (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
+    ``on_incident``: called with each incident (mega.stability.incidents_of_attempt) when it is
+    filed and again when the next attempt's first step recovers it (``stage``).
     """
     from mega import validation
 
@@ -69,13 +72,15 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
             contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes, \
             rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env, \
             heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env:  # docs/stability.md
-        result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env})
+        book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
+        result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env}, book)
         run.finish("completed", result.final_step)
         return result
 
 
 def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str], None], run: runs.RunTracker,
-                         nodes: membership.Nodes, store_env: dict[str, str]) -> TrainingResult:
+                         nodes: membership.Nodes, store_env: dict[str, str],
+                         book: incidents_of_attempt.Book) -> TrainingResult:
     from mega.checkpoint import latest_durable
     from mega.storage import StorageError
 
@@ -109,8 +114,9 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
         job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
         watcher = Watcher(cfg, env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
+        book.begin(n, job, cfg, watcher, lambda cfg=cfg: _durable_step(cfg))
         outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
-                          stall_timeout_s=c.hang_timeout_s, on_poll=lambda: run.beat() or watcher.poll(),
+                          stall_timeout_s=c.hang_timeout_s, on_poll=lambda: run.beat() or book.poll() or watcher.poll(),
                           on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"))
         attempts += 1
         try:
@@ -137,24 +143,32 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
                         "restored": init.get("restore", {}).get("checkpoint"),
                         "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
         if outcome.ok and final_step >= cfg.train.steps:
+            book.end(outcome, final_step)
             return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
         if outcome.ok:  # every agent exited 0 short of train.steps: not a success
             outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
         log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
             f"logs: {_logs(job, c.nodes, outcome)}")
+        diagnosed = None
         if (request := rollback.take(run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
             run.record.skipped_steps.append(request)
             history[-1]["skipped_step"] = request["step"]
             log(f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
                 "and skipping the step's batch")
-        elif outcome.failed_nodes and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts:
+        elif ((suspects := incidents_of_attempt.suspect_nodes(outcome, watcher.incidents))  # failed or hung nodes
+              and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts):
+            diagnosed = incidents_of_attempt.Diagnosed.before(nodes, suspects)
             try:
-                evicted = nodes.diagnose(n, outcome.failed_nodes, log)
+                evicted = nodes.diagnose(n, suspects, log)
             except membership.CannotContinue as e:
+                book.end(outcome, final_step, diagnosed=diagnosed.failed(e), restarts_left=False)
                 run.finish("failed", final_step, error=str(e))
                 raise TrainingFailed(f"attempt {n}: {e}") from None
             run.record.evicted_nodes += evicted
             history[-1]["evicted"] = [e["node"] for e in evicted]
+            diagnosed.after(nodes, evicted)
+        book.end(outcome, final_step, rollback=request, diagnosed=diagnosed,
+                 restarts_left=attempts <= cfg.checkpoint.max_restarts)  # incidents/, run.json, on_incident
         run.record.membership = nodes.as_record()
         runs.write_record(run.record)
         if attempts > cfg.checkpoint.max_restarts:

@@ -66,7 +66,7 @@ class RunRecord:
     recoveries: int = 0
     flow_run_ids: list[str] = field(default_factory=list)
     error: str | None = None
-    incidents: list[dict] = field(default_factory=list)  # mega.stability: hangs, stragglers (briefs)
+    incidents: list[dict] = field(default_factory=list)  # mega.stability: every fault of the run (briefs)
     # mega/stability: steps rolled back from and skipped ({step, attempt, what, restored}), nodes
     # evicted ({node, attempt, reasons, replaced_by}) and the nodes of the last attempt
     skipped_steps: list[dict] = field(default_factory=list)
@@ -246,6 +246,7 @@ def track(run_dir: str | Path, *, config: str | Path, data_index: str | Path, ta
             flow_run_ids=flow_runs,
             skipped_steps=previous.skipped_steps if previous else [],  # a recovery skips them too
             evicted_nodes=previous.evicted_nodes if previous else [],
+            incidents=previous.incidents if previous else [],  # a recovery adds to the run's incidents
         )
         write_record(record)
         tracker = RunTracker(record)
