@@ -143,3 +143,24 @@ def test_bench_faults_rejects_an_unknown_drill():
     out = subprocess.run([sys.executable, "-m", "mega.bench", "faults", "--only", "rank-kill,meteor", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "meteor" in out.stderr and "--only" in out.stderr
+
+
+def test_heartbeat_overhead_is_the_worst_rank_and_on_off_pools_the_runs(tmp_path):
+    def run(name: str, step_s: float, summary: dict | None = None) -> Path:
+        rows = [{"step": s, "attempt": 0, "time": T0 + s, "step_s": step_s} for s in range(1, 7)]
+        rows[0]["step_s"] = 9.0  # the warm-up step is left out
+        d = recorded(tmp_path / name, name, history=[{"attempt": 0, "final_step": 6}], log=[], metrics=rows)
+        if summary:
+            (d / "heartbeats-attempt0.json").write_text(json.dumps({"attempt": 0, "heartbeat_s": 2.0, "ranks": summary}))
+        return d
+
+    beat = {"0": {"sent": 3, "dropped": 0, "cpu_s": 0.004, "wall_s": 4.0},
+            "1": {"sent": 3, "dropped": 0, "cpu_s": 0.012, "wall_s": 4.0}}
+    runs = {"on": [run("on-0", 0.11, beat), run("on-1", 0.13, beat)], "off": [run("off-0", 0.1), run("off-1", 0.1)]}
+    out = faults.overhead(runs)
+    assert out["heartbeat_overhead"] == 0.003 and out["heartbeat_overhead_detail"]["target_met"]
+    assert out["heartbeat_overhead_on_off"] == 0.2  # median of the on runs' steps 0.12 against 0.1
+    (runs["on"][1] / "heartbeats-attempt0.json").unlink()
+    (runs["on"][0] / "heartbeats-attempt0.json").unlink()
+    out = faults.overhead(runs)
+    assert out["heartbeat_overhead"] is None and "i12c" in out["note"]

@@ -37,8 +37,8 @@ relaunch restored):
 Besides the rows: ``heartbeat_overhead`` = max over ranks of the heartbeat thread's CPU time over
 its wall time (``heartbeats-attempt0.json``, written by the driver's watcher) in a clean DP 2 run
 with the default ``stability.heartbeat_s``; ``heartbeat_overhead_on_off`` = (median step time with
-stability on - off) / off, the same run with ``stability.enabled=false`` right after (for
-information: on a shared 2-core machine it is mostly noise). Every figure is measured on this
+stability on - off) / off, the same run with ``stability.enabled=false``, in the order on, off, off,
+on (for information: on a shared 2-core machine it is mostly noise). Every figure is measured on this
 machine's processes and clocks; timings on a shared machine are noisy.
 """
 
@@ -66,6 +66,7 @@ NAN_STEP = 4
 BAD_NODE, BAD_NODE_STEP = 1, 2
 OUTAGE_AT_STEP, OUTAGE_S, OUTAGE_STEPS = 2, 10.0, 16
 OVERHEAD_STEPS, OVERHEAD_WARMUP = 60, 2
+OVERHEAD_ORDER = ("on", "off", "off", "on")
 ROW_KEYS = ("fault", "detected", "detect_s", "culprit_named", "recovered", "recover_s", "steps_lost")
 DRILL_FILE = "drill.json"  # <run_dir>/drill.json: the harness's record of one drill
 
@@ -412,35 +413,40 @@ OVERHEAD = "overhead"  # --only name of the heartbeat overhead runs
 # Heartbeat overhead
 
 
-def run_overhead(base: Path, extra: list[str]) -> tuple[Path, Path]:
-    """The same clean DP 2 run with stability on (default heartbeat_s), then off, back to back."""
+def run_overhead(base: Path, extra: list[str]) -> dict[str, list[Path]]:
+    """The same clean DP 2 run with stability on (default heartbeat_s) and off, back to back in
+    the order on, off, off, on: a drift of the shared machine's load over the four hits both."""
     over = ["parallelism=dp2", "checkpoint.interval=0"]
-    on = run_drill("overhead-on", [*over, "stability.enabled=true"], base, extra, steps=OVERHEAD_STEPS)
-    off = run_drill("overhead-off", [*over, "stability.enabled=false"], base, extra, steps=OVERHEAD_STEPS)
-    return on, off
+    runs: dict[str, list[Path]] = {"on": [], "off": []}
+    for i, mode in enumerate(OVERHEAD_ORDER):
+        runs[mode].append(run_drill(f"overhead-{mode}-{i}", [*over, f"stability.enabled={mode == 'on'}"], base,
+                                    extra, steps=OVERHEAD_STEPS))
+    return runs
 
 
-def overhead(on_dir: Path, off_dir: Path) -> dict:
-    """heartbeat_overhead (max over ranks of the heartbeat thread's cpu_s / wall_s) and the on/off
-    relative difference of the median step time after the warm-up."""
+def overhead(runs: dict[str, list[Path]]) -> dict:
+    """heartbeat_overhead: max over the "on" runs' ranks of the heartbeat thread's cpu_s / wall_s
+    (the watcher's heartbeats-attempt0.json); heartbeat_overhead_on_off: the relative difference of
+    the median step time after the warm-up, every on run's steps against every off run's."""
     out: dict = {"heartbeat_overhead": None, "heartbeat_overhead_on_off": None}
-    on, off = Drill(on_dir), Drill(off_dir)
-    summary = on.run_dir / "heartbeats-attempt0.json"
-    if summary.exists():
-        ranks = json.loads(summary.read_text())["ranks"]
-        ratios = {r: s["cpu_s"] / s["wall_s"] for r, s in ranks.items() if s.get("wall_s")}
-        if ratios:
-            out["heartbeat_overhead"] = round(max(ratios.values()), 6)
-            out["heartbeat_overhead_detail"] = {"heartbeat_s": json.loads(summary.read_text()).get("heartbeat_s"),
-                                                "ranks": ranks, "target": 0.005,
-                                                "target_met": max(ratios.values()) < 0.005}
+    ranks, ratios = {}, []
+    for i, run_dir in enumerate(runs["on"]):
+        summary = Path(run_dir) / "heartbeats-attempt0.json"
+        if summary.exists():
+            s = json.loads(summary.read_text())
+            ranks[f"on-{i}"] = {"heartbeat_s": s.get("heartbeat_s"), "ranks": s["ranks"]}
+            ratios += [r["cpu_s"] / r["wall_s"] for r in s["ranks"].values() if r.get("wall_s")]
+    if ratios:
+        out["heartbeat_overhead"] = round(max(ratios), 6)
+        out["heartbeat_overhead_detail"] = {"runs": ranks, "target": 0.005, "target_met": max(ratios) < 0.005}
     else:
         out["note"] = ("heartbeat_overhead: no heartbeats-attempt0.json (the watcher's heartbeat summary "
                        "comes with branch i12c)")
     steps = {}
-    for name, d in (("on", on), ("off", off)):
-        rows = [r for r in d.metrics() if r["step"] > OVERHEAD_WARMUP]
-        steps[name] = statistics.median(r["step_s"] for r in rows) if rows and d.finished else None
+    for mode, dirs in runs.items():
+        drills = [Drill(d) for d in dirs]
+        times = [r["step_s"] for d in drills for r in d.metrics() if r["step"] > OVERHEAD_WARMUP]
+        steps[mode] = statistics.median(times) if times and all(d.finished for d in drills) else None
     if steps["on"] and steps["off"]:
         out["heartbeat_overhead_on_off"] = round((steps["on"] - steps["off"]) / steps["off"], 4)
     out["step_s_on_off"] = [steps["on"], steps["off"]]
@@ -488,7 +494,7 @@ def bench_faults(only: list[str] | None = None, out: str | Path | None = None,
         result: dict = {"faults": rows, "heartbeat_overhead": None, "heartbeat_overhead_on_off": None}
         if OVERHEAD in names:
             common.log("faults: heartbeat overhead (stability on, then off) ...")
-            result.update(overhead(*run_overhead(base, list(overrides or []))))
+            result.update(overhead(run_overhead(base, list(overrides or []))))
             common.log(f"faults: heartbeat overhead {result['heartbeat_overhead']}, on/off step time "
                        f"{result['heartbeat_overhead_on_off']}")
         else:
