@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
-from pathlib import Path
-
-from mega.metrics import read_metrics
 
 import pytest
 
@@ -339,29 +334,11 @@ def test_incident_is_written_as_json_and_markdown(tmp_path):
 # The drill: real ranks, real Redis, real torchrun
 
 
-def _stop_rank_when(run_dir: Path, rank: int, at_step: int, done: dict, deadline_s: float = 240) -> None:
-    """In a thread: once the run logged ``at_step`` in attempt 0, SIGSTOP ``rank`` (pid from the
-    ranks' process records, mega.cluster.node.record_process)."""
-    from mega.cluster.node import read_processes
-
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end and "pid" not in done:
-        try:
-            steps = [m["step"] for m in read_metrics(run_dir) if m.get("attempt") == 0]
-        except (OSError, ValueError):
-            steps = []
-        procs = {p["rank"]: p for p in read_processes(run_dir, 0)}
-        if steps and max(steps) >= at_step and rank in procs:
-            os.kill(procs[rank]["pid"], signal.SIGSTOP)  # frozen: no step, no heartbeat, no exit
-            done.update(pid=procs[rank]["pid"], node=procs[rank]["node"], time=time.time(), step=max(steps))
-            return
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, data_index, data_cache):
     """SIGSTOP one rank of a TP2 x PP2 x DP2 run: the watcher sees no step for min_hang_s, names
     that rank with its node and coordinates, the driver relaunches from `latest`, the run ends."""
+    from mega.bench.faults import stop_rank_when
     from mega.config import compose
     from mega.launch import run_training
     from mega.launch.runs import read_record
@@ -373,7 +350,7 @@ def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, d
                    "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=10",
                    "stability.heartbeat_s=1", "stability.min_hang_s=6", "stability.progress_factor=5"])
     stopped: dict = {}
-    thread = threading.Thread(target=_stop_rank_when, args=(tmp_path, victim, 3, stopped), daemon=True)
+    thread = threading.Thread(target=stop_rank_when, args=(tmp_path, victim, 3, stopped), daemon=True)
     thread.start()
     messages: list[str] = []
     result = run_training(cfg, data_index, log=messages.append)

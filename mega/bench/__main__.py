@@ -43,6 +43,12 @@
             -> {"rows": [{"name", "link", "exposed_comm_off_s", "exposed_comm_on_s", "step_off_s",
                           "step_on_s", "loss_equal", "target_met", ...}], ...}
 
+  faults    every fault the driver handles, injected into real runs (model=tiny, 2 ranks each) and
+            timed end to end (mega/bench/faults.py): --only rank-kill,rank-hang,straggler,nan,bad-node,
+            redis-outage,overhead (default all), --out DIR (keep the run dirs)
+            -> {"faults": [{"fault", "detected", "detect_s", "culprit_named", "recovered", "recover_s",
+                "steps_lost", ...}], "heartbeat_overhead", "heartbeat_overhead_on_off", ...}
+
 See docs/benchmarks.md.
 """
 
@@ -60,12 +66,13 @@ from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
 from mega.bench.data import bench_data
+from mega.bench.faults import bench_faults
 from mega.bench.nodes import bench_nodes
 from mega.bench.observability import bench_observability
 from mega.bench.overlap import bench_overlap
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_nodes",
+__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_faults", "bench_nodes",
            "bench_observability", "bench_overlap", "bench_step", "main"]
 
 
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
-                                              "nodes", "overlap"])
+                                              "nodes", "overlap", "faults"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
@@ -125,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     nodes = parser.add_argument_group("nodes")
     nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
     nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
+    faults = parser.add_argument_group("faults")
+    faults.add_argument("--only", default=None, help="faults: comma-separated drills (default: all, and overhead)")
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link")
     args = parser.parse_intermixed_args(argv)
     # the launcher side imports megatron-core too (checkpoint discovery): its warnings about absent
@@ -148,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.benchmark == "overlap":
             result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3),
                                    args.link_mbit)
+        elif args.benchmark == "faults":
+            result = bench_faults(_names(args.only) if args.only else None, args.out, args.overrides)
         elif args.benchmark == "bootstrap":
             result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
                                      args.out or "runs/bench-bootstrap",
@@ -199,6 +210,18 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
                   f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
                   f"{row['completed']}", file=sys.stderr)
+        return
+    if benchmark == "faults":
+        print(f"{'fault':<13} {'detected':>8} {'detect s':>8} {'culprit':>7} {'recovered':>9} {'recover s':>9} "
+              f"{'lost':>4}", file=sys.stderr)
+        def num(x) -> str:
+            return "-" if x is None else f"{x:.2f}"
+
+        for row in result["faults"]:
+            print(f"{row['fault']:<13} {row['detected']!s:>8} {num(row['detect_s']):>8} {row['culprit_named']!s:>7} "
+                  f"{row['recovered']!s:>9} {num(row['recover_s']):>9} {row['steps_lost']!s:>4}", file=sys.stderr)
+        print(f"heartbeat overhead {result['heartbeat_overhead']}, on/off step time "
+              f"{result['heartbeat_overhead_on_off']}", file=sys.stderr)
         return
     if benchmark == "ablation" and "throughput_rows" in result:
         print(f"{'row':<14} {'tokens/s':>9} {'vs prev':>8} {'exposed tp s':>12} {'pp s':>7} {'dp s':>7}", file=sys.stderr)

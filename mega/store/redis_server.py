@@ -126,6 +126,11 @@ class RedisServer:
         return f"{self.host}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        """The redis-server process (drills SIGSTOP it: a server that answers nothing)."""
+        return self._proc.pid if self.running else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
