@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from mega.bench.faults import stop_process_when
+from mega.metrics import read_metrics
 from mega.stability import channel
 from mega.stability.detect import Watcher, hang_threshold_s, stragglers
 from mega.stability.heartbeat import Heartbeat
@@ -397,28 +399,6 @@ def test_slow_rank_is_reported_as_a_straggler_without_a_restart(tmp_path, data_i
     assert [b["kind"] for b in read_record(tmp_path).incidents] == ["straggler"]
 
 
-def _pause_redis_when(run_dir: Path, pid: int, at_step: int, pause_s: float, done: dict,
-                      deadline_s: float = 180) -> None:
-    """In a thread: once the run logged ``at_step``, SIGSTOP the redis-server ``pid`` for
-    ``pause_s`` (it keeps its port and connections, answers nothing: every call times out)."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            steps = [m["step"] for m in read_metrics(run_dir) if m.get("attempt") == 0]
-        except (OSError, ValueError):
-            steps = []
-        if steps and max(steps) >= at_step:
-            os.kill(pid, signal.SIGSTOP)
-            done.update(stopped=time.time(), step=max(steps))
-            try:
-                time.sleep(pause_s)
-            finally:
-                os.kill(pid, signal.SIGCONT)
-                done["resumed"] = time.time()
-            return
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_on(
         tmp_path, data_index, data_cache):
@@ -443,8 +423,8 @@ def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_o
                        "stability.heartbeat_s=0.5", "stability.min_hang_s=8", "stability.progress_factor=4",
                        f"stability.straggler_beats={steps + 1}"])
         paused: dict = {}
-        thread = threading.Thread(target=_pause_redis_when, args=(tmp_path, server._proc.pid, 2, 10.0, paused),
-                                  daemon=True)
+        thread = threading.Thread(target=stop_process_when, args=(tmp_path, 2, lambda: server.pid, paused),
+                                  kwargs={"pause_s": 10.0}, daemon=True)
         thread.start()
         messages: list[str] = []
         try:
