@@ -286,6 +286,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
+    verdicts = rollback.verdict_group()  # not the default group: a save's stage 2 thread uses that
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         done = step + 1
@@ -297,7 +298,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         step_obs = session.end_step()  # compute time, exposed communication per kind
         if beat:
             beat.step_done(done, result, step_s, tokens_per_step)
-        bad = None if done in skips else rollback.check_step(result, losses)  # NaN/Inf or spike: all agree
+        bad = None if done in skips else rollback.check_step(result, losses, verdicts)  # NaN/Inf or spike: all agree
         if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
             rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):
@@ -324,7 +325,8 @@ def run(cfg: MegaConfig, data_index: str) -> None:
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
         session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
-    checkpointer.close()  # the last save is committed before the job ends
+    with obs.span("checkpoint"):  # the heartbeat's phase while the last upload commits: no hang
+        checkpointer.close()  # the last save is committed before the job ends
     if beat:
         beat.close()
     session.close()

@@ -28,6 +28,7 @@ from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
 from mega.launch.backend import JobSpec, agent_argv, backend_for
 from mega.launch.runs import pid_alive
+from mega.launch.watch import run_job
 from mega.stability.incident import read_incidents
 
 ROOT = os.geteuid() == 0
@@ -71,6 +72,35 @@ def test_job_logs_per_node(tmp_path):
     job = JobSpec("mega.train", [], log_dir=tmp_path, name="train-attempt3")
     assert job.log_path(0, 1) == tmp_path / "train-attempt3.log"  # one node: where it always was
     assert job.log_path(1, 2) == tmp_path / "nodes" / "1" / "train-attempt3.log"
+
+
+class _Scripted:
+    """A backend whose agents' exit codes are given: what one poll of the driver sees."""
+
+    def __init__(self, codes):
+        self.codes, self.stopped = codes, False
+
+    def start(self, job):
+        pass
+
+    def poll(self):
+        return dict(self.codes)
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize("codes, cause, first_in_reason", [
+    ({0: 1, 1: -9}, [1], "node 1: torchrun agent killed by SIGKILL"),  # node 0's ranks lost their peer
+    ({0: 1, 1: 1, 2: None}, [0, 1], "node 0: torchrun agent exited with code 1"),  # no telling: both
+])
+def test_a_node_killed_outright_is_the_cause_not_the_peers_it_took_down(codes, cause, first_in_reason):
+    backend = _Scripted(codes)
+    outcome = run_job(backend, JobSpec("mega.train", []), poll_s=0.01)
+    assert outcome.failed_nodes == cause and outcome.code == codes[cause[0]]
+    assert outcome.reason.startswith(first_in_reason) and outcome.exit_codes == codes
+    assert all(f"node {k}:" in outcome.reason for k, c in codes.items() if c)  # every failure is told
+    assert backend.stopped
 
 
 def test_netns_plan_addresses_and_names():
@@ -381,7 +411,7 @@ def test_two_nodes_give_the_one_node_losses_bit_for_bit_through_a_node_kill(one_
         assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"], (got, want)  # bit-exact
     assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]
     # the step-2 checkpoint is what both nodes' ranks restored; node 1 failed (node 0's ranks may
-    # have failed too by the driver's next look: their peers were gone)
+    # have failed too by the driver's next look, their peers gone: the driver names the cause)
     assert [(h["attempt"], h["restored"]) for h in result.history] == [(0, None), (1, "iter_0000002")]
     assert 1 in result.history[0]["failed_nodes"] and result.history[1]["failed_nodes"] == []
 

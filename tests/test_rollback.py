@@ -7,6 +7,8 @@ bit for bit (CPU, real processes)."""
 
 import json
 import math
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,3 +112,51 @@ def test_curve_after_skip_equals_a_run_that_never_saw_the_batch(runs):
             continue
         # bit-identical on CPU: same data order, same updates, a bit-exact resume in between
         assert (got["loss"], got["grad_norm"], got["lr"]) == (want["loss"], want["grad_norm"], want["lr"]), (got, want)
+
+
+def _verdict_worker(rank: int, port: int, out: str) -> None:
+    """Rank 1's 'stage 2' thread reduces on the default group before its main thread checks the
+    step; rank 0's only after: on one shared group the two would pair with the wrong peers."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=20))  # a wrong pairing errors out, never hangs the suite
+    ps.is_pipeline_last_stage = lambda ignore_virtual=False: True  # no model here: every rank holds a loss
+    group = rollback.verdict_group()
+    window = rollback.LossWindow(compose(["model=tiny"]))
+    side = {}
+
+    def stage2():
+        t = torch.tensor([100.0 + rank])
+        dist.all_reduce(t)  # what megatron's async save planning does on the default group
+        side["sum"] = t.item()
+
+    thread = threading.Thread(target=stage2)
+    if rank == 1:
+        thread.start()
+        time.sleep(0.5)
+    verdict = rollback.check_step({"loss": float("nan") if rank == 0 else 5.0, "grad_norm": 1.0}, window, group)
+    if rank == 0:
+        thread.start()
+    thread.join()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"verdict": verdict, "sum": side["sum"]}))
+    dist.destroy_process_group()
+
+
+def test_step_verdict_does_not_pair_with_a_save_threads_collectives(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_verdict_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"verdict": {"loss": True, "grad_norm": False, "spike": False}, "sum": 201.0}, (rank, got)

@@ -18,7 +18,7 @@ TIMEOUT_EXIT = 124
 class JobOutcome:
     code: int  # 0: every node's agent exited 0; TIMEOUT_EXIT: timed out or stalled; else the failed node's code
     reason: str  # for people: "completed", "node 1: torchrun agent killed by SIGKILL", ...
-    failed_nodes: list[int] = field(default_factory=list)
+    failed_nodes: list[int] = field(default_factory=list)  # the cause: see run_job
     exit_codes: dict[int, int | None] = field(default_factory=dict)  # at the moment the job ended
     elapsed_s: float = 0.0
     stop_s: float = 0.0  # how long stopping every node took
@@ -62,9 +62,12 @@ def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, p
             failed = sorted(k for k, c in codes.items() if c not in (None, 0))
             now = time.monotonic()
             if failed:
-                first = failed[0]
-                outcome = JobOutcome(codes[first], "; ".join(f"node {k}: {describe_exit(codes[k])}" for k in failed),
-                                     failed, codes)
+                # one poll may see a node whose agent was killed outright (the node died) and others
+                # whose agents exited 1 because their ranks lost it: the killed ones are the cause
+                cause = [k for k in failed if codes[k] < 0] or failed
+                shown = cause + [k for k in failed if k not in cause]
+                outcome = JobOutcome(codes[cause[0]], "; ".join(f"node {k}: {describe_exit(codes[k])}" for k in shown),
+                                     cause, codes)
             elif codes and all(c == 0 for c in codes.values()):
                 outcome = JobOutcome(0, "completed", [], codes)
             elif on_poll is not None and (verdict := on_poll()):  # a watcher saw a hang: its reason

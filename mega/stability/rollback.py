@@ -2,7 +2,8 @@
 
 Rank side (``mega.train``): right after each step every rank checks its own numbers (the loss
 lives on the last pipeline stage, the grad norm on every rank: megatron's ``optimizer.step``
-returns it) and one small all-reduce makes every rank agree. On a bad step rank 0 writes
+returns it) and one small all-reduce (on a gloo group of its own, ``verdict_group``) makes every
+rank agree. On a bad step rank 0 writes
 ``<run_dir>/rollback.json`` naming it, every rank commits the save in flight (it holds the last
 good state) and exits with ``ROLLBACK_EXIT``. Nothing of the bad step is saved.
 
@@ -114,10 +115,22 @@ class LossWindow:
         self.losses.append(loss)
 
 
-def check_step(result: dict, window: LossWindow) -> dict[str, bool] | None:
-    """Every rank's verdict on the step just taken (collective: one 3-element all-reduce over the
-    world). None when the loss (last stage) and the grad norm (every rank) are finite and the loss
-    is no spike; else which of loss/grad_norm/spike. A good loss joins the window."""
+def verdict_group():
+    """The group ``check_step`` reduces over (collective: every rank, once, at start-up): a gloo
+    group of the training thread's own. An asynchronous save's stage 2 runs collectives on the
+    default group from its own thread, and two threads' collectives on one group pair up with the
+    wrong peers (a deadlock seen under load); on GPUs the default group is NCCL, which cannot
+    reduce the CPU tensor of flags."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def check_step(result: dict, window: LossWindow, group) -> dict[str, bool] | None:
+    """Every rank's verdict on the step just taken (collective: one 3-element all-reduce over
+    ``group``, from ``verdict_group``). None when the loss (last stage) and the grad norm (every
+    rank) are finite and the loss is no spike; else which of loss/grad_norm/spike. A good loss
+    joins the window."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -127,7 +140,7 @@ def check_step(result: dict, window: LossWindow) -> dict[str, bool] | None:
     norm_bad = result["grad_norm"] is not None and not math.isfinite(result["grad_norm"])
     spike = last and window.is_spike(result["loss"])
     flags = torch.tensor([float(loss_bad), float(norm_bad), float(spike)])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     if not flags.any():
         if last:
             window.add(result["loss"])
