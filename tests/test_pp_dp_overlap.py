@@ -6,6 +6,7 @@ runs without virtual stages (dp2, small buckets), where auto turns on only the a
 and mega's own first-bucket prefetch."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,44 @@ def test_overlap_bench_row_judges_the_goal():
     tp_off = _metrics([3.0, 2.9, 2.8, 2.7], [1.0] * 4, [0.5] * 4, "tp")
     tp = build_row("tp-overlap", "link", tp_off, _metrics([3.0, 2.9, 2.8, 2.70001], [1.0] * 4, [0.1] * 4, "tp"), 1)
     assert not tp["loss_equal"] and tp["losses_match"] and tp["target_met"]
+
+
+def test_exposed_time_by_operation():
+    """mega.obs.analysis.exposed_by_op on a hand-made timeline: per step the union of each
+    operation's blocked spans of the kind (bucket numbers dropped), the median over steps, a step
+    without the operation counting 0."""
+    from mega.obs.analysis import RunTimeline, exposed_by_op
+
+    ms = 1_000_000
+
+    def span(name, t0, t1, blocked=True, cat="dp"):
+        return [name, cat, t0 * ms, t1 * ms, 2, blocked, None]
+
+    tl = RunTimeline(Path("."), headers={0: {"rank": 0}})
+    tl.steps[0] = {
+        1: {"spans": [span("all_gather params bucket 0 wait", 0, 10), span("all_gather params bucket 1 wait", 5, 20),
+                      span("reduce_scatter grads bucket 0 wait", 30, 34),
+                      span("all_gather params bucket 2 start", 40, 90, blocked=False),  # in flight, not waited
+                      span("all_reduce", 50, 99, cat="tp")]},  # another kind
+        2: {"spans": [span("all_gather params bucket 0 wait", 0, 4)]},
+        3: {"spans": [span("all_gather params bucket 0 wait", 0, 6), span("reduce_scatter grads bucket 3 wait", 7, 9),
+                      span("reduce_scatter grads bucket 4 wait", 8, 12)]},
+    }
+    got = exposed_by_op(tl, 0, "dp", [1, 2, 3, 4])  # step 4 was not recorded: left out
+    # all_gather: 20, 4, 6 ms -> median 6; reduce_scatter: 4, 0, 5 ms -> median 4
+    assert got == {"all_gather params": pytest.approx(0.006), "reduce_scatter grads": pytest.approx(0.004)}
+    assert exposed_by_op(tl, 0, "tp", [1, 2]) == {"all_reduce": pytest.approx(0.0245)}  # 49 and 0 ms
+
+
+@pytest.mark.slow
+def test_the_split_by_operation_adds_up_to_the_steps_exposed_dp(dp_runs):
+    """On the real DP 2 run with the all-gather overlapped: per step the operations' exposed
+    times sum to the step summary's exposed_dp_s (mega.obs.timeline computed that one)."""
+    from mega.obs import analysis
+
+    tl = analysis.load(dp_runs[1])
+    for rank in tl.ranks:
+        for step, record in tl.steps[rank].items():
+            parts = analysis.exposed_by_op(tl, rank, "dp", [step])
+            assert "all_gather params" in parts and "reduce_scatter grads" in parts, parts
+            assert sum(parts.values()) == pytest.approx(record["summary"]["exposed_dp_s"], abs=1e-5), (rank, step)

@@ -9,7 +9,10 @@ a memory copy competing with compute on the same cores. Per row: the median over
 the warm-up of the exposed communication of that kind (``exposed_{tp,pp,dp}_s`` of metrics.jsonl,
 mega/obs) and of the step time, both runs' loss curves compared exactly, and whether the issue's
 goal is met (exposed at most half of off, step at most 5% above off, losses equal: bitwise for
-PP and DP, to ``LOSS_RTOL`` for the TP ring, whose sums run in another order).
+PP and DP, to ``LOSS_RTOL`` for the TP ring, whose sums run in another order). Each row also
+splits the logging rank's exposed time by operation (``exposed_by_op_off``/``_on``, from its span
+file): the DP row's is the parameter all-gather, which ``overlap_param_gather`` moves, plus the
+gradient reduce-scatter, which megatron's ``overlap_grad_reduce`` overlaps in both runs.
 
 Last line: ``{"rows": [{"name", "link", "exposed_comm_off_s", "exposed_comm_on_s", "step_off_s",
 "step_on_s", "loss_equal", "target_met", ...}], ...}``. Needs root (network namespaces).
@@ -56,6 +59,17 @@ def run_configs(name: str, overrides: list[str], steps: int, link_mbit: float, t
             for label, extra in (("off", []), ("on", on))]
 
 
+def logging_rank_by_op(run_dir: str | Path, kind: str, metrics: list[dict], warmup: int) -> dict[str, float]:
+    """The logging rank's (last stage, TP 0, DP 0: whose metrics the row reads) exposed
+    communication of ``kind`` by operation, median over the timed steps (mega.obs.analysis)."""
+    from mega.obs import analysis
+
+    tl = analysis.load(run_dir)
+    rank = max((r for r, h in tl.headers.items() if h.get("tp", 0) == 0 and h.get("dp", 0) == 0),
+               key=lambda r: tl.headers[r].get("pp", 0))
+    return analysis.exposed_by_op(tl, rank, kind, [m["step"] for m in common.steady(metrics, warmup)])
+
+
 def build_row(name: str, link: str, off: list[dict], on: list[dict], warmup: int) -> dict:
     """One row from the off and on runs' metrics rows."""
     kind = ROWS[name][0]
@@ -83,13 +97,17 @@ def bench_overlap(overrides: list[str], steps: int = 8, warmup: int = 3, link_mb
     rows = []
     with tempfile.TemporaryDirectory(prefix="mega-bench-overlap-") as tmp:
         for name in names:
-            metrics = []
+            metrics, by_op = [], []
             for cfg in run_configs(name, overrides, steps, link_mbit, tmp):
                 index = common.prepare_data(cfg)
                 common.log(f"overlap: {name} {Path(cfg.train.run_dir).name} ({steps} steps, {link})")
                 common.train(cfg, index)
                 metrics.append(read_metrics(cfg.train.run_dir))
+                by_op.append(logging_rank_by_op(cfg.train.run_dir, ROWS[name][0], metrics[-1], warmup))
             rows.append(build_row(name, link, *metrics, warmup))
+            # what the exposed time waited for: e.g. dp = the parameter all-gather (what
+            # overlap_param_gather changes) + the gradient reduce-scatter (overlapped in both runs)
+            rows[-1].update(exposed_by_op_off=by_op[0], exposed_by_op_on=by_op[1])
             common.log(f"overlap: {rows[-1]}")
     return {"rows": rows, "steps": steps, "warmup_steps": warmup, "model": MODEL,
             "note": "2 ranks on 2 CPU cores shared with the host; medians over the steps after the warm-up"}

@@ -18,6 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mega.obs import timeline
+
 OBS_DIR = "obs"
 _RANK_FILE = re.compile(r"rank-(\d+)\.jsonl$")
 _ATTEMPT_DIR = re.compile(r"attempt-(\d+)$")
@@ -165,6 +167,27 @@ def exposed_per_step(tl: RunTimeline) -> list[dict]:
             row[f"exposed_{kind}_mean_s"] = statistics.fmean(values) if values else None
         out.append(row)
     return out
+
+
+_BUCKET_SUFFIX = re.compile(r" bucket \d+( start| wait)?$")
+
+
+def exposed_by_op(tl: RunTimeline, rank: int, kind: str, steps: list[int]) -> dict[str, float]:
+    """``rank``'s exposed communication of ``kind`` (tp, pp, dp, other) split by what it waited
+    for: the blocked spans of that kind grouped by name (a DP bucket's number and start/wait
+    dropped: ``all_gather params``, ``reduce_scatter grads``), each group's union per step, the
+    median over ``steps`` (a step without that operation counts 0). Pipeline p2p waits appear
+    raw here; their corrected exposure is the step summary's ``exposed_pp_s``."""
+    per_step: dict[str, list[float]] = {}
+    records = [r for s in steps if (r := tl.steps.get(rank, {}).get(s)) is not None]
+    for i, record in enumerate(records):
+        groups: dict[str, list] = {}
+        for name, cat, t0, t1, _depth, blocked, _args in record.get("spans", []):
+            if blocked and cat == kind:
+                groups.setdefault(_BUCKET_SUFFIX.sub("", name), []).append((t0, t1))
+        for op, intervals in groups.items():
+            per_step.setdefault(op, [0.0] * len(records))[i] = timeline.total(intervals) * timeline.NS
+    return {op: round(statistics.median(v), 6) for op, v in sorted(per_step.items())}
 
 
 def overhead(tl: RunTimeline) -> dict:
