@@ -39,8 +39,12 @@ ROWS = {
                    ["parallelism.tp_overlap=ring"]),
     "pp-overlap": ("pp", ["parallelism=pp2-vpp2", "parallelism.global_batch_size=8"],
                    ["parallelism.overlap_p2p_comm=true", "parallelism.overlap_p2p_comm_warmup_flush=true"]),
-    # 2M-parameter buckets (~7 for this model): reduction and all-gather proceed bucket by bucket
-    "dp-overlap": ("dp", ["parallelism=dp2", "parallelism.global_batch_size=8", "parallelism.ddp_bucket_size=2000000"],
+    # 2M-parameter buckets (~7 for this model): reduction and all-gather proceed bucket by bucket.
+    # One microbatch of 4 per DP rank (no gradient accumulation, as a pure-DP job that fits does):
+    # with several, the all-gather can only hide behind the first microbatch's forward and the
+    # reduce-scatter behind the last one's backward (docs/overlap.md measures both).
+    "dp-overlap": ("dp", ["parallelism=dp2", "parallelism.global_batch_size=8", "parallelism.micro_batch_size=4",
+                          "parallelism.ddp_bucket_size=2000000"],
                    ["parallelism.overlap_param_gather=true"]),
 }
 
