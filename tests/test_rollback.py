@@ -148,15 +148,10 @@ def _verdict_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_step_verdict_does_not_pair_with_a_save_threads_collectives(tmp_path):
-    import socket
-
+def test_step_verdict_does_not_pair_with_a_save_threads_collectives(tmp_path, free_port):
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_verdict_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_verdict_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"verdict": {"loss": True, "grad_norm": False, "spike": False}, "sum": 201.0}, (rank, got)

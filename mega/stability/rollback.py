@@ -3,9 +3,9 @@
 Rank side (``mega.train``): right after each step every rank checks its own numbers (the loss
 lives on the last pipeline stage, the grad norm on every rank: megatron's ``optimizer.step``
 returns it) and one small all-reduce (on a gloo group of its own, ``verdict_group``) makes every
-rank agree. On a bad step rank 0 writes
-``<run_dir>/rollback.json`` naming it, every rank commits the save in flight (it holds the last
-good state) and exits with ``ROLLBACK_EXIT``. Nothing of the bad step is saved.
+rank agree. On a bad step rank 0 writes ``<run_dir>/rollback.json`` naming it, every rank commits
+the save in flight (it holds the last good state) and exits with ``ROLLBACK_EXIT``. Nothing of the
+bad step is saved.
 
 Driver side (``mega.launch.driver``): after a failed attempt, ``take`` reads this attempt's
 ``rollback.json``; the step joins the run record's ``skipped_steps`` and the relaunch, from the
