@@ -5,7 +5,9 @@ megatron-core assumes CUDA in a handful of places: tensors created with ``device
 ``'torch.cuda.FloatTensor'`` type-string checks in the optimizers. Its torch-Adam fallback (always
 taken without Apex/Transformer Engine, hence always on CPU) also restores the distributed optimizer
 wrongly: it shares one ``step`` tensor between all parameters and copies a dummy ``step`` over the
-loaded one, so a resumed run silently diverges.
+loaded one, so a resumed run silently diverges. One adaptation is for speed, not to run at all:
+gloo implements reduce-scatter as an all-reduce (twice the bytes on the wire at TP=2), so tensor
+parallelism's reduce-scatter on gloo groups runs as megatron's own all-to-all reduce-scatter.
 
 ``apply()`` patches exactly those places, and only when no GPU is present: on a GPU node it does
 nothing and megatron-core runs unmodified. Every patch targets a private name of one release, so
@@ -49,6 +51,11 @@ PATCHED_SOURCES = {
     "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "1d470dedcf8e2f0e",
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32": "8edb9da5365045a5",
     "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__": "6cb54a06fa41bf78",
+    # reach the reduce-scatter through the module global ``dist_reduce_scatter_func``
+    "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim": "7322068fab71d319",
+    "megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward": "b50b2ea4a1c90270",
+    "megatron.core.distributed.reduce_scatter_with_fp32_accumulation:reduce_scatter_with_fp32_accumulation":
+        "ff5a1341cb9a7e75",
 }
 
 
@@ -75,6 +82,7 @@ def apply() -> bool:
     _patch_cuda_type_checks()
     _patch_sequence_parallel_norm()
     _patch_distopt_checkpoint_restore()
+    _patch_gloo_reduce_scatter()
     _applied = True
     return True
 
@@ -259,3 +267,34 @@ def _patch_distopt_checkpoint_restore() -> None:
 
     DistributedOptimizer.load_state_dict = load_state_dict
     DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
+def _patch_gloo_reduce_scatter() -> None:
+    """Sequence parallelism's reduce-scatter on gloo groups as an all-to-all plus a local sum.
+
+    gloo runs ``reduce_scatter_tensor`` as an all-reduce: every rank sends an all-reduce's bytes,
+    twice a reduce-scatter's at TP=2 (tests/test_gloo_reduce_scatter.py counts them). megatron's
+    ``reduce_scatter_with_fp32_accumulation`` (an all-to-all of the chunks, then each rank sums its
+    own) moves a reduce-scatter's bytes; the DDP gradient buffers use it on gloo through megatron's
+    flag (backend_flags.grad_reduce_scatter_all_to_all). Tensor parallelism has no such flag: its
+    mappings and linear layers call the module global ``dist_reduce_scatter_func`` bound at
+    import, rebound here. Other backends (and other reductions than a sum) keep the original.
+    """
+    import torch.distributed as dist
+    from megatron.core.distributed.reduce_scatter_with_fp32_accumulation import (
+        reduce_scatter_with_fp32_accumulation as all_to_all_reduce_scatter,
+    )
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for module in (mappings, layers):
+        original = module.dist_reduce_scatter_func
+
+        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, _original=original):
+            if op == dist.ReduceOp.SUM and output.is_contiguous() and dist.get_backend(group) == "gloo":
+                # flat views: the local sum is copied into the output through its view
+                return all_to_all_reduce_scatter(output.view(-1), input.reshape(-1), op,
+                                                 group or dist.group.WORLD, async_op)
+            return _original(output, input, op=op, group=group, async_op=async_op)
+
+        reduce_scatter.__wrapped__ = original
+        module.dist_reduce_scatter_func = reduce_scatter

@@ -132,10 +132,11 @@ def ddp_config(cfg: MegaConfig):
     """megatron DDP's settings: overlapped, bucketed gradient reduction into the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    p = cfg.parallelism
+    p, flags = cfg.parallelism, backend_flags(cfg)
     return DistributedDataParallelConfig(
         **pp_dp.ddp_config_kwargs(cfg),  # overlap_param_gather, align_param_gather
-        grad_reduce_in_fp32=backend_flags(cfg).grad_reduce_in_fp32,
+        grad_reduce_in_fp32=flags.grad_reduce_in_fp32,
+        reduce_scatter_with_fp32_accumulation=flags.grad_reduce_scatter_all_to_all,
         overlap_grad_reduce=p.overlap_grad_reduce,
         use_distributed_optimizer=p.use_distributed_optimizer,
         bucket_size=p.ddp_bucket_size,

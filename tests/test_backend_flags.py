@@ -32,11 +32,12 @@ GPU_PRESETS = {
 EXPECTED_DIFFERENCES = {
     "flags.device", "flags.collective_device", "flags.use_cpu_initialization", "flags.batch_p2p_comm",
     "flags.precision", "flags.params_dtype", "flags.pipeline_dtype", "flags.grad_reduce_in_fp32",
-    "flags.megatron_cpu_patches", "flags.limit_cpu_threads", "flags.peak_flops", "flags.env",
+    "flags.grad_reduce_scatter_all_to_all", "flags.megatron_cpu_patches", "flags.limit_cpu_threads", "flags.peak_flops", "flags.env",
     "TransformerConfig.use_cpu_initialization", "TransformerConfig.batch_p2p_comm",
     "TransformerConfig.params_dtype", "TransformerConfig.pipeline_dtype", "TransformerConfig.bf16",
     "TransformerConfig.autocast_dtype",  # megatron derives it from bf16/fp16 (__post_init__)
     "DistributedDataParallelConfig.grad_reduce_in_fp32",
+    "DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation",
     "OptimizerConfig.bf16", "OptimizerConfig.params_dtype",
 }
 

@@ -155,9 +155,72 @@ def test_exposed_time_by_operation():
                       span("reduce_scatter grads bucket 4 wait", 8, 12)]},
     }
     got = exposed_by_op(tl, 0, "dp", [1, 2, 3, 4])  # step 4 was not recorded: left out
-    # all_gather: 20, 4, 6 ms -> median 6; reduce_scatter: 4, 0, 5 ms -> median 4
-    assert got == {"all_gather params": pytest.approx(0.006), "reduce_scatter grads": pytest.approx(0.004)}
-    assert exposed_by_op(tl, 0, "tp", [1, 2]) == {"all_reduce": pytest.approx(0.0245)}  # 49 and 0 ms
+    # all_gather: 20, 4, 6 ms -> median 6; reduce_scatter: 4, 0, 5 ms -> median 4; total 24, 4, 11
+    assert got == {"all_gather params": pytest.approx(0.006), "reduce_scatter grads": pytest.approx(0.004),
+                   "total": pytest.approx(0.011)}
+    assert exposed_by_op(tl, 0, "tp", [1, 2]) == {"all_reduce": pytest.approx(0.0245),  # 49 and 0 ms
+                                                  "total": pytest.approx(0.0245)}
+
+
+def test_exposed_time_from_the_last_peers_launch():
+    """``from_arrival``: a rank's wait on a DP collective counts from when the last rank of its DP
+    group launched the same one (clocks aligned by the headers' offsets); ranks of another DP
+    group, and operations a peer did not record, do not correct it."""
+    from mega.obs.analysis import RunTimeline, exposed_by_op, group_peers
+
+    ms = 1_000_000
+
+    def span(name, t0, t1, blocked=True):
+        return [name, "dp", t0 * ms, t1 * ms, 2, blocked, None]
+
+    # ranks 0 and 1: one DP group (tp 0); rank 2 (tp 1) is in another, and in rank 0's TP group.
+    # Rank 1's clock runs 100 ms behind rank 0's: its offset (to rank 0's clock) is +100 ms.
+    tl = RunTimeline(Path("."), headers={0: {"tp": 0, "pp": 0, "dp": 0, "clock_offset_ns": 0},
+                                         1: {"tp": 0, "pp": 0, "dp": 1, "clock_offset_ns": 100 * ms},
+                                         2: {"tp": 1, "pp": 0, "dp": 0, "clock_offset_ns": 0}})
+    assert group_peers(tl, 0, "dp") == [1] and group_peers(tl, 2, "dp") == []
+    for rank, off in ((0, 0), (1, 100), (2, 0)):
+        tl.steps[rank] = {1: {"_offset": off * ms, "spans": []}}
+    tl.steps[0][1]["spans"] = [
+        span("reduce_scatter grads bucket 0 start", 10, 11, blocked=False),  # async: launch...
+        span("reduce_scatter grads bucket 0 wait", 20, 60),  # ...and its wait
+        span("all_gather params bucket 0 start", 70, 90),  # synchronous: launch and wait at once
+        span("all_reduce", 95, 99),  # rank 1 never launched it: counts whole
+    ]
+    tl.steps[1][1]["spans"] = [  # on rank 1's clock: 100 ms less than rank 0's for the same moment
+        span("reduce_scatter grads bucket 0 start", -60, -59, blocked=False),  # at 40 on rank 0's clock
+        span("reduce_scatter grads bucket 0 wait", -59, -40),
+        span("all_gather params bucket 0 start", -15, -10),  # at 85
+    ]
+    tl.steps[2][1]["spans"] = [span("reduce_scatter grads bucket 0 wait", 0, 50)]
+    raw = exposed_by_op(tl, 0, "dp", [1])
+    assert raw == {"reduce_scatter grads": pytest.approx(0.040), "all_gather params": pytest.approx(0.020),
+                   "all_reduce": pytest.approx(0.004), "total": pytest.approx(0.064)}
+    got = exposed_by_op(tl, 0, "dp", [1], from_arrival=True)
+    # the reduce-scatter from 40 (rank 1's launch) to 60, the all-gather from 85 to 90
+    assert got == {"reduce_scatter grads": pytest.approx(0.020), "all_gather params": pytest.approx(0.005),
+                   "all_reduce": pytest.approx(0.004), "total": pytest.approx(0.029)}
+    # rank 1 launched later than rank 0 everywhere: nothing of its own waits is taken away
+    assert exposed_by_op(tl, 1, "dp", [1], from_arrival=True) == exposed_by_op(tl, 1, "dp", [1])
+    # a group of one: no peer, no correction
+    assert exposed_by_op(tl, 2, "dp", [1], from_arrival=True)["total"] == pytest.approx(0.050)
+
+    # TP (ranks 0 and 2: same pp and dp): a wait pairs with the peer's asynchronous launch of the
+    # same name, not with its synchronous one (megatron's linear layers do both)
+    def tp(name, t0, t1, blocked=True):
+        return [name, "tp", t0 * ms, t1 * ms, 2, blocked, None]
+
+    assert group_peers(tl, 0, "tp") == [2]
+    tl.steps[0][1]["spans"] = [tp("all_gather (linear)", 0, 10), tp("launch all_gather (linear)", 20, 21, False),
+                               tp("wait all_gather (linear)", 30, 50), tp("ring start", 60, 61, False),
+                               tp("ring wait", 61, 80)]
+    tl.steps[2][1]["spans"] = [tp("all_gather (linear)", 4, 10), tp("launch all_gather (linear)", 40, 41, False),
+                               tp("wait all_gather (linear)", 41, 50), tp("ring start", 70, 71, False),
+                               tp("ring wait", 71, 80)]
+    got = exposed_by_op(tl, 0, "tp", [1], from_arrival=True)
+    # the synchronous all-gather from 4, the wait from 40 (the peer's launch, not its 4), the ring from 70
+    assert got == {"all_gather (linear)": pytest.approx(0.006), "wait all_gather (linear)": pytest.approx(0.010),
+                   "ring wait": pytest.approx(0.010), "total": pytest.approx(0.026)}
 
 
 @pytest.mark.slow
@@ -170,5 +233,9 @@ def test_the_split_by_operation_adds_up_to_the_steps_exposed_dp(dp_runs):
     for rank in tl.ranks:
         for step, record in tl.steps[rank].items():
             parts = analysis.exposed_by_op(tl, rank, "dp", [step])
+            total = parts.pop("total")
             assert "all_gather params" in parts and "reduce_scatter grads" in parts, parts
             assert sum(parts.values()) == pytest.approx(record["summary"]["exposed_dp_s"], abs=1e-5), (rank, step)
+            assert total == pytest.approx(record["summary"]["exposed_dp_s"], abs=1e-5), (rank, step)
+            # counted from the peer's launch: never more than the raw waits
+            assert analysis.exposed_by_op(tl, rank, "dp", [step], from_arrival=True)["total"] <= total + 1e-9

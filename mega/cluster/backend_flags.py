@@ -21,6 +21,12 @@ Why each one differs:
 * ``precision`` (and ``params_dtype``, ``pipeline_dtype``, ``grad_reduce_in_fp32``):
   ``train.precision=auto`` is bf16 on GPUs and fp32 on CPUs; config validation refuses bf16/fp16
   with ``cluster.device=cpu``.
+* ``grad_reduce_scatter_all_to_all``: the distributed optimizer's gradient reduce-scatter as
+  megatron's ``reduce_scatter_with_fp32_accumulation`` (an all-to-all, then a local sum). gloo
+  implements reduce-scatter as an all-reduce: each rank sends twice the bytes a reduce-scatter
+  needs (at DP=2, 64 MB on the wire for a 32 MB bucket instead of 32; counted in
+  tests/test_grad_reduce_scatter.py). The all-to-all moves the reduce-scatter's bytes; the sum is
+  the same at DP=2 (bit for bit) and fp32 either way here. NCCL's reduce-scatter is a ring: kept.
 * ``megatron_cpu_patches`` / ``limit_cpu_threads``: the CPU adaptations of megatron-core
   (mega/megatron_cpu.py) and one OpenMP thread pool per core share, CPU only.
 * ``peak_flops``: the MFU denominator -- the datasheet peak of the GPU, or a GEMM measured at
@@ -64,6 +70,7 @@ class BackendFlags:
     params_dtype: str  # TransformerConfig / OptimizerConfig, a torch dtype name
     pipeline_dtype: str  # TransformerConfig: dtype of the activations sent between stages
     grad_reduce_in_fp32: bool  # DistributedDataParallelConfig: fp32 gradient buckets under bf16/fp16
+    grad_reduce_scatter_all_to_all: bool  # DDP reduce_scatter_with_fp32_accumulation (gloo's RS = all-reduce bytes)
     megatron_cpu_patches: bool  # apply mega.megatron_cpu before building anything
     limit_cpu_threads: bool  # torch.set_num_threads(cores // local ranks)
     peak_flops: str  # MFU denominator: "datasheet" (GPU) | "measured" (a GEMM at start-up, CPU)
@@ -99,6 +106,7 @@ def backend_flags(cfg: "MegaConfig") -> BackendFlags:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         grad_reduce_in_fp32=precision != "fp32",
+        grad_reduce_scatter_all_to_all=c.backend == "gloo",
         megatron_cpu_patches=not cuda,
         limit_cpu_threads=not cuda,
         peak_flops="datasheet" if cuda else "measured",

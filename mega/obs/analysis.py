@@ -170,23 +170,94 @@ def exposed_per_step(tl: RunTimeline) -> list[dict]:
 
 
 _BUCKET_SUFFIX = re.compile(r" bucket \d+( start| wait)?$")
+# how a launch and the wait on it name the same operation: "X bucket 3 start" / "X bucket 3 wait"
+# (DP buckets), "launch X" / "wait X" (asynchronous collectives), "ring start" / "ring wait"
+_LAUNCH_WAIT = re.compile(r"^(launch|wait) | (start|wait)$")
+# the ranks a collective of each kind runs over: same coordinates but the kind's own
+_GROUP_OF = {"dp": ("tp", "pp"), "tp": ("pp", "dp")}
 
 
-def exposed_by_op(tl: RunTimeline, rank: int, kind: str, steps: list[int]) -> dict[str, float]:
-    """``rank``'s exposed communication of ``kind`` (tp, pp, dp, other) split by what it waited
-    for: the blocked spans of that kind grouped by name (a DP bucket's number and start/wait
-    dropped: ``all_gather params``, ``reduce_scatter grads``), each group's union per step, the
-    median over ``steps`` (a step without that operation counts 0). Pipeline p2p waits appear
-    raw here; their corrected exposure is the step summary's ``exposed_pp_s``."""
+def group_peers(tl: RunTimeline, rank: int, kind: str) -> list[int]:
+    """The other ranks of ``rank``'s ``kind`` (dp or tp) group, from the headers' coordinates."""
+    h = tl.headers[rank]
+    same = _GROUP_OF[kind]
+    return [r for r in tl.ranks if r != rank and all(tl.headers[r].get(k, 0) == h.get(k, 0) for k in same)]
+
+
+def _keyed(record: dict, kind: str):
+    """``record``'s spans of ``kind`` in time order, each with its operation's key and whether it
+    is a launch rather than the wait on one. The key: the name without ``launch``/``start``/
+    ``wait``, whether the operation is asynchronous (a launch not blocked, and the wait on it) or
+    synchronous (one blocked span, launch and wait at once), and which occurrence of that it is in
+    the step; every rank runs the same operations in the same order, so keys match across ranks."""
+    seen: dict[tuple, int] = {}
+    for name, cat, t0, t1, _depth, blocked, _args in sorted(record.get("spans", []), key=lambda x: x[2]):
+        if cat != kind:
+            continue
+        is_wait = name.startswith("wait ") or name.endswith(" wait")
+        op = (_LAUNCH_WAIT.sub("", name), is_wait or not blocked, is_wait)
+        n = seen.get(op, 0)
+        seen[op] = n + 1
+        yield name, t0, t1, blocked, (*op[:2], n), not is_wait
+
+
+def _peer_arrivals(tl: RunTimeline, rank: int, kind: str, step: int) -> dict[tuple, int]:
+    """Per operation key of the step: when the last of ``rank``'s group peers launched it, on
+    ``rank``'s clock (keys some peer did not record are left out)."""
+    latest: dict[tuple, int] = {}
+    counted: dict[tuple, int] = {}
+    peers = group_peers(tl, rank, kind)
+    for peer in peers:
+        record = tl.steps.get(peer, {}).get(step)
+        if record is None:
+            return {}
+        shift = tl.offset(peer, step) - tl.offset(rank, step)  # peer's clock -> rank's clock
+        for _name, t0, _t1, _blocked, key, launch in _keyed(record, kind):
+            if launch:
+                latest[key] = max(latest.get(key, t0 + shift), t0 + shift)
+                counted[key] = counted.get(key, 0) + 1
+    return {k: t for k, t in latest.items() if counted[k] == len(peers)}
+
+
+def exposed_intervals(tl: RunTimeline, rank: int, kind: str, step: int,
+                      from_arrival: bool = False) -> dict[str, list[timeline.Interval]]:
+    """``rank``'s blocked intervals of ``kind`` in ``step`` by operation (bucket numbers dropped).
+
+    ``from_arrival``: each one counts only from when the last peer of the group had launched the
+    same operation (its same occurrence in the step, clocks aligned): until then the rank waits on
+    a peer that is still computing, which is that peer's compute (a straggler), not communication:
+    the correction mega.obs.timeline makes for pipeline p2p, here for DP and TP collectives and
+    the TP ring's steps (a ring step's wait from the last peer's post of the same step: at TP=2
+    exactly the peer it exchanges with; at larger TP the latest of the group, a little later than
+    the two neighbours the step needs)."""
+    record = tl.steps.get(rank, {}).get(step)
+    if record is None:
+        return {}
+    arrivals = _peer_arrivals(tl, rank, kind, step) if from_arrival else {}
+    groups: dict[str, list[timeline.Interval]] = {}
+    for name, t0, t1, blocked, key, _launch in _keyed(record, kind):
+        if blocked:
+            start = max(t0, arrivals.get(key, t0))
+            groups.setdefault(_BUCKET_SUFFIX.sub("", name), []).append((start, max(start, t1)))
+    return groups
+
+
+def exposed_by_op(tl: RunTimeline, rank: int, kind: str, steps: list[int],
+                  from_arrival: bool = False) -> dict[str, float]:
+    """``rank``'s exposed communication of ``kind`` split by what it waited for: the blocked spans
+    of that kind grouped by name (a DP bucket's number and start/wait dropped: ``all_gather
+    params``, ``reduce_scatter grads``), each group's union per step, the median over ``steps``
+    (a step without that operation counts 0), and ``total`` (the union of all of them: the step
+    summary's ``exposed_<kind>_s``, or with ``from_arrival`` that less the waits on late peers; see
+    ``exposed_intervals``). Pipeline p2p waits appear raw here; their corrected exposure is the
+    step summary's ``exposed_pp_s``."""
     per_step: dict[str, list[float]] = {}
-    records = [r for s in steps if (r := tl.steps.get(rank, {}).get(s)) is not None]
-    for i, record in enumerate(records):
-        groups: dict[str, list] = {}
-        for name, cat, t0, t1, _depth, blocked, _args in record.get("spans", []):
-            if blocked and cat == kind:
-                groups.setdefault(_BUCKET_SUFFIX.sub("", name), []).append((t0, t1))
-        for op, intervals in groups.items():
-            per_step.setdefault(op, [0.0] * len(records))[i] = timeline.total(intervals) * timeline.NS
+    present = [s for s in steps if s in tl.steps.get(rank, {})]
+    for i, step in enumerate(present):
+        groups = exposed_intervals(tl, rank, kind, step, from_arrival)
+        everything = [iv for intervals in groups.values() for iv in intervals]
+        for op, intervals in [*groups.items(), ("total", everything)]:
+            per_step.setdefault(op, [0.0] * len(present))[i] = timeline.total(intervals) * timeline.NS
     return {op: round(statistics.median(v), 6) for op, v in sorted(per_step.items())}
 
 

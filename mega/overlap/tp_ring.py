@@ -55,10 +55,12 @@ class _Ring:
 
     def start(self, send: torch.Tensor, recv: torch.Tensor):
         """Post one send of ``send`` to the next rank and one receive into ``recv`` from the previous."""
-        if not self.nccl:
-            return [dist.isend(send, group=self.group, group_dst=self.next),
-                    dist.irecv(recv, group=self.group, group_src=self.prev)], ()
-        return self._start_cuda(send, recv)
+        # the launch, not blocked: mega.obs.analysis counts a peer's ring wait from this moment
+        with obs.span("ring start", "tp"):
+            if not self.nccl:
+                return [dist.isend(send, group=self.group, group_dst=self.next),
+                        dist.irecv(recv, group=self.group, group_src=self.prev)], ()
+            return self._start_cuda(send, recv)
 
     def wait(self, pending) -> None:
         works, tensors = pending
