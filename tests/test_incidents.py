@@ -19,7 +19,7 @@ from mega.launch.runs import read_record, track
 from mega.launch.watch import JobOutcome
 from mega.stability import logscan
 from mega.stability.incident import Incident, read_incidents
-from mega.stability.incidents_of_attempt import Book, Diagnosed, suspect_nodes
+from mega.stability.incidents_of_attempt import Book, Diagnosed, narrow_to_culprits, suspect_nodes
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 
@@ -105,6 +105,21 @@ def test_failed_nodes_are_the_suspects_else_the_hangs_culprit_node():
     assert suspect_nodes(JobOutcome(124, "hung", [], {}), [hang(None)]) == []  # no culprit node: nothing to check
     straggler = Incident("straggler", 0, 0.0, "slow", {"rank": 1, "node": 1})
     assert suspect_nodes(JobOutcome(124, "hung", [], {}), [straggler]) == []
+
+
+def test_agents_failed_in_one_poll_are_narrowed_to_the_culprits_node(tmp_path):
+    """The node-kill drill's logs: node 1's ranks were SIGKILLed, node 0's rank 0 then failed on
+    'Connection closed by peer' (exit 1). Both agents seen failed in one poll: node 1 is the cause."""
+    logs = {k: LOGS / f"node-kill-node{k}.log" for k in (0, 1)}
+    both = JobOutcome(1, "node 0: torchrun agent exited with code 1; node 1: ...", [0, 1], {0: 1, 1: 1})
+    narrowed = narrow_to_culprits(both, logs)
+    assert narrowed.failed_nodes == [1] and narrowed.reason == both.reason and narrowed.exit_codes == both.exit_codes
+    # one failed node: nothing to narrow
+    assert narrow_to_culprits(JobOutcome(1, "node 0", [0], {0: 1, 1: None}), logs).failed_nodes == [0]
+    # the culprit's log lost: node 0's own table names only a victim (its root cause saw the peer
+    # close), so nothing is narrowed rather than blaming node 0
+    lost = {0: logs[0], 1: tmp_path / "missing.log"}
+    assert narrow_to_culprits(both, lost).failed_nodes == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------

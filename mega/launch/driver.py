@@ -118,6 +118,9 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
                           stall_timeout_s=c.hang_timeout_s, on_poll=lambda: run.beat() or book.poll() or watcher.poll(),
                           on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"))
+        # agents of a dead rank's peers may fail in the same poll: blame the culprit's node
+        logs = {k: job.log_path(k, c.nodes) for k in range(c.nodes)}
+        outcome = incidents_of_attempt.narrow_to_culprits(outcome, logs)
         attempts += 1
         try:
             dropped = rendezvous.drop_attempt_keys(store_env, n)

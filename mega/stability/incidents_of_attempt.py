@@ -24,7 +24,7 @@ called with each incident when it is filed (``stage: detected``) and again when 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -40,6 +40,30 @@ if TYPE_CHECKING:
     from mega.stability.membership import Nodes
 
 MAX_LOGS = 16  # agent logs scanned per failed attempt: the failed/suspected nodes first
+
+
+def narrow_to_culprits(outcome: "JobOutcome", logs: dict[int, Path]) -> "JobOutcome":
+    """Several agents seen failed in one poll of the driver are often one cause and its victims: a
+    rank died, and its peers on the other nodes then failed in their collectives, all within the
+    poll's half second. The failed nodes are then narrowed to the nodes of the culprit ranks that
+    torchrun's failure tables in ``logs`` (node -> agent log) name (mega.stability.logscan: killed
+    by a signal, else a root cause that raised no peer error: not merely the first failure each
+    agent saw); unchanged when they name none of the failed nodes or all of them. The reason still
+    lists every failed node."""
+    failed = sorted(outcome.failed_nodes)
+    if len(failed) < 2:
+        return outcome
+    fails: list[logscan.Failure] = []
+    matches: list[logscan.Match] = []
+    for k in failed:
+        text = logscan.read_tail(logs[k]) if k in logs else ""
+        matches += logscan.scan_text(text)
+        fails += logscan.failures(text, k)
+    node_of = {f.rank: f.node for f in fails}
+    named = sorted({node_of[r] for r in logscan.culprit_ranks(fails, matches, every_root=False)})
+    if not named or named == failed:
+        return outcome
+    return replace(outcome, code=outcome.exit_codes.get(named[0], outcome.code), failed_nodes=named)
 
 
 def suspect_nodes(outcome: "JobOutcome", incidents: list[Incident]) -> list[int]:

@@ -127,17 +127,17 @@ def failures(text: str, node: int | None = None) -> list[Failure]:
             for m in _FAILURE.finditer(table)]
 
 
-def culprit_ranks(fails: list[Failure], matches: list[Match]) -> list[int]:
+def culprit_ranks(fails: list[Failure], matches: list[Match], *, every_root: bool = True) -> list[int]:
     """Which failed ranks caused the failure rather than suffered it: the ones killed by a signal
     other than the SIGTERM torchrun stops survivors with (SIGKILL, SIGSEGV, SIGABRT, ...); else
     torchrun's root causes that raised no peer-connection error (a rank whose peer died reports
-    'Connection closed by peer'); else every root cause."""
+    'Connection closed by peer'); else (``every_root``) every root cause."""
     killed = sorted({f.rank for f in fails if f.exitcode < 0 and f.exitcode != -signal.SIGTERM})
     if killed:
         return killed
     victims = {m.rank for m in matches if m.pattern in ("gloo-peer-closed", "connection-reset")}
     roots = sorted({f.rank for f in fails if f.root_cause})
-    return [r for r in roots if r not in victims] or roots
+    return [r for r in roots if r not in victims] or (roots if every_root else [])
 
 
 def dmesg_xid(since: float | None = None, timeout_s: float = DMESG_TIMEOUT_S) -> list[str]:
