@@ -25,7 +25,7 @@ Why each one differs:
   megatron's ``reduce_scatter_with_fp32_accumulation`` (an all-to-all, then a local sum). gloo
   implements reduce-scatter as an all-reduce: each rank sends twice the bytes a reduce-scatter
   needs (at DP=2, 64 MB on the wire for a 32 MB bucket instead of 32; counted in
-  tests/test_grad_reduce_scatter.py). The all-to-all moves the reduce-scatter's bytes; the sum is
+  tests/test_gloo_reduce_scatter.py). The all-to-all moves the reduce-scatter's bytes; the sum is
   the same at DP=2 (bit for bit) and fp32 either way here. NCCL's reduce-scatter is a ring: kept.
 * ``megatron_cpu_patches`` / ``limit_cpu_threads``: the CPU adaptations of megatron-core
   (mega/megatron_cpu.py) and one OpenMP thread pool per core share, CPU only.
