@@ -399,11 +399,23 @@ def test_slow_rank_is_the_top_straggler_in_the_heat_map(slow_run):
     # its TP partner (rank 4) waits for it inside TP collectives: booked as communication, not
     # as compute, so the partner does not look slow too
     assert scores[4] < 0.6 * scores[SLOW_RANK]
+    # counted from when the slow rank reached each TP collective, the partner's TP waits mostly
+    # go: they were the straggler's compute (analysis.exposed_by_op with from_arrival)
+    tl = analysis.load(run_dir)
+    steps = tl.step_numbers()[1:]
+    raw = analysis.exposed_by_op(tl, 4, "tp", steps)["total"]
+    late = analysis.exposed_by_op(tl, 4, "tp", steps, from_arrival=True)["total"]
+    assert late < 0.5 * raw, (late, raw)
+    # the slow rank itself waits on nobody: its TP exposure is not cut the same way
+    own_raw = analysis.exposed_by_op(tl, SLOW_RANK, "tp", steps)["total"]
+    assert analysis.exposed_by_op(tl, SLOW_RANK, "tp", steps, from_arrival=True)["total"] > 0.5 * own_raw
     built = report.build(run_dir, tensorboard=True)
     assert built["top_stragglers"][0]["rank"] == SLOW_RANK
+    assert built["exposed_from_arrival_mean_s"]["tp"] < built["exposed_mean_s"]["tp"]
     assert Path(built["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any((run_dir / "tb").glob("events.out.tfevents.*"))
-    assert "data:image/png;base64," in report.markdown(built)
+    md = report.markdown(built)
+    assert "data:image/png;base64," in md and "without waits on a late peer" in md
 
 
 def test_profile_steps_leave_a_torch_profiler_trace_per_rank(slow_run):

@@ -33,6 +33,7 @@ class RunTimeline:
     headers: dict[int, dict] = field(default_factory=dict)
     steps: dict[int, dict[int, dict]] = field(default_factory=dict)  # rank -> step -> record
     accounting: dict[int, dict] = field(default_factory=dict)  # rank -> its last attempt's accounting
+    arrivals: dict[tuple, dict] = field(default_factory=dict, repr=False)  # (kind, group, step) -> launches
 
     @property
     def ranks(self) -> list[int]:
@@ -48,7 +49,7 @@ class RunTimeline:
 
     def offset(self, rank: int, step: int | None = None) -> int:
         """ns to add to a rank's timestamps to put them on rank 0's clock (its record's attempt)."""
-        if step is not None and step in self.steps.get(rank, {}):
+        if step is not None and "_offset" in self.steps.get(rank, {}).get(step, {}):
             return self.steps[rank][step]["_offset"]
         return self.headers[rank].get("clock_offset_ns", 0)
 
@@ -155,8 +156,10 @@ def _coord_label(h: dict) -> str:
     return f"pp{h.get('pp', 0)} dp{h.get('dp', 0)} tp{h.get('tp', 0)} · r{h.get('rank')} n{h.get('node', 0)}"
 
 
-def exposed_per_step(tl: RunTimeline) -> list[dict]:
-    """Per step, per communication kind: the exposed seconds, max and mean over ranks."""
+def exposed_per_step(tl: RunTimeline, from_arrival: bool = False) -> list[dict]:
+    """Per step, per communication kind: the exposed seconds, max and mean over ranks. With
+    ``from_arrival`` also ``exposed_{dp,tp}_from_arrival_{max,mean}_s``: the same without the waits
+    on a late peer (``exposed_intervals``)."""
     out = []
     for step in tl.step_numbers():
         row: dict = {"step": step}
@@ -165,6 +168,11 @@ def exposed_per_step(tl: RunTimeline) -> list[dict]:
                       if (v := _summary(tl.steps.get(r, {}).get(step, {})).get(f"exposed_{kind}_s")) is not None]
             row[f"exposed_{kind}_max_s"] = max(values) if values else None
             row[f"exposed_{kind}_mean_s"] = statistics.fmean(values) if values else None
+        for kind in ("tp", "dp") if from_arrival else ():
+            values = [exposed_by_op(tl, r, kind, [step], from_arrival=True).get("total", 0.0)
+                      for r in tl.ranks if step in tl.steps.get(r, {})]
+            row[f"exposed_{kind}_from_arrival_max_s"] = max(values) if values else None
+            row[f"exposed_{kind}_from_arrival_mean_s"] = statistics.fmean(values) if values else None
         out.append(row)
     return out
 
@@ -202,21 +210,23 @@ def _keyed(record: dict, kind: str):
 
 
 def _peer_arrivals(tl: RunTimeline, rank: int, kind: str, step: int) -> dict[tuple, int]:
-    """Per operation key of the step: when the last of ``rank``'s group peers launched it, on
-    ``rank``'s clock (keys some peer did not record are left out)."""
+    """Per operation key of the step: when the last rank of ``rank``'s group (itself included:
+    its own launch precedes its own wait) launched it, on rank 0's clock; keys some member did not
+    record are left out. Computed once per group and step (the report asks for every member)."""
+    group = tuple(sorted([rank, *group_peers(tl, rank, kind)]))
+    if (kind, group, step) in tl.arrivals:
+        return tl.arrivals[(kind, group, step)]
     latest: dict[tuple, int] = {}
     counted: dict[tuple, int] = {}
-    peers = group_peers(tl, rank, kind)
-    for peer in peers:
-        record = tl.steps.get(peer, {}).get(step)
-        if record is None:
-            return {}
-        shift = tl.offset(peer, step) - tl.offset(rank, step)  # peer's clock -> rank's clock
+    records = [tl.steps.get(member, {}).get(step) for member in group]
+    for member, record in zip(group, records if None not in records else []):
+        shift = tl.offset(member, step)  # the member's clock -> rank 0's
         for _name, t0, _t1, _blocked, key, launch in _keyed(record, kind):
             if launch:
                 latest[key] = max(latest.get(key, t0 + shift), t0 + shift)
                 counted[key] = counted.get(key, 0) + 1
-    return {k: t for k, t in latest.items() if counted[k] == len(peers)}
+    out = tl.arrivals[(kind, group, step)] = {k: t for k, t in latest.items() if counted[k] == len(group)}
+    return out
 
 
 def exposed_intervals(tl: RunTimeline, rank: int, kind: str, step: int,
@@ -234,10 +244,11 @@ def exposed_intervals(tl: RunTimeline, rank: int, kind: str, step: int,
     if record is None:
         return {}
     arrivals = _peer_arrivals(tl, rank, kind, step) if from_arrival else {}
+    own = tl.offset(rank, step) if arrivals else 0  # rank 0's clock -> this rank's: subtract
     groups: dict[str, list[timeline.Interval]] = {}
     for name, t0, t1, blocked, key, _launch in _keyed(record, kind):
         if blocked:
-            start = max(t0, arrivals.get(key, t0))
+            start = max(t0, arrivals[key] - own) if key in arrivals else t0
             groups.setdefault(_BUCKET_SUFFIX.sub("", name), []).append((start, max(start, t1)))
     return groups
 
