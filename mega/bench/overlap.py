@@ -74,18 +74,20 @@ def run_configs(name: str, overrides: list[str], steps: int, link_mbit: float, t
             for label, extra in (("off", []), ("on", on))]
 
 
-def logging_rank_by_op(run_dir: str | Path, kind: str, metrics: list[dict], warmup: int,
-                       from_arrival: bool = False) -> dict[str, float]:
+def logging_rank_by_op(run_dir: str | Path, kind: str, metrics: list[dict],
+                       warmup: int) -> tuple[dict, dict | None]:
     """The logging rank's (last stage, TP 0, DP 0: whose metrics the row reads) exposed
     communication of ``kind`` by operation and in ``total``, median over the timed steps
-    (mega.obs.analysis)."""
+    (mega.obs.analysis): raw, and for the ``FROM_ARRIVAL`` kinds without the waits on a late peer
+    (else None). The span files are read once for both."""
     from mega.obs import analysis
 
     tl = analysis.load(run_dir)
     rank = max((r for r, h in tl.headers.items() if h.get("tp", 0) == 0 and h.get("dp", 0) == 0),
                key=lambda r: tl.headers[r].get("pp", 0))
-    return analysis.exposed_by_op(tl, rank, kind, [m["step"] for m in common.steady(metrics, warmup)],
-                                  from_arrival=from_arrival)
+    steps = [m["step"] for m in common.steady(metrics, warmup)]
+    return (analysis.exposed_by_op(tl, rank, kind, steps),
+            analysis.exposed_by_op(tl, rank, kind, steps, from_arrival=True) if kind in FROM_ARRIVAL else None)
 
 
 def _basis(kind: str, from_arrival: bool) -> str:
@@ -96,8 +98,8 @@ def _basis(kind: str, from_arrival: bool) -> str:
 
 def build_row(name: str, link: str, off: list[dict], on: list[dict], warmup: int,
               arrival: tuple[dict, dict] | None = None) -> dict:
-    """One row from the off and on runs' metrics rows; ``arrival``: the off and on runs'
-    ``logging_rank_by_op(..., from_arrival=True)``, whose totals the row is then judged on."""
+    """One row from the off and on runs' metrics rows; ``arrival``: the off and on runs' exposure
+    without the waits on a late peer (``logging_rank_by_op``), whose totals the row is then judged on."""
     kind = ROWS[name][0]
     key = f"exposed_{kind}_s"
     a, b = common.steady(off, warmup), common.steady(on, warmup)
@@ -134,9 +136,10 @@ def bench_overlap(overrides: list[str], steps: int = 8, warmup: int = 3, link_mb
                 common.log(f"overlap: {name} {Path(cfg.train.run_dir).name} ({steps} steps, {link})")
                 common.train(cfg, index)
                 metrics.append(read_metrics(cfg.train.run_dir))
-                by_op.append(logging_rank_by_op(cfg.train.run_dir, kind, metrics[-1], warmup))
-                if kind in FROM_ARRIVAL:
-                    arrival.append(logging_rank_by_op(cfg.train.run_dir, kind, metrics[-1], warmup, from_arrival=True))
+                raw, late = logging_rank_by_op(cfg.train.run_dir, kind, metrics[-1], warmup)
+                by_op.append(raw)
+                if late is not None:
+                    arrival.append(late)
             rows.append(build_row(name, link, *metrics, warmup, tuple(arrival) if arrival else None))
             # what the exposed time waited for: e.g. dp = the parameter all-gather (what
             # overlap_param_gather changes) + the gradient reduce-scatter (overlapped in both runs)

@@ -209,7 +209,7 @@ def _keyed(record: dict, kind: str):
         yield name, t0, t1, blocked, (*op[:2], n), not is_wait
 
 
-def _peer_arrivals(tl: RunTimeline, rank: int, kind: str, step: int) -> dict[tuple, int]:
+def _last_launches(tl: RunTimeline, rank: int, kind: str, step: int) -> dict[tuple, int]:
     """Per operation key of the step: when the last rank of ``rank``'s group (itself included:
     its own launch precedes its own wait) launched it, on rank 0's clock; keys some member did not
     record are left out. Computed once per group and step (the report asks for every member)."""
@@ -219,7 +219,9 @@ def _peer_arrivals(tl: RunTimeline, rank: int, kind: str, step: int) -> dict[tup
     latest: dict[tuple, int] = {}
     counted: dict[tuple, int] = {}
     records = [tl.steps.get(member, {}).get(step) for member in group]
-    for member, record in zip(group, records if None not in records else []):
+    if None in records:  # a member did not record the step: nothing to correct with
+        records = []
+    for member, record in zip(group, records):
         shift = tl.offset(member, step)  # the member's clock -> rank 0's
         for _name, t0, _t1, _blocked, key, launch in _keyed(record, kind):
             if launch:
@@ -243,7 +245,7 @@ def exposed_intervals(tl: RunTimeline, rank: int, kind: str, step: int,
     record = tl.steps.get(rank, {}).get(step)
     if record is None:
         return {}
-    arrivals = _peer_arrivals(tl, rank, kind, step) if from_arrival else {}
+    arrivals = _last_launches(tl, rank, kind, step) if from_arrival else {}
     own = tl.offset(rank, step) if arrivals else 0  # rank 0's clock -> this rank's: subtract
     groups: dict[str, list[timeline.Interval]] = {}
     for name, t0, t1, blocked, key, _launch in _keyed(record, kind):

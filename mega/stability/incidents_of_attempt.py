@@ -53,14 +53,9 @@ def narrow_to_culprits(outcome: "JobOutcome", logs: dict[int, Path]) -> "JobOutc
     failed = sorted(outcome.failed_nodes)
     if len(failed) < 2:
         return outcome
-    fails: list[logscan.Failure] = []
-    matches: list[logscan.Match] = []
-    for k in failed:
-        text = logscan.read_tail(logs[k]) if k in logs else ""
-        matches += logscan.scan_text(text)
-        fails += logscan.failures(text, k)
-    node_of = {f.rank: f.node for f in fails}
-    named = sorted({node_of[r] for r in logscan.culprit_ranks(fails, matches, every_root=False)})
+    scan = logscan.scan_logs({k: logs[k] for k in failed if k in logs}, every_root=False)
+    node_of = {f["rank"]: f["node"] for f in scan["failures"]}
+    named = sorted({node_of[r] for r in scan["culprit_ranks"]})
     if not named or named == failed:
         return outcome
     return replace(outcome, code=outcome.exit_codes.get(named[0], outcome.code), failed_nodes=named)

@@ -169,9 +169,11 @@ def xid_lines(dmesg: str, after_s: float | None = None) -> list[str]:
     return keep[-MAX_MATCHES:]
 
 
-def scan_logs(logs: dict[int, Path], *, device: str = "cpu", since: float | None = None) -> dict:
+def scan_logs(logs: dict[int, Path], *, device: str = "cpu", since: float | None = None,
+              every_root: bool = True) -> dict:
     """An attempt's agent logs (node -> path): the matches, torchrun's failures, the culprit ranks
-    they point at and, when ``device`` is cuda, the kernel's Xid lines since ``since``."""
+    they point at (``culprit_ranks``' ``every_root``) and, when ``device`` is cuda, the kernel's
+    Xid lines since ``since``."""
     matches: list[Match] = []
     fails: list[Failure] = []
     for node, path in sorted(logs.items()):
@@ -180,7 +182,7 @@ def scan_logs(logs: dict[int, Path], *, device: str = "cpu", since: float | None
         fails += failures(text, node)
     xids = dmesg_xid(since) if device == "cuda" else []
     return {"matches": [asdict(m) for m in matches][:MAX_MATCHES], "failures": [asdict(f) for f in fails],
-            "culprit_ranks": culprit_ranks(fails, matches), "xid": xids,
+            "culprit_ranks": culprit_ranks(fails, matches, every_root=every_root), "xid": xids,
             "summary": summarise(matches, fails, xids)}
 
 
