@@ -512,6 +512,20 @@ def compose(overrides: list[str] | None = None, config_name: str = "config",
     return from_container(dcfg, validate_config)
 
 
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a Hydra multirun (``-m a=x,y b=1,2``): each point's overrides, as Hydra's basic
+    sweeper expands them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException as err:
+        raise _wrap_hydra_error(err) from None
+
+
 def from_container(dcfg: Any, validate_config: bool = True) -> MegaConfig:
     """A Hydra/OmegaConf node (e.g. the argument of a ``@hydra.main`` function) -> MegaConfig."""
     try:
