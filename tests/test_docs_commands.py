@@ -86,7 +86,8 @@ def _block_commands(path: Path, first: int, body: list[str], shell: bool) -> lis
     pending, at = "", 0
     for n, line in enumerate(body, first + 1):
         prompt = line.startswith("$ ")
-        if prompt or (shell and line.strip() and not line.lstrip().startswith("#")) or pending:
+        command = line.strip() and not line.lstrip().startswith("#") if shell else PROGRAM.match(line.strip())
+        if prompt or command or pending:
             text = line[2:] if prompt else line
             at = at if pending else n
             pending += text.rstrip("\\").strip() + " "
@@ -119,15 +120,15 @@ def all_commands() -> list[Command]:
     return out
 
 
-def unique(commands: list[Command]) -> dict[tuple, list[str]]:
-    """Each distinct command once (README and docs repeat some), with every place it is shown."""
-    out: dict[tuple, list[str]] = {}
+def unique(commands: list[Command]) -> list[Command]:
+    """Each distinct command once (README and docs repeat some), where it is first shown."""
+    first: dict[tuple, Command] = {}
     for c in commands:
-        out.setdefault((c.text, c.fails_with, c.inline), []).append(c.where)
-    return out
+        first.setdefault((c.text, c.fails_with, c.inline), c)
+    return list(first.values())
 
 
-COMMANDS = [Command(wheres[0], *key) for key, wheres in unique(all_commands()).items()]
+COMMANDS = unique(all_commands())
 
 
 def _words(text: str) -> list[list[str]]:
