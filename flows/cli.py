@@ -14,7 +14,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from mega.config import CONF_DIR, ConfigError, from_container, register_schema, to_dict
+from mega.config import (CONF_DIR, ConfigError, MegaConfig, compose, from_container, register_schema, sweep_jobs,
+                         to_dict)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -32,6 +33,19 @@ def _hydra_job(dcfg: DictConfig) -> dict[str, Any]:
     from flows.pretrain import pretrain  # Prefect and the tasks: only now that a job runs
 
     return pretrain(config=to_dict(cfg))
+
+
+def check_args(argv: list[str]) -> list[MegaConfig]:
+    """Parse ``argv`` as ``python -m flows.pretrain`` does (Hydra's own flags) and validate the
+    config of every job it would run (each point of a ``-m`` sweep), launching nothing. A bad flag
+    exits (argparse); a bad config raises ConfigError naming the key."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return []
+    jobs = sweep_jobs(args.overrides) if args.multirun else [args.overrides]
+    return [compose(job) for job in jobs]
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ def recover(runs_root: str = "runs", run_dir: str | None = None, flow_run_id: st
     return {"scope": scope, "runs": rows, "restarted": [r["run_dir"] for r in restarted]}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flows.recover",
         description="Restart runs that should be training but are not, from their latest durable "
@@ -65,7 +65,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="a heartbeat older than this means the launcher is gone (default 120)")
     parser.add_argument("--no-failed", action="store_true", help="leave runs whose launcher gave up alone")
     parser.add_argument("--max-recoveries", type=int, default=3)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(argv: list[str]) -> None:
+    """Parse ``argv`` as ``main`` does, recovering nothing (a bad flag exits, as argparse does)."""
+    _parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     recover(runs_root=args.runs_root, run_dir=args.run_dir, flow_run_id=args.flow_run_id,
             stale_after_s=args.stale_after_s, include_failed=not args.no_failed,
             max_recoveries=args.max_recoveries)

@@ -253,7 +253,8 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    warmup_steps: int = 10
+    # LR warm-up steps; null: a tenth of train.steps, at most 10 (default_warmup_steps)
+    warmup_steps: int | None = None
     decay_style: str = "cosine"  # cosine | linear | constant
     lamb_max_trust_ratio: float = 10.0  # lamb: upper clamp of the trust ratio |w|/|r| (inf: none)
 
@@ -460,9 +461,22 @@ def from_dict(data: dict[str, Any] | None = None, validate_config: bool = True) 
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise _wrap_omegaconf_error(err) from None
+    _fill_defaults(cfg)
     if validate_config:
         validate(cfg)
     return cfg
+
+
+def default_warmup_steps(steps: int) -> int:
+    """The LR warm-up of a run that does not set one: a tenth of the run, as Megatron's
+    --lr-warmup-fraction 0.1 or HF's warmup_ratio, at most 10 steps (a long run needs no more)."""
+    return min(10, steps // 10)
+
+
+def _fill_defaults(cfg: MegaConfig) -> None:
+    """Settle the keys whose default follows others (null in conf/), so the saved config says what ran."""
+    if cfg.optimizer.warmup_steps is None and isinstance(cfg.train.steps, int):
+        cfg.optimizer.warmup_steps = default_warmup_steps(cfg.train.steps)
 
 
 def to_dict(cfg: MegaConfig) -> dict[str, Any]:
@@ -496,6 +510,20 @@ def compose(overrides: list[str] | None = None, config_name: str = "config",
     except HydraException as err:
         raise _wrap_hydra_error(err) from None
     return from_container(dcfg, validate_config)
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs of a Hydra multirun (``-m a=x,y b=1,2``): each point's overrides, as Hydra's basic
+    sweeper expands them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException as err:
+        raise _wrap_hydra_error(err) from None
 
 
 def from_container(dcfg: Any, validate_config: bool = True) -> MegaConfig:
@@ -640,9 +668,11 @@ def validate(cfg: MegaConfig) -> MegaConfig:
              f"must be positive, got {o.lamb_max_trust_ratio}")
     _require(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
     _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {o.min_lr}")
+    _fill_defaults(cfg)
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
     _require(o.warmup_steps < t.steps or t.steps == 1, "optimizer.warmup_steps",
-             f"{o.warmup_steps} must be smaller than train.steps={t.steps}")
+             f"{o.warmup_steps} must be smaller than train.steps={t.steps}: set a shorter warm-up, or leave "
+             f"optimizer.warmup_steps unset (null: a tenth of the run, here {default_warmup_steps(t.steps)})")
     _one_of(o.decay_style, "optimizer.decay_style", ("cosine", "linear", "constant"))
     _require(o.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
 

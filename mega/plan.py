@@ -129,6 +129,26 @@ def _multirun(overrides: list[str]) -> int:
     return 0
 
 
+def check_args(argv: list[str]) -> None:
+    """Parse ``argv`` as ``python -m mega.plan`` does and compose the config of every evaluation it
+    would make (each point of a ``-m`` sweep) as the planner does, measuring nothing. A bad flag
+    exits (argparse); a bad override raises ConfigError naming the key."""
+    from mega.config import sweep_jobs
+    from mega.perf import configs
+
+    if argv and argv[0] == "calibrate":
+        from mega.perf.calibrate import parser as calibrate_parser
+
+        calibrate_parser().parse_args(argv[1:])
+        return
+    if argv and argv[0] == "validate":
+        _validate_parser().parse_args(argv[1:])
+        return
+    args = _parser().parse_intermixed_args(argv)
+    for job in sweep_jobs(args.overrides) if args.multirun else [args.overrides]:
+        configs.for_planning(job)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
@@ -137,15 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate_main(argv[1:])
     if argv and argv[0] == "validate":
         return _validate(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m mega.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b cluster=a100-8x")
-    parser.add_argument("--search", action="store_true", help="rank every layout that fits")
-    parser.add_argument("--explain", action="store_true", help="print the step-time terms (stderr)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
-    parser.add_argument("--calibration", default=None, help="calibration JSON for CPU clusters")
-    parser.add_argument("-m", "--multirun", action="store_true", help="Hydra sweep: one evaluation per job")
-    args = parser.parse_intermixed_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     _STATE.update(search=args.search, explain=args.explain, json=args.json, calibration=args.calibration)
     if args.multirun:
         return _multirun(args.overrides)
@@ -158,7 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _validate(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mega.plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b cluster=a100-8x")
+    parser.add_argument("--search", action="store_true", help="rank every layout that fits")
+    parser.add_argument("--explain", action="store_true", help="print the step-time terms (stderr)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--calibration", default=None, help="calibration JSON for CPU clusters")
+    parser.add_argument("-m", "--multirun", action="store_true", help="Hydra sweep: one evaluation per job")
+    return parser
+
+
+def _validate_parser() -> argparse.ArgumentParser:
     from mega.perf import published
 
     parser = argparse.ArgumentParser(prog="python -m mega.plan validate",
@@ -166,7 +190,13 @@ def _validate(argv: list[str]) -> int:
     parser.add_argument("--fixtures", default=str(published.DEFAULT_DIR))
     parser.add_argument("--plot", default=None, help="write the predicted-vs-published PNG here")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _validate(argv: list[str]) -> int:
+    from mega.perf import published
+
+    args = _validate_parser().parse_args(argv)
     result = published.validate(Path(args.fixtures), args.plot)
     if not args.json:
         for r in result["rows"]:

@@ -89,6 +89,27 @@ def test_rejection_names_the_key(overrides, key, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize("optimizer, steps, warmup", [
+    ("adam", 100, 10), ("lamb", 100, 10),  # the default run
+    ("adam", 1000, 10),  # long runs keep 10 steps
+    ("adam", 50, 5), ("adam", 10, 1), ("lamb", 10, 1),  # a shortened run warms up for a tenth of it
+    ("adam", 5, 0),
+])
+def test_default_warmup_follows_the_run_length(optimizer, steps, warmup):
+    cfg = compose([f"optimizer={optimizer}", f"train.steps={steps}"])
+    assert cfg.optimizer.warmup_steps == warmup  # settled at composition: the saved config says what ran
+    assert from_dict(dataclasses.asdict(cfg)).optimizer.warmup_steps == warmup
+
+
+def test_an_explicit_warmup_too_long_for_the_run_says_what_to_set():
+    assert compose(["train.steps=10", "optimizer.warmup_steps=3"]).optimizer.warmup_steps == 3
+    with pytest.raises(ConfigError) as info:
+        compose(["train.steps=10", "optimizer.warmup_steps=10"])
+    assert info.value.key == "optimizer.warmup_steps"
+    assert "10 must be smaller than train.steps=10" in str(info.value)
+    assert "leave optimizer.warmup_steps unset (null: a tenth of the run, here 1)" in str(info.value)
+
+
 @pytest.mark.parametrize("data, key", [
     ({"parallelism": {"tpp": 2}}, "parallelism.tpp"),
     ({"model": {"foo": {"bar": 1}}}, "model.foo"),

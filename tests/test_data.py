@@ -504,3 +504,36 @@ def test_pretrained_tokenizer_file(tmp_path, small_index):
         prepare(source, tmp_path / "x", tokenizer_file=str(pretrained), eos_token="</s>")
     with pytest.raises(DataError, match="data.tokenizer_file .*no such file"):
         prepare(source, tmp_path / "y", tokenizer_file=str(tmp_path / "missing.json"))
+
+
+USER_SCRIPT = """
+import sys
+from mega.config import DataConfig
+from mega.data import prepare_dataset
+
+def prepare():
+    data = DataConfig(source=sys.argv[1], cache_dir=sys.argv[2], shard_tokens=1024, val_fraction=0.1, workers=1)
+    print(prepare_dataset(data, vocab_size=300, progress=False))
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_calling_prepare_dataset_at_top_level_is_told_to_guard_it(tmp_path, guarded):
+    """The tokenizer workers are spawned: each runs the caller's script again as it starts. At the
+    top level, the call says so (not "a worker died"); under the __main__ guard it prepares."""
+    script = tmp_path / "my_prepare.py"
+    call = 'if __name__ == "__main__":\n    prepare()\n' if guarded else "prepare()\n"
+    script.write_text(USER_SCRIPT + call)
+    source = write_txt_dir(tmp_path / "txt", make_documents(8))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    run = subprocess.run([sys.executable, str(script), str(source), str(tmp_path / "cache")], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=tmp_path)
+    if guarded:
+        assert run.returncode == 0, run.stderr
+        assert Path(run.stdout.strip().splitlines()[-1]).is_file()
+        return
+    assert run.returncode == 1
+    assert "worker died" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("mega.data.corpus.DataError: prepare_dataset was called again by its own tokenizer workers")
+    assert str(script) in last and 'Put that call under `if __name__ == "__main__":`' in last

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mega.config import ConfigError, compose
-from mega.obs import analysis, timeline
+from mega.obs import analysis, heatmap, timeline
 from mega.obs.recorder import Recorder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -472,3 +472,49 @@ def test_wait_on_a_delayed_peer_is_booked_after_its_send(tmp_path, free_port):
     snapshot = json.loads((tmp_path / "snapshot.json").read_text())  # taken mid-wait by a watcher thread
     assert snapshot["rank"] == 1 and snapshot["step"] == 1
     assert snapshot["doing"] == "pp p2p recv_prev" and snapshot["doing_s"] > 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# The heat map's per-rank bars
+
+
+def _heatmap_data(scores: list[float]) -> dict:
+    """What analysis.heatmap_data gives for ranks of one stage whose compute, relative to the
+    stage median, is ``scores`` in each of 3 steps."""
+    ranks = list(range(len(scores)))
+    return {"ranks": ranks, "labels": [f"r{r}" for r in ranks], "stages": [0 for _ in ranks], "steps": [1, 2, 3],
+            "compute_s": [[0.1 * s] * 3 for s in scores], "relative": [[s] * 3 for s in scores], "scores": scores}
+
+
+def _red_pixels(png: Path) -> int:
+    """Pixels of exactly the straggler bar's colour (no colour of the heat map's scale)."""
+    import matplotlib.colors
+    import matplotlib.image
+    import numpy as np
+
+    image = (matplotlib.image.imread(png)[..., :3] * 255).round()
+    red = np.array(matplotlib.colors.to_rgb(heatmap.STRAGGLER_COLOUR)) * 255
+    return int((np.abs(image - red.round()) <= 1).all(axis=-1).sum())
+
+
+def test_heatmap_paints_a_rank_red_only_above_the_straggler_threshold(tmp_path):
+    from mega.config import StabilityConfig
+
+    threshold = StabilityConfig().straggler_factor  # what the watcher reports as a straggler
+    healthy = [1.0, 1.08, 0.95, 0.97]  # the top rank of a healthy run: no straggler
+    slow = [1.0, 2.1, 0.95, 0.97]
+    assert heatmap.bar_colours(healthy, threshold) == [heatmap.PEER_COLOUR] * 4
+    assert heatmap.bar_colours(slow, threshold) == [heatmap.PEER_COLOUR, heatmap.STRAGGLER_COLOUR,
+                                                    heatmap.PEER_COLOUR, heatmap.PEER_COLOUR]
+    assert heatmap.bar_colours([threshold], threshold) == [heatmap.PEER_COLOUR]  # at it: not yet
+    assert _red_pixels(heatmap.plot(_heatmap_data(healthy), tmp_path / "healthy.png", threshold)) == 0
+    assert _red_pixels(heatmap.plot(_heatmap_data(slow), tmp_path / "slow.png", threshold)) > 1000
+
+
+def test_report_takes_the_threshold_from_the_run_config(tmp_path):
+    from mega.config import save
+    from mega.obs import report
+
+    assert report.straggler_threshold(tmp_path) == 1.5  # no config: the default
+    save(compose(["stability.straggler_factor=1.05"]), tmp_path / "config.json")
+    assert report.straggler_threshold(tmp_path) == 1.05

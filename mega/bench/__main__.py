@@ -60,8 +60,8 @@ import sys
 
 from mega import config as mega_config
 from mega import optional_packages
-from mega.bench.ablation import (DEFAULT_LAMB_LR, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED, bench_ablation,
-                                 bench_ablation_throughput)
+from mega.bench.ablation import (DEFAULT_LAMB_LR, DEFAULT_OVERRIDES, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED,
+                                 bench_ablation, bench_ablation_throughput)
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
@@ -76,7 +76,7 @@ __all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data"
            "bench_observability", "bench_overlap", "bench_step", "main"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
@@ -135,7 +135,20 @@ def main(argv: list[str] | None = None) -> int:
     faults = parser.add_argument_group("faults")
     faults.add_argument("--only", default=None, help="faults: comma-separated drills (default: all, and overhead)")
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def check_args(argv: list[str]) -> mega_config.MegaConfig:
+    """Parse ``argv`` as ``python -m mega.bench`` does and validate its Hydra overrides on the
+    benchmark's base config, running nothing. A bad flag exits (argparse); a bad override raises
+    ConfigError naming the key."""
+    args = _parser().parse_intermixed_args(argv)
+    base = list(DEFAULT_OVERRIDES) if args.benchmark == "ablation" else []
+    return mega_config.compose([*base, *args.overrides])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
     # the launcher side imports megatron-core too (checkpoint discovery): its warnings about absent
     # GPU packages are said once here instead
     optional_packages.quiet_megatron()

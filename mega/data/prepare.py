@@ -42,9 +42,17 @@ RESULT_TIMEOUT_S = 900.0  # one unit (a few MB) taking longer than this means a 
 KILL_AFTER_COMMITS = "MEGA_DATA_KILL_AFTER_COMMITS"
 
 
+# Set while the tokenizer workers run ("PID:PATH"): the file a worker of process PID writes if it
+# finds itself calling prepare_dataset (see _stop_if_script_rerun).
+RERUN_MARK_ENV = "MEGA_DATA_WORKER_RERUN_MARK"
+
+
 def prepare_dataset(data: DataConfig, vocab_size: int, progress: bool = True) -> Path:
     """Prepare ``data.source`` (or every source of ``data.blend``); return the index path. A second
-    call with the same files and settings returns at once."""
+    call with the same files and settings returns at once. From a script, call it under
+    ``if __name__ == "__main__":`` (the tokenizer workers are spawned processes, which run the
+    script's top level again)."""
+    _stop_if_script_rerun()
     if data.tokenizer != "bpe":
         raise DataError(f"data.tokenizer {data.tokenizer!r}: the only tokenizer is 'bpe'")
     if data.shard_tokens < 1 or not 0 <= data.val_fraction < 1:
@@ -57,6 +65,23 @@ def prepare_dataset(data: DataConfig, vocab_size: int, progress: bool = True) ->
 
         return prepare_blend(data, vocab_size, cache_dir, progress)
     return prepare_source(data, data.source, data.text_field, vocab_size, cache_dir, progress)
+
+
+def _stop_if_script_rerun() -> None:
+    """A tokenizer worker calling prepare_dataset is running the caller's script again as it starts
+    (multiprocessing's spawn imports the parent's ``__main__``): the call is at the script's top
+    level. Say so to the parent (the mark file) and exit before doing any work twice."""
+    parent, _, mark = os.environ.get(RERUN_MARK_ENV, "").partition(":")
+    if mark and int(parent) != os.getpid():  # a process the preparing one started
+        Path(mark).touch()
+        raise SystemExit(3)
+
+
+def _script_rerun_error() -> DataError:
+    script = getattr(sys.modules["__main__"], "__file__", None) or "the caller's __main__"
+    return DataError(f"prepare_dataset was called again by its own tokenizer workers: they are spawned "
+                     f"processes, which run {script} again as they start, and its call to prepare_dataset "
+                     f"is at the top level. Put that call under `if __name__ == \"__main__\":`.")
 
 
 def formats_of(data: DataConfig) -> tuple[str, ...]:
@@ -202,19 +227,26 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
             os.kill(os.getpid(), signal.SIGKILL)
 
     tokenizer_path = str(work / bpe.TOKENIZER_FILE)
-    with _progress(progress, corpus) as show, ProcessPoolExecutor(
+    rerun_mark = work / "worker-rerun-script"
+    rerun_mark.unlink(missing_ok=True)
+    with _progress(progress, corpus) as show, _environ(RERUN_MARK_ENV, f"{os.getpid()}:{rerun_mark}"), ProcessPoolExecutor(
             workers, mp_context=get_context("spawn"), initializer=init_worker,
             initargs=(os.getpid(), tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name)) as pool:
         inflight: deque = deque()
         file, offset, line = state["position"]
+
+        def worker_died(unit) -> DataError:
+            if rerun_mark.exists():
+                return _script_rerun_error()
+            return DataError(f"a tokenizer worker died (killed, or out of memory?) while encoding "
+                             f"{unit.label} at offset {unit.start}")
 
         def drain_one() -> None:
             unit, future = inflight.popleft()
             try:
                 consume(unit, future.result(timeout=RESULT_TIMEOUT_S))
             except BrokenProcessPool:
-                raise DataError(f"a tokenizer worker died (killed, or out of memory?) while encoding "
-                                f"{unit.label} at offset {unit.start}") from None
+                raise worker_died(unit) from None
             except TimeoutError:
                 raise DataError(f"a tokenizer worker took over {RESULT_TIMEOUT_S:.0f}s on {unit.label} "
                                 f"at offset {unit.start}") from None
@@ -223,7 +255,10 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
                 commit()
 
         for unit in read_units(corpus, file, offset, line):
-            inflight.append((unit, pool.submit(encode_unit, unit)))
+            try:
+                inflight.append((unit, pool.submit(encode_unit, unit)))
+            except BrokenProcessPool:
+                raise worker_died(unit) from None
             if len(inflight) > 2 * workers + 1:  # bounded read-ahead: memory stays flat
                 drain_one()
         while inflight:
@@ -319,6 +354,20 @@ def _locked(cache_dir: Path, name: str, progress: bool):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    """``name=value`` in this process's environment (so in the processes it starts) for the block."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @contextlib.contextmanager

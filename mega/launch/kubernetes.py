@@ -191,6 +191,13 @@ def _write(cfg: "MegaConfig", job: JobSpec, out: Path) -> list[Path]:
     return [path]
 
 
+def check_args(argv: list[str]) -> "MegaConfig":
+    """Validate ``render`` arguments without writing anything (mega.launch.render.check)."""
+    from mega.launch import render
+
+    return render.check_args(argv, prog="python -m mega.launch.kubernetes", what="Kubernetes manifests")
+
+
 def main(argv: list[str] | None = None) -> int:
     from mega.launch import render
 

@@ -29,11 +29,7 @@ def hand_job(cfg: "MegaConfig", data_index: str, config_path: str, attempt: int 
                    log_dir=Path(cfg.train.run_dir).absolute(), name=f"train-attempt{attempt}")
 
 
-def cli(argv: list[str] | None, *, prog: str, what: str,
-        write: Callable[["MegaConfig", JobSpec, Path], list[Path]],
-        config_path: Callable[[Path], str] = lambda out: str(out / "config.json")) -> int:
-    from mega import config as mega_config
-
+def _parser(prog: str, what: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=f"Render {what} for one attempt of a training job.")
     sub = parser.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", help=f"write the resolved config and {what} into --out")
@@ -41,7 +37,22 @@ def cli(argv: list[str] | None, *, prog: str, what: str,
     render.add_argument("--out", required=True, type=Path, help="directory to write into")
     render.add_argument("--data-index", required=True,
                         help="index.json of the prepared dataset, as the nodes see it (shared storage)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(argv: list[str], *, prog: str, what: str) -> "MegaConfig":
+    """Parse ``argv`` as ``cli`` does and validate the config it would render, writing nothing."""
+    from mega import config as mega_config
+
+    return mega_config.compose(_parser(prog, what).parse_args(argv).overrides)
+
+
+def cli(argv: list[str] | None, *, prog: str, what: str,
+        write: Callable[["MegaConfig", JobSpec, Path], list[Path]],
+        config_path: Callable[[Path], str] = lambda out: str(out / "config.json")) -> int:
+    from mega import config as mega_config
+
+    args = _parser(prog, what).parse_args(argv)
 
     try:
         cfg = mega_config.compose(args.overrides)

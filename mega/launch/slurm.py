@@ -389,6 +389,13 @@ def run_node(cfg: "MegaConfig", job: JobSpec, port: int) -> int:
 # CLI
 
 
+def check_args(argv: list[str]) -> "MegaConfig":
+    """Validate ``render`` arguments without writing anything (mega.launch.render.check)."""
+    from mega.launch import render
+
+    return render.check_args(argv, prog="python -m mega.launch.slurm", what="an sbatch script")
+
+
 def main(argv: list[str] | None = None) -> int:
     from mega.launch import render
 

@@ -3,7 +3,9 @@
 Each cell is a rank's compute time in a step divided by the median of the ranks doing the same
 work (its pipeline stage) in that step, so a slow machine is a red row whatever its stage's share
 of the model; rows are grouped by pipeline stage, then DP, then TP rank. Next to it: the
-straggler score per rank (mega.obs.analysis.straggler_scores), the slowest in red.
+straggler score per rank (mega.obs.analysis.straggler_scores), red where it crosses the threshold
+at which the run's watcher reports a straggler (stability.straggler_factor): a healthy run has no
+red bar.
 """
 
 from __future__ import annotations
@@ -12,7 +14,18 @@ import math
 from pathlib import Path
 
 
-def plot(data: dict, png_path: str | Path, title: str = "compute time per rank and step") -> Path:
+STRAGGLER_COLOUR, PEER_COLOUR = "tab:red", "tab:gray"
+
+
+def bar_colours(scores: list[float], threshold: float) -> list[str]:
+    """The per-rank bars: red for a score above ``threshold`` (stability.straggler_factor)."""
+    return [STRAGGLER_COLOUR if s > threshold else PEER_COLOUR for s in scores]
+
+
+def plot(data: dict, png_path: str | Path, threshold: float,
+         title: str = "compute time per rank and step") -> Path:
+    """Draw ``data`` (mega.obs.analysis.heatmap_data) into ``png_path``; ranks whose straggler score
+    is above ``threshold`` get a red bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,10 +64,11 @@ def plot(data: dict, png_path: str | Path, title: str = "compute time per rank a
         ax.set(xlabel="step", title=f"{title}\n(cell: ms; colour: vs. the median of its pipeline stage)")
         fig.colorbar(image, ax=ax, fraction=0.04, pad=0.01, label="compute / stage median")
         scores = [0.0 if s is None or math.isnan(s) else s for s in data["scores"]]
-        top = max(range(len(scores)), key=scores.__getitem__) if scores else None
-        bars.barh(range(len(ranks)), scores, color=["tab:red" if i == top else "tab:gray" for i in range(len(ranks))])
+        bars.barh(range(len(ranks)), scores, color=bar_colours(scores, threshold))
         bars.axvline(1.0, color="black", lw=0.8, ls="--")
-        bars.set(xlabel="straggler score", title="per rank")
+        bars.axvline(threshold, color="black", lw=0.8, ls=":")
+        bars.set_xlim(0, 1.1 * max([threshold, *scores]))  # the threshold in view in a healthy run too
+        bars.set(xlabel="straggler score", title=f"per rank\n(red: above {threshold:g},\nstability.straggler_factor)")
         fig.tight_layout()
         fig.savefig(png_path, format="png")
     finally:

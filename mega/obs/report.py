@@ -5,6 +5,7 @@ turns it into artifacts)."""
 from __future__ import annotations
 
 import base64
+import json
 import math
 import statistics
 from pathlib import Path
@@ -19,7 +20,7 @@ def build(run_dir: str | Path, tensorboard: bool = True) -> dict:
     run_dir = Path(run_dir)
     tl = analysis.load(run_dir)
     data = analysis.heatmap_data(tl)
-    png = heatmap.plot(data, run_dir / "obs" / "heatmap.png")
+    png = heatmap.plot(data, run_dir / "obs" / "heatmap.png", straggler_threshold(run_dir))
     trace_path = trace.write(run_dir)
     exposed = analysis.exposed_per_step(tl, from_arrival=True)
     steady = exposed[1:] or exposed
@@ -43,6 +44,18 @@ def build(run_dir: str | Path, tensorboard: bool = True) -> dict:
     if tensorboard:
         write_tensorboard(run_dir, tl, data)
     return result
+
+
+def straggler_threshold(run_dir: Path) -> float:
+    """The score above which a rank is a straggler: the run's stability.straggler_factor (its
+    config.json; the default without one), the factor at which its watcher reports one."""
+    from mega import config as mega_config
+
+    path = run_dir / "config.json"
+    if path.exists():
+        saved = mega_config.from_dict(json.loads(path.read_text()), validate_config=False)
+        return saved.stability.straggler_factor
+    return mega_config.StabilityConfig().straggler_factor
 
 
 def _ms(v: float | None) -> str:

@@ -138,13 +138,22 @@ def write(run_dir: str | Path, steps: tuple[int, int] | None = None, out: str | 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mega.trace", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="a training run's directory (train.run_dir)")
     parser.add_argument("--steps", type=_steps_arg, default=None, help="a:b, 1-based and inclusive (a: or :b too)")
     parser.add_argument("--out", type=Path, default=None, help="where the trace goes (default: under RUN_DIR)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def check_args(argv: list[str]) -> None:
+    """Parse ``argv`` as ``main`` does, reading no run (a bad flag or --steps range exits)."""
+    _parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         path = write(args.run_dir, args.steps, args.out)
     except (FileNotFoundError, ValueError) as err:

@@ -526,7 +526,7 @@ def finish(result: dict[str, Any], out: Path) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mega.plan calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(DEFAULT_OUT))
@@ -541,7 +541,11 @@ def main(argv: list[str]) -> int:
                         help="measure nothing: derive the hardware of a recorded calibration again with the "
                              "current model and compare its layouts (written to --out)")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     if args.refit:
         result = finish(json.loads(Path(args.refit).read_text()), Path(args.out))
         print(json.dumps({"out": args.out, "summary": result["summary"]}))
