@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from mega.config import MegaConfig
 from mega.flops import attention_layer_counts, model_flops_per_step, model_flops_per_token
 from mega.perf.hardware import Hardware
+from mega.overlap import pp_dp
 from mega.perf.memory import Memory, buckets, kv_size, memory_per_gpu, stage_params
+from mega.perf.scale import straggler_s
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -420,6 +422,18 @@ def hardware_flops_per_step(cfg: MegaConfig) -> float:
     return flops
 
 
+def effective_overlap(cfg: MegaConfig) -> MegaConfig:
+    """``cfg`` with the PP/DP overlap flags training runs with: ``parallelism.comm_overlap=auto``
+    resolved by the function mega.train uses (mega.overlap.pp_dp.resolve)."""
+    p = cfg.parallelism
+    eff = pp_dp.resolve(p)
+    par = dataclasses.replace(p, overlap_p2p_comm=eff.overlap_p2p_comm,
+                              overlap_p2p_comm_warmup_flush=eff.overlap_p2p_comm_warmup_flush,
+                              overlap_param_gather=eff.overlap_param_gather, align_param_gather=eff.align_param_gather,
+                              overlap_param_gather_with_optimizer_step=eff.overlap_param_gather_with_optimizer_step)
+    return dataclasses.replace(cfg, parallelism=par)
+
+
 def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
             p2p_scatter_gather: bool = False) -> Prediction:
     """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
@@ -429,6 +443,7 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     section 4.1): without sequence parallelism each TP rank sends 1/tp of the activation over its
     NIC and the receiving stage all-gathers it over NVLink. megatron-core, and so mega, sends the
     whole tensor from every TP rank (the default). Only the published Megatron-LM rows set it."""
+    cfg = effective_overlap(cfg)
     m, p = cfg.model, cfg.parallelism
     dtype = DTYPE_BYTES[precision_of(cfg)]
     tp, dp, mb, world = p.tp, p.dp, p.num_microbatches, p.world_size
@@ -450,6 +465,11 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
         Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
     ]
     step_s = sum(t.seconds for t in terms)
+    if hw.straggler_sigma > 0 and world > 1:
+        terms.append(Term("stragglers", straggler_s(step_s, hw.straggler_sigma, world),
+                          f"the slowest of {world} ranks sets the step: spread {hw.straggler_sigma:.2%} x "
+                          f"E[max of {world} standard normals]"))
+        step_s = sum(t.seconds for t in terms)
 
     # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
     # with the core time of the collectives (each pipeline message: a send and a receive each way).
