@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Fitted on the published runs (python -m mega.plan validate --refit prints them again): the GEMM
-# efficiency per device type and the straggler spread are least-squares fits of log step time over
-# every fixture row of that device (the spread over all rows); docs/perf-model.md has the table.
+# Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; the command
+# in docs/perf-model.md prints them again): the GEMM efficiency of each device type on its rows, the
+# straggler spread and the step overhead on all rows, least squares of the MFU error in points.
+# validate never uses these: it fits again without the source it predicts.
 FITTED = {
-    "A100": {"gemm_efficiency": 0.76},
-    "H100 SXM": {"gemm_efficiency": 0.76},
+    "A100": {"gemm_efficiency": 0.7398, "straggler_sigma": 0.0118, "step_overhead_s": 0.0492},
+    "H100 SXM": {"gemm_efficiency": 0.7094, "straggler_sigma": 0.0118, "step_overhead_s": 0.0492},
 }
 # Device types with rows in tests/fixtures/published (validate re-derives this from the fixtures).
 VALIDATED = ("A100", "H100 SXM")

@@ -22,7 +22,7 @@ from mega.config import ConfigError, MegaConfig, validate
 from mega.perf import device, hardware
 from mega.perf.configs import Planning
 from mega.perf.hardware import GIB, Hardware
-from mega.perf.step import Prediction, precision_of, predict
+from mega.perf.step import Prediction, effective_overlap, precision_of, predict
 
 DEFAULT_CALIBRATION = Path("runs/perf-calibration.json")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -83,7 +83,7 @@ class Evaluation:
     evaluated: int
 
     def to_dict(self, hw: Hardware | None = None) -> dict[str, Any]:
-        pr, p, m = self.prediction, self.cfg.parallelism, self.cfg.model
+        pr, p, m = self.prediction, effective_overlap(self.cfg).parallelism, self.cfg.model
         out = {
             "mfu": pr.mfu,
             "step_s": pr.step_s,
@@ -100,9 +100,11 @@ class Evaluation:
             "memory": pr.memory.to_gib(),
             "model": {"name": m.name, "block": m.block, "window_size": m.window_size, "fused_ops": m.fused_ops,
                       "optimizer": self.cfg.optimizer.name},
-            "overlap": {k: getattr(p, k) for k in ("tp_overlap", "overlap_p2p_comm", "overlap_grad_reduce",
-                                                   "overlap_param_gather", "align_param_gather",
-                                                   "overlap_param_gather_with_optimizer_step")},
+            # the flags training runs with (comm_overlap=auto resolved as mega.train resolves it)
+            "overlap": {"comm_overlap": p.comm_overlap,
+                        **{k: getattr(p, k) for k in ("tp_overlap", "overlap_p2p_comm", "overlap_grad_reduce",
+                                                      "overlap_param_gather", "align_param_gather",
+                                                      "overlap_param_gather_with_optimizer_step")}},
             "model_flops_per_step": pr.model_flops_per_step,
             "evaluated": self.evaluated,
         }
