@@ -42,15 +42,15 @@ def published_results(published_cases):
 
 
 def test_rows_outside_3_points_are_exactly_the_reported_ones(published_results, published_cases):
-    """One bound for every row (+-3 MFU points). A row the model cannot explain carries its reason
-    in its fixture (``unexplained``) and validate reports it; a row that starts failing, or a reason
-    that no longer applies, fails here."""
+    """One bound for every row (+-3 MFU points). A row outside it carries its reason in its fixture
+    (``unexplained``: a system the model does not describe; ``miss``: a model error) and validate
+    reports it; a row that starts failing, or a reason that no longer applies, fails here."""
     outside = {r.name for r in published_results if abs(r.err_mfu_pts) > published.TARGET_PTS}
-    reported = {c.row["id"] for c in published_cases if c.row.get("unexplained")}
+    reported = {c.row["id"] for c in published_cases if c.row.get("unexplained") or c.row.get("miss")}
     report = "\n".join(f"{r.source} {r.name}: published {r.published_mfu:.3f} predicted {r.predicted_mfu:.3f} "
                        f"({r.err_mfu_pts:+.1f} pts)" for r in published_results)
     assert outside == reported, report
-    assert all(r.fits for r in published_results if r.name not in reported), "every published run fits in 80 GB"
+    assert all(r.fits for r in published_results), "every published run fits in 80 GB"
 
 
 def test_sources_are_independent_and_cover_two_devices(published_cases):
