@@ -24,9 +24,8 @@ from mega.perf.planner import evaluate, hardware_for, settle_precision
 from mega.plan import main as plan_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# The calibration's goal is +-15%; on the recorded (shared-machine) calibration 7 of 8 layouts are
-# within it and the worst is at 15.1% (docs/perf-model.md): the test holds the model to 16%.
-CALIBRATION_TOLERANCE = 0.16
+# The calibration's goal: CPU seconds per step within +-15% (docs/perf-model.md).
+CALIBRATION_TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -285,5 +284,4 @@ def test_model_against_recorded_calibration(path):
     rows = compare(cal)
     worst = max(rows, key=lambda r: abs(r["cpu_error"]))
     assert abs(worst["cpu_error"]) <= CALIBRATION_TOLERANCE, [(r["name"], r["cpu_error"]) for r in rows]
-    assert sum(abs(r["cpu_error"]) <= 0.15 for r in rows) >= len(rows) - 1
     assert all(math.isfinite(r["predicted_step_s"]) and r["predicted_step_s"] > 0 for r in rows)
