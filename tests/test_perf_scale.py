@@ -121,7 +121,8 @@ def test_step_overhead_and_stragglers_are_terms(composer):
     b = pr.breakdown()
     assert b["step_overhead"]["seconds"] == hw.step_overhead_s > 0
     before = sum(v["seconds"] for k, v in b.items() if k != "stragglers")
-    assert b["stragglers"]["seconds"] == pytest.approx(before * hw.straggler_sigma * expected_max_normal(3072))
+    # 48 data-parallel replicas meet at the gradient reduction
+    assert b["stragglers"]["seconds"] == pytest.approx(before * hw.straggler_sigma * expected_max_normal(48))
     assert sum(v["seconds"] for v in b.values()) == pytest.approx(pr.step_s)
 
 

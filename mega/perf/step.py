@@ -465,10 +465,12 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
         Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
     ]
     step_s = sum(t.seconds for t in terms)
-    if hw.straggler_sigma > 0 and world > 1:
-        terms.append(Term("stragglers", straggler_s(step_s, hw.straggler_sigma, world),
-                          f"the slowest of {world} ranks sets the step: spread {hw.straggler_sigma:.2%} x "
-                          f"E[max of {world} standard normals]"))
+    if hw.straggler_sigma > 0 and dp > 1:
+        # The dp replicas meet once per step, at the gradient reduction; inside a replica the TP
+        # ranks meet every layer and the stages every microbatch, so a replica's step is one draw.
+        terms.append(Term("stragglers", straggler_s(step_s, hw.straggler_sigma, dp),
+                          f"the slowest of {dp} data-parallel replicas sets the step: spread "
+                          f"{hw.straggler_sigma:.2%} x E[max of {dp} standard normals]"))
         step_s = sum(t.seconds for t in terms)
 
     # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
