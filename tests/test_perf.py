@@ -54,8 +54,8 @@ def test_rows_outside_3_points_are_exactly_the_reported_ones(published_results, 
 
 def test_sources_are_independent_and_cover_two_devices(published_cases):
     fixtures = {c.fixture["file"]: c.fixture for c in published_cases}
-    assert len(fixtures) >= 7
-    assert len({f.get("organisation") for f in fixtures.values() if f.get("organisation")}) >= 3
+    assert len(fixtures) >= 8 and all(f.get("organisation") and f.get("device") for f in fixtures.values())
+    assert len({f["organisation"] for f in fixtures.values()}) >= 7
     assert sum(f.get("device") == "H100 SXM" for f in fixtures.values()) >= 2
     for f in fixtures.values():
         assert f["paper"] and f["table"] and f["transcription"]
