@@ -3,7 +3,6 @@ independent small computation (docs/perf-model.md). Pure computation, no trainin
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -15,7 +14,7 @@ from mega.perf import calibrate_cuda, device, published
 from mega.perf.configs import Composer
 from mega.perf.hardware import Hardware, Link
 from mega.perf.memory import buckets
-from mega.perf.planner import evaluate, hardware_for, settle_precision
+from mega.perf.planner import hardware_for, settle_precision
 from mega.perf.scale import expected_max_normal, straggler_s, tree_all_reduce_s
 from mega.perf.step import effective_overlap, predict
 from mega.plan import main as plan_main

@@ -3,12 +3,13 @@
 Two sources, one shape (``Hardware``):
 
 * a GPU cluster preset (``conf/cluster/*.yaml``): the datasheet facts of ``ClusterConfig`` (dense
-  peak, HBM bandwidth and size, NVLink, NICs) times the global efficiency constants below;
-* a calibration (``python -m mega.plan calibrate``): rates and latencies measured on this machine
-  (CPU GEMMs, memory traffic, gloo collectives, the host overheads of megatron's Python).
+  peak, HBM bandwidth and size, NVLink, NICs) times the efficiencies of the device type
+  (``mega.perf.device.DeviceCalibration``: built-in, fitted on published runs, or measured);
+* a CPU calibration (``python -m mega.plan calibrate``): rates and latencies measured on this
+  machine (CPU GEMMs, memory traffic, gloo collectives, the host overheads of megatron's Python).
 
-The constants are global: one value for every model, layout and published row, never per row.
-docs/perf-model.md says where each comes from and which one was fitted, on what.
+Efficiencies are per device type: one value for every model, layout and published row of that
+device, never per row. docs/perf-model.md says where each comes from and what was fitted, on what.
 """
 
 from __future__ import annotations

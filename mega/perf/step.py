@@ -6,13 +6,15 @@ tensor-parallel collectives and, under recomputation, part of its forward again.
 runs its layers (+ embedding / logits and loss) for every microbatch; the slowest stage sets the
 pace and the interleaved 1F1B bubble adds ``(pp - 1) / vpp`` microbatch-times. Data parallelism
 adds the exposed part of the gradient reduce-scatter and the parameter all-gather; then come the
-optimizer step, the tied-embedding gradient sync, data loading and host overheads. On a CPU whose
-ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
+optimizer step, the tied-embedding gradient sync, data loading and host overheads, and on GPUs the
+stragglers (the slowest of the data-parallel replicas sets the step, mega.perf.scale). On a CPU
+whose ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
 
 Overlap features are read from the config, not from a preset name: ``parallelism.tp_overlap``
 (ring/te: TP collectives chunked with their GEMMs), ``overlap_p2p_comm`` (pipeline send/receive
 off the critical path), ``overlap_grad_reduce``, ``overlap_param_gather``, ``align_param_gather``,
-``overlap_param_gather_with_optimizer_step``.
+``overlap_param_gather_with_optimizer_step``; ``comm_overlap=auto`` is resolved by
+mega.overlap.pp_dp.resolve, as training resolves it (``effective_overlap``).
 """
 
 from __future__ import annotations
