@@ -10,10 +10,13 @@
               JSON in its sweep directory (plan.json) and on stdout
   calibrate   measure this machine, time tiny configs over six+ layouts with the real launcher and
               compare with the model (mega/perf/calibrate.py): --out FILE, --steps N, --quick
-  validate    the model against the published results in tests/fixtures/published: --plot PNG
+  validate    leave-one-source-out against the published runs in tests/fixtures/published:
+              per row published/predicted MFU and the error in MFU points; --plot PNG
 
 The last line of stdout is JSON. A CPU cluster (cluster=local-cpu) needs a calibration:
-``--calibration FILE`` (default runs/perf-calibration.json). See docs/perf-model.md.
+``--calibration FILE`` (default runs/perf-calibration.json); on a GPU cluster ``--calibration FILE``
+replaces the device's built-in efficiencies with a measured set (python -m mega.perf.calibrate
+--device cuda). See docs/perf-model.md.
 """
 
 from __future__ import annotations
@@ -59,15 +62,52 @@ def _summary(result: dict[str, Any]) -> None:
           f"knobs {result['knobs']}", file=sys.stderr)
 
 
-def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
+BASELINE_FEATURES = "megatron-baseline"
+
+
+def _features(overrides: list[str]) -> str | None:
+    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+~") == "features"),
+                None)
+
+
+def _evaluate(overrides: list[str], calibration: str | None) -> dict[str, Any]:
     from mega.perf import configs, planner
 
     plan = configs.for_planning(overrides)
-    if search:
-        return planner.search(plan, calibration)
     planner.settle_precision(plan)
     hw, peak = planner.hardware_for(plan.cfg, calibration)
     return planner.evaluate(plan, hw, peak).to_dict(hw)
+
+
+def _device_warnings(result: dict[str, Any]) -> None:
+    """``validated``: whether a published run of this device type checks its calibration."""
+    cal = result.get("hardware", {}).get("calibration")
+    if cal is None:
+        return
+    result["validated"] = bool(cal["validated"])
+    if not cal["validated"]:
+        result.setdefault("warnings", []).append(
+            f"device {cal['device']!r} has no published run to validate its efficiencies against "
+            f"(calibration: {cal['source']}); calibrate it: python -m mega.perf.calibrate --device cuda")
+
+
+def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
+    """One evaluation (or search); with ``features`` other than the baseline, also the baseline's
+    evaluation of the same layout and ``speedup_vs_baseline`` (tokens/s ratio)."""
+    from mega.perf import configs, planner
+
+    if search:
+        plan = configs.for_planning(overrides)
+        return planner.search(plan, calibration)
+    result = _evaluate(overrides, calibration)
+    _device_warnings(result)
+    features = _features(overrides)
+    if features is not None and features != BASELINE_FEATURES:
+        base = _evaluate([o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "features"]
+                         + [f"features={BASELINE_FEATURES}"], calibration)
+        result["baseline"] = {k: base[k] for k in ("mfu", "step_s", "tokens_per_s", "knobs", "fits")}
+        result["speedup_vs_baseline"] = result["tokens_per_s"] / base["tokens_per_s"]
+    return result
 
 
 def _emit(result: dict[str, Any]) -> None:
@@ -77,6 +117,8 @@ def _emit(result: dict[str, Any]) -> None:
         _print_explain(result["best"])
     if not _STATE.get("json"):
         _summary(result)
+    for warning in result.get("warnings", []):
+        print(f"plan: warning: {warning}", file=sys.stderr)
     print(json.dumps(result), flush=True)
 
 
@@ -186,9 +228,12 @@ def _validate_parser() -> argparse.ArgumentParser:
     from mega.perf import published
 
     parser = argparse.ArgumentParser(prog="python -m mega.plan validate",
-                                     description="predicted vs published (tests/fixtures/published/*.json)")
+                                     description="leave-one-source-out: each published source "
+                                                 "(tests/fixtures/published) predicted with the per-device "
+                                                 "calibration fitted on all the others")
     parser.add_argument("--fixtures", default=str(published.DEFAULT_DIR))
     parser.add_argument("--plot", default=None, help="write the predicted-vs-published PNG here")
+    parser.add_argument("--rounds", type=int, default=1, help="coordinate-descent rounds of each fit")
     parser.add_argument("--json", action="store_true")
     return parser
 
@@ -197,14 +242,15 @@ def _validate(argv: list[str]) -> int:
     from mega.perf import published
 
     args = _validate_parser().parse_args(argv)
-    result = published.validate(Path(args.fixtures), args.plot)
+    result = published.validate(Path(args.fixtures), args.plot, args.rounds)
     if not args.json:
         for r in result["rows"]:
-            print(f"{r['source'][:40]:<40} {r['id']:<14} {r['metric']:<15} published {r['published']:>9.3f} "
-                  f"predicted {r['predicted']:>9.3f} {r['error']:>+7.1%}", file=sys.stderr)
-        for group, s in result["summary"].items():
-            print(f"{group}: {s['rows']} rows, max |error| {s['max_abs_error']:.1%}, mean |error| "
-                  f"{s['mean_abs_error']:.1%}", file=sys.stderr)
+            print(f"{r['source'][:34]:<34} {r['name']:<22} published {100 * r['published_mfu']:5.1f} "
+                  f"predicted {100 * r['predicted_mfu']:5.1f} {r['err_mfu_pts']:+5.1f} pts"
+                  + (f"  ({r['reason']})" if r.get("reason") else ""), file=sys.stderr)
+        s = result["summary"]
+        print(f"{s['rows']} rows: MAE {s['mae_mfu_pts']:.2f} MFU points, max |error| {s['max_abs_err_mfu_pts']:.1f}, "
+              f"{s['within_3_pts']} within +-3; targets met: {s['targets_met']}", file=sys.stderr)
     print(json.dumps(result))
     return 0
 

@@ -16,7 +16,7 @@ import pytest
 
 from mega.config import ConfigError, ModelConfig
 from mega.flops import model_flops_per_step
-from mega.perf import hardware, published
+from mega.perf import published
 from mega.perf.calibrate import compare
 from mega.perf.configs import Composer, for_planning, given_keys
 from mega.perf.memory import activation_bytes_per_layer, in_flight, model_params
@@ -24,15 +24,8 @@ from mega.perf.planner import evaluate, hardware_for, settle_precision
 from mega.plan import main as plan_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# The tolerance the model reaches on Megatron-LM's published runs (docs/perf-model.md): 22 rows of
-# three sources, one of them (Korthikanti Table 5) used to fit the single GEMM-efficiency constant.
-MEGATRON_TOLERANCE = 0.10
-# Other software stacks run slower than megatron-core's class (MT-NLG: DeepSpeed's pipeline engine);
-# the gap is reported, not fitted.
-OTHER_TOLERANCE = 0.30
-# The calibration's goal is +-15%; on the recorded (shared-machine) calibration 7 of 8 layouts are
-# within it and the worst is at 15.1% (docs/perf-model.md): the test holds the model to 16%.
-CALIBRATION_TOLERANCE = 0.16
+# The calibration's goal: CPU seconds per step within +-15% (docs/perf-model.md).
+CALIBRATION_TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -43,29 +36,39 @@ def published_cases():
 
 @pytest.fixture(scope="module")
 def published_results(published_cases):
-    return published.predict_rows(published_cases)
+    """Every row with the built-in per-device calibration (mega/perf/device.py)."""
+    return [published.predict_case(c, {}) for c in published_cases]
 
 
-def test_megatron_lm_published_rows_within_tolerance(published_results):
-    rows = [r for r in published_results if r.group == "megatron-lm"]
-    assert len(rows) >= 20 and {r.source for r in rows} >= {"Korthikanti et al. 2022, Table 5",
-                                                           "Narayanan et al. SC'21, Table 1"}
-    report = "\n".join(f"{r.source} {r.id}: published {r.published} predicted {r.predicted:.3f} ({r.error:+.1%})"
-                       for r in rows)
-    assert all(abs(r.error) <= MEGATRON_TOLERANCE for r in rows), report
-    assert all(r.fits for r in rows), "every published run fitted in 80 GB"
+def test_rows_outside_3_points_are_exactly_the_reported_ones(published_results, published_cases):
+    """One bound for every row (+-3 MFU points). A row outside it carries its reason in its fixture
+    (``unexplained``: a system the model does not describe; ``miss``: a model error) and validate
+    reports it; a row that starts failing, or a reason that no longer applies, fails here."""
+    outside = {r.name for r in published_results if abs(r.err_mfu_pts) > published.TARGET_PTS}
+    reported = {c.row["id"] for c in published_cases if c.row.get("unexplained") or c.row.get("miss")}
+    report = "\n".join(f"{r.source} {r.name}: published {r.published_mfu:.3f} predicted {r.predicted_mfu:.3f} "
+                       f"({r.err_mfu_pts:+.1f} pts)" for r in published_results)
+    assert outside == reported, report
+    assert all(r.fits for r in published_results), "every published run fits in 80 GB"
 
 
-def test_other_software_rows_within_their_tolerance(published_results):
-    rows = [r for r in published_results if r.group == "other-software"]
-    assert rows and all(abs(r.error) <= OTHER_TOLERANCE for r in rows), [(r.id, r.error) for r in rows]
+def test_sources_are_independent_and_cover_two_devices(published_cases):
+    fixtures = {c.fixture["file"]: c.fixture for c in published_cases}
+    assert len(fixtures) >= 8 and all(f.get("organisation") and f.get("device") for f in fixtures.values())
+    assert len({f["organisation"] for f in fixtures.values()}) >= 7
+    assert sum(f.get("device") == "H100 SXM" for f in fixtures.values()) >= 2
+    for f in fixtures.values():
+        assert f["paper"] and f["table"] and f["transcription"]
 
 
 def test_unpublished_knobs_are_chosen_and_reported(published_results):
     narayanan = [r for r in published_results if r.source.startswith("Narayanan")]
-    assert all(r.knobs["recompute"] == "full" for r in narayanan)  # published: kept as given
+    assert all(r.knobs_given["recompute"] == "full" for r in narayanan)  # published: kept as given
     # micro-batch size is not published: the planner chose one per row, and not always the same
-    assert len({r.knobs["micro_batch_size"] for r in narayanan}) > 1
+    assert len({r.knobs_chosen["micro_batch_size"] for r in narayanan}) > 1
+    llama = [r for r in published_results if r.source.startswith("Llama")]
+    assert llama and all({"vpp", "micro_batch_size", "recompute"} <= set(r.knobs_chosen) for r in llama)
+    assert all(r.knobs_given["tp"] == 8 and r.knobs_given["pp"] == 16 for r in llama)
 
 
 def test_readme_mfu_follows_from_table5_times_with_mega_flops(published_cases):
@@ -79,11 +82,6 @@ def test_readme_mfu_follows_from_table5_times_with_mega_flops(published_cases):
         cfg = case.plan.cfg
         mfu = model_flops_per_step(cfg) / (times[case.row["id"]] * cfg.parallelism.world_size * 312e12)
         assert mfu == pytest.approx(case.row["value"], abs=0.003), case.row["id"]
-
-
-def test_gemm_efficiency_constant_is_the_fit_on_table5(published_cases):
-    table5 = [c for c in published_cases if c.fixture["file"].startswith("korthikanti")]
-    assert published.fit_gemm_efficiency(table5, tol=2e-3) == pytest.approx(hardware.GEMM_EFFICIENCY, abs=0.01)
 
 
 def test_parameter_counts_match_the_published_model_sizes(published_cases):
@@ -150,6 +148,9 @@ def test_must_show_evaluation(capsys, nodes, dp, batch):
         assert r["knobs"]["launcher"] == "slurm" and r["knobs"]["precision"] == "bf16"
         out[features] = r
     base, ms = out["megatron-baseline"], out["megascale"]
+    assert "speedup_vs_baseline" not in base
+    assert ms["speedup_vs_baseline"] == pytest.approx(ms["tokens_per_s"] / ms["baseline"]["tokens_per_s"])
+    assert ms["speedup_vs_baseline"] > 1 and ms["validated"] is True
     # MegaScale's model: one TP reduction per layer (PTB), flash attention over windows (fused ops)
     assert ms["breakdown"]["tp_comm"]["total_s"] < base["breakdown"]["tp_comm"]["total_s"]
     assert ms["model"]["block"] == "parallel" and ms["model"]["optimizer"] == "lamb"
@@ -283,5 +284,4 @@ def test_model_against_recorded_calibration(path):
     rows = compare(cal)
     worst = max(rows, key=lambda r: abs(r["cpu_error"]))
     assert abs(worst["cpu_error"]) <= CALIBRATION_TOLERANCE, [(r["name"], r["cpu_error"]) for r in rows]
-    assert sum(abs(r["cpu_error"]) <= 0.15 for r in rows) >= len(rows) - 1
     assert all(math.isfinite(r["predicted_step_s"]) and r["predicted_step_s"] > 0 for r in rows)

@@ -564,3 +564,25 @@ def main(argv: list[str]) -> int:
                                                      "predicted_cpu_s", "cpu_error", "load_before")}
                                   for r in result["layouts"]]}))
     return 0
+
+
+def cli(argv: list[str]) -> int:
+    """``python -m mega.perf.calibrate [--device cpu|cuda] ...``: the CPU calibration (this module)
+    or the GPU one (mega.perf.calibrate_cuda)."""
+    device = "cpu"
+    if "--device" in argv:
+        i = argv.index("--device")
+        device = argv[i + 1] if i + 1 < len(argv) else ""
+        argv = argv[:i] + argv[i + 2:]
+    if device == "cuda":
+        from mega.perf.calibrate_cuda import main as cuda_main
+
+        return cuda_main(argv)
+    if device != "cpu":
+        print(f"calibrate: --device must be cpu or cuda, got {device!r}", file=sys.stderr)
+        return 2
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -3,12 +3,13 @@
 Two sources, one shape (``Hardware``):
 
 * a GPU cluster preset (``conf/cluster/*.yaml``): the datasheet facts of ``ClusterConfig`` (dense
-  peak, HBM bandwidth and size, NVLink, NICs) times the global efficiency constants below;
-* a calibration (``python -m mega.plan calibrate``): rates and latencies measured on this machine
-  (CPU GEMMs, memory traffic, gloo collectives, the host overheads of megatron's Python).
+  peak, HBM bandwidth and size, NVLink, NICs) times the efficiencies of the device type
+  (``mega.perf.device.DeviceCalibration``: built-in, fitted on published runs, or measured);
+* a CPU calibration (``python -m mega.plan calibrate``): rates and latencies measured on this
+  machine (CPU GEMMs, memory traffic, gloo collectives, the host overheads of megatron's Python).
 
-The constants are global: one value for every model, layout and published row, never per row.
-docs/perf-model.md says where each comes from and which one was fitted, on what.
+Efficiencies are per device type: one value for every model, layout and published row of that
+device, never per row. docs/perf-model.md says where each comes from and what was fitted, on what.
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from typing import Any
 
 from mega.config import ClusterConfig, ConfigError
 from mega.flops import device_key
+from mega.perf.device import DeviceCalibration, prior
+from mega.perf.scale import tree_all_reduce_s
 
 GIB = 1024**3
 
-# --- Global efficiency constants (docs/perf-model.md, "Constants") -------------------------------
-# Fraction of the dense tensor-core peak that a large GEMM of a transformer layer reaches. The one
-# constant fitted to published numbers: least squares over Korthikanti et al. 2022 Table 5 (eight
-# iteration times, A100), then frozen; every other published row is out of sample.
-GEMM_EFFICIENCY = 0.76
+# --- Global constants (docs/perf-model.md, "Constants"); per-device efficiencies: mega/perf/device.py
 # Per-shape GEMM efficiency (docs/perf-model.md): output tiles of TILE_M x TILE_N run in waves over
 # the streaming multiprocessors (a last, partial wave idles SMs), and each tile pays a fixed
 # prologue/epilogue worth GEMM_K_OVERHEAD elements of its inner dimension. 256 x 128 is the usual
@@ -35,17 +34,6 @@ GEMM_EFFICIENCY = 0.76
 TILE_M, TILE_N, GEMM_K_OVERHEAD = 256, 128, 64
 SMS = {"A100": 108, "H100 SXM": 132, "H100 PCIe": 114, "H100 NVL": 132, "H200": 132, "H200 NVL": 132,
        "GH200": 132, "V100 SXM2": 80, "V100 PCIe": 80}
-# Fused attention kernels (flash-attn) against the dense peak: FlashAttention-2 reports 50-73% of
-# the A100 peak forward + backward (Dao 2023, section 4.1); the middle of that range.
-FLASH_ATTENTION_EFFICIENCY = 0.6
-# Achieved fraction of the HBM datasheet bandwidth by streaming kernels (elementwise, optimizer):
-# ~1.7 of 2.0 TB/s on A100 80GB in STREAM-like copies.
-MEMORY_EFFICIENCY = 0.85
-# NCCL bus bandwidth over NVLink against the datasheet's per-direction figure (nccl-tests
-# all_reduce_perf on DGX A100: ~230-240 GB/s of 300 GB/s per direction).
-NVLINK_EFFICIENCY = 0.8
-# NCCL bus bandwidth over InfiniBand against the NIC line rate (one NIC per GPU).
-NIC_EFFICIENCY = 0.85
 # Fixed cost of one GPU kernel (launch gap and tail), seconds: small kernels cannot go faster.
 GPU_KERNEL_S = 5e-6
 # Per-hop latency of a collective step (NCCL ring step), seconds: NVLink and InfiniBand.
@@ -102,6 +90,9 @@ class Hardware:
     # Activation elementwise ops (GeLU, softmax, LayerNorm...): bytes/s they reach. None = the
     # streaming bandwidth (GPUs: memory-bound); a CPU runs their transcendentals far slower.
     elementwise_bytes_per_s: float | None = None
+    # Relative spread of one rank's step time across ranks (the slowest of N sets the step)
+    straggler_sigma: float = 0.0
+    calibration: DeviceCalibration | None = None  # GPUs: the per-device efficiencies applied
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
 
     def gemm_s(self, m: int, n: int, k: int, batch: int = 1, dtype_bytes: int = 2) -> float:
@@ -145,7 +136,8 @@ class Hardware:
         link, bw = self.link(group_size, stride)
         n = group_size
         if kind == "all_reduce":
-            return 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / bw
+            ring = 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * nbytes / bw
+            return min(ring, tree_all_reduce_s(nbytes, n, bw, link.latency_s)) if link is self.inter else ring
         if kind in ("all_gather", "reduce_scatter"):
             return (n - 1) * link.latency_s + (n - 1) / n * nbytes / bw
         if kind == "send":
@@ -169,6 +161,8 @@ class Hardware:
             "memory_gib_usable": self.memory_bytes / GIB,
             "intra_gb_per_s": self.intra.bytes_per_s / 1e9, "inter_gb_per_s_per_rank": self.inter.bytes_per_s / 1e9,
             "procs_per_node": self.procs_per_node, "cores": self.cores, "flash_attention": self.flash_attention,
+            "straggler_sigma": self.straggler_sigma, "step_overhead_s": self.step_overhead_s,
+            **({"calibration": self.calibration.to_dict()} if self.calibration else {}),
         }
 
 
@@ -179,8 +173,10 @@ def _need(value: Any, key: str) -> Any:
     return value
 
 
-def from_cluster(cluster: ClusterConfig, precision: str, fused_ops: bool) -> Hardware:
-    """Hardware of a GPU cluster preset at a training precision: datasheet x global constants.
+def from_cluster(cluster: ClusterConfig, precision: str, fused_ops: bool,
+                 calibration: DeviceCalibration | None = None) -> Hardware:
+    """Hardware of a GPU cluster preset at a training precision: datasheet x the per-device
+    efficiencies of ``calibration`` (default: the device type's built-in one, mega/perf/device.py).
 
     ``precision``: bf16/fp16 run at the dense peak of the preset; fp32 means TF32 tensor cores,
     half of it on A100 and H100 (NVIDIA datasheets)."""
@@ -195,22 +191,27 @@ def from_cluster(cluster: ClusterConfig, precision: str, fused_ops: bool) -> Har
     else:
         node_nic = cluster.node_nic_gb_per_s * 1e9 if cluster.node_nic_gb_per_s else nvlink
     capacity = memory_gib * GIB
+    key = device_key(cluster.device_name or "")
+    cal = calibration or prior(key)
     return Hardware(
         name=cluster.device_name or cluster.name,
-        source=f"datasheet: conf/cluster/{cluster.name}.yaml x constants in mega/perf/hardware.py",
+        source=f"datasheet: conf/cluster/{cluster.name}.yaml x calibration ({cal.source})",
         peak_flops=peak,
-        gemm_efficiency=GEMM_EFFICIENCY,
-        attention_efficiency=FLASH_ATTENTION_EFFICIENCY,
+        gemm_efficiency=cal.gemm_efficiency,
+        attention_efficiency=cal.attention_efficiency,
         kernel_s=GPU_KERNEL_S,
-        memory_bytes_per_s=hbm * MEMORY_EFFICIENCY,
+        memory_bytes_per_s=hbm * cal.memory_efficiency,
         memory_bytes=capacity * (1 - FRAGMENTATION) - RESERVED_GIB * GIB,
         memory_capacity_bytes=capacity,
-        intra=Link(nvlink * NVLINK_EFFICIENCY, NVLINK_LATENCY_S),
-        inter=Link(node_nic / cluster.procs_per_node * NIC_EFFICIENCY, NIC_LATENCY_S),
+        intra=Link(nvlink * cal.nvlink_efficiency, NVLINK_LATENCY_S),
+        inter=Link(node_nic / cluster.procs_per_node * cal.nic_efficiency, NIC_LATENCY_S),
         procs_per_node=cluster.procs_per_node,
-        sms=SMS.get(device_key(cluster.device_name or "") or ""),
+        sms=SMS.get(key or ""),
         flash_attention=fused_ops,
         data_s_per_token=16 / PCIE_BYTES_PER_S,  # tokens, labels, loss mask, positions (int32/fp32)
+        step_overhead_s=cal.step_overhead_s,
+        straggler_sigma=cal.straggler_sigma,
+        calibration=cal,
     )
 
 

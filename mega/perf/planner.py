@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from mega.config import ConfigError, MegaConfig, validate
-from mega.perf import hardware
+from mega.perf import device, hardware
 from mega.perf.configs import Planning
 from mega.perf.hardware import GIB, Hardware
-from mega.perf.step import Prediction, precision_of, predict
+from mega.perf.step import Prediction, effective_overlap, precision_of, predict
 
 DEFAULT_CALIBRATION = Path("runs/perf-calibration.json")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -31,6 +31,7 @@ KNOBS = {  # knob name -> the config key a user fixes it with
     "recompute": "model.recompute",
     "sequence_parallel": "parallelism.sequence_parallel",
     "precision": "train.precision",
+    "vpp": "parallelism.vpp",
 }
 LAYOUT = {"tp": "parallelism.tp", "pp": "parallelism.pp", "vpp": "parallelism.vpp", "dp": "parallelism.dp"}
 
@@ -56,11 +57,13 @@ def settle_dp(plan: Planning) -> None:
 
 def hardware_for(cfg: MegaConfig, calibration: str | Path | None = None) -> tuple[Hardware, float]:
     """The Hardware of ``cfg``'s cluster and the MFU denominator per device: the preset's dense
-    bf16 peak on GPUs; on a CPU cluster the calibrated GEMM rate (the calibration JSON written by
-    ``python -m mega.plan calibrate``)."""
+    bf16 peak on GPUs (efficiencies from the device's built-in calibration, or the GPU calibration
+    file ``calibration`` written by ``python -m mega.perf.calibrate --device cuda``); on a CPU
+    cluster the calibrated GEMM rate (the calibration JSON written by ``python -m mega.plan calibrate``)."""
     c = cfg.cluster
     if c.device == "cuda":
-        hw = hardware.from_cluster(c, precision_of(cfg), cfg.model.fused_ops)
+        cal = device.load(calibration) if calibration else None
+        hw = hardware.from_cluster(c, precision_of(cfg), cfg.model.fused_ops, cal)
         return hw, c.peak_tflops * 1e12
     path = Path(calibration) if calibration else DEFAULT_CALIBRATION
     if not path.is_file():
@@ -80,7 +83,7 @@ class Evaluation:
     evaluated: int
 
     def to_dict(self, hw: Hardware | None = None) -> dict[str, Any]:
-        pr, p, m = self.prediction, self.cfg.parallelism, self.cfg.model
+        pr, p, m = self.prediction, effective_overlap(self.cfg).parallelism, self.cfg.model
         out = {
             "mfu": pr.mfu,
             "step_s": pr.step_s,
@@ -97,9 +100,11 @@ class Evaluation:
             "memory": pr.memory.to_gib(),
             "model": {"name": m.name, "block": m.block, "window_size": m.window_size, "fused_ops": m.fused_ops,
                       "optimizer": self.cfg.optimizer.name},
-            "overlap": {k: getattr(p, k) for k in ("tp_overlap", "overlap_p2p_comm", "overlap_grad_reduce",
-                                                   "overlap_param_gather", "align_param_gather",
-                                                   "overlap_param_gather_with_optimizer_step")},
+            # the flags training runs with (comm_overlap=auto resolved as mega.train resolves it)
+            "overlap": {"comm_overlap": p.comm_overlap,
+                        **{k: getattr(p, k) for k in ("tp_overlap", "overlap_p2p_comm", "overlap_grad_reduce",
+                                                      "overlap_param_gather", "align_param_gather",
+                                                      "overlap_param_gather_with_optimizer_step")}},
             "model_flops_per_step": pr.model_flops_per_step,
             "evaluated": self.evaluated,
         }
@@ -112,19 +117,23 @@ class Evaluation:
 def _knob_values(plan: Planning, cfg: MegaConfig) -> dict[str, list]:
     p, m = cfg.parallelism, cfg.model
     per_replica = p.global_batch_size // p.dp if p.global_batch_size % p.dp == 0 else 0
+    per_stage = m.num_layers // p.pp if m.num_layers % p.pp == 0 else 0
     values: dict[str, list] = {
         "micro_batch_size": [b for b in MICRO_BATCH_SIZES if per_replica and per_replica % b == 0] or [p.micro_batch_size],
         "recompute": [None, "selective", "full"],
         "sequence_parallel": [True, False] if p.tp > 1 else [False],
+        # virtual stages: only with a pipeline; the interleaved schedule needs >1 layer-chunk per stage
+        "vpp": [None] + [v for v in range(2, 17) if per_stage and per_stage % v == 0] if p.pp > 1 else [p.vpp],
     }
     fixed = {"micro_batch_size": p.micro_batch_size, "recompute": m.recompute,
-             "sequence_parallel": p.sequence_parallel}
+             "sequence_parallel": p.sequence_parallel, "vpp": p.vpp}
     return {k: (v if plan.is_open(KNOBS[k]) else [fixed[k]]) for k, v in values.items()}
 
 
 def _with(cfg: MegaConfig, knobs: dict[str, Any], layout: dict[str, Any] | None = None) -> MegaConfig:
-    par = dataclasses.replace(cfg.parallelism, micro_batch_size=knobs["micro_batch_size"],
-                              sequence_parallel=knobs["sequence_parallel"], **(layout or {}))
+    changes = {"micro_batch_size": knobs["micro_batch_size"], "sequence_parallel": knobs["sequence_parallel"],
+               "vpp": knobs["vpp"], **(layout or {})}
+    par = dataclasses.replace(cfg.parallelism, **changes)
     return dataclasses.replace(cfg, parallelism=par, model=dataclasses.replace(cfg.model, recompute=knobs["recompute"]))
 
 
@@ -142,6 +151,8 @@ def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None 
     if hw is None:
         hw, mfu_peak = hardware_for(base, calibration)
     values = _knob_values(plan, base)
+    if layout and "vpp" in layout:
+        values["vpp"] = [layout["vpp"]]  # a searched layout fixes its virtual stages
     best: tuple | None = None
     first_error: ConfigError | None = None
     evaluated = 0

@@ -6,13 +6,15 @@ tensor-parallel collectives and, under recomputation, part of its forward again.
 runs its layers (+ embedding / logits and loss) for every microbatch; the slowest stage sets the
 pace and the interleaved 1F1B bubble adds ``(pp - 1) / vpp`` microbatch-times. Data parallelism
 adds the exposed part of the gradient reduce-scatter and the parameter all-gather; then come the
-optimizer step, the tied-embedding gradient sync, data loading and host overheads. On a CPU whose
-ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
+optimizer step, the tied-embedding gradient sync, data loading and host overheads, and on GPUs the
+stragglers (the slowest of the data-parallel replicas sets the step, mega.perf.scale). On a CPU
+whose ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
 
 Overlap features are read from the config, not from a preset name: ``parallelism.tp_overlap``
 (ring/te: TP collectives chunked with their GEMMs), ``overlap_p2p_comm`` (pipeline send/receive
 off the critical path), ``overlap_grad_reduce``, ``overlap_param_gather``, ``align_param_gather``,
-``overlap_param_gather_with_optimizer_step``.
+``overlap_param_gather_with_optimizer_step``; ``comm_overlap=auto`` is resolved by
+mega.overlap.pp_dp.resolve, as training resolves it (``effective_overlap``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from dataclasses import dataclass, field
 from mega.config import MegaConfig
 from mega.flops import attention_layer_counts, model_flops_per_step, model_flops_per_token
 from mega.perf.hardware import Hardware
+from mega.overlap import pp_dp
 from mega.perf.memory import Memory, buckets, kv_size, memory_per_gpu, stage_params
+from mega.perf.scale import straggler_s
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -420,6 +424,18 @@ def hardware_flops_per_step(cfg: MegaConfig) -> float:
     return flops
 
 
+def effective_overlap(cfg: MegaConfig) -> MegaConfig:
+    """``cfg`` with the PP/DP overlap flags training runs with: ``parallelism.comm_overlap=auto``
+    resolved by the function mega.train uses (mega.overlap.pp_dp.resolve)."""
+    p = cfg.parallelism
+    eff = pp_dp.resolve(p)
+    par = dataclasses.replace(p, overlap_p2p_comm=eff.overlap_p2p_comm,
+                              overlap_p2p_comm_warmup_flush=eff.overlap_p2p_comm_warmup_flush,
+                              overlap_param_gather=eff.overlap_param_gather, align_param_gather=eff.align_param_gather,
+                              overlap_param_gather_with_optimizer_step=eff.overlap_param_gather_with_optimizer_step)
+    return dataclasses.replace(cfg, parallelism=par)
+
+
 def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
             p2p_scatter_gather: bool = False) -> Prediction:
     """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
@@ -429,6 +445,7 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     section 4.1): without sequence parallelism each TP rank sends 1/tp of the activation over its
     NIC and the receiving stage all-gathers it over NVLink. megatron-core, and so mega, sends the
     whole tensor from every TP rank (the default). Only the published Megatron-LM rows set it."""
+    cfg = effective_overlap(cfg)
     m, p = cfg.model, cfg.parallelism
     dtype = DTYPE_BYTES[precision_of(cfg)]
     tp, dp, mb, world = p.tp, p.dp, p.num_microbatches, p.world_size
@@ -450,6 +467,13 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
         Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
     ]
     step_s = sum(t.seconds for t in terms)
+    if hw.straggler_sigma > 0 and dp > 1:
+        # The dp replicas meet once per step, at the gradient reduction; inside a replica the TP
+        # ranks meet every layer and the stages every microbatch, so a replica's step is one draw.
+        terms.append(Term("stragglers", straggler_s(step_s, hw.straggler_sigma, dp),
+                          f"the slowest of {dp} data-parallel replicas sets the step: spread "
+                          f"{hw.straggler_sigma:.2%} x E[max of {dp} standard normals]"))
+        step_s = sum(t.seconds for t in terms)
 
     # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
     # with the core time of the collectives (each pipeline message: a send and a receive each way).

@@ -1,0 +1,124 @@
+"""Per-device efficiencies of the performance model: what fraction of a datasheet figure a device
+type reaches, and the two costs of running many of them in lock-step.
+
+One ``DeviceCalibration`` per device type (the ``mega.flops.PEAK_TFLOPS`` key: "A100", "H100
+SXM", ...). Three ways to get one, the same JSON shape for all:
+
+* the built-in priors below (``prior``), each with its source;
+* fitted on published runs of that device (``mega.perf.published.fit``: ``python -m mega.plan
+  validate`` fits one per device on every source but the one it predicts);
+* measured on a GPU node (``python -m mega.perf.calibrate --device cuda --out FILE``), then given
+  to the planner with ``python -m mega.plan ... --calibration FILE``.
+
+A device type that no published row validates is flagged (``validated: false``) and the planner
+warns about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; the command
+# in docs/perf-model.md prints them again): the GEMM efficiency of each device type on its rows, the
+# straggler spread and the step overhead on all rows, least squares of the MFU error in points.
+# validate never uses these: it fits again without the source it predicts.
+FITTED = {
+    "A100": {"gemm_efficiency": 0.7428, "straggler_sigma": 0.0271, "step_overhead_s": 0.0492},
+    "H100 SXM": {"gemm_efficiency": 0.6425, "straggler_sigma": 0.0271, "step_overhead_s": 0.0492},
+}
+# Device types with rows in tests/fixtures/published (validate re-derives this from the fixtures).
+VALIDATED = ("A100", "H100 SXM")
+
+# Priors (docs/perf-model.md, "Constants"):
+# fused attention against the dense peak: FlashAttention-2 reaches 50-73% of the A100 peak forward +
+# backward (Dao 2023, section 4.1); the middle of that range.
+ATTENTION_EFFICIENCY = 0.6
+# streaming kernels reach ~85% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
+MEMORY_EFFICIENCY = 0.85
+# NCCL bus bandwidth over NVLink against the datasheet per-direction figure (nccl-tests
+# all_reduce_perf on DGX A100: ~230-240 of 300 GB/s).
+NVLINK_EFFICIENCY = 0.8
+# NCCL bus bandwidth over InfiniBand/RoCE against the NIC line rate (one NIC per GPU).
+NIC_EFFICIENCY = 0.85
+# Relative spread (standard deviation / mean) of one data-parallel replica's step time: the step of
+# N replicas meeting at the gradient reduction is the slowest one's (mechanism in mega.perf.scale).
+# MegaScale (NSDI'24 section 5.1) finds ~0.5% of machines markedly slow and MFU varying between runs
+# with them; fitted.
+STRAGGLER_SIGMA = 0.01
+# Host work per optimizer step a GPU does not hide (zero_grad, scheduler, logging, the data
+# loader's hand-off, Python between the schedule's phases), seconds; fitted.
+STEP_OVERHEAD_S = 0.05
+
+FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "nvlink_efficiency", "nic_efficiency",
+          "straggler_sigma", "step_overhead_s")
+
+
+# GEMM efficiency before any fit, per device type: A100: least squares over Korthikanti et al. 2022
+# Table 5's eight iteration times (mega.perf.published.fit on that fixture alone); H100 SXM: an
+# 8192^3 bf16 product at 798 TFLOP/s on this workplace's lent H100 80GB HBM3 (the device notes'
+# reading of 2026-11-13, /work/.library/device/KINDS.md), / 989.4 peak / the model's shape factor
+# 0.962 for that shape = 0.84.
+PRIOR_GEMM = {"A100": 0.76, "H100 SXM": 0.84}
+DEFAULT_GEMM = 0.76
+
+
+@dataclass(frozen=True)
+class DeviceCalibration:
+    device: str
+    gemm_efficiency: float = DEFAULT_GEMM
+    attention_efficiency: float = ATTENTION_EFFICIENCY
+    memory_efficiency: float = MEMORY_EFFICIENCY
+    nvlink_efficiency: float = NVLINK_EFFICIENCY
+    nic_efficiency: float = NIC_EFFICIENCY
+    straggler_sigma: float = STRAGGLER_SIGMA
+    step_overhead_s: float = STEP_OVERHEAD_S
+    source: str = "prior"
+    validated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> DeviceCalibration:
+        return dataclasses.replace(self, **changes)
+
+
+def prior(device: str | None) -> DeviceCalibration:
+    """The built-in calibration of a device type (``FITTED`` over the priors)."""
+    key = device or "unknown"
+    values = {"gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM), **FITTED.get(key, {})}
+    return DeviceCalibration(key, **values, source="built-in (mega/perf/device.py)", validated=key in VALIDATED)
+
+
+def unfitted(device: str) -> DeviceCalibration:
+    """The prior alone (no fit on published runs): what validate starts from."""
+    return DeviceCalibration(device, gemm_efficiency=PRIOR_GEMM.get(device, DEFAULT_GEMM), source="prior")
+
+
+def load(path: str | Path) -> DeviceCalibration:
+    """A calibration JSON (``{"calibration": {...}}`` as calibrate writes it, or the bare block)."""
+    data = json.loads(Path(path).read_text())
+    block = data.get("calibration", data)
+    if "device" not in block:
+        raise ValueError(f"{path}: not a GPU calibration (no 'device'); CPU calibrations come from "
+                         "python -m mega.plan calibrate")
+    unknown = set(block) - set(FIELDS) - {"device", "source", "validated"}
+    bad = [k for k in FIELDS if k in block and not (isinstance(block[k], (int, float)) and math.isfinite(block[k])
+                                                    and block[k] >= 0)]
+    if bad:
+        raise ValueError(f"{path}: {bad[0]} must be a finite number >= 0, got {block[bad[0]]!r}")
+    base = prior(block["device"])
+    values = {k: float(block[k]) for k in FIELDS if k in block}
+    return base.replace(**values, source=block.get("source", str(path)),
+                        validated=bool(block.get("validated", base.validated)))
+
+
+def save(calibration: DeviceCalibration, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"calibration": calibration.to_dict(), **(extra or {})}, indent=1))
+    return path

@@ -1,0 +1,248 @@
+"""The losses of scale and the per-device calibration of mega.perf, each term against an
+independent small computation (docs/perf-model.md). Pure computation, no training processes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mega.overlap import pp_dp
+from mega.perf import calibrate_cuda, device, published
+from mega.perf.configs import Composer
+from mega.perf.hardware import Hardware, Link
+from mega.perf.memory import buckets
+from mega.perf.planner import hardware_for, settle_precision
+from mega.perf.scale import expected_max_normal, straggler_s, tree_all_reduce_s
+from mega.perf.step import effective_overlap, predict
+from mega.plan import main as plan_main
+
+# MegaScale Table 2's 175B layout (TP8 PP8 VPP6, batch 6144), knobs fixed so only the scale moves.
+LAYOUT_175B = ["model=gpt-175b", "cluster=a100-8x", "parallelism.tp=8", "parallelism.pp=8", "parallelism.vpp=6",
+               "parallelism.global_batch_size=6144", "parallelism.micro_batch_size=2", "model.recompute=null",
+               "parallelism.sequence_parallel=true", "train.precision=bf16"]
+BASELINE = ["features=megatron-baseline", "parallelism.overlap_grad_reduce=false"]
+MEGASCALE = ["features=megascale", "parallelism.tp_overlap=ring"]
+
+
+@pytest.fixture(scope="module")
+def composer():
+    with Composer() as c:
+        yield c
+
+
+def _predict(composer, overrides):
+    plan = composer.plan(overrides)
+    settle_precision(plan)
+    hw, peak = hardware_for(plan.cfg)
+    return predict(plan.cfg, hw, peak), plan.cfg, hw
+
+
+# --- each term against an independent computation --------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 8, 64, 1024])
+def test_expected_max_of_n_normals_matches_sampling(n):
+    rng = np.random.default_rng(0)
+    sampled = rng.standard_normal((4000, n)).max(axis=1).mean()
+    assert expected_max_normal(n) == pytest.approx(sampled, abs=0.03)
+
+
+def test_expected_max_closed_forms_and_growth():
+    assert expected_max_normal(1) == 0.0
+    assert expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-9)
+    # grows like sqrt(2 ln n) (Gumbel): the ratio approaches 1 from below
+    ratios = [expected_max_normal(n) / math.sqrt(2 * math.log(n)) for n in (64, 4096, 65536)]
+    assert ratios == sorted(ratios) and 0.7 < ratios[0] < ratios[-1] < 1
+    assert straggler_s(10.0, 0.01, 2) == pytest.approx(10 * 0.01 / math.sqrt(math.pi))
+
+
+def _hw(intra_bw=100e9, inter_bw=10e9, lat_intra=5e-6, lat_inter=10e-6, procs=8):
+    return Hardware(name="t", source="test", peak_flops=1e15, gemm_efficiency=1.0, attention_efficiency=1.0,
+                    kernel_s=0.0, memory_bytes_per_s=1e12, memory_bytes=1e11, memory_capacity_bytes=1e11,
+                    intra=Link(intra_bw, lat_intra), inter=Link(inter_bw, lat_inter), procs_per_node=procs,
+                    sms=None, flash_attention=True)
+
+
+def test_ring_collectives_from_bytes_and_bandwidth():
+    hw, nbytes = _hw(), 256e6
+    # within a node (8 ranks, stride 1): ring steps over NVLink
+    assert hw.collective_s("reduce_scatter", nbytes, 8) == pytest.approx(7 * 5e-6 + 7 / 8 * nbytes / 100e9)
+    assert hw.collective_s("all_gather", nbytes, 8) == pytest.approx(7 * 5e-6 + 7 / 8 * nbytes / 100e9)
+    assert hw.collective_s("all_reduce", nbytes, 8) == pytest.approx(14 * 5e-6 + 14 / 8 * nbytes / 100e9)
+    # across 64 nodes (stride 8: one rank per node): one NIC each, ring latency grows with n
+    rs = hw.collective_s("reduce_scatter", nbytes, 64, stride=8)
+    assert rs == pytest.approx(63 * 10e-6 + 63 / 64 * nbytes / 10e9)
+
+
+def test_all_reduce_across_many_nodes_takes_the_faster_of_ring_and_tree():
+    hw, n = _hw(), 4096
+    small = 1e5  # latency-bound: the tree's 2 log2(n) hops beat the ring's 2 (n - 1)
+    ring = 2 * (n - 1) * 10e-6 + 2 * (n - 1) / n * small / 10e9
+    tree = 2 * 12 * 10e-6 + 2 * small / 10e9
+    assert tree < ring
+    assert hw.collective_s("all_reduce", small, n, stride=8) == pytest.approx(tree)
+    assert tree_all_reduce_s(small, n, 10e9, 10e-6) == pytest.approx(tree)
+    big = 1e10  # bandwidth-bound: the ring's (n-1)/n factor wins
+    assert hw.collective_s("all_reduce", big, 4, stride=8) == pytest.approx(6 * 10e-6 + 1.5 * big / 10e9)
+
+
+def test_interleaved_bubble_at_fixed_global_batch(composer):
+    """(pp-1)/(vpp m) of the pipeline: as dp doubles at a fixed batch, m halves and the bubble share
+    doubles (the stages differ only by embedding/output layer: within 3%)."""
+    shares = []
+    for nodes, dp in ((384, 48), (768, 96), (1536, 192)):
+        pr, cfg, _ = _predict(composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"])
+        m = cfg.parallelism.num_microbatches
+        share = pr.breakdown()["pp_bubble"]["seconds"] / pr.stages["pipeline_s"]
+        assert share == pytest.approx(7 / (6 * m), rel=0.03)
+        shares.append(share)
+    assert shares[1] == pytest.approx(2 * shares[0], rel=0.03) and shares[2] == pytest.approx(4 * shares[0], rel=0.03)
+
+
+def test_dp_reduce_tail_is_at_least_one_bucket(composer):
+    """With overlap_grad_reduce the exposed reduce-scatter is never less than its last bucket:
+    total / (buckets of megatron's DDP: max(4e7, 1e6 dp) parameters each, one per later chunk)."""
+    from mega.perf.memory import stage_params
+
+    pr, cfg, _ = _predict(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
+    p = cfg.parallelism
+    n_buckets = buckets(max(stage_params(cfg.model, p.tp, p.pp)) / p.vpp, p.dp) + p.vpp - 1
+    term = pr.breakdown()["dp_grad_reduce"]
+    assert n_buckets == math.ceil(max(stage_params(cfg.model, 8, 8)) / 6 / 192e6) + 5
+    assert term["seconds"] >= term["total_s"] / n_buckets - 1e-12
+    assert term["seconds"] < term["total_s"]  # the rest hides under the backward
+
+
+def test_step_overhead_and_stragglers_are_terms(composer):
+    pr, cfg, hw = _predict(composer, [*LAYOUT_175B, *BASELINE, "cluster.nodes=384", "parallelism.dp=48"])
+    b = pr.breakdown()
+    assert b["step_overhead"]["seconds"] == hw.step_overhead_s > 0
+    before = sum(v["seconds"] for k, v in b.items() if k != "stragglers")
+    # 48 data-parallel replicas meet at the gradient reduction
+    assert b["stragglers"]["seconds"] == pytest.approx(before * hw.straggler_sigma * expected_max_normal(48))
+    assert sum(v["seconds"] for v in b.values()) == pytest.approx(pr.step_s)
+
+
+# --- must show: the losses of scale and the MegaScale speed-up ------------------------------
+
+def test_mfu_falls_with_gpus_at_fixed_batch_and_the_breakdown_says_why(composer):
+    rows = []
+    for nodes, dp in ((384, 48), (768, 96), (1024, 128), (1536, 192)):
+        pr, _, _ = _predict(composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"])
+        share = {k: v["seconds"] / pr.step_s for k, v in pr.breakdown().items()}
+        rows.append((pr.mfu, share))
+    mfus = [r[0] for r in rows]
+    assert mfus == sorted(mfus, reverse=True) and mfus[0] - mfus[-1] > 0.03
+    first, last = rows[0][1], rows[-1][1]
+    for term in ("pp_bubble", "stragglers", "dp_grad_reduce", "dp_param_gather"):
+        assert last[term] > first[term], term  # the terms whose share of the step grows
+    assert last["gemm"] < first["gemm"]
+
+
+def test_megascale_speedup_over_the_baseline_grows_with_scale(composer):
+    speedups = []
+    for nodes, dp in ((384, 48), (1536, 192)):
+        lay = [f"cluster.nodes={nodes}", f"parallelism.dp={dp}"]
+        base, _, _ = _predict(composer, [*LAYOUT_175B, *BASELINE, *lay])
+        ms, _, _ = _predict(composer, [*LAYOUT_175B, *MEGASCALE, *lay])
+        speedups.append(base.step_s / ms.step_s)
+    assert 1 < speedups[0] < speedups[1]
+
+
+def test_comm_overlap_auto_resolves_as_in_training(composer):
+    """features=megascale sets comm_overlap=auto: the planner resolves it with mega.overlap.pp_dp
+    (what mega.train uses), the same prediction as the resolved flags given explicitly."""
+    lay = ["model=gpt-175b", "cluster=a100-8x", "cluster.nodes=1536", "parallelism.tp=8", "parallelism.pp=8",
+           "parallelism.vpp=6", "parallelism.dp=192", "parallelism.global_batch_size=6144", "features=megascale",
+           "parallelism.micro_batch_size=1", "model.recompute=null", "parallelism.sequence_parallel=true"]
+    auto, cfg, hw = _predict(composer, lay)
+    eff = pp_dp.resolve(cfg.parallelism)
+    assert eff.overlap_p2p_comm and eff.overlap_param_gather and eff.align_param_gather
+    explicit_flags = [f"parallelism.{k}=true" for k in eff.on()]
+    explicit, _, _ = _predict(composer, [*lay, "parallelism.comm_overlap='off'", *explicit_flags])
+    assert auto.step_s == pytest.approx(explicit.step_s)
+    assert effective_overlap(cfg).parallelism.overlap_p2p_comm is True
+    off, _, _ = _predict(composer, [*lay, "parallelism.comm_overlap='off'"])
+    assert off.step_s > auto.step_s
+
+
+# --- per-device calibration ------------------------------------------------------------------
+
+def test_calibration_file_round_trip_and_bad_values(tmp_path):
+    cal = device.prior("H100 SXM").replace(gemm_efficiency=0.65, source="test")
+    path = device.save(cal, tmp_path / "cal.json", {"note": "x"})
+    assert device.load(path) == cal
+    (tmp_path / "bad.json").write_text(json.dumps({"device": "A100", "nic_efficiency": -1}))
+    with pytest.raises(ValueError, match="nic_efficiency"):
+        device.load(tmp_path / "bad.json")
+    (tmp_path / "cpu.json").write_text(json.dumps({"hardware": {}}))
+    with pytest.raises(ValueError, match="not a GPU calibration"):
+        device.load(tmp_path / "cpu.json")
+
+
+def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path, capsys):
+    args = ["model=gpt-13b", "cluster=h100-8x", "cluster.nodes=4", "parallelism.tp=8", "parallelism.pp=1",
+            "parallelism.global_batch_size=128", "--json"]
+    assert plan_main(args) == 0
+    built_in = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert built_in["validated"] is True and "warnings" not in built_in
+    slow = device.save(device.prior("H100 SXM").replace(gemm_efficiency=0.4, validated=False, source="t"),
+                       tmp_path / "slow.json")
+    assert plan_main([*args, f"--calibration={slow}"]) == 0
+    captured = capsys.readouterr()
+    measured = json.loads(captured.out.strip().splitlines()[-1])
+    assert measured["mfu"] < built_in["mfu"] and measured["validated"] is False
+    assert "warning" in captured.err and "no published run" in measured["warnings"][0]
+
+
+def test_fit_recovers_a_known_gemm_efficiency():
+    """Rows whose 'published' MFU is the model's own at GEMM efficiency 0.66 (an independent
+    prediction): the fit finds 0.66 back."""
+    fx = [f for f in published.load() if f["file"].startswith("korthikanti")]
+    todo = published.cases(fx)[:4]
+    truth = device.DeviceCalibration("A100", gemm_efficiency=0.66)  # the fit starts from the other defaults
+    published.freeze_knobs(todo)
+    for case in todo:
+        hw = published._hardware(case, {"A100": truth})
+        step = predict(case.cfg, hw, case.peak, p2p_scatter_gather=case.p2p_scatter_gather).step_s
+        case.fixture = {**case.fixture, "metric": "step_s"}
+        case.row = {**case.row, "value": step}
+    fitted = published.fit(todo, rounds=1)["A100"]
+    assert fitted.gemm_efficiency == pytest.approx(0.66, abs=0.01)
+
+
+# --- the cuda calibration's arithmetic (no GPU needed) ---------------------------------------
+
+def test_cuda_calibration_derivation_from_measurements():
+    peak = 989.4e12
+    shapes = calibrate_cuda.layer_gemm_shapes(4096, 16384, 4096, 4096, tps=(1, 8))
+    assert (4096, 3 * 4096, 4096) in shapes and (4096, 4096, 16384 // 8) in shapes
+    # GEMMs at exactly 0.7 x peak x the model's shape factor -> 0.7
+    gemms = [{"m": m, "n": n, "k": k, "seconds": 2 * m * n * k / (0.7 * peak * calibrate_cuda.shape_factor(m, n, k, 132))}
+             for m, n, k in shapes]
+    flops = 3.5 * 4 * 1 * 16 * 4096 ** 2 * 128
+    attention = [{"batch": 1, "heads": 16, "seq": 4096, "head_dim": 128, "seconds": flops / (0.5 * peak)}]
+    # all-reduce of 256 MiB over 8 ranks at 360 GB/s bus bandwidth -> 0.8 of 450 GB/s
+    nbytes = 256 * 2**20
+    coll = [{"kind": "all_reduce", "bytes": nbytes, "ranks": 8, "seconds": nbytes * 2 * 7 / 8 / 360e9}]
+    cal, missing = calibrate_cuda.derive("H100 SXM", gemms, attention, 0.9 * 3.35e12, coll, multi_node=False)
+    assert cal.gemm_efficiency == pytest.approx(0.7, abs=1e-4)
+    assert cal.attention_efficiency == pytest.approx(0.5, abs=1e-4)
+    assert cal.memory_efficiency == pytest.approx(0.9, abs=1e-4)
+    assert cal.nvlink_efficiency == pytest.approx(0.8, abs=1e-4)
+    assert "nic_efficiency" in missing and cal.nic_efficiency == device.prior("H100 SXM").nic_efficiency
+    assert calibrate_cuda.bus_bandwidth("all_gather", 8e9, 8, 1.0) == pytest.approx(7e9)
+
+
+def test_calibrate_cli_dispatches_and_refuses_without_cuda(capsys):
+    from mega.perf.calibrate import cli
+
+    assert cli(["--device", "tpu"]) == 2
+    assert "cpu or cuda" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert cli(["--device", "cuda", "--out", "/dev/null"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
