@@ -38,6 +38,7 @@ ENTRY_POINTS: dict[str, Callable[[list[str]], object]] = {
     "flows.pretrain": _check("flows.cli"),
     "flows.recover": _check("flows.recover"),
     "mega.bench": _check("mega.bench.__main__"),
+    "mega.perf.calibrate": _check("mega.perf.calibrate"),
     "mega.plan": _check("mega.plan"),
     "mega.launch.slurm": _check("mega.launch.slurm"),
     "mega.launch.kubernetes": _check("mega.launch.kubernetes"),

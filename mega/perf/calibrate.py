@@ -566,14 +566,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _split_device(argv: list[str]) -> tuple[str, list[str]]:
+    """(the ``--device`` value, default cpu; the other arguments)."""
+    if "--device" not in argv:
+        return "cpu", argv
+    i = argv.index("--device")
+    return (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2:]
+
+
+def check_args(argv: list[str]) -> None:
+    """Parse ``argv`` as ``python -m mega.perf.calibrate`` does, measuring nothing."""
+    device, argv = _split_device(argv)
+    if device == "cuda":
+        from mega.perf.calibrate_cuda import parser as cuda_parser
+
+        cuda_parser().parse_args(argv)
+    elif device == "cpu":
+        parser().parse_args(argv)
+    else:
+        raise SystemExit(f"calibrate: --device must be cpu or cuda, got {device!r}")
+
+
 def cli(argv: list[str]) -> int:
     """``python -m mega.perf.calibrate [--device cpu|cuda] ...``: the CPU calibration (this module)
     or the GPU one (mega.perf.calibrate_cuda)."""
-    device = "cpu"
-    if "--device" in argv:
-        i = argv.index("--device")
-        device = argv[i + 1] if i + 1 < len(argv) else ""
-        argv = argv[:i] + argv[i + 2:]
+    device, argv = _split_device(argv)
     if device == "cuda":
         from mega.perf.calibrate_cuda import main as cuda_main
 

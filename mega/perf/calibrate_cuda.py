@@ -182,7 +182,7 @@ def derive(key: str, gemms: list, attention: list, memory_bytes_per_s: float | N
     return cal, not_measured
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mega.perf.calibrate --device cuda", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(DEFAULT_OUT))
@@ -192,7 +192,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=1)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
