@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu, obs, optional_packages, validation
-from mega.cluster.backend_flags import backend_flags
+from mega import megatron_cpu, megatron_fixes, obs, optional_packages, validation
+from mega.cluster.backend_flags import backend_flags, launch_env_problems
 from mega.config import MegaConfig
 from mega.overlap import pp_dp
 from mega.stability import rollback
@@ -251,14 +251,19 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     from mega.stability import heartbeat
 
     flags = backend_flags(cfg)
-    if flags.megatron_cpu_patches:
-        megatron_cpu.apply()
+    missing = launch_env_problems(cfg, dict(os.environ))
+    if missing:  # CUDA read the environment when it initialised: too late to set it from here
+        raise RuntimeError(f"this GPU rank was launched without {', '.join(missing)} in its environment; "
+                           "launch it through mega.launch (cluster.env) or export it in the job script")
+    patched = {"megatron_fixes": list(megatron_fixes.apply()),  # on every device
+               "megatron_cpu": list(megatron_cpu.apply()) if flags.megatron_cpu_patches else []}
     if flags.limit_cpu_threads:
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
-    os.environ.update({**flags.env, **cfg.cluster.env})  # before CUDA starts (setup_distributed)
+    os.environ.update(cfg.cluster.env)
 
     trainer = build(cfg, data_index)
+    trainer.init_times["megatron_patches"] = patched  # what this rank changed in megatron-core
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
     node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where

@@ -30,7 +30,8 @@ GPU_PRESETS = {
 
 # Everything that may differ between a GPU run and its CPU twin, and nothing else.
 EXPECTED_DIFFERENCES = {
-    "flags.device", "flags.collective_device", "flags.use_cpu_initialization", "flags.batch_p2p_comm",
+    "flags.device", "flags.collective_device", "flags.process_group_backend", "flags.use_cpu_initialization",
+    "flags.batch_p2p_comm",
     "flags.precision", "flags.params_dtype", "flags.pipeline_dtype", "flags.grad_reduce_in_fp32",
     "flags.grad_reduce_scatter_all_to_all", "flags.megatron_cpu_patches", "flags.limit_cpu_threads", "flags.peak_flops", "flags.env",
     "TransformerConfig.use_cpu_initialization", "TransformerConfig.batch_p2p_comm",
