@@ -31,6 +31,9 @@ from mega.stability import rollback
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
 optional_packages.quiet_megatron(cuda=torch.cuda.is_available())
 
+# Variables that CUDA reads when it initialises: each rank's value, as launched, goes to init.json.
+LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
 
 @dataclass
 class Trainer:
@@ -197,6 +200,19 @@ def train_step(trainer: Trainer, step: int) -> dict:
     }
 
 
+def rank_facts(trainer: Trainer, launch_env: dict) -> dict:
+    """Collective: what every rank ran with, for init.json -- the GPU-relevant launch variables
+    as each rank found them, and the dtypes of the model's parameters and of the optimizer's main
+    copies (under bf16: bf16 parameters, fp32 main parameters)."""
+    params = sorted({str(p.dtype) for m in trainer.model for p in m.module.parameters()})
+    main = sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})
+    facts = [None] * dist.get_world_size()
+    dist.all_gather_object(facts, (launch_env, params, main))
+    return {"launch_env": {key: [env[key] for env, _, _ in facts] for key in launch_env},
+            "param_dtypes": sorted({d for _, ps, _ in facts for d in ps}),
+            "main_param_dtypes": sorted({d for _, _, ms in facts for d in ms})}
+
+
 def is_logging_rank() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -251,6 +267,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     from mega.stability import heartbeat
 
     flags = backend_flags(cfg)
+    launch_env = {key: os.environ.get(key) for key in LAUNCH_ENV}  # as launched, before anything sets it
     missing = launch_env_problems(cfg, dict(os.environ))
     if missing:  # CUDA read the environment when it initialised: too late to set it from here
         raise RuntimeError(f"this GPU rank was launched without {', '.join(missing)} in its environment; "
@@ -264,6 +281,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
 
     trainer = build(cfg, data_index)
     trainer.init_times["megatron_patches"] = patched  # what this rank changed in megatron-core
+    trainer.init_times.update(rank_facts(trainer, launch_env))
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
     node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
