@@ -236,7 +236,8 @@ def check_save_kill_resume(runs: Runs, optimizer: str) -> None:
         world, layout = 8, ["parallelism=tp2-pp2-dp2", "parallelism.sequence_parallel=true"]
     else:
         world, layout = 1, ["parallelism=single"]
-    overrides = [*layout, f"optimizer={optimizer}", "train.precision=bf16", "parallelism.global_batch_size=4",
+    batch = 8 if world == 8 else 4
+    overrides = [*layout, f"optimizer={optimizer}", "train.precision=bf16", f"parallelism.global_batch_size={batch}",
                  "train.steps=6", "checkpoint.interval=2", "checkpoint.async_save=true",
                  "fault.kill_rank=0", "fault.kill_at_step=5"]
     if runs.dry_run:
@@ -349,7 +350,7 @@ def sliding_window_errors() -> dict:
 
 
 @guarded("selfcheck")
-def check_selfcheck(runs: Runs) -> None:
+def check_selfcheck(runs: Runs, python: str) -> None:
     """(7) the self-check on h100-8x is healthy; its pair exchange as 2 nodes x 4 ranks within 60 s."""
     from mega.cluster.selfcheck import run_selfcheck
     from mega.config import compose
@@ -363,13 +364,38 @@ def check_selfcheck(runs: Runs) -> None:
          reasons=result.get("reasons"))
     if not needs("selfcheck_pairs", 8, runs.ngpu):
         return
-    pairs = compose(["cluster=h100-8x", "cluster.launchers=[local,local-nodes]", "launcher=local-nodes",
-                     "cluster.nodes=2", "cluster.procs_per_node=4", "parallelism=single", "parallelism.dp=8"])
+    pairs = compose(["cluster=h100-8x", "cluster.nodes=2", "cluster.procs_per_node=4", "parallelism=single",
+                     "parallelism.dp=8"])
+    emit("selfcheck_pairs", **pair_exchange(pairs, runs.out / "selfcheck-pairs", python))
+
+
+def pair_exchange(cfg, out: Path, python: str) -> dict:
+    """The self-check as 2 nodes x 4 ranks on one node: two torchrun agents (as two hosts would
+    start them), each on 4 GPUs of its own (CUDA_VISIBLE_DEVICES), rendezvous on 127.0.0.1."""
+    from mega.cluster.selfcheck import selfcheck_floors
+
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    args = ["--out", str(out / "result.json"), "--floors", json.dumps(selfcheck_floors(cfg.cluster)),
+            "--device", "cuda", "--timeout-s", "50"]
     t0 = time.monotonic()
-    result = run_selfcheck(pairs, runs.out / "selfcheck-pairs", timeout_s=60)
+    agents = [subprocess.Popen([python, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}",
+                                "--master-addr=127.0.0.1", f"--master-port={port}", "--nproc-per-node=4",
+                                "--max-restarts=0", "-m", "mega.cluster.selfcheck", *args],
+                               env={**_env(), **cfg.cluster.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))},
+                               stdout=subprocess.DEVNULL, stderr=open(out / f"node{k}.log", "w"))
+              for k, gpus in enumerate([range(0, 4), range(4, 8)])]
+    codes = []
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout=max(1.0, 90 - (time.monotonic() - t0))))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            codes.append("timeout")
     elapsed = time.monotonic() - t0
-    emit("selfcheck_pairs", result["healthy"] and elapsed <= 60, elapsed_s=round(elapsed, 1),
-         pairs=result.get("pairs"), reasons=result.get("reasons"))
+    result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else {}
+    return {"ok": codes == [0, 0] and result.get("healthy", False) and elapsed <= 60, "elapsed_s": round(elapsed, 1),
+            "exit_codes": codes, "pairs": result.get("pairs"), "reasons": result.get("reasons")}
 
 
 @guarded("cuda_events")
@@ -391,7 +417,7 @@ def check_lamb_nccl(runs: Runs) -> None:
         return
     dp = max(n for n in (2, 4, 8) if n <= runs.ngpu)
     common = ["optimizer=lamb", "train.precision=fp32", "train.steps=4", "checkpoint.interval=0",
-              "parallelism.global_batch_size=8"]
+              "parallelism.global_batch_size=16"]
     one = runs.train("lamb-1", 1, [*common, "parallelism=single"]).metrics
     many = runs.train(f"lamb-dp{dp}", dp, [*common, "parallelism=single", f"parallelism.dp={dp}"]).metrics
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(many, one))
@@ -445,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         check_save_kill_resume(runs, "adam")
         check_tp_overlap(runs, python)
         check_sliding_window(runs, python)
-        check_selfcheck(runs)
+        check_selfcheck(runs, python)
         check_cuda_events(runs, python)
         check_lamb_nccl(runs)
     failed = list(FAILED)
