@@ -310,7 +310,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
-    verdicts = rollback.verdict_group()  # not the default group: a save's stage 2 thread uses that
+    verdicts = rollback.verdict_group()  # a gloo group of the training thread's own
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         done = step + 1
