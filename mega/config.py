@@ -692,9 +692,9 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _require(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
     _require(t.eval_batches == 0 or cfg.data.val_fraction > 0, "train.eval_batches",
              "validation needs a held-out split: set data.val_fraction > 0, or train.eval_batches=0")
-    if t.precision in ("bf16", "fp16"):
+    if t.precision == "fp16":  # bf16 runs on CPUs too: the CPU twin of a GPU run
         _require(c.device == "cuda", "train.precision",
-                 f"{t.precision} training is for GPUs; use fp32 with cluster.device=cpu")
+                 "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu")
 
     f = cfg.fault
     if f.kill_rank is not None:

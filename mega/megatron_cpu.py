@@ -2,30 +2,33 @@
 
 megatron-core assumes CUDA in a handful of places: tensors created with ``device="cuda"``,
 ``torch.cuda.current_device()``/``synchronize()``, the CUDA RNG behind its RNG tracker, and
-``'torch.cuda.FloatTensor'`` type-string checks in the optimizers. Its torch-Adam fallback (always
-taken without Apex/Transformer Engine, hence always on CPU) also restores the distributed optimizer
-wrongly: it shares one ``step`` tensor between all parameters and copies a dummy ``step`` over the
-loaded one, so a resumed run silently diverges. One adaptation is for speed, not to run at all:
-gloo implements reduce-scatter as an all-reduce (twice the bytes on the wire at TP=2), so tensor
-parallelism's reduce-scatter on gloo groups runs as megatron's own all-to-all reduce-scatter.
+``'torch.cuda.FloatTensor'`` type-string checks in the optimizers. One adaptation is for speed, not
+to run at all: gloo implements reduce-scatter as an all-reduce (twice the bytes on the wire at
+TP=2), so tensor parallelism's reduce-scatter on gloo groups runs as megatron's own all-to-all
+reduce-scatter.
 
-``apply()`` patches exactly those places, and only when no GPU is present: on a GPU node it does
-nothing and megatron-core runs unmodified. Every patch targets a private name of one release, so
-``PATCHED_SOURCES`` records a fingerprint of each patched function; ``tests/test_megatron_cpu.py``
-fails when megatron-core changes under us, and each patch has a test showing it is still needed.
+``apply()`` patches exactly those places (``ADAPTATIONS``). The caller decides by the configured
+device and backend (``backend_flags(cfg).megatron_cpu_patches``: ``cluster.device=cpu``), never by
+the hardware it happens to run on. Corrections of megatron-core that are not about CPUs live in
+mega/megatron_fixes.py and apply on every device. Every patch targets a private name of one
+release, so ``PATCHED_SOURCES`` records a fingerprint of each patched function;
+``tests/test_megatron_cpu.py`` fails when megatron-core changes under us, and each patch has a
+test showing it is still needed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import importlib
-import inspect
 
 import torch
 
-MEGATRON_VERSION = "0.16.1"
+from mega.megatron_fixes import MEGATRON_VERSION as MEGATRON_VERSION  # re-export
+from mega.megatron_fixes import check_version
+from mega.megatron_fixes import source_fingerprint as source_fingerprint  # re-export
+
+ADAPTATIONS = ("cuda_runtime", "rng_tracker", "cuda_factories", "cuda_type_checks", "gloo_reduce_scatter")
 _applied = False
 
 # Modules whose ``torch.<factory>(..., device="cuda")`` calls must build CPU tensors instead.
@@ -46,11 +49,8 @@ PATCHED_SOURCES = {
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state": "aa26caaa069c5c4f",
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": "b179c9d95438b61c",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__": "3275f640fc1b7377",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states": "93c254228283b2df",
-    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "15f257b4c4f9a7ef",
     "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__": "1d470dedcf8e2f0e",
     "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32": "8edb9da5365045a5",
-    "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__": "6cb54a06fa41bf78",
     # reach the reduce-scatter through the module global ``dist_reduce_scatter_func``
     "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim": "7322068fab71d319",
     "megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward": "b50b2ea4a1c90270",
@@ -59,41 +59,19 @@ PATCHED_SOURCES = {
 }
 
 
-def needed() -> bool:
-    """The adaptations apply to processes that see no GPU."""
-    return not torch.cuda.is_available()
-
-
-def apply() -> bool:
-    """Install every CPU adaptation (idempotent). Returns whether anything was installed."""
+def apply() -> tuple[str, ...]:
+    """Install every CPU adaptation (idempotent). Returns the names of the adaptations installed
+    in this process: ``ADAPTATIONS``."""
     global _applied
-    if _applied or not needed():
-        return False
-    import megatron.core
-
-    if megatron.core.__version__ != MEGATRON_VERSION:
-        raise RuntimeError(
-            f"mega's CPU adaptations were verified on megatron-core {MEGATRON_VERSION}, "
-            f"found {megatron.core.__version__}; re-run tests/test_megatron_cpu.py and update them"
-        )
-    _patch_cuda_runtime()
-    _patch_rng_tracker()
-    _patch_cuda_factories()
-    _patch_cuda_type_checks()
-    _patch_sequence_parallel_norm()
-    _patch_distopt_checkpoint_restore()
-    _patch_gloo_reduce_scatter()
-    _applied = True
-    return True
-
-
-def source_fingerprint(target: str) -> str:
-    module_name, qualname = target.split(":")
-    obj = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    obj = getattr(obj, "__wrapped__", obj)
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+    if not _applied:
+        check_version("CPU adaptations", "tests/test_megatron_cpu.py")
+        _patch_cuda_runtime()
+        _patch_rng_tracker()
+        _patch_cuda_factories()
+        _patch_cuda_type_checks()
+        _patch_gloo_reduce_scatter()
+        _applied = True
+    return ADAPTATIONS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,65 +186,6 @@ def _patch_cuda_type_checks() -> None:
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
     moptimizer.clip_grad_by_total_norm_fp32 = clip  # imported by name there
-
-
-def _patch_sequence_parallel_norm() -> None:
-    """The torch LayerNorm fallback (no Apex) refuses sequence parallelism, although it only needs
-    its weights marked so that finalize_model_grads all-reduces their grads over TP."""
-    import copy
-
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    original_new = WrappedTorchNorm.__new__
-
-    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        plain = copy.copy(config)
-        plain.sequence_parallel = False
-        norm = original_new(cls, plain, hidden_size, eps, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    new.__wrapped__ = original_new
-    WrappedTorchNorm.__new__ = new
-
-
-def _patch_distopt_checkpoint_restore() -> None:
-    """Restore the torch-Adam state of the distributed optimizer exactly.
-
-    megatron's loader puts one shared ``step`` tensor in every parameter's state (torch Adam then
-    increments it once per parameter per step) and copies the loading optimizer's own ``step``
-    back over the restored one. Both silently change the Adam bias correction after a resume.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original_load = DistributedOptimizer.load_state_dict
-
-    @functools.wraps(original_load)
-    def load_state_dict(self, state_dict):
-        original_load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if "step" in state:
-                state["step"] = state["step"].detach().clone()
-
-    original_set = DistributedOptimizer._set_main_param_and_optimizer_states
-
-    @functools.wraps(original_set)
-    def set_main_param_and_optimizer_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original_set(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        destinations = {"param": main_param, **self.optimizer.state[main_param]}
-        with torch.no_grad():
-            for key, dst in destinations.items():
-                if key != "step":  # restored once, from the param groups, by load_state_dict
-                    dst.copy_(tensors[key])
-
-    DistributedOptimizer.load_state_dict = load_state_dict
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
 
 
 def _patch_gloo_reduce_scatter() -> None:

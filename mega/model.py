@@ -128,8 +128,21 @@ def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTMode
             init_layout_invariant(model, cfg.train.seed, cfg.model.init_method_std)
         if backend_flags(cfg).device == "cuda":
             model.cuda(torch.cuda.current_device())
-        chunks.append(model)
+        chunks.append(to_params_dtype(model, tcfg))
     return chunks
+
+
+def to_params_dtype(model: GPTModel, tcfg: TransformerConfig) -> GPTModel:
+    """Every parameter and buffer in ``params_dtype`` under bf16/fp16, as megatron's
+    ``Float16Module`` casts the model before DDP wraps it: megatron builds its linear and
+    word-embedding weights in ``params_dtype`` but the position embeddings and the torch LayerNorms
+    in fp32, and a GEMM of mixed dtypes fails. The distributed optimizer keeps fp32 main copies.
+    (Float16Module's other job, casting the first stage's inputs and the last stage's output, has
+    nothing to do here: the inputs are token ids and the output is the fp32 loss of megatron's
+    cross-entropy.)"""
+    if tcfg.bf16 or tcfg.fp16:
+        model.to(tcfg.params_dtype)
+    return model
 
 
 def global_parameter_names(model: MegatronModule) -> dict[str, torch.nn.Parameter]:

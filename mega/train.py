@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu, obs, optional_packages, validation
-from mega.cluster.backend_flags import backend_flags
+from mega import megatron_cpu, megatron_fixes, obs, optional_packages, validation
+from mega.cluster.backend_flags import backend_flags, launch_env_problems
 from mega.config import MegaConfig
 from mega.overlap import pp_dp
 from mega.stability import rollback
@@ -30,6 +30,9 @@ from mega.stability import rollback
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
 optional_packages.quiet_megatron(cuda=torch.cuda.is_available())
+
+# Variables that CUDA reads when it initialises: each rank's value, as launched, goes to init.json.
+LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
 
 
 @dataclass
@@ -197,6 +200,19 @@ def train_step(trainer: Trainer, step: int) -> dict:
     }
 
 
+def rank_facts(trainer: Trainer, launch_env: dict) -> dict:
+    """Collective: what every rank ran with, for init.json -- the GPU-relevant launch variables
+    as each rank found them, and the dtypes of the model's parameters and of the optimizer's main
+    copies (under bf16: bf16 parameters, fp32 main parameters)."""
+    params = sorted({str(p.dtype) for m in trainer.model for p in m.module.parameters()})
+    main = sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})
+    facts = [None] * dist.get_world_size()
+    dist.all_gather_object(facts, (launch_env, params, main))
+    return {"launch_env": {key: [env[key] for env, _, _ in facts] for key in launch_env},
+            "param_dtypes": sorted({d for _, ps, _ in facts for d in ps}),
+            "main_param_dtypes": sorted({d for _, _, ms in facts for d in ms})}
+
+
 def is_logging_rank() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -251,14 +267,21 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     from mega.stability import heartbeat
 
     flags = backend_flags(cfg)
-    if flags.megatron_cpu_patches:
-        megatron_cpu.apply()
+    launch_env = {key: os.environ.get(key) for key in LAUNCH_ENV}  # as launched, before anything sets it
+    missing = launch_env_problems(cfg, dict(os.environ))
+    if missing:  # CUDA read the environment when it initialised: too late to set it from here
+        raise RuntimeError(f"this GPU rank was launched without {', '.join(missing)} in its environment; "
+                           "launch it through mega.launch (cluster.env) or export it in the job script")
+    patched = {"megatron_fixes": list(megatron_fixes.apply()),  # on every device
+               "megatron_cpu": list(megatron_cpu.apply()) if flags.megatron_cpu_patches else []}
     if flags.limit_cpu_threads:
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
-    os.environ.update({**flags.env, **cfg.cluster.env})  # before CUDA starts (setup_distributed)
+    os.environ.update(cfg.cluster.env)
 
     trainer = build(cfg, data_index)
+    trainer.init_times["megatron_patches"] = patched  # what this rank changed in megatron-core
+    trainer.init_times.update(rank_facts(trainer, launch_env))
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
     node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
@@ -287,7 +310,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
-    verdicts = rollback.verdict_group()  # not the default group: a save's stage 2 thread uses that
+    verdicts = rollback.verdict_group()  # a gloo group of the training thread's own
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         done = step + 1

@@ -26,9 +26,11 @@ def main(run_dir: str, delay: float, skew: float, steps: int) -> None:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    from mega import megatron_cpu, obs
+    from mega import megatron_cpu, megatron_fixes, obs
     from mega.config import from_dict
     from mega.obs.session import Session
+
+    megatron_fixes.apply()
 
     megatron_cpu.apply()
     dist.init_process_group("gloo")

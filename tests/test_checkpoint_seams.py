@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import multiprocessing as mp
 
-from mega.checkpoint import megatron_io
+from mega.checkpoint import megatron_io, save_group
 
 WORLD = 3
 PIECES = [(0, 1000), (1000, 0), (1000, 5000), (6000, 30000), (36000, 4000)]  # the shard file's layout
@@ -31,12 +31,17 @@ WANTS = {  # rank -> wanted (path, offset, length); `common.pt` is fetched whole
 }
 
 
-@pytest.mark.parametrize("target", sorted(megatron_io.RELIED_ON_SOURCES))
-def test_relied_on_sources_unchanged(target):
-    from mega.megatron_cpu import source_fingerprint
+RELIED_ON = {**{t: (v, "megatron_io.py") for t, v in megatron_io.RELIED_ON_SOURCES.items()},
+             **{t: (v, "save_group.py") for t, v in save_group.RELIED_ON_SOURCES.items()}}
 
-    assert source_fingerprint(target) == megatron_io.RELIED_ON_SOURCES[target], (
-        f"{target} changed: re-verify mega/checkpoint/megatron_io.py against it"
+
+@pytest.mark.parametrize("target", sorted(RELIED_ON))
+def test_relied_on_sources_unchanged(target):
+    from mega.megatron_fixes import source_fingerprint
+
+    fingerprint, module = RELIED_ON[target]
+    assert source_fingerprint(target) == fingerprint, (
+        f"{target} changed: re-verify mega/checkpoint/{module} against it"
     )
 
 

@@ -34,7 +34,7 @@ def test_single_layout_runs_one_process():
     (["model.num_layers=abc"], "model.num_layers", "could not be converted to Integer"),
     (["model=nope"], "model", "'nope'"),
     (["train.precision=fp8"], "train.precision", "must be one of"),
-    (["train.precision=bf16"], "train.precision", "for GPUs"),
+    (["train.precision=fp16"], "train.precision", "for GPUs"),
     (["cluster.backend=nccl"], "cluster.backend", "needs cluster.device=cuda"),
     (["parallelism=single", "parallelism.sequence_parallel=true"], "parallelism.sequence_parallel", "tp>1"),
     (["fault.kill_rank=8", "fault.kill_at_step=3"], "fault.kill_rank", "no rank 8 in world 8"),

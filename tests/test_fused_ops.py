@@ -358,10 +358,11 @@ def _model_worker(rank: int, port: int, out_dir: str) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from mega import megatron_cpu
+    from mega import megatron_cpu, megatron_fixes
     from mega.layers import fused
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    megatron_fixes.apply()
     megatron_cpu.apply()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -36,10 +36,11 @@ PROBE = textwrap.dedent(
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK=str(rank), WORLD_SIZE="2")
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import mappings
-        from mega import megatron_cpu
+        from mega import megatron_cpu, megatron_fixes
         from mega.config import from_dict
         from mega.model import build_model_chunks, transformer_config
         from mega.train import ddp_config
+        megatron_fixes.apply()
         megatron_cpu.apply()
         dist.init_process_group("gloo")
         result = {}

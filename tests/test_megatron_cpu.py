@@ -2,10 +2,10 @@
 
 These fail when megatron-core changes under the patches: a new version, an edited patched
 function, or a CUDA assumption that went away (then the patch is dead code and must go).
+(megatron's corrections, applied on every device: tests/test_megatron_fixes.py.)
 """
 
 import importlib.util
-import inspect
 import re
 import subprocess
 import sys
@@ -95,10 +95,15 @@ def test_patches_are_needed_and_sufficient(free_port):
     assert patched == "FAILURES []", patched
 
 
-def test_apply_is_a_no_op_on_gpu_hosts(monkeypatch):
-    monkeypatch.setattr(megatron_cpu.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_cpu, "_applied", False)
-    assert megatron_cpu.apply() is False
-    assert not inspect.isfunction(megatron_cpu.torch.cuda.current_device) or (
-        megatron_cpu.torch.cuda.current_device.__module__ != "mega.megatron_cpu"
-    )
+def test_the_configured_device_decides_not_the_hardware(monkeypatch):
+    """A GPU config gets no CPU adaptation even on a host without GPUs, a CPU config gets all of
+    them on a GPU host: the decision is backend_flags', from cluster.device."""
+    from mega.cluster.backend_flags import backend_flags
+    from mega.config import compose
+
+    gpu = compose(["cluster=h100-8x", "parallelism=tp2-pp2-dp2"])
+    cpu = compose(["cluster=h100-8x-cpu-twin", "parallelism=tp2-pp2-dp2"])
+    for available in (False, True):
+        monkeypatch.setattr(megatron_cpu.torch.cuda, "is_available", lambda: available)
+        assert backend_flags(gpu).megatron_cpu_patches is False
+        assert backend_flags(cpu).megatron_cpu_patches is True

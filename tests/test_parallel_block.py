@@ -37,9 +37,10 @@ def _start_world(rank: int, world_size: int, port: int) -> None:
     """A gloo world of CPU processes with megatron's CPU adaptations, as mega.train sets up."""
     import torch.distributed as dist
 
-    from mega import megatron_cpu
+    from mega import megatron_cpu, megatron_fixes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    megatron_fixes.apply()
     megatron_cpu.apply()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -9,9 +9,9 @@ Save (``Checkpointer.save``, collective):
   the whole state dict and plan the save here.)
 * stage 2, on one background thread per rank: the optimizer's ``fully_reshardable`` state dict
   is built from the frozen view (its gather onto DP rank 0 runs on megatron's gloo DP group) and
-  ``dist_checkpointing.save(..., async_sharded_save=True)`` plans the save (collectives on the
-  default group) and returns an ``AsyncRequest``; training uses neither group while a save is in
-  flight. The request's write function serialises this rank's shards into the node-local staging
+  ``dist_checkpointing.save(..., async_sharded_save=True)`` plans the save (collectives on a gloo
+  group only saves use, mega/checkpoint/save_group.py) and returns an ``AsyncRequest``; training
+  uses neither group. The thread makes the rank's GPU current before anything else. The request's write function serialises this rank's shards into the node-local staging
   directory, then the rank uploads its files to the store (``upload_files``, hashed while sent:
   each file and each serialised piece of it, as the writer reported them).
   The training thread checks at each step (one small all-reduce on a gloo group of its own)
@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from mega import optimizer_snapshot
-from mega.checkpoint import megatron_io
+from mega.cluster.backend_flags import backend_flags
+from mega.checkpoint import megatron_io, save_group
 from mega.checkpoint.common import (
     META_FILE,
     SHARDING_METADATA,
@@ -106,10 +107,13 @@ class _Worker:
     """One daemon thread running jobs in order. Daemon: a rank that fails while an upload
     retries must still exit (the half-uploaded checkpoint is never committed). ``nice``: the
     thread's scheduling priority (Linux: per thread; the writer processes it forks and the upload
-    threads it starts inherit it)."""
+    threads it starts inherit it). ``device``: the rank's GPU, made current in the thread before
+    anything else runs there (a new thread starts on GPU 0, and a CUDA call there would create a
+    context on another rank's device)."""
 
-    def __init__(self, nice: int = 0):
+    def __init__(self, nice: int = 0, device: torch.device | None = None):
         self._nice = nice
+        self._device = device
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="ckpt-stage2", daemon=True)
         self._thread.start()
@@ -124,6 +128,8 @@ class _Worker:
         self._thread.join()
 
     def _loop(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         if self._nice:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
@@ -181,10 +187,15 @@ class Checkpointer:
         # Asynchronous saves run it at a lower priority: where training keeps every core busy
         # (CPU ranks), serialising, hashing and uploading yield to it instead of slowing each
         # step. A synchronous save is what training waits for: normal priority.
-        self._worker = _Worker(nice=STAGE2_NICE if self.ck.async_save else 0)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).device == "cuda" else None
+        self._worker = _Worker(nice=STAGE2_NICE if self.ck.async_save else 0, device=device)
+        # megatron plans a save with collectives on the default group; here they run on this gloo
+        # group instead (mega/checkpoint/save_group.py), which only saves use: stage 2 plans in its
+        # own thread while the training thread goes on, and no communicator serves two threads.
+        self._save_group = dist.new_group(backend="gloo")
         # The training thread's own checks on saves in flight (poll, finish) use this group:
-        # stage 2 may be running collectives on the default group at the same time (the save
-        # plan of a deferred save), and a communicator must never be shared by two threads.
+        # stage 2 may be running collectives on the save group at the same time (the save plan
+        # of a deferred save), and a communicator must never be shared by two threads.
         # gloo: the flags live in host memory, on GPUs too.
         self._control = dist.new_group(backend="gloo")
         # Build the optimizer's state dict in stage 2, from a host copy (the gather of the
@@ -263,12 +274,13 @@ class Checkpointer:
         return record
 
     def _plan(self, job: _InFlight, state: dict) -> None:
-        """megatron's save plan (collective on the default group) -> job.request, job.files."""
+        """megatron's save plan (collective on the save group) -> job.request, job.files."""
         from megatron.core import dist_checkpointing
 
-        job.request = dist_checkpointing.save(state, str(job.path), sharded_strategy=self._strategy,
-                                              validate_access_integrity=not self._validated,
-                                              async_sharded_save=True)
+        with save_group.collectives_on(self._save_group):  # also megatron's finalisation, later
+            job.request = dist_checkpointing.save(state, str(job.path), sharded_strategy=self._strategy,
+                                                  validate_access_integrity=not self._validated,
+                                                  async_sharded_save=True)
         self._validated = True
         job.tap = megatron_io.tap_write_results(job.request)
         buckets = job.request.async_fn_args[1] if job.request.async_fn is not None else []
@@ -334,7 +346,8 @@ class Checkpointer:
             self._commit = self._worker.submit(self._commit_job, job, entries, uploaded)
 
     # -- stage 2 (background thread; collectives only to build a deferred save, on groups the
-    # training thread does not use while a save is in flight: megatron's gloo DP group, default)
+    # training thread does not use while a save is in flight: megatron's gloo DP group and the
+    # checkpointer's own gloo group -- never the default group)
     def _stage2(self, job: _InFlight) -> None:
         try:
             if job.deferred is not None:

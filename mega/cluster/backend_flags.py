@@ -12,6 +12,9 @@ Why each one differs:
 * ``device``: where parameters, activations and p2p buffers live (``cuda`` on GPUs).
 * ``collective_device``: where tensors handed to collectives on the default process group must
   live -- NCCL takes CUDA tensors only, gloo host tensors only.
+* ``process_group_backend``: the default group's backend. On GPUs ``"cpu:gloo,cuda:nccl"``: CUDA
+  tensors go over NCCL, host tensors (megatron's object collectives in checkpointing, flags) over
+  gloo, never through a CUDA staging copy on whatever device the calling thread has current.
 * ``use_cpu_initialization``: megatron builds weights on the host; without CUDA it has to.
 * ``batch_p2p_comm``: megatron's batched isend/irecv. On gloo with PP=2 (previous stage == next
   stage) gloo matches the two batched sends to the same peer in the wrong order: wrong losses,
@@ -19,8 +22,8 @@ Why each one differs:
   everywhere; NCCL keeps megatron's default (batched), except that megatron requires it off under
   ``overlap_p2p_comm``.
 * ``precision`` (and ``params_dtype``, ``pipeline_dtype``, ``grad_reduce_in_fp32``):
-  ``train.precision=auto`` is bf16 on GPUs and fp32 on CPUs; config validation refuses bf16/fp16
-  with ``cluster.device=cpu``.
+  ``train.precision=auto`` is bf16 on GPUs and fp32 on CPUs; ``train.precision=bf16`` runs on CPUs
+  too (the CPU twin of a GPU run, tests/test_gpu_twin.py).
 * ``grad_reduce_scatter_all_to_all``: the distributed optimizer's gradient reduce-scatter as
   megatron's ``reduce_scatter_with_fp32_accumulation`` (an all-to-all, then a local sum). gloo
   implements reduce-scatter as an all-reduce: each rank sends twice the bytes a reduce-scatter
@@ -28,12 +31,17 @@ Why each one differs:
   tests/test_gloo_reduce_scatter.py). The all-to-all moves the reduce-scatter's bytes; the sum is
   the same at DP=2 (bit for bit) and fp32 either way here. NCCL's reduce-scatter is a ring: kept.
 * ``megatron_cpu_patches`` / ``limit_cpu_threads``: the CPU adaptations of megatron-core
-  (mega/megatron_cpu.py) and one OpenMP thread pool per core share, CPU only.
+  (mega/megatron_cpu.py) and one OpenMP thread pool per core share, CPU only: decided by the
+  configured device, never by the hardware. (megatron's corrections, mega/megatron_fixes.py,
+  apply on every device.)
 * ``peak_flops``: the MFU denominator -- the datasheet peak of the GPU, or a GEMM measured at
   start-up on CPUs.
 * ``env``: process environment megatron-core expects on GPUs: ``CUDA_DEVICE_MAX_CONNECTIONS=1``
   keeps one hardware queue per device so that the communication kernels megatron launches to
   overlap with compute are scheduled in launch order (Megatron-LM sets it for TP/SP overlap).
+  CUDA reads it when it initialises, so it must be in the rank's environment from the start: the
+  GPU presets carry it in ``cluster.env`` (exported by every launcher) and a GPU rank whose TP
+  communication overlaps its GEMMs refuses to start without it (``launch_env_problems``).
 
 Identical on every backend (asserted by the same test), because megatron-core needs them there too:
 ``create_gloo_process_groups`` and the optimizer's ``use_gloo_process_groups`` are True everywhere
@@ -64,6 +72,7 @@ DTYPE_OF_PRECISION = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class BackendFlags:
     device: str  # "cpu" | "cuda": parameters, activations, p2p buffers
     collective_device: str  # tensors for collectives on the default group (nccl: cuda, gloo: cpu)
+    process_group_backend: str  # init_process_group: "cpu:gloo,cuda:nccl" on NCCL, "gloo" on gloo
     use_cpu_initialization: bool  # TransformerConfig
     batch_p2p_comm: bool  # TransformerConfig (False on gloo: silent corruption at PP=2)
     precision: str  # train.precision resolved: fp32 | bf16 | fp16
@@ -99,6 +108,7 @@ def backend_flags(cfg: "MegaConfig") -> BackendFlags:
     return BackendFlags(
         device="cuda" if cuda else "cpu",
         collective_device="cuda" if c.backend == "nccl" else "cpu",
+        process_group_backend="cpu:gloo,cuda:nccl" if c.backend == "nccl" else c.backend,
         use_cpu_initialization=not cuda,
         # megatron: "batch_p2p_comm must be False if overlap_p2p_comm is True"
         batch_p2p_comm=c.backend != "gloo" and not pp_dp.resolve(cfg.parallelism).overlap_p2p_comm,
@@ -114,3 +124,14 @@ def backend_flags(cfg: "MegaConfig") -> BackendFlags:
         optimizer_gloo_process_groups=True,
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cuda else {},
     )
+
+
+def launch_env_problems(cfg: "MegaConfig", environ: dict[str, str]) -> list[str]:
+    """What a rank's launch environment lacks that megatron needs before CUDA starts: on GPUs with
+    tensor parallelism (its all-gathers/reduce-scatters overlap the GEMMs in backward) or a
+    ``parallelism.tp_overlap``, ``CUDA_DEVICE_MAX_CONNECTIONS=1``. Empty when nothing is missing."""
+    p = cfg.parallelism
+    if cfg.cluster.device != "cuda" or (p.tp <= 1 and p.tp_overlap == "none"):
+        return []
+    return [f"{key}={value} (got {environ.get(key)!r})" for key, value in backend_flags(cfg).env.items()
+            if environ.get(key) != value]

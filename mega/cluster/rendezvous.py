@@ -133,11 +133,14 @@ def init_process_group(cfg: "MegaConfig", record: bool | None = None):
     """
     import torch.distributed as dist
 
+    from mega.cluster.backend_flags import backend_flags
+
     c = cfg.cluster
+    backend = backend_flags(cfg).process_group_backend  # on GPUs gloo too, for host tensors
     record = c.record_store if record is None else record
     timeout = timedelta(seconds=c.pg_timeout_s)
     if c.store != "redis" and not record:
-        dist.init_process_group(c.backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
         return None
     if c.store == "redis":
         from mega.store import RedisStore
@@ -159,7 +162,7 @@ def init_process_group(cfg: "MegaConfig", record: bool | None = None):
         from mega.store.recording import RecordingStore
 
         store = recorder = RecordingStore(store, rank=rank)
-    dist.init_process_group(c.backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return recorder
 
 

@@ -200,6 +200,15 @@ def pair_rounds(nodes: int, max_rounds: int = MAX_PAIR_ROUNDS) -> list[list[tupl
     return rounds
 
 
+def exchange_ops(send: "torch.Tensor", recv: "torch.Tensor", peer: int) -> list:
+    """The pair exchange's send and receive, posted together (``batch_isend_irecv``): NCCL runs
+    a send and a receive to one peer, posted one after the other, on one stream, where each waits
+    for the other side's; batched they are one group call."""
+    import torch.distributed as dist
+
+    return [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+
+
 def _pair_checks(device: "torch.device", node: int, nodes: int, procs: int, local_rank: int,
                  nbytes: int) -> list[dict[str, Any]]:
     """This rank's part of every round: exchange with the same local rank of the partner node."""
@@ -219,7 +228,7 @@ def _pair_checks(device: "torch.device", node: int, nodes: int, procs: int, loca
         recv = torch.empty_like(send)
 
         def exchange() -> None:
-            for req in (dist.isend(send, peer), dist.irecv(recv, peer)):
+            for req in dist.batch_isend_irecv(exchange_ops(send, recv, peer)):
                 req.wait()
 
         row: dict[str, Any] = {"round": i, "node": node, "partner": partner, "local_rank": local_rank}

@@ -19,7 +19,15 @@ from mega.config import MegaConfig
 
 
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    """flash-attn imports here: a wheel built for another torch or CUDA is installed (found) but
+    fails at import, so only importing it tells (lazily, never at module import)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError alike
+        return False
+    return True
 
 
 def core_attention_class(cfg: MegaConfig, precision: str) -> type:

@@ -120,9 +120,10 @@ def main(argv=None) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from mega import megatron_cpu
+    from mega import megatron_cpu, megatron_fixes
 
     args = parse_args(argv)
+    megatron_fixes.apply()  # on every device
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

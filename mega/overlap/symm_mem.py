@@ -54,14 +54,23 @@ _ENABLED: set[str] = set()
 
 
 def group_name(group: dist.ProcessGroup) -> str:
-    """The group's name, with symmetric memory enabled for it once (CUDA)."""
+    """The group's name, with symmetric memory enabled for it once (CUDA) where torch still
+    needs that: torch 2.13 sets a group up by itself and deprecates ``enable_symm_mem_for_group``."""
     name = group.group_name
     if not _REFERENCE and name not in _ENABLED:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        from torch.distributed import _symmetric_memory as sm
 
-        enable_symm_mem_for_group(name)
+        if needs_enable(sm):
+            sm.enable_symm_mem_for_group(name)
         _ENABLED.add(name)
     return name
+
+
+def needs_enable(sm) -> bool:
+    """Whether this torch's symmetric memory wants ``enable_symm_mem_for_group`` called: it exists
+    and is not marked deprecated (``@deprecated`` sets ``__deprecated__``)."""
+    enable = getattr(sm, "enable_symm_mem_for_group", None)
+    return enable is not None and not hasattr(enable, "__deprecated__")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

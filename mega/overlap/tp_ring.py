@@ -50,7 +50,7 @@ class _Ring:
         self.rank = dist.get_rank(group)
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
-        self.nccl = dist.get_backend(group) == "nccl"
+        self.nccl = "nccl" in dist.get_backend(group)  # "nccl" or the default group's "cpu:gloo,cuda:nccl"
         self.stream = torch.cuda.Stream() if self.nccl else None
 
     def start(self, send: torch.Tensor, recv: torch.Tensor):

@@ -117,10 +117,9 @@ class LossWindow:
 
 def verdict_group():
     """The group ``check_step`` reduces over (collective: every rank, once, at start-up): a gloo
-    group of the training thread's own. An asynchronous save's stage 2 runs collectives on the
-    default group from its own thread, and two threads' collectives on one group pair up with the
-    wrong peers (a deadlock seen under load); on GPUs the default group is NCCL, which cannot
-    reduce the CPU tensor of flags."""
+    group of the training thread's own: two threads' collectives on one group pair up with the
+    wrong peers (a deadlock seen under load), so no group is shared with another thread; and the
+    flags are a CPU tensor, which NCCL cannot reduce."""
     import torch.distributed as dist
 
     return dist.new_group(backend="gloo")
