@@ -235,6 +235,38 @@ def test_device_timer_resolves_without_waiting():
     assert syncs == [1]  # one synchronize, at construction (before any loop)
 
 
+def test_device_timer_spans_after_end_step_stay_in_their_step():
+    """A span recorded between end_step and the next begin_step (the loop's checkpoint and GC)
+    belongs to the step it follows: the next step resolves only its own events (found on an H200:
+    a stale index crashed the first GPU step that followed a checkpoint span)."""
+    from mega.obs.cuda import DeviceTimer
+
+    class HostEvent:
+        def record(self):
+            self.t = time.perf_counter_ns()
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) / 1e6
+
+    rec = Recorder(None, {"rank": 0}, device_timer=DeviceTimer(time.perf_counter_ns, HostEvent, lambda: None))
+    rec.begin_step(0)
+    with rec.span("forward", "forward"):
+        pass
+    rec.end_step()
+    with rec.span("checkpoint", "checkpoint"):  # after end_step, as the training loop records it
+        pass
+    rec.begin_step(1)
+    with rec.span("backward", "backward"):
+        time.sleep(0.002)
+    rec.end_step()
+    assert [s[1] for s in rec.device["spans"]] == ["backward"]
+    dev = rec.device["spans"][0]
+    assert dev[3] - dev[2] >= 2_000_000
+
+
 # ---------------------------------------------------------------------------------------------
 # Config
 

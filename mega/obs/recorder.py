@@ -175,6 +175,10 @@ class Recorder:
     # -- steps ---------------------------------------------------------------------------------
 
     def _reset_step(self, t0: int) -> None:
+        if self.device_timer is not None:
+            # Spans recorded after end_step (checkpoint, GC) were flushed with host times; their
+            # events must not be resolved against the new step's spans (stale indices).
+            self.device_timer.reset()
         self.spans: list[tuple] = []
         self.p2p: list[list] = []
         self.asyncs: list[list] = []

@@ -32,6 +32,8 @@ def main() -> int:
         print(json.dumps({"ok": False, "error": "no CUDA device"}))
         return 1
     a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):  # warm-up: the first products pay cuBLAS's start-up, not the GEMM
+        a @ a
     torch.cuda.synchronize()
 
     # the reference: the same work timed with synchronize
