@@ -88,8 +88,10 @@ class Runs:
         self.data = [f"data.source={corpus}", f"data.cache_dir={out / 'data'}"]
         self.index = prepare_dataset(DataConfig(source=str(corpus), cache_dir=str(out / "data")), vocab_size=512,
                                      progress=False)
+        # No Redis (heartbeats and their watcher are not GPU-specific; a GPU node may lack redis-server):
+        # a hung rank still ends an attempt after cluster.hang_timeout_s.
         self.common = ["model=tiny", "train.eval_batches=0", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                       "checkpoint.restart_backoff_s=0", *self.data]
+                       "checkpoint.restart_backoff_s=0", "cluster.start_local_redis=false", *self.data]
 
     def cluster(self, world: int) -> list[str]:
         """The cluster of a ``world``-rank run: the CPU twin of h100-8x, h100-8x (8 GPUs) or gpu-1."""
