@@ -188,3 +188,7 @@ def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, data_index, dat
     assert incident["culprit"]["rank"] == 1 and incident["culprit"]["reason"] == "behind", incident
     assert incident["culprit"]["group"].startswith("dp")  # the DP (x CP) group its peer waits in
     assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]
+    # the goodput ledger of the hang: every second attributed, the lost step counted from the metrics
+    from tests.goodput_checks import assert_ledger_of_faulted_run
+
+    assert_ledger_of_faulted_run(tmp_path, steps=4)
