@@ -45,3 +45,19 @@ def assert_ledger_of_faulted_run(run_dir: Path, steps: int) -> dict:
     assert led["ledger_s"]["fault_detection"] > 0 and led["ledger_s"]["productive"] > 0
     assert led["samples"]["exact"] and led["samples"]["steps"] == steps, led["samples"]
     return led
+
+
+def assert_cut_off_records_are_named(run_dir: Path, tmp: Path, attempt: int = 0) -> dict:
+    """A copy of the run's marks without attempt ``attempt``'s rank files (a node's records lost):
+    the ledger still builds, and the attempt's time is unattributed under its own name."""
+    import shutil
+
+    copy = tmp / "cut-off"
+    shutil.copytree(Path(run_dir) / "goodput", copy / "goodput")
+    shutil.copy(Path(run_dir) / "faults.jsonl", copy / "faults.jsonl")
+    shutil.rmtree(copy / "goodput" / f"attempt-{attempt}")
+    led = ledger.build(copy)
+    part = led["unattributed_parts"].get(f"attempt {attempt}: no rank records", 0.0)
+    assert part > 0 and led["unattributed_s"] >= part, led["unattributed_parts"]
+    assert abs(sum(led["ledger_s"].values()) - led["wall_s"]) <= 1e-6 * led["wall_s"]
+    return led

@@ -85,9 +85,8 @@ def _flow_intervals(flow: list[dict], driver: list[dict]) -> list[Interval]:
     if start is not None and end is not None:
         out.append(Interval(start, end, "idle", 1, "flow: between tasks"))
     entered = next((e.get("t_entered", e["t"]) for e in driver if e["event"] == "start"), None)
-    for e in flow:
-        if e["event"] != "task":
-            continue
+    tasks = sorted((e for e in flow if e["event"] == "task"), key=lambda e: e["t0"] - e["t1"])
+    for e in tasks:  # longest first: a task that ran inside another's time (overlapped) wins there
         if e["name"] == "train":
             out.append(Interval(e["t0"], e["t1"], "unattributed", 1, "train task: no driver record"))
             if entered is not None and entered > e["t0"]:
