@@ -62,3 +62,68 @@ def test_cli_prints_the_ledger_and_json_last(tmp_path, capsys):
     assert out["wall_s"] == 10.5 and out["unattributed_parts"] == {"attempt 0: no rank records": 9.0}
     assert out["ledger_s"]["queue_wait"] == 1.0 and out["ledger_s"]["teardown"] == 0.5
     assert (tmp_path / "goodput.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The soak's parts (mega/bench/soak.py); the soak itself is a benchmark, too long for the suite
+
+
+def test_fault_schedule_is_seeded_poisson_over_the_kinds():
+    from mega.bench.soak import KINDS, fault_schedule
+
+    a, b = fault_schedule(600, 60, 7), fault_schedule(600, 60, 7)
+    assert a == b and a != fault_schedule(600, 60, 8)
+    long = fault_schedule(6000, 60, 1)  # 100 hours' worth of minutes: ~6000 faults
+    gaps = [y["at_s"] - x["at_s"] for x, y in zip(long, long[1:])]
+    assert abs(sum(gaps) / len(gaps) - 60) < 3  # mean gap = mtbf_s
+    assert {f["kind"] for f in long} == set(KINDS) and all(0 < f["at_s"] < 360000 for f in long)
+    with pytest.raises(ValueError, match="--mtbf-s"):
+        fault_schedule(10, 0, 1)
+
+
+def test_config_faults_take_one_of_each_kind_at_a_step_and_kill_in_a_save():
+    from mega.bench.soak import config_faults
+
+    schedule = [{"at_s": 30, "kind": "nan"}, {"at_s": 50, "kind": "rank-kill"}, {"at_s": 61, "kind": "kill-in-save"},
+                {"at_s": 90, "kind": "nan"}]
+    overrides, out = config_faults(schedule, step_s=2.0, interval=4, steps=100)
+    assert overrides == ["fault.nan_at_step=15", "fault.mode=kill_in_upload", "fault.kill_rank=0",
+                         "fault.kill_at_step=28"]
+    assert [f["how"] for f in out] == ["config", "harness", "config", "not injected (one per soak)"]
+
+
+def _led(exact=True, skipped=(4,), trained=56, ettr=0.5):
+    return {"ettr": ettr, "wall_s": 10.0, "ledger_s": {"productive": 5.0}, "unattributed_s": 0.01,
+            "samples": {"exact": exact, "skipped": [{"step": s} for s in skipped], "trained_samples": trained}}
+
+
+def test_compare_needs_both_sample_ledgers_exact_and_the_same_skips():
+    from mega.bench.soak import compare
+
+    ok = compare(_led(), _led(ettr=0.9), {"equal": True}, True)
+    assert ok["samples_exact"] and ok["final_weights_equal_reference"] and ok["reference_ettr"] == 0.9
+    assert not compare(_led(skipped=(4, 7)), _led(), {"equal": True}, True)["samples_exact"]
+    assert not compare(_led(exact=False), _led(), {"equal": True}, True)["samples_exact"]
+    assert not compare(_led(), _led(), {"equal": False}, True)["final_weights_equal_reference"]
+
+
+def test_fault_rows_take_the_first_incident_after_each_fault():
+    from mega.bench.soak import fault_rows
+
+    incidents = [{"kind": "hang", "attempt": 0, "detected_at": 1020.0, "time_to_recover_s": 9.0},
+                 {"kind": "store", "attempt": 1, "detected_at": 1100.0}]
+    led = {"lost_steps": [{"attempt": 0, "step": 5}, {"attempt": 0, "step": 6}]}
+    rows = fault_rows([{"kind": "rank-hang", "at_s": 5}, {"kind": "redis-stop", "at_s": 90},
+                       {"kind": "rank-kill", "at_s": 200}], incidents, led, t0=1000.0)
+    assert [(r["detected"], r["detect_s"], r["recovered"], r["lost_steps"]) for r in rows] == [
+        (True, 15.0, True, 2), (True, 10.0, True, 0), (False, None, False, 0)]
+
+
+def test_simulated_ettr_falls_with_scale_and_says_it_is_not_measured():
+    from mega.bench.soak import simulate
+
+    small, big = simulate(1024, 50000), simulate(16384, 50000)
+    assert big["measured"] is False and "group_creation_s_per_rank" in big["assumptions"]
+    assert 0 < big["ettr"] < small["ettr"] < 1
+    assert big["job_mtbf_h"] == pytest.approx(50000 / 16384)
+    assert simulate(16384, 50000, overrides={"checkpoint_stall_s": 50.0})["ettr"] < big["ettr"]

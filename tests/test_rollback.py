@@ -176,6 +176,13 @@ def test_sample_ledger_lists_the_skipped_batches_and_the_rest_once(runs):
         assert [(x["step"], x["positions"]) for x in s["skipped"]] == [
             (k, list(range((k - 1) * batch, k * batch))) for k in (NAN_AT, SPIKE_AT)]
         assert s["trained_samples"] == s["distinct_samples"] == (STEPS - 2) * batch
+    # the final weights equal the reference's bit for bit (the soak's comparison, mega/bench/soak.py)
+    from mega.bench.soak import weights_equal
+
+    last = f"iter_{STEPS:07d}"
+    same = weights_equal(root / "drill" / "checkpoints" / last, root / "reference" / "checkpoints" / last,
+                         root / "weights")
+    assert same["equal"] and same["tensors"] > 10, same
     drill_led = ledger.build(root / "drill")
     assert {(x["attempt"], x["step"]) for x in drill_led["lost_steps"]} >= {(0, 3), (0, NAN_AT)}
     assert drill_led["ledger_s"]["lost_work"] > 0 and drill_led["ledger_s"]["fault_detection"] > 0
