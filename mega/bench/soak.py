@@ -227,7 +227,10 @@ class Harness:
             while time.time() < self.t0 + f["at_s"]:
                 if self.stop.wait(0.2):
                     return
-            self.done.append({**f, **self._strike(f["kind"]), "time": time.time()})
+            at = time.time()  # the fault's start (an outage or a straggler lasts seconds more)
+            struck = {**f, **self._strike(f["kind"]), "time": at}
+            self.done.append(struck)
+            self._record(struck)
 
     def _strike(self, kind: str) -> dict:
         import os
@@ -261,6 +264,18 @@ class Harness:
                 os.kill(victim["pid"], signal.SIGCONT)
                 time.sleep(0.5)
         return {"struck": True, **({"rank": victim["rank"], "node": victim.get("node")} if victim else {})}
+
+    def _record(self, f: dict) -> None:
+        """Into ``faults.jsonl`` beside the ranks' own records: the ledger's fault time."""
+        import json
+
+        attempts = sorted(int(p.name.split("attempt")[1].split(".")[0])
+                          for p in self.run_dir.glob("nodes/*/procs-attempt*.jsonl"))
+        row = {"kind": f["kind"], "time": f["time"],
+               "attempt": attempts[-1] if attempts else 0, "step": None, "by": "soak harness",
+               **{k: f[k] for k in ("rank", "node") if k in f}}
+        with open(self.run_dir / "faults.jsonl", "a") as out:
+            out.write(json.dumps(row) + "\n")
 
     def _pause(self, pid: int, seconds: float) -> None:
         import os

@@ -222,8 +222,9 @@ def build(run_dir: str | Path) -> dict:
         by_rank = marks["ranks"].get(a["attempt"], {})
         if not by_rank:
             continue
-        faults = [f["time"] for f in marks["faults"] if f.get("attempt") == a["attempt"]]
-        ivs, lost = _rank_intervals(a, _reference_rank(by_rank), survivors, min(faults) if faults else None,
+        faults = [f["time"] for f in marks["faults"]  # the last fault before the verdict ended the attempt
+                  if f.get("attempt") == a["attempt"] and f["time"] <= a.get("verdict", f["time"])]
+        ivs, lost = _rank_intervals(a, _reference_rank(by_rank), survivors, max(faults) if faults else None,
                                     median_s)
         intervals += ivs
         lost_steps += [{"attempt": a["attempt"], "step": s} for s in lost]
