@@ -13,7 +13,7 @@ from mega.goodput.samples import sample_ledger
 def test_sweep_gives_each_instant_to_the_highest_priority_and_names_the_gaps():
     ivs = [Interval(0, 10, "unattributed", 1, "attempt 0: no rank records"), Interval(2, 8, "productive", 4),
            Interval(3, 4, "checkpoint_stall", 5), Interval(12, 14, "idle", 2)]
-    totals, parts, timeline = sweep(ivs, 0, 15)
+    totals, parts, timeline, _ = sweep(ivs, 0, 15)
     assert totals["productive"] == 5 and totals["checkpoint_stall"] == 1 and totals["idle"] == 2
     assert totals["unattributed"] == 7 and sum(totals.values()) == 15
     assert parts == {"attempt 0: no rank records": 4, "no record covers it": 3}
@@ -107,16 +107,20 @@ def test_compare_needs_both_sample_ledgers_exact_and_the_same_skips():
     assert not compare(_led(), _led(), {"equal": False}, True)["final_weights_equal_reference"]
 
 
-def test_fault_rows_take_the_first_incident_after_each_fault():
+def test_fault_rows_take_the_first_answering_incident_after_each_fault():
     from mega.bench.soak import fault_rows
 
-    incidents = [{"kind": "hang", "attempt": 0, "detected_at": 1020.0, "time_to_recover_s": 9.0},
+    incidents = [{"kind": "straggler", "attempt": 0, "detected_at": 1010.0},
+                 {"kind": "hang", "attempt": 0, "detected_at": 1020.0, "time_to_recover_s": 9.0},
                  {"kind": "store", "attempt": 1, "detected_at": 1100.0}]
-    led = {"lost_steps": [{"attempt": 0, "step": 5}, {"attempt": 0, "step": 6}]}
-    rows = fault_rows([{"kind": "rank-hang", "at_s": 5}, {"kind": "redis-stop", "at_s": 90},
-                       {"kind": "rank-kill", "at_s": 200}], incidents, led, t0=1000.0)
-    assert [(r["detected"], r["detect_s"], r["recovered"], r["lost_steps"]) for r in rows] == [
-        (True, 15.0, True, 2), (True, 10.0, True, 0), (False, None, False, 0)]
+    saves = [{"event": "retry", "time": 1202.0}, {"event": "committed", "time": 1215.0},
+             {"event": "committed", "time": 1230.0}]
+    rows = fault_rows([{"kind": "rank-hang", "at_s": 5, "time": 1005.0}, {"kind": "redis-stop", "at_s": 90, "time": 1090.0},
+                       {"kind": "rank-kill", "at_s": 150, "time": 1150.0}, {"kind": "s3-stop", "at_s": 200, "time": 1200.0}],
+                      incidents, {0: 3.5}, saves)
+    assert [(r["detected"], r["detect_s"], r["recovered"], r["recover_s"], r["lost_s"]) for r in rows] == [
+        (True, 15.0, True, 9.0, 3.5), (True, 10.0, True, None, 0.0), (False, None, False, None, 0.0),
+        (True, 2.0, True, 10.0, 0.0)]
 
 
 def test_simulated_ettr_falls_with_scale_and_says_it_is_not_measured():

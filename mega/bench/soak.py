@@ -88,19 +88,35 @@ def compare(soak: dict, reference: dict, weights: dict, loadable: bool) -> dict:
     }
 
 
-def fault_rows(schedule: list[dict], incidents: list[dict], ledger: dict, t0: float) -> list[dict]:
-    """Each injected fault with what the system made of it: the first incident detected after it
-    (``detect_s``), its recovery (``recover_s``), and the lost work of its attempt."""
-    rows = []
-    for f in schedule:
-        hit = t0 + f["at_s"]
-        inc = next((i for i in sorted(incidents, key=lambda i: i["detected_at"]) if i["detected_at"] >= hit), None)
-        lost = sum(1 for x in ledger["lost_steps"] if inc and x["attempt"] == inc.get("attempt"))
-        rows.append({"kind": f["kind"], "at_s": f["at_s"], "detected": inc is not None,
-                     "detect_s": round(inc["detected_at"] - hit, 3) if inc else None,
-                     "recovered": bool(inc and (inc.get("time_to_recover_s") is not None or inc["kind"] in
-                                               ("straggler", "store"))),
-                     "recover_s": inc.get("time_to_recover_s") if inc else None, "lost_steps": lost})
+# the incidents that answer each fault kind (mega/stability); an S3 outage is answered by the
+# checkpoint upload's retries instead (checkpoints.jsonl)
+ANSWERS = {"rank-kill": ("rank-exit",), "node-kill": ("rank-exit",), "kill-in-save": ("rank-exit",),
+           "rank-hang": ("hang",), "nan": ("nan",), "spike": ("spike",), "redis-stop": ("store",),
+           "straggler": ("straggler", "hang"), "s3-stop": ()}
+
+
+def fault_rows(struck: list[dict], incidents: list[dict], lost_s: dict[int, float], saves: list[dict]) -> list[dict]:
+    """Each fault that struck (``time``: when) with what the system made of it: the first
+    incident of a kind that answers it detected after it (``detect_s``; an S3 outage: the first
+    upload retry), its recovery (``recover_s``: the incident's time to recover; an S3 outage: the
+    first save committed after it), and ``lost_s``, the lost work of the attempt it ended."""
+    rows, used = [], set()
+    for f in sorted(struck, key=lambda f: f["time"]):
+        t = f["time"]
+        inc = next((i for n, i in enumerate(sorted(incidents, key=lambda i: i["detected_at"]))
+                    if i["kind"] in ANSWERS[f["kind"]] and i["detected_at"] >= t - 1 and n not in used
+                    and not used.add(n)), None)
+        row = {"kind": f["kind"], "at_s": f.get("at_s"), "detected": inc is not None,
+               "detect_s": round(inc["detected_at"] - t, 3) if inc else None,
+               "recovered": bool(inc and (inc.get("time_to_recover_s") is not None or inc["kind"] in ("straggler", "store"))),
+               "recover_s": inc.get("time_to_recover_s") if inc else None,
+               "lost_s": round(lost_s.get(inc.get("attempt"), 0.0), 3) if inc and inc["kind"] not in ("straggler", "store") else 0.0}
+        if f["kind"] == "s3-stop":
+            retry = next((r["time"] for r in saves if r["event"] == "retry" and r["time"] >= t), None)
+            done = next((r["time"] for r in saves if r["event"] == "committed" and r["time"] >= t + 20), None)
+            row.update(detected=retry is not None, detect_s=round(retry - t, 3) if retry else None,
+                       recovered=done is not None, recover_s=round(done - t - 20, 3) if done else None)
+        rows.append(row)
     return rows
 
 
@@ -339,15 +355,33 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
         s3.stop()
         os.environ.clear()
         os.environ.update(saved_env)
-    faults = fault_rows([f for f in schedule if f["how"] != "not injected (one per soak)"],
-                        read_incidents(soak_dir), soak_led, harness.t0 or soak_led["start"])
+    from mega.checkpoint.save import read_save_log
+
+    struck = [f for f in harness.done if f.get("struck")] + _config_struck(soak_dir, schedule)
+    faults = fault_rows(struck, read_incidents(soak_dir), soak_led["lost_s_by_attempt"], read_save_log(soak_dir))
     return {
         **compare(soak_led, ref_led, weights, loadable),
         "faults": faults, "faults_survived": result.final_step == steps,  # the run ended, every step trained
-        "schedule": schedule, "steps": steps, "attempts": result.attempts, "seed": seed,
+        "schedule": schedule, "not_struck": [f for f in harness.done if not f.get("struck")], "steps": steps, "attempts": result.attempts, "seed": seed,
         "minutes": minutes, "mtbf_s": mtbf_s, "png": soak_led["png"], "weights": weights,
         "measured": True,
     }
+
+
+def _config_struck(run_dir: Path, schedule: list[dict]) -> list[dict]:
+    """The config faults the ranks recorded (``faults.jsonl``), each once, at its first record."""
+    import json
+
+    path = run_dir / "faults.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    names = {"nan": "nan", "spike": "spike", "kill_in_upload": "kill-in-save"}
+    out = {}
+    for r in rows:
+        kind = names.get(r["kind"])
+        if kind and r.get("by") != "soak harness" and kind not in out:
+            at = next((f["at_s"] for f in schedule if f["kind"] == kind), None)
+            out[kind] = {"kind": kind, "at_s": at, "time": r["time"], "step": r.get("step")}
+    return list(out.values())
 
 
 def _compose(overrides: list[str], steps: int, run_dir: Path):

@@ -162,7 +162,7 @@ def _rank_intervals(a: dict, rows: list[dict], survivors: dict[int, int], fault_
         cat = "productive" if survives else "lost_work"
         t1 = steps[i + 1]["t0"] if i + 1 < len(steps) else x["t1"]
         out.append(Interval(x["t0"], t1, cat, 4, f"attempt {n}: step {x['step']}"))
-        if i == 0 and median_s and x["t1"] - x["t0"] > median_s:
+        if survives and i == 0 and median_s and x["t1"] - x["t0"] > median_s:  # a discarded step is all lost
             out.append(Interval(x["t0"], x["t1"] - median_s, "warmup", 6, f"attempt {n}: first step"))
         elif survives and x.get("data_s"):
             out.append(Interval(x["t0"], x["t0"] + x["data_s"], "data_wait", 6, f"attempt {n}: data"))
@@ -179,15 +179,16 @@ def _rank_intervals(a: dict, rows: list[dict], survivors: dict[int, int], fault_
     return out, lost
 
 
-def sweep(intervals: list[Interval], t0: float, t1: float) -> tuple[dict, dict, list[tuple]]:
-    """Seconds per category and per unattributed part over [t0, t1], and the merged timeline
-    ``(start, end, category)``; each instant goes to the highest-priority interval covering it
-    (the later one among equals)."""
+def sweep(intervals: list[Interval], t0: float, t1: float) -> tuple[dict, dict, list[tuple], dict]:
+    """Seconds per category and per unattributed part over [t0, t1], the merged timeline
+    ``(start, end, category)`` and the lost work per attempt; each instant goes to the
+    highest-priority interval covering it (the later one among equals)."""
     cuts = sorted({t0, t1, *(x for i in intervals for x in (i.t0, i.t1) if t0 < x < t1)})
     ranked = sorted(enumerate(intervals), key=lambda e: (e[1].prio, e[0]))
     totals = {c: 0.0 for c in CATEGORIES}
     parts: dict[str, float] = {}
     timeline: list[tuple] = []
+    lost: dict[int, float] = {}
     for a, b in zip(cuts, cuts[1:]):
         mid = (a + b) / 2
         best = None
@@ -196,6 +197,9 @@ def sweep(intervals: list[Interval], t0: float, t1: float) -> tuple[dict, dict, 
                 best = iv
         cat = best.category if best else "unattributed"
         totals[cat] += b - a
+        if cat == "lost_work" and best.note.startswith("attempt "):
+            n = int(best.note.split(":")[0].split()[1])
+            lost[n] = lost.get(n, 0.0) + b - a
         if cat == "unattributed":
             key = best.note if best else "no record covers it"
             parts[key] = parts.get(key, 0.0) + b - a
@@ -203,7 +207,7 @@ def sweep(intervals: list[Interval], t0: float, t1: float) -> tuple[dict, dict, 
             timeline[-1] = (timeline[-1][0], b, cat)
         else:
             timeline.append((a, b, cat))
-    return totals, parts, timeline
+    return totals, parts, timeline, lost
 
 
 def build(run_dir: str | Path) -> dict:
@@ -233,7 +237,7 @@ def build(run_dir: str | Path) -> dict:
     flow_end = next((e["t"] for e in reversed(marks["flow"]) if e["event"] == "end"), None)
     t0 = flow_start if flow_start is not None else min(times)
     t1 = flow_end if flow_end is not None else max(times)
-    totals, parts, timeline = sweep(intervals, t0, t1)
+    totals, parts, timeline, lost_by_attempt = sweep(intervals, t0, t1)
     wall = t1 - t0
     from mega.goodput.samples import sample_ledger
 
@@ -250,6 +254,7 @@ def build(run_dir: str | Path) -> dict:
         "unattributed_parts": parts,
         "attempts": [{k: a.get(k) for k in ("attempt", "ok", "reason")} for a in attempts],
         "lost_steps": lost_steps,
+        "lost_s_by_attempt": lost_by_attempt,
         "missing_rank_files": missing_ranks,
         "clock": sorted({e.get("clock", "host") for e in marks["driver"]} |
                         {r.get("clock", "host") for by_rank in marks["ranks"].values()
