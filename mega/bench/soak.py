@@ -254,8 +254,11 @@ class Harness:
         import time
 
         ranks = self._live_ranks()
-        if kind in ("rank-kill", "rank-hang", "node-kill", "straggler") and not ranks:
-            return {"struck": False, "why": "no live rank"}
+        deadline = time.monotonic() + 180  # between attempts: strike the next one's ranks
+        while kind in ("rank-kill", "rank-hang", "node-kill", "straggler") and not ranks:
+            if time.monotonic() > deadline or self.stop.wait(1.0):
+                return {"struck": False, "why": "no live rank"}
+            ranks = self._live_ranks()
         victim = ranks[int(self.rng.integers(len(ranks)))] if ranks else None
         if kind == "rank-kill":
             os.kill(victim["pid"], signal.SIGKILL)
