@@ -131,3 +131,17 @@ def test_simulated_ettr_falls_with_scale_and_says_it_is_not_measured():
     assert 0 < big["ettr"] < small["ettr"] < 1
     assert big["job_mtbf_h"] == pytest.approx(50000 / 16384)
     assert simulate(16384, 50000, overrides={"checkpoint_stall_s": 50.0})["ettr"] < big["ettr"]
+
+
+def test_not_struck_says_why():
+    from mega.bench.soak import _not_struck
+
+    schedule = [{"at_s": 1.0, "kind": "rank-kill", "how": "harness"}, {"at_s": 2.0, "kind": "nan", "how": "config", "step": 9},
+                {"at_s": 3.0, "kind": "straggler", "how": "harness"}, {"at_s": 4.0, "kind": "nan", "how": "not injected (one per soak)"},
+                {"at_s": 5.0, "kind": "s3-stop", "how": "harness"}]
+    done = [{"kind": "rank-kill", "at_s": 1.0, "struck": True, "time": 10.0},
+            {"kind": "straggler", "at_s": 3.0, "struck": False, "why": "no live rank"}]
+    struck = [done[0]]
+    assert [(f["kind"], f["why"]) for f in _not_struck(schedule, done, struck)] == [
+        ("nan", "step 9 not trained by the attempt it was set for"), ("straggler", "no live rank"),
+        ("nan", "not injected (one per soak)"), ("s3-stop", "the run ended first")]

@@ -365,10 +365,26 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
     return {
         **compare(soak_led, ref_led, weights, loadable),
         "faults": faults, "faults_survived": result.final_step == steps,  # the run ended, every step trained
-        "schedule": schedule, "not_struck": [f for f in harness.done if not f.get("struck")], "steps": steps, "attempts": result.attempts, "seed": seed,
+        "schedule": schedule, "not_struck": _not_struck(schedule, harness.done, struck), "steps": steps, "attempts": result.attempts, "seed": seed,
         "minutes": minutes, "mtbf_s": mtbf_s, "png": soak_led["png"], "weights": weights,
         "measured": True,
     }
+
+
+def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> list[dict]:
+    """Scheduled faults that never struck, and why (the run ended first, a config fault's step
+    never trained in attempt 0, a second one of a kind, no live rank)."""
+    hit = {(f["kind"], f.get("at_s")) for f in struck}
+    tried = {(f["kind"], f["at_s"]): f.get("why") for f in done}
+    out = []
+    for f in schedule:
+        if (f["kind"], f["at_s"]) in hit:
+            continue
+        why = (f["how"] if f["how"].startswith("not injected") else
+               tried.get((f["kind"], f["at_s"])) or ("the run ended first" if f["how"] == "harness"
+                                                    else f"step {f.get('step')} not trained by the attempt it was set for"))
+        out.append({"kind": f["kind"], "at_s": f["at_s"], "why": why})
+    return out
 
 
 def _config_struck(run_dir: Path, schedule: list[dict]) -> list[dict]:
