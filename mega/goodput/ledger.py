@@ -173,8 +173,9 @@ def _rank_intervals(a: dict, rows: list[dict], survivors: dict[int, int], fault_
         out.append(Interval(last, a.get("verdict", last), "teardown", 4, f"attempt {n}: ranks exit"))
     elif "verdict" in a:
         hit = max(last, fault_t) if fault_t is not None else last
-        if fault_t is not None and fault_t > last:
-            out.append(Interval(last, fault_t, "lost_work", 4, f"attempt {n}: step in flight at the fault"))
+        if fault_t is not None and fault_t > last:  # a step in flight, or start-up not yet done
+            out.append(Interval(last, fault_t, "lost_work" if steps else "startup", 4,
+                                f"attempt {n}: {'step in flight' if steps else 'start-up'} at the fault"))
         out.append(Interval(hit, a["verdict"], "fault_detection", 4, f"attempt {n}: fault -> verdict"))
     return out, lost
 
