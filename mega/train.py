@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from mega import config as mega_config
 from mega import megatron_cpu, obs, optional_packages, validation
-from mega.goodput import marks as goodput_marks
-from mega.goodput import samples as goodput_samples
 from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
+from mega.goodput import marks as goodput_marks
+from mega.goodput import samples as goodput_samples
 from mega.overlap import pp_dp
 from mega.stability import rollback
 

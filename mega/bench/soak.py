@@ -100,17 +100,18 @@ def fault_rows(struck: list[dict], incidents: list[dict], lost_s: dict[int, floa
     incident of a kind that answers it detected after it (``detect_s``; an S3 outage: the first
     upload retry), its recovery (``recover_s``: the incident's time to recover; an S3 outage: the
     first save committed after it), and ``lost_s``, the lost work of the attempt it ended."""
-    rows, used = [], set()
+    rows, left = [], sorted(incidents, key=lambda i: i["detected_at"])
     for f in sorted(struck, key=lambda f: f["time"]):
         t = f["time"]
-        inc = next((i for n, i in enumerate(sorted(incidents, key=lambda i: i["detected_at"]))
-                    if i["kind"] in ANSWERS[f["kind"]] and i["detected_at"] >= t - 1 and n not in used
-                    and not used.add(n)), None)
+        inc = next((i for i in left if i["kind"] in ANSWERS[f["kind"]] and i["detected_at"] >= t - 1), None)
+        if inc is not None:
+            left.remove(inc)  # one incident answers one fault
+        restarts = inc is not None and inc["kind"] not in ("straggler", "store")  # reported, no relaunch
         row = {"kind": f["kind"], "at_s": f.get("at_s"), "detected": inc is not None,
                "detect_s": round(inc["detected_at"] - t, 3) if inc else None,
-               "recovered": bool(inc and (inc.get("time_to_recover_s") is not None or inc["kind"] in ("straggler", "store"))),
+               "recovered": bool(inc and (inc.get("time_to_recover_s") is not None or not restarts)),
                "recover_s": inc.get("time_to_recover_s") if inc else None,
-               "lost_s": round(lost_s.get(inc.get("attempt"), 0.0), 3) if inc and inc["kind"] not in ("straggler", "store") else 0.0}
+               "lost_s": round(lost_s.get(inc.get("attempt"), 0.0), 3) if restarts else 0.0}
         if f["kind"] == "s3-stop":
             retry = next((r["time"] for r in saves if r["event"] == "retry" and r["time"] >= t), None)
             done = next((r["time"] for r in saves if r["event"] == "committed" and r["time"] >= t + 20), None)
@@ -365,7 +366,8 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
     return {
         **compare(soak_led, ref_led, weights, loadable),
         "faults": faults, "faults_survived": result.final_step == steps,  # the run ended, every step trained
-        "schedule": schedule, "not_struck": _not_struck(schedule, harness.done, struck), "steps": steps, "attempts": result.attempts, "seed": seed,
+        "schedule": schedule, "not_struck": _not_struck(schedule, harness.done, struck), "steps": steps,
+        "attempts": result.attempts, "seed": seed,
         "minutes": minutes, "mtbf_s": mtbf_s, "png": soak_led["png"], "weights": weights,
         "measured": True,
     }
@@ -380,9 +382,12 @@ def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> l
     for f in schedule:
         if (f["kind"], f["at_s"]) in hit:
             continue
-        why = (f["how"] if f["how"].startswith("not injected") else
-               tried.get((f["kind"], f["at_s"])) or ("the run ended first" if f["how"] == "harness"
-                                                    else f"step {f.get('step')} not trained by the attempt it was set for"))
+        if f["how"].startswith("not injected"):
+            why = f["how"]
+        elif f["how"] == "harness":
+            why = tried.get((f["kind"], f["at_s"])) or "the run ended first"
+        else:
+            why = f"step {f.get('step')} not trained by the attempt it was set for"
         out.append({"kind": f["kind"], "at_s": f["at_s"], "why": why})
     return out
 
