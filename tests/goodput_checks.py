@@ -48,14 +48,22 @@ def assert_ledger_of_faulted_run(run_dir: Path, steps: int) -> dict:
     return led
 
 
-def assert_cut_off_records_are_named(run_dir: Path, tmp: Path, attempt: int = 0) -> dict:
-    """A copy of the run's marks without attempt ``attempt``'s rank files (a node's records lost):
-    the ledger still builds, and the attempt's time is unattributed under its own name."""
+def assert_cut_off_records_are_named(run_dir: Path, tmp: Path, attempt: int = 0,
+                                     node_ranks: list[int] | None = None) -> dict:
+    """A copy of the run's marks without attempt ``attempt``'s rank files (its only node's records
+    lost): the ledger still builds, and the attempt's time is unattributed under its own name.
+    With ``node_ranks``, first only those ranks' files go (another node's survive): the ledger
+    names them missing and attributes the attempt from the node that is left."""
     import shutil
 
     copy = tmp / "cut-off"
     shutil.copytree(Path(run_dir) / "goodput", copy / "goodput")
     shutil.copy(Path(run_dir) / "faults.jsonl", copy / "faults.jsonl")
+    if node_ranks:
+        for r in node_ranks:
+            (copy / "goodput" / f"attempt-{attempt}" / f"rank-{r}.jsonl").unlink()
+        led = ledger.build(copy)
+        assert led["missing_rank_files"] == {attempt: node_ranks} and led["unattributed_fraction"] < 0.005, led
     shutil.rmtree(copy / "goodput" / f"attempt-{attempt}")
     led = ledger.build(copy)
     part = led["unattributed_parts"].get(f"attempt {attempt}: no rank records", 0.0)

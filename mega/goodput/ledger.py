@@ -222,7 +222,9 @@ def build(run_dir: str | Path) -> dict:
     median_s = _median_step_s(marks)
     intervals = _flow_intervals(marks["flow"], marks["driver"]) + _driver_intervals(marks["driver"], attempts)
     lost_steps = []
-    missing_ranks: dict[int, list[int]] = {}
+    everyone = {r for by_rank in marks["ranks"].values() for r in by_rank}
+    missing_ranks = {a["attempt"]: sorted(everyone - set(marks["ranks"].get(a["attempt"], {})))
+                     for a in attempts if everyone - set(marks["ranks"].get(a["attempt"], {}))}
     for a in attempts:
         by_rank = marks["ranks"].get(a["attempt"], {})
         if not by_rank:
