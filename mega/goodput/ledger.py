@@ -85,12 +85,15 @@ def _flow_intervals(flow: list[dict], driver: list[dict]) -> list[Interval]:
     if start is not None and end is not None:
         out.append(Interval(start, end, "idle", 1, "flow: between tasks"))
     entered = next((e.get("t_entered", e["t"]) for e in driver if e["event"] == "start"), None)
+    ended = next((e["t"] for e in reversed(driver) if e["event"] == "end"), None)
     tasks = sorted((e for e in flow if e["event"] == "task"), key=lambda e: e["t0"] - e["t1"])
     for e in tasks:  # longest first: a task that ran inside another's time (overlapped) wins there
         if e["name"] == "train":
             out.append(Interval(e["t0"], e["t1"], "unattributed", 1, "train task: no driver record"))
             if entered is not None and entered > e["t0"]:
                 out.append(Interval(e["t0"], entered, "queue_wait", 2, "train task: before the launcher"))
+            if ended is not None and e["t0"] < ended < e["t1"]:
+                out.append(Interval(ended, e["t1"], "teardown", 2, "train task: after the launcher"))
         else:
             out.append(Interval(e["t0"], e["t1"], FLOW_TASKS.get(e["name"], "idle"), 2, e["name"]))
     return out
