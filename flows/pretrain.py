@@ -27,6 +27,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from mega.config import MegaConfig, compose, from_dict
+from mega.goodput import ledger as goodput_ledger
+from mega.goodput.marks import FlowMarks
 from tasks.bootstrap import check_rendezvous_store, time_process_group_init
 from tasks.data import prepare_data
 from tasks.observability import observability
@@ -44,15 +46,29 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     logger.info("model %s, layout %s (tp=%d pp=%d vpp=%s dp=%d), %d steps -> %s", cfg.model.name, p.name,
                 p.tp, p.pp, p.vpp, p.dp, cfg.train.steps, cfg.train.run_dir)
     run_dir = Path(cfg.train.run_dir)
+    marks = FlowMarks(run_dir)  # the goodput ledger's flow phases (docs/goodput.md)
+    marks.start()
 
-    index_path = prepare_data(cfg.data, cfg.model.vocab_size)
-    node = node_selfcheck(cfg, run_dir / "selfcheck")  # every node; raises NodeUnhealthy: nothing trains
-    store = check_rendezvous_store(cfg)
-    init = time_process_group_init(cfg, run_dir / "bootstrap")
-    result = train(cfg, index_path)
-    summary = report(result.run_dir, title=f"{cfg.model.name} / {p.name}", metrics=result.metrics)
-    # merged trace, heat map, stragglers (docs/observability.md)
-    obs = observability(result.run_dir, title=f"{cfg.model.name} / {p.name}", tensorboard=cfg.train.tensorboard)
+    with marks.task("prepare-data"):  # the data preparation overlaps the self-check
+        data = prepare_data.submit(cfg.data, cfg.model.vocab_size)
+        with marks.task("node-selfcheck"):
+            node = node_selfcheck(cfg, run_dir / "selfcheck")  # every node; raises NodeUnhealthy: nothing trains
+        index_path = data.result()
+    with marks.task("verify-store"):
+        store = check_rendezvous_store(cfg)
+    if cfg.cluster.time_groups_job:  # a separate job times group creation; else training's own start-up does
+        with marks.task("time-process-groups"):
+            init = time_process_group_init(cfg, run_dir / "bootstrap")
+    with marks.task("train"):
+        result = train(cfg, index_path)
+    init = init if cfg.cluster.time_groups_job else result.init
+    with marks.task("report"):
+        summary = report(result.run_dir, title=f"{cfg.model.name} / {p.name}", metrics=result.metrics)
+    # merged trace, heat map, stragglers; the goodput ledger (docs/observability.md, docs/goodput.md)
+    with marks.task("observability"):
+        obs = observability(result.run_dir, title=f"{cfg.model.name} / {p.name}", tensorboard=cfg.train.tensorboard)
+    marks.end()
+    ledger = goodput_ledger.write(run_dir)  # goodput.json again, now over the whole flow
 
     return {
         "run_dir": str(result.run_dir),
@@ -68,6 +84,7 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "training": {"attempts": result.attempts, "final_step": result.final_step, "init": result.init},
         "report": summary,
         "observability": obs,
+        "goodput": {k: ledger[k] for k in ("ettr", "wall_s", "unattributed_s")},
     }
 
 

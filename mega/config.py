@@ -135,6 +135,9 @@ class ClusterConfig:
     # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
     group_init: str = "light"  # light | default
+    # the pretrain flow times group creation in a job of its own before training (true) or reads it
+    # from the training job's own start-up (false: start-up paid once; docs/goodput.md)
+    time_groups_job: bool = False
     # Each rank records its store operations (init_process_group + group creation) and writes
     # them to <train.run_dir>/store-traffic/<job part>/rank-<r>.json (mega.store.recording)
     record_store: bool = False

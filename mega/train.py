@@ -24,6 +24,8 @@ from mega import config as mega_config
 from mega import megatron_cpu, megatron_fixes, obs, optional_packages, validation
 from mega.cluster.backend_flags import backend_flags, launch_env_problems
 from mega.config import MegaConfig
+from mega.goodput import marks as goodput_marks
+from mega.goodput import samples as goodput_samples
 from mega.overlap import pp_dp
 from mega.stability import rollback
 
@@ -259,7 +261,7 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(cfg: MegaConfig, data_index: str) -> None:
+def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> None:
     from mega import checkpoint, flops
     from mega.cluster import node
     from mega.metrics import MetricsLogger
@@ -279,9 +281,15 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
     os.environ.update(cfg.cluster.env)
 
+    # phase timestamps on the ledger's one clock (docs/goodput.md)
+    marks = goodput_marks.RankMarks(cfg.train.run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")),
+                                    int(os.environ.get("RANK", "0")), main_t or time.time())
+    t_build = marks.now()
     trainer = build(cfg, data_index)
     trainer.init_times["megatron_patches"] = patched  # what this rank changed in megatron-core
     trainer.init_times.update(rank_facts(trainer, launch_env))
+    marks.phase("group_creation", t_build,
+                t_build + trainer.init_times["pg_init_s"] + trainer.init_times["model_parallel_init_s"])
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
     node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
@@ -292,8 +300,9 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     chunks = [m.module for m in trainer.model]
     if cfg.checkpoint.load:
         # `latest` of the durable store, verified; one store read per DP group, shared over DP.
-        start_step, trainer.init_times["restore"] = checkpoint.restore(cfg, chunks, trainer.optimizer,
-                                                                       trainer.scheduler)
+        with marks.span("restore"):
+            start_step, trainer.init_times["restore"] = checkpoint.restore(cfg, chunks, trainer.optimizer,
+                                                                           trainer.scheduler)
     flops_per_step = flops.model_flops_per_step(cfg)
     tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
@@ -312,6 +321,7 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
     verdicts = rollback.verdict_group()  # a gloo group of the training thread's own
     for step in range(start_step, cfg.train.steps):
+        t_step = marks.now()
         maybe_inject_fault(cfg, step)
         done = step + 1
         rollback.maybe_poison(cfg, trainer, done, skips)
@@ -320,13 +330,15 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         result = rollback.skipped_step(trainer) if done in skips else train_step(trainer, step)
         step_s = time.perf_counter() - t0
         step_obs = session.end_step()  # compute time, exposed communication per kind
+        marks.step(done, t_step, marks.now(), done in skips, obs.current().last_step.get("data_s"),
+                   goodput_samples.consumed(cfg, step))
         if beat:
             beat.step_done(done, result, step_s, tokens_per_step)
         bad = None if done in skips else rollback.check_step(result, losses, verdicts)  # NaN/Inf or spike: all agree
         if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
             rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):
-            with obs.paused():  # evaluation is not training: its passes stay out of the step's timeline
+            with obs.paused(), marks.span("validation"):  # evaluation is not training: out of the step's timeline
                 result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
         logger.log(
             {
@@ -344,27 +356,30 @@ def run(cfg: MegaConfig, data_index: str) -> None:
         checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
         interval = cfg.checkpoint.interval
         if interval and (done % interval == 0 or done == cfg.train.steps):
-            with obs.span("checkpoint"):
+            with obs.span("checkpoint"), marks.span("checkpoint"):
                 saved = checkpointer.save(done)
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
         session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
-    with obs.span("checkpoint"):  # the heartbeat's phase while the last upload commits: no hang
+    with obs.span("checkpoint"), marks.span("checkpoint"):  # the heartbeat's phase while the last upload commits
         checkpointer.close()  # the last save is committed before the job ends
+    t_close = marks.now()
     if beat:
         beat.close()
     session.close()
     logger.close()
+    marks.phase("close", t_close)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="resolved config JSON written by the launcher")
     parser.add_argument("--data-index", required=True, help="index.json of the prepared dataset")
+    main_t = time.time()  # the imports are done
     args = parser.parse_args(argv)
     cfg = mega_config.load(args.config)
     try:
-        run(cfg, args.data_index)
+        run(cfg, args.data_index, main_t)
     finally:
         from megatron.core import parallel_state as ps
 

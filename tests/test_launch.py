@@ -417,6 +417,18 @@ def test_two_nodes_give_the_one_node_losses_bit_for_bit_through_a_node_kill(one_
 
 
 @pytest.mark.slow
+def test_the_node_kill_has_a_whole_ledger_and_a_cut_off_node_is_named(two_nodes, tmp_path):
+    """The goodput ledger (mega/goodput) of the node kill: every second attributed, no step lost,
+    each sample once; without node 0's records of attempt 0 node 1's carry the attempt (node 0's
+    named missing); without any of attempt 0's records it names that attempt's time."""
+    from tests.goodput_checks import assert_cut_off_records_are_named, assert_ledger_of_faulted_run
+
+    led = assert_ledger_of_faulted_run(two_nodes["run_dir"], steps=STEPS)
+    assert led["lost_steps"] == []  # killed right after the step-2 checkpoint that attempt 1 restored
+    assert_cut_off_records_are_named(two_nodes["run_dir"], tmp_path, node_ranks=[0, 1, 2, 3])  # node 0's
+
+
+@pytest.mark.slow
 def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nodes):
     faults = [json.loads(line) for line in (two_nodes["run_dir"] / "faults.jsonl").read_text().splitlines()]
     assert sorted(f["rank"] for f in faults) == [4, 5, 6, 7] and {f["node"] for f in faults} == {1}

@@ -155,3 +155,34 @@ def test_step_verdict_does_not_pair_with_a_save_threads_collectives(tmp_path, fr
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"verdict": {"loss": True, "grad_norm": False, "spike": False}, "sum": 201.0}, (rank, got)
+
+
+@pytest.mark.slow
+def test_sample_ledger_lists_the_skipped_batches_and_the_rest_once(runs):
+    """The goodput ledger of the drill (mega/goodput): every second attributed, the NaN step's and
+    the spike's batches listed as skipped with their walk positions, every other sample of the
+    schedule trained on exactly once; the reference (skipped from the start) lists the same."""
+    from mega.goodput import ledger
+    from tests.goodput_checks import assert_sums_to_wall
+
+    root, (drill, _), _ = runs
+    batch = json.loads((root / "drill" / "config.json").read_text())[
+        "parallelism"]["global_batch_size"]
+    for name in ("drill", "reference"):
+        led = ledger.write(root / name)
+        assert_sums_to_wall(led)
+        s = led["samples"]
+        assert s["exact"], s
+        assert [(x["step"], x["positions"]) for x in s["skipped"]] == [
+            (k, list(range((k - 1) * batch, k * batch))) for k in (NAN_AT, SPIKE_AT)]
+        assert s["trained_samples"] == s["distinct_samples"] == (STEPS - 2) * batch
+    # the final weights equal the reference's bit for bit (the soak's comparison, mega/bench/soak.py)
+    from mega.bench.soak import weights_equal
+
+    last = f"iter_{STEPS:07d}"
+    same = weights_equal(root / "drill" / "checkpoints" / last, root / "reference" / "checkpoints" / last,
+                         root / "weights")
+    assert same["equal"] and same["tensors"] > 10, same
+    drill_led = ledger.build(root / "drill")
+    assert {(x["attempt"], x["step"]) for x in drill_led["lost_steps"]} >= {(0, 3), (0, NAN_AT)}
+    assert drill_led["ledger_s"]["lost_work"] > 0 and drill_led["ledger_s"]["fault_detection"] > 0

@@ -37,11 +37,15 @@ def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, log=print):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_index, data_cache):
+def reference_run(tmp_path_factory, data_index, data_cache):
     """One process: the numbers every layout must reproduce."""
-    result = train(tmp_path_factory.mktemp("single"), data_index, data_cache,
-                   ["parallelism=single", "checkpoint.interval=0"])
-    return result.metrics
+    return train(tmp_path_factory.mktemp("single"), data_index, data_cache,
+                 ["parallelism=single", "checkpoint.interval=0"])
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run.metrics
 
 
 def _assert_same_curve(metrics, reference, rtol=RTOL):
@@ -53,6 +57,20 @@ def _assert_same_curve(metrics, reference, rtol=RTOL):
         assert ("val_loss" in got) == ("val_loss" in want), (got, want)
         if "val_loss" in want:
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=rtol), (got, want)
+
+
+def test_clean_run_ledger_sums_to_its_wall_clock(reference_run):
+    """The goodput ledger of a run without faults: every second attributed, nothing lost, every
+    sample of the schedule trained on once (mega/goodput)."""
+    from mega.goodput import ledger
+    from tests.goodput_checks import assert_sums_to_wall
+
+    led = ledger.write(reference_run.run_dir)
+    assert_sums_to_wall(led)
+    assert led["lost_steps"] == [] and led["ledger_s"]["lost_work"] == 0 and led["ledger_s"]["fault_detection"] == 0
+    assert led["ledger_s"]["productive"] > 0 and led["ledger_s"]["startup"] > 0
+    batch = json.loads((reference_run.run_dir / "config.json").read_text())["parallelism"]["global_batch_size"]
+    assert led["samples"]["exact"] and led["samples"]["distinct_samples"] == led["samples"]["trained_samples"] == STEPS * batch
 
 
 def test_reference_run_learns(reference):
@@ -170,7 +188,7 @@ def test_restarts_are_bounded(tmp_path, data_index, data_cache):
               ["parallelism=single", "checkpoint.max_restarts=0", "fault.kill_rank=0", "fault.kill_at_step=1"])
 
 
-def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, data_index, data_cache):
+def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, tmp_path_factory, data_index, data_cache):
     """A rank that stops making progress: the launcher sees no progress for cluster.hang_timeout_s,
     kills the job and resumes it from `latest`."""
     messages = []
@@ -188,3 +206,8 @@ def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, data_index, dat
     assert incident["culprit"]["rank"] == 1 and incident["culprit"]["reason"] == "behind", incident
     assert incident["culprit"]["group"].startswith("dp")  # the DP (x CP) group its peer waits in
     assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]
+    # the goodput ledger of the hang: every second attributed, the lost step counted from the metrics
+    from tests.goodput_checks import assert_cut_off_records_are_named, assert_ledger_of_faulted_run
+
+    assert_ledger_of_faulted_run(tmp_path, steps=4)
+    assert_cut_off_records_are_named(tmp_path, tmp_path_factory.mktemp("cut-off"))

@@ -43,6 +43,14 @@
             -> {"rows": [{"name", "link", "exposed_comm_off_s", "exposed_comm_on_s", "step_off_s",
                           "step_on_s", "loss_equal", "target_met", ...}], ...}
 
+  soak      faults drawn from a seeded Poisson process thrown at a TP2xPP2xDP2 run on 2 local nodes x 4
+            ranks + a spare (real Redis, S3), then a fault-free reference (mega/bench/soak.py):
+            --minutes M (10), --mtbf-s T (60), --seed S (0), --out DIR
+            -> {"ettr", "wall_s", "ledger", "unattributed_s", "faults", "faults_survived", "samples_exact",
+                "final_weights_equal_reference", "durable_checkpoint_loadable", "png", ...}
+            --simulate --gpus N --mttf-h H: the ETTR at N GPUs, modelled -> {"measured": false, "ettr",
+                "assumptions", ...}
+
   faults    every fault the driver handles, injected into real runs (model=tiny, 2 ranks each) and
             timed end to end (mega/bench/faults.py): --only rank-kill,rank-hang,straggler,nan,bad-node,
             redis-outage,overhead (default all), --out DIR (keep the run dirs)
@@ -70,6 +78,7 @@ from mega.bench.faults import bench_faults
 from mega.bench.nodes import bench_nodes
 from mega.bench.observability import bench_observability
 from mega.bench.overlap import bench_overlap
+from mega.bench.soak import bench_soak, simulate
 from mega.bench.step import bench_step
 
 __all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_faults", "bench_nodes",
@@ -80,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
-                                              "nodes", "overlap", "faults"])
+                                              "nodes", "overlap", "faults", "soak"])
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
@@ -134,6 +143,14 @@ def _parser() -> argparse.ArgumentParser:
     nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
     faults = parser.add_argument_group("faults")
     faults.add_argument("--only", default=None, help="faults: comma-separated drills (default: all, and overhead)")
+    soak = parser.add_argument_group("soak")
+    soak.add_argument("--minutes", type=float, default=10.0, help="soak: how long faults arrive")
+    soak.add_argument("--mtbf-s", type=float, default=60.0, help="soak: mean time between faults")
+    soak.add_argument("--seed", type=int, default=0, help="soak: the fault schedule's seed")
+    soak.add_argument("--simulate", action="store_true", help="soak: model --gpus N at --mttf-h H instead")
+    soak.add_argument("--gpus", type=int, default=16384, help="soak --simulate: GPUs of the run")
+    soak.add_argument("--mttf-h", type=float, default=50000.0,
+                      help="soak --simulate: hours between failures of one GPU (Llama 3: ~50,000)")
     parser.add_argument("--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link")
     return parser
 
@@ -170,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.benchmark == "overlap":
             result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3),
                                    args.link_mbit)
+        elif args.benchmark == "soak" and args.simulate:
+            result = simulate(args.gpus, args.mttf_h)
+        elif args.benchmark == "soak":
+            result = bench_soak(args.minutes, args.mtbf_s, args.seed, args.out or "runs/bench-soak", args.overrides)
         elif args.benchmark == "faults":
             result = bench_faults(_names(args.only) if args.only else None, args.out, args.overrides)
         elif args.benchmark == "bootstrap":

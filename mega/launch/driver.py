@@ -20,6 +20,7 @@ from typing import Callable
 from mega import config as mega_config
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
+from mega.goodput.marks import driver_mark
 from mega.launch import runs
 from mega.launch.backend import JobSpec, server_host
 from mega.launch.watch import JobOutcome, run_job
@@ -64,6 +65,7 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     """
     from mega import validation
 
+    entered = time.time()
     validation.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +75,11 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
             rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env, \
             heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env:  # docs/stability.md
         book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
-        result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env}, book)
+        driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
+        try:
+            result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env}, book)
+        finally:
+            driver_mark(run_dir, "end")
         run.finish("completed", result.final_step)
         return result
 
@@ -114,6 +120,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
         job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
         watcher = Watcher(cfg, env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
+        driver_mark(run_dir, "launch", attempt=n)
         book.begin(n, job, cfg, watcher, lambda cfg=cfg: _durable_step(cfg))
         outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
                           stall_timeout_s=c.hang_timeout_s, on_poll=lambda: run.beat() or book.poll() or watcher.poll(),
@@ -121,6 +128,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         # agents of a dead rank's peers may fail in the same poll: blame the culprit's node
         logs = {k: job.log_path(k, c.nodes) for k in range(c.nodes)}
         outcome = incidents_of_attempt.narrow_to_culprits(outcome, logs)
+        driver_mark(run_dir, "stopped", attempt=n, ok=outcome.ok, reason=outcome.reason, stop_s=outcome.stop_s)
         attempts += 1
         try:
             dropped = rendezvous.drop_attempt_keys(store_env, n)
@@ -162,7 +170,9 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
               and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts):
             diagnosed = incidents_of_attempt.Diagnosed.before(nodes, suspects)
             try:
+                t_diagnose = time.time()
                 evicted = nodes.diagnose(n, suspects, log)
+                driver_mark(run_dir, "diagnose", attempt=n, seconds=time.time() - t_diagnose)
             except membership.CannotContinue as e:
                 book.end(outcome, final_step, diagnosed=diagnosed.failed(e), restarts_left=False)
                 run.finish("failed", final_step, error=str(e))
@@ -181,6 +191,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             )
             run.finish("failed", final_step, error=str(failed))
             raise failed
+        driver_mark(run_dir, "backoff", attempt=n, seconds=cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
 
 
