@@ -43,6 +43,7 @@ ENTRY_POINTS: dict[str, Callable[[list[str]], object]] = {
     "mega.launch.slurm": _check("mega.launch.slurm"),
     "mega.launch.kubernetes": _check("mega.launch.kubernetes"),
     "mega.trace": _check("mega.obs.trace"),
+    "mega.goodput": _check("mega.goodput.__main__"),
     "mega.overlap.compare": _check("mega.overlap.compare", "parse_args"),
 }
 # Started by mega itself with a JSON spec (docs name it to say what runs): it must exist.

@@ -16,11 +16,20 @@ def table(led: dict) -> str:
     return "\n".join([f"wall {led['wall_s']:.2f} s, ETTR {led['ettr']:.4f}", *rows, *parts])
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mega.goodput", description=__doc__)
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="the last line is the ledger as JSON")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(argv: list[str]) -> None:
+    """Parse ``argv`` as ``main`` does, reading no run (a bad flag exits)."""
+    _parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         led = ledger.write(args.run_dir)
     except FileNotFoundError as e:
