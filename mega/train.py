@@ -25,7 +25,7 @@ from mega import megatron_cpu, obs, optional_packages, validation
 from mega.cluster.backend_flags import backend_flags
 from mega.config import MegaConfig
 from mega.overlap import pp_dp
-from mega.stability import rollback
+from mega.stability import exit_signal, rollback
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
@@ -243,7 +243,7 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(cfg: MegaConfig, data_index: str) -> None:
+def run(cfg: MegaConfig, data_index: str) -> int:
     from mega import checkpoint, flops
     from mega.cluster import node
     from mega.metrics import MetricsLogger
@@ -288,6 +288,8 @@ def run(cfg: MegaConfig, data_index: str) -> None:
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
     verdicts = rollback.verdict_group()  # not the default group: a save's stage 2 thread uses that
+    warned = exit_signal.install()  # Slurm's warning before a time limit: save and exit (docs/cluster.md)
+    code = 0
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)
         done = step + 1
@@ -326,12 +328,19 @@ def run(cfg: MegaConfig, data_index: str) -> None:
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
         session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
+        if warned is not None and done < cfg.train.steps and warned.agreed(verdicts):
+            if not (interval and done % interval == 0):
+                checkpointer.save(done)
+            logger.event(f"attempt {attempt}: signalled by the scheduler; saved step {done}, exiting")
+            code = exit_signal.EXIT_CODE
+            break
     with obs.span("checkpoint"):  # the heartbeat's phase while the last upload commits: no hang
         checkpointer.close()  # the last save is committed before the job ends
     if beat:
         beat.close()
     session.close()
     logger.close()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,14 +350,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = mega_config.load(args.config)
     try:
-        run(cfg, args.data_index)
+        code = run(cfg, args.data_index)
     finally:
         from megatron.core import parallel_state as ps
 
         if dist.is_initialized():
             ps.destroy_model_parallel()
             dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":  # the checkpoint writer's spawned helpers re-import __main__

@@ -90,7 +90,8 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
     env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
 
     first = run.record.attempts
-    attempts = 0
+    attempts = 0  # attempts launched; those ended by Slurm's signal (requeues) do not count as failures
+    requeues = 0
     history: list[dict] = []
     while True:
         n = first + attempts  # this attempt's number over the run's life
@@ -148,16 +149,35 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         if outcome.ok and final_step >= cfg.train.steps:
             book.end(outcome, final_step)
             return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
+        if _preempted(outcome):  # Slurm's signal: the ranks saved at final_step; resubmit, no failure
+            requeues += 1
+            attempts -= 1
+            history[-1]["requeued"] = True  # no incident: a scheduled end, not a fault
+            runs.write_record(run.record)
+            limit = cfg.launcher.slurm.max_requeues
+            log(f"attempt {n}: signalled by Slurm (time limit or preemption); the ranks saved step {final_step}; "
+                f"requeue {requeues} of at most {limit}")
+            if requeues > limit:
+                failed = TrainingFailed(f"requeued {requeues} times (launcher.slurm.max_requeues={limit})")
+                run.finish("failed", final_step, error=str(failed))
+                raise failed
+            first += 1  # the next attempt still gets a number (and a store namespace) of its own
+            continue
         if outcome.ok:  # every agent exited 0 short of train.steps: not a success
             outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
         log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
             f"logs: {_logs(job, c.nodes, outcome)}")
         diagnosed = None
+        lost = _exclude_lost_hosts(nodes, log, n)  # Slurm: hosts it holds down never come back in this run
+        if lost:
+            history[-1]["excluded_hosts"] = lost
         if (request := rollback.take(run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
             run.record.skipped_steps.append(request)
             history[-1]["skipped_step"] = request["step"]
             log(f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
                 "and skipping the step's batch")
+        elif lost:
+            pass  # Slurm gives the next attempt other nodes (spares) or fewer (min_nodes): no self-check
         elif ((suspects := incidents_of_attempt.suspect_nodes(outcome, watcher.incidents))  # failed or hung nodes
               and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts):
             diagnosed = incidents_of_attempt.Diagnosed.before(nodes, suspects)
@@ -182,6 +202,39 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             run.finish("failed", final_step, error=str(failed))
             raise failed
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
+
+
+def _preempted(outcome: JobOutcome) -> bool:
+    """Every node's ranks saved and exited on Slurm's signal (mega.launch.slurm.PREEMPTED)."""
+    from mega.launch.slurm import PREEMPTED
+
+    codes = outcome.exit_codes.values()
+    return bool(codes) and all(c == PREEMPTED for c in codes)
+
+
+def _exclude_lost_hosts(nodes: membership.Nodes, log: Callable[[str], None], attempt: int) -> list[str]:
+    """On Slurm: the attempt's hosts Slurm holds down go into ``--exclude`` of every later attempt;
+    with fewer usable nodes than the run needs it shrinks to ``cluster.min_nodes`` or more (DP
+    shrinks), else the same size lands on a spare. Other backends: nothing ([])."""
+    backend = nodes.backend
+    if not hasattr(backend, "lost_hosts"):
+        return []
+    lost = backend.lost_hosts()
+    for host in lost:
+        backend.exclude(host)
+    if not lost:
+        return []
+    c = nodes.cfg.cluster
+    usable = backend.usable_nodes()
+    note = f"attempt {attempt}: Slurm holds {', '.join(lost)} down; excluded from every later attempt"
+    if usable < c.nodes and c.min_nodes is not None and usable >= c.min_nodes:
+        nodes.cfg = membership.resize(nodes.cfg, usable)
+        backend.resize(nodes.cfg)
+        note += f"; continuing on {usable} node(s), dp {nodes.cfg.parallelism.dp}"
+    elif usable >= c.nodes:
+        note += f"; {usable} usable node(s): the next attempt runs on a spare"
+    log(note)
+    return lost
 
 
 def _durable_step(cfg: MegaConfig) -> int | None:
