@@ -103,17 +103,22 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
 
 
 # The node task: read the secrets file (only this shell and the agent it starts see them), start the
-# agent in the background so SIGUSR1 (Slurm's --signal) can be passed on to its ranks, write the
-# exit code. After a signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other
-# nodes to finish their save; the exit file says PREEMPTED.
+# agent in the background with SIGUSR1 ignored (inherited through exec: a rank that is not yet
+# listening for it is not killed by it), pass Slurm's SIGUSR1 on to the ranks every 2 s until they
+# are gone (a rank installs its handler once it is up), write the exit code. After the signal the
+# task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save; the
+# exit file says PREEMPTED.
 _NODE_TASK = """mkdir -p @LOGDIR@ @EXITDIR@
 if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi
 signalled=0
-trap 'signalled=1; pkill -USR1 -P "$agent"' USR1
-@AGENT@ >> @LOG@ 2>&1 &
+trap 'signalled=1' USR1
+(trap '' USR1; exec @AGENT@ >> @LOG@ 2>&1) &
 agent=$!
-rc=0
-while kill -0 "$agent" 2>/dev/null; do wait "$agent"; rc=$?; done
+while kill -0 "$agent" 2>/dev/null; do
+  if [ "$signalled" = 1 ]; then pkill -USR1 -P "$agent" || true; fi
+  sleep 2 & wait $! || true
+done
+rc=0; wait "$agent" || rc=$?
 if [ "$signalled" = 1 ]; then rc=@PREEMPTED@; fi
 printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$rc" "$(hostname)" > @EXIT@.tmp
 mv @EXIT@.tmp @EXIT@
@@ -270,6 +275,11 @@ def hostnames(nodelist: str) -> list[str]:
     return _slurm("scontrol", "show", "hostnames", nodelist).split()
 
 
+def _unusable(state: str) -> bool:
+    """A node state (``sinfo %t``) a job cannot run on: down, drained, failing, or not responding (*)."""
+    return state.endswith("*") or bool(re.match(r"(down|drain|drng|fail|maint|unk|npc)", state))
+
+
 _ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
           "BOOT_FAIL", "DEADLINE"}
 
@@ -380,8 +390,7 @@ class SlurmBackend:
         if not hosts:
             return []
         out = _slurm("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
-        bad = {n for n, state in (line.split() for line in out.splitlines() if line.strip())
-               if re.match(r"(down|drain|drng|fail|maint|unk|npc)", state)}
+        bad = {n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)}
         return [h for h in hosts if h in bad]
 
     def usable_nodes(self) -> int:
@@ -392,8 +401,7 @@ class SlurmBackend:
         out = _slurm(*argv, check=False)
         states = dict(line.split() for line in out.splitlines() if line.strip())
         excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
-        return sum(1 for n, st in states.items() if n not in excluded
-                   and not re.match(r"(down|drain|drng|fail|maint|unk|npc)", st))
+        return sum(1 for n, st in states.items() if n not in excluded and not _unusable(st))
 
     def resize(self, cfg: "MegaConfig") -> None:
         """Later attempts run ``cfg`` (fewer nodes after a loss, mega.stability.membership.resize)."""

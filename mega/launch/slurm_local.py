@@ -207,13 +207,8 @@ def up(nodes: int = 3, root: Path = DEFAULT_DIR, subnet: str = DEFAULT_SUBNET, c
         state.conf.write_text(render_conf(state, cpus or os.cpu_count() or 1, memory_mb))
         state.pids["slurmctld"] = _spawn(["slurmctld", "-D", "-f", str(state.conf)], root / "slurmctld.out")
         _write_state(state)
-        for k, host in enumerate(state.hostnames):
-            # ip netns exec -> unshare (own UTS namespace) -> sh sets the hostname -> exec slurmd: one pid
-            (root / "spool" / host).mkdir(parents=True, exist_ok=True)
-            argv = [*net.exec_prefix(k), "unshare", "--uts", "sh", "-c", _SLURMD_SH, host, str(state.conf),
-                    _cgroup_mode()]
-            state.pids[f"slurmd-{host}"] = _spawn(argv, root / f"slurmd-{host}.out")
-            _write_state(state)
+        for k in range(nodes):
+            _start_slurmd(state, net, k)
         wait_idle(state, timeout_s)
     except BaseException:
         down(root)
@@ -237,6 +232,16 @@ fi
 hostname "$0"
 exec slurmd -D -f "$1"
 """
+
+
+def _start_slurmd(state: ClusterState, net: netns.NetnsNetwork, k: int) -> None:
+    """Node k's slurmd: ip netns exec -> unshare (own UTS namespace) -> sh (cgroups, hostname) ->
+    exec slurmd, all one pid, recorded in the state file."""
+    host = state.hostnames[k]
+    (Path(state.root) / "spool" / host).mkdir(parents=True, exist_ok=True)
+    argv = [*net.exec_prefix(k), "unshare", "--uts", "sh", "-c", _SLURMD_SH, host, str(state.conf), _cgroup_mode()]
+    state.pids[f"slurmd-{host}"] = _spawn(argv, Path(state.root) / f"slurmd-{host}.out")
+    _write_state(state)
 
 
 def _cgroup_mode() -> str:
@@ -293,6 +298,29 @@ def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
         if seen.get(h) != "idle":
             lines += [f"--- slurmd-{h}.log\n{_tail(root / f'slurmd-{h}.log')}\n{_tail(root / f'slurmd-{h}.out', 5)}"]
     raise SlurmLocalError("\n".join(lines))
+
+
+def kill_node(state: ClusterState, k: int) -> list[int]:
+    """Drill: node k dies -- SIGKILL to every process in its network namespace (its slurmd, its job
+    steps, its ranks). The namespace stays, so ``restart_node`` can bring the node back."""
+    ns = netns.plan(state.subnet, state.nodes, state.net_id).nodes[k].namespace
+    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                                           timeout=30).stdout.split()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def restart_node(state: ClusterState, k: int, timeout_s: float = 120.0) -> None:
+    """Start node k's slurmd again and return it to service; returns once every node is idle."""
+    host = state.hostnames[k]
+    _start_slurmd(state, _network(state), k)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and node_states(state).get(host) not in ("idle", "down", "down*"):
+        time.sleep(0.5)
+    _run(["scontrol", "update", f"nodename={host}", "state=resume"], state.env())
+    wait_idle(state, max(1.0, deadline - time.monotonic()))
 
 
 def _stop(pid: int, timeout_s: float = 15.0) -> None:
