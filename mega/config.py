@@ -216,6 +216,10 @@ class SlurmConfig:
     # on the route to slurmctld, which every node reaches.
     server_host: str | None = None
     secrets_dir: str | None = None  # where secrets.env (mode 0600) goes; null: <run_dir>/slurm
+    # Sweeps (hydra/launcher=slurm-sweep): the partition each sweep point's driver (1 node, a few
+    # CPUs, no GPU) runs in; null: the cluster's default partition. Not the GPU partition: a driver
+    # would hold a GPU node for days doing nothing.
+    driver_partition: str | None = None
 
 
 @dataclass

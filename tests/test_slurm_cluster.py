@@ -116,52 +116,70 @@ def test_two_slurm_nodes_train_as_one_local_node_and_keep_secrets_out_of_slurm(
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
 
 
-def test_a_time_limit_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
-    """A 1-minute limit in the short partition, SIGUSR1 40 s before: the ranks save the step they
-    are at and exit; the driver resubmits from that save without spending a restart."""
+def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> threading.Thread:
+    """A thread that calls ``action()`` once the run has logged ``step`` (gives up after ``timeout_s``)."""
+    def wait():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(run_dir)):
+                action()
+                return
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
+    """The short partition (2-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
+    (sent here by ``scancel --signal=USR1`` once step 1 is logged -- what slurmctld sends at the
+    limit minus the grace, without waiting a minute for it); they save the step they are at and
+    exit; the driver resubmits from that save without spending a restart (max_restarts=0)."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=8", "launcher.slurm.partition=short", "launcher.slurm.time=1",
-               "launcher.slurm.signal_grace_s=40", "checkpoint.interval=100", "checkpoint.max_restarts=0")
-    lines: list[str] = []
-    result = run_training(cfg, data_index, log=lines.append)
-    assert result.final_step == 8
-    requeued = [h for h in result.history if h.get("requeued")]
-    assert requeued, f"no attempt was signalled: {result.history}"
-    assert all(h.get("requeued") or h["code"] == 0 for h in result.history)  # no failure (max_restarts=0)
+    cfg = _cfg(run_dir, "train.steps=3", "launcher.slurm.partition=short", "launcher.slurm.time=2",
+               "launcher.slurm.signal_grace_s=60", "checkpoint.interval=100", "checkpoint.max_restarts=0")
+    first_job = run_dir / "slurm" / "train-attempt0" / "job_id"
+    sent = {}
+
+    def warn():
+        sent["job"] = first_job.read_text()
+        sent["limits"] = slurm.job_info(sent["job"])
+        subprocess.run(["scancel", "--signal=USR1", sent["job"]], check=True, timeout=30)
+
+    warner = _when_step(run_dir, 1, warn)
+    try:
+        result = run_training(cfg, data_index, log=lambda _: None)
+    finally:
+        warner.join(10)
+    assert sent, "the warning was never sent"
+    assert sent["limits"]["Partition"] == "short" and sent["limits"]["TimeLimit"] == "00:02:00"
+    assert result.final_step == 3
+    first, *rest = result.history
+    assert first.get("requeued") and 1 <= first["final_step"] < 3, result.history
+    assert all(h["code"] == 0 and not h.get("requeued") for h in rest[-1:])  # no failure anywhere (max_restarts=0)
+    nxt = rest[0]  # the next attempt resumed from what the signalled one saved
+    assert nxt["restored"] and nxt["restored"].endswith(f"iter_{first['final_step']:07d}"), result.history
     rows = read_metrics(run_dir)
-    assert sorted(r["step"] for r in rows) == sorted({r["step"] for r in rows})  # no step twice ...
-    assert [r["step"] for r in rows] == list(range(1, 9))  # ... and none lost
-    for h, nxt in zip(result.history, result.history[1:]):  # a signalled attempt saved where it stopped ...
-        if h.get("requeued"):
-            assert nxt["restored"] and nxt["restored"].endswith(f"iter_{h['final_step']:07d}"), result.history
+    assert [r["step"] for r in rows] == [1, 2, 3]  # every step once: none lost, none repeated
+    assert {r["attempt"] for r in rows if r["step"] <= first["final_step"]} == {first["attempt"]}
 
 
 def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster, tmp_path, data_index):
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
     ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=6", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=30",
+    cfg = _cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=30",
                "checkpoint.restart_backoff_s=0")
     killed = {}
-
-    def kill_when_step_2():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if any(r["step"] >= 2 for r in read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else False:
-                killed["pids"] = slurm_local.kill_node(slurm_cluster, 1)
-                killed["t"] = time.monotonic()
-                return
-            time.sleep(0.5)
-
-    killer = threading.Thread(target=kill_when_step_2, daemon=True)
-    killer.start()
+    killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))
     try:
         result = run_training(cfg, data_index, log=lambda _: None)
     finally:
         killer.join(10)
         slurm_local.restart_node(slurm_cluster, 1)
     assert killed.get("pids"), "node 1 was never killed"
-    assert result.final_step == 6
+    assert result.final_step == 4
     assert result.history[0]["excluded_hosts"] == ["mega-slurmt-n1"]
     second = _job_ids(run_dir)[-1]
     info = slurm.job_info(second)

@@ -72,6 +72,9 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
             contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes, \
             rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env, \
             heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env:  # docs/stability.md
+        if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
+            if cancelled := nodes.backend.cancel_run_jobs():
+                log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
         book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
         result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env}, book)
         run.finish("completed", result.final_step)
@@ -149,7 +152,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         if outcome.ok and final_step >= cfg.train.steps:
             book.end(outcome, final_step)
             return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
-        if _preempted(outcome):  # Slurm's signal: the ranks saved at final_step; resubmit, no failure
+        if _preempted(outcome) and final_step < cfg.train.steps:  # Slurm's signal: saved at final_step; resubmit
             requeues += 1
             attempts -= 1
             history[-1]["requeued"] = True  # no incident: a scheduled end, not a fault

@@ -105,9 +105,9 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
 # The node task: read the secrets file (only this shell and the agent it starts see them), start the
 # agent in the background with SIGUSR1 ignored (inherited through exec: a rank that is not yet
 # listening for it is not killed by it), pass Slurm's SIGUSR1 on to the ranks every 2 s until they
-# are gone (a rank installs its handler once it is up), write the exit code. After the signal the
-# task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save; the
-# exit file says PREEMPTED.
+# are gone (a rank installs its handler once it is up), write the exit code: PREEMPTED when the
+# agent failed after the signal (its ranks saved and exited), 0 when they finished anyway. After the
+# signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save.
 _NODE_TASK = """mkdir -p @LOGDIR@ @EXITDIR@
 if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi
 signalled=0
@@ -119,10 +119,10 @@ while kill -0 "$agent" 2>/dev/null; do
   sleep 2 & wait $! || true
 done
 rc=0; wait "$agent" || rc=$?
-if [ "$signalled" = 1 ]; then rc=@PREEMPTED@; fi
+if [ "$signalled" = 1 ] && [ "$rc" != 0 ]; then rc=@PREEMPTED@; fi
 printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$rc" "$(hostname)" > @EXIT@.tmp
 mv @EXIT@.tmp @EXIT@
-if [ "$signalled" = 1 ]; then exit 0; fi
+if [ "$rc" = @PREEMPTED@ ]; then exit 0; fi
 exit "$rc"
 """
 
@@ -181,7 +181,7 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
     task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
     task = task.replace("@PREEMPTED@", str(PREEMPTED))
     # srun no longer passes the job's --cpus-per-task on (Slurm >= 22.05): each task gets its node's cores
-    cpus = str(s.cpus_per_task) if s.cpus_per_task else "$SLURM_CPUS_ON_NODE"
+    cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
     srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             f"--cpus-per-task={cpus}"]
     if s.container_image:
@@ -431,20 +431,25 @@ class SlurmBackend:
         self.stop()
         self.secrets_file.unlink(missing_ok=True)
 
-
-def cancel_jobs_named(prefix: str, timeout_s: float = 120.0) -> list[str]:
-    """``scancel`` every job of this user whose name starts with ``prefix`` (a run's jobs) and wait
-    until they ended: recovery calls it before resubmitting, so one run never has two jobs."""
-    out = _slurm("squeue", "-h", "--me", "-o", "%i %j")
-    ids = [i for i, name in (line.split(None, 1) for line in out.splitlines() if line.strip()) if name.startswith(prefix)]
-    if ids:
+    def cancel_run_jobs(self) -> list[str]:
+        """``scancel`` every queued or running job of this run (its script lies under this run's
+        ``slurm/``) and wait, bounded, until Slurm says they ended: a recovery calls it before it
+        submits, so one run never has two jobs writing the same checkpoints."""
+        out = _slurm("squeue", "-h", "-o", "%i %o")
+        ids = [i for i, command in (line.split(None, 1) for line in out.splitlines() if " " in line.strip())
+               if command.startswith(str(self.folder) + "/")]
+        if not ids:
+            return []
         _slurm("scancel", *ids, check=False)
-    deadline = time.monotonic() + timeout_s
-    while ids and time.monotonic() < deadline:
-        if all((info := job_info(i)) == {} or info.get("JobState") in _ENDED for i in ids):
-            break
-        time.sleep(1.0)
-    return ids
+        deadline = time.monotonic() + self.stop_timeout_s
+        while time.monotonic() < deadline:
+            if all(not (info := job_info(i)) or info.get("JobState") in _ENDED for i in ids):
+                break
+            time.sleep(1.0)
+        else:
+            self.log(f"slurm job(s) {', '.join(ids)} of this run still not ended {self.stop_timeout_s:g} s after "
+                     "scancel; submitting anyway")
+        return ids
 
 
 # ---------------------------------------------------------------------------------------------

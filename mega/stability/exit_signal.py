@@ -21,6 +21,7 @@ EXIT_CODE = 85  # saved and exited on the signal: distinct from a failure (1) an
 class ExitSignal:
     def __init__(self, signum: int):
         self.seen = False
+        self.signum = signum
         signal.signal(signum, self._note)
 
     def _note(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
@@ -33,6 +34,10 @@ class ExitSignal:
 
         flag = torch.tensor([1 if self.seen else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            # from here on the signal changes nothing; ignored, it also cannot kill this process while
+            # Python shuts down (which restores the default action of signals it handled)
+            signal.signal(self.signum, signal.SIG_IGN)
         return bool(flag.item())
 
 
