@@ -132,12 +132,12 @@ def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> th
 
 
 def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
-    """The short partition (2-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
+    """The short partition (5-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
     (sent here by ``scancel --signal=USR1`` once step 1 is logged -- what slurmctld sends at the
     limit minus the grace, without waiting a minute for it); they save the step they are at and
     exit; the driver resubmits from that save without spending a restart (max_restarts=0)."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=3", "launcher.slurm.partition=short", "launcher.slurm.time=2",
+    cfg = _cfg(run_dir, "train.steps=3", "launcher.slurm.partition=short", "launcher.slurm.time=5",
                "launcher.slurm.signal_grace_s=60", "checkpoint.interval=100", "checkpoint.max_restarts=0")
     first_job = run_dir / "slurm" / "train-attempt0" / "job_id"
     sent = {}
@@ -153,7 +153,7 @@ def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cl
     finally:
         warner.join(10)
     assert sent, "the warning was never sent"
-    assert sent["limits"]["Partition"] == "short" and sent["limits"]["TimeLimit"] == "00:02:00"
+    assert sent["limits"]["Partition"] == "short" and sent["limits"]["TimeLimit"] == "00:05:00"
     assert result.final_step == 3
     first, *rest = result.history
     assert first.get("requeued") and 1 <= first["final_step"] < 3, result.history

@@ -209,6 +209,10 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         lines.append("")
     lines += [
+        "# SIGUSR1 (--signal, scancel --signal) is for the ranks, which the node tasks pass it on to: the",
+        "# batch shell and srun ignore it (srun killed by it would end the job before the ranks saved).",
+        "trap '' USR1",
+        "",
         "# The master is the batch host, the first node of the allocation: node 0's agent serves the",
         "# rendezvous there, on a port free there. (sed reads every line: `head -n 1` would let",
         "# scontrol die of SIGPIPE, fatal under pipefail.)",

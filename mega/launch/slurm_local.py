@@ -16,7 +16,7 @@
   key of its own and munged on a private socket (``AuthInfo=socket=...``), slurm.conf, state,
   spool and logs. ``export SLURM_CONF=<dir>/slurm.conf`` points ``sinfo``/``sbatch`` at it
   (``status`` prints it).
-* Two partitions: ``debug`` (default, no time limit) and ``short`` (``MaxTime=2`` minutes), where
+* Two partitions: ``debug`` (default, no time limit) and ``short`` (``MaxTime=5`` minutes), where
   time-limit and ``--signal`` drills run.
 * ``up`` returns once ``sinfo`` shows every node idle, or fails within ``--timeout`` seconds naming
   what did not come up, with the tail of its log, and removes what it started. ``down`` stops every
@@ -43,7 +43,7 @@ from mega.launch import netns
 NET_ID = "slurm"  # default names: bridge mgb-slurm, namespaces (and node hostnames) mega-slurm-n<k>
 DEFAULT_DIR = Path("/tmp/mega-slurm")
 DEFAULT_SUBNET = "10.214.0.0/24"
-SHORT_MAX_MINUTES = 2
+SHORT_MAX_MINUTES = 5
 STATE_FILE = "cluster.json"
 
 
