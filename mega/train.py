@@ -334,6 +334,8 @@ def run(cfg: MegaConfig, data_index: str) -> int:
             logger.event(f"attempt {attempt}: signalled by the scheduler; saved step {done}, exiting")
             code = exit_signal.EXIT_CODE
             break
+    if warned is not None:
+        warned.ignore()  # a signal after the last step: nothing left to save early
     with obs.span("checkpoint"):  # the heartbeat's phase while the last upload commits: no hang
         checkpointer.close()  # the last save is committed before the job ends
     if beat:

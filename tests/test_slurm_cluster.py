@@ -133,11 +133,12 @@ def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> th
 
 def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
     """The short partition (5-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
-    (sent here by ``scancel --signal=USR1`` once step 1 is logged -- what slurmctld sends at the
-    limit minus the grace, without waiting a minute for it); they save the step they are at and
-    exit; the driver resubmits from that save without spending a restart (max_restarts=0)."""
+    (sent here by ``scancel --signal=USR1`` as soon as the job runs -- what slurmctld sends at the
+    limit minus the grace, without waiting minutes for it; ranks still starting up get it once
+    they listen); they save the step they are at and exit; the driver resubmits from that save
+    without spending a restart (max_restarts=0)."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=3", "launcher.slurm.partition=short", "launcher.slurm.time=5",
+    cfg = _cfg(run_dir, "train.steps=4", "launcher.slurm.partition=short", "launcher.slurm.time=5",
                "launcher.slurm.signal_grace_s=60", "checkpoint.interval=100", "checkpoint.max_restarts=0")
     first_job = run_dir / "slurm" / "train-attempt0" / "job_id"
     sent = {}
@@ -147,21 +148,29 @@ def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cl
         sent["limits"] = slurm.job_info(sent["job"])
         subprocess.run(["scancel", "--signal=USR1", sent["job"]], check=True, timeout=30)
 
-    warner = _when_step(run_dir, 1, warn)
+    def warn_when_running():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not sent:
+            if first_job.exists() and slurm.job_info(first_job.read_text()).get("JobState") == "RUNNING":
+                warn()
+            time.sleep(0.5)
+
+    warner = threading.Thread(target=warn_when_running, daemon=True)
+    warner.start()
     try:
         result = run_training(cfg, data_index, log=lambda _: None)
     finally:
         warner.join(10)
     assert sent, "the warning was never sent"
     assert sent["limits"]["Partition"] == "short" and sent["limits"]["TimeLimit"] == "00:05:00"
-    assert result.final_step == 3
+    assert result.final_step == 4
     first, *rest = result.history
-    assert first.get("requeued") and 1 <= first["final_step"] < 3, result.history
-    assert all(h["code"] == 0 and not h.get("requeued") for h in rest[-1:])  # no failure anywhere (max_restarts=0)
+    assert first.get("requeued") and 1 <= first["final_step"] < 4, result.history
+    assert all(h.get("requeued") or h["code"] == 0 for h in result.history)  # no failure (max_restarts=0)
     nxt = rest[0]  # the next attempt resumed from what the signalled one saved
     assert nxt["restored"] and nxt["restored"].endswith(f"iter_{first['final_step']:07d}"), result.history
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]  # every step once: none lost, none repeated
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step once: none lost, none repeated
     assert {r["attempt"] for r in rows if r["step"] <= first["final_step"]} == {first["attempt"]}
 
 

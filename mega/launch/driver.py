@@ -149,7 +149,7 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
                         "failed_nodes": outcome.failed_nodes, "final_step": final_step,
                         "restored": init.get("restore", {}).get("checkpoint"),
                         "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
-        if outcome.ok and final_step >= cfg.train.steps:
+        if (outcome.ok or _preempted(outcome)) and final_step >= cfg.train.steps:  # a late signal: done anyway
             book.end(outcome, final_step)
             return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
         if _preempted(outcome) and final_step < cfg.train.steps:  # Slurm's signal: saved at final_step; resubmit

@@ -35,10 +35,14 @@ class ExitSignal:
         flag = torch.tensor([1 if self.seen else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if flag.item():
-            # from here on the signal changes nothing; ignored, it also cannot kill this process while
-            # Python shuts down (which restores the default action of signals it handled)
-            signal.signal(self.signum, signal.SIG_IGN)
+            self.ignore()
         return bool(flag.item())
+
+    def ignore(self) -> None:
+        """From here on the signal changes nothing (the last step is done, or the save decided);
+        ignored, it also cannot kill this process while Python shuts down, which restores the
+        default action of every signal it handled."""
+        signal.signal(self.signum, signal.SIG_IGN)
 
 
 def install() -> ExitSignal | None:
