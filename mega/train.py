@@ -250,6 +250,9 @@ def run(cfg: MegaConfig, data_index: str) -> int:
     from mega.obs.session import Session
     from mega.stability import heartbeat
 
+    # Slurm's warning before a time limit: save and exit (docs/cluster.md). Listening from the start:
+    # a signal during start-up is acted on after the first step.
+    warned = exit_signal.install()
     flags = backend_flags(cfg)
     if flags.megatron_cpu_patches:
         megatron_cpu.apply()
@@ -288,7 +291,6 @@ def run(cfg: MegaConfig, data_index: str) -> int:
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
     verdicts = rollback.verdict_group()  # not the default group: a save's stage 2 thread uses that
-    warned = exit_signal.install()  # Slurm's warning before a time limit: save and exit (docs/cluster.md)
     code = 0
     for step in range(start_step, cfg.train.steps):
         maybe_inject_fault(cfg, step)

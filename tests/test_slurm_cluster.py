@@ -133,7 +133,7 @@ def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> th
 
 def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
     """The short partition (5-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
-    (sent here by ``scancel --signal=USR1`` as soon as the job runs -- what slurmctld sends at the
+    (sent here by ``scancel --signal=USR1`` as soon as both node tasks run -- what slurmctld sends at the
     limit minus the grace, without waiting minutes for it; ranks still starting up get it once
     they listen); they save the step they are at and exit; the driver resubmits from that save
     without spending a restart (max_restarts=0)."""
@@ -151,8 +151,8 @@ def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cl
     def warn_when_running():
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not sent:
-            if first_job.exists() and slurm.job_info(first_job.read_text()).get("JobState") == "RUNNING":
-                warn()
+            if all((run_dir / "nodes" / str(k) / "train-attempt0.log").exists() for k in (0, 1)):
+                warn()  # both node tasks run (they create their logs): the job step exists
             time.sleep(0.5)
 
     warner = threading.Thread(target=warn_when_running, daemon=True)
@@ -194,3 +194,27 @@ def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster
     info = slurm.job_info(second)
     assert info["ExcNodeList"] == "mega-slurmt-n1"
     assert slurm.hostnames(info["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
+
+
+def test_recovery_cancels_the_runs_live_job_and_no_other(slurm_cluster, tmp_path):
+    """What a recovery does first on Slurm: every queued or running job of the run (its script under
+    the run's slurm/) is cancelled and has ended before anything is submitted; another run's job
+    runs on."""
+    jobs = {}
+    for run in ("run", "other"):
+        script = tmp_path / run / "slurm" / "train-attempt0" / "job.sbatch"
+        script.parent.mkdir(parents=True)
+        script.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --output=/dev/null\nsleep 600\n")
+        jobs[run] = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                                   check=True, timeout=30).stdout.strip()
+    deadline = time.monotonic() + 60
+    while any(slurm.job_info(j).get("JobState") != "RUNNING" for j in jobs.values()):
+        assert time.monotonic() < deadline, {r: slurm.job_info(j).get("JobState") for r, j in jobs.items()}
+        time.sleep(0.5)
+    backend = slurm.SlurmBackend(_cfg(tmp_path / "run"), tmp_path / "run", stop_timeout_s=60)
+    try:
+        assert backend.cancel_run_jobs() == [jobs["run"]]
+        assert slurm.job_info(jobs["run"])["JobState"] == "CANCELLED"  # ended before it returned
+        assert slurm.job_info(jobs["other"])["JobState"] == "RUNNING"
+    finally:
+        subprocess.run(["scancel", *jobs.values()], timeout=30)
