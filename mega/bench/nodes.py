@@ -46,7 +46,7 @@ SLURM = ["launcher=slurm", "cluster.launchers=[local,local-nodes,slurm]", "launc
 
 
 def run_nodes(n: int, overrides: list[str], steps: int, warmup: int, netns: bool, tmp: str,
-              launcher_name: str = "local-nodes", name: str | None = None) -> dict:
+              launcher_name: str = "local-nodes", name: str | None = None, restarts: int | None = None) -> dict:
     """One run of the layout as ``n`` nodes (local-nodes or Slurm); its row and what it cost."""
     from mega.launch import TrainingFailed
 
@@ -58,6 +58,8 @@ def run_nodes(n: int, overrides: list[str], steps: int, warmup: int, netns: bool
     run_dir = Path(tmp) / (name or f"nodes{n}-{launcher_name}")
     cfg = common.compose_run([f"parallelism={LAYOUT}", *overrides, *launcher,
                               f"optimizer.warmup_steps={min(warmup, steps - 1)}"], steps, run_dir)
+    if restarts is not None:  # a fault row: the run must relaunch, from a checkpoint every 2 steps
+        cfg.checkpoint.max_restarts, cfg.checkpoint.interval = restarts, 2
     index = common.prepare_data(cfg)
     common.log(f"nodes: {n} node(s) x {procs} ranks ({LAYOUT}, {steps} steps){' in network namespaces' if netns and n > 1 else ''}")
     stop, first = threading.Event(), {}
@@ -106,7 +108,7 @@ def node_loss_row(overrides: list[str], steps: int, warmup: int, tmp: str, state
     killer = threading.Thread(target=kill_at_step_2, daemon=True)
     killer.start()
     try:
-        row = run_nodes(2, [*overrides, "checkpoint.interval=2"], max(steps, 4), warmup, False, tmp, "slurm", "node-loss")
+        row = run_nodes(2, overrides, max(steps, 4), warmup, False, tmp, "slurm", "node-loss", restarts=1)
     finally:
         killed["stop"] = True
         killer.join(10)
