@@ -39,6 +39,18 @@ if ! command -v shellcheck >/dev/null 2>&1; then
   fi
 fi
 
+# slurm-wlm + munge: the local Slurm cluster (python -m mega.launch.slurm_local, tests/test_slurm_cluster.py).
+if ! { command -v slurmctld >/dev/null 2>&1 && command -v munged >/dev/null 2>&1; }; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[install] installing slurm-wlm and munge (apt)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+  else
+    echo "[install] warning: slurm-wlm/munge are missing and apt-get is not usable here (needs root);" \
+         "the local Slurm cluster and its tests need them" >&2
+  fi
+fi
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 

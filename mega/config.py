@@ -204,11 +204,25 @@ class SlurmConfig:
     account: str | None = None
     qos: str | None = None
     time: str = "04:00:00"
-    cpus_per_task: int | None = None  # per node (one task per node); null: the partition's default
+    cpus_per_task: int | None = None  # per node (one task per node); null: all of the node's cores
     mem: str | None = "0"  # "0": all of each node's memory
     exclusive: bool = True
     container_image: str | None = None  # pyxis/enroot --container-image, when the cluster has it
     setup: list[str] = field(default_factory=list)  # shell lines run before srun (modules, venv)
+    exclude: list[str] = field(default_factory=list)  # hosts never used (the driver adds evicted ones)
+    # Slurm sends SIGUSR1 this long before the time limit (and on preemption): the ranks finish the
+    # step, save and exit; the driver resubmits from that save. 0: no signal.
+    signal_grace_s: int = 120
+    max_requeues: int = 100  # resubmissions after a signal, counted apart from checkpoint.max_restarts
+    stop_timeout_s: float = 120.0  # scancel waits this long; a job still COMPLETING after it is left to Slurm
+    # The address servers for the ranks (heartbeat Redis) listen on; null: this machine's address
+    # on the route to slurmctld, which every node reaches.
+    server_host: str | None = None
+    secrets_dir: str | None = None  # where secrets.env (mode 0600) goes; null: <run_dir>/slurm
+    # Sweeps (hydra/launcher=slurm-sweep): the partition each sweep point's driver (1 node, a few
+    # CPUs, no GPU) runs in; null: the cluster's default partition. Not the GPU partition: a driver
+    # would hold a GPU node for days doing nothing.
+    driver_partition: str | None = None
 
 
 @dataclass

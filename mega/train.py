@@ -27,7 +27,7 @@ from mega.config import MegaConfig
 from mega.goodput import marks as goodput_marks
 from mega.goodput import samples as goodput_samples
 from mega.overlap import pp_dp
-from mega.stability import rollback
+from mega.stability import exit_signal, rollback
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once
@@ -261,13 +261,16 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> None:
+def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
     from mega import checkpoint, flops
     from mega.cluster import node
     from mega.metrics import MetricsLogger
     from mega.obs.session import Session
     from mega.stability import heartbeat
 
+    # Slurm's warning before a time limit: save and exit (docs/cluster.md). Listening from the start:
+    # a signal during start-up is acted on after the first step.
+    warned = exit_signal.install()
     flags = backend_flags(cfg)
     launch_env = {key: os.environ.get(key) for key in LAUNCH_ENV}  # as launched, before anything sets it
     missing = launch_env_problems(cfg, dict(os.environ))
@@ -320,6 +323,7 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> None:
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
     verdicts = rollback.verdict_group()  # a gloo group of the training thread's own
+    code = 0
     for step in range(start_step, cfg.train.steps):
         t_step = marks.now()
         maybe_inject_fault(cfg, step)
@@ -361,6 +365,15 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> None:
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
         session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
+        if warned is not None and done < cfg.train.steps and warned.agreed(verdicts):
+            if not (interval and done % interval == 0):
+                with obs.span("checkpoint"), marks.span("checkpoint"):
+                    checkpointer.save(done)
+            logger.event(f"attempt {attempt}: signalled by the scheduler; saved step {done}, exiting")
+            code = exit_signal.EXIT_CODE
+            break
+    if warned is not None:
+        warned.ignore()  # a signal after the last step: nothing left to save early
     with obs.span("checkpoint"), marks.span("checkpoint"):  # the heartbeat's phase while the last upload commits
         checkpointer.close()  # the last save is committed before the job ends
     t_close = marks.now()
@@ -369,6 +382,7 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> None:
     session.close()
     logger.close()
     marks.phase("close", t_close)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,14 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = mega_config.load(args.config)
     try:
-        run(cfg, args.data_index, main_t)
+        code = run(cfg, args.data_index, main_t)
     finally:
         from megatron.core import parallel_state as ps
 
         if dist.is_initialized():
             ps.destroy_model_parallel()
             dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":  # the checkpoint writer's spawned helpers re-import __main__

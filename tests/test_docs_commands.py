@@ -41,6 +41,7 @@ ENTRY_POINTS: dict[str, Callable[[list[str]], object]] = {
     "mega.perf.calibrate": _check("mega.perf.calibrate"),
     "mega.plan": _check("mega.plan"),
     "mega.launch.slurm": _check("mega.launch.slurm"),
+    "mega.launch.slurm_local": _check("mega.launch.slurm_local"),
     "mega.launch.kubernetes": _check("mega.launch.kubernetes"),
     "mega.trace": _check("mega.obs.trace"),
     "mega.goodput": _check("mega.goodput.__main__"),

@@ -1,13 +1,9 @@
-"""launcher=slurm (mega/launch/slurm.py): the sbatch script, the submitit backend, the Hydra sweep
-preset.
-
-Slurm itself cannot run on this machine. What is real: bash and shellcheck on the rendered
-script; submitit (its LocalExecutor runs one task per "node" as local processes, exactly the
-``run_node`` a Slurm node runs, with real torchrun agents and ranks); submitit's Slurm executor
-and the hydra-submitit-launcher plugin up to the ``sbatch`` call. Where a Slurm binary is needed,
-a stand-in of a few lines takes its place, named as such: ``sbatch`` records the script it was
-given and refuses it; ``srun`` starts its tasks the way srun does (one per node, SLURM_NODEID set)
-as local processes; ``scontrol show hostnames`` prints the allocation's hosts.
+"""launcher=slurm (mega/launch/slurm.py) without a cluster: the sbatch script (bash, shellcheck,
+its directives and wiring, run by bash with stand-ins for srun/scontrol), config checks, the Hydra
+sweep preset up to its ``sbatch`` call. The stand-ins are a few lines each, named as such:
+``sbatch`` records the script it was given and refuses it; ``srun`` starts its tasks the way srun
+does (one per node, SLURM_NODEID set) as local processes; ``scontrol show hostnames`` prints the
+allocation's hosts. Runs on a real Slurm cluster: tests/test_slurm_cluster.py.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,18 +83,34 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
 
 def test_secrets_and_bad_settings_never_reach_a_script(tmp_path):
     cfg = _cfg(tmp_path, "cluster=h100-8x", "cluster.store=redis", f"cluster.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0")
-    script = slurm.render_sbatch(cfg, _job(cfg, MEGA_REDIS_URL="redis://10.0.0.5:6379/0", MEGA_REDIS_PASSWORD=PASSWORD))
+    script = slurm.render_sbatch(cfg, _job(cfg, MEGA_REDIS_URL="redis://10.0.0.5:6379/0"))
     assert PASSWORD not in script and "MEGA_REDIS_URL=redis://10.0.0.5:6379/0" in script
+    for secret in ("MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        with pytest.raises(ValueError, match=secret):  # a secret handed to the renderer is refused, not written
+            slurm.render_sbatch(cfg, _job(cfg, **{secret: PASSWORD}))
 
     for override, key in [("launcher.slurm.time=4h", "launcher.slurm.time"),
                           ("launcher.slurm.time=0", "launcher.slurm.time"),
                           ("launcher.slurm.cpus_per_task=0", "launcher.slurm.cpus_per_task"),
-                          ("cluster.store=redis", "cluster.redis_url")]:  # no server the nodes can reach
+                          ("launcher.slurm.signal_grace_s=14400", "launcher.slurm.signal_grace_s"),  # = the limit
+                          ("launcher.slurm.max_requeues=-1", "launcher.slurm.max_requeues")]:
         cfg = _cfg(tmp_path, "cluster=h100-8x", override)
         with pytest.raises(ConfigError) as err:
             slurm.render_sbatch(cfg, _job(cfg))
         assert err.value.key == key
     assert [slurm.slurm_minutes(t) for t in ("30", "90:30", "04:00:00", "2-00:00:00", "1-12")] == [30, 91, 240, 2880, 2160]
+
+
+def test_each_attempt_is_named_for_its_run_signals_and_excludes(tmp_path):
+    cfg = _cfg(tmp_path, "cluster=h100-8x", "cluster.nodes=2", "parallelism.dp=4", "parallelism.global_batch_size=32",
+               "launcher.slurm.signal_grace_s=300", "launcher.slurm.exclude=[bad7]")
+    script = slurm.render_sbatch(cfg, _job(cfg, name="train-attempt3"), exclude=["gpu12", "bad7"])
+    directives = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+    assert "--job-name=mega-run-train-attempt3" in directives
+    assert "--exclude=bad7,gpu12" in directives and "--signal=USR1@300" in directives and "--no-requeue" in directives
+    assert "export MEGA_EXIT_SIGNAL=USR1" in script
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script  # cpus_per_task=null: every core of the node
+    assert "MASTER_PORT=$(python -c" in script  # rdzv_port=0: a port free on the first node
 
 
 def test_render_cli_writes_config_and_script_or_names_the_bad_key(tmp_path):
@@ -174,34 +185,22 @@ def test_the_sbatch_script_runs_one_agent_per_node(tmp_path, slurm_bin, free_por
     job = JobSpec("mega.launch.probe", ["--out", str(tmp_path / "probe")], {"MEGA_ATTEMPT": "0"}, tmp_path / "run", "probe")
     script = tmp_path / "probe.sbatch"
     script.write_text(slurm.render_sbatch(cfg, job, python=sys.executable))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242",
+           "SLURM_CPUS_ON_NODE": "2"}
     run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr + "".join(p.read_text() for p in (tmp_path / "run" / "nodes").rglob("*.log"))
     _assert_two_nodes_of_two(_ranks(tmp_path / "probe"), f"127.0.0.1:{port}")
     assert sorted(p.parent.name for p in (tmp_path / "run" / "nodes").glob("*/probe.log")) == ["0", "1"]
 
 
-def test_the_backend_submits_through_submitits_slurm_executor(tmp_path, slurm_bin):
-    """SlurmBackend on Slurm: submitit's own sbatch script carries the config's resources (the
-    stand-in sbatch keeps it and refuses the job)."""
-    cfg = _cfg(tmp_path, *SCRIPTS["h100-8x-4nodes"])
-    backend = slurm.SlurmBackend(cfg, tmp_path / "run")
-    with pytest.raises(Exception, match="stand-in"):
-        backend.start(_job(cfg))
-    submitted = (slurm_bin / "submitted.sh").read_text()
-    for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=96",
-                      "--partition=gpu", "--account=proj", "--qos=high", "--exclusive", "--mem=0", "--time=240",
-                      "--job-name=train-attempt0"):
-        assert f"#SBATCH {directive}\n" in submitted, directive
-    assert "module load cuda/12.4" in submitted and "submitit.core._submit" in submitted
-
-
 def test_the_hydra_sweep_preset_submits_through_the_plugin(tmp_path, slurm_bin):
     """`-m hydra/launcher=slurm-sweep`: each sweep job (a driver) goes to Slurm through
-    hydra-submitit-launcher with the partition and account of launcher.slurm."""
+    hydra-submitit-launcher, in launcher.slurm.driver_partition (not the GPU partition) with the
+    account of launcher.slurm, asking for no GPU."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-m", "flows.pretrain", "-m", "hydra/launcher=slurm-sweep",
-                          "launcher.slurm.partition=cpu-long", "launcher.slurm.account=proj", "optimizer.lr=1e-4,3e-4",
+                          "launcher.slurm.partition=gpu", "launcher.slurm.driver_partition=cpu-long",
+                          "launcher.slurm.account=proj", "optimizer.lr=1e-4,3e-4",
                           f"hydra.sweep.dir={tmp_path}/sweep"], capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=300)
     assert out.returncode != 0 and "stand-in, not a Slurm cluster" in out.stderr, out.stderr[-2000:]
@@ -209,93 +208,4 @@ def test_the_hydra_sweep_preset_submits_through_the_plugin(tmp_path, slurm_bin):
     for directive in ("--partition=cpu-long", "--account=proj", "--nodes=1", "--ntasks-per-node=1",
                       "--cpus-per-task=4", "--array=0-1%2"):  # two sweep jobs
         assert f"#SBATCH {directive}\n" in submitted, directive
-
-
-# ---------------------------------------------------------------------------------------------
-# The backend through submitit's LocalExecutor: two attempts, as the driver runs them
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
-def _processes_mentioning(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() in (proc / "cmdline").read_bytes() and int(proc.name) != os.getpid():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
-
-
-@pytest.fixture(scope="module")
-def two_attempts(tmp_path_factory):
-    """Attempt 0: node 1's ranks fail at once while node 0's wait for them; the backend reports
-    it and stop() ends node 0. Attempt 1: both nodes run to the end."""
-    import socket
-
-    tmp = tmp_path_factory.mktemp("slurm-local")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg = _probe_cfg(tmp, port)
-    backend = slurm.SlurmBackend(cfg, tmp / "run", cluster="local", stop_timeout_s=60)
-    seen = {}
-    try:
-        out0 = tmp / "probe0"
-        backend.start(JobSpec("mega.launch.probe", ["--out", str(out0), "--fail-node", "1", "--exit-code", "7",
-                                                    "--timeout-s", "120"],
-                              {"MEGA_ATTEMPT": "0"}, tmp / "run", "probe-attempt0"))
-        _wait_for(lambda: backend.poll().get(1) is not None, 180, "node 1 to fail")
-        seen["failed"] = backend.poll()
-        seen["alive_before_stop"] = _processes_mentioning(str(out0))
-        t0 = time.monotonic()
-        backend.stop()
-        seen["stop_s"] = time.monotonic() - t0
-        seen["after_stop"] = backend.poll()
-        seen["alive_after_stop"] = _processes_mentioning(str(out0))
-
-        backend.start(JobSpec("mega.launch.probe", ["--out", str(tmp / "probe1")],
-                              {"MEGA_ATTEMPT": "1", "MEGA_REDIS_PASSWORD": PASSWORD}, tmp / "run", "probe-attempt1"))
-        _wait_for(lambda: all(c is not None for c in backend.poll().values()), 180, "attempt 1 to end")
-        seen["done"] = backend.poll()
-    finally:
-        backend.close()
-    return {"tmp": tmp, "port": port, **seen}
-
-
-@pytest.mark.slow
-def test_a_failed_node_is_reported_and_stop_leaves_no_process(two_attempts):
-    # node 1's agent failed (torchrun exits 1 when a rank fails); node 0 still waits for its ranks
-    assert two_attempts["failed"] == {0: None, 1: 1}
-    log = (two_attempts["tmp"] / "run" / "nodes" / "1" / "probe-attempt0.log").read_text()
-    assert "exitcode  : 7" in log  # the rank's own code, in the node's log
-    assert two_attempts["alive_before_stop"], "node 0's agent and ranks should be running before stop()"
-    assert two_attempts["after_stop"][1] == 1 and two_attempts["after_stop"][0] not in (None, 0)
-    assert two_attempts["alive_after_stop"] == []  # no agent, no rank of either node outlives stop()
-
-
-@pytest.mark.slow
-def test_each_task_is_a_node_with_the_master_of_the_first(two_attempts):
-    tmp = two_attempts["tmp"]
-    assert two_attempts["done"] == {0: 0, 1: 0}
-    _assert_two_nodes_of_two(_ranks(tmp / "probe1"), f"127.0.0.1:{two_attempts['port']}")
-    for k in (0, 1):  # one log per node and attempt
-        log = (tmp / "run" / "nodes" / str(k) / "probe-attempt1.log").read_text()
-        assert f"[mega] node {k}/2" in log and f"--node-rank={k}" in log
-
-
-@pytest.mark.slow
-def test_a_secret_reaches_the_nodes_but_no_file(two_attempts):
-    tmp = two_attempts["tmp"]
-    ranks = _ranks(tmp / "probe1")
-    assert all("MEGA_REDIS_PASSWORD" in r["mega_env"] for r in ranks.values())
-    for path in tmp.rglob("*"):
-        if path.is_file():
-            assert PASSWORD.encode() not in path.read_bytes(), path
+    assert "--partition=gpu" not in submitted and "--gpus" not in submitted and "--gres" not in submitted

@@ -141,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     nodes = parser.add_argument_group("nodes")
     nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
     nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
+    nodes.add_argument("--launcher", choices=["local-nodes", "slurm"], default="local-nodes",
+                       help="slurm: the runs go through Slurm ($SLURM_CONF, else a local cluster), plus a node-loss row")
     faults = parser.add_argument_group("faults")
     faults.add_argument("--only", default=None, help="faults: comma-separated drills (default: all, and overhead)")
     soak = parser.add_argument_group("soak")
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             result = bench_data(_ints(args.corpus_mb), args.workers, args.vocab, args.steps or 12,
                                 args.out or "runs/bench-data", args.overrides)
         elif args.benchmark == "nodes":
-            result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns)
+            result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns,
+                                 args.launcher)
         elif args.benchmark == "overlap":
             result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3),
                                    args.link_mbit)

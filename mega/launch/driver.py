@@ -74,6 +74,9 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
             contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes, \
             rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env, \
             heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env:  # docs/stability.md
+        if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
+            if cancelled := nodes.backend.cancel_run_jobs():
+                log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
         book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
         driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
         try:
@@ -96,7 +99,8 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
     env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
 
     first = run.record.attempts
-    attempts = 0
+    attempts = 0  # attempts launched; those ended by Slurm's signal (requeues) do not count as failures
+    requeues = 0
     history: list[dict] = []
     while True:
         n = first + attempts  # this attempt's number over the run's life
@@ -153,19 +157,38 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
                         "failed_nodes": outcome.failed_nodes, "final_step": final_step,
                         "restored": init.get("restore", {}).get("checkpoint"),
                         "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
-        if outcome.ok and final_step >= cfg.train.steps:
+        if (outcome.ok or _preempted(outcome)) and final_step >= cfg.train.steps:  # a late signal: done anyway
             book.end(outcome, final_step)
             return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
+        if _preempted(outcome) and final_step < cfg.train.steps:  # Slurm's signal: saved at final_step; resubmit
+            requeues += 1
+            attempts -= 1
+            history[-1]["requeued"] = True  # no incident: a scheduled end, not a fault
+            runs.write_record(run.record)
+            limit = cfg.launcher.slurm.max_requeues
+            log(f"attempt {n}: signalled by Slurm (time limit or preemption); the ranks saved step {final_step}; "
+                f"requeue {requeues} of at most {limit}")
+            if requeues > limit:
+                failed = TrainingFailed(f"requeued {requeues} times (launcher.slurm.max_requeues={limit})")
+                run.finish("failed", final_step, error=str(failed))
+                raise failed
+            first += 1  # the next attempt still gets a number (and a store namespace) of its own
+            continue
         if outcome.ok:  # every agent exited 0 short of train.steps: not a success
             outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
         log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
             f"logs: {_logs(job, c.nodes, outcome)}")
         diagnosed = None
+        lost = _exclude_lost_hosts(nodes, log, n)  # Slurm: hosts it holds down never come back in this run
+        if lost:
+            history[-1]["excluded_hosts"] = lost
         if (request := rollback.take(run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
             run.record.skipped_steps.append(request)
             history[-1]["skipped_step"] = request["step"]
             log(f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
                 "and skipping the step's batch")
+        elif lost:
+            pass  # Slurm gives the next attempt other nodes (spares) or fewer (min_nodes): no self-check
         elif ((suspects := incidents_of_attempt.suspect_nodes(outcome, watcher.incidents))  # failed or hung nodes
               and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts):
             diagnosed = incidents_of_attempt.Diagnosed.before(nodes, suspects)
@@ -193,6 +216,39 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             raise failed
         driver_mark(run_dir, "backoff", attempt=n, seconds=cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
+
+
+def _preempted(outcome: JobOutcome) -> bool:
+    """Every node's ranks saved and exited on Slurm's signal (mega.launch.slurm.PREEMPTED)."""
+    from mega.launch.slurm import PREEMPTED
+
+    codes = outcome.exit_codes.values()
+    return bool(codes) and all(c == PREEMPTED for c in codes)
+
+
+def _exclude_lost_hosts(nodes: membership.Nodes, log: Callable[[str], None], attempt: int) -> list[str]:
+    """On Slurm: the attempt's hosts Slurm holds down go into ``--exclude`` of every later attempt;
+    with fewer usable nodes than the run needs it shrinks to ``cluster.min_nodes`` or more (DP
+    shrinks), else the same size lands on a spare. Other backends: nothing ([])."""
+    backend = nodes.backend
+    if not hasattr(backend, "lost_hosts"):
+        return []
+    lost = backend.lost_hosts()
+    for host in lost:
+        backend.exclude(host)
+    if not lost:
+        return []
+    c = nodes.cfg.cluster
+    usable = backend.usable_nodes()
+    note = f"attempt {attempt}: Slurm holds {', '.join(lost)} down; excluded from every later attempt"
+    if usable < c.nodes and c.min_nodes is not None and usable >= c.min_nodes:
+        nodes.cfg = membership.resize(nodes.cfg, usable)
+        backend.resize(nodes.cfg)
+        note += f"; continuing on {usable} node(s), dp {nodes.cfg.parallelism.dp}"
+    elif usable >= c.nodes:
+        note += f"; {usable} usable node(s): the next attempt runs on a spare"
+    log(note)
+    return lost
 
 
 def _durable_step(cfg: MegaConfig) -> int | None:

@@ -1,49 +1,50 @@
 """launcher=slurm: one torchrun agent per Slurm node, the first host of the allocation the master.
 
-Two forms of the same launch:
+Each attempt of a job is one ``sbatch`` of the script ``render_sbatch(cfg, job)`` writes (``python
+-m mega.launch.slurm render [overrides] --data-index PATH --out DIR`` writes the same file for a
+person to read or submit): ``#SBATCH`` resources from ``launcher.slurm`` and ``cluster``, the
+setup lines, the master (the batch host: the allocation's first node) with a port free there, and
+``srun`` starting one task per node that runs ``torchrun --node-rank=$SLURM_NODEID``, logging to
+``<log_dir>/nodes/<k>/``. Each node's task writes its agent's exit code to ``<exit dir>/node-<k>``.
 
-* ``render_sbatch(cfg, job)``: a complete sbatch script (``python -m mega.launch.slurm render
-  [overrides] --data-index PATH --out DIR`` writes one) -- ``#SBATCH`` resources from
-  ``launcher.slurm`` and ``cluster``, the setup lines, ``cluster.env`` exported, the master taken
-  from ``scontrol show hostnames``, and ``srun`` starting one task per node that runs
-  ``torchrun --node-rank=$SLURM_NODEID``, logging to ``<log_dir>/nodes/<k>/``. One attempt; a
-  failing node ends every node (``srun --kill-on-bad-exit``).
-* ``SlurmBackend(cfg, run_dir)``: the driver's backend (``mega.launch.backend.Backend``), through
-  submitit: each attempt is one submitit job of ``cluster.nodes`` tasks, one per node, each task
-  running ``run_node`` -- the node's rank and the master's host come from submitit's
-  ``JobEnvironment``. ``poll`` reads every node's exit code, ``stop`` cancels the job (``scancel``)
-  and waits until Slurm reports it ended. With ``cluster="local"`` submitit's LocalExecutor runs
-  the tasks as local processes (task k plays node k): the tests, and a dry run without Slurm.
-
-A Redis password (``cluster.store=redis``) is never written into the script or submitit's pickles:
-it travels in the environment ``sbatch`` is called from (``--export=ALL``).
+* Signals: ``--signal=USR1@<launcher.slurm.signal_grace_s>`` before the time limit (or on
+  preemption) reaches every node's task, which passes SIGUSR1 to its ranks: they finish the step,
+  save a checkpoint and exit; the node reports ``PREEMPTED`` and the driver resubmits from that
+  save, counted apart from failures (``launcher.slurm.max_requeues``).
+* Secrets (passwords, tokens, ``AWS_SECRET_ACCESS_KEY``...) are never in the script nor in the
+  environment ``sbatch`` sends to slurmctld (which stores it): they go to a file readable only by
+  the user (``launcher.slurm.secrets_dir``, default the run's ``slurm/``), which each node's task
+  reads just before starting its agent.
+* ``SlurmBackend``: the driver's backend; ``exclude(host)`` keeps a host out of every later attempt
+  (``--exclude``), ``stop()`` is ``scancel`` and a bounded wait (nodes stuck in COMPLETING are
+  named, not waited for), ``server_host`` the address servers for the ranks listen on.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import re
 import shlex
-import signal
+import shutil
+import socket
 import subprocess
 import sys
-import threading
 import time
-import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from mega.cluster import rendezvous
 from mega.config import ConfigError
 from mega.launch.backend import JobSpec, agent_argv
+from mega.stability import exit_signal
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 NODE_LOST = -1  # poll(): the node's task ended without reporting an exit code (killed, node lost)
+PREEMPTED = exit_signal.EXIT_CODE  # a node's ranks saved and exited on Slurm's signal: the driver requeues
 PYTHON = "python"  # the interpreter on the nodes, after launcher.slurm.setup (a venv, a module, a container)
 
 
@@ -73,21 +74,26 @@ def slurm_minutes(text: str) -> int:
 def check(cfg: "MegaConfig") -> None:
     """What Slurm would refuse or misrun, named by key, before anything is submitted."""
     s = cfg.launcher.slurm
-    slurm_minutes(s.time)
+    minutes = slurm_minutes(s.time)
     if s.cpus_per_task is not None and s.cpus_per_task < 1:
-        raise ConfigError("launcher.slurm.cpus_per_task", f"must be >= 1 or null, got {s.cpus_per_task}")
-    if cfg.cluster.store == "redis" and cfg.cluster.redis_url is None:
+        raise ConfigError("launcher.slurm.cpus_per_task", f"must be >= 1 or null (all of the node's cores), got {s.cpus_per_task}")
+    if s.signal_grace_s < 0 or (s.signal_grace_s and s.signal_grace_s >= minutes * 60):
+        raise ConfigError("launcher.slurm.signal_grace_s", f"must be 0 (no signal) or between 1 and the time limit "
+                                                           f"({minutes * 60} s), got {s.signal_grace_s}")
+    if s.max_requeues < 0:
+        raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
+    if cfg.cluster.store == "redis" and cfg.cluster.redis_url is None and not cfg.cluster.start_local_redis:
         raise ConfigError("cluster.redis_url", "launcher=slurm with cluster.store=redis needs a Redis server "
-                                               "every node reaches: set cluster.redis_url")
+                                               "every node reaches: set cluster.redis_url or cluster.start_local_redis")
 
 
 def gpus_per_node(cfg: "MegaConfig") -> int:
     return cfg.cluster.procs_per_node if cfg.cluster.device == "cuda" else 0
 
 
-def master_port(cfg: "MegaConfig", job_id: str) -> int:
-    """``launcher.rdzv_port``, or (0) a port every node derives from the Slurm job id alike."""
-    return cfg.launcher.rdzv_port or 20000 + zlib.crc32(job_id.encode()) % 20000
+def is_secret(name: str) -> bool:
+    """Whether an environment variable holds a credential: never sent to slurmctld, never in a script."""
+    return bool(re.search(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|PRIVATE_KEY", name)) or name == "AWS_ACCESS_KEY_ID"
 
 
 def _shell_word(token: str, variables: dict[str, str]) -> str:
@@ -96,61 +102,120 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
     return "".join(f'"${{{variables[p]}}}"' if p in variables else (shlex.quote(p) if p else "") for p in parts)
 
 
-def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON) -> str:
-    """The sbatch script of one attempt of ``job`` on ``cluster.nodes`` nodes."""
-    check(cfg)
+# The node task: read the secrets file (only this shell and the agent it starts see them), start the
+# agent in the background with SIGUSR1 ignored (inherited through exec: a rank that is not yet
+# listening for it is not killed by it), pass Slurm's SIGUSR1 on to the ranks every 2 s until they
+# are gone (a rank installs its handler once it is up), write the exit code: PREEMPTED when the
+# agent failed after the signal (its ranks saved and exited), 0 when they finished anyway. After the
+# signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save.
+_NODE_TASK = """mkdir -p @LOGDIR@ @EXITDIR@
+if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi
+signalled=0
+trap 'signalled=1' USR1
+(trap '' USR1; exec @AGENT@ >> @LOG@ 2>&1) &
+agent=$!
+while kill -0 "$agent" 2>/dev/null; do
+  if [ "$signalled" = 1 ]; then pkill -USR1 -P "$agent" || true; fi
+  sleep 2 & wait $! || true
+done
+rc=0; wait "$agent" || rc=$?
+if [ "$signalled" = 1 ] && [ "$rc" != 0 ]; then rc=@PREEMPTED@; fi
+printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$rc" "$(hostname)" > @EXIT@.tmp
+mv @EXIT@.tmp @EXIT@
+if [ "$rc" = @PREEMPTED@ ]; then exit 0; fi
+exit "$rc"
+"""
+
+
+def job_name(job: JobSpec) -> str:
+    """Slurm's name of one attempt: the run (its directory's name) and the attempt, e.g.
+    ``mega-run42-train-attempt3`` (``squeue``, ``sacct``; recovery finds a run's jobs by it)."""
+    return f"mega-{Path(job.log_dir).absolute().name}-{job.name}"
+
+
+def sbatch_directives(cfg: "MegaConfig", job: JobSpec, exclude: list[str] = ()) -> list[str]:
     c, s = cfg.cluster, cfg.launcher.slurm
-    nodes, gpus = c.nodes, gpus_per_node(cfg)
     log_dir = Path(job.log_dir).absolute()
-    sbatch = [f"--job-name={job.name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
-    if gpus:
-        sbatch.append(f"--gpus-per-node={gpus}")
+    d = [f"--job-name={job_name(job)}", f"--nodes={c.nodes}", "--ntasks-per-node=1"]
+    if gpus := gpus_per_node(cfg):
+        d.append(f"--gpus-per-node={gpus}")
     if s.cpus_per_task:
-        sbatch.append(f"--cpus-per-task={s.cpus_per_task}")
+        d.append(f"--cpus-per-task={s.cpus_per_task}")
     if s.mem is not None:
-        sbatch.append(f"--mem={s.mem}")
-    sbatch.append(f"--time={s.time}")
+        d.append(f"--mem={s.mem}")
+    d.append(f"--time={s.time}")
     for key in ("partition", "account", "qos"):
         if getattr(s, key):
-            sbatch.append(f"--{key}={getattr(s, key)}")
+            d.append(f"--{key}={getattr(s, key)}")
     if s.exclusive:
-        sbatch.append("--exclusive")
-    sbatch += [f"--output={log_dir}/slurm-%j.out", "--export=ALL"]
+        d.append("--exclusive")
+    if hosts := sorted({*s.exclude, *exclude}):
+        d.append(f"--exclude={','.join(hosts)}")
+    if s.signal_grace_s:
+        d.append(f"--signal=USR1@{s.signal_grace_s}")
+    # the driver resubmits (with --exclude, a new attempt number); Slurm's own requeue would not
+    d += ["--no-requeue", f"--output={log_dir}/slurm-%j.out"]
+    return d
+
+
+def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude: list[str] = (),
+                  exit_dir: Path | None = None) -> str:
+    """The sbatch script of one attempt of ``job`` on ``cluster.nodes`` nodes (``exclude``: hosts
+    kept out; ``exit_dir``: where each node writes its exit code, default ``<log_dir>/slurm/exit``)."""
+    check(cfg)
+    c, s = cfg.cluster, cfg.launcher.slurm
+    nodes = c.nodes
+    log_dir = Path(job.log_dir).absolute()
+    exit_dir = Path(exit_dir or log_dir / "slurm" / "exit").absolute()
+    secret = sorted(k for k in job.env if is_secret(k))
+    if secret:
+        raise ValueError(f"secrets in a job's environment never go into a script: {secret}")
 
     placeholders = {"@NODE_RANK@": "SLURM_NODEID", "@MASTER_ADDR@": "MASTER_ADDR", "@MASTER_PORT@": "MASTER_PORT"}
     argv = agent_argv(cfg, "@NODE_RANK@", "@MASTER_ADDR@", "@MASTER_PORT@", job, python=python)
     log = _absolute(job).log_path("@NODE_RANK@", nodes)
-    node = (f"mkdir -p {_shell_word(str(log.parent), placeholders)} && "
-            f"exec {' '.join(_shell_word(a, placeholders) for a in argv)} >> {_shell_word(str(log), placeholders)} 2>&1")
-    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    if s.cpus_per_task:
-        srun.append(f"--cpus-per-task={s.cpus_per_task}")  # srun no longer inherits it (Slurm >= 22.05)
+    task = _NODE_TASK
+    for key, value in {"@LOGDIR@": str(log.parent), "@EXITDIR@": str(exit_dir), "@LOG@": str(log),
+                       "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json")}.items():
+        task = task.replace(key, _shell_word(value, placeholders))
+    task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
+    task = task.replace("@PREEMPTED@", str(PREEMPTED))
+    # srun no longer passes the job's --cpus-per-task on (Slurm >= 22.05): each task gets its node's cores
+    cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            f"--cpus-per-task={cpus}"]
     if s.container_image:
-        srun.append(f"--container-image={s.container_image}")
-    port = str(cfg.launcher.rdzv_port) if cfg.launcher.rdzv_port else "$((20000 + SLURM_JOB_ID % 20000))"
+        srun += [f"--container-image={s.container_image}", f"--container-mounts={','.join(_mounts(cfg, job))}"]
+    port = (str(cfg.launcher.rdzv_port) if cfg.launcher.rdzv_port else
+            f"$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')")
 
     lines = [
         "#!/bin/bash",
         f"# mega: one attempt ({job.name}) of a training job on {nodes} node(s) x {c.procs_per_node} processes,",
-        "# rendered from the config by mega.launch.slurm. The driver relaunches failed attempts from",
-        "# `latest` (docs/cluster.md); submitted by hand, this script runs one attempt.",
-        *(f"#SBATCH {d}" for d in sbatch),
+        "# rendered from the config by mega.launch.slurm. The driver resubmits failed or signalled attempts",
+        "# from `latest` (docs/cluster.md); submitted by hand, this script runs one attempt.",
+        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude)),
         "set -euo pipefail",
         "",
     ]
     if s.setup:
         lines += ["# launcher.slurm.setup", *s.setup, ""]
-    env = {**c.env, **rendezvous.public_env(job.env)}
+    env = {**c.env, **job.env}
+    if s.signal_grace_s:
+        env[exit_signal.ENV] = "USR1"  # the ranks save and exit on it (mega/stability/exit_signal.py)
     if env:
-        lines += ["# cluster.env presets and this attempt's variables, exported to every node (srun)"]
+        lines += ["# cluster.env presets and this attempt's variables, exported to every node (srun); no secret:",
+                  "# those are read from $MEGA_PRIVATE_ENV_FILE by each node's task"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         lines.append("")
-    if c.store == "redis":
-        lines += [f"# ${rendezvous.REDIS_PASSWORD_ENV}, if the server needs one, comes from the environment sbatch",
-                  "# was called in (--export=ALL), never from this file.", ""]
     lines += [
-        "# The master is the first host of the allocation: node 0's agent serves the rendezvous there.",
-        "# (sed reads every line: `head -n 1` would let scontrol die of SIGPIPE, fatal under pipefail.)",
+        "# SIGUSR1 (--signal, scancel --signal) is for the ranks, which the node tasks pass it on to: the",
+        "# batch shell and srun ignore it (srun killed by it would end the job before the ranks saved).",
+        "trap '' USR1",
+        "",
+        "# The master is the batch host, the first node of the allocation: node 0's agent serves the",
+        "# rendezvous there, on a port free there. (sed reads every line: `head -n 1` would let",
+        "# scontrol die of SIGPIPE, fatal under pipefail.)",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"MASTER_PORT={port}",
         "export MASTER_ADDR MASTER_PORT",
@@ -161,10 +226,17 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON) -> str:
         "# expands SLURM_NODEID (and the master, exported above) for itself.",
         "# shellcheck disable=SC2016",
         " ".join(srun) + " \\",
-        f"  bash -c {shlex.quote(node)}",
+        f"  bash -c {shlex.quote(task)}",
         "",
     ]
     return "\n".join(lines)
+
+
+def _mounts(cfg: "MegaConfig", job: JobSpec) -> list[str]:
+    """Container mounts: the run directory and the data (same paths inside as outside)."""
+    paths = {str(Path(job.log_dir).absolute())}
+    paths |= {str(Path(a).absolute().parent) for a in job.args if a.endswith(".json") and os.path.isabs(a)}
+    return sorted(f"{p}:{p}" for p in paths)
 
 
 def _absolute(job: JobSpec) -> JobSpec:
@@ -172,217 +244,216 @@ def _absolute(job: JobSpec) -> JobSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# The driver's backend, through submitit
+# Talking to Slurm
 
 
-def executor_parameters(cfg: "MegaConfig", cluster: str) -> dict:
-    """submitit's AutoExecutor parameters for one attempt (generic names, ``slurm_`` the rest)."""
-    check(cfg)
-    c, s = cfg.cluster, cfg.launcher.slurm
-    params = {
-        "nodes": c.nodes if cluster == "slurm" else 1,
-        # Slurm: one task per node; the local executor has one host, where task k plays node k.
-        "tasks_per_node": 1 if cluster == "slurm" else c.nodes,
-        "timeout_min": slurm_minutes(s.time),
-    }
-    if cluster == "slurm":
-        params.update(gpus_per_node=gpus_per_node(cfg) or None, cpus_per_task=s.cpus_per_task,
-                      slurm_partition=s.partition, slurm_account=s.account, slurm_qos=s.qos,
-                      slurm_mem=s.mem, slurm_exclusive=s.exclusive or None, slurm_setup=list(s.setup) or None,
-                      slurm_srun_args=[f"--container-image={s.container_image}"] if s.container_image else None)
-    return {k: v for k, v in params.items() if v is not None}
-
-
-_ENV_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _submission_environment(secrets: dict[str, str]) -> Iterator[None]:
-    """The secrets in this process's environment while submitting: ``sbatch`` (and the local
-    executor's controller) hand it to the tasks, and nothing is written to disk."""
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in secrets}
-        os.environ.update(secrets)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-class SlurmBackend:
-    """``Backend`` on Slurm through submitit: one submitit job per attempt, one task per node."""
-
-    def __init__(self, cfg: "MegaConfig", run_dir: str | Path, *, cluster: str = "slurm",
-                 stop_timeout_s: float = 300.0):
-        import submitit
-
-        if cluster not in ("slurm", "local"):
-            raise ValueError(f"cluster must be 'slurm' or 'local' (submitit's LocalExecutor), got {cluster!r}")
-        self.cfg = rendezvous.without_secrets(cfg)
-        self.cluster = cluster
-        self.stop_timeout_s = stop_timeout_s
-        self.folder = Path(run_dir).absolute() / "slurm"
-        self.executor = submitit.AutoExecutor(folder=self.folder / "%j", cluster=cluster)
-        self.executor.update_parameters(**executor_parameters(cfg, cluster))
-        self._job = None
-
-    @property
-    def job_id(self) -> str | None:
-        return None if self._job is None else str(self._job.job_id)
-
-    def start(self, job: JobSpec) -> None:
-        if self._job is not None and not self._job.done():
-            raise RuntimeError(f"job {self._job.job_id} is still running: stop() it first")
-        self.executor.update_parameters(name=job.name)
-        port = self.cfg.launcher.rdzv_port
-        if self.cluster == "local" and not port:
-            port = _free_port()  # one host: the driver can pick it
-        public = JobSpec(job.module, list(job.args), rendezvous.public_env(job.env), Path(job.log_dir).absolute(), job.name)
-        secrets = {k: v for k, v in job.env.items() if k not in public.env}
-        with _submission_environment(secrets):
-            self._job = self.executor.submit(run_node, self.cfg, public, port)
-
-    def poll(self) -> dict[int, int | None]:
-        if self._job is None:
-            return {}
-        ended = self._job.done()  # first: a task reports its exit code before it ends
-        codes: dict[int, int | None] = {}
-        for k in range(self.cfg.cluster.nodes):
-            path = _exit_file(Path(self._job.paths.folder), k)
-            if path.exists():
-                codes[k] = int(json.loads(path.read_text())["exit_code"])
-            else:
-                codes[k] = NODE_LOST if ended else None
-        return codes
-
-    def stop(self) -> None:
-        """End the attempt and wait until the job has: Slurm kills every process of a job step
-        (scancel), and ``run_node`` kills its agent's whole process tree on the way out (locally
-        the only guarantee). A job whose nodes all reported is given a moment to end by itself."""
-        job = self._job
-        if job is None or self._ended(job):
-            return
-        if all(code is not None for code in self.poll().values()):
-            try:
-                self._wait_ended(job, timeout_s=10.0)
-                return
-            except TimeoutError:
-                pass  # every node reported but the job lingers: cancel it
-        if self.cluster == "slurm":
-            job.cancel(check=False)  # scancel
-        else:
-            # The local controller (its pid is the job id) forwards SIGTERM to the node tasks and
-            # returns once they are gone; cancel()'s SIGINT would leave a KeyboardInterrupt trace.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(job.job_id), signal.SIGTERM)
-        self._wait_ended(job, timeout_s=self.stop_timeout_s)
-
-    def _ended(self, job) -> bool:
-        return job.done(force_check=True) if self.cluster == "slurm" else job.done()
-
-    def _wait_ended(self, job, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._ended(job):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.cluster} job {job.job_id} has not ended {timeout_s:.0f} s after being stopped")
-            time.sleep(2.0 if self.cluster == "slurm" else 0.1)
-
-    def close(self) -> None:
-        self.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _exit_file(folder: Path, node: int) -> Path:
-    return folder / f"node-{node}.exit.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# One node (a submitit task)
-
-
-class _Stopped(Exception):
+class SlurmError(RuntimeError):
     pass
 
 
-def _raise_stopped(signum, frame):  # noqa: ARG001 - signal handler signature
-    raise _Stopped(signal.Signals(signum).name)
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(option, value, 0, 0, 0)
-
-
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-
-
-def _kill_descendants() -> list[int]:
-    """SIGKILL every process below this one (as child subreaper, orphans of a dead agent -- its
-    ranks run in sessions of their own -- are still below it); wait until they are gone."""
-    import psutil
-
-    procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(procs, timeout=30)
-    return [p.pid for p in procs]
-
-
-def run_node(cfg: "MegaConfig", job: JobSpec, port: int) -> int:
-    """The submitit task of one node: run its torchrun agent to the end and report its exit code.
-
-    Node rank = the task's global rank (one task per node); the master = the first host of the
-    allocation (locally 127.0.0.1). No process of the node outlives this function: on SIGTERM or
-    SIGINT (scancel, the local controller) and after the agent ends, every descendant is killed.
-    """
-    import submitit
-
-    env = submitit.JobEnvironment()
-    if env.num_tasks != cfg.cluster.nodes:
-        raise RuntimeError(f"the job has {env.num_tasks} tasks, cluster.nodes={cfg.cluster.nodes}: "
-                           "one task per node (--ntasks-per-node=1)")
-    node = env.global_rank
-    master = "127.0.0.1" if env.cluster == "local" else env.hostnames[0]
-    port = port or master_port(cfg, str(env.raw_job_id))
-    argv = agent_argv(cfg, node, master, port, job)
-    log = job.log_path(node, cfg.cluster.nodes)
-    log.parent.mkdir(parents=True, exist_ok=True)
-
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
-    code = NODE_LOST
+def _slurm(*argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = None, check: bool = True) -> str:
     try:
-        with open(log, "ab") as out:
-            out.write(f"[mega] node {node}/{cfg.cluster.nodes} on {env.hostname}, master {master}:{port}: "
-                      f"{shlex.join(argv)}\n".encode())
-            out.flush()
-            agent = subprocess.Popen(argv, env={**os.environ, **cfg.cluster.env, **job.env}, stdout=out,
-                                     stderr=subprocess.STDOUT,
-                                     preexec_fn=lambda: _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL))
-            code = agent.wait()
-    except _Stopped:
-        code = -signal.SIGTERM
-    finally:
-        _kill_descendants()  # the ranks of an agent that died, or of a stopped node
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        path = _exit_file(Path(env.paths.folder), node)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"node": node, "exit_code": code, "host": env.hostname}))
-        os.replace(tmp, path)
-    return code
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{' '.join(argv)}` did not answer in {timeout_s:g} s (slurmctld down?)") from None
+    except FileNotFoundError:
+        raise SlurmError(f"`{argv[0]}` not found: launcher=slurm needs Slurm's client commands on PATH") from None
+    if check and proc.returncode != 0:
+        raise SlurmError(f"`{' '.join(argv)}` failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict (JobState, NodeList, ExcHNodeList, ...); {} once Slurm forgot it."""
+    out = _slurm("scontrol", "show", "job", "-o", job_id, check=False)
+    fields = {}
+    for m in re.finditer(r"(\w+(?:/\w+)?)=(\S*)", out):
+        fields.setdefault(m.group(1), m.group(2))
+    return fields if fields.get("JobId") == job_id else {}
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """``node[1-3]`` -> [node1, node2, node3] (Slurm's order: node rank k runs on the k-th)."""
+    if not nodelist or nodelist == "(null)":
+        return []
+    return _slurm("scontrol", "show", "hostnames", nodelist).split()
+
+
+def _unusable(state: str) -> bool:
+    """A node state (``sinfo %t``) a job cannot run on: down, drained, failing, or not responding (*)."""
+    return state.endswith("*") or bool(re.match(r"(down|drain|drng|fail|maint|unk|npc)", state))
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+          "BOOT_FAIL", "DEADLINE"}
+
+
+def controller_address() -> str:
+    """The address of slurmctld (``SlurmctldHost`` in the configuration the clients read)."""
+    out = _slurm("scontrol", "show", "config")
+    m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out, re.M)
+    if not m:
+        raise SlurmError("`scontrol show config` names no SlurmctldHost")
+    return m.group(2) or socket.gethostbyname(m.group(1))
+
+
+def address_towards(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (no packet is sent: a UDP connect only routes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver's backend
+
+
+class SlurmBackend:
+    """``Backend`` on Slurm: one ``sbatch`` of the rendered script per attempt, one task per node."""
+
+    def __init__(self, cfg: "MegaConfig", run_dir: str | Path, *, stop_timeout_s: float | None = None,
+                 log: Callable[[str], None] = print):
+        check(cfg)
+        self.cfg = rendezvous.without_secrets(cfg)
+        self.folder = Path(run_dir).absolute() / "slurm"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        s = cfg.launcher.slurm
+        self.stop_timeout_s = s.stop_timeout_s if stop_timeout_s is None else stop_timeout_s
+        self.secrets_file = Path(s.secrets_dir or self.folder).absolute() / "secrets.env"
+        self.excluded: list[str] = []
+        self.log = log
+        self.job_id: str | None = None
+        self._exit_dir: Path | None = None
+        self._hosts: list[str] = []
+        self._server_host = s.server_host
+
+    @property
+    def server_host(self) -> str:
+        """Where servers for the ranks listen: ``launcher.slurm.server_host``, else this machine's
+        address on the route to slurmctld (the network the nodes share; never loopback)."""
+        if not self._server_host:
+            self._server_host = address_towards(controller_address())
+        return self._server_host
+
+    def exclude(self, host: str) -> None:
+        """Keep ``host`` out of every later attempt of this run (``--exclude``)."""
+        if host not in self.excluded:
+            self.excluded.append(host)
+
+    def hosts(self) -> list[str]:
+        """The current attempt's hosts, node rank k on the k-th ([] before the job runs)."""
+        if not self._hosts and self.job_id:
+            self._hosts = hostnames(job_info(self.job_id).get("NodeList", ""))
+        return self._hosts
+
+    def start(self, job: JobSpec) -> None:
+        if self.job_id is not None and not self._ended():
+            raise RuntimeError(f"Slurm job {self.job_id} is still running: stop() it first")
+        secrets = {k: v for k, v in {**os.environ, **job.env}.items() if is_secret(k)}
+        public = JobSpec(job.module, list(job.args), {k: v for k, v in job.env.items() if not is_secret(k)},
+                         Path(job.log_dir).absolute(), job.name)
+        public.env["MEGA_PRIVATE_ENV_FILE"] = str(self.secrets_file)
+        self._write_secrets(secrets)
+        attempt_dir = self.folder / job.name
+        self._exit_dir = attempt_dir / "exit"
+        shutil.rmtree(self._exit_dir, ignore_errors=True)
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        script = attempt_dir / "job.sbatch"
+        script.write_text(render_sbatch(self.cfg, public, python=sys.executable, exclude=self.excluded,
+                                        exit_dir=self._exit_dir))
+        submit_env = {k: v for k, v in os.environ.items() if not is_secret(k)}  # slurmctld stores it
+        self.job_id = _slurm("sbatch", "--parsable", str(script), env=submit_env).strip().split(";")[0]
+        self._hosts = []
+        (attempt_dir / "job_id").write_text(self.job_id)
+
+    def _write_secrets(self, secrets: dict[str, str]) -> None:
+        self.secrets_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.writelines(f"{k}={shlex.quote(v)}\n" for k, v in sorted(secrets.items()))
+
+    def poll(self) -> dict[int, int | None]:
+        if self.job_id is None:
+            return {}
+        ended = self._ended()  # first: a node reports its exit code before the job ends
+        codes: dict[int, int | None] = {}
+        for k in range(self.cfg.cluster.nodes):
+            path = self._exit_dir / f"node-{k}.json"
+            try:
+                codes[k] = int(json.loads(path.read_text())["exit_code"])
+            except (OSError, ValueError, KeyError):
+                codes[k] = NODE_LOST if ended else None
+        if PREEMPTED in codes.values() and None in codes.values():
+            return {k: None for k in codes}  # the other nodes are still saving: not a failure to stop on
+        return codes
+
+    def lost_hosts(self) -> list[str]:
+        """Hosts of the current attempt that Slurm holds down, drained or failing (a lost node)."""
+        hosts = self.hosts()
+        if not hosts:
+            return []
+        out = _slurm("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
+        bad = {n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)}
+        return [h for h in hosts if h in bad]
+
+    def usable_nodes(self) -> int:
+        """Nodes of the partition that are up and not excluded: how many a next attempt can get."""
+        argv = ["sinfo", "-h", "-N", "-o", "%N %t"]
+        if self.cfg.launcher.slurm.partition:
+            argv += ["-p", self.cfg.launcher.slurm.partition]
+        out = _slurm(*argv, check=False)
+        states = dict(line.split() for line in out.splitlines() if line.strip())
+        excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
+        return sum(1 for n, st in states.items() if n not in excluded and not _unusable(st))
+
+    def resize(self, cfg: "MegaConfig") -> None:
+        """Later attempts run ``cfg`` (fewer nodes after a loss, mega.stability.membership.resize)."""
+        self.cfg = rendezvous.without_secrets(cfg)
+
+    def _ended(self) -> bool:
+        info = job_info(self.job_id)
+        return not info or info.get("JobState") in _ENDED
+
+    def stop(self) -> None:
+        """``scancel`` the attempt and wait until Slurm says it ended; a job left COMPLETING after
+        ``stop_timeout_s`` (a dead node) is logged with its nodes and left to Slurm."""
+        if self.job_id is None:
+            return
+        self.hosts()  # while Slurm still knows the job
+        if not self._ended() and any(c is None for c in self.poll().values()):
+            _slurm("scancel", self.job_id, check=False)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while (info := job_info(self.job_id)) and info.get("JobState") not in _ENDED:
+            if time.monotonic() > deadline:
+                self.log(f"slurm job {self.job_id} is still {info.get('JobState')} {self.stop_timeout_s:g} s after "
+                         f"scancel (nodes {info.get('NodeList')}); going on without waiting for it")
+                return
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        self.stop()
+        self.secrets_file.unlink(missing_ok=True)
+
+    def cancel_run_jobs(self) -> list[str]:
+        """``scancel`` every queued or running job of this run (its script lies under this run's
+        ``slurm/``) and wait, bounded, until Slurm says they ended: a recovery calls it before it
+        submits, so one run never has two jobs writing the same checkpoints."""
+        out = _slurm("squeue", "-h", "-o", "%i %o")
+        ids = [i for i, command in (line.split(None, 1) for line in out.splitlines() if " " in line.strip())
+               if command.startswith(str(self.folder) + "/")]
+        if not ids:
+            return []
+        _slurm("scancel", *ids, check=False)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while time.monotonic() < deadline:
+            if all(not (info := job_info(i)) or info.get("JobState") in _ENDED for i in ids):
+                break
+            time.sleep(1.0)
+        else:
+            self.log(f"slurm job(s) {', '.join(ids)} of this run still not ended {self.stop_timeout_s:g} s after "
+                     "scancel; submitting anyway")
+        return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
 def _write_script(cfg: "MegaConfig", job: JobSpec, out: Path) -> list[Path]:
     Path(job.log_dir).mkdir(parents=True, exist_ok=True)  # sbatch opens --output there before the script runs
     path = out / f"{job.name}.sbatch"
-    path.write_text(render_sbatch(cfg, job))
+    public = JobSpec(job.module, list(job.args), {k: v for k, v in job.env.items() if not is_secret(k)},
+                     job.log_dir, job.name)
+    path.write_text(render_sbatch(cfg, public))
     path.chmod(0o755)
     return [path]
 

@@ -1,0 +1,39 @@
+"""The session's real Slurm cluster (mega.launch.slurm_local): 3 nodes, each slurmd in its own
+network and UTS namespace, started once for the test file that imports this fixture."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from mega.launch import slurm_local
+
+SUBNET = "10.216.0.0/24"  # apart from the launcher's defaults and `slurm_local up`'s own
+NET_ID = "slurmt"
+
+needs_slurm = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("slurmctld") is None or shutil.which("munged") is None,
+    reason="the local Slurm cluster needs root and slurm-wlm + munge (infra/install.sh installs them as root)")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A running 3-node cluster; SLURM_CONF points this process (and so the driver) at it."""
+    root = Path(tempfile.mkdtemp(prefix="mega-slurm-"))  # short: unix socket paths are limited
+    atexit.register(slurm_local.down, root)  # also when the session dies between here and finally
+    state = slurm_local.up(3, root, SUBNET, timeout_s=180, net_id=NET_ID)
+    saved = os.environ.get("SLURM_CONF")
+    os.environ.update(state.env())
+    try:
+        yield state
+    finally:
+        if saved is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved
+        slurm_local.down(root)

@@ -1,0 +1,220 @@
+"""launcher=slurm against a real Slurm cluster on this machine (tests/slurm_cluster.py): three nodes,
+each slurmd in its own network and UTS namespace, runs submitted by the driver with sbatch.
+
+One file, one cluster (a session fixture); every run is the tiny model for a few steps."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mega.config import compose
+from mega.launch import slurm, slurm_local
+from mega.launch.driver import run_training
+from mega.metrics import read_metrics
+from slurm_cluster import needs_slurm, slurm_cluster  # noqa: F401 - the fixture
+
+pytestmark = [needs_slurm, pytest.mark.slow]
+
+S3_SECRET = "s3-secret-never-in-slurm-4c1d"
+LAYOUT = ["model=tiny", "model.num_layers=4", "parallelism=tp2-pp2-dp2", "optimizer.warmup_steps=1",
+          "cluster.pg_timeout_s=120"]
+ON_SLURM = ["launcher=slurm", "cluster.launchers=[local,local-nodes,slurm]", "cluster.nodes=2",
+            "cluster.procs_per_node=4", "launcher.slurm.exclusive=false", "launcher.slurm.mem=null"]
+
+
+def _cfg(run_dir: Path, *extra: str):
+    return compose([*LAYOUT, *ON_SLURM, f"train.run_dir={run_dir}", *extra])
+
+
+class _Watch(threading.Thread):
+    """While a run goes on (every second): the job names squeue shows running, and the run's
+    secrets file (its mode and the values in it)."""
+
+    def __init__(self, secrets: Path, state_dir: Path):
+        super().__init__(daemon=True)
+        self.secrets_file, self.state_dir = secrets, state_dir
+        self.stored = ""  # what slurmctld holds of the running jobs: its record, script, environment
+        self.names: set[str] = set()
+        self.secrets: dict[str, str] = {}
+        self.modes: set[int] = set()
+        self.halt = threading.Event()
+
+    def run(self):
+        while not self.halt.is_set():
+            out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30).stdout
+            running = [line.split() for line in out.splitlines() if "RUNNING" in line]
+            self.names |= {name for _, name, _ in running}
+            for job_id, _, _ in running:
+                self.stored += subprocess.run(["scontrol", "show", "job", "-dd", job_id], capture_output=True,
+                                              text=True, timeout=30).stdout
+            for f in self.state_dir.glob("hash.*/job.*/*"):  # environment, script (while the job lives)
+                with contextlib.suppress(OSError):
+                    self.stored += f.read_bytes().decode(errors="replace")
+            try:
+                self.modes.add(self.secrets_file.stat().st_mode & 0o777)
+                text = self.secrets_file.read_text()
+            except OSError:
+                text = ""
+            self.secrets.update(line.split("=", 1) for line in text.splitlines() if "=" in line)
+            self.halt.wait(1.0)
+
+
+def _job_ids(run_dir: Path) -> list[str]:
+    return [p.read_text() for p in sorted((run_dir / "slurm").glob("*/job_id"))]
+
+
+@pytest.fixture(scope="module")
+def local_losses(tmp_path_factory, data_index):
+    """The same layout on one node under launcher=local: the reference curve."""
+    run_dir = tmp_path_factory.mktemp("slurm-ref") / "run"
+    cfg = compose([*LAYOUT, "cluster.procs_per_node=8", f"train.run_dir={run_dir}", "train.steps=4"])
+    return [m["loss"] for m in run_training(cfg, data_index, log=lambda _: None).metrics]
+
+
+def test_two_slurm_nodes_train_as_one_local_node_and_keep_secrets_out_of_slurm(
+        slurm_cluster, tmp_path, data_index, local_losses, monkeypatch):
+    """tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the job runs (squeue) on two hosts of their own, the
+    losses equal launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge,
+    and neither the Redis password nor an S3 secret is in anything Slurm stores or the script."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, "train.steps=4", "cluster.store=redis")  # a local Redis, with a password, on the bridge
+    watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
+    watch.start()
+    try:
+        result = run_training(cfg, data_index, log=lambda _: None)
+    finally:
+        watch.halt.set()
+        watch.join(10)
+    assert result.final_step == 4 and result.attempts == 1
+    assert "mega-run-train-attempt0" in watch.names
+
+    losses = [m["loss"] for m in result.metrics]
+    assert max(abs(a - b) for a, b in zip(losses, local_losses, strict=True)) <= 1e-6, (losses, local_losses)
+
+    procs = [json.loads(line) for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
+             for line in p.read_text().splitlines()]
+    assert {(p["node"], p["host"]) for p in procs} == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}
+    beats = json.loads((run_dir / "heartbeats-attempt0.json").read_text())
+    assert sorted(int(r) for r, b in beats["ranks"].items() if b["sent"] > 0) == list(range(8))
+
+    stored = watch.stored
+    script = (run_dir / "slurm" / "train-attempt0" / "job.sbatch").read_text()
+    assert watch.modes == {0o600}
+    assert watch.secrets["AWS_SECRET_ACCESS_KEY"] == repr(S3_SECRET).strip("'")
+    assert {"MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD"} <= set(watch.secrets)  # the ranks read them there
+    assert "MEGA_REDIS_URL=redis://10.216.0.1:" in stored  # the job's environment is in Slurm ...
+    for value in [S3_SECRET, *(v.strip("'") for v in watch.secrets.values())]:
+        assert value not in stored and value not in script  # ... its secrets are not
+    assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
+
+
+def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> threading.Thread:
+    """A thread that calls ``action()`` once the run has logged ``step`` (gives up after ``timeout_s``)."""
+    def wait():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(run_dir)):
+                action()
+                return
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
+    """The short partition (5-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
+    (sent here by ``scancel --signal=USR1`` as soon as both node tasks run -- what slurmctld sends at the
+    limit minus the grace, without waiting minutes for it; ranks still starting up get it once
+    they listen); they save the step they are at and exit; the driver resubmits from that save
+    without spending a restart (max_restarts=0)."""
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, "train.steps=4", "launcher.slurm.partition=short", "launcher.slurm.time=5",
+               "launcher.slurm.signal_grace_s=60", "checkpoint.interval=100", "checkpoint.max_restarts=0")
+    first_job = run_dir / "slurm" / "train-attempt0" / "job_id"
+    sent = {}
+
+    def warn():
+        sent["job"] = first_job.read_text()
+        sent["limits"] = slurm.job_info(sent["job"])
+        subprocess.run(["scancel", "--signal=USR1", sent["job"]], check=True, timeout=30)
+
+    def warn_when_running():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not sent:
+            if all((run_dir / "nodes" / str(k) / "train-attempt0.log").exists() for k in (0, 1)):
+                warn()  # both node tasks run (they create their logs): the job step exists
+            time.sleep(0.5)
+
+    warner = threading.Thread(target=warn_when_running, daemon=True)
+    warner.start()
+    try:
+        result = run_training(cfg, data_index, log=lambda _: None)
+    finally:
+        warner.join(10)
+    assert sent, "the warning was never sent"
+    assert sent["limits"]["Partition"] == "short" and sent["limits"]["TimeLimit"] == "00:05:00"
+    assert result.final_step == 4
+    first, *rest = result.history
+    assert first.get("requeued") and 1 <= first["final_step"] < 4, result.history
+    assert all(h.get("requeued") or h["code"] == 0 for h in result.history)  # no failure (max_restarts=0)
+    nxt = rest[0]  # the next attempt resumed from what the signalled one saved
+    assert nxt["restored"] and nxt["restored"].endswith(f"iter_{first['final_step']:07d}"), result.history
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step once: none lost, none repeated
+    assert {r["attempt"] for r in rows if r["step"] <= first["final_step"]} == {first["attempt"]}
+
+
+def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster, tmp_path, data_index):
+    """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
+    ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=30",
+               "checkpoint.restart_backoff_s=0")
+    killed = {}
+    killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))
+    try:
+        result = run_training(cfg, data_index, log=lambda _: None)
+    finally:
+        killer.join(10)
+        slurm_local.restart_node(slurm_cluster, 1)
+    assert killed.get("pids"), "node 1 was never killed"
+    assert result.final_step == 4
+    assert result.history[0]["excluded_hosts"] == ["mega-slurmt-n1"]
+    second = _job_ids(run_dir)[-1]
+    info = slurm.job_info(second)
+    assert info["ExcNodeList"] == "mega-slurmt-n1"
+    assert slurm.hostnames(info["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
+
+
+def test_recovery_cancels_the_runs_live_job_and_no_other(slurm_cluster, tmp_path):
+    """What a recovery does first on Slurm: every queued or running job of the run (its script under
+    the run's slurm/) is cancelled and has ended before anything is submitted; another run's job
+    runs on."""
+    jobs = {}
+    for run in ("run", "other"):
+        script = tmp_path / run / "slurm" / "train-attempt0" / "job.sbatch"
+        script.parent.mkdir(parents=True)
+        script.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --output=/dev/null\nsleep 600\n")
+        jobs[run] = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                                   check=True, timeout=30).stdout.strip()
+    deadline = time.monotonic() + 60
+    while any(slurm.job_info(j).get("JobState") != "RUNNING" for j in jobs.values()):
+        assert time.monotonic() < deadline, {r: slurm.job_info(j).get("JobState") for r, j in jobs.items()}
+        time.sleep(0.5)
+    backend = slurm.SlurmBackend(_cfg(tmp_path / "run"), tmp_path / "run", stop_timeout_s=60)
+    try:
+        assert backend.cancel_run_jobs() == [jobs["run"]]
+        assert slurm.job_info(jobs["run"])["JobState"] == "CANCELLED"  # ended before it returned
+        assert slurm.job_info(jobs["other"])["JobState"] == "RUNNING"
+    finally:
+        subprocess.run(["scancel", *jobs.values()], timeout=30)
