@@ -56,7 +56,9 @@ def test_the_smoke_script_passes_on_the_twin(smoke):
 def test_the_twin_is_h100_8x_with_only_backend_and_device_swapped(smoke):
     twin = load(smoke["dir"] / "runs" / "resume-lamb" / "config.json")
     assert (twin.cluster.backend, twin.cluster.device) == ("gloo", "cpu")
-    gpu = compose(["cluster=h100-8x", "cluster.procs_per_node=4", "parallelism=tp2-pp2-dp2", "parallelism.dp=1"])
+    # the smoke's own choices for every run (4 ranks, no Redis), on the GPU preset
+    gpu = compose(["cluster=h100-8x", "cluster.procs_per_node=4", "cluster.start_local_redis=false",
+                   "parallelism=tp2-pp2-dp2", "parallelism.dp=1"])
     for key, value in vars(gpu.cluster).items():
         if key not in ("name", "backend", "device"):
             assert getattr(twin.cluster, key) == value, key
