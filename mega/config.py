@@ -687,7 +687,7 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {o.min_lr}")
     _fill_defaults(cfg)
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
-    _require(o.warmup_steps < t.steps or t.steps == 1, "optimizer.warmup_steps",
+    _require(o.warmup_steps < t.steps, "optimizer.warmup_steps",  # megatron's scheduler asserts it
              f"{o.warmup_steps} must be smaller than train.steps={t.steps}: set a shorter warm-up, or leave "
              f"optimizer.warmup_steps unset (null: a tenth of the run, here {default_warmup_steps(t.steps)})")
     _one_of(o.decay_style, "optimizer.decay_style", ("cosine", "linear", "constant"))

@@ -108,6 +108,9 @@ def test_an_explicit_warmup_too_long_for_the_run_says_what_to_set():
     assert info.value.key == "optimizer.warmup_steps"
     assert "10 must be smaller than train.steps=10" in str(info.value)
     assert "leave optimizer.warmup_steps unset (null: a tenth of the run, here 1)" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # a one-step run too: megatron's scheduler would assert
+        compose(["train.steps=1", "optimizer.warmup_steps=1"])
+    assert info.value.key == "optimizer.warmup_steps"
 
 
 @pytest.mark.parametrize("data, key", [

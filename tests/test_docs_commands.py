@@ -52,7 +52,8 @@ ENTRY_POINTS: dict[str, Callable[[list[str]], object]] = {
 INTERNAL_MODULES = {"mega.data.loader", "mega.train"}
 # Other people's programs: the repository paths they are given must exist.
 EXTERNAL_MODULES = {"pip", "pytest"}
-EXTERNAL_PROGRAMS = {"sbatch", "kubectl", "prefect"}
+# (shell builtins that docs show setting up a session count too)
+EXTERNAL_PROGRAMS = {"sbatch", "sinfo", "squeue", "scontrol", "kubectl", "prefect", "export"}
 # Scripts whose extra arguments go to an entry point.
 SCRIPT_ARGS = {"infra/gpu-tp-overlap.sh": "mega.overlap.compare"}
 # <placeholders> docs use, and a value of the kind each stands for
