@@ -7,6 +7,7 @@ reads its settings once, and every subprocess (torchrun ranks, the flow CLI) inh
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -97,3 +98,39 @@ def prefect_harness():
         yield
     finally:
         harness.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Order: cheap files first (a broken unit fails within a minute), then the multi-process files,
+# longest first, so that the two xdist workers finish together. (xdist's own reorder, by test
+# count, would put the few-test, multi-minute files last; pyproject turns it off.) The seconds per
+# file come from tests/durations.json, written by a run with MEGA_TEST_DURATIONS=tests/durations.json;
+# a file missing there counts as long.
+_DURATIONS = Path(__file__).with_name("durations.json")
+_CHEAP_S = 20.0
+_file_seconds: dict[str, float] = {}
+
+
+def _test_file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    known = json.loads(_DURATIONS.read_text()) if _DURATIONS.exists() else {}
+    order = {}
+    for item in items:
+        path = _test_file(item.nodeid)
+        if path not in order:
+            seconds = known.get(path, float("inf"))
+            order[path] = (0, len(order)) if seconds < _CHEAP_S else (1, -seconds)
+    items.sort(key=lambda item: order[_test_file(item.nodeid)])  # stable: a file's own order stays
+
+
+def pytest_runtest_logreport(report):
+    _file_seconds[_test_file(report.nodeid)] = _file_seconds.get(_test_file(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("MEGA_TEST_DURATIONS")
+    if out and not hasattr(session.config, "workerinput"):  # the controller, which sees every report
+        Path(out).write_text(json.dumps({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, indent=0) + "\n")
