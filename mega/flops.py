@@ -132,10 +132,16 @@ def peak_flops(device_name: str, dtype: str) -> float | None:
     return None if tflops is None else tflops * 1e12
 
 
+WINDOW = 4  # GEMMs per timing window of measure_cpu_gemm_flops
+
+
 def measure_cpu_gemm_flops(n: int = 512, seconds: float = 0.3, dtype: torch.dtype | None = None) -> float:
     """Measured FLOP/s of n x n GEMMs on this CPU: the MFU denominator where no datasheet applies.
 
     Runs with torch's current thread count (the caller sets it to what a rank uses); fp32 by default.
+    A peak is what the core does when it runs: the rate of the fastest window of ``WINDOW`` GEMMs
+    (a window in which another process held the core is slower; the mean would put that time in
+    the denominator and an uncontended step could show an MFU above 1).
     """
     import torch
 
@@ -145,14 +151,17 @@ def measure_cpu_gemm_flops(n: int = 512, seconds: float = 0.3, dtype: torch.dtyp
     out = torch.empty(n, n, dtype=dtype)
     with torch.no_grad():
         torch.matmul(a, b, out=out)  # warm-up: thread pool start and first-touch of the buffers
-        count, start = 0, time.perf_counter()
-        while True:
+        ends = [time.perf_counter()]
+        while ends[-1] - ends[0] < seconds or len(ends) <= WINDOW:
             torch.matmul(a, b, out=out)
-            count += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds:
-                break
-    return 2.0 * n**3 * count / elapsed
+            ends.append(time.perf_counter())
+    return 2.0 * n**3 * WINDOW / fastest_window(ends, WINDOW)
+
+
+def fastest_window(ends: list[float], window: int) -> float:
+    """Shortest time any ``window`` consecutive operations took, from their end times (``ends[0]``:
+    when the first started)."""
+    return min(ends[i + window] - ends[i] for i in range(len(ends) - window))
 
 
 def mfu(flops_per_step: float, step_seconds: float, num_devices: int, peak_per_device: float) -> float:

@@ -84,6 +84,15 @@ def test_cpu_gemm_measurement_is_plausible():
     assert 0.05 <= elapsed < 2.0  # runs for about the time asked
 
 
+def test_the_peak_is_the_fastest_window_not_the_mean():
+    from mega.flops import fastest_window
+
+    # eight 1 s operations, one of them preempted for 10 s: the mean would say 2.25 s each
+    ends = [0.0, 1, 2, 3, 13, 14, 15, 16, 17]
+    assert fastest_window(ends, 4) == 4.0
+    assert fastest_window(ends, 8) == 17.0
+
+
 def test_mfu_arithmetic():
     # 1 PFLOP per step in 2 s on 4 devices of 250 TFLOP/s: 500 of 1000 TFLOP/s
     assert mfu(1e15, 2.0, 4, 250e12) == pytest.approx(0.5)
