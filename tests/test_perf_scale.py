@@ -3,8 +3,10 @@ independent small computation (docs/perf-model.md). Pure computation, no trainin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from mega.perf.hardware import Hardware, Link
 from mega.perf.memory import buckets
 from mega.perf.planner import hardware_for, settle_precision
 from mega.perf.scale import expected_max_normal, straggler_s, tree_all_reduce_s
-from mega.perf.step import effective_overlap, predict
+from mega.perf.step import effective_overlap, layer_unit, predict
 from mega.plan import main as plan_main
 
 # MegaScale Table 2's 175B layout (TP8 PP8 VPP6, batch 6144), knobs fixed so only the scale moves.
@@ -25,6 +27,7 @@ LAYOUT_175B = ["model=gpt-175b", "cluster=a100-8x", "parallelism.tp=8", "paralle
                "parallelism.sequence_parallel=true", "train.precision=bf16"]
 BASELINE = ["features=megatron-baseline", "parallelism.overlap_grad_reduce=false"]
 MEGASCALE = ["features=megascale", "parallelism.tp_overlap=ring"]
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +173,25 @@ def test_comm_overlap_auto_resolves_as_in_training(composer):
 
 # --- per-device calibration ------------------------------------------------------------------
 
+def test_cuda_attention_flops_match_the_models_attention_term(composer):
+    """calibrate's attention FLOPs are the model's: an SDPA run taking exactly the time the model's
+    fused attention term (forward + backward, one layer, TP1) gives at efficiency 0.5 reads back 0.5.
+    The count is the full s x s square (a causal kernel skips about half of it), as in mega.perf.step."""
+    plan = composer.plan(["model=gpt-175b", "cluster=h100-8x", "parallelism.tp=1", "parallelism.pp=1",
+                          "parallelism.micro_batch_size=2", "model.fused_ops=true", "train.precision=bf16"])
+    m = plan.cfg.model
+    hw = dataclasses.replace(_hw(), attention_efficiency=0.5)
+    unit = layer_unit(plan.cfg, hw, 2)
+    seconds = unit.forward.attention + unit.backward.attention
+    point = {"batch": 2, "heads": m.num_attention_heads, "seq": m.seq_length,
+             "head_dim": m.hidden_size // m.num_attention_heads, "seconds": seconds}
+    assert calibrate_cuda.attention_efficiency([point], hw.peak_flops) == pytest.approx(0.5, rel=1e-9)
+    # the lead's H200 run of 175B shapes (one warm-up call): the recorded time gives the recorded figure
+    rec = json.loads((FIXTURES / "calibration" / "h200-2026-11-26-gpt175b.json").read_text())
+    assert calibrate_cuda.attention_efficiency(rec["measurements"]["attention"], 989.4e12) == pytest.approx(
+        rec["calibration"]["attention_efficiency"], abs=1e-4)
+
+
 def test_calibration_file_round_trip_and_bad_values(tmp_path):
     cal = device.prior("H100 SXM").replace(gemm_efficiency=0.65, source="test")
     path = device.save(cal, tmp_path / "cal.json", {"note": "x"})
@@ -234,6 +256,18 @@ def test_cuda_calibration_derivation_from_measurements():
     assert cal.nvlink_efficiency == pytest.approx(0.8, abs=1e-4)
     assert "nic_efficiency" in missing and cal.nic_efficiency == device.prior("H100 SXM").nic_efficiency
     assert calibrate_cuda.bus_bandwidth("all_gather", 8e9, 8, 1.0) == pytest.approx(7e9)
+
+
+def test_hopper_gemm_prior_is_the_h200_measurement():
+    """The H100 SXM / H200 GEMM prior is the median, over every shape of the three recorded H200
+    runs, of achieved / (peak x the model's shape factor): the same chip (132 SMs, 989 TFLOP/s)."""
+    runs = sorted((FIXTURES / "calibration").glob("h200-2026-11-26-*.json"))
+    assert len(runs) == 3
+    points = [p for f in runs for p in json.loads(f.read_text())["measurements"]["gemm"]]
+    measured = calibrate_cuda.gemm_efficiency(points, 989.4e12, 132)
+    for key in ("H100 SXM", "H200"):
+        assert device.PRIOR_GEMM[key] == pytest.approx(measured, abs=5e-5)
+        assert device.unfitted(key).gemm_efficiency == device.PRIOR_GEMM[key]
 
 
 def test_calibrate_cli_dispatches_and_refuses_without_cuda(capsys):

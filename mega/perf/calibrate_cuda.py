@@ -72,10 +72,17 @@ def gemm_efficiency(points: list[dict[str, Any]], peak: float, sms: int | None) 
                              for p in points)
 
 
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """FLOPs of causal attention forward + backward in the model's convention (mega.perf.step):
+    QK^T and AV over the full s x s square, 4 b a s^2 d forward (the causal half a kernel skips is
+    not subtracted: the model counts it too, so the efficiency is comparable), 2.5x that backward
+    (S recomputed): 3.5 x forward in all."""
+    return 3.5 * 4 * batch * heads * seq ** 2 * head_dim
+
+
 def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:
-    """Causal attention forward + backward: 4 b a s^2 d FLOPs forward over the full square (the
-    model's convention), 2.5x that in the backward (S recomputed)."""
-    return statistics.median(3.5 * 4 * p["batch"] * p["heads"] * p["seq"] ** 2 * p["head_dim"] / p["seconds"] / peak
+    """Median over points of attention_flops / seconds / peak."""
+    return statistics.median(attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak
                              for p in points)
 
 
@@ -89,10 +96,14 @@ def link_efficiency(points: list[dict[str, Any]], link_bytes_per_s: float) -> fl
     return max(bus_bandwidth(p["kind"], p["bytes"], p["ranks"], p["seconds"]) for p in large) / link_bytes_per_s
 
 
-def _cuda_time(fn: Callable[[], Any], repeats: int = 10) -> float:
+def _cuda_time(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
+    """Mean device time of one call. ``warmup`` untimed calls first: the first calls of a kernel
+    pay one-off costs (library handles, kernel selection, autotuning, allocator growth) that a
+    training step does not; one warm-up call is not always enough (cuDNN/flash backward)."""
     import torch
 
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -115,17 +126,21 @@ def bench_gemms(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
 
 
 def bench_attention(seq: int, heads: int, head_dim: int, batch: int = 1) -> list[dict[str, Any]]:
+    """Causal SDPA forward + backward. The output gradient is made once and the input gradients
+    are returned, not accumulated into ``.grad``: the timed loop holds only the attention kernels."""
     import torch
     import torch.nn.functional as F
 
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
+    grad_out = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(torch.ones_like(out))
+        torch.autograd.grad(out, (q, k, v), grad_out)
 
-    return [{"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "seconds": _cuda_time(step, 5)}]
+    return [{"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
+             "seconds": _cuda_time(step, repeats=20, warmup=5)}]
 
 
 def bench_memory(nbytes: int = 2 << 30) -> float:

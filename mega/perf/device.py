@@ -36,7 +36,9 @@ VALIDATED = ("A100", "H100 SXM")
 
 # Priors (docs/perf-model.md, "Constants"):
 # fused attention against the dense peak: FlashAttention-2 reaches 50-73% of the A100 peak forward +
-# backward (Dao 2023, section 4.1); the middle of that range.
+# backward (Dao 2023, section 4.1); the middle of that range. Dao counts a causal kernel's FLOPs
+# halved, mega.perf.step the full s x s square, so on causal attention this prior charges about
+# twice Dao's time; the H200 measurements are not used until that is settled (docs/perf-model.md).
 ATTENTION_EFFICIENCY = 0.6
 # streaming kernels reach ~85% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
 MEMORY_EFFICIENCY = 0.85
@@ -58,12 +60,19 @@ FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "nvlin
           "straggler_sigma", "step_overhead_s")
 
 
-# GEMM efficiency before any fit, per device type: A100: least squares over Korthikanti et al. 2022
-# Table 5's eight iteration times (mega.perf.published.fit on that fixture alone); H100 SXM: an
-# 8192^3 bf16 product at 798 TFLOP/s on this workplace's lent H100 80GB HBM3 (the device notes'
-# reading of 2026-11-13, /work/.library/device/KINDS.md), / 989.4 peak / the model's shape factor
-# 0.962 for that shape = 0.84.
-PRIOR_GEMM = {"A100": 0.76, "H100 SXM": 0.84}
+# GEMM efficiency before any fit, per device type. A100: least squares over Korthikanti et al. 2022
+# Table 5's eight iteration times (mega.perf.published.fit on that fixture alone). H100 SXM and H200:
+# a micro-benchmark on the same chip. The H200 is the H100 SXM's GH100 (132 SMs, 989 TFLOP/s dense
+# bf16; it differs only in HBM, which compute-bound GEMMs do not feel), measured with
+# python -m mega.perf.calibrate --device cuda (torch 2.11+cu130, 2026-11-26) over the layer GEMMs of
+# GPT-175B, Nemotron-4 340B and Llama 3 405B at TP 1-8: the median over the 102 shapes of achieved /
+# (peak x the model's shape factor) = 0.7178 (per model 0.749, 0.717, 0.709; the runs are
+# tests/fixtures/calibration/h200-2026-11-26-*.json).
+PRIOR_GEMM = {"A100": 0.76, "H100 SXM": 0.7178, "H200": 0.7178}
+_H200_RUNS = ("GEMM prior: python -m mega.perf.calibrate --device cuda on one H200 (the H100 SXM's GH100 chip), "
+              "2026-11-26, tests/fixtures/calibration/h200-2026-11-26-*.json")
+PRIOR_SOURCE = {"A100": "GEMM prior: least squares over Korthikanti et al. 2022 Table 5",
+                "H100 SXM": _H200_RUNS, "H200": _H200_RUNS}
 DEFAULT_GEMM = 0.76
 
 
@@ -96,7 +105,8 @@ def prior(device: str | None) -> DeviceCalibration:
 
 def unfitted(device: str) -> DeviceCalibration:
     """The prior alone (no fit on published runs): what validate starts from."""
-    return DeviceCalibration(device, gemm_efficiency=PRIOR_GEMM.get(device, DEFAULT_GEMM), source="prior")
+    source = f"prior ({PRIOR_SOURCE[device]})" if device in PRIOR_SOURCE else "prior"
+    return DeviceCalibration(device, gemm_efficiency=PRIOR_GEMM.get(device, DEFAULT_GEMM), source=source)
 
 
 def load(path: str | Path) -> DeviceCalibration:

@@ -265,7 +265,8 @@ def leave_one_source_out(todo: list[Case], rounds: int = 2) -> tuple[list[RowRes
             shared = {k: getattr(next(iter(cals.values())), k) for k in ("straggler_sigma", "step_overhead_s")} \
                 if cals else {}
             if not on:
-                use = {case.device: use[case.device].replace(**shared, source="prior (no other source on this device)")}
+                alone = use[case.device]
+                use = {case.device: alone.replace(**shared, source=f"{alone.source}, no other source on this device")}
             results.append(predict_case(case, use, on))
     return results, fits
 
