@@ -26,11 +26,18 @@ S3_SECRET = "s3-secret-never-in-slurm-4c1d"
 LAYOUT = ["model=tiny", "model.num_layers=4", "parallelism=tp2-pp2-dp2", "optimizer.warmup_steps=1",
           "cluster.pg_timeout_s=120"]
 ON_SLURM = ["launcher=slurm", "cluster.launchers=[local,local-nodes,slurm]", "cluster.nodes=2",
-            "cluster.procs_per_node=4", "launcher.slurm.exclusive=false", "launcher.slurm.mem=null"]
+            "launcher.slurm.exclusive=false", "launcher.slurm.mem=null"]
+# The drills test Slurm's side (signals, requeue, exclusion), not a layout: one rank per node.
+DRILL = ["model=tiny", "parallelism=dp2", "optimizer.warmup_steps=1", "cluster.pg_timeout_s=120",
+         "cluster.procs_per_node=1"]
 
 
 def _cfg(run_dir: Path, *extra: str):
-    return compose([*LAYOUT, *ON_SLURM, f"train.run_dir={run_dir}", *extra])
+    return compose([*LAYOUT, *ON_SLURM, "cluster.procs_per_node=4", f"train.run_dir={run_dir}", *extra])
+
+
+def _drill_cfg(run_dir: Path, *extra: str):
+    return compose([*DRILL, *ON_SLURM, f"train.run_dir={run_dir}", *extra])
 
 
 class _Watch(threading.Thread):
@@ -138,7 +145,7 @@ def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cl
     they listen); they save the step they are at and exit; the driver resubmits from that save
     without spending a restart (max_restarts=0)."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=4", "launcher.slurm.partition=short", "launcher.slurm.time=5",
+    cfg = _drill_cfg(run_dir, "train.steps=4", "launcher.slurm.partition=short", "launcher.slurm.time=5",
                "launcher.slurm.signal_grace_s=60", "checkpoint.interval=100", "checkpoint.max_restarts=0")
     first_job = run_dir / "slurm" / "train-attempt0" / "job_id"
     sent = {}
@@ -178,7 +185,7 @@ def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
     ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=30",
+    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=30",
                "checkpoint.restart_backoff_s=0")
     killed = {}
     killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))
