@@ -79,7 +79,7 @@ class ParallelismConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     use_distributed_optimizer: bool = True
-    # Communication overlap (docs/overlap.md, issue 13): TP/SP collectives chunked with the GEMMs
+    # Communication overlap (docs/overlap.md): TP/SP collectives chunked with the GEMMs
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine
     # userbuffers), PP send/recv decoupled from compute (interleaved schedule only), and the DP
     # parameter all-gather aligned with the pipeline (first chunk prefetched).

@@ -1,6 +1,6 @@
 """``python -m mega.bench overlap [overrides] [--steps N] [--warmup N] [--link-mbit M] [--json]``.
 
-Communication overlap, judged by exposed communication (docs/overlap.md, issue 13): for each of
+Communication overlap, judged by exposed communication (docs/overlap.md): for each of
 TP (``parallelism.tp_overlap=ring``), PP (``overlap_p2p_comm`` + warm-up/flush, interleaved) and
 DP (``overlap_param_gather``), the same 2-rank job runs with the overlap off and on, one after the
 other, as two local nodes in their own network namespaces joined by a veth shaped with ``tc tbf``

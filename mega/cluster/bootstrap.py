@@ -233,7 +233,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     # Everything the measurement needs is imported before the clock starts: megatron-core alone
-    # takes seconds per process, and imported lazily inside initialize_model_parallel it used to be
+    # takes seconds per process, and imported lazily inside initialize_model_parallel it would be
     # counted as group creation (19-27 s for 8 ranks on 2 cores; the groups take ~0.2 s).
     import psutil
     import torch
