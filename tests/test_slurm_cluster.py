@@ -185,7 +185,7 @@ def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
     ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
     run_dir = tmp_path / "run"
-    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=30",
+    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=5",
                "checkpoint.restart_backoff_s=0")
     killed = {}
     killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))

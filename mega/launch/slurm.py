@@ -323,6 +323,7 @@ class SlurmBackend:
         self.excluded: list[str] = []
         self.log = log
         self.job_id: str | None = None
+        self.left_to_slurm: str | None = None  # the job stop() gave up waiting for (a dead node)
         self._exit_dir: Path | None = None
         self._hosts: list[str] = []
         self._server_host = s.server_host
@@ -347,7 +348,7 @@ class SlurmBackend:
         return self._hosts
 
     def start(self, job: JobSpec) -> None:
-        if self.job_id is not None and not self._ended():
+        if self.job_id is not None and self.job_id != self.left_to_slurm and not self._ended():
             raise RuntimeError(f"Slurm job {self.job_id} is still running: stop() it first")
         secrets = {k: v for k, v in {**os.environ, **job.env}.items() if is_secret(k)}
         public = JobSpec(job.module, list(job.args), {k: v for k, v in job.env.items() if not is_secret(k)},
@@ -428,6 +429,7 @@ class SlurmBackend:
             if time.monotonic() > deadline:
                 self.log(f"slurm job {self.job_id} is still {info.get('JobState')} {self.stop_timeout_s:g} s after "
                          f"scancel (nodes {info.get('NodeList')}); going on without waiting for it")
+                self.left_to_slurm = self.job_id
                 return
             time.sleep(1.0)
 
