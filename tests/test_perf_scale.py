@@ -18,7 +18,7 @@ from mega.perf.hardware import Hardware, Link
 from mega.perf.memory import buckets
 from mega.perf.planner import hardware_for, settle_precision
 from mega.perf.scale import expected_max_normal, straggler_s, tree_all_reduce_s
-from mega.perf.step import effective_overlap, layer_unit, predict
+from mega.perf.step import causal_keys, effective_overlap, layer_unit, predict
 from mega.plan import main as plan_main
 
 # MegaScale Table 2's 175B layout (TP8 PP8 VPP6, batch 6144), knobs fixed so only the scale moves.
@@ -59,6 +59,14 @@ def test_expected_max_closed_forms_and_growth():
     ratios = [expected_max_normal(n) / math.sqrt(2 * math.log(n)) for n in (64, 4096, 65536)]
     assert ratios == sorted(ratios) and 0.7 < ratios[0] < ratios[-1] < 1
     assert straggler_s(10.0, 0.01, 2) == pytest.approx(10 * 0.01 / math.sqrt(math.pi))
+
+
+@pytest.mark.parametrize("s, window", [(16, None), (2048, None), (64, 7), (64, 63), (64, 200), (4096, 1024)])
+def test_causal_keys_count_the_mask(s, window):
+    """A causal flash kernel computes the unmasked (query, key) pairs: counted on the mask itself."""
+    i, j = np.indices((s, s))
+    mask = (j <= i) if window is None else (j <= i) & (i - j <= window)
+    assert causal_keys(s, window) == pytest.approx(mask.sum() / s, rel=1e-12)
 
 
 def _hw(intra_bw=100e9, inter_bw=10e9, lat_intra=5e-6, lat_inter=10e-6, procs=8):
@@ -176,7 +184,7 @@ def test_comm_overlap_auto_resolves_as_in_training(composer):
 def test_cuda_attention_flops_match_the_models_attention_term(composer):
     """calibrate's attention FLOPs are the model's: an SDPA run taking exactly the time the model's
     fused attention term (forward + backward, one layer, TP1) gives at efficiency 0.5 reads back 0.5.
-    The count is the full s x s square (a causal kernel skips about half of it), as in mega.perf.step."""
+    Both count what a causal kernel computes: about half the s x s square."""
     plan = composer.plan(["model=gpt-175b", "cluster=h100-8x", "parallelism.tp=1", "parallelism.pp=1",
                           "parallelism.micro_batch_size=2", "model.fused_ops=true", "train.precision=bf16"])
     m = plan.cfg.model
@@ -186,10 +194,12 @@ def test_cuda_attention_flops_match_the_models_attention_term(composer):
     point = {"batch": 2, "heads": m.num_attention_heads, "seq": m.seq_length,
              "head_dim": m.hidden_size // m.num_attention_heads, "seconds": seconds}
     assert calibrate_cuda.attention_efficiency([point], hw.peak_flops) == pytest.approx(0.5, rel=1e-9)
-    # the lead's H200 run of 175B shapes (one warm-up call): the recorded time gives the recorded figure
+    # the lead's H200 run of 175B shapes was derived counting the full square: the causal count
+    # gives (s + 1) / (2 s) of its figure
     rec = json.loads((FIXTURES / "calibration" / "h200-2026-11-26-gpt175b.json").read_text())
-    assert calibrate_cuda.attention_efficiency(rec["measurements"]["attention"], 989.4e12) == pytest.approx(
-        rec["calibration"]["attention_efficiency"], abs=1e-4)
+    (att,) = rec["measurements"]["attention"]
+    assert calibrate_cuda.attention_efficiency([att], 989.4e12) == pytest.approx(
+        rec["calibration"]["attention_efficiency"] * (att["seq"] + 1) / (2 * att["seq"]), abs=1e-4)
 
 
 def test_calibration_file_round_trip_and_bad_values(tmp_path):
@@ -244,7 +254,7 @@ def test_cuda_calibration_derivation_from_measurements():
     # GEMMs at exactly 0.7 x peak x the model's shape factor -> 0.7
     gemms = [{"m": m, "n": n, "k": k, "seconds": 2 * m * n * k / (0.7 * peak * calibrate_cuda.shape_factor(m, n, k, 132))}
              for m, n, k in shapes]
-    flops = 3.5 * 4 * 1 * 16 * 4096 ** 2 * 128
+    flops = 3.5 * 4 * 1 * 16 * 4096 * (4096 + 1) / 2 * 128  # causal: (s + 1) / 2 keys per query
     attention = [{"batch": 1, "heads": 16, "seq": 4096, "head_dim": 128, "seconds": flops / (0.5 * peak)}]
     # all-reduce of 256 MiB over 8 ranks at 360 GB/s bus bandwidth -> 0.8 of 450 GB/s
     nbytes = 256 * 2**20

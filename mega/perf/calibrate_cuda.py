@@ -29,6 +29,7 @@ from typing import Any, Callable
 from mega.flops import PEAK_TFLOPS, device_key
 from mega.perf import device as device_mod
 from mega.perf.hardware import GEMM_K_OVERHEAD, SMS, TILE_M, TILE_N
+from mega.perf.step import causal_keys
 
 DEFAULT_OUT = Path("runs/perf-calibration-cuda.json")
 # Datasheet link and memory rates per device type (bytes/s): HBM, NVLink per direction, one NIC.
@@ -73,11 +74,10 @@ def gemm_efficiency(points: list[dict[str, Any]], peak: float, sms: int | None) 
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
-    """FLOPs of causal attention forward + backward in the model's convention (mega.perf.step):
-    QK^T and AV over the full s x s square, 4 b a s^2 d forward (the causal half a kernel skips is
-    not subtracted: the model counts it too, so the efficiency is comparable), 2.5x that backward
-    (S recomputed): 3.5 x forward in all."""
-    return 3.5 * 4 * batch * heads * seq ** 2 * head_dim
+    """FLOPs a causal flash kernel executes forward + backward, as mega.perf.step charges them:
+    QK^T and AV over the causal half of the s x s square (``step.causal_keys``), 4 b a s k d
+    forward, 2.5x that backward (S recomputed): 3.5 x forward in all."""
+    return 3.5 * 4 * batch * heads * seq * causal_keys(seq, None) * head_dim
 
 
 def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:

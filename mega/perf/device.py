@@ -28,17 +28,16 @@ from typing import Any
 # straggler spread and the step overhead on all rows, least squares of the MFU error in points.
 # validate never uses these: it fits again without the source it predicts.
 FITTED = {
-    "A100": {"gemm_efficiency": 0.7428, "straggler_sigma": 0.0271, "step_overhead_s": 0.0492},
-    "H100 SXM": {"gemm_efficiency": 0.6425, "straggler_sigma": 0.0271, "step_overhead_s": 0.0492},
+    "A100": {"gemm_efficiency": 0.7368, "straggler_sigma": 0.0257, "step_overhead_s": 0.041},
+    "H100 SXM": {"gemm_efficiency": 0.611, "straggler_sigma": 0.0257, "step_overhead_s": 0.041},
 }
 # Device types with rows in tests/fixtures/published (validate re-derives this from the fixtures).
 VALIDATED = ("A100", "H100 SXM")
 
 # Priors (docs/perf-model.md, "Constants"):
 # fused attention against the dense peak: FlashAttention-2 reaches 50-73% of the A100 peak forward +
-# backward (Dao 2023, section 4.1); the middle of that range. Dao counts a causal kernel's FLOPs
-# halved, mega.perf.step the full s x s square, so on causal attention this prior charges about
-# twice Dao's time; the H200 measurements are not used until that is settled (docs/perf-model.md).
+# backward (Dao 2023, section 4.1), counting the FLOPs a causal kernel executes (half the s x s
+# square), as mega.perf.step charges them; the middle of that range.
 ATTENTION_EFFICIENCY = 0.6
 # streaming kernels reach ~85% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
 MEMORY_EFFICIENCY = 0.85

@@ -139,9 +139,13 @@ def _with(cfg: MegaConfig, knobs: dict[str, Any], layout: dict[str, Any] | None 
 
 def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None = None,
              calibration: str | Path | None = None, layout: dict[str, Any] | None = None,
-             **predict_kwargs: Any) -> Evaluation:
+             memory_known: bool = False, **predict_kwargs: Any) -> Evaluation:
     """The layout of ``plan`` (or ``layout`` over it) with its open knobs chosen as the best that
-    fits. Raises the ConfigError of the first candidate when no candidate is a valid config."""
+    fits. Raises the ConfigError of the first candidate when no candidate is a valid config.
+
+    ``memory_known``: the run is known to fit (a published run whose memory savings the memory
+    model does not describe): every candidate is ranked by MFU alone, ``fits`` still reports the
+    model's own view."""
     settle_precision(plan)
     if not layout:
         settle_dp(plan)
@@ -167,7 +171,8 @@ def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None 
             continue
         pr = predict(cfg, hw, mfu_peak, **predict_kwargs)
         evaluated += 1
-        rank = (pr.fits, pr.mfu if pr.fits else -pr.memory.total)
+        fits = pr.fits or memory_known
+        rank = (fits, pr.mfu if fits else -pr.memory.total)
         if best is None or rank > best[0]:
             best = (rank, cfg, pr, knobs)
     if best is None:

@@ -47,7 +47,7 @@ def load(directory: Path = DEFAULT_DIR) -> list[dict[str, Any]]:
     for path in sorted(Path(directory).glob("*.json")):
         data = json.loads(path.read_text())
         data["file"] = path.name
-        for key in ("source", "group", "metric", "rows"):
+        for key in ("source", "group", "metric", "mfu_convention", "rows"):
             if key not in data:
                 raise ValueError(f"{path}: missing {key!r}")
         if data["metric"] not in METRICS:
@@ -99,6 +99,12 @@ class Case:
     def p2p_scatter_gather(self) -> bool:
         return self.fixture.get("system", {}).get("p2p_scatter_gather", False)
 
+    @property
+    def memory_known(self) -> str | None:
+        """Why the source's run is known to fit where the memory model says it does not (the
+        source's memory savings the model does not describe), or None."""
+        return self.fixture.get("system", {}).get("memory_known")
+
 
 def cases(fixtures: list[dict[str, Any]]) -> list[Case]:
     out = []
@@ -140,6 +146,7 @@ class RowResult:
     knobs_chosen: dict[str, Any]
     fits: bool
     calibrated_on: list[str] = field(default_factory=list)
+    memory_known: str | None = None  # the source's run fits where the memory model says it does not: why
     reason: str | None = None
     explained: bool = True
 
@@ -159,7 +166,8 @@ class RowResult:
 def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str] | None = None) -> RowResult:
     """The row as a user would plan it: its open knobs chosen with this calibration."""
     hw = _hardware(case, calibrations)
-    ev = evaluate(case.plan, hw, case.peak, p2p_scatter_gather=case.p2p_scatter_gather)
+    ev = evaluate(case.plan, hw, case.peak, memory_known=bool(case.memory_known),
+                  p2p_scatter_gather=case.p2p_scatter_gather)
     p, m = ev.cfg.parallelism, ev.cfg.model
     given = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "global_batch_size": p.global_batch_size,
              "seq_length": m.seq_length, "block": m.block, "window_size": m.window_size,
@@ -173,6 +181,7 @@ def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str
     return RowResult(case.source, case.row["id"], case.row.get("row", case.row["id"]), case.device, case.gpus,
                      case.published_mfu, case.flops / (step * case.gpus * case.peak), case.published_step_s, step,
                      given, chosen, ev.prediction.fits, calibrated_on or [],
+                     None if ev.prediction.fits else case.memory_known,
                      case.row.get("unexplained") or case.row.get("miss")
                      or "no mechanism identified: the model misses this row",
                      explained(case))
@@ -187,7 +196,8 @@ def freeze_knobs(todo: list[Case]) -> None:
         if case.cfg is None:
             hw = hardware.from_cluster(case.plan.cfg.cluster, "bf16", case.plan.cfg.model.fused_ops,
                                        device.unfitted(case.device))
-            case.cfg = evaluate(case.plan, hw, case.peak, p2p_scatter_gather=case.p2p_scatter_gather).cfg
+            case.cfg = evaluate(case.plan, hw, case.peak, memory_known=bool(case.memory_known),
+                                p2p_scatter_gather=case.p2p_scatter_gather).cfg
 
 
 def _loss(todo: list[Case], calibrations: Calibrations) -> float:

@@ -103,6 +103,13 @@ def precision_of(cfg: MegaConfig) -> str:
     return cfg.train.precision
 
 
+def causal_keys(s: int, window: int | None) -> float:
+    """Keys a query attends to on average under a causal mask (query i sees keys 0..i, or the last
+    ``window + 1`` of them): what a causal flash kernel computes, about half the s x s square."""
+    w = s if window is None else min(window + 1, s)
+    return (w * (w + 1) / 2 + (s - w) * w) / s
+
+
 def _exposed(comm: float, gemm: float, tp: int, chunked: bool, async_overlap: bool) -> float:
     """Exposed part of a TP collective next to a GEMM of ``gemm`` seconds. ``chunked`` (tp_overlap):
     a ring of ``tp`` steps overlaps all but the first chunk with the GEMM on the chunk in hand.
@@ -130,12 +137,13 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     wgrad = {k: hw.gemm_s(i, c, r, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
     gemm_f, gemm_b = sum(fwd.values()), sum(dgrad.values()) + sum(wgrad.values())
 
-    # Attention core. Fused (flash) kernels skip the blocks outside a sliding window; the unfused
-    # path (megatron's banded mask) computes the whole s x s score matrix whatever the window.
+    # Attention core. Fused (flash) kernels skip the blocks above the causal diagonal and outside
+    # a sliding window; the unfused path (megatron's masked softmax) computes the whole s x s score
+    # matrix whatever the mask.
     heads = a // t
     if hw.flash_attention:
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
-        keys = (windowed * min((m.window_size or s) + 1, s) + full * s) / m.num_layers
+        keys = (windowed * causal_keys(s, m.window_size) + full * causal_keys(s, None)) / m.num_layers
         flops = 2 * 2 * tokens * keys * h / t
         attn_f, attn_b = hw.attention_s(flops), hw.attention_s(2.5 * flops, kernels=2)  # bwd recomputes S
     else:
@@ -320,7 +328,7 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: floa
              f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
              f"{hw.peak_flops / 1e12:.1f} TFLOP/s, per-shape efficiency"),
         Term("attention", mb * (lay.attention + ext.attention),
-             "attention core: " + ("fused flash kernels (windowed keys only)" if hw.flash_attention else
+             "attention core: " + ("fused flash kernels over the causal (and windowed) keys only" if hw.flash_attention else
                                    "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic")),
         Term("elementwise", mb * (lay.elementwise + ext.elementwise),
              "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved memory bandwidth"),
