@@ -6,7 +6,8 @@ its rows (``common``), the knobs the source does not publish (``open``: the plan
 a user would, the best that fits), and per row the layout overrides and the published value. A row
 may carry ``unexplained`` (why the model cannot describe that run: it is reported, never calibrated
 on) or ``miss`` (a known model error beyond +-3 points with what is known of its cause: reported,
-calibrated on like any other row).
+calibrated on like any other row); ``miss_held_out`` (on a row or the whole fixture) says what is
+known of an error that appears only when the source is predicted from the others.
 
 Metrics, all turned into MFU by mega.flops' count for the comparison: ``mfu`` (as published),
 ``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tflops_per_gpu``
@@ -182,8 +183,8 @@ def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str
                      case.published_mfu, case.flops / (step * case.gpus * case.peak), case.published_step_s, step,
                      given, chosen, ev.prediction.fits, calibrated_on or [],
                      None if ev.prediction.fits else case.memory_known,
-                     case.row.get("unexplained") or case.row.get("miss")
-                     or "no mechanism identified: the model misses this row",
+                     case.row.get("unexplained") or case.row.get("miss") or case.row.get("miss_held_out")
+                     or case.fixture.get("miss_held_out") or "no mechanism identified: the model misses this row",
                      explained(case))
 
 
