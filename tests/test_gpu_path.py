@@ -101,8 +101,9 @@ def test_every_launch_form_exports_cuda_device_max_connections(preset, tmp_path)
         script = slurm.render_sbatch(compose([*GPU_PRESETS[preset], f"train.run_dir={tmp_path}", "launcher=slurm"]), job)
         assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script.splitlines()
     if "kubernetes" in cfg.cluster.launchers:
-        manifests = k8s.render_manifests(compose([*GPU_PRESETS[preset], f"train.run_dir={tmp_path}",
-                                                  "launcher=kubernetes"]), job)
+        kcfg = compose([*GPU_PRESETS[preset], "train.run_dir=/mnt/mega/run", "launcher=kubernetes",
+                        "launcher.kubernetes.volume_claim=mega-shared"])  # the data index is on the shared volume
+        manifests = k8s.render_manifests(kcfg, hand_job(kcfg, "/mnt/mega/index.json", "/etc/mega/config.json"))
         containers = [c for m in manifests for c in _containers(m)]
         assert containers and all({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"} in c["env"]
                                   for c in containers)
@@ -110,6 +111,8 @@ def test_every_launch_form_exports_cuda_device_max_connections(preset, tmp_path)
 
 def _containers(manifest: dict) -> list[dict]:
     spec = manifest.get("spec", {})
+    if manifest["kind"] == "JobSet":
+        spec = spec["replicatedJobs"][0]["template"]["spec"]
     pod = spec.get("template", {}).get("spec", {})
     return pod.get("containers", [])
 
