@@ -410,3 +410,12 @@ def test_prefect_deploy_onto_the_kubernetes_work_pool(prefect_harness):
         client.create_deployment(flow_id=deployment.flow_id, name="bad-gpus", work_pool_name=WORK_POOL,
                                  entrypoint=deployment.entrypoint, job_variables={"gpus": "eight"})
     assert "Validation failed for field 'gpus'" in str(err.value)
+    # credentials only from Secrets: a plain-text one in the job variables is refused by the pool
+    with get_client(sync_client=True) as client, pytest.raises(PrefectHTTPStatusError) as err:
+        client.create_deployment(flow_id=deployment.flow_id, name="plain-secret", work_pool_name=WORK_POOL,
+                                 entrypoint=deployment.entrypoint, job_variables={"env": {"AWS_SECRET_ACCESS_KEY": PASSWORD}})
+    assert "env" in str(err.value) and PASSWORD not in str(err.value)
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    assert refs["AWS_SECRET_ACCESS_KEY"] == {"name": "mega-s3", "key": "AWS_SECRET_ACCESS_KEY", "optional": True}
+    assert refs["MEGA_REDIS_PASSWORD"]["name"] == "mega-redis"
+    assert restricted_violations(job["spec"]["template"]["spec"]) == []
