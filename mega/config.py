@@ -226,25 +226,54 @@ class SlurmConfig:
 
 
 @dataclass
-class KubernetesConfig:
-    """launcher=kubernetes: an indexed Job (one pod per node) and a headless Service."""
+class KubernetesRdmaConfig:
+    """launcher.kubernetes.rdma: GPUDirect RDMA for NCCL (docs/cluster.md: InfiniBand, RoCE). Opt-in:
+    it adds the IPC_LOCK capability, an exception to Pod Security "restricted"."""
 
-    namespace: str = "default"
-    image: str = "ghcr.io/mega-llm/mega:latest"
-    image_pull_policy: str = "IfNotPresent"
+    enabled: bool = False
+    network: str | None = None  # k8s.v1.cni.cncf.io/networks annotation: the NetworkAttachmentDefinition(s)
+    resources: dict[str, str] = field(default_factory=dict)  # per-pod device limits, e.g. {"rdma/ib": "8"}
+    hca: str | None = None  # NCCL_IB_HCA, e.g. "mlx5_0,mlx5_1" or "=mlx5_0:1"
+    socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME: bootstrap/out-of-band interface, e.g. "eth0"
+    gid_index: int | None = None  # NCCL_IB_GID_INDEX (RoCE v2: usually 3)
+
+
+@dataclass
+class KubernetesConfig:
+    """launcher=kubernetes: a JobSet admitted by Kueue (or an indexed Job), one pod per node, whose
+    restarts belong to the cluster's controllers (docs/cluster.md, mega/launch/kubernetes.py)."""
+
+    workload: str = "jobset"  # jobset (JobSet v1alpha2 + Kueue) | job (built-in indexed Job, same policies)
+    namespace: str = "mega"
+    image: str = "ghcr.io/mega-llm/mega:0.1.0"  # name:tag, best name:tag@sha256:digest (':latest' is refused)
+    image_pull_policy: str | None = None  # null: IfNotPresent with a digest, Always with a tag only
     service_account: str | None = None
     gpu_resource: str = "nvidia.com/gpu"
-    cpu: str | None = None  # per pod requests (null: none)
+    cpu: str | None = None  # per pod; requests = limits (Guaranteed QoS); null: no CPU/memory request
     memory: str | None = None
-    shm_size: str = "64Gi"  # /dev/shm for the data loader and NCCL
+    shm_size: str = "64Gi"  # /dev/shm for the data loader and NCCL (counts against memory)
     node_selector: dict[str, str] = field(default_factory=dict)
-    backoff_limit: int = 0  # the driver relaunches, not the Job controller
-    # cluster.store=redis: the Secret (key "password") the pods read the Redis password from
+    tolerations: list[dict[str, Any]] = field(default_factory=list)  # Kubernetes Toleration objects
+    affinity: dict[str, Any] = field(default_factory=dict)  # a Kubernetes Affinity, merged with mega's
+    priority_class: str | None = None  # priorityClassName
+    annotations: dict[str, str] = field(default_factory=dict)  # on the workload and its pods
+    queue: str | None = "mega"  # Kueue LocalQueue (kueue.x-k8s.io/queue-name); null: no Kueue (jobset only)
+    exclusive_topology: str | None = None  # node label of a topology domain the JobSet has to itself
+    avoid_hosts: list[str] = field(default_factory=list)  # nodes kept out (evicted by the watcher)
+    active_deadline_s: int | None = None  # activeDeadlineSeconds of the Job (null: none)
+    ttl_after_finished_s: int | None = 86400  # a finished workload is deleted after this long
+    selfcheck: bool = True  # every pod runs the node self-check with its peers before training
+    # cluster.store=redis or heartbeats: the Secret (key "password") the pods read the Redis password from
     redis_secret: str | None = None
-    # a ReadWriteMany PersistentVolumeClaim mounted in every pod (run dirs, data, file:// checkpoints)
+    # s3:// checkpoints: the Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY
+    s3_secret: str | None = None
+    # a PersistentVolumeClaim mounted in every pod (run dirs, data, file:// checkpoints) and its
+    # access mode as the cluster has it; several nodes writing file:// checkpoints need ReadWriteMany
     volume_claim: str | None = None
+    volume_access_mode: str | None = None  # ReadWriteMany | ReadWriteOnce | ReadOnlyMany
     mount_path: str = "/mnt/mega"
-    extra_resources: dict[str, str] = field(default_factory=dict)  # e.g. {"rdma/ib": "8"}: per-pod limits
+    extra_resources: dict[str, str] = field(default_factory=dict)  # other per-pod limits
+    rdma: KubernetesRdmaConfig = field(default_factory=KubernetesRdmaConfig)
 
 
 @dataclass
@@ -521,12 +550,39 @@ def compose(overrides: list[str] | None = None, config_name: str = "config",
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            dcfg = hydra_compose(config_name=config_name, overrides=list(overrides or []))
+            dcfg = hydra_compose(config_name=config_name, overrides=open_map_overrides(list(overrides or [])))
     except OmegaConfBaseException as err:
         raise _wrap_omegaconf_error(err) from None
     except HydraException as err:
         raise _wrap_hydra_error(err) from None
     return from_container(dcfg, validate_config)
+
+
+def _map_fields(cls: type = None, prefix: str = "") -> set[str]:
+    """Dotted paths of the schema's dict-typed fields (open maps: cluster.env, node selectors...)."""
+    import typing
+
+    found: set[str] = set()
+    for f in dataclasses.fields(cls or MegaConfig):
+        hint = typing.get_type_hints(cls or MegaConfig)[f.name]
+        if typing.get_origin(hint) is dict:
+            found.add(prefix + f.name)
+        elif dataclasses.is_dataclass(hint):
+            found |= _map_fields(hint, f"{prefix}{f.name}.")
+    return found
+
+
+def open_map_overrides(overrides: list[str]) -> list[str]:
+    """``key={a: b}`` or ``key.a=b`` into an open map of the schema gets Hydra's force-add (``++``):
+    in struct mode a plain override may not add a key the default map lacks."""
+    maps = _map_fields()
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if "=" in o and key[:1] not in "+~" and any(key == m or key.startswith(m + ".") for m in maps):
+            o = "++" + o
+        out.append(o)
+    return out
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

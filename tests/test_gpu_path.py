@@ -101,8 +101,9 @@ def test_every_launch_form_exports_cuda_device_max_connections(preset, tmp_path)
         script = slurm.render_sbatch(compose([*GPU_PRESETS[preset], f"train.run_dir={tmp_path}", "launcher=slurm"]), job)
         assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script.splitlines()
     if "kubernetes" in cfg.cluster.launchers:
-        manifests = k8s.render_manifests(compose([*GPU_PRESETS[preset], f"train.run_dir={tmp_path}",
-                                                  "launcher=kubernetes"]), job)
+        kcfg = compose([*GPU_PRESETS[preset], "train.run_dir=/mnt/mega/run", "launcher=kubernetes",
+                        "launcher.kubernetes.volume_claim=mega-shared"])  # the data index is on the shared volume
+        manifests = k8s.render_manifests(kcfg, hand_job(kcfg, "/mnt/mega/index.json", "/etc/mega/config.json"))
         containers = [c for m in manifests for c in _containers(m)]
         assert containers and all({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"} in c["env"]
                                   for c in containers)
@@ -110,6 +111,8 @@ def test_every_launch_form_exports_cuda_device_max_connections(preset, tmp_path)
 
 def _containers(manifest: dict) -> list[dict]:
     spec = manifest.get("spec", {})
+    if manifest["kind"] == "JobSet":
+        spec = spec["replicatedJobs"][0]["template"]["spec"]
     pod = spec.get("template", {}).get("spec", {})
     return pod.get("containers", [])
 
@@ -121,8 +124,7 @@ def test_the_prefect_work_pool_deployment_exports_it_to_the_flow_pod():
         assert d["work_pool"]["job_variables"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     # the template hands the deployment's env to the pod's container
     template = json.loads((REPO / "infra" / "kubernetes" / "work-pool.json").read_text())
-    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["env"] == "{{ env }}"
+    assert template["job_configuration"]["env"] == "{{ env }}"  # prefect-kubernetes prepends it to the container's
 
 
 def test_a_gpu_rank_with_tensor_parallelism_refuses_to_start_without_it():

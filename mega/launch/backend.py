@@ -12,8 +12,8 @@ Backends:
 * ``local-nodes`` (same module): ``cluster.nodes`` agents on this machine, optionally each in its
   own network namespace (mega/launch/netns.py);
 * ``slurm``: mega/launch/slurm.py (``SlurmBackend``);
-* ``kubernetes``: not driven from here; ``python -m mega.launch.kubernetes`` renders the manifests
-  whose pods start the agents.
+* ``kubernetes``: not driven from here; ``python -m mega.launch.kubernetes`` renders a JobSet whose
+  pods start the agents, restarted by the cluster (mega/launch/incluster_watch.py ends a hang).
 
 A backend may also have ``server_host``: the address that servers the driver starts for the nodes
 (a local redis-server) must listen on so every node reaches them (``server_host(backend)``).
@@ -97,8 +97,8 @@ def backend_for(cfg: "MegaConfig", run_dir: str | Path) -> Backend:
         from mega.config import ConfigError
 
         raise ConfigError("launcher.name", "launcher=kubernetes is not driven from this process: render the "
-                                           "indexed Job and Service with `python -m mega.launch.kubernetes` "
-                                           "and apply them (each pod runs one node's agent)")
+                                           "JobSet with `python -m mega.launch.kubernetes render` and apply "
+                                           "it; the cluster's controllers restart its pods (docs/cluster.md)")
     from mega.config import ConfigError
 
     raise ConfigError("launcher.name", f"no launch backend {name!r}")

@@ -97,6 +97,8 @@ class LocalNodesBackend:
         # servers the nodes need listen here (a namespace's loopback is its own)
         self.server_host = self.network.bridge_address if self.network else cfg.cluster.master_addr
         self.token: str | None = None
+        # a command each agent runs under (the pod entry, mega.launch.pod, as a cluster's pods do)
+        self.agent_prefix: list[str] = []
         self._agents: dict[int, subprocess.Popen] = {}
         self._logs: list[IO[bytes]] = []
 
@@ -130,7 +132,7 @@ class LocalNodesBackend:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **job.env, MARK_ENV: f"{self.token}/{k}", NODE_ADDR_ENV: self.node_address(k),
                RANKS_ON_HOST_ENV: str(self.cfg.cluster.world_size)}  # local nodes share this machine's cores
-        argv = agent_argv(self.cfg, k, addr, port, job)
+        argv = self.agent_prefix + agent_argv(self.cfg, k, addr, port, job)
         if self.network:
             env.update(self.network.env(k))
             argv = self.network.exec_prefix(k) + argv

@@ -3,7 +3,9 @@ the ranks. Both sides (ranks, driver) use these; neither may ever block on Redis
 
 Keys of one attempt: ``<prefix>:<attempt>:id:<rank>`` (a rank's identity, written once) and
 ``<prefix>:<attempt>:hb:<rank>`` (its latest heartbeat, with expiry). ``<prefix>`` is unique per
-driver launch, so one Redis can serve many runs.
+driver launch (on Kubernetes: per run), so one Redis can serve many runs. The other direction, for a
+watcher that cannot stop the ranks itself (mega/launch/incluster_watch.py): ``stop_key`` tells
+every rank of an attempt to exit with ``RESTART_EXIT_CODE``; ``generation_key`` numbers the next.
 """
 
 from __future__ import annotations
@@ -17,6 +19,19 @@ URL_ENV = "MEGA_HEARTBEAT_URL"  # redis:// URL without a password (logged nowher
 PASSWORD_ENV = "MEGA_HEARTBEAT_PASSWORD"
 PREFIX_ENV = "MEGA_HEARTBEAT_PREFIX"
 TIMEOUT_S = 0.5  # every Redis call of a heartbeat or the watcher: connect and read bounded by this
+
+
+RESTART_EXIT_CODE = 86  # a rank told by the watcher to end a hung attempt; the cluster relaunches from `latest`
+
+
+def stop_key(prefix: str, attempt: int) -> str:
+    """The watcher's order to every rank of ``attempt``: exit with ``RESTART_EXIT_CODE`` (JSON: reason, evict)."""
+    return f"{prefix}:{attempt}:stop"
+
+
+def generation_key(prefix: str) -> str:
+    """The attempt the next pods start as: one past the last attempt the watcher stopped."""
+    return f"{prefix}:generation"
 
 
 def id_key(prefix: str, attempt: int, rank: int) -> str:

@@ -96,6 +96,7 @@ class Heartbeat:
         self.rank = identity["rank"]
         self.key = channel.beat_key(prefix, attempt, self.rank)
         self.id_key = channel.id_key(prefix, attempt, self.rank)
+        self.stop_key = channel.stop_key(prefix, attempt)
         self.identity = identity
         self.groups = groups
         self.interval_s = interval_s
@@ -142,7 +143,7 @@ class Heartbeat:
         try:
             if self._id_pending:  # one timeout per tick at most: no identity, no beat this time
                 self._id_pending = not self._send(self.id_key, self.identity, ex=7 * 86400)
-            ok = not self._id_pending and self._send(self.key, self.record(), ex=self.ttl_s)
+            ok = not self._id_pending and self._send(self.key, self.record(), ex=self.ttl_s, stop=True)
             if ok:
                 self.sent += 1
             else:
@@ -152,13 +153,25 @@ class Heartbeat:
         finally:
             self.cpu_ns += time.thread_time_ns() - c0
 
-    def _send(self, key: str, value: dict, ex: int) -> bool:
+    def _send(self, key: str, value: dict, ex: int, stop: bool = False) -> bool:
+        """SET the value; with ``stop``, in the same round trip, read the watcher's stop order
+        (channel.stop_key) and obey it: the process exits with its code at once, even while the
+        main thread is stuck in a collective (the heartbeat thread still runs then)."""
         import redis
 
         try:
-            self.client.set(key, json.dumps(value, default=float), ex=ex)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(key, json.dumps(value, default=float), ex=ex)
+            if stop:
+                pipe.get(self.stop_key)
+            replies = pipe.execute()
         except (redis.RedisError, OSError):
             return False
+        if stop and replies[1]:
+            order = json.loads(replies[1])
+            print(f"rank {self.rank}: the watcher ends this attempt ({order.get('reason')}); "
+                  f"exiting with {order['exit_code']}", flush=True)
+            os._exit(int(order["exit_code"]))
         return True
 
     def _run(self) -> None:
