@@ -18,6 +18,7 @@ from mega.config import compose
 from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
 from mega.metrics import read_metrics
+from mega.stability.incident import read_incidents
 from slurm_cluster import needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 pytestmark = [needs_slurm, pytest.mark.slow]
@@ -85,25 +86,33 @@ def local_losses(tmp_path_factory, data_index):
     return [m["loss"] for m in run_training(cfg, data_index, log=lambda _: None).metrics]
 
 
-def test_two_slurm_nodes_train_as_one_local_node_and_keep_secrets_out_of_slurm(
-        slurm_cluster, tmp_path, data_index, local_losses, monkeypatch):
-    """tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the job runs (squeue) on two hosts of their own, the
-    losses equal launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge,
-    and neither the Redis password nor an S3 secret is in anything Slurm stores or the script."""
+def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_out_of_slurm(
+        slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch):
+    """flows.pretrain with launcher=slurm, tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the self-check and
+    the training run as Slurm jobs (squeue) on two hosts of their own, the losses equal
+    launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge, and neither the
+    Redis password nor an S3 secret is in anything Slurm stores or the script."""
+    from flows.pretrain import pretrain
+
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=4", "cluster.store=redis")  # a local Redis, with a password, on the bridge
+    overrides = [*LAYOUT, *ON_SLURM, "cluster.procs_per_node=4", f"train.run_dir={run_dir}", "train.steps=4",
+                 f"data.cache_dir={data_cache}", "cluster.store=redis"]  # a local Redis, with a password, on the bridge
     watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
     watch.start()
     try:
-        result = run_training(cfg, data_index, log=lambda _: None)
+        state = pretrain(overrides=overrides, return_state=True)
     finally:
         watch.halt.set()
         watch.join(10)
-    assert result.final_step == 4 and result.attempts == 1
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
     assert "mega-run-train-attempt0" in watch.names
+    hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}
+    assert summary["selfcheck"]["healthy"] and hosts == {(0, "10.216.0.2"), (1, "10.216.0.3")}, summary["selfcheck"]
 
-    losses = [m["loss"] for m in result.metrics]
+    losses = [m["loss"] for m in read_metrics(run_dir)]
     assert max(abs(a - b) for a, b in zip(losses, local_losses, strict=True)) <= 1e-6, (losses, local_losses)
 
     procs = [json.loads(line) for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
@@ -123,12 +132,13 @@ def test_two_slurm_nodes_train_as_one_local_node_and_keep_secrets_out_of_slurm(
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
 
 
-def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> threading.Thread:
-    """A thread that calls ``action()`` once the run has logged ``step`` (gives up after ``timeout_s``)."""
+def _when_step(run_dir: Path, step: int, action, attempt: int = 0, timeout_s: float = 300.0) -> threading.Thread:
+    """A thread that calls ``action()`` once ``attempt`` has logged ``step`` (gives up after ``timeout_s``)."""
     def wait():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(run_dir)):
+            if (run_dir / "metrics.jsonl").exists() and any(
+                    r["step"] >= step and r.get("attempt") == attempt for r in read_metrics(run_dir)):
                 action()
                 return
             time.sleep(0.5)
@@ -136,6 +146,36 @@ def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> th
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
     return thread
+
+
+def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_new_attempt_finishes(
+        slurm_cluster, tmp_path, data_index):
+    """SIGSTOP rank 1 (node 1's only rank) after step 3: the watcher's hang incident names that rank,
+    node 1 and its host; the driver cancels the attempt's Slurm job and a new job resumes from
+    step 2's save and finishes."""
+    from mega.bench.faults import stop_rank_when
+
+    run_dir = tmp_path / "run"
+    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "checkpoint.async_save=false",
+                     "checkpoint.restart_backoff_s=0", "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=10",
+                     "stability.heartbeat_s=1", "stability.min_hang_s=6", "stability.progress_factor=5")
+    stopped: dict = {}
+    stopper = threading.Thread(target=stop_rank_when, args=(run_dir, 1, 3, stopped), daemon=True)
+    stopper.start()
+    try:
+        result = run_training(cfg, data_index, log=lambda _: None)
+    finally:
+        stopper.join(10)
+    assert stopped.get("node") == 1, "rank 1 was never stopped"
+    assert result.final_step == 4 and result.attempts == 2, result.history
+    assert result.history[0]["reason"].startswith("hung: ") and result.restored.endswith("iter_0000002")
+    [inc] = read_incidents(run_dir)
+    assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
+    c = inc["culprit"]
+    assert (c["rank"], c["node"], c["host"], c["reason"]) == (1, 1, "mega-slurmt-n1", "silent"), c
+    first, second = _job_ids(run_dir)
+    assert slurm.job_info(first)["JobState"] == "CANCELLED"  # ended by the driver, before the next submission
+    assert slurm.job_info(second)["JobState"] == "COMPLETED"
 
 
 def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
@@ -181,26 +221,34 @@ def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cl
     assert {r["attempt"] for r in rows if r["step"] <= first["final_step"]} == {first["attempt"]}
 
 
-def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster, tmp_path, data_index):
+def test_lost_nodes_are_excluded_the_first_replaced_by_the_spare_then_dp_shrinks(slurm_cluster, tmp_path, data_index):
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
-    ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
+    ``--exclude`` of its host and Slurm gives the third node; that one dies too: with no spare left
+    and ``cluster.min_nodes=1`` the run goes on on one node (DP 2 -> 1) and finishes."""
     run_dir = tmp_path / "run"
-    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=5",
-               "checkpoint.restart_backoff_s=0")
-    killed = {}
-    killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))
+    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=1", "launcher.slurm.stop_timeout_s=5",
+                     "checkpoint.restart_backoff_s=0", "cluster.min_nodes=1")
+    killed: dict[int, list[int]] = {}
+    killers = [_when_step(run_dir, step, lambda k=k: killed.update({k: slurm_local.kill_node(slurm_cluster, k)}),
+                          attempt=attempt) for attempt, step, k in [(0, 2, 1), (1, 3, 2)]]
     try:
         result = run_training(cfg, data_index, log=lambda _: None)
     finally:
-        killer.join(10)
-        slurm_local.restart_node(slurm_cluster, 1)
-    assert killed.get("pids"), "node 1 was never killed"
+        for killer in killers:
+            killer.join(10)
+        for k in (1, 2):
+            slurm_local.restart_node(slurm_cluster, k)
+    assert killed.get(1) and killed.get(2), f"killed: {sorted(killed)}"
     assert result.final_step == 4
-    assert result.history[0]["excluded_hosts"] == ["mega-slurmt-n1"]
-    second = _job_ids(run_dir)[-1]
-    info = slurm.job_info(second)
-    assert info["ExcNodeList"] == "mega-slurmt-n1"
-    assert slurm.hostnames(info["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
+    assert [h.get("excluded_hosts") for h in result.history] == [["mega-slurmt-n1"], ["mega-slurmt-n2"], None]
+    spare, shrunk = (slurm.job_info(j) for j in _job_ids(run_dir)[1:])
+    assert spare["ExcNodeList"] == "mega-slurmt-n1"
+    assert slurm.hostnames(spare["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
+    assert slurm.hostnames(shrunk["ExcNodeList"]) == ["mega-slurmt-n1", "mega-slurmt-n2"]
+    assert slurm.hostnames(shrunk["NodeList"]) == ["mega-slurmt-n0"]
+    last = json.loads((run_dir / "config.json").read_text())
+    assert (last["cluster"]["nodes"], last["parallelism"]["dp"]) == (1, 1)
+    assert {r["step"] for r in read_metrics(run_dir) if r["attempt"] == 2} >= {4}
 
 
 def test_recovery_cancels_the_runs_live_job_and_no_other(slurm_cluster, tmp_path):

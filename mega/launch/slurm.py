@@ -80,11 +80,34 @@ def check(cfg: "MegaConfig") -> None:
     if s.signal_grace_s < 0 or (s.signal_grace_s and s.signal_grace_s >= minutes * 60):
         raise ConfigError("launcher.slurm.signal_grace_s", f"must be 0 (no signal) or between 1 and the time limit "
                                                            f"({minutes * 60} s), got {s.signal_grace_s}")
+    if s.numa_binding is not None:
+        _check_numa_binding(cfg)
     if s.max_requeues < 0:
         raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
     if cfg.cluster.store == "redis" and cfg.cluster.redis_url is None and not cfg.cluster.start_local_redis:
         raise ConfigError("cluster.redis_url", "launcher=slurm with cluster.store=redis needs a Redis server "
                                                "every node reaches: set cluster.redis_url or cluster.start_local_redis")
+
+
+def numa_modes() -> list[str]:
+    """The ``torchrun --numa-binding`` modes of this torch ([] where torch has no such flag)."""
+    try:
+        from torch.numa.binding import AffinityMode
+    except ImportError:
+        return []
+    return [m.value for m in AffinityMode]
+
+
+def _check_numa_binding(cfg: "MegaConfig") -> None:
+    key, mode = "launcher.slurm.numa_binding", cfg.launcher.slurm.numa_binding
+    if cfg.cluster.device != "cuda":
+        raise ConfigError(key, f"binds each rank to the CPUs near its GPU: needs cluster.device=cuda, "
+                               f"got {cfg.cluster.device}")
+    modes = numa_modes()
+    if not modes:
+        raise ConfigError(key, "this torch's torchrun has no --numa-binding (torch >= 2.9 has it); set it to null")
+    if mode not in modes:
+        raise ConfigError(key, f"must be one of {modes} or null, got {mode!r}")
 
 
 def gpus_per_node(cfg: "MegaConfig") -> int:
@@ -173,6 +196,8 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
 
     placeholders = {"@NODE_RANK@": "SLURM_NODEID", "@MASTER_ADDR@": "MASTER_ADDR", "@MASTER_PORT@": "MASTER_PORT"}
     argv = agent_argv(cfg, "@NODE_RANK@", "@MASTER_ADDR@", "@MASTER_PORT@", job, python=python)
+    if s.numa_binding:  # a torchrun flag: right after `python -m torch.distributed.run`
+        argv.insert(3, f"--numa-binding={s.numa_binding}")
     log = _absolute(job).log_path("@NODE_RANK@", nodes)
     task = _NODE_TASK
     for key, value in {"@LOGDIR@": str(log.parent), "@EXITDIR@": str(exit_dir), "@LOG@": str(log),
@@ -307,6 +332,19 @@ def address_towards(peer: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # The driver's backend
 
+_said_prefect = False  # the note on PREFECT_API_URL: once per driver process
+
+
+def prefect_note(environ: dict[str, str] = os.environ) -> str | None:
+    """What a driver without ``PREFECT_API_URL`` means on a cluster (None when it is set)."""
+    if environ.get("PREFECT_API_URL"):
+        return None
+    home = environ.get("PREFECT_HOME", "~/.prefect")
+    return (f"PREFECT_API_URL is not set: unless a Prefect profile sets it, this driver's flow runs go to a "
+            f"temporary Prefect server it starts itself, with a SQLite database under {home} (often NFS on a "
+            f"cluster), seen in no shared UI and gone with this process. Set PREFECT_API_URL to the site's "
+            f"Prefect server (docs/cluster.md).")
+
 
 class SlurmBackend:
     """``Backend`` on Slurm: one ``sbatch`` of the rendered script per attempt, one task per node."""
@@ -327,6 +365,10 @@ class SlurmBackend:
         self._exit_dir: Path | None = None
         self._hosts: list[str] = []
         self._server_host = s.server_host
+        global _said_prefect
+        if not _said_prefect and (note := prefect_note()):
+            log(note)
+            _said_prefect = True
 
     @property
     def server_host(self) -> str:
