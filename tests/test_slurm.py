@@ -58,7 +58,7 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
     # SC1091: the setup lines source files that exist only on the cluster
     check = subprocess.run(["shellcheck", "--exclude=SC1091", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
-    node_cmd = script.split("bash -c ", 1)[1].strip()
+    node_cmd = script.split("bash -c ", 1)[1].rsplit(") &\n", 1)[0].strip()  # srun's command, in its ( ... ) &
     inner = subprocess.run(["bash", "-c", f"bash -n -c {node_cmd}"], capture_output=True, text=True)
     assert inner.returncode == 0, inner.stderr  # the per-node command parses too
 
@@ -70,7 +70,7 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
     assert f"--time={s.time}" in directives
     for key in ("partition", "account", "qos"):
         assert (f"--{key}={getattr(s, key)}" in directives) == (getattr(s, key) is not None)
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("(trap '' USR1; exec srun "))
     assert f"--ntasks={c.nodes}" in srun and "--ntasks-per-node=1" in srun and "--kill-on-bad-exit=1" in srun
     assert ("--container-image=" in srun) == (s.container_image is not None)
     assert f"--nnodes={c.nodes}" in node_cmd and f"--nproc-per-node={c.procs_per_node}" in node_cmd
@@ -108,7 +108,7 @@ def test_each_attempt_is_named_for_its_run_signals_and_excludes(tmp_path):
     script = slurm.render_sbatch(cfg, _job(cfg, name="train-attempt3"), exclude=["gpu12", "bad7"])
     directives = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
     assert "--job-name=mega-run-train-attempt3" in directives
-    assert "--exclude=bad7,gpu12" in directives and "--signal=USR1@300" in directives and "--no-requeue" in directives
+    assert "--exclude=bad7,gpu12" in directives and "--signal=B:USR1@300" in directives and "--no-requeue" in directives
     assert "export MEGA_EXIT_SIGNAL=USR1" in script
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script  # cpus_per_task=null: every core of the node
     assert "MASTER_PORT=$(python -c" in script  # rdzv_port=0: a port free on the first node
