@@ -107,7 +107,7 @@ def _check_numa_binding(cfg: "MegaConfig") -> None:
                                f"got {cfg.cluster.device}")
     modes = numa_modes()
     if not modes:
-        raise ConfigError(key, "this torch's torchrun has no --numa-binding (torch >= 2.9 has it); set it to null")
+        raise ConfigError(key, "this torch's torchrun has no --numa-binding; set it to null")
     if mode not in modes:
         raise ConfigError(key, f"must be one of {modes} or null, got {mode!r}")
 
