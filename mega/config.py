@@ -205,6 +205,9 @@ class SlurmConfig:
     qos: str | None = None
     time: str = "04:00:00"
     cpus_per_task: int | None = None  # per node (one task per node); null: all of the node's cores
+    # torchrun --numa-binding (node | socket | exclusive | core-complex): each rank on the CPUs near
+    # its GPU; null: no binding. cuda only, and only where torch has the flag.
+    numa_binding: str | None = None
     mem: str | None = "0"  # "0": all of each node's memory
     exclusive: bool = True
     container_image: str | None = None  # pyxis/enroot --container-image, when the cluster has it

@@ -58,7 +58,7 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
     # SC1091: the setup lines source files that exist only on the cluster
     check = subprocess.run(["shellcheck", "--exclude=SC1091", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
-    node_cmd = script.split("bash -c ", 1)[1].strip()
+    node_cmd = script.split("bash -c ", 1)[1].rsplit(") &\n", 1)[0].strip()  # srun's command, in its ( ... ) &
     inner = subprocess.run(["bash", "-c", f"bash -n -c {node_cmd}"], capture_output=True, text=True)
     assert inner.returncode == 0, inner.stderr  # the per-node command parses too
 
@@ -70,7 +70,7 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
     assert f"--time={s.time}" in directives
     for key in ("partition", "account", "qos"):
         assert (f"--{key}={getattr(s, key)}" in directives) == (getattr(s, key) is not None)
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("(trap '' USR1; exec srun "))
     assert f"--ntasks={c.nodes}" in srun and "--ntasks-per-node=1" in srun and "--kill-on-bad-exit=1" in srun
     assert ("--container-image=" in srun) == (s.container_image is not None)
     assert f"--nnodes={c.nodes}" in node_cmd and f"--nproc-per-node={c.procs_per_node}" in node_cmd
@@ -93,7 +93,8 @@ def test_secrets_and_bad_settings_never_reach_a_script(tmp_path):
                           ("launcher.slurm.time=0", "launcher.slurm.time"),
                           ("launcher.slurm.cpus_per_task=0", "launcher.slurm.cpus_per_task"),
                           ("launcher.slurm.signal_grace_s=14400", "launcher.slurm.signal_grace_s"),  # = the limit
-                          ("launcher.slurm.max_requeues=-1", "launcher.slurm.max_requeues")]:
+                          ("launcher.slurm.max_requeues=-1", "launcher.slurm.max_requeues"),
+                          ("launcher.slurm.numa_binding=nearest", "launcher.slurm.numa_binding")]:
         cfg = _cfg(tmp_path, "cluster=h100-8x", override)
         with pytest.raises(ConfigError) as err:
             slurm.render_sbatch(cfg, _job(cfg))
@@ -107,10 +108,36 @@ def test_each_attempt_is_named_for_its_run_signals_and_excludes(tmp_path):
     script = slurm.render_sbatch(cfg, _job(cfg, name="train-attempt3"), exclude=["gpu12", "bad7"])
     directives = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
     assert "--job-name=mega-run-train-attempt3" in directives
-    assert "--exclude=bad7,gpu12" in directives and "--signal=USR1@300" in directives and "--no-requeue" in directives
+    assert "--exclude=bad7,gpu12" in directives and "--signal=B:USR1@300" in directives and "--no-requeue" in directives
     assert "export MEGA_EXIT_SIGNAL=USR1" in script
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script  # cpus_per_task=null: every core of the node
     assert "MASTER_PORT=$(python -c" in script  # rdzv_port=0: a port free on the first node
+
+
+def test_numa_binding_is_a_torchrun_flag_for_gpu_ranks_only(tmp_path):
+    cfg = _cfg(tmp_path, "cluster=h100-8x", "launcher.slurm.numa_binding=node")
+    agent = next(line for line in slurm.render_sbatch(cfg, _job(cfg)).splitlines() if "torch.distributed.run" in line)
+    assert "python -m torch.distributed.run --numa-binding=node --nnodes=1" in agent
+    assert "--numa-binding" not in slurm.render_sbatch(_cfg(tmp_path, "cluster=h100-8x"), _job(cfg))  # null: none
+    cpu = _cfg(tmp_path, "cluster=local-cpu", "cluster.launchers=[local,slurm]", "launcher.slurm.numa_binding=node")
+    with pytest.raises(ConfigError, match="needs cluster.device=cuda"):
+        slurm.render_sbatch(cpu, _job(cpu))
+    assert set(slurm.numa_modes()) >= {"node", "socket"}  # this torch has the flag
+
+
+def test_a_driver_without_prefect_api_url_says_once_what_that_means(tmp_path, monkeypatch):
+    said: list[str] = []
+    cfg = _cfg(tmp_path, "cluster=h100-8x")
+    monkeypatch.setattr(slurm, "_said_prefect", False)
+    monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
+    slurm.SlurmBackend(cfg, tmp_path / "a", log=said.append)
+    assert said == []  # set: Prefect uses it, nothing to say
+    monkeypatch.delenv("PREFECT_API_URL")
+    monkeypatch.setenv("PREFECT_HOME", "/home/me/.prefect")
+    for run in ("b", "c"):
+        slurm.SlurmBackend(cfg, tmp_path / run, log=said.append)
+    [note] = said  # once per driver process, not once per backend
+    assert "PREFECT_API_URL is not set" in note and "temporary Prefect server" in note and "/home/me/.prefect" in note
 
 
 def test_render_cli_writes_config_and_script_or_names_the_bad_key(tmp_path):

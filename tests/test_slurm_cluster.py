@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -18,6 +20,7 @@ from mega.config import compose
 from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
 from mega.metrics import read_metrics
+from mega.stability.incident import read_incidents
 from slurm_cluster import needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 pytestmark = [needs_slurm, pytest.mark.slow]
@@ -85,25 +88,33 @@ def local_losses(tmp_path_factory, data_index):
     return [m["loss"] for m in run_training(cfg, data_index, log=lambda _: None).metrics]
 
 
-def test_two_slurm_nodes_train_as_one_local_node_and_keep_secrets_out_of_slurm(
-        slurm_cluster, tmp_path, data_index, local_losses, monkeypatch):
-    """tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the job runs (squeue) on two hosts of their own, the
-    losses equal launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge,
-    and neither the Redis password nor an S3 secret is in anything Slurm stores or the script."""
+def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_out_of_slurm(
+        slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch):
+    """flows.pretrain with launcher=slurm, tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the self-check and
+    the training run as Slurm jobs (squeue) on two hosts of their own, the losses equal
+    launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge, and neither the
+    Redis password nor an S3 secret is in anything Slurm stores or the script."""
+    from flows.pretrain import pretrain
+
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, "train.steps=4", "cluster.store=redis")  # a local Redis, with a password, on the bridge
+    overrides = [*LAYOUT, *ON_SLURM, "cluster.procs_per_node=4", f"train.run_dir={run_dir}", "train.steps=4",
+                 f"data.cache_dir={data_cache}", "cluster.store=redis"]  # a local Redis, with a password, on the bridge
     watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
     watch.start()
     try:
-        result = run_training(cfg, data_index, log=lambda _: None)
+        state = pretrain(overrides=overrides, return_state=True)
     finally:
         watch.halt.set()
         watch.join(10)
-    assert result.final_step == 4 and result.attempts == 1
+    assert state.is_completed(), state
+    summary = state.result()
+    assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
     assert "mega-run-train-attempt0" in watch.names
+    hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}  # the self-check's Slurm job
+    assert summary["selfcheck"]["healthy"] and hosts == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}, summary
 
-    losses = [m["loss"] for m in result.metrics]
+    losses = [m["loss"] for m in read_metrics(run_dir)]
     assert max(abs(a - b) for a, b in zip(losses, local_losses, strict=True)) <= 1e-6, (losses, local_losses)
 
     procs = [json.loads(line) for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
@@ -123,12 +134,13 @@ def test_two_slurm_nodes_train_as_one_local_node_and_keep_secrets_out_of_slurm(
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
 
 
-def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> threading.Thread:
-    """A thread that calls ``action()`` once the run has logged ``step`` (gives up after ``timeout_s``)."""
+def _when_step(run_dir: Path, step: int, action, attempt: int = 0, timeout_s: float = 300.0) -> threading.Thread:
+    """A thread that calls ``action()`` once ``attempt`` has logged ``step`` (gives up after ``timeout_s``)."""
     def wait():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in read_metrics(run_dir)):
+            if (run_dir / "metrics.jsonl").exists() and any(
+                    r["step"] >= step and r.get("attempt") == attempt for r in read_metrics(run_dir)):
                 action()
                 return
             time.sleep(0.5)
@@ -138,47 +150,82 @@ def _when_step(run_dir: Path, step: int, action, timeout_s: float = 300.0) -> th
     return thread
 
 
-def test_slurms_warning_signal_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
-    """The short partition (5-minute limit), ``--signal=USR1@60``: Slurm's warning reaches the ranks
-    (sent here by ``scancel --signal=USR1`` as soon as both node tasks run -- what slurmctld sends at the
-    limit minus the grace, without waiting minutes for it; ranks still starting up get it once
-    they listen); they save the step they are at and exit; the driver resubmits from that save
-    without spending a restart (max_restarts=0)."""
+def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_new_attempt_finishes(
+        slurm_cluster, tmp_path, data_index):
+    """SIGSTOP rank 1 (node 1's only rank) after step 3: the watcher's hang incident names that rank,
+    node 1 and its host; the driver cancels the attempt's Slurm job and a new job resumes from
+    step 2's save and finishes."""
+    from mega.bench.faults import stop_rank_when
+
     run_dir = tmp_path / "run"
-    cfg = _drill_cfg(run_dir, "train.steps=4", "launcher.slurm.partition=short", "launcher.slurm.time=5",
-               "launcher.slurm.signal_grace_s=60", "checkpoint.interval=100", "checkpoint.max_restarts=0")
-    first_job = run_dir / "slurm" / "train-attempt0" / "job_id"
-    sent = {}
-
-    def warn():
-        sent["job"] = first_job.read_text()
-        sent["limits"] = slurm.job_info(sent["job"])
-        subprocess.run(["scancel", "--signal=USR1", sent["job"]], check=True, timeout=30)
-
-    def warn_when_running():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not sent:
-            if all((run_dir / "nodes" / str(k) / "train-attempt0.log").exists() for k in (0, 1)):
-                warn()  # both node tasks run (they create their logs): the job step exists
-            time.sleep(0.5)
-
-    warner = threading.Thread(target=warn_when_running, daemon=True)
-    warner.start()
+    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "checkpoint.async_save=false",
+                     "checkpoint.restart_backoff_s=0", "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=10",
+                     "stability.heartbeat_s=1", "stability.min_hang_s=20", "stability.progress_factor=10")
+    stopped: dict = {}
+    stopper = threading.Thread(target=stop_rank_when, args=(run_dir, 1, 3, stopped), daemon=True)
+    stopper.start()
     try:
         result = run_training(cfg, data_index, log=lambda _: None)
     finally:
-        warner.join(10)
-    assert sent, "the warning was never sent"
-    assert sent["limits"]["Partition"] == "short" and sent["limits"]["TimeLimit"] == "00:05:00"
-    assert result.final_step == 4
-    first, *rest = result.history
-    assert first.get("requeued") and 1 <= first["final_step"] < 4, result.history
-    assert all(h.get("requeued") or h["code"] == 0 for h in result.history)  # no failure (max_restarts=0)
-    nxt = rest[0]  # the next attempt resumed from what the signalled one saved
-    assert nxt["restored"] and nxt["restored"].endswith(f"iter_{first['final_step']:07d}"), result.history
+        stopper.join(10)
+    assert stopped.get("node") == 1, "rank 1 was never stopped"
+    assert result.final_step == 4 and result.attempts == 2, result.history
+    assert result.history[0]["reason"].startswith("hung: ") and result.restored.endswith("iter_0000002")
+    [inc] = read_incidents(run_dir)
+    assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
+    c = inc["culprit"]
+    assert (c["rank"], c["node"], c["host"], c["reason"]) == (1, 1, "mega-slurmt-n1", "silent"), c
+    first, second = _job_ids(run_dir)
+    assert slurm.job_info(first)["JobState"] == "CANCELLED"  # ended by the driver, before the next submission
+    assert slurm.job_info(second)["JobState"] == "COMPLETED"
+
+
+def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
+    """The short partition, a 2-minute limit and ``--signal=B:USR1@90``: slurmctld's own timer sends
+    the warning. It checks limits every 30 s and sends a warning due before the next check at once,
+    so here it comes within about 30 s of the job's start (Slurm's documented "up to 60 s early"),
+    possibly before the ranks run. Standing in for a long first step, rank 0 is frozen (SIGSTOP) from
+    its start until the warning has come (the batch shell's file), so the warning comes before step 1
+    ends whatever the machine's load. The ranks finish step 1, save it and exit; the driver resubmits
+    from that save without spending a restart (max_restarts=0); the next job runs step 2 (warned
+    too, it saves and ends, or ends before its warning)."""
+    from mega.cluster.node import read_processes
+
+    run_dir = tmp_path / "run"
+    cfg = _drill_cfg(run_dir, "train.steps=2", "launcher.slurm.partition=short", "launcher.slurm.time=2",
+                     "launcher.slurm.signal_grace_s=90", "checkpoint.interval=100", "checkpoint.max_restarts=0",
+                     "stability.min_hang_s=120")
+    warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
+    frozen: dict = {}
+
+    def freeze_rank0_until_warned():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not warned.exists():
+            procs = {p["rank"]: p["pid"] for p in read_processes(run_dir, 0)}
+            if 0 in procs and not frozen:
+                os.kill(procs[0], signal.SIGSTOP)
+                frozen["pid"] = procs[0]
+            time.sleep(0.2)
+        if frozen:
+            os.kill(frozen["pid"], signal.SIGCONT)
+        frozen["warned"] = warned.exists()
+
+    freezer = threading.Thread(target=freeze_rank0_until_warned, daemon=True)
+    freezer.start()
+    try:
+        result = run_training(cfg, data_index, log=lambda _: None)
+    finally:
+        freezer.join(30)
+    assert frozen.get("warned"), "slurmctld never sent the warning"
+    first_job = slurm.job_info(_job_ids(run_dir)[0])
+    assert first_job["Partition"] == "short" and first_job["TimeLimit"] == "00:02:00"
+    assert result.final_step == 2
+    first, second = result.history
+    assert first.get("requeued") and first["final_step"] == 1, result.history
+    assert second["code"] in (0, slurm.PREEMPTED), result.history  # done, or warned at its last step: no failure
+    assert second["restored"].endswith("iter_0000001"), result.history
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step once: none lost, none repeated
-    assert {r["attempt"] for r in rows if r["step"] <= first["final_step"]} == {first["attempt"]}
+    assert [(r["step"], r["attempt"]) for r in rows] == [(1, first["attempt"]), (2, second["attempt"])]  # none lost
 
 
 def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster, tmp_path, data_index):

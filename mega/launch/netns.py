@@ -185,9 +185,14 @@ class NetnsNetwork:
         own = "".join(f"{a} {name}\n::ffff:{a} {name}\n" for a, name in names)
         (etc / "hosts").write_text(base.rstrip("\n") + f"\n# mega network {self.plan.net_id}\n" + own)
 
-    def _write_state(self) -> None:
+    def hand_over(self, pid: int) -> None:
+        """Make process ``pid`` the network's owner: it outlives this process (a daemon), and
+        ``clean_stale`` deletes the network only once that process is gone."""
+        self._write_state(pid)
+
+    def _write_state(self, pid: int | None = None) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "plan": asdict(self.plan)}
+        record = {"pid": pid or os.getpid(), "host": socket.gethostname(), "plan": asdict(self.plan)}
         tmp = self._state.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self._state)

@@ -7,8 +7,10 @@ setup lines, the master (the batch host: the allocation's first node) with a por
 ``srun`` starting one task per node that runs ``torchrun --node-rank=$SLURM_NODEID``, logging to
 ``<log_dir>/nodes/<k>/``. Each node's task writes its agent's exit code to ``<exit dir>/node-<k>``.
 
-* Signals: ``--signal=USR1@<launcher.slurm.signal_grace_s>`` before the time limit (or on
-  preemption) reaches every node's task, which passes SIGUSR1 to its ranks: they finish the step,
+* Signals: ``--signal=B:USR1@<launcher.slurm.signal_grace_s>`` before the time limit (or on
+  preemption) reaches the batch shell, which exists from the job's start (a warning sent to job
+  steps before ``srun`` started one would be lost); it creates ``<exit dir>/signalled``, which every
+  node's task watches and answers by passing SIGUSR1 to its ranks: they finish the step,
   save a checkpoint and exit; the node reports ``PREEMPTED`` and the driver resubmits from that
   save, counted apart from failures (``launcher.slurm.max_requeues``).
 * Secrets (passwords, tokens, ``AWS_SECRET_ACCESS_KEY``...) are never in the script nor in the
@@ -80,11 +82,34 @@ def check(cfg: "MegaConfig") -> None:
     if s.signal_grace_s < 0 or (s.signal_grace_s and s.signal_grace_s >= minutes * 60):
         raise ConfigError("launcher.slurm.signal_grace_s", f"must be 0 (no signal) or between 1 and the time limit "
                                                            f"({minutes * 60} s), got {s.signal_grace_s}")
+    if s.numa_binding is not None:
+        _check_numa_binding(cfg)
     if s.max_requeues < 0:
         raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
     if cfg.cluster.store == "redis" and cfg.cluster.redis_url is None and not cfg.cluster.start_local_redis:
         raise ConfigError("cluster.redis_url", "launcher=slurm with cluster.store=redis needs a Redis server "
                                                "every node reaches: set cluster.redis_url or cluster.start_local_redis")
+
+
+def numa_modes() -> list[str]:
+    """The ``torchrun --numa-binding`` modes of this torch ([] where torch has no such flag)."""
+    try:
+        from torch.numa.binding import AffinityMode
+    except ImportError:
+        return []
+    return [m.value for m in AffinityMode]
+
+
+def _check_numa_binding(cfg: "MegaConfig") -> None:
+    key, mode = "launcher.slurm.numa_binding", cfg.launcher.slurm.numa_binding
+    if cfg.cluster.device != "cuda":
+        raise ConfigError(key, f"binds each rank to the CPUs near its GPU: needs cluster.device=cuda, "
+                               f"got {cfg.cluster.device}")
+    modes = numa_modes()
+    if not modes:
+        raise ConfigError(key, "this torch's torchrun has no --numa-binding; set it to null")
+    if mode not in modes:
+        raise ConfigError(key, f"must be one of {modes} or null, got {mode!r}")
 
 
 def gpus_per_node(cfg: "MegaConfig") -> int:
@@ -104,7 +129,8 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
 
 # The node task: read the secrets file (only this shell and the agent it starts see them), start the
 # agent in the background with SIGUSR1 ignored (inherited through exec: a rank that is not yet
-# listening for it is not killed by it), pass Slurm's SIGUSR1 on to the ranks every 2 s until they
+# listening for it is not killed by it), pass the warning (the batch shell's file, or a SIGUSR1 to
+# the step: `scancel --signal=USR1`) on to the ranks as SIGUSR1 every 2 s until they
 # are gone (a rank installs its handler once it is up), write the exit code: PREEMPTED when the
 # agent failed after the signal (its ranks saved and exited), 0 when they finished anyway. After the
 # signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save.
@@ -115,6 +141,7 @@ trap 'signalled=1' USR1
 (trap '' USR1; exec @AGENT@ >> @LOG@ 2>&1) &
 agent=$!
 while kill -0 "$agent" 2>/dev/null; do
+  if [ -e @SIGNALLED@ ]; then signalled=1; fi
   if [ "$signalled" = 1 ]; then pkill -USR1 -P "$agent" || true; fi
   sleep 2 & wait $! || true
 done
@@ -152,7 +179,7 @@ def sbatch_directives(cfg: "MegaConfig", job: JobSpec, exclude: list[str] = ()) 
     if hosts := sorted({*s.exclude, *exclude}):
         d.append(f"--exclude={','.join(hosts)}")
     if s.signal_grace_s:
-        d.append(f"--signal=USR1@{s.signal_grace_s}")
+        d.append(f"--signal=B:USR1@{s.signal_grace_s}")
     # the driver resubmits (with --exclude, a new attempt number); Slurm's own requeue would not
     d += ["--no-requeue", f"--output={log_dir}/slurm-%j.out"]
     return d
@@ -173,10 +200,13 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
 
     placeholders = {"@NODE_RANK@": "SLURM_NODEID", "@MASTER_ADDR@": "MASTER_ADDR", "@MASTER_PORT@": "MASTER_PORT"}
     argv = agent_argv(cfg, "@NODE_RANK@", "@MASTER_ADDR@", "@MASTER_PORT@", job, python=python)
+    if s.numa_binding:  # a torchrun flag: right after `python -m torch.distributed.run`
+        argv.insert(3, f"--numa-binding={s.numa_binding}")
     log = _absolute(job).log_path("@NODE_RANK@", nodes)
     task = _NODE_TASK
+    signalled = exit_dir / "signalled"
     for key, value in {"@LOGDIR@": str(log.parent), "@EXITDIR@": str(exit_dir), "@LOG@": str(log),
-                       "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json")}.items():
+                       "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json"), "@SIGNALLED@": str(signalled)}.items():
         task = task.replace(key, _shell_word(value, placeholders))
     task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
     task = task.replace("@PREEMPTED@", str(PREEMPTED))
@@ -209,9 +239,10 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         lines.append("")
     lines += [
-        "# SIGUSR1 (--signal, scancel --signal) is for the ranks, which the node tasks pass it on to: the",
-        "# batch shell and srun ignore it (srun killed by it would end the job before the ranks saved).",
-        "trap '' USR1",
+        "# Slurm's warning (--signal=B:USR1) comes to this shell, from the job's start on: it leaves a file",
+        "# every node's task watches and answers by passing SIGUSR1 to its ranks.",
+        f"mkdir -p {shlex.quote(str(exit_dir))}",
+        f"trap 'touch {shlex.quote(str(signalled))}' USR1",
         "",
         "# The master is the batch host, the first node of the allocation: node 0's agent serves the",
         "# rendezvous there, on a port free there. (sed reads every line: `head -n 1` would let",
@@ -225,8 +256,17 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
         "# fails ends every node (--kill-on-bad-exit). The single quotes are meant: each node's bash",
         "# expands SLURM_NODEID (and the master, exported above) for itself.",
         "# shellcheck disable=SC2016",
-        " ".join(srun) + " \\",
-        f"  bash -c {shlex.quote(task)}",
+        "(trap '' USR1; exec " + " ".join(srun) + " \\",
+        f"  bash -c {shlex.quote(task)}) &",
+        "",
+        "# srun runs in the background (SIGUSR1 ignored): this shell stays free to take the warning; each",
+        "# trapped signal ends a `wait` early, so wait again until srun has ended, then exit as it did.",
+        "srun_pid=$!",
+        "while :; do",
+        '  rc=0; wait "$srun_pid" || rc=$?',
+        '  kill -0 "$srun_pid" 2>/dev/null || break',
+        "done",
+        'exit "$rc"',
         "",
     ]
     return "\n".join(lines)
@@ -307,6 +347,19 @@ def address_towards(peer: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # The driver's backend
 
+_said_prefect = False  # the note on PREFECT_API_URL: once per driver process
+
+
+def prefect_note(environ: dict[str, str] = os.environ) -> str | None:
+    """What a driver without ``PREFECT_API_URL`` means on a cluster (None when it is set)."""
+    if environ.get("PREFECT_API_URL"):
+        return None
+    home = environ.get("PREFECT_HOME", "~/.prefect")
+    return (f"PREFECT_API_URL is not set: unless a Prefect profile sets it, this driver's flow runs go to a "
+            f"temporary Prefect server it starts itself, with a SQLite database under {home} (often NFS on a "
+            f"cluster), seen in no shared UI and gone with this process. Set PREFECT_API_URL to the site's "
+            f"Prefect server (docs/cluster.md).")
+
 
 class SlurmBackend:
     """``Backend`` on Slurm: one ``sbatch`` of the rendered script per attempt, one task per node."""
@@ -327,6 +380,10 @@ class SlurmBackend:
         self._exit_dir: Path | None = None
         self._hosts: list[str] = []
         self._server_host = s.server_host
+        global _said_prefect
+        if not _said_prefect and (note := prefect_note()):
+            log(note)
+            _said_prefect = True
 
     @property
     def server_host(self) -> str:

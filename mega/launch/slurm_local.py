@@ -207,6 +207,9 @@ def up(nodes: int = 3, root: Path = DEFAULT_DIR, subnet: str = DEFAULT_SUBNET, c
         state.conf.write_text(render_conf(state, cpus or os.cpu_count() or 1, memory_mb))
         state.pids["slurmctld"] = _spawn(["slurmctld", "-D", "-f", str(state.conf)], root / "slurmctld.out")
         _write_state(state)
+        # the cluster outlives `up` (the CLI exits): its network is slurmctld's, not this process's,
+        # else the next network created on this machine deletes it as stale
+        net.hand_over(state.pids["slurmctld"])
         for k in range(nodes):
             _start_slurmd(state, net, k)
         wait_idle(state, timeout_s)
