@@ -103,6 +103,16 @@ def rng_state() -> dict:
     }
 
 
+def set_rng_state(rng: dict) -> None:
+    """Put back what ``rng_state`` took."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(rng["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    if torch.cuda.is_available() and rng["cuda"].numel():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
 def layout() -> dict:
     from megatron.core import parallel_state as ps
 
