@@ -14,8 +14,8 @@ started here) or ``--storage``:
   ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
   for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``.
 * In-memory copies: the fourth run, no saves, ``checkpoint.memory_interval=1``: the counted cost
-  of a copy per rank (the training thread's wait plus the copy thread's CPU,
-  ``memory_copy_s``) and ``memory_overhead`` = that per step / the step time of the run without
+  of a copy per rank (the training thread's wait plus the CPU of the copy thread and of the copy
+  group's gloo threads, ``memory_copy_s``) and ``memory_overhead`` = that per step / the step time of the run without
   saves (target <= 0.02). Replicated to a peer only on several nodes (``launcher=local-nodes
   cluster.nodes=2 cluster.procs_per_node=4``); ``memory_replicated`` says whether it was.
 * Stage 2's CPU seconds per save summed over ranks (``stage2_cpu_s``: process CPU less the
@@ -70,14 +70,17 @@ def memory_costs(run_dir: Path) -> list[dict]:
 
 
 def memory_overhead(costs: list[dict], step_s: float) -> dict:
-    """Per copy, the mean over ranks of the training thread's wait plus the copy thread's CPU,
-    and that as a fraction of a step (of the run without saves) per step."""
-    per_copy = [(c["blocking_s"] + c["background_cpu_s"]) / c["copies"] for c in costs if c["copies"]]
+    """Per copy, the mean over ranks of the training thread's wait plus the CPU of the copy thread
+    and of the copy group's gloo threads, and that as a fraction of a step (of the run without
+    saves) per step."""
+    per_copy = [(c["blocking_s"] + c["background_cpu_s"] + c["exchange_cpu_s"]) / c["copies"]
+                for c in costs if c["copies"]]
     blocking = [c["blocking_s"] / c["copies"] for c in costs if c["copies"]]
     mean = statistics.mean(per_copy)
     interval = costs[0]["interval"]
     return {"memory_copy_s": mean, "memory_blocking_s": statistics.mean(blocking),
-            "memory_background_cpu_s": mean - statistics.mean(blocking),
+            "memory_background_cpu_s": statistics.mean(c["background_cpu_s"] / c["copies"] for c in costs if c["copies"]),
+            "memory_exchange_cpu_s": statistics.mean(c["exchange_cpu_s"] / c["copies"] for c in costs if c["copies"]),
             "memory_copy_mb": costs[0]["bytes"] / costs[0]["copies"] / 1e6,
             "memory_replicated": all(c["replicated"] == c["copies"] for c in costs),
             "memory_overhead": mean / interval / step_s}

@@ -103,6 +103,7 @@ class _Stats:
     blocking_s: float = 0.0  # the training thread: waiting for the previous copy + the memcpy
     blocking_cpu_s: float = 0.0  # its thread CPU time
     background_cpu_s: float = 0.0  # the copy thread's CPU time: checksum, marker, exchange
+    exchange_cpu_s: float = 0.0  # CPU time of the copy group's gloo threads (sending, receiving)
     replicated: int = 0
     errors: int = 0
 
@@ -122,7 +123,9 @@ class MemoryCheckpoints:
         self.source = (self.rank - self.local) % self.world if nodes > 1 else None
         self.dir = node_dir(cfg)
         self._log = log or (lambda m: print(f"[memory-checkpoint] {m}", file=sys.stderr, flush=True))
+        before = _threads()
         self.group = dist.new_group(backend="gloo")  # only copies and their restore use it
+        self._gloo_threads = _threads() - before  # its transport threads: the exchange's CPU runs there
         self.stats = _Stats()
         self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (owner rank, slot) -> mapped file
         self._table: list | None = None
@@ -224,6 +227,7 @@ class MemoryCheckpoints:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
+        self.stats.exchange_cpu_s = _threads_cpu_s(self._gloo_threads)
         row = {**self.stats.__dict__, "rank": self.rank, "interval": self.interval,
                "wall_s": time.perf_counter() - self._t_created}
         out = Path(self.cfg.train.run_dir) / STATS_DIR
@@ -377,6 +381,26 @@ class MemoryCheckpoints:
                         key: _view(data, *table[f"optimizer{j}/{n}/{key}"][1:]) for key in live})
         self.scheduler.load_state_dict(small["scheduler"])
         set_rng_state(small["rng"])
+
+
+def _threads() -> set[int]:
+    """This process's thread ids (Linux; empty elsewhere)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _threads_cpu_s(tids: set[int]) -> float:
+    """CPU seconds (user + system) the threads ``tids`` have used, from /proc (clock ticks)."""
+    ticks = 0
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that has ended
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _read(marker_path: str) -> tuple[dict, torch.Tensor]:
