@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mega.checkpoint.common import iteration_name, layout, rng_state, set_rng_state
+from mega.checkpoint.common import iteration_name, layout, rng_state, set_rng_state, threads, threads_cpu_s
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (a typed view of the slot needs alignment)
 STATS_DIR = "memory-checkpoints"  # <run_dir>/memory-checkpoints/rank<R>.json: what the copies cost
@@ -123,9 +123,9 @@ class MemoryCheckpoints:
         self.source = (self.rank - self.local) % self.world if nodes > 1 else None
         self.dir = node_dir(cfg)
         self._log = log or (lambda m: print(f"[memory-checkpoint] {m}", file=sys.stderr, flush=True))
-        before = _threads()
+        before = threads()
         self.group = dist.new_group(backend="gloo")  # only copies and their restore use it
-        self._gloo_threads = _threads() - before  # its transport threads: the exchange's CPU runs there
+        self._gloo_threads = threads() - before  # its transport threads: the exchange's CPU runs there
         self.stats = _Stats()
         self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (owner rank, slot) -> mapped file
         self._table: list | None = None
@@ -227,7 +227,7 @@ class MemoryCheckpoints:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
-        self.stats.exchange_cpu_s = _threads_cpu_s(self._gloo_threads)
+        self.stats.exchange_cpu_s = sum(threads_cpu_s(self._gloo_threads).values())
         row = {**self.stats.__dict__, "rank": self.rank, "interval": self.interval,
                "wall_s": time.perf_counter() - self._t_created}
         out = Path(self.cfg.train.run_dir) / STATS_DIR
@@ -381,26 +381,6 @@ class MemoryCheckpoints:
                         key: _view(data, *table[f"optimizer{j}/{n}/{key}"][1:]) for key in live})
         self.scheduler.load_state_dict(small["scheduler"])
         set_rng_state(small["rng"])
-
-
-def _threads() -> set[int]:
-    """This process's thread ids (Linux; empty elsewhere)."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def _threads_cpu_s(tids: set[int]) -> float:
-    """CPU seconds (user + system) the threads ``tids`` have used, from /proc (clock ticks)."""
-    ticks = 0
-    for tid in tids:
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # a thread that has ended
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _read(marker_path: str) -> tuple[dict, torch.Tensor]:

@@ -59,18 +59,34 @@ from mega.checkpoint.common import (
     rng_state,
     sharded_state,
     staging_root,
+    threads,
+    threads_cpu_s,
 )
 
 SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
 STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
 
 
-def _cpu_s() -> tuple[float, float]:
-    """(CPU seconds of this process and its finished children, of the training thread): stage 2's
-    CPU is the first's growth less the second's (its threads and the writer process it forks)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    main = time.clock_gettime(time.pthread_getcpuclockid(threading.main_thread().ident))
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime, main
+class _StageCpu:
+    """CPU seconds stage 2 has used since this was made: the process's (and its finished
+    children's: the writer process) less what the threads already running then used meanwhile
+    -- the training thread, collectives' transport threads, heartbeats -- except the stage-2
+    thread itself. Threads stage 2 starts (uploads) count whole."""
+
+    def __init__(self):
+        self._own = threading.get_native_id()
+        self._process = self._process_s()
+        self._others = threads_cpu_s(threads() - {self._own})
+
+    @staticmethod
+    def _process_s() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    def spent(self) -> float:
+        now = threads_cpu_s(self._others)
+        others = sum(now[t] - self._others[t] for t in now)
+        return self._process_s() - self._process - others
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -360,12 +376,7 @@ class Checkpointer:
     # training thread does not use while a save is in flight: megatron's gloo DP group and the
     # checkpointer's own gloo group -- never the default group)
     def _stage2(self, job: _InFlight) -> None:
-        start = _cpu_s()
-
-        def spent() -> float:  # CPU since `start`, less the training thread's
-            now = _cpu_s()
-            return (now[0] - start[0]) - (now[1] - start[1])
-
+        spent = _StageCpu().spent
         try:
             if job.deferred is not None:
                 state, view, live_model_sd, metadata = job.deferred
