@@ -20,7 +20,9 @@ started here) or ``--storage``:
   cluster.nodes=2 cluster.procs_per_node=4``); ``memory_replicated`` says whether it was.
 * Stage 2's CPU seconds per save summed over ranks (``stage2_cpu_s``: process CPU less the
   training thread's) and split: ``stage2_build_cpu_s``, ``stage2_serialise_cpu_s``,
-  ``stage2_upload_cpu_s`` (reading, hashing, sending).
+  ``stage2_upload_cpu_s`` (reading, hashing, sending); and ``upload_cpu_ms_per_mb``: the CPU per
+  MB of ``upload_files`` in the bench process, with the project's S3 client against botocore's
+  defaults (which sha256 every payload over http and CRC32 every part).
 * Restore: another job restores the asynchronous run's last checkpoint, then (in the same job)
   loads it again the naive way -- every rank fetching everything it needs itself. The byte
   counts are the store's counters summed over all ranks (``restore_bytes_read`` vs
@@ -86,6 +88,38 @@ def memory_overhead(costs: list[dict], step_s: float) -> dict:
             "memory_overhead": mean / interval / step_s}
 
 
+def upload_cpu_ms_per_mb(uri: str, tmp: Path, rounds: int = 3, files: int = 4, mb: int = 16) -> dict:
+    """CPU milliseconds per MB this process spends in ``upload_files`` to the S3 store ``uri``:
+    with the project's client, and with botocore's defaults (payload sha256 over http, CRC32 of
+    every part) -- alternately, ``rounds`` times, medians."""
+    import random
+    import resource
+
+    import boto3
+    from botocore.config import Config
+
+    from mega.storage import open_storage
+
+    src = tmp / "upload-cpu"
+    src.mkdir()
+    names = [f"f{i}.bin" for i in range(files)]
+    for name in names:
+        (src / name).write_bytes(random.Random(name).randbytes(mb << 20))
+    spent: dict[str, list[float]] = {"botocore_defaults": [], "mega": []}
+    for r in range(rounds):
+        for mode in spent:
+            store = open_storage(f"{uri}/upload-cpu-{mode}-{r}")
+            if mode == "botocore_defaults":
+                store._client = boto3.client("s3", endpoint_url=store.endpoint, region_name="us-east-1",
+                                             config=Config(s3={"addressing_style": "path"}))
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            before = usage.ru_utime + usage.ru_stime
+            store.upload_files(src, "iter_0000001", names)
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            spent[mode].append((usage.ru_utime + usage.ru_stime - before) * 1e3 / (files * mb))
+    return {mode: statistics.median(v) for mode, v in spent.items()}
+
+
 def steps_per_s(metrics: list[dict]) -> float:
     """Wall-clock steps/s from the end of the first logged step to the end of the last."""
     rows = sorted(metrics, key=lambda r: r["step"])
@@ -142,6 +176,7 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
             os.environ[NAIVE_REFERENCE_ENV] = "1"
             restore_cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async-{repeats - 1}", 0)
             restored = common.train(restore_cfg, index).init["restore"]
+            upload_cpu = upload_cpu_ms_per_mb(storage, tmp) if storage.startswith("s3://") else None
         finally:
             os.environ.clear()
             os.environ.update(saved_env)
@@ -175,6 +210,8 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
         # in-memory copies every step: counted cost per copy and per step, measured slowdown
         **memory_overhead(copies, 1 / median_rate["none"]),
         "memory_train_slowdown": slowdown["memory"],
+        # the upload's CPU per MB in this process: the project's S3 client vs botocore's defaults
+        "upload_cpu_ms_per_mb": upload_cpu,
         "checkpoint_mb": restored["checkpoint_bytes"] / 1e6,
         # stage 1 of an async save, split; and the wait for the previous save
         "state_dict_s": med("state_dict_s"), "snapshot_s": med("snapshot_s"), "plan_s": med("plan_s"),
