@@ -81,6 +81,8 @@ def memory_overhead(costs: list[dict], step_s: float) -> dict:
     mean = statistics.mean(per_copy)
     interval = costs[0]["interval"]
     return {"memory_copy_s": mean, "memory_blocking_s": statistics.mean(blocking),
+            # the training thread's CPU in that wait: the rest of it is descheduling on a busy machine
+            "memory_blocking_cpu_s": statistics.mean(c["blocking_cpu_s"] / c["copies"] for c in costs if c["copies"]),
             "memory_background_cpu_s": statistics.mean(c["background_cpu_s"] / c["copies"] for c in costs if c["copies"]),
             "memory_exchange_cpu_s": statistics.mean(c["exchange_cpu_s"] / c["copies"] for c in costs if c["copies"]),
             "memory_copy_mb": costs[0]["bytes"] / costs[0]["copies"] / 1e6,
