@@ -75,19 +75,20 @@ def memory_overhead(costs: list[dict], step_s: float) -> dict:
     """Per copy, the mean over ranks of the training thread's wait plus the CPU of the copy thread
     and of the copy group's gloo threads, and that as a fraction of a step (of the run without
     saves) per step."""
-    per_copy = [(c["blocking_s"] + c["background_cpu_s"] + c["exchange_cpu_s"]) / c["copies"]
-                for c in costs if c["copies"]]
-    blocking = [c["blocking_s"] / c["copies"] for c in costs if c["copies"]]
-    mean = statistics.mean(per_copy)
-    interval = costs[0]["interval"]
-    return {"memory_copy_s": mean, "memory_blocking_s": statistics.mean(blocking),
+    ranks = [c for c in costs if c["copies"]]
+
+    def per_copy(*keys: str) -> float:
+        return statistics.mean(sum(c[k] for k in keys) / c["copies"] for c in ranks)
+
+    mean = per_copy("blocking_s", "background_cpu_s", "exchange_cpu_s")
+    return {"memory_copy_s": mean, "memory_blocking_s": per_copy("blocking_s"),
             # the training thread's CPU in that wait: the rest of it is descheduling on a busy machine
-            "memory_blocking_cpu_s": statistics.mean(c["blocking_cpu_s"] / c["copies"] for c in costs if c["copies"]),
-            "memory_background_cpu_s": statistics.mean(c["background_cpu_s"] / c["copies"] for c in costs if c["copies"]),
-            "memory_exchange_cpu_s": statistics.mean(c["exchange_cpu_s"] / c["copies"] for c in costs if c["copies"]),
-            "memory_copy_mb": costs[0]["bytes"] / costs[0]["copies"] / 1e6,
-            "memory_replicated": all(c["replicated"] == c["copies"] for c in costs),
-            "memory_overhead": mean / interval / step_s}
+            "memory_blocking_cpu_s": per_copy("blocking_cpu_s"),
+            "memory_background_cpu_s": per_copy("background_cpu_s"),
+            "memory_exchange_cpu_s": per_copy("exchange_cpu_s"),
+            "memory_copy_mb": ranks[0]["bytes"] / ranks[0]["copies"] / 1e6,
+            "memory_replicated": all(c["replicated"] == c["copies"] for c in ranks),
+            "memory_overhead": mean / ranks[0]["interval"] / step_s}
 
 
 def upload_cpu_ms_per_mb(uri: str, tmp: Path, rounds: int = 3, files: int = 4, mb: int = 16) -> dict:

@@ -369,7 +369,8 @@ class Checkpointer:
         if self.rank == 0:
             entries = [e for part, _, _ in gathered for e in part]
             uploaded = sum(n for _, n, _ in gathered)
-            cpu = {f"stage2_{k}_cpu_s": sum(c.get(k, 0.0) for _, _, c in gathered) for k in ("build", "serialise", "upload")}
+            cpu = {f"stage2_{k}_cpu_s": sum(c.get(k, 0.0) for _, _, c in gathered)
+                   for k in ("build", "serialise", "upload")}
             self._commit = self._worker.submit(self._commit_job, job, entries, uploaded, cpu)
 
     # -- stage 2 (background thread; collectives only to build a deferred save, on groups the

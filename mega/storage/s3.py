@@ -112,7 +112,8 @@ class S3Storage(CheckpointStorage):
             # CPU per byte of an upload: botocore would sha256 every payload for its signature
             # (always over http) and CRC32 every part; the sha256 the uploads compute for the
             # manifest (HashingReader) is the integrity check, verified by every restore.
-            s3={"addressing_style": addressing_style or ("path" if custom else "auto"), "payload_signing_enabled": False},
+            s3={"addressing_style": addressing_style or ("path" if custom else "auto"),
+                "payload_signing_enabled": False},
             request_checksum_calculation="when_required",
         )
         self._client = session.client(
