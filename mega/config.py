@@ -373,6 +373,11 @@ class CheckpointConfig:
     # goes on and `latest` keeps naming the last durable one. Below cluster.hang_timeout_s, since
     # the next save waits for this one.
     upload_timeout_s: float = 120.0
+    # In-memory copies (mega/checkpoint/memory.py): every N steps each rank's shard into node-local
+    # shared memory, replicated to a rank on the next node; a restart restores the newest complete
+    # one when it is not older than `latest`. 0 = off.
+    memory_interval: int = 0
+    memory_dir: str = "/dev/shm/mega"  # node-local tmpfs: copies outlive the rank processes
 
 
 @dataclass
@@ -947,6 +952,8 @@ def _validate_checkpoint(ck: CheckpointConfig) -> None:
     from urllib.parse import urlparse
 
     _require(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
+    _require(isinstance(ck.memory_interval, int) and ck.memory_interval >= 0, "checkpoint.memory_interval",
+             f"must be an integer >= 0, got {ck.memory_interval!r}")
     _require(ck.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
     _require(isinstance(ck.keep_last, int) and ck.keep_last >= 1, "checkpoint.keep_last",
              f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}")

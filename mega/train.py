@@ -301,11 +301,14 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
     start_step = 0
     chunks = [m.module for m in trainer.model]
+    # in-memory copies on a peer node (checkpoint.memory_interval; None when off)
+    memory = checkpoint.MemoryCheckpoints.create(cfg, chunks, trainer.optimizer, trainer.scheduler)
     if cfg.checkpoint.load:
-        # `latest` of the durable store, verified; one store read per DP group, shared over DP.
+        # the newest complete in-memory copy, else `latest` of the durable store, verified; one
+        # store read per DP group, shared over DP.
         with marks.span("restore"):
             start_step, trainer.init_times["restore"] = checkpoint.restore(cfg, chunks, trainer.optimizer,
-                                                                           trainer.scheduler)
+                                                                           trainer.scheduler, memory=memory)
     flops_per_step = flops.model_flops_per_step(cfg)
     tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
@@ -340,6 +343,8 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
             beat.step_done(done, result, step_s, tokens_per_step)
         bad = None if done in skips else rollback.check_step(result, losses, verdicts)  # NaN/Inf or spike: all agree
         if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
+            if memory is not None:
+                memory.discard()  # the rollback goes back to `latest`, past the in-memory copies
             rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):
             with obs.paused(), marks.span("validation"):  # evaluation is not training: out of the step's timeline
@@ -364,6 +369,9 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
                 saved = checkpointer.save(done)
             logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
                          f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
+        if memory is not None and memory.due(done) and done < cfg.train.steps:
+            with obs.span("memory checkpoint", "checkpoint"), marks.span("checkpoint", memory=True):
+                memory.copy(done)  # the memcpy; checksum and replication to the peer in the background
         session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
         if warned is not None and done < cfg.train.steps and warned.agreed(verdicts):
             if not (interval and done % interval == 0):
@@ -376,6 +384,8 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         warned.ignore()  # a signal after the last step: nothing left to save early
     with obs.span("checkpoint"), marks.span("checkpoint"):  # the heartbeat's phase while the last upload commits
         checkpointer.close()  # the last save is committed before the job ends
+        if memory is not None:
+            memory.close()  # the last step is durable now: the copies are removed
     t_close = marks.now()
     if beat:
         beat.close()

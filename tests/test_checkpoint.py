@@ -125,8 +125,8 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
             s3.start()
         corrupter = _Corrupter(s3, uris["killed"])
         killed = train(tmp / "killed", data_index, data_cache, uris["killed"],
-                       ["checkpoint.interval=1", "fault.mode=kill_in_upload", "fault.kill_rank=0",
-                        "fault.kill_at_step=4"], log=corrupter)
+                       ["checkpoint.interval=1", "checkpoint.memory_interval=0",  # the durable path
+                        "fault.mode=kill_in_upload", "fault.kill_rank=0", "fault.kill_at_step=4"], log=corrupter)
         yield {"tmp": tmp, "uris": uris, "reference": reference, "outage": seen, "killed": killed,
                "messages": corrupter.messages, "damaged": corrupter.done}
     finally:
@@ -201,6 +201,7 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     ("checkpoint.storage_uri=file://otherhost/x", "checkpoint.storage_uri"),
     ("checkpoint.s3_endpoint_url=localhost:8333", "checkpoint.s3_endpoint_url"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+    ("checkpoint.memory_interval=-1", "checkpoint.memory_interval"),
     ("checkpoint.upload_retry_s=0", "checkpoint.upload_retry_s"),
     ("checkpoint.upload_timeout_s=1", "checkpoint.upload_timeout_s"),  # below upload_retry_s (5)
     ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above cluster.hang_timeout_s

@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="held-out sequences every run evaluates (default: the whole split, whole batches)")
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
-    ckpt.add_argument("--repeats", type=int, default=1, help="rounds of the async/sync/no-save runs (medians)")
+    ckpt.add_argument("--repeats", type=int, default=1, help="rounds of the async/sync/no-save/in-memory runs (medians)")
     ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
     boot = parser.add_argument_group("bootstrap")
     boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")

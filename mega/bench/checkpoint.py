@@ -4,22 +4,34 @@ What checkpoints cost a user, measured end to end in one run of the bench, at TP
 torchrun ranks) with a model of ~100 MB of checkpoint state, against an S3 server (SeaweedFS,
 started here) or ``--storage``:
 
-* Training: the same ``--steps`` (30) three times -- saving every ``--interval`` (10) steps with
-  asynchronous (two-stage) saves, with synchronous saves to the same store, and with no saves;
-  ``--repeats R`` runs R rounds of the three, each round in a rotated order (so a drifting load
-  on a shared machine does not always favour the same mode), and reports medians.
+* Training: the same ``--steps`` (30) four times -- saving every ``--interval`` (10) steps with
+  asynchronous (two-stage) saves, with synchronous saves to the same store, with no saves, and
+  with in-memory copies (below); ``--repeats R`` runs R rounds of the four, each round in a
+  rotated order (so a drifting load on a shared machine does not always favour the same mode),
+  and reports medians.
   steps/s is wall clock from the end of step 1 to the end of the last step (the saves at 10, 20
   fall inside, the one at the last step after it), from the ``time`` of each metrics row.
   ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
   for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``.
-* Restore: a fourth job restores the asynchronous run's last checkpoint, then (in the same job)
+* In-memory copies: the fourth run, no saves, ``checkpoint.memory_interval=1``: the counted cost
+  of a copy per rank (the training thread's wait plus the CPU of the copy thread and of the copy
+  group's gloo threads, ``memory_copy_s``) and ``memory_overhead`` = that per step / the step time of the run without
+  saves (target <= 0.02). Replicated to a peer only on several nodes (``launcher=local-nodes
+  cluster.nodes=2 cluster.procs_per_node=4``); ``memory_replicated`` says whether it was.
+* Stage 2's CPU seconds per save summed over ranks (``stage2_cpu_s``: process CPU less the
+  training thread's) and split: ``stage2_build_cpu_s``, ``stage2_serialise_cpu_s``,
+  ``stage2_upload_cpu_s`` (reading, hashing, sending); and ``upload_cpu_ms_per_mb``: the CPU per
+  MB of ``upload_files`` in the bench process, with the project's S3 client against botocore's
+  defaults (which sha256 every payload over http and CRC32 every part).
+* Restore: another job restores the asynchronous run's last checkpoint, then (in the same job)
   loads it again the naive way -- every rank fetching everything it needs itself. The byte
   counts are the store's counters summed over all ranks (``restore_bytes_read`` vs
   ``naive_restore_bytes``), and ``restore_peak_bytes_per_rank`` the most bytes one rank held at
   once (staged files, fetched pieces, load buffers).
 
 Last line: {"steps_per_s": {...}, "train_slowdown", "sync_train_slowdown", "slowdown_target_met",
-"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "restore_bytes_read",
+"sync_save_s", "stall_s", "stall_ratio", "upload_mb_per_s", "stage2_cpu_s", "memory_overhead",
+"restore_bytes_read",
 "naive_restore_bytes", "restore_peak_bytes_per_rank", ...} (save timings are medians over the
 saves after the first, which pays one-off start-up costs).
 """
@@ -39,17 +51,76 @@ from mega.bench import common
 MODEL = ("model=tiny", "model.name=ckpt-bench", "model.hidden_size=320", "model.num_layers=6",
          "model.seq_length=32")
 LAYOUT = ("parallelism=tp2-pp2-dp2",)
-MODES = ("none", "sync", "async")  # round r runs them rotated by r
+MODES = ("none", "sync", "async", "memory")  # round r runs them rotated by r
 
 
 def _compose(overrides: list[str], steps: int, run_dir: Path, uri: str, interval: int,
-             async_save: bool = True) -> mega_config.MegaConfig:
+             async_save: bool = True, memory_interval: int = 0) -> mega_config.MegaConfig:
     return mega_config.compose([
         *MODEL, *LAYOUT, *overrides, f"train.steps={steps}", f"train.run_dir={run_dir}",
         "train.tensorboard=false", "optimizer.warmup_steps=1", "checkpoint.max_restarts=0",
         f"checkpoint.storage_uri={uri}", f"checkpoint.interval={interval}",
-        f"checkpoint.async_save={str(async_save).lower()}",
+        f"checkpoint.async_save={str(async_save).lower()}", f"checkpoint.memory_interval={memory_interval}",
     ])
+
+
+def memory_costs(run_dir: Path) -> list[dict]:
+    """Every rank's counted cost of its in-memory copies (mega/checkpoint/memory.py)."""
+    from mega.checkpoint.memory import STATS_DIR
+
+    return [json.loads(p.read_text()) for p in sorted((Path(run_dir) / STATS_DIR).glob("rank*.json"))]
+
+
+def memory_overhead(costs: list[dict], step_s: float) -> dict:
+    """Per copy, the mean over ranks of the training thread's wait plus the CPU of the copy thread
+    and of the copy group's gloo threads, and that as a fraction of a step (of the run without
+    saves) per step."""
+    ranks = [c for c in costs if c["copies"]]
+
+    def per_copy(*keys: str) -> float:
+        return statistics.mean(sum(c[k] for k in keys) / c["copies"] for c in ranks)
+
+    mean = per_copy("blocking_s", "background_cpu_s", "exchange_cpu_s")
+    return {"memory_copy_s": mean, "memory_blocking_s": per_copy("blocking_s"),
+            # the training thread's CPU in that wait: the rest of it is descheduling on a busy machine
+            "memory_blocking_cpu_s": per_copy("blocking_cpu_s"),
+            "memory_background_cpu_s": per_copy("background_cpu_s"),
+            "memory_exchange_cpu_s": per_copy("exchange_cpu_s"),
+            "memory_copy_mb": ranks[0]["bytes"] / ranks[0]["copies"] / 1e6,
+            "memory_replicated": all(c["replicated"] == c["copies"] for c in ranks),
+            "memory_overhead": mean / ranks[0]["interval"] / step_s}
+
+
+def upload_cpu_ms_per_mb(uri: str, tmp: Path, rounds: int = 3, files: int = 4, mb: int = 16) -> dict:
+    """CPU milliseconds per MB this process spends in ``upload_files`` to the S3 store ``uri``:
+    with the project's client, and with botocore's defaults (payload sha256 over http, CRC32 of
+    every part) -- alternately, ``rounds`` times, medians."""
+    import random
+    import resource
+
+    import boto3
+    from botocore.config import Config
+
+    from mega.storage import open_storage
+
+    src = tmp / "upload-cpu"
+    src.mkdir()
+    names = [f"f{i}.bin" for i in range(files)]
+    for name in names:
+        (src / name).write_bytes(random.Random(name).randbytes(mb << 20))
+    spent: dict[str, list[float]] = {"botocore_defaults": [], "mega": []}
+    for r in range(rounds):
+        for mode in spent:
+            store = open_storage(f"{uri}/upload-cpu-{mode}-{r}")
+            if mode == "botocore_defaults":
+                store._client = boto3.client("s3", endpoint_url=store.endpoint, region_name="us-east-1",
+                                             config=Config(s3={"addressing_style": "path"}))
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            before = usage.ru_utime + usage.ru_stime
+            store.upload_files(src, "iter_0000001", names)
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            spent[mode].append((usage.ru_utime + usage.ru_stime - before) * 1e3 / (files * mb))
+    return {mode: statistics.median(v) for mode, v in spent.items()}
 
 
 def steps_per_s(metrics: list[dict]) -> float:
@@ -81,19 +152,23 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
             storage = storage.rstrip("/")
             rates: dict[str, list[float]] = {mode: [] for mode in MODES}
             saves: dict[str, list[dict]] = {"sync": [], "async": []}
+            copies: list[dict] = []  # of the memory runs, per rank
             commits: list[dict] = []  # of the async runs
             for r in range(repeats):
-                for mode in MODES[r % 3:] + MODES[: r % 3]:
+                for mode in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:
                     where = f"{storage}/{mode}-{r}"
-                    cfg = _compose(overrides, steps, tmp / f"{mode}-{r}", where, 0 if mode == "none" else interval,
-                                   async_save=mode == "async")
+                    cfg = _compose(overrides, steps, tmp / f"{mode}-{r}", where, interval if mode in saves else 0,
+                                   async_save=mode == "async", memory_interval=1 if mode == "memory" else 0)
                     index = common.prepare_data(cfg)
-                    what = "no saves" if mode == "none" else f"{mode} saves every {interval} steps to {where}"
+                    what = {"none": "no saves", "memory": "in-memory copies every step, no saves"}.get(
+                        mode, f"{mode} saves every {interval} steps to {where}")
                     common.log(f"checkpoint bench, round {r + 1}/{repeats}: {steps} steps, {what}")
                     rates[mode].append(steps_per_s(common.train(cfg, index).metrics))
                     # the first save of a run pays one-off start-up costs: left out of the timings
                     log = read_save_log(cfg.train.run_dir)
-                    if mode != "none":
+                    if mode == "memory":
+                        copies += memory_costs(cfg.train.run_dir)
+                    if mode in saves:
                         here = [x for x in log if x["event"] == "save"]
                         saves[mode] += here[1:] or here
                     if mode == "async":
@@ -104,13 +179,14 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
             os.environ[NAIVE_REFERENCE_ENV] = "1"
             restore_cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async-{repeats - 1}", 0)
             restored = common.train(restore_cfg, index).init["restore"]
+            upload_cpu = upload_cpu_ms_per_mb(storage, tmp) if storage.startswith("s3://") else None
         finally:
             os.environ.clear()
             os.environ.update(saved_env)
             if server is not None:
                 server.stop()
     median_rate = {mode: statistics.median(rates[mode]) for mode in MODES}
-    slowdown = {mode: median_rate["none"] / median_rate[mode] - 1 for mode in ("sync", "async")}
+    slowdown = {mode: median_rate["none"] / median_rate[mode] - 1 for mode in ("sync", "async", "memory")}
     common.log(json.dumps({"saves": saves, "commits": commits, "restore": restored}))
 
     def med(key: str, mode: str = "async") -> float:
@@ -131,6 +207,14 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
         "stall_s": stall_s,
         "stall_ratio": stall_s / sync_s,
         "upload_mb_per_s": statistics.median(r["upload_mb_per_s"] for r in commits),
+        # CPU seconds of stage 2 per save, summed over ranks, and where they went
+        **{k: statistics.median(r[k] for r in commits) for k in (
+            "stage2_cpu_s", "stage2_build_cpu_s", "stage2_serialise_cpu_s", "stage2_upload_cpu_s")},
+        # in-memory copies every step: counted cost per copy and per step, measured slowdown
+        **memory_overhead(copies, 1 / median_rate["none"]),
+        "memory_train_slowdown": slowdown["memory"],
+        # the upload's CPU per MB in this process: the project's S3 client vs botocore's defaults
+        "upload_cpu_ms_per_mb": upload_cpu,
         "checkpoint_mb": restored["checkpoint_bytes"] / 1e6,
         # stage 1 of an async save, split; and the wait for the previous save
         "state_dict_s": med("state_dict_s"), "snapshot_s": med("snapshot_s"), "plan_s": med("plan_s"),

@@ -9,6 +9,9 @@ rank fetches and holds only what its own shards need. See docs/checkpoints.md.
   as verified byte ranges once per DP group (``exchange.py``) and passed to the DP peers that
   need them.
 * ``megatron_io.py``: the seams into megatron-core's dist_checkpointing those two use.
+* ``memory.py``: ``MemoryCheckpoints`` -- in-memory copies of every rank's shard in node-local
+  shared memory, replicated to a rank on the next node; restored before the durable ``latest``
+  when newer (a crashed rank's or lost node's state in seconds, without the store).
 * ``common.py``: names, where a run's checkpoints live, the state dicts.
 
 The data-loader position is the step: ``TokenDataset.microbatch`` is a pure function of (seed,
@@ -32,11 +35,13 @@ from mega.checkpoint.common import (
     staging_root,
     storage_uri,
 )
+from mega.checkpoint.memory import MemoryCheckpoints
 from mega.checkpoint.restore import load, restore
 from mega.checkpoint.save import SAVE_LOG, Checkpointer, read_save_log
 
 __all__ = [
     "LATEST",
+    "MemoryCheckpoints",
     "META_FILE",
     "SAVE_LOG",
     "SHARDING_METADATA",

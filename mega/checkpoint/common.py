@@ -103,6 +103,35 @@ def rng_state() -> dict:
     }
 
 
+def threads() -> set[int]:
+    """This process's thread ids (Linux; empty elsewhere)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def threads_cpu_s(tids) -> dict[int, float]:
+    """CPU seconds each thread of ``tids`` still alive has run (/proc schedstat: nanoseconds)."""
+    out = {}
+    for tid in tids:
+        try:
+            out[tid] = int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that has ended
+    return out
+
+
+def set_rng_state(rng: dict) -> None:
+    """Put back what ``rng_state`` took."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(rng["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    if torch.cuda.is_available() and rng["cuda"].numel():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
 def layout() -> dict:
     from megatron.core import parallel_state as ps
 

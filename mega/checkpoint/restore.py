@@ -40,7 +40,9 @@ from mega.checkpoint.common import (
     CheckpointError,
     layout,
     model_state,
+    iteration_name,
     open_store,
+    set_rng_state,
     staging_root,
 )
 from mega.checkpoint.exchange import PieceExchange
@@ -63,8 +65,6 @@ def load(path: str | Path, model_chunks, optimizer, scheduler, exchange: PieceEx
     ``path``; return (step, bytes of load buffers allocated). With an ``exchange`` the shards come
     from the store through it and ``path`` holds only the small files; without, all from ``path``."""
     from megatron.core import dist_checkpointing
-    from megatron.core import tensor_parallel
-
     path = Path(path)
     meta = json.loads((path / META_FILE).read_text())
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -89,11 +89,7 @@ def load(path: str | Path, model_chunks, optimizer, scheduler, exchange: PieceEx
 
     rng_file = path / _rng_file(dist.get_rank())
     if meta["layout"] == layout() and rng_file.exists():
-        rng = torch.load(rng_file, weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-        if torch.cuda.is_available() and rng["cuda"].numel():
-            torch.cuda.set_rng_state(rng["cuda"])
+        set_rng_state(torch.load(rng_file, weights_only=True))
     return int(meta["step"]), buffer_bytes
 
 
@@ -184,9 +180,12 @@ def _totals(stats) -> dict:
             "peak": max(r["peak_bytes"] for r in rows), "per_rank": rows}
 
 
-def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None) -> tuple[int, dict]:
-    """Collective: load ``latest`` from the durable store, falling back to the previous complete
-    checkpoint when it is refused. Returns (step to start from, what was done)."""
+def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None,
+            memory=None) -> tuple[int, dict]:
+    """Collective: load the newest complete in-memory copy (``memory``, a MemoryCheckpoints) when
+    it is not older than ``latest``; else ``latest`` from the durable store, falling back to the
+    previous complete checkpoint when it is refused. Returns (step to start from, what was done;
+    ``memory``: why the in-memory copies were or were not used)."""
     from mega.storage import CorruptCheckpoint, step_of
 
     if log is None:
@@ -210,13 +209,23 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
                     store.delete(n)
         candidates = [names]
     dist.broadcast_object_list(candidates, src=0)
+    memory_info = None
+    if memory is not None:
+        step, memory_info = memory.restore(step_of(candidates[0][0]) if candidates[0] else 0)
+        if step is not None:
+            memory_info["restore_s"] = time.perf_counter() - t0
+            log(f"restored {iteration_name(step)} from the in-memory copies ({memory_info['source']} supplied "
+                f"rank 0's, {memory_info['bytes']} bytes per rank)")
+            return step, {"checkpoint": iteration_name(step), "step": step, "source": "memory", "refused": [],
+                          "restore_s": memory_info["restore_s"], "memory": memory_info}
+        log(f"in-memory copies not used: {memory_info['reason']}")
     from mega.cluster.backend_flags import backend_flags
 
     # the DP peers exchange restored pieces point to point on the default group
     device = (torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).collective_device == "cuda"
               else torch.device("cpu"))
     audit_dir = os.environ.get(AUDIT_ENV)
-    info: dict = {"refused": []}
+    info: dict = {"refused": [], "source": "durable", **({"memory": memory_info} if memory_info else {})}
     for name in candidates[0]:
         local_dir = staging_root(cfg) / "restore" / name / f"rank{dist.get_rank():05d}"
         shutil.rmtree(local_dir, ignore_errors=True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import resource
 import shutil
 import signal
 import sys
@@ -58,10 +59,34 @@ from mega.checkpoint.common import (
     rng_state,
     sharded_state,
     staging_root,
+    threads,
+    threads_cpu_s,
 )
 
 SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
 STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
+
+
+class _StageCpu:
+    """CPU seconds stage 2 has used since this was made: the process's (and its finished
+    children's: the writer process) less what the threads already running then used meanwhile
+    -- the training thread, collectives' transport threads, heartbeats -- except the stage-2
+    thread itself. Threads stage 2 starts (uploads) count whole."""
+
+    def __init__(self):
+        self._own = threading.get_native_id()
+        self._process = self._process_s()
+        self._others = threads_cpu_s(threads() - {self._own})
+
+    @staticmethod
+    def _process_s() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    def spent(self) -> float:
+        now = threads_cpu_s(self._others)
+        others = sum(now[t] - self._others[t] for t in now)
+        return self._process_s() - self._process - others
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -165,6 +190,7 @@ class _InFlight:
     error: str | None = None
     entries: list = field(default_factory=list)
     uploaded_bytes: int = 0
+    cpu: dict = field(default_factory=dict)  # stage 2's CPU seconds: build, serialise, upload (incl. hashing)
 
 
 class Checkpointer:
@@ -339,16 +365,19 @@ class Checkpointer:
                 self._failed(job, first)
             return
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object((job.entries, job.uploaded_bytes), gathered, dst=0, group=self._control)
+        dist.gather_object((job.entries, job.uploaded_bytes, job.cpu), gathered, dst=0, group=self._control)
         if self.rank == 0:
-            entries = [e for part, _ in gathered for e in part]
-            uploaded = sum(n for _, n in gathered)
-            self._commit = self._worker.submit(self._commit_job, job, entries, uploaded)
+            entries = [e for part, _, _ in gathered for e in part]
+            uploaded = sum(n for _, n, _ in gathered)
+            cpu = {f"stage2_{k}_cpu_s": sum(c.get(k, 0.0) for _, _, c in gathered)
+                   for k in ("build", "serialise", "upload")}
+            self._commit = self._worker.submit(self._commit_job, job, entries, uploaded, cpu)
 
     # -- stage 2 (background thread; collectives only to build a deferred save, on groups the
     # training thread does not use while a save is in flight: megatron's gloo DP group and the
     # checkpointer's own gloo group -- never the default group)
     def _stage2(self, job: _InFlight) -> None:
+        spent = _StageCpu().spent
         try:
             if job.deferred is not None:
                 state, view, live_model_sd, metadata = job.deferred
@@ -358,10 +387,12 @@ class Checkpointer:
                 self._plan(job, state)
                 del state, view
                 job.build_s = time.perf_counter() - t0
+            job.cpu["build"] = spent()
             if job.request.async_fn is not None:
                 # megatron's writer (FileSystemWriterAsync): this rank's shards into the staging dir
                 job.request.async_fn(*job.request.async_fn_args, **job.request.async_fn_kwargs)
             torch.save(job.rng, job.path / job.files[-1])
+            job.cpu["serialise"] = spent() - job.cpu.get("build", 0.0)
         except BaseException as e:  # noqa: BLE001 - reported to every rank through poll()
             job.error = f"writing shards: {type(e).__name__}: {e}"
             return
@@ -377,9 +408,10 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001
             job.error = f"upload: {type(e).__name__}: {e}"
         finally:
+            job.cpu["upload"] = spent() - job.cpu.get("build", 0.0) - job.cpu.get("serialise", 0.0)
             job.uploaded = True
 
-    def _commit_job(self, job: _InFlight, entries: list, uploaded: int) -> None:
+    def _commit_job(self, job: _InFlight, entries: list, uploaded: int, cpu: dict) -> None:
         """Rank 0: upload the common files, commit the manifest, move `latest`, retention."""
         from mega.storage import StorageError
         from mega.storage.manifest import local_files
@@ -401,7 +433,9 @@ class Checkpointer:
         seconds = time.perf_counter() - job.started
         self._record({"event": "committed", "step": job.step, "name": job.name, "files": len(manifest.files),
                       "bytes": manifest.total_bytes, "stage2_s": seconds,
-                      "upload_mb_per_s": uploaded / 1e6 / max(seconds, 1e-9)})
+                      "upload_mb_per_s": uploaded / 1e6 / max(seconds, 1e-9),
+                      # every rank's stage 2 (rank 0's commit not included), summed over ranks
+                      "stage2_cpu_s": sum(cpu.values()), **cpu})
         self._log(f"{job.name} is `latest` in {self.store.uri} ({manifest.total_bytes / 1e6:.1f} MB, "
                   f"{seconds:.2f}s after stage 1)")
         try:  # `latest` has moved: a retention that fails leaves old checkpoints, nothing worse

@@ -109,7 +109,12 @@ class S3Storage(CheckpointStorage):
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=max(10, max_concurrency + 2),
-            s3={"addressing_style": addressing_style or ("path" if custom else "auto")},
+            # CPU per byte of an upload: botocore would sha256 every payload for its signature
+            # (always over http) and CRC32 every part; the sha256 the uploads compute for the
+            # manifest (HashingReader) is the integrity check, verified by every restore.
+            s3={"addressing_style": addressing_style or ("path" if custom else "auto"),
+                "payload_signing_enabled": False},
+            request_checksum_calculation="when_required",
         )
         self._client = session.client(
             "s3", endpoint_url=endpoint_url, region_name=region or session.region_name or "us-east-1", config=config

@@ -1,0 +1,159 @@
+"""In-memory checkpoints on a peer node (mega/checkpoint/memory.py), with real torchrun agents.
+
+launcher=local-nodes, 2 nodes x 1 rank, DP 2, the tiny model, 6 steps; durable (synchronous)
+saves at steps 3 and 6 to a file store, in-memory copies after every step. Each node's copies
+live in its own directory under a tmpfs directory of this module. Four launches:
+
+* ``reference``: no fault, no in-memory copies: the uninterrupted run.
+* ``rank``: rank 1 is killed at the start of step 6 (5 done): the restart restores step 5 (or 4,
+  when the kill beat the copy of step 5) from the copies, not the durable step 3.
+* ``node``: node 1 dies at the start of step 6 and fails its self-check; its directory is
+  deleted before the restart (a dead node's memory is gone), and the spare node in its place
+  gets rank 1's copy from node 0, which holds it.
+* ``torn``: as ``rank``, but one byte of each of rank 0's own copies is flipped before the restart:
+  every rank falls back to the durable step 3, and init.json says why.
+
+Every run's final weights equal the reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mega.checkpoint.memory import run_dir_id
+from mega.config import compose
+from mega.launch import run_training
+
+STEPS = 6
+KILL_AT = 5  # steps done when the fault strikes
+
+
+def _cfg(run_dir: Path, data_cache: Path, memory_dir: Path, extra=()):
+    return compose([
+        "model=tiny", "parallelism=dp2", "launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
+        f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
+        "train.tensorboard=false", "train.eval_batches=0", "optimizer.warmup_steps=1",
+        "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", f"checkpoint.dir={run_dir}/checkpoints",
+        "checkpoint.interval=3", "checkpoint.memory_interval=1", f"checkpoint.memory_dir={memory_dir}", *extra])
+
+
+class _BetweenAttempts:
+    """The launcher's log callback: runs ``damage`` once, when attempt 0 has died."""
+
+    def __init__(self, damage):
+        self.damage, self.messages, self.done = damage, [], None
+
+    def __call__(self, message: str) -> None:
+        self.messages.append(message)
+        if message.startswith("attempt 0: training") and self.done is None:
+            self.done = self.damage()
+
+
+def _node_dirs(cfg) -> dict[int, Path]:
+    run = Path(cfg.checkpoint.memory_dir) / run_dir_id(cfg)
+    return {int(d.name.removeprefix("node")): d for d in run.iterdir()}
+
+
+def _flip_a_byte_of_rank0s_copies(cfg) -> str:
+    """Every copy rank 0's node holds of rank 0 (whichever step the restart picks)."""
+    flipped = []
+    for data in sorted((_node_dirs(cfg)[0] / "rank00000").glob("slot*.bin")):
+        with open(data, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        flipped.append(data.stem)
+    return " ".join(flipped)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_index, data_cache):
+    root = tmp_path_factory.mktemp("memckpt")
+    memory_dir = Path("/dev/shm") / f"mega-test-{uuid.uuid4().hex[:8]}"
+    out = {}
+    try:
+        out["reference"] = run_training(_cfg(root / "reference", data_cache, memory_dir,
+                                             ["checkpoint.memory_interval=0"]), data_index)
+        kill_rank = ["fault.kill_rank=1", f"fault.kill_at_step={KILL_AT}"]
+        out["rank"] = run_training(_cfg(root / "rank", data_cache, memory_dir, kill_rank), data_index)
+        cfg = _cfg(root / "node", data_cache, memory_dir, ["fault.kill_node=1", f"fault.kill_at_step={KILL_AT}",
+                                                             "fault.bad_node=1", "cluster.spare_nodes=1",
+                                                             # a loaded machine is slow, not broken
+                                                             "cluster.selfcheck_min_gemm_gflops=0.01"])
+        lost = _BetweenAttempts(lambda: shutil.rmtree(_node_dirs(cfg)[1]) or "node1")
+        out["node"] = run_training(cfg, data_index, log=lost)
+        out["node_damage"] = lost.done
+        cfg = _cfg(root / "torn", data_cache, memory_dir, kill_rank)
+        torn = _BetweenAttempts(lambda: _flip_a_byte_of_rank0s_copies(cfg))
+        out["torn"] = run_training(cfg, data_index, log=torn)
+        out["torn_damage"] = torn.done
+        out["memory_left"] = sorted(str(p) for p in memory_dir.rglob("*.bin")) if memory_dir.exists() else []
+        yield root, out
+    finally:
+        shutil.rmtree(memory_dir, ignore_errors=True)
+
+
+def _restore(root: Path, name: str) -> dict:
+    return json.loads((root / name / "init.json").read_text())["restore"]
+
+
+def _same_weights(root: Path, name: str) -> None:
+    from mega.bench.soak import weights_equal
+
+    last = f"iter_{STEPS:07d}"
+    same = weights_equal(root / name / "checkpoints" / last, root / "reference" / "checkpoints" / last,
+                         root / f"weights-{name}")
+    assert same["equal"] and same["tensors"] > 10, same
+
+
+@pytest.mark.slow
+def test_killed_rank_recovers_from_the_in_memory_copy(runs):
+    root, out = runs
+    result = out["rank"]
+    assert len(result.history) == 2, result.history
+    restored = _restore(root, "rank")
+    assert restored["source"] == "memory" and restored["memory"]["used"], restored
+    assert KILL_AT - restored["step"] <= 1, restored  # steps lost (the durable `latest` is step 3)
+    assert result.history[1]["restored"] == f"iter_{restored['step']:07d}"
+    _same_weights(root, "rank")
+    assert out["memory_left"] == []  # a finished run removes its copies
+
+
+@pytest.mark.slow
+def test_lost_node_spare_restores_from_the_peers_copy(runs):
+    root, out = runs
+    assert out["node_damage"] == "node1"
+    restored = _restore(root, "node")
+    assert restored["source"] == "memory" and KILL_AT - restored["step"] <= 1, restored
+    # node 1's directory was gone: rank 1's copy came from rank 0, whose node held it
+    assert restored["memory"]["sources"] == {"0": 0, "1": 0}, restored
+    _same_weights(root, "node")
+
+
+@pytest.mark.slow
+def test_torn_copy_falls_back_to_the_durable_checkpoint(runs):
+    root, out = runs
+    assert out["torn_damage"]
+    restored = _restore(root, "torn")
+    assert restored["source"] == "durable" and restored["checkpoint"] == "iter_0000003", restored
+    reason = restored["memory"]["reason"]
+    assert "rank 0: in-memory copy of step" in reason and "torn (CRC-32 mismatch" in reason, reason
+    _same_weights(root, "torn")
+
+
+def test_choose_picks_the_newest_step_every_rank_has_and_prefers_the_owners_node():
+    from mega.checkpoint.memory import choose
+
+    # rank 0's node holds its own steps 4, 5 and rank 1's step 4; rank 1's node only its own 4
+    listings = [{0: [{"step": 4, "path": "a4"}, {"step": 5, "path": "a5"}], 1: [{"step": 4, "path": "h4"}]},
+                {1: [{"step": 4, "path": "b4"}]}]
+    assert choose(listings, 2) == (4, {0: (0, "a4"), 1: (1, "b4")})
+    # node 1 lost: rank 1's copy comes from rank 0, which holds it
+    assert choose([listings[0], {}], 2) == (4, {0: (0, "a4"), 1: (0, "h4")})
+    assert choose([{0: [{"step": 5, "path": "a5"}]}, {}], 2) is None  # no copy of rank 1 anywhere
