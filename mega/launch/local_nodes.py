@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -184,6 +185,23 @@ class LocalNodesBackend:
 
     def poll(self) -> dict[int, int | None]:
         return {k: p.poll() for k, p in self._agents.items()}
+
+    def wait_exit(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s``, returning at once when an agent of the job exits (pidfds)."""
+        poller, fds = select.poll(), []
+        try:
+            for p in self._agents.values():
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        fds.append(os.pidfd_open(p.pid))
+                        poller.register(fds[-1], select.POLLIN)
+            if fds:
+                poller.poll(timeout_s * 1000)
+            else:
+                time.sleep(timeout_s)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def agent_pids(self) -> dict[int, int]:
         """Node -> pid of its torchrun agent (the running job's)."""

@@ -119,7 +119,8 @@ def main() -> None:
         sys.exit(f"mega.warm.client: {e}")
     if code < 0:  # killed by a signal: so is this client, for whoever waits on it
         sys.stdout.flush()
-        signal.signal(-code, signal.SIG_DFL)
+        if -code in RELAYED:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         time.sleep(1)
         code = 128 - code  # a signal whose default is not to end a process: the shell's convention

@@ -301,9 +301,10 @@ def _exit(code: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="A node's fork server for warm agents and ranks.")
     parser.add_argument("--socket", required=True, help="the unix socket to serve on (the clients' MEGA_ZYGOTE_SOCKET)")
+    parser.add_argument("--preload", help="comma-separated modules to import instead of the default set")
     args = parser.parse_args(argv)
     try:
-        took = preload()
+        took = preload(tuple(args.preload.split(",")) if args.preload else PRELOAD)
     except Exception as e:  # noqa: BLE001 - whatever failed, the waiting clients are told why
         traceback.print_exc()
         with open(failed_path(args.socket), "w") as f:
