@@ -26,8 +26,12 @@ STEPS = 4
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
     what = sys.argv[1]
-    print(f"pid {os.getpid()} cwd {os.getcwd()} env {os.environ.get('WARM_TEST')} agent {os.environ.get('MEGA_AGENT_PID')}",
-          flush=True)
+    env = os.environ
+    print(f"pid {os.getpid()} cwd {os.getcwd()} env {env.get('WARM_TEST')} agent {env.get('MEGA_AGENT_PID')}", flush=True)
+    if what == "threads":
+        import torch
+        print(f"threads {torch.get_num_threads()}", flush=True)
+        sys.exit(0)
     if what == "exit":
         sys.exit(int(sys.argv[2]))
     if what == "kill-self":
@@ -40,11 +44,11 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    """A zygote preloading the standard library only (the contract does not need torch)."""
+    """A zygote preloading torch (not megatron-core nor mega: the contract does not need them)."""
     d = tmp_path_factory.mktemp("zygote")
     (d / "warmchild.py").write_text(CHILD)
     sock = str(d / "z.sock")
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock, "--preload", "json"],
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock, "--preload", "json,torch"],
                             stdin=subprocess.PIPE, stdout=open(d / "zygote.log", "wb"), stderr=subprocess.STDOUT)
     env = {**os.environ, client.SOCKET_ENV: sock, client.PID_ENV: str(proc.pid), "WARM_TEST": "yes",
            "PYTHONPATH": f"{d}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -77,6 +81,16 @@ def test_client_exits_as_its_fork_did(zygote):
     p = _run(zygote, "kill-self")
     p.communicate(timeout=30)
     assert p.returncode == -signal.SIGKILL  # killed by a signal: so is its client, as torchrun reads it
+
+
+def test_fork_takes_its_own_thread_count(zygote):
+    """OpenMP reads OMP_NUM_THREADS when it loads, in the zygote: a fork applies its own, as a cold
+    process started with it would have it."""
+    d, env, _ = zygote
+    for value in ("1", "2"):
+        out = subprocess.run([sys.executable, "-m", "mega.warm.client", "warmchild", "threads"], cwd=d,
+                             env={**env, "OMP_NUM_THREADS": value}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and f"threads {value}" in out.stdout, out.stdout + out.stderr
 
 
 def test_signals_are_relayed_and_a_killed_client_takes_its_fork_along(zygote):

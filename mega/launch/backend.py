@@ -81,7 +81,8 @@ def agent_argv(cfg: "MegaConfig", node_rank: int | str, master_addr: str, master
     else:
         argv += [f"--nnodes={c.nodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
                  f"--master-port={master_port}", f"--rdzv-conf=timeout={int(c.pg_timeout_s)}"]
-    return argv + [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", *(client or ["-m"]), job.module, *job.args]
+    return argv + [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", *(client or ["-m"]), job.module,
+                   *job.args]
 
 
 def backend_for(cfg: "MegaConfig", run_dir: str | Path) -> Backend:

@@ -35,7 +35,10 @@ fixed import-time seed (no op ran). The rank module itself runs afresh as ``__ma
 fork does share with the zygote: ``PYTHONHASHSEED``'s hash secret and anything a module read from
 the environment at import time; the zygote's environment is therefore the agents' (the backend
 starts it with the node's environment and ``cluster.env``), and only the per-attempt variables
-(attempt number, store, torchrun's ranks) differ, which nothing reads at import.
+(attempt number, store, torchrun's ranks) differ, which nothing reads at import. OpenMP reads
+``OMP_NUM_THREADS`` when it loads: the zygote imports without it and each fork applies its own
+(``torch.set_num_threads``, torch's rule); numpy's OpenBLAS keeps the zygote's default pool size.
+A fork leaves without tearing down the modules (``_exit``).
 tests/test_warm.py checks a warm relaunch against a cold one, bit for bit.
 """
 
@@ -72,6 +75,9 @@ PRELOAD = (
     "mega.cluster.selfcheck", "mega.flops", "mega.validation",
 )
 PR_SET_PDEATHSIG = 1
+# Read once, when OpenMP/MKL load: the zygote imports with the libraries' defaults and each fork
+# applies its own value (torch.set_num_threads), as a cold process with that environment has it.
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 class NotForkSafe(RuntimeError):
@@ -95,6 +101,8 @@ def preload(modules: tuple[str, ...] = PRELOAD) -> float:
     """Import ``modules``; NotForkSafe if that started a thread or CUDA. Returns the seconds taken."""
     t0 = time.perf_counter()
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() without initialising CUDA
+    for name in THREAD_ENV:
+        os.environ.pop(name, None)
     for name in modules:
         importlib.import_module(name)
     torch = sys.modules.get("torch")
@@ -255,12 +263,17 @@ def run_request(request: Request) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request.cwd)
+    zygote_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request.env)
-    sys.path[0] = request.cwd  # as `python -m` puts it for a cold process
+    sys.path[:] = _sys_path(request.cwd, zygote_path, request.env.get("PYTHONPATH", ""))
+    threads = next((request.env[k] for k in THREAD_ENV if request.env.get(k, "").isdigit()), None)
+    if threads and "torch" in sys.modules:  # torch's own rule: OMP_NUM_THREADS, else MKL_NUM_THREADS
+        sys.modules["torch"].set_num_threads(int(threads))
     if "numpy" in sys.modules:  # seeded from entropy at import in a cold process; a fork's copy is shared
         sys.modules["numpy"].random.seed(int.from_bytes(os.urandom(4), "little"))
     sys.argv = [request.module, *request.argv]
+    sys.modules.pop(request.module, None)  # run afresh, as in a cold process (runpy warns of a preloaded one)
     try:
         runpy.run_module(request.module, run_name="__main__", alter_sys=True)
         code = 0
@@ -272,6 +285,17 @@ def run_request(request: Request) -> None:
         sys.excepthook(*sys.exc_info())
         code = 1
     _exit(code)
+
+
+def _sys_path(cwd: str, zygote_pythonpath: str, pythonpath: str) -> list[str]:
+    """``sys.path`` as a cold ``python -m`` with ``pythonpath`` in ``cwd`` would have it: the
+    zygote's, with its PYTHONPATH entries replaced (modules it imported from them stay imported)."""
+    def entries(value: str) -> list[str]:
+        return [os.path.abspath(p) for p in value.split(os.pathsep) if p]
+
+    old = set(entries(zygote_pythonpath))
+    rest = [p for p in sys.path[1:] if os.path.abspath(p) not in old]
+    return [cwd, *entries(pythonpath), *rest]
 
 
 def _exit_code(code: object) -> int:
