@@ -88,16 +88,18 @@ def descendants(roots: list[int]) -> set[int]:
 
 
 def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
-    """Signal each process's group (ranks lead their own), and the process itself."""
+    """Signal each process's group (ranks lead their own), and the process itself. SIGTERM is
+    followed by SIGCONT: a stopped process (a SIGSTOPped rank) acts on it now, not after the grace."""
     own = os.getpgid(0)
     for pid in pids:
-        try:
-            pgid = os.getpgid(pid)
-            if pgid != own:
-                os.killpg(pgid, sig)
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for s in (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,):
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != own:
+                    os.killpg(pgid, s)
+                os.kill(pid, s)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _free_port(host: str) -> int:
