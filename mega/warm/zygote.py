@@ -17,8 +17,8 @@ the child's process group. Each child dies with the zygote (``PR_SET_PDEATHSIG``
 ``multiprocessing``'s forkserver was the library option: it preloads modules and forks too, but it
 is private to the process that started it (its address lives in that process: each new torchrun
 worker would start a forkserver of its own, paying the imports again) and it runs a pickled
-``Process`` target, not a module with its argv, environment and stdio. This server is ~200 lines
-of standard library with no such coupling.
+``Process`` target, not a module with its argv, environment and stdio. This server is a small
+standard-library loop with no such coupling, and the client needs no torch import at all.
 
 **Why a fork carries nothing that changes the result.** The zygote only imports (``PRELOAD``):
 it runs no torch op, never touches CUDA (``torch.cuda.is_available()`` at import goes through
@@ -175,7 +175,13 @@ class Zygote:
         except (OSError, ValueError, KeyError, TypeError) as e:
             self._refuse(conn, f"bad request: {e}")
             return None
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:  # out of memory or processes: this request fails, the zygote serves on
+            for fd in fds:
+                os.close(fd)
+            self._refuse(conn, f"fork failed: {e}")
+            return None
         if pid == 0:
             self._become_child(conn)
             return request
