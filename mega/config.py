@@ -287,6 +287,10 @@ class LauncherConfig:
 
     name: str = "local"
     rdzv_port: int = 29500  # the first node's TCPStore port (multi-node launchers; 0 = free port)
+    # launcher=local and local-nodes: every agent and rank of every attempt is a fork of its node's
+    # zygote, which imported torch, megatron-core and mega once (mega/warm; docs/recovery.md#warm-processes).
+    # false: each process starts cold (its own interpreter and imports). slurm/kubernetes: always cold.
+    warm_processes: bool = True
     local_nodes: LocalNodesConfig = field(default_factory=LocalNodesConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)

@@ -251,8 +251,8 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
               file=sys.stderr, flush=True)
         if f.mode == "kill_agent":  # the node's agent dies; its ranks run on until someone stops them
             if node.local_rank() == 0:
-                node.record_fault(cfg.train.run_dir, "kill_agent", step, os.getppid())
-                os.kill(os.getppid(), signal.SIGKILL)  # a worker's parent is its torchrun agent
+                node.record_fault(cfg.train.run_dir, "kill_agent", step, node.agent_pid())
+                os.kill(node.agent_pid(), signal.SIGKILL)
             return
         node.record_fault(cfg.train.run_dir, f.mode, step, os.getpid())
         if f.mode == "hang":

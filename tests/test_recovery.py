@@ -213,7 +213,9 @@ def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, 
     from mega.checkpoint import latest_durable
 
     run_dir = tmp_path / "runs" / "killed"
-    hang_at_step_4 = overrides(run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "fault.mode=hang")
+    # cold processes: warm ones (forks of a zygote whose lifeline is the launcher) die with it
+    hang_at_step_4 = overrides(run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "fault.mode=hang",
+                               "launcher.warm_processes=false")
     cfg = compose(hang_at_step_4)
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import sys; from mega import config; from mega.launch import run_training\n"

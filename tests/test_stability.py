@@ -116,7 +116,7 @@ def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
     """Real Redis, heartbeats written as the ranks would, the clock driven by the test."""
     import redis
 
-    cfg = _cfg(heartbeat_s=1, min_hang_s=5, progress_factor=10)
+    cfg = _cfg(heartbeat_s=1, min_hang_s=8, progress_factor=10)
     env = {channel.URL_ENV: redis_url, channel.PREFIX_ENV: "mega:hb:test1"}
     r = redis.Redis.from_url(redis_url)
     ids = grid()
@@ -136,14 +136,23 @@ def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
         publish(step)
         assert w.poll() is None
         clock[0] += 1.0
-    for _ in range(6):  # rank 5 stops; the others beat on at step 3 for 6 s (threshold 5 s)
+    for _ in range(3):  # every rank beats at step 3 for 3 s: slow, not hung (step rule: 8 s)
+        publish(3)
+        assert w.poll() is None
+        clock[0] += 1.0
+    # rank 5 stops; the others beat on: a hang once it has been silent for silent_after_s (3 s),
+    # sooner than the step rule's 8 s
+    silent_at = clock[0] - 1.0
+    for _ in range(6):
         publish(3, skip={5})
-        reason = w.poll()
+        if reason := w.poll():
+            break
         clock[0] += 1.0
     assert reason is not None and "rank 5 (node 1, tp 1, pp 1, dp 0)" in reason
+    assert clock[0] - silent_at == pytest.approx(w.silent_after_s + 1)
     [inc] = w.incidents
     assert inc.kind == "hang" and inc.culprit["rank"] == 5 and inc.culprit["group"] == "tp"
-    assert inc.evidence["threshold_s"] == 5 and inc.evidence["last_step"] == 3
+    assert inc.evidence["threshold_s"] == w.silent_after_s == 3 and inc.evidence["last_step"] == 3
 
 
 def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):

@@ -51,11 +51,12 @@
             --simulate --gpus N --mttf-h H: the ETTR at N GPUs, modelled -> {"measured": false, "ettr",
                 "assumptions", ...}
 
-  faults    every fault the driver handles, injected into real runs (model=tiny, 2 ranks each) and
-            timed end to end (mega/bench/faults.py): --only rank-kill,rank-hang,straggler,nan,bad-node,
+  faults    every fault the driver handles, injected into real runs (model=tiny; 2 ranks, or 2 nodes x 4
+            for rank-kill, rank-hang and bad-node, which also run on cold processes) and timed end to
+            end (mega/bench/faults.py): --only rank-kill,rank-hang,straggler,nan,bad-node,
             redis-outage,overhead (default all), --out DIR (keep the run dirs)
             -> {"faults": [{"fault", "detected", "detect_s", "culprit_named", "recovered", "recover_s",
-                "steps_lost", ...}], "heartbeat_overhead", "heartbeat_overhead_on_off", ...}
+                "recover_s_cold", "steps_lost", ...}], "heartbeat_overhead", "heartbeat_overhead_on_off", ...}
 
 See docs/benchmarks.md.
 """

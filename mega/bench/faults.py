@@ -11,7 +11,7 @@ Rows (``detect_s``: fault -> the driver's verdict; ``recover_s``: verdict -> the
 by the relaunched attempt; ``steps_lost``: steps the failed attempt logged after the checkpoint the
 relaunch restored):
 
-* ``rank-kill``: 2 local nodes x 1 rank (DP 2); rank 1 SIGKILLs itself at step 3
+* ``rank-kill``: 2 local nodes x 4 ranks (DP 8); rank 1 SIGKILLs itself at step 3
   (``fault.kill_rank``, written to ``faults.jsonl``). Detected: the driver's failure line; culprit
   named: attempt 0's ``failed_nodes`` is exactly the killed rank's node.
 * ``rank-hang``: the same layout; the harness SIGSTOPs rank 1 once step 3 is logged
@@ -24,7 +24,7 @@ relaunch restored):
 * ``nan``: PP 2; every rank's loss turns NaN at step 4 of attempt 0 (``fault.nan_at_step``, a
   poisoned weight). Detected: the driver's rollback line; culprit named: the skipped step is the
   poisoned one; recovered: the run finished, that step logged as skipped, every other loss finite.
-* ``bad-node``: 2 local nodes x 1 rank with one spare; node 1's ranks are SIGKILLed at step 2 and
+* ``bad-node``: 2 local nodes x 4 ranks with one spare node; node 1's ranks are SIGKILLed at step 2 and
   node 1 fails its self-check (``fault.bad_node``). Detected: the driver's failure line naming node 1;
   culprit named: node 1 and only node 1 evicted; recovered: finished at full size on the spare.
 * ``redis-outage``: DP 2 with a heartbeat Redis the harness owns (``cluster.redis_url``), SIGSTOPped
@@ -33,6 +33,12 @@ relaunch restored):
   outage" line (else the incident's detected_at); recovered: heartbeats resumed
   (``evidence.resumed``), one attempt, every step, nothing evicted; recover_s: detection -> the
   incident (every rank beat again).
+
+Warm against cold (rank-kill, rank-hang, bad-node): every drill runs on warm processes (the
+default: agents and ranks are forks of each node's zygote, mega/warm); these three run a second
+time with ``launcher.warm_processes=false`` (under ``<out>/cold/``), and their row gains
+``recover_s_cold`` (the cold run's ``recover_s``) and ``warm_target_met``: ``recover_s`` <= 5 s
+and <= a quarter of ``recover_s_cold``. Their layout is 2 local nodes x 4 ranks (DP 8).
 
 Besides the rows: ``heartbeat_overhead`` = max over ranks of the heartbeat thread's CPU time over
 its wall time (``heartbeats-attempt0.json``, written by the driver's watcher) in a clean DP 2 run
@@ -74,7 +80,11 @@ DRILL_FILE = "drill.json"  # <run_dir>/drill.json: the harness's record of one d
 # `latest` at a known step), no backoff between attempts.
 BASE = ["model=tiny", "train.tensorboard=false", "train.eval_batches=0", "optimizer.warmup_steps=1",
         "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", "checkpoint.interval=2"]
-TWO_NODES = ["parallelism=dp2", "launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1"]
+WARM_VS_COLD = ("rank-kill", "rank-hang", "bad-node")  # run warm, then cold: recover_s_cold
+TWO_BY_FOUR = ["parallelism=dp2", "parallelism.dp=8", "launcher=local-nodes", "cluster.nodes=2",
+               "cluster.procs_per_node=4"]
+COLD = ["launcher.warm_processes=false"]
+WARM_RECOVER_S, WARM_COLD_RATIO = 5.0, 0.25  # warm recovery: at most 5 s and a quarter of cold
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +246,7 @@ def _since(t: float | None, t0: float | None) -> float | None:
 
 
 def run_rank_kill(base: Path, extra: list[str]) -> Path:
-    return run_drill("rank-kill", [*TWO_NODES, f"fault.kill_rank={KILL_RANK}", f"fault.kill_at_step={KILL_STEP}"],
+    return run_drill("rank-kill", [*TWO_BY_FOUR, f"fault.kill_rank={KILL_RANK}", f"fault.kill_at_step={KILL_STEP}"],
                      base, extra)
 
 
@@ -256,7 +266,7 @@ def row_rank_kill(run_dir: Path) -> dict:
 
 
 def run_rank_hang(base: Path, extra: list[str]) -> Path:
-    return run_drill("rank-hang", [*TWO_NODES, "fault.slow_rank=0", "fault.slow_s=0.2",
+    return run_drill("rank-hang", [*TWO_BY_FOUR, "fault.slow_rank=0", "fault.slow_s=0.2",
                                    f"stability.heartbeat_s={HANG_HEARTBEAT_S}",
                                    f"stability.min_hang_s={HANG_THRESHOLD_S}", "stability.progress_factor=5",
                                    "stability.straggler_beats=100", "cluster.hang_timeout_s=120",
@@ -333,7 +343,7 @@ def row_nan(run_dir: Path) -> dict:
 
 
 def run_bad_node(base: Path, extra: list[str]) -> Path:
-    return run_drill("bad-node", [*TWO_NODES, "cluster.spare_nodes=1", f"fault.kill_node={BAD_NODE}",
+    return run_drill("bad-node", [*TWO_BY_FOUR, "cluster.spare_nodes=1", f"fault.kill_node={BAD_NODE}",
                                   f"fault.kill_at_step={BAD_NODE_STEP}", f"fault.bad_node={BAD_NODE}"], base, extra)
 
 
@@ -466,6 +476,24 @@ def _line(row: dict, took: float) -> str:
             f"{row['steps_lost']} ({took:.0f} s)" + (f"; error: {row['error']}" if row.get("error") else ""))
 
 
+def _drill_row(name: str, base: Path, extra: list[str]) -> dict:
+    run, row_of = DRILLS[name]
+    try:
+        return row_of(run(base, extra))
+    except Exception as e:  # noqa: BLE001 - one broken drill is a row that says so, not a lost bench
+        return {**dict.fromkeys(ROW_KEYS), "fault": name, "detected": False, "culprit_named": False,
+                "recovered": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def warm_vs_cold(warm: dict, cold: dict) -> dict:
+    """``recover_s_cold`` and whether warm recovery met its target (None when either is missing)."""
+    w, c = warm.get("recover_s"), cold.get("recover_s")
+    met = None if w is None or c is None or not (warm["recovered"] and cold["recovered"]) else (
+        w <= WARM_RECOVER_S and w <= WARM_COLD_RATIO * c)
+    return {"recover_s_cold": c, "warm_target_met": met,
+            **({"cold_error": cold["error"]} if cold.get("error") else {})}
+
+
 def bench_faults(only: list[str] | None = None, out: str | Path | None = None,
                  overrides: list[str] | None = None) -> dict:
     """Run the named drills (all by default; ``overhead`` for the heartbeat overhead runs), one
@@ -484,12 +512,14 @@ def bench_faults(only: list[str] | None = None, out: str | Path | None = None,
             run, row_of = DRILLS[name]
             t0 = time.monotonic()
             common.log(f"faults: {name} ...")
-            try:
-                row = row_of(run(base, list(overrides or [])))
-            except Exception as e:  # noqa: BLE001 - one broken drill is a row that says so, not a lost bench
-                row = {**dict.fromkeys(ROW_KEYS), "fault": name, "detected": False, "culprit_named": False,
-                       "recovered": False, "error": f"{type(e).__name__}: {e}"}
+            row = _drill_row(name, base, list(overrides or []))
             common.log(_line(row, time.monotonic() - t0))
+            if name in WARM_VS_COLD:
+                t0 = time.monotonic()
+                common.log(f"faults: {name} on cold processes ...")
+                cold = _drill_row(name, base / "cold", [*(overrides or []), *COLD])
+                common.log(_line(cold, time.monotonic() - t0))
+                row.update(warm_vs_cold(row, cold))
             rows.append(row)
         result: dict = {"faults": rows, "heartbeat_overhead": None, "heartbeat_overhead_on_off": None}
         if OVERHEAD in names:
@@ -500,7 +530,8 @@ def bench_faults(only: list[str] | None = None, out: str | Path | None = None,
         else:
             result["note"] = "heartbeat overhead not measured (--only without overhead)"
         result["targets_met"] = all(r["detected"] and r["recovered"] for r in rows) and all(
-            r.get("within_target", True) for r in rows) and (result["heartbeat_overhead"] or 1.0) < 0.005
+            r.get("within_target", True) and r.get("warm_target_met", True) for r in rows) and (
+            result["heartbeat_overhead"] or 1.0) < 0.005
         if out:
             result["out"] = str(base)
     return result

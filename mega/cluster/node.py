@@ -38,6 +38,12 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def agent_pid() -> int:
+    """This rank's torchrun agent: its parent, or, for a warm rank (a fork of the node's zygote,
+    mega/warm), the agent its client named."""
+    return int(os.environ.get("MEGA_AGENT_PID") or os.getppid())
+
+
 def ranks_on_host() -> int:
     """Ranks sharing this machine's cores: every local node's ranks under launcher=local-nodes,
     else this node's (LOCAL_WORLD_SIZE)."""

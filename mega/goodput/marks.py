@@ -121,6 +121,8 @@ def _process_starts() -> dict:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             return now - (since_boot - int(fields[19]) / hz)  # field 22 of stat(5): starttime
 
-        return {"created_t": created(os.getpid()), "agent_created_t": created(os.getppid())}
+        from mega.cluster.node import agent_pid
+
+        return {"created_t": created(os.getpid()), "agent_created_t": created(agent_pid())}
     except (OSError, ValueError, IndexError, AttributeError):  # not Linux: the ledger counts from the launch
         return {"created_t": None, "agent_created_t": None}

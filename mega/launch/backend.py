@@ -64,22 +64,25 @@ class Backend(Protocol):
 
 
 def agent_argv(cfg: "MegaConfig", node_rank: int | str, master_addr: str, master_port: int | str, job: JobSpec,
-               python: str = sys.executable) -> list[str]:
+               python: str = sys.executable, warm: bool = False) -> list[str]:
     """The torchrun command line of node ``node_rank``'s agent.
 
     One node under ``launcher=local`` keeps ``--standalone`` (torchrun picks its own port);
     otherwise a static rendezvous on node 0's address, whose agent hosts the TCPStore. The
     rendezvous gives up after ``cluster.pg_timeout_s`` if a node never joins. ``node_rank`` and
     ``master_port`` may be placeholders a node's shell expands (``${SLURM_NODEID}``), ``python``
-    the interpreter on the nodes."""
+    the interpreter on the nodes. ``warm``: the agent and each rank are forks of the node's zygote,
+    asked for by mega.warm.client (mega/warm/zygote.py)."""
     c = cfg.cluster
-    argv = [python, "-m", "torch.distributed.run"]
+    client = ["-m", "mega.warm.client"] if warm else []
+    argv = [python, *(["-u", *client] if warm else ["-m"]), "torch.distributed.run"]
     if c.nodes == 1 and cfg.launcher.name == "local":
         argv += ["--standalone", "--nnodes=1"]
     else:
         argv += [f"--nnodes={c.nodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
                  f"--master-port={master_port}", f"--rdzv-conf=timeout={int(c.pg_timeout_s)}"]
-    return argv + [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", "-m", job.module, *job.args]
+    return argv + [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", *(client or ["-m"]), job.module,
+                   *job.args]
 
 
 def backend_for(cfg: "MegaConfig", run_dir: str | Path) -> Backend:

@@ -9,14 +9,25 @@ their ranks and the ranks to whatever they start (the checkpoint writer's helper
 finds the marked processes in ``/proc``, signals each one's process group (SIGTERM, then SIGKILL
 after a grace period) and returns only when none is left, however the job ended: a rank's own
 session, an orphan of a dead agent, a helper of a rank.
+
+**Warm processes** (``launcher.warm_processes``, the default): each node has a zygote
+(mega/warm/zygote.py) started with the node's environment on the first attempt and kept until
+``close()``; the agents and ranks of every attempt are its forks. A fork's ``/proc/<pid>/environ``
+is the zygote's (no job mark), so ``processes()`` also counts every descendant of the zygotes:
+they serve this backend's one running job only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +35,7 @@ from typing import IO, TYPE_CHECKING
 
 from mega.cluster.node import NODE_ADDR_ENV, RANKS_ON_HOST_ENV
 from mega.launch.backend import JobSpec, agent_argv
+from mega.warm import client as warm_client
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -55,17 +67,39 @@ def marked_processes(token: str) -> dict[int, int]:
     return found
 
 
+def descendants(roots: list[int]) -> set[int]:
+    """Every live process below ``roots`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if state != "Z":  # a zombie is gone; its parent reaps it
+            children.setdefault(int(ppid), []).append(int(proc.name))
+    found: set[int] = set()
+    todo = list(roots)
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            if pid not in found:
+                found.add(pid)
+                todo.append(pid)
+    return found
+
+
 def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
-    """Signal each process's group (ranks lead their own), and the process itself."""
+    """Signal each process's group (ranks lead their own), and the process itself. SIGTERM is
+    followed by SIGCONT: a stopped process (a SIGSTOPped rank) acts on it now, not after the grace."""
     own = os.getpgid(0)
     for pid in pids:
-        try:
-            pgid = os.getpgid(pid)
-            if pgid != own:
-                os.killpg(pgid, sig)
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        for s in (sig, signal.SIGCONT) if sig == signal.SIGTERM else (sig,):
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != own:
+                    os.killpg(pgid, s)
+                os.kill(pid, s)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _free_port(host: str) -> int:
@@ -101,6 +135,9 @@ class LocalNodesBackend:
         self.agent_prefix: list[str] = []
         self._agents: dict[int, subprocess.Popen] = {}
         self._logs: list[IO[bytes]] = []
+        self.warm = cfg.launcher.warm_processes
+        self._zygotes: dict[int, subprocess.Popen] = {}
+        self._zygote_dir: str | None = None  # short: a unix socket path has at most 107 bytes
 
     # -- addresses -------------------------------------------------------------------------------
 
@@ -127,14 +164,22 @@ class LocalNodesBackend:
             self.stop()
             raise
 
+    def _node_env(self, k: int) -> dict[str, str]:
+        """What every process of node k has in its environment, whatever the job."""
+        env = {**os.environ, NODE_ADDR_ENV: self.node_address(k),
+               RANKS_ON_HOST_ENV: str(self.cfg.cluster.world_size)}  # local nodes share this machine's cores
+        env.pop(MARK_ENV, None)
+        return {**env, **(self.network.env(k) if self.network else {})}
+
     def _start_agent(self, k: int, addr: str, port: int, job: JobSpec) -> None:
         log_path = job.log_path(k, self.nodes)
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **job.env, MARK_ENV: f"{self.token}/{k}", NODE_ADDR_ENV: self.node_address(k),
-               RANKS_ON_HOST_ENV: str(self.cfg.cluster.world_size)}  # local nodes share this machine's cores
-        argv = self.agent_prefix + agent_argv(self.cfg, k, addr, port, job)
+        env = {**self._node_env(k), **job.env, MARK_ENV: f"{self.token}/{k}"}
+        if self.warm:
+            env[warm_client.SOCKET_ENV] = self._zygote(k)
+            env[warm_client.PID_ENV] = str(self._zygotes[k].pid)
+        argv = self.agent_prefix + agent_argv(self.cfg, k, addr, port, job, warm=self.warm)
         if self.network:
-            env.update(self.network.env(k))
             argv = self.network.exec_prefix(k) + argv
         log = open(log_path, "ab")
         self._logs.append(log)
@@ -145,13 +190,75 @@ class LocalNodesBackend:
     def poll(self) -> dict[int, int | None]:
         return {k: p.poll() for k, p in self._agents.items()}
 
+    def wait_exit(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s``, returning at once when an agent of the job exits (pidfds)."""
+        poller, fds = select.poll(), []
+        try:
+            for p in self._agents.values():
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        fds.append(os.pidfd_open(p.pid))
+                        poller.register(fds[-1], select.POLLIN)
+            if fds:
+                poller.poll(timeout_s * 1000)
+            else:
+                time.sleep(timeout_s)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
     def agent_pids(self) -> dict[int, int]:
         """Node -> pid of its torchrun agent (the running job's)."""
         return {k: p.pid for k, p in self._agents.items()}
 
     def processes(self) -> dict[int, int]:
         """pid -> node of every live process of the running job (agents, ranks, their helpers)."""
-        return marked_processes(self.token) if self.token else {}
+        found = marked_processes(self.token) if self.token else {}
+        for k, zygote in self._zygotes.items():  # a fork's environ is its zygote's: no mark
+            found.update(dict.fromkeys(descendants([zygote.pid]) - set(found), k))
+        return found
+
+    # -- warm processes --------------------------------------------------------------------------
+
+    def _zygote(self, k: int) -> str:
+        """Node k's zygote socket; starts the zygote (the node's environment, cluster.env) unless it
+        runs. The first clients wait for its imports (mega.warm.client.WAIT_ENV)."""
+        if self._zygote_dir is None:
+            self._zygote_dir = tempfile.mkdtemp(prefix="mega-zygote-")
+        sock = os.path.join(self._zygote_dir, f"{k}.sock")
+        zygote = self._zygotes.get(k)
+        if zygote is not None and zygote.poll() is None:
+            return sock
+        for stale in (sock, warm_client.failed_path(sock)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+        log_path = (self.run_dir / "nodes" / str(k) if self.nodes > 1 else self.run_dir) / "zygote.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock]
+        if self.network:
+            argv = self.network.exec_prefix(k) + argv
+        env = {**self._node_env(k), **self.cfg.cluster.env, "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as log:
+            # stdin: its lifeline (EOF when this backend closes it or dies); own session: no Ctrl-C
+            self._zygotes[k] = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+        return sock
+
+    def _stop_zygotes(self) -> None:
+        """EOF on each zygote's lifeline ends it and its forks; SIGKILL after TERM_GRACE_S."""
+        for zygote in self._zygotes.values():
+            with contextlib.suppress(OSError):
+                zygote.stdin.close()
+        for zygote in self._zygotes.values():
+            try:
+                zygote.wait(timeout=TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                zygote.kill()
+                zygote.wait(timeout=KILL_WAIT_S)
+        self._zygotes.clear()
+        if self._zygote_dir is not None:
+            shutil.rmtree(self._zygote_dir, ignore_errors=True)
+            self._zygote_dir = None
 
     def stop(self) -> None:
         """SIGTERM every process group of the job, SIGKILL what is left after TERM_GRACE_S; on
@@ -186,6 +293,7 @@ class LocalNodesBackend:
         try:
             self.stop()
         finally:
+            self._stop_zygotes()
             if self.network is not None:
                 self.network.close()
                 self.network = None

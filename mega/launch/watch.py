@@ -49,15 +49,18 @@ def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, p
     ``on_poll``: called every poll (the run record's heartbeat, mega.stability's watcher); a
     non-empty string returned ends the job as hung, with that reason. ``on_failure``: called with the
     outcome once a failure is seen and before the nodes are stopped (drills look at survivors).
+    Between polls the backend's ``wait_exit(poll_s)`` (where it has one) returns as soon as an
+    agent exits: an agent's exit is seen at once, not at the next poll.
     """
     started = last_progress = time.monotonic()
     initial_mtime = progress_file.stat().st_mtime if progress_file and progress_file.exists() else None
     last_mtime = None
     outcome: JobOutcome | None = None
     backend.start(job)
+    wait = getattr(backend, "wait_exit", time.sleep)  # a backend that can: returns once an agent exits
     try:
         while outcome is None:
-            time.sleep(poll_s)
+            wait(poll_s)
             codes = backend.poll()
             failed = sorted(k for k, c in codes.items() if c not in (None, 0))
             now = time.monotonic()

@@ -64,7 +64,9 @@ PROBE_MODEL = ["model=tiny", "model.hidden_size=32", "model.num_attention_heads=
 # the validation rows is fitted): how much slower a layer's compute runs inside training than
 # in the microbenchmarks (allocation, cache misses between ops, autograd bookkeeping).
 SIZE_PROBE_MODEL = ["model=tiny", "model.hidden_size=192", "model.num_attention_heads=6", "model.seq_length=96"]
-RUN = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.tensorboard=false", "optimizer.warmup_steps=1"]
+# cold processes: RankSampler finds the ranks by their command line (a warm rank shows its zygote's)
+RUN = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.tensorboard=false", "optimizer.warmup_steps=1",
+       "launcher.warm_processes=false"]
 
 
 def log(message: str) -> None:

@@ -3,7 +3,8 @@ incidents (mega.stability.incident).
 
 * **hang**: no rank's step advanced for ``stability.progress_factor`` x the median step time, at
   least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s`` while a rank saves), at
-  most ``cluster.hang_timeout_s``. Counted from the first step
+  most ``cluster.hang_timeout_s``; or, sooner, for ``silent_after_s`` when one rank's heartbeat
+  stopped while a peer still beats (a stopped or dead process: its heartbeat thread cannot run). Counted from the first step
   seen (start-up and restore are bounded by the ranks' own timeouts). ``localise`` names the
   culprit; ``poll`` returns the reason, and the driver stops the attempt and relaunches from
   ``latest``.
@@ -224,11 +225,20 @@ class Watcher:
             return None
         stalled = now - self.last_progress
         limit = self.threshold_s()
+        if self._silent_amid_beating(now):  # a frozen or dead rank: no need to wait out the step-time rule
+            limit = min(limit, self.silent_after_s)
         # at the cap, cluster.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and
         # close() localises it then: one verdict per hang, never two racing
         if stalled <= limit or limit >= self.cfg.cluster.hang_timeout_s:
             return None
         return self._declare_hang(now, stalled, limit)
+
+    def _silent_amid_beating(self, now: float) -> bool:
+        """Some rank's heartbeat stopped (none for ``silent_after_s``) while another beat within
+        ``heartbeat_s``: that process is stopped or gone (its heartbeat thread cannot run), not
+        slow; the machine and the store are fine (its peers beat)."""
+        ages = [now - b.get("time", now) for b in self.beats.values()]
+        return len(ages) > 1 and max(ages) > self.silent_after_s and min(ages) <= self.s.heartbeat_s
 
     def _declare_hang(self, now: float, stalled: float, limit: float, silence_ref: float | None = None) -> str:
         culprit = localise(self.identities, self.beats, silence_ref or now, self.silent_after_s)

@@ -1,0 +1,131 @@
+"""``python -u -m mega.warm.client MODULE [ARGS...]``: run ``python -m MODULE ARGS`` as a fork of
+this node's zygote (mega/warm/zygote.py) and behave, to whoever started this client, as if it
+were that process.
+
+torchrun (and the launch backend, for the agent itself) starts this client in place of the real
+process. It imports the standard library only (~30 ms), sends the zygote its argv, environment,
+working directory and stdin/stdout/stderr (``socket.send_fds``), and then:
+
+* relays the signals a supervisor sends (SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGCONT) to
+  the forked process, whose pid the zygote answers with;
+* exits as the forked process did: its exit code, or killed by the same signal (torchrun and the
+  driver read ``-N`` as "killed by signal N");
+* if the client itself is SIGKILLed, the zygote sees its connection close and SIGKILLs the forked
+  process's group: nothing outlives its client.
+
+The forked process gets ``MEGA_AGENT_PID`` (this client's parent: for a rank, its torchrun
+agent) since its own parent is the zygote. Drills that strike "the rank" use the pid the rank
+records itself (mega.cluster.node.record_process), never this client's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+SOCKET_ENV = "MEGA_ZYGOTE_SOCKET"  # the node's zygote's unix socket (set by the launch backend)
+PID_ENV = "MEGA_ZYGOTE_PID"  # its pid: a client stops waiting for a zygote that died
+WAIT_ENV = "MEGA_ZYGOTE_WAIT_S"  # how long to wait for the zygote to finish its imports
+AGENT_PID_ENV = "MEGA_AGENT_PID"
+DEFAULT_WAIT_S = 300.0
+MAX_MESSAGE = 1 << 20
+RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+
+
+def failed_path(sock_path: str) -> str:
+    """Where a zygote that could not start writes why (the clients waiting for it read it)."""
+    return sock_path + ".failed"
+
+
+def send(conn: socket.socket, message: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(conn, [data], fds)
+    else:
+        conn.send(data)
+
+
+def connect(sock_path: str, wait_s: float, pid: int | None = None) -> socket.socket:
+    """Connect to the zygote, waiting while it imports; RuntimeError when it failed, died (``pid``)
+    or never came."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(sock_path)
+            return conn
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+        if os.path.exists(failed_path(sock_path)):
+            with open(failed_path(sock_path)) as f:
+                raise RuntimeError(f"the zygote at {sock_path} failed to start: {f.read().strip()}")
+        if pid is not None and not os.path.exists(f"/proc/{pid}"):
+            raise RuntimeError(f"the zygote at {sock_path} (pid {pid}) is not running")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no zygote answered at {sock_path} within {wait_s:g} s ({WAIT_ENV})")
+        time.sleep(0.02)
+
+
+def run(module: str, args: list[str]) -> int:
+    """Have the zygote fork ``python -m module args``; return its exit code (-N: signal N)."""
+    sock_path = os.environ.get(SOCKET_ENV)
+    if not sock_path:
+        raise RuntimeError(f"{SOCKET_ENV} is not set: this client runs under a launch backend's zygote")
+    pid = os.environ.get(PID_ENV)
+    conn = connect(sock_path, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)), int(pid) if pid else None)
+    env = {**os.environ, AGENT_PID_ENV: str(os.getppid())}
+    pending: list[int] = []  # signals that came before the fork's pid
+
+    def relay(sig: int, _frame) -> None:
+        if child is None:
+            pending.append(sig)
+        else:
+            try:
+                os.kill(child, sig)
+            except ProcessLookupError:
+                pass
+
+    child: int | None = None
+    for sig in RELAYED:
+        signal.signal(sig, relay)
+    send(conn, {"module": module, "argv": args, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
+    while True:
+        data = conn.recv(MAX_MESSAGE)
+        if not data:
+            print(f"mega.warm.client: the zygote at {sock_path} closed the connection", file=sys.stderr)
+            return 1
+        reply = json.loads(data)
+        if "pid" in reply:
+            child = reply["pid"]
+            for sig in pending:
+                relay(sig, None)
+        elif "error" in reply:
+            print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
+            return 1
+        elif "exit" in reply:
+            return reply["exit"]
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m mega.warm.client MODULE [ARGS...]")
+    try:
+        code = run(sys.argv[1], sys.argv[2:])
+    except RuntimeError as e:
+        sys.exit(f"mega.warm.client: {e}")
+    if code < 0:  # killed by a signal: so is this client, for whoever waits on it
+        sys.stdout.flush()
+        if -code in RELAYED:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)
+        code = 128 - code  # a signal whose default is not to end a process: the shell's convention
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Warm processes (mega/warm): the zygote's fork-server contract with its client (exit status,
+signals, a SIGKILLed client, an unsafe import refused), and a rank killed mid-run recovering on
+warm processes to the same final weights, bit for bit, as an uninterrupted run of cold processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from waiting import wait_for
+
+from mega.checkpoint import iteration_dir
+from mega.config import compose
+from mega.launch import run_training
+from mega.warm import client
+
+STEPS = 4
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    what = sys.argv[1]
+    env = os.environ
+    print(f"pid {os.getpid()} cwd {os.getcwd()} env {env.get('WARM_TEST')} agent {env.get('MEGA_AGENT_PID')}", flush=True)
+    if what == "threads":
+        import torch
+        print(f"threads {torch.get_num_threads()}", flush=True)
+        sys.exit(0)
+    if what == "exit":
+        sys.exit(int(sys.argv[2]))
+    if what == "kill-self":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what == "term":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
+    time.sleep(120)
+""")
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """A zygote preloading torch (not megatron-core nor mega: the contract does not need them)."""
+    d = tmp_path_factory.mktemp("zygote")
+    (d / "warmchild.py").write_text(CHILD)
+    sock = str(d / "z.sock")
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock, "--preload", "json,torch"],
+                            stdin=subprocess.PIPE, stdout=open(d / "zygote.log", "wb"), stderr=subprocess.STDOUT)
+    env = {**os.environ, client.SOCKET_ENV: sock, client.PID_ENV: str(proc.pid), "WARM_TEST": "yes",
+           "PYTHONPATH": f"{d}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    yield d, env, proc
+    proc.stdin.close()  # the lifeline: the zygote ends, and with it whatever it forked
+    assert proc.wait(timeout=15) == 0
+    assert not os.path.exists(sock)
+
+
+def _run(zygote, *args, **kw) -> subprocess.Popen:
+    d, env, _ = zygote
+    return subprocess.Popen([sys.executable, "-u", "-m", "mega.warm.client", "warmchild", *args], env=env,
+                            cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_client_exits_as_its_fork_did(zygote):
+    d = zygote[0]
+    p = _run(zygote, "exit", "7")
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 7
+    pid = int(out.split()[1])
+    assert pid != p.pid and f"cwd {d} env yes agent {os.getpid()}" in out  # its fds, cwd, environment
+    p = _run(zygote, "kill-self")
+    p.communicate(timeout=30)
+    assert p.returncode == -signal.SIGKILL  # killed by a signal: so is its client, as torchrun reads it
+
+
+def test_fork_takes_its_own_thread_count(zygote):
+    """OpenMP reads OMP_NUM_THREADS when it loads, in the zygote: a fork applies its own, as a cold
+    process started with it would have it."""
+    d, env, _ = zygote
+    for value in ("1", "2"):
+        out = subprocess.run([sys.executable, "-m", "mega.warm.client", "warmchild", "threads"], cwd=d,
+                             env={**env, "OMP_NUM_THREADS": value}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and f"threads {value}" in out.stdout, out.stdout + out.stderr
+
+
+def test_signals_are_relayed_and_a_killed_client_takes_its_fork_along(zygote):
+    p = _run(zygote, "term")
+    pid = int(p.stdout.readline().split()[1])
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 42  # the fork's own handler ran
+    p = _run(zygote, "sleep")
+    pid = int(p.stdout.readline().split()[1])
+    assert os.getsid(pid) == pid  # a session of its own, as torchrun's workers
+    p.kill()
+    p.wait(timeout=30)
+    wait_for(lambda: not _alive(pid), 10, "the fork of a SIGKILLed client to die")
+
+
+def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):
+    (tmp_path / "spins.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), "
+                                       "daemon=True).start()\n")
+    sock = str(tmp_path / "z.sock")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    z = subprocess.run([sys.executable, "-m", "mega.warm.zygote", "--socket", sock, "--preload", "spins"],
+                       env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    assert z.returncode == 1
+    c = subprocess.run([sys.executable, "-m", "mega.warm.client", "json.tool"], capture_output=True, text=True,
+                       env={**env, client.SOCKET_ENV: sock}, timeout=60)
+    assert c.returncode == 1 and "NotForkSafe: importing started 1 native thread(s)" in c.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A rank killed mid-run, recovered on warm processes
+
+
+def _train(run_dir, data_index, data_cache, overrides):
+    cfg = compose(["model=tiny", f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
+                   f"checkpoint.dir={run_dir}/checkpoints", "train.tensorboard=false", "train.eval_batches=0",
+                   "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false",
+                   "checkpoint.interval=2", "parallelism=dp2", *overrides])
+    return run_training(cfg, data_index, log=print)
+
+
+def _final_state(run_dir) -> dict:
+    """Every tensor of the last checkpoint (model and optimizer), read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / "final-state.pt"
+    dcp_to_torch_save(str(iteration_dir(run_dir / "checkpoints", STEPS)), str(out))
+    return torch.load(out, weights_only=True)
+
+
+def _forked_ranks(run_dir, attempt: int) -> set[int]:
+    """The pids the ranks of ``attempt`` recorded (mega.cluster.node.record_process)."""
+    return {json.loads(line)["pid"] for d in (run_dir / "nodes").glob("*")
+            for line in (d / f"procs-attempt{attempt}.jsonl").read_text().splitlines()}
+
+
+def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, data_cache):
+    """Two local nodes, warm: rank 1 SIGKILLs itself at step 3, the driver relaunches every node
+    from step 2's checkpoint on forks of the same zygotes. The final weights and optimizer state
+    equal, bit for bit, those of the same run uninterrupted on cold processes
+    (launcher.warm_processes=false): a fork carries nothing that changes the result."""
+    cold = _train(tmp_path / "cold", data_index, data_cache, ["launcher.warm_processes=false"])
+    assert cold.attempts == 1 and not list((tmp_path / "cold").rglob("zygote.log"))
+    warm_dir = tmp_path / "warm"
+    warm = _train(warm_dir, data_index, data_cache, ["launcher=local-nodes", "cluster.nodes=2",
+                                                     "cluster.procs_per_node=1", "fault.kill_rank=1",
+                                                     "fault.kill_at_step=3"])
+    assert warm.attempts == 2 and warm.history[1]["restored"].endswith("iter_0000002")
+    forks = [int(line.split()[2].rstrip(":")) for k in (0, 1)  # "zygote: forked <pid>: python -m mega.train"
+             for line in (warm_dir / "nodes" / str(k) / "zygote.log").read_text().splitlines()
+             if line.endswith("-m mega.train")]
+    assert len(forks) == 4 and set(forks) == _forked_ranks(warm_dir, 0) | _forked_ranks(warm_dir, 1)
+    got, want = _final_state(warm_dir), _final_state(tmp_path / "cold")
+    assert got.keys() == want.keys() and len(want) > 10
+    assert [k for k in want if isinstance(want[k], torch.Tensor) and not torch.equal(got[k], want[k])] == []
+    assert [m["loss"] for m in warm.metrics] == [m["loss"] for m in cold.metrics]
