@@ -354,7 +354,7 @@ def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, d
                    # a synchronous save blocks the step, and the watcher allows it upload_timeout_s
                    # more: on a loaded machine a save's planning alone took 10 s
                    "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=30",
-                   "stability.heartbeat_s=1", "stability.min_hang_s=6", "stability.progress_factor=5"])
+                   "stability.heartbeat_s=1", "stability.min_hang_s=10", "stability.progress_factor=5"])
     assert cfg.parallelism.world_size == 4
     stopped: dict = {}
     thread = threading.Thread(target=stop_rank_when, args=(tmp_path, victim, 3, stopped), daemon=True)
