@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 _SCRATCH = Path(tempfile.mkdtemp(prefix="mega-tests-"))
+REFERENCE_STEPS = 4
 atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
 
 # Hermetic Prefect: no telemetry, a throwaway home (profiles, local DB of the temporary server),
@@ -48,6 +49,34 @@ def data_index(data_cache) -> Path:
     from mega.data import prepare_dataset
 
     return prepare_dataset(DataConfig(cache_dir=str(data_cache)), vocab_size=512, progress=False)
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory, data_index, data_cache):
+    """The tiny model trained REFERENCE_STEPS steps in one process: the curve that layouts,
+    evictions and recoveries are compared with (a run's checkpoints and evaluation do not change
+    its losses). Trained once per session: the xdist workers share it through a lock in their
+    common temporary directory. Has ``run_dir`` and ``metrics``."""
+    from types import SimpleNamespace
+
+    from filelock import FileLock
+
+    from mega.config import compose
+    from mega.launch import run_training
+    from mega.metrics import read_metrics
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, not older ones'
+    run_dir = shared / "single-process-reference"
+    with FileLock(str(shared / "single-process-reference.lock")):
+        if not (run_dir / "done").exists():
+            run_training(compose(["model=tiny", "parallelism=single", f"train.steps={REFERENCE_STEPS}",
+                                  f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
+                                  f"checkpoint.dir={run_dir / 'checkpoints'}", "train.tensorboard=false",
+                                  "optimizer.warmup_steps=1", "checkpoint.interval=0"]),
+                         data_index, log=lambda message: None)
+            (run_dir / "done").touch()
+    return SimpleNamespace(run_dir=run_dir, metrics=read_metrics(run_dir))
 
 
 @pytest.fixture

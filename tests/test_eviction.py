@@ -115,11 +115,10 @@ NODE_1_DIES_AND_IS_BAD = ["launcher=local-nodes", "cluster.nodes=2", "cluster.pr
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_index, data_cache):
-    """One process, the same global batch: the curve every membership must continue."""
-    result, _ = train(tmp_path_factory.mktemp("reference"), data_index, data_cache,
-                      ["parallelism=single", "checkpoint.interval=0"])
-    return result.metrics
+def reference(single_process_reference):
+    """One process, the same global batch: the curve every membership must continue (conftest)."""
+    assert len(single_process_reference.metrics) == STEPS
+    return single_process_reference.metrics
 
 
 def assert_same_curve(metrics, reference):

@@ -195,14 +195,12 @@ def overrides(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_index, data_cache):
-    """The uninterrupted run every recovered one must reproduce (bit-exact on CPU)."""
-    from mega.launch import run_training
-
-    run_dir = tmp_path_factory.mktemp("reference")
-    result = run_training(compose(overrides(run_dir, data_cache)), data_index)
-    assert runs.read_record(run_dir).state == "completed"
-    return result.metrics
+def reference(single_process_reference):
+    """The uninterrupted run every recovered one must reproduce, bit-exact on CPU (conftest: its
+    checkpoints and evaluation aside, the same run as these)."""
+    assert runs.read_record(single_process_reference.run_dir).state == "completed"
+    assert len(single_process_reference.metrics) == STEPS
+    return single_process_reference.metrics
 
 
 def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, tmp_path, data_index,

@@ -37,10 +37,10 @@ def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, log=print):
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, data_index, data_cache):
-    """One process: the numbers every layout must reproduce."""
-    return train(tmp_path_factory.mktemp("single"), data_index, data_cache,
-                 ["parallelism=single", "checkpoint.interval=0"])
+def reference_run(single_process_reference):
+    """One process: the numbers every layout must reproduce (conftest: shared with other files)."""
+    assert len(single_process_reference.metrics) == STEPS
+    return single_process_reference
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +87,10 @@ def test_reference_run_learns(reference):
 @pytest.mark.parametrize(
     "layout",
     # tp2 runs with sequence parallelism (TP without SP: tests/test_lamb.py, test_parallel_block.py);
-    # tp2-pp2-dp2: test_resume_with_another_layout
+    # tp2-pp2-dp2: test_resume_with_another_layout; dp2: test_hung_rank_becomes_a_restart_not_a_silent_wait
     [["parallelism=tp2", "parallelism.sequence_parallel=true"], ["parallelism=pp2"],
-     ["parallelism=pp2-vpp2"], ["parallelism=dp2"]],
-    ids=["tp2-sp", "pp2", "pp2-vpp2", "dp2"],
+     ["parallelism=pp2-vpp2"]],
+    ids=["tp2-sp", "pp2", "pp2-vpp2"],
 )
 def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache, reference):
     result = train(tmp_path, data_index, data_cache, [*layout, "checkpoint.interval=0"])
@@ -99,7 +99,20 @@ def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache,
     assert result.init["world_size"] == compose(layout).parallelism.world_size
 
 
-def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference, monkeypatch):
+@pytest.fixture(scope="module")
+def killed_3d_run(tmp_path_factory, data_index, data_cache):
+    """TP2xPP2xDP2 with no restarts allowed, its rank 0 killed right after the step-2 checkpoint:
+    the run fails (test_restarts_are_bounded) and leaves that checkpoint as `latest` for the
+    resumes in other layouts (test_resume_with_another_layout)."""
+    root = tmp_path_factory.mktemp("killed-3d")
+    with pytest.raises(TrainingFailed) as failed:
+        train(root / "saved", data_index, data_cache,
+              ["parallelism=tp2-pp2-dp2", "checkpoint.interval=2", "checkpoint.max_restarts=0",
+               "fault.kill_rank=0", "fault.kill_at_step=2", f"checkpoint.dir={root / 'checkpoints'}"])
+    return root, failed.value
+
+
+def test_resume_with_another_layout(tmp_path, killed_3d_run, data_index, data_cache, reference, monkeypatch):
     """Save with TP2xPP2xDP2, resume with DP4 (TP and PP gone, the distributed optimizer's shards
     split four ways) and with one process: both continue the
     uninterrupted curve (megatron's fully reshardable format; the data order does not depend on
@@ -108,12 +121,9 @@ def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference,
     Each rank of a resume held exactly what dist_checkpointing's metadata says its shards need."""
     from mega.checkpoint.restore import AUDIT_ENV
 
-    ckpt = ["checkpoint.dir=" + str(tmp_path / "checkpoints")]
-    with pytest.raises(TrainingFailed):
-        train(tmp_path / "saved", data_index, data_cache,
-              ["parallelism=tp2-pp2-dp2", "checkpoint.interval=2", "checkpoint.max_restarts=0",
-               "fault.kill_rank=0", "fault.kill_at_step=2", *ckpt])
-    saved = read_metrics(tmp_path / "saved")
+    root, _ = killed_3d_run
+    ckpt = ["checkpoint.dir=" + str(root / "checkpoints")]
+    saved = read_metrics(root / "saved")
     _assert_same_curve(saved, reference[:2])
     for name, layout in [("dp4", ["parallelism=dp2", "parallelism.dp=4"]),
                          ("single", ["parallelism=single"])]:
@@ -122,9 +132,9 @@ def test_resume_with_another_layout(tmp_path, data_index, data_cache, reference,
         assert [m["step"] for m in resumed.metrics] == [3, 4], name
         # resharded optimizer state, fp32 sums in another order: equal to ~5 digits
         _assert_same_curve(resumed.metrics, reference[2:], rtol=1e-4)
-        _assert_restore_footprint(tmp_path / f"audit-{name}", tmp_path / "checkpoints" / "iter_0000002",
+        _assert_restore_footprint(tmp_path / f"audit-{name}", root / "checkpoints" / "iter_0000002",
                                   resumed.init["restore"])
-    assert read_latest(tmp_path / "checkpoints").name == "iter_0000002"
+    assert read_latest(root / "checkpoints").name == "iter_0000002"
 
 
 def _assert_restore_footprint(audit_dir, ckpt_dir, info):
@@ -181,16 +191,18 @@ def _assert_restore_footprint(audit_dir, ckpt_dir, info):
     assert info["restore_peak_bytes_per_rank"] == max(a["peak_bytes"] for a in audits)
 
 
-def test_restarts_are_bounded(tmp_path, data_index, data_cache):
-    """A job that dies every time stops after checkpoint.max_restarts with a clear error."""
-    with pytest.raises(TrainingFailed, match="failed 1 times"):
-        train(tmp_path, data_index, data_cache,
-              ["parallelism=single", "checkpoint.max_restarts=0", "fault.kill_rank=0", "fault.kill_at_step=1"])
+def test_restarts_are_bounded(killed_3d_run):
+    """A job that dies with no restarts left (checkpoint.max_restarts=0) stops with a clear error."""
+    root, failed = killed_3d_run
+    assert str(failed).startswith("training failed 1 times (last: ") and \
+        str(failed).endswith(f"see {root / 'saved'}/train-attempt*.log"), str(failed)
 
 
-def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, tmp_path_factory, data_index, data_cache):
+def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, tmp_path_factory, data_index, data_cache,
+                                                       reference):
     """A rank that stops making progress: the launcher sees no progress for cluster.hang_timeout_s,
-    kills the job and resumes it from `latest`."""
+    kills the job and resumes it from `latest`. Through the restart, the DP2 run computes the
+    model of one process (the dp2 case of test_layout_matches_single_process)."""
     messages = []
     result = train(tmp_path, data_index, data_cache,
                    ["parallelism=dp2", "checkpoint.interval=2", "cluster.hang_timeout_s=12",
@@ -206,6 +218,8 @@ def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, tmp_path_factor
     assert incident["culprit"]["rank"] == 1 and incident["culprit"]["reason"] == "behind", incident
     assert incident["culprit"]["group"].startswith("dp")  # the DP (x CP) group its peer waits in
     assert [m["attempt"] for m in result.metrics] == [0, 0, 1, 1]
+    _assert_same_curve(result.metrics, reference)
+    assert result.init["world_size"] == 2
     # the goodput ledger of the hang: every second attributed, the lost step counted from the metrics
     from tests.goodput_checks import assert_cut_off_records_are_named, assert_ledger_of_faulted_run
 
