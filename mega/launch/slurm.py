@@ -379,6 +379,7 @@ class SlurmBackend:
         self.left_to_slurm: str | None = None  # the job stop() gave up waiting for (a dead node)
         self._exit_dir: Path | None = None
         self._hosts: list[str] = []
+        self._stuck_hosts: list[str] = []  # the attempt's hosts left COMPLETING after stop()
         self._server_host = s.server_host
         global _said_prefect
         if not _said_prefect and (note := prefect_note()):
@@ -422,6 +423,7 @@ class SlurmBackend:
         submit_env = {k: v for k, v in os.environ.items() if not is_secret(k)}  # slurmctld stores it
         self.job_id = _slurm("sbatch", "--parsable", str(script), env=submit_env).strip().split(";")[0]
         self._hosts = []
+        self._stuck_hosts = []
         (attempt_dir / "job_id").write_text(self.job_id)
 
     def _write_secrets(self, secrets: dict[str, str]) -> None:
@@ -447,13 +449,14 @@ class SlurmBackend:
         return codes
 
     def lost_hosts(self) -> list[str]:
-        """Hosts of the current attempt that Slurm holds down, drained or failing (a lost node)."""
+        """Hosts of the current attempt that Slurm holds down, drained or failing, or that were left
+        completing the cancelled attempt (a lost node Slurm has not judged yet)."""
         hosts = self.hosts()
         if not hosts:
             return []
         out = _slurm("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
         bad = {n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)}
-        return [h for h in hosts if h in bad]
+        return [h for h in hosts if h in bad or h in self._stuck_hosts]
 
     def usable_nodes(self) -> int:
         """Nodes of the partition that are up and not excluded: how many a next attempt can get."""
@@ -487,6 +490,9 @@ class SlurmBackend:
                 self.log(f"slurm job {self.job_id} is still {info.get('JobState')} {self.stop_timeout_s:g} s after "
                          f"scancel (nodes {info.get('NodeList')}); going on without waiting for it")
                 self.left_to_slurm = self.job_id
+                # a node that cannot finish a cancelled job is lost (its slurmd or host is gone), whether
+                # or not Slurm has marked it down yet (it waits SlurmdTimeout, often minutes)
+                self._stuck_hosts = hostnames(info.get("NodeList", ""))
                 return
             time.sleep(1.0)
 
