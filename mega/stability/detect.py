@@ -4,10 +4,10 @@ incidents (mega.stability.incident).
 * **hang**: no rank's step advanced for ``stability.progress_factor`` x the median step time, at
   least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s`` while a rank saves), at
   most ``cluster.hang_timeout_s``; or, sooner, for ``silent_after_s`` when one rank's heartbeat
-  stopped while a peer still beats (a stopped or dead process: its heartbeat thread cannot run). Counted from the first step
-  seen (start-up and restore are bounded by the ranks' own timeouts). ``localise`` names the
-  culprit; ``poll`` returns the reason, and the driver stops the attempt and relaunches from
-  ``latest``.
+  stopped while a peer still beats (a stopped or dead process: its heartbeat thread cannot run).
+  Counted from the first step seen (start-up and restore are bounded by the ranks' own
+  timeouts). ``localise`` names the culprit; ``poll`` returns the reason, and the driver stops
+  the attempt and relaunches from ``latest``.
 * **straggler**: a rank whose compute time per step is above ``stability.straggler_factor`` x its
   peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
   attempt, no restart.
