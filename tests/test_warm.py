@@ -27,6 +27,8 @@ CHILD = textwrap.dedent("""
     import os, signal, sys, time
     what = sys.argv[1]
     env = os.environ
+    if what == "term":  # before the pid line: the test signals as soon as it reads it
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
     print(f"pid {os.getpid()} cwd {os.getcwd()} env {env.get('WARM_TEST')} agent {env.get('MEGA_AGENT_PID')}", flush=True)
     if what == "threads":
         import torch
@@ -36,8 +38,6 @@ CHILD = textwrap.dedent("""
         sys.exit(int(sys.argv[2]))
     if what == "kill-self":
         os.kill(os.getpid(), signal.SIGKILL)
-    if what == "term":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))
     time.sleep(120)
 """)
 
