@@ -14,8 +14,16 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from mega.config import (CONF_DIR, ConfigError, MegaConfig, compose, from_container, register_schema, sweep_jobs,
-                         to_dict)
+from mega.config import (
+    CONF_DIR,
+    ConfigError,
+    MegaConfig,
+    compose,
+    from_container,
+    register_schema,
+    sweep_jobs,
+    to_dict,
+)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

@@ -43,8 +43,17 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     cfg = resolve_config(overrides, config)
     logger = get_run_logger()
     p = cfg.parallelism
-    logger.info("model %s, layout %s (tp=%d pp=%d vpp=%s dp=%d), %d steps -> %s", cfg.model.name, p.name,
-                p.tp, p.pp, p.vpp, p.dp, cfg.train.steps, cfg.train.run_dir)
+    logger.info(
+        "model %s, layout %s (tp=%d pp=%d vpp=%s dp=%d), %d steps -> %s",
+        cfg.model.name,
+        p.name,
+        p.tp,
+        p.pp,
+        p.vpp,
+        p.dp,
+        cfg.train.steps,
+        cfg.train.run_dir,
+    )
     run_dir = Path(cfg.train.run_dir)
     marks = FlowMarks(run_dir)  # the goodput ledger's flow phases (docs/goodput.md)
     marks.start()
@@ -52,7 +61,9 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     with marks.task("prepare-data"):  # the data preparation overlaps the self-check
         data = prepare_data.submit(cfg.data, cfg.model.vocab_size)
         with marks.task("node-selfcheck"):
-            node = node_selfcheck(cfg, run_dir / "selfcheck")  # every node; raises NodeUnhealthy: nothing trains
+            node = node_selfcheck(
+                cfg, run_dir / "selfcheck"
+            )  # every node; raises NodeUnhealthy: nothing trains
         index_path = data.result()
     with marks.task("verify-store"):
         store = check_rendezvous_store(cfg)
@@ -66,7 +77,9 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         summary = report(result.run_dir, title=f"{cfg.model.name} / {p.name}", metrics=result.metrics)
     # merged trace, heat map, stragglers; the goodput ledger (docs/observability.md, docs/goodput.md)
     with marks.task("observability"):
-        obs = observability(result.run_dir, title=f"{cfg.model.name} / {p.name}", tensorboard=cfg.train.tensorboard)
+        obs = observability(
+            result.run_dir, title=f"{cfg.model.name} / {p.name}", tensorboard=cfg.train.tensorboard
+        )
     marks.end()
     ledger = goodput_ledger.write(run_dir)  # goodput.json again, now over the whole flow
 
@@ -76,11 +89,16 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "parallelism": p.name,
         "world_size": p.world_size,
         "data_index": str(index_path),
-        "selfcheck": {"node": node["node"], "healthy": node["healthy"], "reasons": node["reasons"],
-                      "nodes": [{k: n[k] for k in ("node", "address", "healthy")} for n in node["nodes"]]},
+        "selfcheck": {
+            "node": node["node"],
+            "healthy": node["healthy"],
+            "reasons": node["reasons"],
+            "nodes": [{k: n[k] for k in ("node", "address", "healthy")} for n in node["nodes"]],
+        },
         "store": store,
-        "process_group_init": {k: init[k] for k in ("pg_init_s", "model_parallel_init_s", "world_size",
-                                                    "store", "group_init")},
+        "process_group_init": {
+            k: init[k] for k in ("pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init")
+        },
         "training": {"attempts": result.attempts, "final_step": result.final_step, "init": result.init},
         "report": summary,
         "observability": obs,

@@ -22,8 +22,14 @@ class RecoveryFailed(RuntimeError):
 
 
 @flow(name="recover", log_prints=True)
-def recover(runs_root: str = "runs", run_dir: str | None = None, flow_run_id: str | None = None,
-            stale_after_s: float = 120.0, include_failed: bool = True, max_recoveries: int = 3) -> dict[str, Any]:
+def recover(
+    runs_root: str = "runs",
+    run_dir: str | None = None,
+    flow_run_id: str | None = None,
+    stale_after_s: float = 120.0,
+    include_failed: bool = True,
+    max_recoveries: int = 3,
+) -> dict[str, Any]:
     """Find runs whose record says training (or failed with steps left) while their launcher is
     gone or silent for ``stale_after_s``, and train each on from its latest durable checkpoint.
 
@@ -41,8 +47,16 @@ def recover(runs_root: str = "runs", run_dir: str | None = None, flow_run_id: st
         if status.verdict in ("recover", "finished"):
             rows.append(restart_run(status, **opts))
         else:
-            rows.append({"run_dir": status.run_dir, "found": status.verdict, "reason": status.reason,
-                         "checkpoint": status.checkpoint or "", "action": "none", "result": ""})
+            rows.append(
+                {
+                    "run_dir": status.run_dir,
+                    "found": status.verdict,
+                    "reason": status.reason,
+                    "checkpoint": status.checkpoint or "",
+                    "action": "none",
+                    "result": "",
+                }
+            )
     recovery_report(rows, scope)
 
     restarted = [r for r in rows if r["action"] == "restarted"]
@@ -57,12 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flows.recover",
         description="Restart runs that should be training but are not, from their latest durable "
-                    "checkpoint (docs/recovery.md).")
+        "checkpoint (docs/recovery.md).",
+    )
     parser.add_argument("--runs-root", default="runs", help="scan every run directory under this one")
     parser.add_argument("--run-dir", help="look at this run directory only")
     parser.add_argument("--flow-run-id", help="only the run this (pretrain) flow run drove")
-    parser.add_argument("--stale-after-s", type=float, default=120.0,
-                        help="a heartbeat older than this means the launcher is gone (default 120)")
+    parser.add_argument(
+        "--stale-after-s",
+        type=float,
+        default=120.0,
+        help="a heartbeat older than this means the launcher is gone (default 120)",
+    )
     parser.add_argument("--no-failed", action="store_true", help="leave runs whose launcher gave up alone")
     parser.add_argument("--max-recoveries", type=int, default=3)
     return parser
@@ -75,9 +94,14 @@ def check_args(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    recover(runs_root=args.runs_root, run_dir=args.run_dir, flow_run_id=args.flow_run_id,
-            stale_after_s=args.stale_after_s, include_failed=not args.no_failed,
-            max_recoveries=args.max_recoveries)
+    recover(
+        runs_root=args.runs_root,
+        run_dir=args.run_dir,
+        flow_run_id=args.flow_run_id,
+        stale_after_s=args.stale_after_s,
+        include_failed=not args.no_failed,
+        max_recoveries=args.max_recoveries,
+    )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,16 @@ def emit(check: str, ok: bool | None = None, skipped: str | None = None, **facts
 
 def guarded(check: str):
     """Run a check; an exception is that check's failure (with the error), not the script's end."""
+
     def wrap(fn):
         def run(*args, **kwargs):
             try:
                 fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - reported as the check's result
+            except Exception as e:
                 emit(check, False, error=f"{type(e).__name__}: {e}"[-2000:])
+
         return run
+
     return wrap
 
 
@@ -59,10 +62,12 @@ def needs(check: str, want: int, have: int) -> bool:
 
 def write_corpus(root: Path, mb: float = 0.5) -> Path:
     """Deterministic English-like text (a fixed vocabulary, seeded), ``mb`` megabytes in 8 files."""
-    words = ("the of and to in is was that for on with as by at from his her they which this be are not "
-             "had have one all were we when there been their if so what about up out would who will "
-             "more no time could them into some than may only other new these two first any like our "
-             "river stone garden window letter morning candle harbour silver market evening lantern").split()
+    words = (
+        "the of and to in is was that for on with as by at from his her they which this be are not "
+        "had have one all were we when there been their if so what about up out would who will "
+        "more no time could them into some than may only other new these two first any like our "
+        "river stone garden window letter morning candle harbour silver market evening lantern"
+    ).split()
     rng = random.Random(1234)
     root.mkdir(parents=True, exist_ok=True)
     for i in range(8):
@@ -86,12 +91,20 @@ class Runs:
         self.out, self.dry_run, self.ngpu = out, dry_run, ngpu
         corpus = write_corpus(out / "corpus")
         self.data = [f"data.source={corpus}", f"data.cache_dir={out / 'data'}"]
-        self.index = prepare_dataset(DataConfig(source=str(corpus), cache_dir=str(out / "data")), vocab_size=512,
-                                     progress=False)
+        self.index = prepare_dataset(
+            DataConfig(source=str(corpus), cache_dir=str(out / "data")), vocab_size=512, progress=False
+        )
         # No Redis (heartbeats and their watcher are not GPU-specific; a GPU node may lack redis-server):
         # a hung rank still ends an attempt after cluster.hang_timeout_s.
-        self.common = ["model=tiny", "train.eval_batches=0", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                       "checkpoint.restart_backoff_s=0", "cluster.start_local_redis=false", *self.data]
+        self.common = [
+            "model=tiny",
+            "train.eval_batches=0",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "cluster.start_local_redis=false",
+            *self.data,
+        ]
 
     def cluster(self, world: int) -> list[str]:
         """The cluster of a ``world``-rank run: the CPU twin of h100-8x, h100-8x (8 GPUs) or gpu-1."""
@@ -103,8 +116,15 @@ class Runs:
         from mega.config import compose
         from mega.launch import run_training
 
-        cfg = compose([*self.common, *self.cluster(world), f"train.run_dir={self.out / 'runs' / name}",
-                       f"checkpoint.dir={self.out / 'checkpoints' / name}", *overrides])
+        cfg = compose(
+            [
+                *self.common,
+                *self.cluster(world),
+                f"train.run_dir={self.out / 'runs' / name}",
+                f"checkpoint.dir={self.out / 'checkpoints' / name}",
+                *overrides,
+            ]
+        )
         return run_training(cfg, self.index, log=lambda message: None)
 
 
@@ -139,8 +159,12 @@ class GpuProcesses:
     def _loop(self) -> None:
         while not self._stop.wait(0.5):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=20).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=20,
+                ).stdout
             except (OSError, subprocess.TimeoutExpired):
                 continue
             for line in out.splitlines():
@@ -159,10 +183,15 @@ class GpuProcesses:
 def check_versions(dry_run: bool) -> None:
     import torch
 
-    facts = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-             "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    facts = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
     try:
         import megatron.core
+
         facts["megatron_core"] = megatron.core.__version__
     except ImportError as e:
         emit("versions", False, error=f"megatron-core: {e}", **facts)
@@ -183,7 +212,7 @@ def _import_result(name: str) -> str:
         return "not installed"
     try:
         module = __import__(name)
-    except Exception as e:  # noqa: BLE001 - a wheel built for another torch/CUDA fails here
+    except Exception as e:
         return f"import fails: {type(e).__name__}: {e}"[:300]
     return str(getattr(module, "__version__", "imported"))
 
@@ -192,20 +221,43 @@ def _import_result(name: str) -> str:
 def check_dtype_fwd_bwd(runs: Runs) -> None:
     """(2) one GPU, bf16: every parameter bf16 (megatron's Float16Module path), fp32 main copies in
     the optimizer, forward and backward finite; and (1) the rank saw CUDA_DEVICE_MAX_CONNECTIONS."""
-    result = runs.train("dtype", 1, ["parallelism=single", "parallelism.global_batch_size=8", "train.precision=bf16",
-                                     "train.steps=3", "checkpoint.interval=0"])
+    result = runs.train(
+        "dtype",
+        1,
+        [
+            "parallelism=single",
+            "parallelism.global_batch_size=8",
+            "train.precision=bf16",
+            "train.steps=3",
+            "checkpoint.interval=0",
+        ],
+    )
     report_dtypes("dtype_fwd_bwd", result)
 
 
 def report_dtypes(check: str, result) -> None:
     init, rows = result.init, result.metrics
-    ok = (init["param_dtypes"] == ["torch.bfloat16"] and init["main_param_dtypes"] == ["torch.float32"]
-          and finite(rows) and len(rows) >= 1)
-    emit(check, ok, param_dtypes=init["param_dtypes"], main_param_dtypes=init["main_param_dtypes"],
-         losses=[r["loss"] for r in rows], grad_norms=[r["grad_norm"] for r in rows])
+    ok = (
+        init["param_dtypes"] == ["torch.bfloat16"]
+        and init["main_param_dtypes"] == ["torch.float32"]
+        and finite(rows)
+        and len(rows) >= 1
+    )
+    emit(
+        check,
+        ok,
+        param_dtypes=init["param_dtypes"],
+        main_param_dtypes=init["main_param_dtypes"],
+        losses=[r["loss"] for r in rows],
+        grad_norms=[r["grad_norm"] for r in rows],
+    )
     env = init.get("launch_env", {}).get("CUDA_DEVICE_MAX_CONNECTIONS", [])
-    emit("rank_env", bool(env) and all(v == "1" for v in env), CUDA_DEVICE_MAX_CONNECTIONS_per_rank=env,
-         megatron_patches=init.get("megatron_patches"))
+    emit(
+        "rank_env",
+        bool(env) and all(v == "1" for v in env),
+        CUDA_DEVICE_MAX_CONNECTIONS_per_rank=env,
+        megatron_patches=init.get("megatron_patches"),
+    )
 
 
 @guarded("layouts")
@@ -214,12 +266,21 @@ def check_layouts(runs: Runs) -> None:
     losses within 1e-2, every loss finite, the last below the first."""
     if not needs("layouts", 8, runs.ngpu):
         return
-    common = ["train.precision=bf16", "train.steps=6", "checkpoint.interval=0", "parallelism.global_batch_size=16"]
-    layouts = {"tp1-dp8": ["parallelism=single", "parallelism.dp=8"],
-               "tp2-pp2-dp2-sp": ["parallelism=tp2-pp2-dp2", "parallelism.sequence_parallel=true"],
-               "pp2-vpp2-dp4": ["parallelism=pp2-vpp2", "parallelism.dp=4", "parallelism.comm_overlap=auto"]}
-    losses = {name: [r["loss"] for r in runs.train(f"layout-{name}", 8, [*common, *o]).metrics]
-              for name, o in layouts.items()}
+    common = [
+        "train.precision=bf16",
+        "train.steps=6",
+        "checkpoint.interval=0",
+        "parallelism.global_batch_size=16",
+    ]
+    layouts = {
+        "tp1-dp8": ["parallelism=single", "parallelism.dp=8"],
+        "tp2-pp2-dp2-sp": ["parallelism=tp2-pp2-dp2", "parallelism.sequence_parallel=true"],
+        "pp2-vpp2-dp4": ["parallelism=pp2-vpp2", "parallelism.dp=4", "parallelism.comm_overlap=auto"],
+    }
+    losses = {
+        name: [r["loss"] for r in runs.train(f"layout-{name}", 8, [*common, *o]).metrics]
+        for name, o in layouts.items()
+    }
     first = [v[0] for v in losses.values()]
     agree = max(abs(a - first[0]) / abs(first[0]) for a in first) <= 1e-2
     falling = all(v[-1] < v[0] and all(math.isfinite(x) for x in v) for v in losses.values())
@@ -232,16 +293,33 @@ def check_save_kill_resume(runs: Runs, optimizer: str) -> None:
     the driver restarts every rank from `latest`: a re-run step's loss equals the first run's; no
     process holds a CUDA context on another rank's GPU."""
     if runs.dry_run:
-        world, layout = 4, ["parallelism=tp2-pp2-dp2", "parallelism.dp=1", "parallelism.sequence_parallel=true",
-                            "features=megascale", "model.fused_ops=false", "model.window_size=16"]
+        world, layout = (
+            4,
+            [
+                "parallelism=tp2-pp2-dp2",
+                "parallelism.dp=1",
+                "parallelism.sequence_parallel=true",
+                "features=megascale",
+                "model.fused_ops=false",
+                "model.window_size=16",
+            ],
+        )
     elif runs.ngpu >= 8:
         world, layout = 8, ["parallelism=tp2-pp2-dp2", "parallelism.sequence_parallel=true"]
     else:
         world, layout = 1, ["parallelism=single"]
     batch = 8 if world == 8 else 4
-    overrides = [*layout, f"optimizer={optimizer}", "train.precision=bf16", f"parallelism.global_batch_size={batch}",
-                 "train.steps=6", "checkpoint.interval=2", "checkpoint.async_save=true",
-                 "fault.kill_rank=0", "fault.kill_at_step=5"]
+    overrides = [
+        *layout,
+        f"optimizer={optimizer}",
+        "train.precision=bf16",
+        f"parallelism.global_batch_size={batch}",
+        "train.steps=6",
+        "checkpoint.interval=2",
+        "checkpoint.async_save=true",
+        "fault.kill_rank=0",
+        "fault.kill_at_step=5",
+    ]
     if runs.dry_run:
         result, several = runs.train(f"resume-{optimizer}", world, overrides), {}
     else:
@@ -252,10 +330,23 @@ def check_save_kill_resume(runs: Runs, optimizer: str) -> None:
     first = {r["step"]: r["loss"] for r in rows if r["attempt"] == 0}
     again = {r["step"]: r["loss"] for r in rows if r["attempt"] == 1}
     rerun = sorted(set(first) & set(again))
-    ok = (result.attempts == 2 and result.restored is not None and bool(rerun)
-          and all(first[s] == again[s] for s in rerun) and finite(rows) and not several)
-    facts = {"world": world, "optimizer": optimizer, "attempts": result.attempts, "restored": result.restored,
-             "rerun_steps": rerun, "first": [first[s] for s in rerun], "again": [again[s] for s in rerun]}
+    ok = (
+        result.attempts == 2
+        and result.restored is not None
+        and bool(rerun)
+        and all(first[s] == again[s] for s in rerun)
+        and finite(rows)
+        and not several
+    )
+    facts = {
+        "world": world,
+        "optimizer": optimizer,
+        "attempts": result.attempts,
+        "restored": result.restored,
+        "rerun_steps": rerun,
+        "first": [first[s] for s in rerun],
+        "again": [again[s] for s in rerun],
+    }
     if not runs.dry_run:
         facts["pids_on_several_gpus"] = several
         facts["pids_seen"] = len(gpus.seen)
@@ -272,17 +363,43 @@ def check_tp_overlap(runs: Runs, python: str) -> None:
         return
     tp = max(n for n in (2, 4, 8) if n <= runs.ngpu)
     for block in ("sequential", "parallel"):
-        out = subprocess.run([python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-                              "-m", "mega.overlap.compare", "--backends", "none,ring,symm_mem,te", "--block", block,
-                              "--hidden", "1024", "--heads", "16", "--seq", "2048", "--json"],
-                             capture_output=True, text=True, timeout=300, env=_env())
+        out = subprocess.run(
+            [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={tp}",
+                "-m",
+                "mega.overlap.compare",
+                "--backends",
+                "none,ring,symm_mem,te",
+                "--block",
+                block,
+                "--hidden",
+                "1024",
+                "--heads",
+                "16",
+                "--seq",
+                "2048",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_env(),
+        )
         if out.returncode != 0:
             emit(f"tp_overlap_{block}", False, error=out.stderr[-2000:])
             continue
         report = json.loads(out.stdout.strip().splitlines()[-1])
-        diffs = {r["backend"]: r["max_rel_diff_vs_none"] for r in report["rows"] if "max_rel_diff_vs_none" in r}
+        diffs = {
+            r["backend"]: r["max_rel_diff_vs_none"] for r in report["rows"] if "max_rel_diff_vs_none" in r
+        }
         skipped = {r["backend"]: r["skipped"] for r in report["rows"] if "skipped" in r}
-        ok = bool(diffs) and all(max(d["output"], d["grad_input"], d["param_grads"]) <= 2e-2 for d in diffs.values())
+        ok = bool(diffs) and all(
+            max(d["output"], d["grad_input"], d["param_grads"]) <= 2e-2 for d in diffs.values()
+        )
         emit(f"tp_overlap_{block}", ok, tp=tp, max_rel_diff_vs_none=diffs, skipped_backends=skipped)
 
 
@@ -294,9 +411,20 @@ def check_sliding_window(runs: Runs, python: str) -> None:
     if not _import_result("flash_attn")[:1].isdigit():
         emit("sliding_window", skipped=f"flash-attn: {_import_result('flash_attn')}")
         return
-    out = subprocess.run([python, __file__, "--sliding-window"], capture_output=True, text=True, timeout=300,
-                         env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                              "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    out = subprocess.run(
+        [python, __file__, "--sliding-window"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **_env(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+        },
+    )
     if out.returncode != 0:
         emit("sliding_window", False, error=out.stderr[-2000:])
         return
@@ -326,16 +454,29 @@ def sliding_window_errors() -> dict:
     seq, heads, groups, dim = 512, 8, 2, 64
     errors = {}
     for window in WINDOWS:
-        cfg = from_dict({"model": {"num_layers": 1, "hidden_size": heads * dim, "num_attention_heads": heads,
-                                   "num_query_groups": groups, "seq_length": seq, "vocab_size": 128,
-                                   "window_size": window, "full_attention_every": None},
-                         "parallelism": {"micro_batch_size": 2, "global_batch_size": 2},
-                         "cluster": {"procs_per_node": 1, "device": "cuda", "backend": "nccl"},
-                         "train": {"precision": "bf16"}})
+        cfg = from_dict(
+            {
+                "model": {
+                    "num_layers": 1,
+                    "hidden_size": heads * dim,
+                    "num_attention_heads": heads,
+                    "num_query_groups": groups,
+                    "seq_length": seq,
+                    "vocab_size": 128,
+                    "window_size": window,
+                    "full_attention_every": None,
+                },
+                "parallelism": {"micro_batch_size": 2, "global_batch_size": 2},
+                "cluster": {"procs_per_node": 1, "device": "cuda", "backend": "nccl"},
+                "train": {"precision": "bf16"},
+            }
+        )
         tcfg = transformer_config(cfg)
         gen = torch.Generator(device="cuda").manual_seed(window or 0)
         q = torch.randn(seq, 2, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(seq, 2, groups, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+        k, v = (
+            torch.randn(seq, 2, groups, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv"
+        )
         up = torch.randn(seq, 2, heads * dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         outs = []
         for cls in (DotProductAttention, FlashWindowAttention):
@@ -344,8 +485,10 @@ def sliding_window_errors() -> dict:
             out = core(*leaves, attention_mask=None)
             (out.float() * up.float()).sum().backward()
             outs.append([out.detach().float()] + [t.grad.float() for t in leaves])
-        errors[str(window or "full")] = {name: ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
-                                         for name, a, b in zip(["output", "dq", "dk", "dv"], outs[1], outs[0])}
+        errors[str(window or "full")] = {
+            name: ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+            for name, a, b in zip(["output", "dq", "dk", "dv"], outs[1], outs[0])
+        }
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return errors
@@ -362,12 +505,24 @@ def check_selfcheck(runs: Runs, python: str) -> None:
     else:
         node = compose(["cluster=gpu-1", "parallelism=single", f"parallelism.dp={runs.ngpu}"])
     result = run_selfcheck(node, runs.out / "selfcheck-node")
-    emit("selfcheck_node", result["healthy"], cluster=node.cluster.name, ranks=len(result.get("ranks", [])),
-         reasons=result.get("reasons"))
+    emit(
+        "selfcheck_node",
+        result["healthy"],
+        cluster=node.cluster.name,
+        ranks=len(result.get("ranks", [])),
+        reasons=result.get("reasons"),
+    )
     if not needs("selfcheck_pairs", 8, runs.ngpu):
         return
-    pairs = compose(["cluster=h100-8x", "cluster.nodes=2", "cluster.procs_per_node=4", "parallelism=single",
-                     "parallelism.dp=8"])
+    pairs = compose(
+        [
+            "cluster=h100-8x",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=4",
+            "parallelism=single",
+            "parallelism.dp=8",
+        ]
+    )
     emit("selfcheck_pairs", **pair_exchange(pairs, runs.out / "selfcheck-pairs", python))
 
 
@@ -378,15 +533,39 @@ def pair_exchange(cfg, out: Path, python: str) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    args = ["--out", str(out / "result.json"), "--floors", json.dumps(selfcheck_floors(cfg.cluster)),
-            "--device", "cuda", "--timeout-s", "50"]
+    args = [
+        "--out",
+        str(out / "result.json"),
+        "--floors",
+        json.dumps(selfcheck_floors(cfg.cluster)),
+        "--device",
+        "cuda",
+        "--timeout-s",
+        "50",
+    ]
     t0 = time.monotonic()
-    agents = [subprocess.Popen([python, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={k}",
-                                "--master-addr=127.0.0.1", f"--master-port={port}", "--nproc-per-node=4",
-                                "--max-restarts=0", "-m", "mega.cluster.selfcheck", *args],
-                               env={**_env(), **cfg.cluster.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))},
-                               stdout=subprocess.DEVNULL, stderr=open(out / f"node{k}.log", "w"))
-              for k, gpus in enumerate([range(0, 4), range(4, 8)])]
+    agents = [
+        subprocess.Popen(
+            [
+                python,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={k}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "--nproc-per-node=4",
+                "--max-restarts=0",
+                "-m",
+                "mega.cluster.selfcheck",
+                *args,
+            ],
+            env={**_env(), **cfg.cluster.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))},
+            stdout=subprocess.DEVNULL,
+            stderr=open(out / f"node{k}.log", "w"),
+        )
+        for k, gpus in enumerate([range(0, 4), range(4, 8)])
+    ]
     codes = []
     for agent in agents:
         try:
@@ -396,8 +575,13 @@ def pair_exchange(cfg, out: Path, python: str) -> dict:
             codes.append("timeout")
     elapsed = time.monotonic() - t0
     result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else {}
-    return {"ok": codes == [0, 0] and result.get("healthy", False) and elapsed <= 60, "elapsed_s": round(elapsed, 1),
-            "exit_codes": codes, "pairs": result.get("pairs"), "reasons": result.get("reasons")}
+    return {
+        "ok": codes == [0, 0] and result.get("healthy", False) and elapsed <= 60,
+        "elapsed_s": round(elapsed, 1),
+        "exit_codes": codes,
+        "pairs": result.get("pairs"),
+        "reasons": result.get("reasons"),
+    }
 
 
 @guarded("cuda_events")
@@ -418,13 +602,24 @@ def check_lamb_nccl(runs: Runs) -> None:
     if not needs("lamb_nccl", 2, runs.ngpu):
         return
     dp = max(n for n in (2, 4, 8) if n <= runs.ngpu)
-    common = ["optimizer=lamb", "train.precision=fp32", "train.steps=4", "checkpoint.interval=0",
-              "parallelism.global_batch_size=16"]
+    common = [
+        "optimizer=lamb",
+        "train.precision=fp32",
+        "train.steps=4",
+        "checkpoint.interval=0",
+        "parallelism.global_batch_size=16",
+    ]
     one = runs.train("lamb-1", 1, [*common, "parallelism=single"]).metrics
     many = runs.train(f"lamb-dp{dp}", dp, [*common, "parallelism=single", f"parallelism.dp={dp}"]).metrics
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(many, one))
-    emit("lamb_nccl", len(one) == len(many) == 4 and worst <= 1e-4, dp=dp, max_rel_loss_diff=worst,
-         losses_one=[m["loss"] for m in one], losses_dp=[m["loss"] for m in many])
+    emit(
+        "lamb_nccl",
+        len(one) == len(many) == 4 and worst <= 1e-4,
+        dp=dp,
+        max_rel_loss_diff=worst,
+        losses_one=[m["loss"] for m in one],
+        losses_dp=[m["loss"] for m in many],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -463,8 +658,15 @@ def main(argv: list[str] | None = None) -> int:
     runs = Runs(args.out, args.cpu_dry_run, ngpu)
     if args.cpu_dry_run:
         check_save_kill_resume(runs, "lamb")  # also dtype_fwd_bwd and rank_env, from the same run
-        for name in ("layouts", "save_kill_resume_adam", "tp_overlap", "sliding_window", "selfcheck",
-                     "cuda_events", "lamb_nccl"):
+        for name in (
+            "layouts",
+            "save_kill_resume_adam",
+            "tp_overlap",
+            "sliding_window",
+            "selfcheck",
+            "cuda_events",
+            "lamb_nccl",
+        ):
             emit(name, skipped="cpu dry run")
     else:
         check_dtype_fwd_bwd(runs)

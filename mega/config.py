@@ -365,7 +365,9 @@ class CheckpointConfig:
     # standard AWS chain, never from the config). null = checkpoint.dir.
     storage_uri: str | None = None
     s3_endpoint_url: str | None = None  # S3-compatible endpoint; null = AWS_ENDPOINT_URL or AWS
-    staging_dir: str | None = None  # node-local serialisation directory; null = <train.run_dir>/checkpoint-staging
+    staging_dir: str | None = (
+        None  # node-local serialisation directory; null = <train.run_dir>/checkpoint-staging
+    )
     interval: int = 25  # save every N steps (0 = never)
     load: bool = True  # resume from `latest` when present
     async_save: bool = True  # false: every save blocks until it is uploaded and `latest` moved
@@ -549,8 +551,9 @@ def load(path: str | Path) -> MegaConfig:
     return from_dict(json.loads(Path(path).read_text()))
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "config",
-            validate_config: bool = True) -> MegaConfig:
+def compose(
+    overrides: list[str] | None = None, config_name: str = "config", validate_config: bool = True
+) -> MegaConfig:
     """Compose ``conf/`` with Hydra overrides (e.g. ``["parallelism=tp2-pp2-dp2"]``) and validate
     (``validate_config=False``: typed but unchecked, for the planner that fills open knobs first)."""
     from hydra import compose as hydra_compose
@@ -665,49 +668,85 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     ]:
         _require(isinstance(value, int) and value >= 1, key, f"must be a positive integer, got {value!r}")
 
-    _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size",
-             f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}")
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        "model.hidden_size",
+        f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}",
+    )
     groups = m.num_query_groups or m.num_attention_heads
-    _require(m.num_attention_heads % groups == 0, "model.num_query_groups",
-             f"model.num_attention_heads={m.num_attention_heads} is not divisible by {groups}")
-    _require(m.num_attention_heads % p.tp == 0, "parallelism.tp",
-             f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}")
-    _require(groups % p.tp == 0, "parallelism.tp",
-             f"model query groups={groups} are not divisible by tp={p.tp}")
+    _require(
+        m.num_attention_heads % groups == 0,
+        "model.num_query_groups",
+        f"model.num_attention_heads={m.num_attention_heads} is not divisible by {groups}",
+    )
+    _require(
+        m.num_attention_heads % p.tp == 0,
+        "parallelism.tp",
+        f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}",
+    )
+    _require(
+        groups % p.tp == 0, "parallelism.tp", f"model query groups={groups} are not divisible by tp={p.tp}"
+    )
     _require(m.ffn % p.tp == 0, "parallelism.tp", f"model ffn size {m.ffn} is not divisible by tp={p.tp}")
-    _require(m.padded_vocab_size % p.tp == 0, "parallelism.tp",
-             f"padded vocabulary {m.padded_vocab_size} is not divisible by tp={p.tp}")
+    _require(
+        m.padded_vocab_size % p.tp == 0,
+        "parallelism.tp",
+        f"padded vocabulary {m.padded_vocab_size} is not divisible by tp={p.tp}",
+    )
     _one_of(m.init, "model.init", ("layout_invariant", "megatron"))
     _one_of(m.recompute, "model.recompute", (None, "full", "selective"))
     _one_of(m.block, "model.block", ("sequential", "parallel"))
     if m.window_size is not None:
         _require(m.window_size >= 1, "model.window_size", f"must be >= 1 or null, got {m.window_size}")
     if m.full_attention_every is not None:
-        _require(m.full_attention_every >= 1, "model.full_attention_every",
-                 f"must be >= 1 or null, got {m.full_attention_every}")
-        _require(m.window_size is not None, "model.full_attention_every",
-                 "only applies to sliding-window attention: set model.window_size")
-    for key, value in [("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)]:
+        _require(
+            m.full_attention_every >= 1,
+            "model.full_attention_every",
+            f"must be >= 1 or null, got {m.full_attention_every}",
+        )
+        _require(
+            m.window_size is not None,
+            "model.full_attention_every",
+            "only applies to sliding-window attention: set model.window_size",
+        )
+    for key, value in [
+        ("model.hidden_dropout", m.hidden_dropout),
+        ("model.attention_dropout", m.attention_dropout),
+    ]:
         _require(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
 
     vpp = p.vpp or 1
     _require(vpp >= 1, "parallelism.vpp", f"must be >= 1 or null, got {p.vpp}")
-    _require(m.num_layers % (p.pp * vpp) == 0, "parallelism.pp",
-             f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}")
+    _require(
+        m.num_layers % (p.pp * vpp) == 0,
+        "parallelism.pp",
+        f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}",
+    )
     if p.vpp is not None and p.vpp > 1:
         _require(p.pp > 1, "parallelism.vpp", "interleaved pipelining (vpp>1) needs pp>1")
-    _require(not p.sequence_parallel or p.tp > 1, "parallelism.sequence_parallel",
-             "sequence parallelism needs tp>1")
+    _require(
+        not p.sequence_parallel or p.tp > 1,
+        "parallelism.sequence_parallel",
+        "sequence parallelism needs tp>1",
+    )
     if p.sequence_parallel:
-        _require(m.seq_length % p.tp == 0, "parallelism.sequence_parallel",
-                 f"model.seq_length={m.seq_length} is not divisible by tp={p.tp}")
-    _require(p.global_batch_size % (p.micro_batch_size * p.dp) == 0, "parallelism.global_batch_size",
-             f"{p.global_batch_size} is not divisible by micro_batch_size*dp="
-             f"{p.micro_batch_size}*{p.dp}")
+        _require(
+            m.seq_length % p.tp == 0,
+            "parallelism.sequence_parallel",
+            f"model.seq_length={m.seq_length} is not divisible by tp={p.tp}",
+        )
+    _require(
+        p.global_batch_size % (p.micro_batch_size * p.dp) == 0,
+        "parallelism.global_batch_size",
+        f"{p.global_batch_size} is not divisible by micro_batch_size*dp={p.micro_batch_size}*{p.dp}",
+    )
     if p.vpp is not None and p.vpp > 1:
-        _require(p.num_microbatches % p.pp == 0, "parallelism.global_batch_size",
-                 f"interleaved pipelining needs microbatches per step ({p.num_microbatches}) "
-                 f"divisible by pp={p.pp}")
+        _require(
+            p.num_microbatches % p.pp == 0,
+            "parallelism.global_batch_size",
+            f"interleaved pipelining needs microbatches per step ({p.num_microbatches}) "
+            f"divisible by pp={p.pp}",
+        )
     from mega.overlap import pp_dp  # torch-free
     from mega.overlap.checks import tp_overlap_problems  # torch-free
 
@@ -717,9 +756,12 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     for key, problem in tp_overlap_problems(cfg):
         raise ConfigError(key, problem)
 
-    _require(c.world_size == p.world_size, "cluster.procs_per_node",
-             f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
-             f"does not equal tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.world_size}")
+    _require(
+        c.world_size == p.world_size,
+        "cluster.procs_per_node",
+        f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
+        f"does not equal tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.world_size}",
+    )
     _validate_launcher(cfg)
     _one_of(c.backend, "cluster.backend", ("gloo", "nccl"))
     _one_of(c.device, "cluster.device", ("cpu", "cuda"))
@@ -732,32 +774,45 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         except ValueError as err:
             raise ConfigError("cluster.redis_url", str(err)) from None
     if c.store == "redis":
-        _require(c.redis_url is not None or c.start_local_redis, "cluster.redis_url",
-                 "cluster.store=redis needs a server: set cluster.redis_url or cluster.start_local_redis=true")
-    _require(not (c.backend == "nccl" and c.device == "cpu"), "cluster.backend",
-             "nccl needs cluster.device=cuda")
+        _require(
+            c.redis_url is not None or c.start_local_redis,
+            "cluster.redis_url",
+            "cluster.store=redis needs a server: set cluster.redis_url or cluster.start_local_redis=true",
+        )
+    _require(
+        not (c.backend == "nccl" and c.device == "cpu"), "cluster.backend", "nccl needs cluster.device=cuda"
+    )
     _require(0 <= c.master_port < 65536, "cluster.master_port", f"not a port: {c.master_port}")
     _require(c.pg_timeout_s > 0, "cluster.pg_timeout_s", "must be positive")
     _require(c.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be positive")
     _one_of(c.group_init, "cluster.group_init", ("light", "default"))
     for k, v in c.env.items():
-        _require(isinstance(v, str) and k.isidentifier() and k.upper() == k, f"cluster.env.{k}",
-                 "environment presets must be UPPER_CASE names with string values")
+        _require(
+            isinstance(v, str) and k.isidentifier() and k.upper() == k,
+            f"cluster.env.{k}",
+            "environment presets must be UPPER_CASE names with string values",
+        )
     from mega.cluster.nccl import check_env  # torch-free: known NCCL/torch-NCCL variables and their ranges
 
     for key, problem in check_env(c.env).items():
         raise ConfigError(f"cluster.env.{key}", problem)
 
     _one_of(o.name, "optimizer.name", ("adam", "sgd", "lamb"))
-    _require(o.lamb_max_trust_ratio > 0, "optimizer.lamb_max_trust_ratio",
-             f"must be positive, got {o.lamb_max_trust_ratio}")
+    _require(
+        o.lamb_max_trust_ratio > 0,
+        "optimizer.lamb_max_trust_ratio",
+        f"must be positive, got {o.lamb_max_trust_ratio}",
+    )
     _require(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
     _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {o.min_lr}")
     _fill_defaults(cfg)
     _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
-    _require(o.warmup_steps < t.steps, "optimizer.warmup_steps",  # megatron's scheduler asserts it
-             f"{o.warmup_steps} must be smaller than train.steps={t.steps}: set a shorter warm-up, or leave "
-             f"optimizer.warmup_steps unset (null: a tenth of the run, here {default_warmup_steps(t.steps)})")
+    _require(
+        o.warmup_steps < t.steps,
+        "optimizer.warmup_steps",  # megatron's scheduler asserts it
+        f"{o.warmup_steps} must be smaller than train.steps={t.steps}: set a shorter warm-up, or leave "
+        f"optimizer.warmup_steps unset (null: a tenth of the run, here {default_warmup_steps(t.steps)})",
+    )
     _one_of(o.decay_style, "optimizer.decay_style", ("cosine", "linear", "constant"))
     _require(o.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
 
@@ -767,36 +822,58 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     _validate_data(cfg.data)
 
     _validate_checkpoint(cfg.checkpoint)
-    _require(not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
-             "checkpoint.upload_timeout_s",
-             f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
-             f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}")
+    _require(
+        not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
+        "checkpoint.upload_timeout_s",
+        f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
+        f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}",
+    )
 
     _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
     _require(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {t.eval_batches}")
     _require(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
-    _require(t.eval_batches == 0 or cfg.data.val_fraction > 0, "train.eval_batches",
-             "validation needs a held-out split: set data.val_fraction > 0, or train.eval_batches=0")
+    _require(
+        t.eval_batches == 0 or cfg.data.val_fraction > 0,
+        "train.eval_batches",
+        "validation needs a held-out split: set data.val_fraction > 0, or train.eval_batches=0",
+    )
     if t.precision == "fp16":  # bf16 runs on CPUs too: the CPU twin of a GPU run
-        _require(c.device == "cuda", "train.precision",
-                 "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu")
+        _require(
+            c.device == "cuda",
+            "train.precision",
+            "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu",
+        )
 
     f = cfg.fault
     if f.kill_rank is not None:
-        _require(0 <= f.kill_rank < p.world_size, "fault.kill_rank", f"no rank {f.kill_rank} in world {p.world_size}")
+        _require(
+            0 <= f.kill_rank < p.world_size,
+            "fault.kill_rank",
+            f"no rank {f.kill_rank} in world {p.world_size}",
+        )
         _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
     _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload", "kill_agent"))
     if f.kill_node is not None:
         _require(f.kill_rank is None, "fault.kill_node", "set fault.kill_rank or fault.kill_node, not both")
-        _require(0 <= f.kill_node < c.nodes, "fault.kill_node", f"no node {f.kill_node} in cluster.nodes={c.nodes}")
+        _require(
+            0 <= f.kill_node < c.nodes, "fault.kill_node", f"no node {f.kill_node} in cluster.nodes={c.nodes}"
+        )
         _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_node")
-        _require(f.mode != "kill_in_upload", "fault.mode", "kill_in_upload strikes one rank: use fault.kill_rank")
-    _require(f.mode != "kill_agent" or f.kill_node is not None, "fault.mode",
-             "kill_agent kills a node's torchrun agent: set fault.kill_node")
+        _require(
+            f.mode != "kill_in_upload", "fault.mode", "kill_in_upload strikes one rank: use fault.kill_rank"
+        )
+    _require(
+        f.mode != "kill_agent" or f.kill_node is not None,
+        "fault.mode",
+        "kill_agent kills a node's torchrun agent: set fault.kill_node",
+    )
     if f.mode == "kill_in_upload" and f.kill_rank is not None:
         k = cfg.checkpoint.interval
-        _require(k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps), "fault.kill_at_step",
-                 f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})")
+        _require(
+            k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps),
+            "fault.kill_at_step",
+            f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})",
+        )
     _validate_obs(cfg)
     _validate_stability(cfg)
     return cfg
@@ -805,11 +882,17 @@ def validate(cfg: MegaConfig) -> MegaConfig:
 def _validate_stability(cfg: MegaConfig) -> None:
     s = cfg.stability
     _require(s.heartbeat_s > 0, "stability.heartbeat_s", f"must be positive, got {s.heartbeat_s}")
-    _require(s.progress_factor >= 2, "stability.progress_factor",
-             f"must be >= 2 (a slow step is not a hang), got {s.progress_factor}")
-    _require(s.min_hang_s >= 2 * s.heartbeat_s, "stability.min_hang_s",
-             f"must be >= 2 x stability.heartbeat_s={s.heartbeat_s} (a heartbeat late once is not a hang), "
-             f"got {s.min_hang_s}")
+    _require(
+        s.progress_factor >= 2,
+        "stability.progress_factor",
+        f"must be >= 2 (a slow step is not a hang), got {s.progress_factor}",
+    )
+    _require(
+        s.min_hang_s >= 2 * s.heartbeat_s,
+        "stability.min_hang_s",
+        f"must be >= 2 x stability.heartbeat_s={s.heartbeat_s} (a heartbeat late once is not a hang), "
+        f"got {s.min_hang_s}",
+    )
     _require(s.straggler_factor > 1, "stability.straggler_factor", f"must be > 1, got {s.straggler_factor}")
     _require(s.straggler_beats >= 1, "stability.straggler_beats", f"must be >= 1, got {s.straggler_beats}")
     _validate_recovery(cfg)
@@ -818,43 +901,77 @@ def _validate_stability(cfg: MegaConfig) -> None:
 def _validate_recovery(cfg: MegaConfig) -> None:
     """The rollback and membership knobs (mega/stability: rollback.py, membership.py)."""
     c, t, f = cfg.cluster, cfg.train, cfg.fault
-    _require(isinstance(c.spare_nodes, int) and c.spare_nodes >= 0, "cluster.spare_nodes",
-             f"must be >= 0, got {c.spare_nodes!r}")
+    _require(
+        isinstance(c.spare_nodes, int) and c.spare_nodes >= 0,
+        "cluster.spare_nodes",
+        f"must be >= 0, got {c.spare_nodes!r}",
+    )
     if c.min_nodes is not None:
-        _require(1 <= c.min_nodes <= c.nodes, "cluster.min_nodes",
-                 f"must be in [1, cluster.nodes={c.nodes}] or null, got {c.min_nodes}")
+        _require(
+            1 <= c.min_nodes <= c.nodes,
+            "cluster.min_nodes",
+            f"must be in [1, cluster.nodes={c.nodes}] or null, got {c.min_nodes}",
+        )
     for s in t.skip_steps:
-        _require(isinstance(s, int) and 1 <= s <= t.steps, "train.skip_steps",
-                 f"steps are 1-based and at most train.steps={t.steps}, got {s!r}")
+        _require(
+            isinstance(s, int) and 1 <= s <= t.steps,
+            "train.skip_steps",
+            f"steps are 1-based and at most train.steps={t.steps}, got {s!r}",
+        )
     if f.nan_at_step is not None:
-        _require(1 <= f.nan_at_step <= t.steps, "fault.nan_at_step",
-                 f"must be in [1, train.steps={t.steps}], got {f.nan_at_step}")
+        _require(
+            1 <= f.nan_at_step <= t.steps,
+            "fault.nan_at_step",
+            f"must be in [1, train.steps={t.steps}], got {f.nan_at_step}",
+        )
     if f.spike_at_step is not None:
-        _require(1 <= f.spike_at_step <= t.steps, "fault.spike_at_step",
-                 f"must be in [1, train.steps={t.steps}], got {f.spike_at_step}")
+        _require(
+            1 <= f.spike_at_step <= t.steps,
+            "fault.spike_at_step",
+            f"must be in [1, train.steps={t.steps}], got {f.spike_at_step}",
+        )
     st = cfg.stability
     _require(st.spike_z >= 0, "stability.spike_z", f"must be >= 0 (0: off), got {st.spike_z}")
     _require(st.spike_window >= 3, "stability.spike_window", f"must be >= 3, got {st.spike_window}")
-    _require(3 <= st.spike_min_steps <= st.spike_window, "stability.spike_min_steps",
-             f"must be in [3, stability.spike_window={st.spike_window}], got {st.spike_min_steps}")
-    _require(st.spike_min_increase >= 0, "stability.spike_min_increase",
-             f"must be >= 0, got {st.spike_min_increase}")
+    _require(
+        3 <= st.spike_min_steps <= st.spike_window,
+        "stability.spike_min_steps",
+        f"must be in [3, stability.spike_window={st.spike_window}], got {st.spike_min_steps}",
+    )
+    _require(
+        st.spike_min_increase >= 0,
+        "stability.spike_min_increase",
+        f"must be >= 0, got {st.spike_min_increase}",
+    )
     if f.bad_node is not None:
-        _require(0 <= f.bad_node < c.nodes, "fault.bad_node", f"no node {f.bad_node} in cluster.nodes={c.nodes}")
+        _require(
+            0 <= f.bad_node < c.nodes, "fault.bad_node", f"no node {f.bad_node} in cluster.nodes={c.nodes}"
+        )
 
 
 def _validate_obs(cfg: MegaConfig) -> None:
     t, f, world = cfg.train, cfg.fault, cfg.parallelism.world_size
-    _require(isinstance(t.gc_interval, int) and t.gc_interval >= 0, "train.gc_interval",
-             f"must be >= 0 (0 = automatic GC), got {t.gc_interval!r}")
+    _require(
+        isinstance(t.gc_interval, int) and t.gc_interval >= 0,
+        "train.gc_interval",
+        f"must be >= 0 (0 = automatic GC), got {t.gc_interval!r}",
+    )
     if t.profile_steps is not None:
         ps = t.profile_steps
-        _require(len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps, "train.profile_steps",
-                 f"must be [first, last] with 1 <= first <= last <= train.steps={t.steps}, got {list(ps)}")
-    _require(cfg.obs.clock_sync_rounds >= 1, "obs.clock_sync_rounds",
-             f"must be >= 1, got {cfg.obs.clock_sync_rounds}")
-    for key, rank, amount in [("fault.slow_rank", f.slow_rank, f.slow_s),
-                              ("fault.clock_skew_rank", f.clock_skew_rank, f.clock_skew_s)]:
+        _require(
+            len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps,
+            "train.profile_steps",
+            f"must be [first, last] with 1 <= first <= last <= train.steps={t.steps}, got {list(ps)}",
+        )
+    _require(
+        cfg.obs.clock_sync_rounds >= 1,
+        "obs.clock_sync_rounds",
+        f"must be >= 1, got {cfg.obs.clock_sync_rounds}",
+    )
+    for key, rank, amount in [
+        ("fault.slow_rank", f.slow_rank, f.slow_s),
+        ("fault.clock_skew_rank", f.clock_skew_rank, f.clock_skew_s),
+    ]:
         if rank is not None:
             _require(0 <= rank < world, key, f"no rank {rank} in world {world}")
             _require(amount != 0, key.replace("_rank", "_s"), f"needed (non-zero) with {key}")
@@ -866,28 +983,45 @@ def _validate_launcher(cfg: MegaConfig) -> None:
     _one_of(la.name, "launcher.name", LAUNCHERS)
     for name in c.launchers:
         _one_of(name, "cluster.launchers", LAUNCHERS)
-    _require(la.name in c.launchers, "launcher.name",
-             f"cluster={c.name} cannot be started by launcher={la.name} (it pairs with {c.launchers})")
+    _require(
+        la.name in c.launchers,
+        "launcher.name",
+        f"cluster={c.name} cannot be started by launcher={la.name} (it pairs with {c.launchers})",
+    )
     if la.name == "local":
-        _require(c.nodes == 1, "cluster.nodes",
-                 f"launcher=local starts one node; cluster.nodes={c.nodes} needs launcher=local-nodes "
-                 "(agents on this machine), slurm or kubernetes")
+        _require(
+            c.nodes == 1,
+            "cluster.nodes",
+            f"launcher=local starts one node; cluster.nodes={c.nodes} needs launcher=local-nodes "
+            "(agents on this machine), slurm or kubernetes",
+        )
     if la.name == "local-nodes":
-        _require(c.device == "cpu", "launcher.name",
-                 "launcher=local-nodes runs CPU ranks (cluster.device=cpu); GPU nodes need slurm or kubernetes")
-    for key, value in [("cluster.peak_tflops", c.peak_tflops), ("cluster.memory_gib", c.memory_gib),
-                       ("cluster.memory_tb_per_s", c.memory_tb_per_s), ("cluster.nvlink_gb_per_s", c.nvlink_gb_per_s),
-                       ("cluster.nic_gbit_per_s", c.nic_gbit_per_s), ("launcher.local_nodes.link_mbit",
-                                                                     la.local_nodes.link_mbit)]:
+        _require(
+            c.device == "cpu",
+            "launcher.name",
+            "launcher=local-nodes runs CPU ranks (cluster.device=cpu); GPU nodes need slurm or kubernetes",
+        )
+    for key, value in [
+        ("cluster.peak_tflops", c.peak_tflops),
+        ("cluster.memory_gib", c.memory_gib),
+        ("cluster.memory_tb_per_s", c.memory_tb_per_s),
+        ("cluster.nvlink_gb_per_s", c.nvlink_gb_per_s),
+        ("cluster.nic_gbit_per_s", c.nic_gbit_per_s),
+        ("launcher.local_nodes.link_mbit", la.local_nodes.link_mbit),
+    ]:
         _require(value is None or value > 0, key, f"must be positive or null, got {value}")
     _require(c.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {c.nics_per_node}")
-    for key, value in [("cluster.selfcheck_gemm_fraction", c.selfcheck_gemm_fraction),
-                       ("cluster.selfcheck_nvlink_fraction", c.selfcheck_nvlink_fraction),
-                       ("cluster.selfcheck_nic_fraction", c.selfcheck_nic_fraction)]:
+    for key, value in [
+        ("cluster.selfcheck_gemm_fraction", c.selfcheck_gemm_fraction),
+        ("cluster.selfcheck_nvlink_fraction", c.selfcheck_nvlink_fraction),
+        ("cluster.selfcheck_nic_fraction", c.selfcheck_nic_fraction),
+    ]:
         _require(0 < value <= 1, key, f"must be in (0, 1] (a fraction of the hardware's figure), got {value}")
-    for key, value in [("cluster.selfcheck_min_gemm_gflops", c.selfcheck_min_gemm_gflops),
-                       ("cluster.selfcheck_min_alltoall_mb_per_s", c.selfcheck_min_alltoall_mb_per_s),
-                       ("cluster.selfcheck_min_inter_node_mb_per_s", c.selfcheck_min_inter_node_mb_per_s)]:
+    for key, value in [
+        ("cluster.selfcheck_min_gemm_gflops", c.selfcheck_min_gemm_gflops),
+        ("cluster.selfcheck_min_alltoall_mb_per_s", c.selfcheck_min_alltoall_mb_per_s),
+        ("cluster.selfcheck_min_inter_node_mb_per_s", c.selfcheck_min_inter_node_mb_per_s),
+    ]:
         _require(value >= 0, key, f"must be >= 0, got {value}")
     _require(0 <= la.rdzv_port < 65536, "launcher.rdzv_port", f"not a port: {la.rdzv_port}")
     import ipaddress
@@ -897,9 +1031,13 @@ def _validate_launcher(cfg: MegaConfig) -> None:
     except ValueError as err:
         raise ConfigError("launcher.local_nodes.subnet", str(err)) from None
     # room for every node only matters where the nodes live on it (a slurm job of 1,536 nodes is fine)
-    _require(net.version == 4 and net.is_private and (la.name != "local-nodes" or net.num_addresses >= c.nodes + 3),
-             "launcher.local_nodes.subnet",
-             f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}")
+    _require(
+        net.version == 4
+        and net.is_private
+        and (la.name != "local-nodes" or net.num_addresses >= c.nodes + 3),
+        "launcher.local_nodes.subnet",
+        f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}",
+    )
     if la.local_nodes.netns:
         _validate_netns(cfg)
 
@@ -910,8 +1048,11 @@ def _validate_netns(cfg: MegaConfig) -> None:
     import ipaddress
     from urllib.parse import urlsplit
 
-    _require(cfg.launcher.name == "local-nodes", "launcher.local_nodes.netns",
-             f"network-namespace nodes are a launcher=local-nodes option, not launcher={cfg.launcher.name}")
+    _require(
+        cfg.launcher.name == "local-nodes",
+        "launcher.local_nodes.netns",
+        f"network-namespace nodes are a launcher=local-nodes option, not launcher={cfg.launcher.name}",
+    )
 
     def loopback(host: str | None) -> bool:
         if host is None or host == "localhost":
@@ -921,10 +1062,14 @@ def _validate_netns(cfg: MegaConfig) -> None:
         except ValueError:
             return False
 
-    hint = "unreachable from network-namespace nodes (each has its own loopback); use an address they reach, " \
-           f"e.g. the bridge address (the first host of launcher.local_nodes.subnet={cfg.launcher.local_nodes.subnet})"
-    for key, url in [("cluster.redis_url", cfg.cluster.redis_url), ("checkpoint.s3_endpoint_url",
-                                                                    cfg.checkpoint.s3_endpoint_url)]:
+    hint = (
+        "unreachable from network-namespace nodes (each has its own loopback); use an address they reach, "
+        f"e.g. the bridge address (the first host of launcher.local_nodes.subnet={cfg.launcher.local_nodes.subnet})"
+    )
+    for key, url in [
+        ("cluster.redis_url", cfg.cluster.redis_url),
+        ("checkpoint.s3_endpoint_url", cfg.checkpoint.s3_endpoint_url),
+    ]:
         if url is not None:
             _require(not loopback(urlsplit(url).hostname), key, f"{urlsplit(url).hostname} is {hint}")
 
@@ -948,35 +1093,62 @@ def _check_endpoint(url: str, key: str) -> None:
     from urllib.parse import urlparse
 
     ep = urlparse(url)
-    _require(ep.scheme in ("http", "https") and bool(ep.hostname), key, f"must be an http(s) URL, got {url!r}")
-    _require(not (ep.username or ep.password), key, "must not carry credentials (they come from the standard AWS chain)")
+    _require(
+        ep.scheme in ("http", "https") and bool(ep.hostname), key, f"must be an http(s) URL, got {url!r}"
+    )
+    _require(
+        not (ep.username or ep.password),
+        key,
+        "must not carry credentials (they come from the standard AWS chain)",
+    )
 
 
 def _validate_checkpoint(ck: CheckpointConfig) -> None:
     from urllib.parse import urlparse
 
     _require(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
-    _require(isinstance(ck.memory_interval, int) and ck.memory_interval >= 0, "checkpoint.memory_interval",
-             f"must be an integer >= 0, got {ck.memory_interval!r}")
+    _require(
+        isinstance(ck.memory_interval, int) and ck.memory_interval >= 0,
+        "checkpoint.memory_interval",
+        f"must be an integer >= 0, got {ck.memory_interval!r}",
+    )
     _require(ck.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
-    _require(isinstance(ck.keep_last, int) and ck.keep_last >= 1, "checkpoint.keep_last",
-             f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}")
+    _require(
+        isinstance(ck.keep_last, int) and ck.keep_last >= 1,
+        "checkpoint.keep_last",
+        f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}",
+    )
     _require(ck.upload_retry_s > 0, "checkpoint.upload_retry_s", f"must be positive, got {ck.upload_retry_s}")
-    _require(isinstance(ck.upload_timeout_s, (int, float)) and ck.upload_timeout_s >= ck.upload_retry_s,
-             "checkpoint.upload_timeout_s",
-             f"must be at least checkpoint.upload_retry_s={ck.upload_retry_s:g}, got {ck.upload_timeout_s!r}")
+    _require(
+        isinstance(ck.upload_timeout_s, (int, float)) and ck.upload_timeout_s >= ck.upload_retry_s,
+        "checkpoint.upload_timeout_s",
+        f"must be at least checkpoint.upload_retry_s={ck.upload_retry_s:g}, got {ck.upload_timeout_s!r}",
+    )
     _require(bool(ck.dir), "checkpoint.dir", "must not be empty")
     if ck.storage_uri is not None:
         uri = urlparse(ck.storage_uri)
-        _require(uri.scheme in ("", "file", "s3"), "checkpoint.storage_uri",
-                 f"unsupported scheme {uri.scheme!r}: use a path, file:///abs/path or s3://bucket/prefix")
-        _require(not (uri.username or uri.password), "checkpoint.storage_uri",
-                 "must not carry credentials (they come from the standard AWS chain)")
+        _require(
+            uri.scheme in ("", "file", "s3"),
+            "checkpoint.storage_uri",
+            f"unsupported scheme {uri.scheme!r}: use a path, file:///abs/path or s3://bucket/prefix",
+        )
+        _require(
+            not (uri.username or uri.password),
+            "checkpoint.storage_uri",
+            "must not carry credentials (they come from the standard AWS chain)",
+        )
         if uri.scheme == "s3":
             _require(bool(uri.netloc), "checkpoint.storage_uri", "s3:// needs a bucket: s3://bucket/prefix")
         if uri.scheme == "file":
-            _require(uri.netloc in ("", "localhost"), "checkpoint.storage_uri",
-                     "file URIs must be local: file:///abs/path")
-        _require(bool(ck.storage_uri.strip()), "checkpoint.storage_uri", "must not be empty (null = checkpoint.dir)")
+            _require(
+                uri.netloc in ("", "localhost"),
+                "checkpoint.storage_uri",
+                "file URIs must be local: file:///abs/path",
+            )
+        _require(
+            bool(ck.storage_uri.strip()),
+            "checkpoint.storage_uri",
+            "must not be empty (null = checkpoint.dir)",
+        )
     if ck.s3_endpoint_url is not None:
         _check_endpoint(ck.s3_endpoint_url, "checkpoint.s3_endpoint_url")

@@ -18,7 +18,9 @@ if TYPE_CHECKING:  # torch is imported where a GEMM is timed: the FLOP counts st
     import torch
 
 
-def attention_layer_counts(num_layers: int, window: int | None, full_attention_every: int | None) -> tuple[int, int]:
+def attention_layer_counts(
+    num_layers: int, window: int | None, full_attention_every: int | None
+) -> tuple[int, int]:
     """(sliding-window layers, full-attention layers): with ``full_attention_every=k`` layers
     k, 2k, ... (1-based, megatron's ``window_attn_skip_freq``) attend fully, the rest use the window."""
     if window is None:
@@ -27,8 +29,12 @@ def attention_layer_counts(num_layers: int, window: int | None, full_attention_e
     return num_layers - full, full
 
 
-def model_flops_per_token(model: ModelConfig, recompute: bool = False, window: int | None = None,
-                          full_attention_every: int | None = None) -> float:
+def model_flops_per_token(
+    model: ModelConfig,
+    recompute: bool = False,
+    window: int | None = None,
+    full_attention_every: int | None = None,
+) -> float:
     """Training FLOPs (forward + backward) per token of a megatron GPT, counting matmuls only.
 
     ``recompute``: full activation recompute runs the transformer layers' forward once more (the
@@ -48,8 +54,9 @@ def model_flops_per_token(model: ModelConfig, recompute: bool = False, window: i
     mlp = 2 * 2 * h * model.ffn  # h -> ffn and ffn -> h
     windowed, full = attention_layer_counts(model.num_layers, window, full_attention_every)
     s_window = s if window is None else min(window + 1, s)
-    layers_forward = (model.num_layers * (qkv + projection + mlp)
-                      + windowed * attention(s_window) + full * attention(s))
+    layers_forward = (
+        model.num_layers * (qkv + projection + mlp) + windowed * attention(s_window) + full * attention(s)
+    )
     logits_forward = 2 * h * model.padded_vocab_size
 
     # backward = 2x forward (gradients w.r.t. inputs and w.r.t. weights)
@@ -64,7 +71,9 @@ def model_flops_per_step(cfg: MegaConfig) -> float:
     the model's own attention pattern (sliding window, full attention every k-th layer)."""
     m = cfg.model
     tokens = cfg.parallelism.global_batch_size * m.seq_length
-    return model_flops_per_token(m, window=m.window_size, full_attention_every=m.full_attention_every) * tokens
+    return (
+        model_flops_per_token(m, window=m.window_size, full_attention_every=m.full_attention_every) * tokens
+    )
 
 
 # Dense (no 2:4 sparsity) peak tensor-core TFLOP/s per GPU, from the vendor datasheets, which print
@@ -105,8 +114,14 @@ _DEVICE_PATTERNS: list[tuple[str, str]] = [
 ]
 
 _DTYPE_ALIASES = {
-    "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32",
-    "float8": "fp8", "float8_e4m3fn": "fp8", "tensorfloat32": "tf32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "tensorfloat32": "tf32",
 }
 
 
@@ -167,6 +182,8 @@ def fastest_window(ends: list[float], window: int) -> float:
 def mfu(flops_per_step: float, step_seconds: float, num_devices: int, peak_per_device: float) -> float:
     """Model FLOPs utilization: achieved FLOP/s over the peak FLOP/s of all devices (0..1)."""
     if step_seconds <= 0 or num_devices < 1 or peak_per_device <= 0:
-        raise ValueError(f"need step_seconds>0, num_devices>=1, peak_per_device>0; got "
-                         f"{step_seconds}, {num_devices}, {peak_per_device}")
+        raise ValueError(
+            f"need step_seconds>0, num_devices>=1, peak_per_device>0; got "
+            f"{step_seconds}, {num_devices}, {peak_per_device}"
+        )
     return flops_per_step / (step_seconds * num_devices * peak_per_device)

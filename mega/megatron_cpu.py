@@ -54,8 +54,7 @@ PATCHED_SOURCES = {
     # reach the reduce-scatter through the module global ``dist_reduce_scatter_func``
     "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim": "7322068fab71d319",
     "megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward": "b50b2ea4a1c90270",
-    "megatron.core.distributed.reduce_scatter_with_fp32_accumulation:reduce_scatter_with_fp32_accumulation":
-        "ff5a1341cb9a7e75",
+    "megatron.core.distributed.reduce_scatter_with_fp32_accumulation:reduce_scatter_with_fp32_accumulation": "ff5a1341cb9a7e75",
 }
 
 
@@ -208,11 +207,14 @@ def _patch_gloo_reduce_scatter() -> None:
     for module in (mappings, layers):
         original = module.dist_reduce_scatter_func
 
-        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, _original=original):
+        def reduce_scatter(
+            output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, _original=original
+        ):
             if op == dist.ReduceOp.SUM and output.is_contiguous() and dist.get_backend(group) == "gloo":
                 # flat views: the local sum is copied into the output through its view
-                return all_to_all_reduce_scatter(output.view(-1), input.reshape(-1), op,
-                                                 group or dist.group.WORLD, async_op)
+                return all_to_all_reduce_scatter(
+                    output.view(-1), input.reshape(-1), op, group or dist.group.WORLD, async_op
+                )
             return _original(output, input, op=op, group=group, async_op=async_op)
 
         reduce_scatter.__wrapped__ = original

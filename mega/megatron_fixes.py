@@ -53,8 +53,10 @@ def check_version(what: str, test: str) -> None:
     import megatron.core
 
     if megatron.core.__version__ != MEGATRON_VERSION:
-        raise RuntimeError(f"mega's {what} were verified on megatron-core {MEGATRON_VERSION}, found "
-                           f"{megatron.core.__version__}; re-run {test} and update them")
+        raise RuntimeError(
+            f"mega's {what} were verified on megatron-core {MEGATRON_VERSION}, found "
+            f"{megatron.core.__version__}; re-run {test} and update them"
+        )
 
 
 def apply(only: tuple[str, ...] = FIXES) -> tuple[str, ...]:
@@ -62,7 +64,10 @@ def apply(only: tuple[str, ...] = FIXES) -> tuple[str, ...]:
     of all corrections installed in this process."""
     global _applied
     check_version("megatron-core corrections", "tests/test_megatron_fixes.py")
-    installers = {"sequence_parallel_norm": _fix_sequence_parallel_norm, "distopt_restore": _fix_distopt_restore}
+    installers = {
+        "sequence_parallel_norm": _fix_sequence_parallel_norm,
+        "distopt_restore": _fix_distopt_restore,
+    }
     for name in only:
         if name not in _applied:
             installers[name]()

@@ -36,7 +36,16 @@ class MetricsLogger:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()  # the launcher watches this file for progress
         if self._tb is not None:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_s", "val_loss", *OBS_ROW_KEYS):
+            for key in (
+                "loss",
+                "grad_norm",
+                "lr",
+                "tokens_per_s",
+                "mfu",
+                "step_s",
+                "val_loss",
+                *OBS_ROW_KEYS,
+            ):
                 value = row.get(key)
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     group = "obs" if key in OBS_ROW_KEYS else "train"  # compute, exposed comm (mega.obs)
@@ -44,7 +53,8 @@ class MetricsLogger:
         self.console.print(
             f"step {row['step']:>6} | loss {row['loss']:.5f} | grad norm {row['grad_norm']:.4f} | "
             f"lr {row['lr']:.2e} | {row['tokens_per_s']:,.0f} tok/s | MFU {100 * row['mfu']:.2f}% | "
-            f"{row['step_s'] * 1000:.0f} ms" + (f" | val loss {row['val_loss']:.5f}" if "val_loss" in row else "")
+            f"{row['step_s'] * 1000:.0f} ms"
+            + (f" | val loss {row['val_loss']:.5f}" if "val_loss" in row else "")
         )
 
     def event(self, message: str) -> None:

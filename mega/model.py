@@ -27,6 +27,7 @@ from mega.layers import core_attention_class, fused, parallel_layer_spec
 from mega.overlap import pp_dp
 from mega.overlap import tp as tp_overlap
 
+
 def transformer_config(cfg: MegaConfig) -> TransformerConfig:
     m, p = cfg.model, cfg.parallelism
     flags = backend_flags(cfg)  # everything that differs between GPU and CPU runs
@@ -88,22 +89,27 @@ def layer_spec(cfg: MegaConfig) -> ModuleSpec:
     spec = replace(spec, submodules=replace(spec.submodules, self_attention=attention))
     if cfg.model.fused_ops:
         norm = fused.layer_norm_class(cfg)
-        spec = replace(spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm))
+        spec = replace(
+            spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
+        )
     if cfg.model.block == "parallel":
         spec = parallel_layer_spec(spec)
     # parallelism.tp_overlap: TP/SP collectives overlapped with the GEMMs (docs/overlap.md)
     return tp_overlap.layer_spec(cfg, spec)
 
 
-def decoder_spec(cfg: MegaConfig, tcfg: TransformerConfig,
-                 vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
+def decoder_spec(
+    cfg: MegaConfig, tcfg: TransformerConfig, vp_stage: int | None
+) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec, or with ``model.fused_ops`` the block's submodules, so that the final
     LayerNorm is the fused one too (megatron picks its own for a bare layer spec)."""
     spec = layer_spec(cfg)
     if not cfg.model.fused_ops:
         return spec
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
-                                      layer_norm=fused.layer_norm_class(cfg))
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
+        layer_norm=fused.layer_norm_class(cfg),
+    )
 
 
 def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:
@@ -156,7 +162,7 @@ def global_parameter_names(model: MegatronModule) -> dict[str, torch.nn.Paramete
     for name, param in model.named_parameters():
         for local, global_ in layer_of.items():
             if name.startswith(local):
-                name = global_ + name[len(local):]
+                name = global_ + name[len(local) :]
                 break
         names[name] = param
     return names
@@ -182,7 +188,9 @@ def init_layout_invariant(model: MegatronModule, seed: int, std: float) -> None:
             if name.endswith("bias"):
                 param.zero_()
                 continue
-            if "layernorm" in name or "norm." in name or "layer_norm_weight" in name:  # TE fuses LN into linears
+            if (
+                "layernorm" in name or "norm." in name or "layer_norm_weight" in name
+            ):  # TE fuses LN into linears
                 param.fill_(1.0)
                 continue
             full_shape = list(param.shape)

@@ -32,16 +32,26 @@ _ABSENT_PACKAGE_WARNINGS = [
 ]
 _CHATTER = [
     # megatron-core calls torch's old collective names; nothing a user can change
-    (r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
-     r"torch\.distributed\."),
+    (
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+        r"torch\.distributed\.",
+    ),
     # megatron's zero_grad touches .grad of the distributed optimizer's fp32 shard views (None, harmless)
-    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
-     r"megatron\.core\.optimizer\.optimizer"),
+    (
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        UserWarning,
+        r"megatron\.core\.optimizer\.optimizer",
+    ),
 ]
 _CPU_ONLY = [
     # advice about CUDA streams: meaningless without a GPU (on GPUs it stays)
-    (r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment "
-     r"variable CUDA_DEVICE_MAX_CONNECTIONS", UserWarning, r"megatron\.core\.tensor_parallel\.layers"),
+    (
+        r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment "
+        r"variable CUDA_DEVICE_MAX_CONNECTIONS",
+        UserWarning,
+        r"megatron\.core\.tensor_parallel\.layers",
+    ),
 ]
 # megatron's dist_checkpointing logs this at every save whose directory is not empty; mega's
 # checkpointer creates each save's staging directory (with its rng/ subdirectory) before calling
@@ -70,12 +80,16 @@ def notice(device: str) -> str | None:
         return None
     names = ", ".join(OPTIONAL_GPU_PACKAGES[name].split(" (")[0] for name in absent)
     if device == "cpu":
-        return (f"optional GPU packages not installed: {names}. Nothing is lost on this CPU run (they are "
-                "CUDA kernels); on a GPU, megatron-core would fall back to torch's LayerNorm, optimizers and "
-                "attention: the same math, slower.")
-    return (f"optional GPU packages not installed: {names}. megatron-core falls back to torch's LayerNorm, "
-            "optimizers and multi-tensor kernels, and attention to its unfused kernel: the same math, slower "
-            "(see docs/model.md, 'Fused operators').")
+        return (
+            f"optional GPU packages not installed: {names}. Nothing is lost on this CPU run (they are "
+            "CUDA kernels); on a GPU, megatron-core would fall back to torch's LayerNorm, optimizers and "
+            "attention: the same math, slower."
+        )
+    return (
+        f"optional GPU packages not installed: {names}. megatron-core falls back to torch's LayerNorm, "
+        "optimizers and multi-tensor kernels, and attention to its unfused kernel: the same math, slower "
+        "(see docs/model.md, 'Fused operators')."
+    )
 
 
 class _DropMessage(logging.Filter):

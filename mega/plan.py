@@ -35,18 +35,29 @@ _STATE: dict[str, Any] = {}
 def _print_explain(result: dict[str, Any]) -> None:
     out = sys.stderr
     step = result["step_s"]
-    print(f"step {step:.4f} s   MFU {result['mfu']:.1%}   HFU {result['hfu']:.1%}   "
-          f"{result['tokens_per_s']:,.0f} tokens/s   memory {result['memory_gib']:.1f} GiB "
-          f"({'fits' if result['fits'] else 'does NOT fit'} in {result.get('memory', {}).get('usable', float('nan')):.1f})",
-          file=out)
-    print(f"knobs: {result['knobs']}   (chosen by the planner: {', '.join(result['chosen']) or 'none'})", file=out)
+    print(
+        f"step {step:.4f} s   MFU {result['mfu']:.1%}   HFU {result['hfu']:.1%}   "
+        f"{result['tokens_per_s']:,.0f} tokens/s   memory {result['memory_gib']:.1f} GiB "
+        f"({'fits' if result['fits'] else 'does NOT fit'} in {result.get('memory', {}).get('usable', float('nan')):.1f})",
+        file=out,
+    )
+    print(
+        f"knobs: {result['knobs']}   (chosen by the planner: {', '.join(result['chosen']) or 'none'})",
+        file=out,
+    )
     print(f"{'term':<18} {'seconds':>10} {'share':>6} {'total (before overlap)':>22}  what", file=out)
     for name, t in result["breakdown"].items():
         total = f"{t['total_s']:.4f}" if "total_s" in t else ""
-        print(f"{name:<18} {t['seconds']:>10.4f} {t['seconds'] / step:>6.1%} {total:>22}  {t['what']}", file=out)
+        print(
+            f"{name:<18} {t['seconds']:>10.4f} {t['seconds'] / step:>6.1%} {total:>22}  {t['what']}", file=out
+        )
     mem = result["memory"]
-    print("memory GiB: " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "stage")
-          + f" (pipeline stage {mem['stage']})", file=out)
+    print(
+        "memory GiB: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in mem.items() if k != "stage")
+        + f" (pipeline stage {mem['stage']})",
+        file=out,
+    )
 
 
 def _summary(result: dict[str, Any]) -> None:
@@ -54,20 +65,28 @@ def _summary(result: dict[str, Any]) -> None:
         print(f"{len(result['rows'])} layouts fit (rejected: {result['rejected']})", file=sys.stderr)
         for row in result["rows"][:10]:
             lay = row["layout"]
-            print(f"  tp{lay['tp']} pp{lay['pp']} vpp{lay['vpp']} dp{lay['dp']}  MFU {row['mfu']:.1%}  "
-                  f"step {row['step_s']:.3f} s  {row['memory_gib']:.1f} GiB  {row['knobs']}", file=sys.stderr)
+            print(
+                f"  tp{lay['tp']} pp{lay['pp']} vpp{lay['vpp']} dp{lay['dp']}  MFU {row['mfu']:.1%}  "
+                f"step {row['step_s']:.3f} s  {row['memory_gib']:.1f} GiB  {row['knobs']}",
+                file=sys.stderr,
+            )
         return
-    print(f"MFU {result['mfu']:.1%}, step {result['step_s']:.4f} s, {result['tokens_per_s']:,.0f} tokens/s, "
-          f"{result['memory_gib']:.1f} GiB per GPU ({'fits' if result['fits'] else 'does not fit'}), "
-          f"knobs {result['knobs']}", file=sys.stderr)
+    print(
+        f"MFU {result['mfu']:.1%}, step {result['step_s']:.4f} s, {result['tokens_per_s']:,.0f} tokens/s, "
+        f"{result['memory_gib']:.1f} GiB per GPU ({'fits' if result['fits'] else 'does not fit'}), "
+        f"knobs {result['knobs']}",
+        file=sys.stderr,
+    )
 
 
 BASELINE_FEATURES = "megatron-baseline"
 
 
 def _features(overrides: list[str]) -> str | None:
-    return next((o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+~") == "features"),
-                None)
+    return next(
+        (o.split("=", 1)[1] for o in reversed(overrides) if o.split("=", 1)[0].lstrip("+~") == "features"),
+        None,
+    )
 
 
 def _evaluate(overrides: list[str], calibration: str | None) -> dict[str, Any]:
@@ -88,7 +107,8 @@ def _device_warnings(result: dict[str, Any]) -> None:
     if not cal["validated"]:
         result.setdefault("warnings", []).append(
             f"device {cal['device']!r} has no published run to validate its efficiencies against "
-            f"(calibration: {cal['source']}); calibrate it: python -m mega.perf.calibrate --device cuda")
+            f"(calibration: {cal['source']}); calibrate it: python -m mega.perf.calibrate --device cuda"
+        )
 
 
 def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
@@ -103,8 +123,11 @@ def plan_once(overrides: list[str], search: bool, calibration: str | None) -> di
     _device_warnings(result)
     features = _features(overrides)
     if features is not None and features != BASELINE_FEATURES:
-        base = _evaluate([o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "features"]
-                         + [f"features={BASELINE_FEATURES}"], calibration)
+        base = _evaluate(
+            [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "features"]
+            + [f"features={BASELINE_FEATURES}"],
+            calibration,
+        )
         result["baseline"] = {k: base[k] for k in ("mfu", "step_s", "tokens_per_s", "knobs", "fits")}
         result["speedup_vs_baseline"] = result["tokens_per_s"] / base["tokens_per_s"]
     return result
@@ -157,8 +180,12 @@ def _multirun(overrides: list[str]) -> int:
     register_schema()
     # Sweep jobs write only plan.json; no training run directory is involved. Logging is left
     # as the caller set it: Hydra's "disabled" preset would disable every logger that exists.
-    defaults = ["hydra.sweep.dir=runs/plan-multirun/${now:%Y-%m-%d_%H-%M-%S}", "hydra.job.chdir=false",
-                "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    defaults = [
+        "hydra.sweep.dir=runs/plan-multirun/${now:%Y-%m-%d_%H-%M-%S}",
+        "hydra.job.chdir=false",
+        "hydra/job_logging=none",
+        "hydra/hydra_logging=none",
+    ]
     given = {o.split("=", 1)[0] for o in overrides}
     argv = [a for a in defaults if a.split("=", 1)[0] not in given] + overrides
     main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_hydra_job)
@@ -213,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mega.plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mega.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-175b cluster=a100-8x")
     parser.add_argument("--search", action="store_true", help="rank every layout that fits")
     parser.add_argument("--explain", action="store_true", help="print the step-time terms (stderr)")
@@ -227,10 +255,12 @@ def _parser() -> argparse.ArgumentParser:
 def _validate_parser() -> argparse.ArgumentParser:
     from mega.perf import published
 
-    parser = argparse.ArgumentParser(prog="python -m mega.plan validate",
-                                     description="leave-one-source-out: each published source "
-                                                 "(tests/fixtures/published) predicted with the per-device "
-                                                 "calibration fitted on all the others")
+    parser = argparse.ArgumentParser(
+        prog="python -m mega.plan validate",
+        description="leave-one-source-out: each published source "
+        "(tests/fixtures/published) predicted with the per-device "
+        "calibration fitted on all the others",
+    )
     parser.add_argument("--fixtures", default=str(published.DEFAULT_DIR))
     parser.add_argument("--plot", default=None, help="write the predicted-vs-published PNG here")
     parser.add_argument("--rounds", type=int, default=1, help="coordinate-descent rounds of each fit")
@@ -245,12 +275,18 @@ def _validate(argv: list[str]) -> int:
     result = published.validate(Path(args.fixtures), args.plot, args.rounds)
     if not args.json:
         for r in result["rows"]:
-            print(f"{r['source'][:34]:<34} {r['name']:<22} published {100 * r['published_mfu']:5.1f} "
-                  f"predicted {100 * r['predicted_mfu']:5.1f} {r['err_mfu_pts']:+5.1f} pts"
-                  + (f"  ({r['reason']})" if r.get("reason") else ""), file=sys.stderr)
+            print(
+                f"{r['source'][:34]:<34} {r['name']:<22} published {100 * r['published_mfu']:5.1f} "
+                f"predicted {100 * r['predicted_mfu']:5.1f} {r['err_mfu_pts']:+5.1f} pts"
+                + (f"  ({r['reason']})" if r.get("reason") else ""),
+                file=sys.stderr,
+            )
         s = result["summary"]
-        print(f"{s['rows']} rows: MAE {s['mae_mfu_pts']:.2f} MFU points, max |error| {s['max_abs_err_mfu_pts']:.1f}, "
-              f"{s['within_3_pts']} within +-3; targets met: {s['targets_met']}", file=sys.stderr)
+        print(
+            f"{s['rows']} rows: MAE {s['mae_mfu_pts']:.2f} MFU points, max |error| {s['max_abs_err_mfu_pts']:.1f}, "
+            f"{s['within_3_pts']} within +-3; targets met: {s['targets_met']}",
+            file=sys.stderr,
+        )
     print(json.dumps(result))
     return 0
 

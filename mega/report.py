@@ -16,8 +16,11 @@ from mega.metrics import read_metrics as load_metrics  # noqa: F401  (the report
 
 def restart_steps(metrics: list[dict[str, Any]]) -> list[int]:
     """Steps at which a new attempt's metrics begin (where ``attempt`` changes)."""
-    return [cur["step"] for prev, cur in zip(metrics, metrics[1:])
-            if cur.get("attempt", 0) != prev.get("attempt", 0)]
+    return [
+        cur["step"]
+        for prev, cur in zip(metrics, metrics[1:])
+        if cur.get("attempt", 0) != prev.get("attempt", 0)
+    ]
 
 
 def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
@@ -27,8 +30,15 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     the means unless it is the only step.
     """
     if not metrics:
-        return {"total_steps": 0, "final_loss": None, "val_loss": None, "mean_tokens_per_s": None, "mean_mfu": None,
-                "mean_step_s": None, "restarts": 0}
+        return {
+            "total_steps": 0,
+            "final_loss": None,
+            "val_loss": None,
+            "mean_tokens_per_s": None,
+            "mean_mfu": None,
+            "mean_step_s": None,
+            "restarts": 0,
+        }
     steady = metrics[1:] or metrics
     return {
         "total_steps": metrics[-1]["step"],
@@ -48,7 +58,9 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def plot_loss_curve(metrics: list[dict[str, Any]], png_path: str | Path, title: str = "training loss") -> Path:
+def plot_loss_curve(
+    metrics: list[dict[str, Any]], png_path: str | Path, title: str = "training loss"
+) -> Path:
     """Loss vs step as a PNG; a dashed line marks each restart from a checkpoint."""
     import matplotlib
 
@@ -62,8 +74,14 @@ def plot_loss_curve(metrics: list[dict[str, Any]], png_path: str | Path, title: 
         ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], marker=".", lw=1.2, label="loss")
         evaluated = [m for m in metrics if "val_loss" in m]
         if evaluated:
-            ax.plot([m["step"] for m in evaluated], [m["val_loss"] for m in evaluated], marker="D", ls="--",
-                    lw=1, label="validation loss (held-out)")
+            ax.plot(
+                [m["step"] for m in evaluated],
+                [m["val_loss"] for m in evaluated],
+                marker="D",
+                ls="--",
+                lw=1,
+                label="validation loss (held-out)",
+            )
         for i, step in enumerate(restart_steps(metrics)):
             ax.axvline(step, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
         ax.set(xlabel="step", ylabel="loss", title=title)
@@ -88,8 +106,12 @@ def node_table(run_dir: str | Path) -> list[dict[str, Any]]:
         return []
 
 
-def markdown_report(summary: dict[str, Any], png_path: str | Path, title: str = "Training report",
-                    nodes: list[dict[str, Any]] | None = None) -> str:
+def markdown_report(
+    summary: dict[str, Any],
+    png_path: str | Path,
+    title: str = "Training report",
+    nodes: list[dict[str, Any]] | None = None,
+) -> str:
     """Markdown with a summary table, the nodes (``node_table``) and the loss curve inlined as a
     base64 data URI.
 
@@ -106,17 +128,24 @@ def markdown_report(summary: dict[str, Any], png_path: str | Path, title: str = 
     ]
     table = "\n".join(["| metric | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)])
     if nodes:
-        table += "\n\n" + "\n".join(["| node | host | address | ranks |", "| --- | --- | --- | --- |",
-                                       *(f"| {n['node']} | {n['host']} | {n['address']} | "
-                                         f"{_ranks(n['ranks'])} |" for n in nodes)])
+        table += "\n\n" + "\n".join(
+            [
+                "| node | host | address | ranks |",
+                "| --- | --- | --- | --- |",
+                *(f"| {n['node']} | {n['host']} | {n['address']} | {_ranks(n['ranks'])} |" for n in nodes),
+            ]
+        )
     png = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
     return f"# {title}\n\n{table}\n\n![loss curve](data:image/png;base64,{png})\n"
 
 
 def _ranks(ranks: list[int]) -> str:
     """[0, 1, 2, 3] -> "0-3" (a node's ranks are consecutive)."""
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1))
         else ", ".join(map(str, ranks))
+    )
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -75,8 +75,13 @@ def setup_distributed(cfg: MegaConfig) -> dict:
     # megatron seeds the default generator through torch.cuda.manual_seed, a no-op without CUDA.
     torch.manual_seed(cfg.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-    return {"pg_init_s": t1 - t0, "model_parallel_init_s": t2 - t1, "world_size": dist.get_world_size(),
-            "store": cfg.cluster.store, "group_init": cfg.cluster.group_init}
+    return {
+        "pg_init_s": t1 - t0,
+        "model_parallel_init_s": t2 - t1,
+        "world_size": dist.get_world_size(),
+        "store": cfg.cluster.store,
+        "group_init": cfg.cluster.group_init,
+    }
 
 
 def build(cfg: MegaConfig, data_index: str) -> Trainer:
@@ -93,7 +98,9 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
     chunks = build_model_chunks(cfg, tcfg)
 
     model = [
-        DistributedDataParallel(config=tcfg, ddp_config=ddp_config(cfg), module=chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config=tcfg, ddp_config=ddp_config(cfg), module=chunk, disable_bucketing=i > 0
+        )
         for i, chunk in enumerate(chunks)
     ]
     # Hooks the pipeline schedules call: gradient reduction starts per chunk as soon as its last
@@ -128,8 +135,11 @@ def build(cfg: MegaConfig, data_index: str) -> Trainer:
             "model.vocab_size",
             f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({dataset.vocab_size})",
         )
-    device = torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).device == "cuda" \
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend_flags(cfg).device == "cuda"
         else torch.device("cpu")
+    )
     return Trainer(cfg, model, optimizer, scheduler, dataset, device, init_times)
 
 
@@ -178,7 +188,9 @@ def train_step(trainer: Trainer, step: int) -> dict:
     trainer.optimizer.zero_grad()
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step,
-        data_iterator=[iter(microbatches) for _ in trainer.model] if len(trainer.model) > 1 else iter(microbatches),
+        data_iterator=[iter(microbatches) for _ in trainer.model]
+        if len(trainer.model) > 1
+        else iter(microbatches),
         model=trainer.model if len(trainer.model) > 1 else trainer.model[0],
         num_microbatches=cfg.parallelism.num_microbatches,
         seq_length=cfg.model.seq_length,
@@ -210,9 +222,11 @@ def rank_facts(trainer: Trainer, launch_env: dict) -> dict:
     main = sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})
     facts = [None] * dist.get_world_size()
     dist.all_gather_object(facts, (launch_env, params, main))
-    return {"launch_env": {key: [env[key] for env, _, _ in facts] for key in launch_env},
-            "param_dtypes": sorted({d for _, ps, _ in facts for d in ps}),
-            "main_param_dtypes": sorted({d for _, _, ms in facts for d in ms})}
+    return {
+        "launch_env": {key: [env[key] for env, _, _ in facts] for key in launch_env},
+        "param_dtypes": sorted({d for _, ps, _ in facts for d in ps}),
+        "main_param_dtypes": sorted({d for _, _, ms in facts for d in ms}),
+    }
 
 
 def is_logging_rank() -> bool:
@@ -247,8 +261,11 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
     struck = f.kill_rank == dist.get_rank() or (f.kill_node is not None and f.kill_node == node.node_rank())
     # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint/save.py), not here.
     if attempt == 0 and f.mode != "kill_in_upload" and struck and f.kill_at_step == step:
-        print(f"[fault] {f.mode}: rank {dist.get_rank()} (node {node.node_rank()}) at step {step}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[fault] {f.mode}: rank {dist.get_rank()} (node {node.node_rank()}) at step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
         if f.mode == "kill_agent":  # the node's agent dies; its ranks run on until someone stops them
             if node.local_rank() == 0:
                 node.record_fault(cfg.train.run_dir, "kill_agent", step, node.agent_pid())
@@ -275,24 +292,35 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
     launch_env = {key: os.environ.get(key) for key in LAUNCH_ENV}  # as launched, before anything sets it
     missing = launch_env_problems(cfg, dict(os.environ))
     if missing:  # CUDA read the environment when it initialised: too late to set it from here
-        raise RuntimeError(f"this GPU rank was launched without {', '.join(missing)} in its environment; "
-                           "launch it through mega.launch (cluster.env) or export it in the job script")
-    patched = {"megatron_fixes": list(megatron_fixes.apply()),  # on every device
-               "megatron_cpu": list(megatron_cpu.apply()) if flags.megatron_cpu_patches else []}
+        raise RuntimeError(
+            f"this GPU rank was launched without {', '.join(missing)} in its environment; "
+            "launch it through mega.launch (cluster.env) or export it in the job script"
+        )
+    patched = {
+        "megatron_fixes": list(megatron_fixes.apply()),  # on every device
+        "megatron_cpu": list(megatron_cpu.apply()) if flags.megatron_cpu_patches else [],
+    }
     if flags.limit_cpu_threads:
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
     os.environ.update(cfg.cluster.env)
 
     # phase timestamps on the ledger's one clock (docs/goodput.md)
-    marks = goodput_marks.RankMarks(cfg.train.run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")),
-                                    int(os.environ.get("RANK", "0")), main_t or time.time())
+    marks = goodput_marks.RankMarks(
+        cfg.train.run_dir,
+        int(os.environ.get("MEGA_ATTEMPT", "0")),
+        int(os.environ.get("RANK", "0")),
+        main_t or time.time(),
+    )
     t_build = marks.now()
     trainer = build(cfg, data_index)
     trainer.init_times["megatron_patches"] = patched  # what this rank changed in megatron-core
     trainer.init_times.update(rank_facts(trainer, launch_env))
-    marks.phase("group_creation", t_build,
-                t_build + trainer.init_times["pg_init_s"] + trainer.init_times["model_parallel_init_s"])
+    marks.phase(
+        "group_creation",
+        t_build,
+        t_build + trainer.init_times["pg_init_s"] + trainer.init_times["model_parallel_init_s"],
+    )
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
     node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
@@ -307,8 +335,9 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         # the newest complete in-memory copy, else `latest` of the durable store, verified; one
         # store read per DP group, shared over DP.
         with marks.span("restore"):
-            start_step, trainer.init_times["restore"] = checkpoint.restore(cfg, chunks, trainer.optimizer,
-                                                                           trainer.scheduler, memory=memory)
+            start_step, trainer.init_times["restore"] = checkpoint.restore(
+                cfg, chunks, trainer.optimizer, trainer.scheduler, memory=memory
+            )
     flops_per_step = flops.model_flops_per_step(cfg)
     tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
@@ -318,11 +347,14 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         (run_dir / "init.json").write_text(json.dumps(trainer.init_times))
     logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
     logger.event(pp_dp.log_line(cfg.parallelism))  # which PP/DP overlap this layout got
-    checkpointer = checkpoint.Checkpointer(cfg, chunks, trainer.optimizer, trainer.scheduler,
-                                           mega_config.to_dict(cfg))
+    checkpointer = checkpoint.Checkpointer(
+        cfg, chunks, trainer.optimizer, trainer.scheduler, mega_config.to_dict(cfg)
+    )
     # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
     session = Session.start(cfg)
-    beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
+    beat = heartbeat.start(
+        cfg
+    )  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
     skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
     losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
     verdicts = rollback.verdict_group()  # a gloo group of the training thread's own
@@ -337,17 +369,28 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         result = rollback.skipped_step(trainer) if done in skips else train_step(trainer, step)
         step_s = time.perf_counter() - t0
         step_obs = session.end_step()  # compute time, exposed communication per kind
-        marks.step(done, t_step, marks.now(), done in skips, obs.current().last_step.get("data_s"),
-                   goodput_samples.consumed(cfg, step))
+        marks.step(
+            done,
+            t_step,
+            marks.now(),
+            done in skips,
+            obs.current().last_step.get("data_s"),
+            goodput_samples.consumed(cfg, step),
+        )
         if beat:
             beat.step_done(done, result, step_s, tokens_per_step)
-        bad = None if done in skips else rollback.check_step(result, losses, verdicts)  # NaN/Inf or spike: all agree
+        bad = (
+            None if done in skips else rollback.check_step(result, losses, verdicts)
+        )  # NaN/Inf or spike: all agree
         if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
             if memory is not None:
                 memory.discard()  # the rollback goes back to `latest`, past the in-memory copies
             rollback.request_rollback(cfg, done, bad, checkpointer)
         if validation.due(cfg, done):
-            with obs.paused(), marks.span("validation"):  # evaluation is not training: out of the step's timeline
+            with (
+                obs.paused(),
+                marks.span("validation"),
+            ):  # evaluation is not training: out of the step's timeline
                 result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
         logger.log(
             {
@@ -367,8 +410,10 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         if interval and (done % interval == 0 or done == cfg.train.steps):
             with obs.span("checkpoint"), marks.span("checkpoint"):
                 saved = checkpointer.save(done)
-            logger.event(f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
-                         f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background")
+            logger.event(
+                f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
+                f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background"
+            )
         if memory is not None and memory.due(done) and done < cfg.train.steps:
             with obs.span("memory checkpoint", "checkpoint"), marks.span("checkpoint", memory=True):
                 memory.copy(done)  # the memcpy; checksum and replication to the peer in the background
@@ -382,7 +427,10 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
             break
     if warned is not None:
         warned.ignore()  # a signal after the last step: nothing left to save early
-    with obs.span("checkpoint"), marks.span("checkpoint"):  # the heartbeat's phase while the last upload commits
+    with (
+        obs.span("checkpoint"),
+        marks.span("checkpoint"),
+    ):  # the heartbeat's phase while the last upload commits
         checkpointer.close()  # the last save is committed before the job ends
         if memory is not None:
             memory.close()  # the last step is durable now: the copies are removed

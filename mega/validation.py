@@ -16,8 +16,8 @@ only); the value goes into that step's metrics row as ``val_loss`` (mega/train.p
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HELD_OUT_SEED = 0  # the order of the held-out sequences, whatever train.seed is
 
@@ -41,8 +41,11 @@ def check_held_out(cfg, data_index: str | Path) -> None:
     try:
         held_out_dataset(cfg, data_index)
     except DataError as err:
-        raise ConfigError("data.val_fraction", f"{err}; train.eval_batches={cfg.train.eval_batches} needs a "
-                          "held-out split: raise data.val_fraction, or set train.eval_batches=0") from err
+        raise ConfigError(
+            "data.val_fraction",
+            f"{err}; train.eval_batches={cfg.train.eval_batches} needs a "
+            "held-out split: raise data.val_fraction, or set train.eval_batches=0",
+        ) from err
 
 
 def due(cfg, step: int) -> bool:
@@ -59,10 +62,16 @@ def _microbatches(trainer, dataset, batch: int) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     p = trainer.cfg.parallelism
-    layout = (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), p.micro_batch_size,
-              p.num_microbatches)
-    return [{k: v.to(trainer.device) for k, v in dataset.microbatch(batch, m, *layout).items()}
-            for m in range(p.num_microbatches)]
+    layout = (
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+        p.micro_batch_size,
+        p.num_microbatches,
+    )
+    return [
+        {k: v.to(trainer.device) for k, v in dataset.microbatch(batch, m, *layout).items()}
+        for m in range(p.num_microbatches)
+    ]
 
 
 def validation_loss(trainer, dataset, forward_step: Callable) -> float:

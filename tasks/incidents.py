@@ -27,9 +27,17 @@ def artifact_key(incident: dict) -> str:
 def publish_incident(incident: dict) -> None:
     """Emit the incident's event and write its markdown artifact (in the calling task's run)."""
     run_dir = Path(incident["run_dir"])
-    emit_event(event=event_name(incident),
-               resource={"prefect.resource.id": f"mega.run.{run_dir.name}", "prefect.resource.name": run_dir.name,
-                         "mega.run-dir": str(run_dir)},
-               payload={**incident["brief"], "summary": incident["summary"], "stage": incident["stage"]})
-    create_markdown_artifact(key=artifact_key(incident), markdown=incident["markdown"],
-                             description=f"{incident['kind']} ({incident['stage']}): {incident['summary'][:200]}")
+    emit_event(
+        event=event_name(incident),
+        resource={
+            "prefect.resource.id": f"mega.run.{run_dir.name}",
+            "prefect.resource.name": run_dir.name,
+            "mega.run-dir": str(run_dir),
+        },
+        payload={**incident["brief"], "summary": incident["summary"], "stage": incident["stage"]},
+    )
+    create_markdown_artifact(
+        key=artifact_key(incident),
+        markdown=incident["markdown"],
+        description=f"{incident['kind']} ({incident['stage']}): {incident['summary'][:200]}",
+    )

@@ -21,8 +21,16 @@ def report(run_dir: str | Path, title: str, metrics: list[dict] | None = None) -
     summary = summarize(metrics)
     nodes = node_table(run_dir)
     summary["nodes"] = len(nodes) or None
-    create_markdown_artifact(key="training-report", markdown=markdown_report(summary, png, title=title, nodes=nodes),
-                             description=f"loss curve and throughput of {run_dir}")
-    logger.info("final loss %s after %s steps, validation loss %s (held-out split); loss curve %s",
-                summary["final_loss"], summary["total_steps"], summary["val_loss"], png)
+    create_markdown_artifact(
+        key="training-report",
+        markdown=markdown_report(summary, png, title=title, nodes=nodes),
+        description=f"loss curve and throughput of {run_dir}",
+    )
+    logger.info(
+        "final loss %s after %s steps, validation loss %s (held-out split); loss curve %s",
+        summary["final_loss"],
+        summary["total_steps"],
+        summary["val_loss"],
+        png,
+    )
     return {**summary, "loss_curve": str(png)}

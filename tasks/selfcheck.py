@@ -9,8 +9,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mega.config import MegaConfig
 from mega.cluster.selfcheck import pair_table, run_selfcheck, verdict_table
+from mega.config import MegaConfig
 
 
 class NodeUnhealthy(RuntimeError):
@@ -23,20 +23,29 @@ class NodeUnhealthy(RuntimeError):
 def node_selfcheck(cfg: MegaConfig, out_dir: str | Path) -> dict[str, Any]:
     logger = get_run_logger()
     result = run_selfcheck(cfg, out_dir)
-    verdicts = ", ".join(f"node {n['node']}: " + {True: "healthy", False: "UNHEALTHY", None: "not judged"}[n["healthy"]]
-                         for n in result["nodes"])
+    verdicts = ", ".join(
+        f"node {n['node']}: " + {True: "healthy", False: "UNHEALTHY", None: "not judged"}[n["healthy"]]
+        for n in result["nodes"]
+    )
     verdict = "healthy" if result["healthy"] else "UNHEALTHY: " + "; ".join(result["reasons"])
     create_table_artifact(
         key="node-selfcheck",
         table=verdict_table(result),
         description=f"Self-check of {len(result['nodes'])} node(s) ({result['world_size']} ranks, "
-                    f"{result['device']}): **{verdict}** ({verdicts})",
+        f"{result['device']}): **{verdict}** ({verdicts})",
     )
     if result.get("pairs"):
-        create_table_artifact(key="node-links", table=pair_table(result),
-                              description="Inter-node exchange per node pair (MB/s each way)")
+        create_table_artifact(
+            key="node-links",
+            table=pair_table(result),
+            description="Inter-node exchange per node pair (MB/s each way)",
+        )
     if not result["healthy"]:
         raise NodeUnhealthy("self-check failed: " + "; ".join(result["reasons"]))
-    logger.info("%d node(s) healthy (%d ranks, %.1f s)", len(result["nodes"]), result["world_size"],
-                result["elapsed_s"])
+    logger.info(
+        "%d node(s) healthy (%d ranks, %.1f s)",
+        len(result["nodes"]),
+        result["world_size"],
+        result["elapsed_s"],
+    )
     return result

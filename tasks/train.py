@@ -26,14 +26,29 @@ def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
     if absent:
         logger.info(absent)
     # every incident (hang, rank exit, NaN, eviction, straggler) a Prefect event and artifact
-    result = run_training(cfg, index_path, log=logger.info, flow_run_id=flow_run_id and str(flow_run_id),
-                          on_incident=publish_incident)
+    result = run_training(
+        cfg,
+        index_path,
+        log=logger.info,
+        flow_run_id=flow_run_id and str(flow_run_id),
+        on_incident=publish_incident,
+    )
     create_table_artifact(
         key="training-run",
-        table=[{"run_dir": str(result.run_dir), "attempts": result.attempts, "final_step": result.final_step,
+        table=[
+            {
+                "run_dir": str(result.run_dir),
+                "attempts": result.attempts,
+                "final_step": result.final_step,
                 "nodes": len(result.init.get("nodes") or []) or cfg.cluster.nodes,
-                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.init.items() if k != "nodes"}}],
+                **{
+                    k: (round(v, 4) if isinstance(v, float) else v)
+                    for k, v in result.init.items()
+                    if k != "nodes"
+                },
+            }
+        ],
         description=f"{cfg.model.name} on {cfg.parallelism.name}: {result.final_step} steps "
-                    f"in {result.attempts} attempt(s)",
+        f"in {result.attempts} attempt(s)",
     )
     return result

@@ -6,9 +6,22 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-DIST_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-              "_all_gather_base", "_reduce_scatter_base", "broadcast", "all_to_all_single", "send", "recv",
-              "isend", "irecv", "batch_isend_irecv")
+DIST_CALLS = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "broadcast",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 @contextlib.contextmanager
@@ -21,14 +34,20 @@ def counting_communication():
 
     counts = Counter()
     targets = [(dist, name, name) for name in DIST_CALLS] + [
-        (module, name, kind) for module in (mappings, layers)
-        for name, kind in [("dist_reduce_scatter_func", "reduce_scatter"), ("dist_all_gather_func", "all_gather")]]
+        (module, name, kind)
+        for module in (mappings, layers)
+        for name, kind in [
+            ("dist_reduce_scatter_func", "reduce_scatter"),
+            ("dist_all_gather_func", "all_gather"),
+        ]
+    ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in targets]
 
     def counting(kind, fn):
         def wrapper(*args, **kwargs):
             counts[kind] += 1
             return fn(*args, **kwargs)
+
         return wrapper
 
     for (module, name, kind), (_, _, fn) in zip(targets, originals):

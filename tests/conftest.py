@@ -70,11 +70,23 @@ def single_process_reference(tmp_path_factory, data_index, data_cache):
     run_dir = shared / "single-process-reference"
     with FileLock(str(shared / "single-process-reference.lock")):
         if not (run_dir / "done").exists():
-            run_training(compose(["model=tiny", "parallelism=single", f"train.steps={REFERENCE_STEPS}",
-                                  f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
-                                  f"checkpoint.dir={run_dir / 'checkpoints'}", "train.tensorboard=false",
-                                  "optimizer.warmup_steps=1", "checkpoint.interval=0"]),
-                         data_index, log=lambda message: None)
+            run_training(
+                compose(
+                    [
+                        "model=tiny",
+                        "parallelism=single",
+                        f"train.steps={REFERENCE_STEPS}",
+                        f"train.run_dir={run_dir}",
+                        f"data.cache_dir={data_cache}",
+                        f"checkpoint.dir={run_dir / 'checkpoints'}",
+                        "train.tensorboard=false",
+                        "optimizer.warmup_steps=1",
+                        "checkpoint.interval=0",
+                    ]
+                ),
+                data_index,
+                log=lambda message: None,
+            )
             (run_dir / "done").touch()
     return SimpleNamespace(run_dir=run_dir, metrics=read_metrics(run_dir))
 
@@ -82,6 +94,7 @@ def single_process_reference(tmp_path_factory, data_index, data_cache):
 @pytest.fixture
 def free_port():
     """A function returning a TCP port that was free a moment ago (for MASTER_PORT and stores)."""
+
     def pick() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -156,10 +169,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    _file_seconds[_test_file(report.nodeid)] = _file_seconds.get(_test_file(report.nodeid), 0.0) + report.duration
+    _file_seconds[_test_file(report.nodeid)] = (
+        _file_seconds.get(_test_file(report.nodeid), 0.0) + report.duration
+    )
 
 
 def pytest_sessionfinish(session):
     out = os.environ.get("MEGA_TEST_DURATIONS")
     if out and not hasattr(session.config, "workerinput"):  # the controller, which sees every report
-        Path(out).write_text(json.dumps({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, indent=0) + "\n")
+        Path(out).write_text(
+            json.dumps({k: round(v, 1) for k, v in sorted(_file_seconds.items())}, indent=0) + "\n"
+        )

@@ -11,7 +11,11 @@ from mega.goodput import ledger
 
 def raw_metrics(run_dir: Path) -> list[dict]:
     """Every row of metrics.jsonl, replays included (read_metrics keeps the last of each step)."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def lost_steps_from_metrics(rows: list[dict]) -> list[dict]:
@@ -20,9 +24,11 @@ def lost_steps_from_metrics(rows: list[dict]) -> list[dict]:
     for r in rows:
         first.setdefault(r["attempt"], r["step"])
     attempts = sorted(first)
-    return [{"attempt": r["attempt"], "step": r["step"]} for r in rows
-            if r["attempt"] != attempts[-1]
-            and r["step"] >= first[attempts[attempts.index(r["attempt"]) + 1]]]
+    return [
+        {"attempt": r["attempt"], "step": r["step"]}
+        for r in rows
+        if r["attempt"] != attempts[-1] and r["step"] >= first[attempts[attempts.index(r["attempt"]) + 1]]
+    ]
 
 
 def assert_sums_to_wall(led: dict) -> None:
@@ -48,8 +54,9 @@ def assert_ledger_of_faulted_run(run_dir: Path, steps: int) -> dict:
     return led
 
 
-def assert_cut_off_records_are_named(run_dir: Path, tmp: Path, attempt: int = 0,
-                                     node_ranks: list[int] | None = None) -> dict:
+def assert_cut_off_records_are_named(
+    run_dir: Path, tmp: Path, attempt: int = 0, node_ranks: list[int] | None = None
+) -> dict:
     """A copy of the run's marks without attempt ``attempt``'s rank files (its only node's records
     lost): the ledger still builds, and the attempt's time is unattributed under its own name.
     With ``node_ranks``, first only those ranks' files go (another node's survive): the ledger
@@ -63,7 +70,9 @@ def assert_cut_off_records_are_named(run_dir: Path, tmp: Path, attempt: int = 0,
         for r in node_ranks:
             (copy / "goodput" / f"attempt-{attempt}" / f"rank-{r}.jsonl").unlink()
         led = ledger.build(copy)
-        assert led["missing_rank_files"] == {attempt: node_ranks} and led["unattributed_fraction"] < 0.005, led
+        assert led["missing_rank_files"] == {attempt: node_ranks} and led["unattributed_fraction"] < 0.005, (
+            led
+        )
     shutil.rmtree(copy / "goodput" / f"attempt-{attempt}")
     led = ledger.build(copy)
     part = led["unattributed_parts"].get(f"attempt {attempt}: no rank records", 0.0)

@@ -35,14 +35,18 @@ def main(run_dir: str, delay: float, skew: float, steps: int) -> None:
     megatron_cpu.apply()
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
-    cfg = from_dict({
-        "parallelism": {"pp": 2, "global_batch_size": 2, "micro_batch_size": 1},
-        "cluster": {"procs_per_node": 2},
-        "train": {"run_dir": run_dir, "steps": steps, "gc_interval": 0},
-        "optimizer": {"warmup_steps": 0},
-        "fault": {"clock_skew_rank": 1, "clock_skew_s": skew},
-    })
-    config = ModelParallelConfig(pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=False)
+    cfg = from_dict(
+        {
+            "parallelism": {"pp": 2, "global_batch_size": 2, "micro_batch_size": 1},
+            "cluster": {"procs_per_node": 2},
+            "train": {"run_dir": run_dir, "steps": steps, "gc_interval": 0},
+            "optimizer": {"warmup_steps": 0},
+            "fault": {"clock_skew_rank": 1, "clock_skew_s": skew},
+        }
+    )
+    config = ModelParallelConfig(
+        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, batch_p2p_comm=False
+    )
     comm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), config)
     shape = (4, 1, 8)
     rank = dist.get_rank()

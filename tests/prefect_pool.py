@@ -15,7 +15,12 @@ def ensure_work_pool() -> None:
 
     with get_client(sync_client=True) as client:
         try:
-            client.create_work_pool(WorkPoolCreate(
-                name=WORK_POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()))
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name=WORK_POOL,
+                    type="process",
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                )
+            )
         except ObjectAlreadyExists:
             pass

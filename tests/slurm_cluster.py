@@ -18,7 +18,8 @@ NET_ID = "slurmt"
 
 needs_slurm = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("slurmctld") is None or shutil.which("munged") is None,
-    reason="the local Slurm cluster needs root and slurm-wlm + munge (infra/install.sh installs them as root)")
+    reason="the local Slurm cluster needs root and slurm-wlm + munge (infra/install.sh installs them as root)",
+)
 
 
 @pytest.fixture(scope="session")

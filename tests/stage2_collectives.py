@@ -17,10 +17,29 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "gather",
-               "gather_object", "scatter", "scatter_object_list", "broadcast", "broadcast_object_list",
-               "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
-               "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+)
 
 
 def record_stage2_collectives() -> list[dict]:
@@ -41,6 +60,7 @@ def record_stage2_collectives() -> list[dict]:
                 default = group is None or group is c10d._get_default_group()
                 seen.append({"op": name, "default_group": default, "stack": _caller()})
             return fn(*args, **kwargs)
+
         recorded.__wrapped__ = fn
         return recorded
 
@@ -55,7 +75,10 @@ def record_stage2_collectives() -> list[dict]:
 def _caller() -> str:
     """The innermost frame outside torch.distributed: who issued the collective."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if "torch/distributed/distributed_c10d" not in frame.filename and "stage2_collectives" not in frame.filename:
+        if (
+            "torch/distributed/distributed_c10d" not in frame.filename
+            and "stage2_collectives" not in frame.filename
+        ):
             return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} {frame.name}"
     return "?"
 
@@ -72,7 +95,9 @@ def main(config: str, data_index: str, out_dir: str) -> None:
     train_step(trainer, 0)
     seen = record_stage2_collectives()
     chunks = [m.module for m in trainer.model]
-    saver = checkpoint.Checkpointer(cfg, chunks, trainer.optimizer, trainer.scheduler, mega_config.to_dict(cfg))
+    saver = checkpoint.Checkpointer(
+        cfg, chunks, trainer.optimizer, trainer.scheduler, mega_config.to_dict(cfg)
+    )
     saver.save(1)
     saver.close()
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))

@@ -21,30 +21,53 @@ from mega.config import compose, validate
 GPU_PRESETS = {
     "h100-8x": ["cluster=h100-8x", "parallelism=tp2-pp2-dp2", "train.precision=auto"],
     # two nodes through Slurm: 16 ranks
-    "a100-8x": ["cluster=a100-8x", "launcher=slurm", "cluster.nodes=2", "parallelism=tp2-pp2-dp2",
-                "parallelism.dp=4", "parallelism.global_batch_size=32", "train.precision=auto"],
+    "a100-8x": [
+        "cluster=a100-8x",
+        "launcher=slurm",
+        "cluster.nodes=2",
+        "parallelism=tp2-pp2-dp2",
+        "parallelism.dp=4",
+        "parallelism.global_batch_size=32",
+        "train.precision=auto",
+    ],
     # one node, as many devices as the layout: PP=2 interleaved (the batched-p2p trap) with DP=2
     "gpu-1": ["cluster=gpu-1", "parallelism=pp2-vpp2", "parallelism.dp=2", "train.precision=auto"],
 }
 
 # Everything that may differ between a GPU run and its CPU twin, and nothing else.
 EXPECTED_DIFFERENCES = {
-    "flags.device", "flags.collective_device", "flags.process_group_backend", "flags.use_cpu_initialization",
+    "flags.device",
+    "flags.collective_device",
+    "flags.process_group_backend",
+    "flags.use_cpu_initialization",
     "flags.batch_p2p_comm",
-    "flags.precision", "flags.params_dtype", "flags.pipeline_dtype", "flags.grad_reduce_in_fp32",
-    "flags.grad_reduce_scatter_all_to_all", "flags.megatron_cpu_patches", "flags.limit_cpu_threads", "flags.peak_flops", "flags.env",
-    "TransformerConfig.use_cpu_initialization", "TransformerConfig.batch_p2p_comm",
-    "TransformerConfig.params_dtype", "TransformerConfig.pipeline_dtype", "TransformerConfig.bf16",
+    "flags.precision",
+    "flags.params_dtype",
+    "flags.pipeline_dtype",
+    "flags.grad_reduce_in_fp32",
+    "flags.grad_reduce_scatter_all_to_all",
+    "flags.megatron_cpu_patches",
+    "flags.limit_cpu_threads",
+    "flags.peak_flops",
+    "flags.env",
+    "TransformerConfig.use_cpu_initialization",
+    "TransformerConfig.batch_p2p_comm",
+    "TransformerConfig.params_dtype",
+    "TransformerConfig.pipeline_dtype",
+    "TransformerConfig.bf16",
     "TransformerConfig.autocast_dtype",  # megatron derives it from bf16/fp16 (__post_init__)
     "DistributedDataParallelConfig.grad_reduce_in_fp32",
     "DistributedDataParallelConfig.reduce_scatter_with_fp32_accumulation",
-    "OptimizerConfig.bf16", "OptimizerConfig.params_dtype",
+    "OptimizerConfig.bf16",
+    "OptimizerConfig.params_dtype",
 }
 
 
 def on_cpu(cfg):
     """The same config with only the backend and the device swapped (and validated again)."""
-    return validate(dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, backend="gloo", device="cpu")))
+    return validate(
+        dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, backend="gloo", device="cpu"))
+    )
 
 
 def _comparable(value):
@@ -52,7 +75,11 @@ def _comparable(value):
     if isinstance(value, functools.partial):
         return ("partial", _comparable(value.func), value.args, tuple(sorted(value.keywords.items())))
     if callable(value) and not isinstance(value, type):
-        return ("callable", getattr(value, "__module__", None), getattr(value, "__qualname__", type(value).__name__))
+        return (
+            "callable",
+            getattr(value, "__module__", None),
+            getattr(value, "__qualname__", type(value).__name__),
+        )
     return value
 
 
@@ -77,7 +104,7 @@ def test_only_the_backend_flags_differ_on_cpu(preset):
     on_gpu, on_host = what_megatron_sees(gpu), what_megatron_sees(cpu)
     assert on_gpu.keys() == on_host.keys()
     differ = {k for k in on_gpu if on_gpu[k] != on_host[k]}
-    assert differ == EXPECTED_DIFFERENCES, (differ ^ EXPECTED_DIFFERENCES)
+    assert differ == EXPECTED_DIFFERENCES, differ ^ EXPECTED_DIFFERENCES
 
     # The values, where the reason is the backend's
     flags_gpu, flags_cpu = backend_flags(gpu), backend_flags(cpu)
@@ -91,5 +118,7 @@ def test_only_the_backend_flags_differ_on_cpu(preset):
 
 def test_overlapped_p2p_turns_batching_off_on_nccl_too():
     """megatron refuses batch_p2p_comm together with overlap_p2p_comm (interleaved schedule)."""
-    gpu = compose([*GPU_PRESETS["h100-8x"], "parallelism=tp2-pp2-vpp2-dp2", "parallelism.overlap_p2p_comm=true"])
+    gpu = compose(
+        [*GPU_PRESETS["h100-8x"], "parallelism=tp2-pp2-vpp2-dp2", "parallelism.overlap_p2p_comm=true"]
+    )
     assert backend_flags(gpu).batch_p2p_comm is False

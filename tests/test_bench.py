@@ -10,22 +10,43 @@ import pytest
 
 def test_bench_step_prints_json_last_line(data_cache):
     out = subprocess.run(
-        [sys.executable, "-m", "mega.bench", "step", "parallelism=dp2", f"data.cache_dir={data_cache}",
-         "--steps", "4", "--warmup", "1", "--json"],
-        capture_output=True, text=True, timeout=600, env={**os.environ},
+        [
+            sys.executable,
+            "-m",
+            "mega.bench",
+            "step",
+            "parallelism=dp2",
+            f"data.cache_dir={data_cache}",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result) == {"tokens_per_s", "mfu", "step_s", "device", "config"}
     assert result["step_s"] > 0 and result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1
-    assert result["tokens_per_s"] == result["config"]["global_batch_size"] * result["config"]["seq_length"] / result["step_s"]
+    assert (
+        result["tokens_per_s"]
+        == result["config"]["global_batch_size"] * result["config"]["seq_length"] / result["step_s"]
+    )
     assert result["config"]["parallelism"] == "dp2" and result["config"]["world_size"] == 2
     assert result["device"].startswith("cpu")
 
 
 def test_bench_rejects_a_bad_config_naming_the_key():
-    out = subprocess.run([sys.executable, "-m", "mega.bench", "step", "parallelism.tp=3", "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "mega.bench", "step", "parallelism.tp=3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2
     assert "parallelism.tp" in out.stderr
 
@@ -35,16 +56,45 @@ def test_bench_bootstrap_prints_results_and_plot(tmp_path):
     server with the planned operations, store operations growing as modelled, and one real-rank
     row (a 2-rank tp2 timing job, light groups) with its start-up phases."""
     out = subprocess.run(
-        [sys.executable, "-m", "mega.bench", "bootstrap", "--ranks", "8,16", "--tp", "2", "--pp", "2",
-         "--probe-ranks", "", "--max-seconds", "300", "--real", "tp2", "--real-group-init", "light", "--real-repeats", "1",
-         "--out", str(tmp_path), "--json"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "mega.bench",
+            "bootstrap",
+            "--ranks",
+            "8,16",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--probe-ranks",
+            "",
+            "--max-seconds",
+            "300",
+            "--real",
+            "tp2",
+            "--real-group-init",
+            "light",
+            "--real-repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     rows = result["results"]
-    names = ("torch-default-tcpstore", "per-group-barrier-tcpstore", "per-group-barrier-redis", "light-redis",
-             "light-barrier-redis")
+    names = (
+        "torch-default-tcpstore",
+        "per-group-barrier-tcpstore",
+        "per-group-barrier-redis",
+        "light-redis",
+        "light-barrier-redis",
+    )
     assert [(r["strategy"], r["ranks"]) for r in rows] == [(s, n) for s in names for n in (8, 16)]
     assert result["baseline"] == "torch-default-tcpstore"
     for r in rows:
@@ -52,7 +102,9 @@ def test_bench_bootstrap_prints_results_and_plot(tmp_path):
         assert r["measured"] is True and isinstance(r["seconds"], float) and r["seconds"] > 0, r
         assert isinstance(r["store_ops"], int) and r["store_ops"] == sum(r["planned_by_kind"].values())
         issued, planned = r["ops_by_kind"], r["planned_by_kind"]
-        assert {k: v for k, v in issued.items() if k != "set"} == {k: v for k, v in planned.items() if k != "set"}
+        assert {k: v for k, v in issued.items() if k != "set"} == {
+            k: v for k, v in planned.items() if k != "set"
+        }
         assert issued["set"] >= planned["set"]  # ranks reaching a barrier together may each release it
         assert r["torch_dist_init_barrier"] is ("barrier" in r["strategy"])
     ops = {(r["strategy"], r["ranks"]): r["store_ops"] for r in rows}
@@ -72,16 +124,30 @@ def test_bench_bootstrap_prints_results_and_plot(tmp_path):
         assert s["speedup"] == round(seconds[s["vs"], s["ranks"]] / seconds[s["strategy"], s["ranks"]], 2)
     assert {(s["strategy"], s["vs"]) for s in result["speedups"] if s["ranks"] == 16} == {
         *((n, "torch-default-tcpstore") for n in names[1:]),
-        *((n, "per-group-barrier-tcpstore") for n in names if n != "per-group-barrier-tcpstore")}
+        *((n, "per-group-barrier-tcpstore") for n in names if n != "per-group-barrier-tcpstore"),
+    }
     # nothing was replayed at 2,048 ranks: the targets there are unmeasured, never met
     target = result["targets"]["speedup_vs_per_group_barrier_at_2048"]
     assert target == {"value": None, "measured": False, "target": 100.0, "met": False}
 
     (real,) = result["real"]
-    assert (real["strategy"], real["layout"], real["ranks"], real["measured"]) == ("real-light-tcpstore", "tp2", 2, True)
+    assert (real["strategy"], real["layout"], real["ranks"], real["measured"]) == (
+        "real-light-tcpstore",
+        "tp2",
+        2,
+        True,
+    )
     phases = real["phases"]
-    assert set(phases) == {"spawn_s", "import_s", "import_skew_s", "pg_init_s", "mp_store_s", "mp_connect_s",
-                           "mp_megatron_s", "mp_barrier_s"}
+    assert set(phases) == {
+        "spawn_s",
+        "import_s",
+        "import_skew_s",
+        "pg_init_s",
+        "mp_store_s",
+        "mp_connect_s",
+        "mp_megatron_s",
+        "mp_barrier_s",
+    }
     assert all(v >= 0 for v in phases.values()), phases
     # the slowest rank's group creation, split without remainder
     parts = ("mp_store_s", "mp_connect_s", "mp_megatron_s", "mp_barrier_s")

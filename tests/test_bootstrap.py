@@ -97,8 +97,11 @@ def test_redis_password_travels_by_environment_only():
     assert split_redis_password(cfg.cluster.redis_url) == ("redis://ops@10.0.0.5:6380/2", "s3cret")
     assert without_secrets(cfg).cluster.redis_url == "redis://ops@10.0.0.5:6380/2"
     with rendezvous_env(cfg, job_id="job-1") as env:  # a configured server: nothing is started
-        assert env == {"MEGA_REDIS_URL": "redis://ops@10.0.0.5:6380/2", "MEGA_JOB_ID": "job-1",
-                       "MEGA_REDIS_PASSWORD": "s3cret"}
+        assert env == {
+            "MEGA_REDIS_URL": "redis://ops@10.0.0.5:6380/2",
+            "MEGA_JOB_ID": "job-1",
+            "MEGA_REDIS_PASSWORD": "s3cret",
+        }
     with rendezvous_env(from_dict()) as env:
         assert env == {}  # tcp: torchrun's own store
     assert new_job_id(cfg) != new_job_id(cfg)
@@ -112,9 +115,20 @@ def test_training_over_a_password_protected_redis_store(tmp_path, data_index, da
 
     password = "pw-" + "x7" * 8
     with RedisServer(password=password) as server:
-        cfg = compose(["model=tiny", "parallelism=dp2", "train.steps=2", f"train.run_dir={tmp_path}",
-                       f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                       "checkpoint.interval=0", "cluster.store=redis", f"cluster.redis_url={server.url}"])
+        cfg = compose(
+            [
+                "model=tiny",
+                "parallelism=dp2",
+                "train.steps=2",
+                f"train.run_dir={tmp_path}",
+                f"data.cache_dir={data_cache}",
+                "train.tensorboard=false",
+                "optimizer.warmup_steps=1",
+                "checkpoint.interval=0",
+                "cluster.store=redis",
+                f"cluster.redis_url={server.url}",
+            ]
+        )
         messages = []
         result = run_training(cfg, data_index, log=messages.append)
         probe = RedisStore(server.url, job_id="probe")

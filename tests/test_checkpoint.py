@@ -26,13 +26,13 @@ import uuid
 import boto3
 import pytest
 from botocore.config import Config
+from s3_env import hermetic_s3_env
 
 from mega.checkpoint import read_save_log
 from mega.config import compose
 from mega.launch import run_training
 from mega.storage import open_storage
 from mega.storage.seaweed import SeaweedS3
-from s3_env import hermetic_s3_env
 
 STEPS = 5  # saves at 2, 4 and 5 (checkpoint.interval=2 and the last step)
 
@@ -44,20 +44,34 @@ def s3(seaweed):
 
 
 def train(run_dir, data_index, data_cache, uri, overrides=(), steps=STEPS, log=print):
-    cfg = compose([
-        "model=tiny", "parallelism=dp2", f"train.steps={steps}", f"train.run_dir={run_dir}",
-        f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-        "checkpoint.restart_backoff_s=0", "checkpoint.interval=2", f"checkpoint.storage_uri={uri}",
-        *overrides,
-    ])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=dp2",
+            f"train.steps={steps}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.interval=2",
+            f"checkpoint.storage_uri={uri}",
+            *overrides,
+        ]
+    )
     return run_training(cfg, data_index, log=log)
 
 
 def _raw_client(server: SeaweedS3):
     env = server.env()
-    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
-                        config=Config(s3={"addressing_style": "path"}))
+    return boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}),
+    )
 
 
 def _curve(metrics):
@@ -118,17 +132,40 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
         chaos = threading.Thread(target=_outage, args=(s3, tmp / "reference", seen))
         chaos.start()
         try:
-            reference = train(tmp / "reference", data_index, data_cache, uris["reference"],
-                              ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"])
+            reference = train(
+                tmp / "reference",
+                data_index,
+                data_cache,
+                uris["reference"],
+                ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"],
+            )
         finally:
             chaos.join()
             s3.start()
         corrupter = _Corrupter(s3, uris["killed"])
-        killed = train(tmp / "killed", data_index, data_cache, uris["killed"],
-                       ["checkpoint.interval=1", "checkpoint.memory_interval=0",  # the durable path
-                        "fault.mode=kill_in_upload", "fault.kill_rank=0", "fault.kill_at_step=4"], log=corrupter)
-        yield {"tmp": tmp, "uris": uris, "reference": reference, "outage": seen, "killed": killed,
-               "messages": corrupter.messages, "damaged": corrupter.done}
+        killed = train(
+            tmp / "killed",
+            data_index,
+            data_cache,
+            uris["killed"],
+            [
+                "checkpoint.interval=1",
+                "checkpoint.memory_interval=0",  # the durable path
+                "fault.mode=kill_in_upload",
+                "fault.kill_rank=0",
+                "fault.kill_at_step=4",
+            ],
+            log=corrupter,
+        )
+        yield {
+            "tmp": tmp,
+            "uris": uris,
+            "reference": reference,
+            "outage": seen,
+            "killed": killed,
+            "messages": corrupter.messages,
+            "damaged": corrupter.done,
+        }
     finally:
         mp.undo()
 
@@ -183,8 +220,10 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     both refused naming the file, the restart resumes from step 1, reading each byte from the
     store once per DP group (one group here: the two DP ranks split the pieces)."""
     damaged, info = runs["damaged"], runs["killed"].init["restore"]
-    assert [(r["name"], r["file"]) for r in info["refused"]] == [("iter_0000003", damaged["iter_0000003"]),
-                                                                 ("iter_0000002", damaged["iter_0000002"])]
+    assert [(r["name"], r["file"]) for r in info["refused"]] == [
+        ("iter_0000003", damaged["iter_0000003"]),
+        ("iter_0000002", damaged["iter_0000002"]),
+    ]
     assert "sha256" in info["refused"][0]["reason"] and "size" in info["refused"][1]["reason"]
     assert info["checkpoint"] == "iter_0000001"
     log1 = (runs["tmp"] / "killed" / "train-attempt1.log").read_text()
@@ -194,19 +233,22 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     assert all(0 < n < damaged["good_bytes"] for n in reads) and sum(reads) == damaged["good_bytes"]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("checkpoint.storage_uri=gs://bucket/x", "checkpoint.storage_uri"),
-    ("checkpoint.storage_uri=s3:///no-bucket", "checkpoint.storage_uri"),
-    ("checkpoint.storage_uri=s3://key:secret@bucket/x", "checkpoint.storage_uri"),
-    ("checkpoint.storage_uri=file://otherhost/x", "checkpoint.storage_uri"),
-    ("checkpoint.s3_endpoint_url=localhost:8333", "checkpoint.s3_endpoint_url"),
-    ("checkpoint.keep_last=0", "checkpoint.keep_last"),
-    ("checkpoint.memory_interval=-1", "checkpoint.memory_interval"),
-    ("checkpoint.upload_retry_s=0", "checkpoint.upload_retry_s"),
-    ("checkpoint.upload_timeout_s=1", "checkpoint.upload_timeout_s"),  # below upload_retry_s (5)
-    ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above cluster.hang_timeout_s
-    ("fault.mode=kill_in_upload", None),  # no kill_rank: nothing to check
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("checkpoint.storage_uri=gs://bucket/x", "checkpoint.storage_uri"),
+        ("checkpoint.storage_uri=s3:///no-bucket", "checkpoint.storage_uri"),
+        ("checkpoint.storage_uri=s3://key:secret@bucket/x", "checkpoint.storage_uri"),
+        ("checkpoint.storage_uri=file://otherhost/x", "checkpoint.storage_uri"),
+        ("checkpoint.s3_endpoint_url=localhost:8333", "checkpoint.s3_endpoint_url"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last"),
+        ("checkpoint.memory_interval=-1", "checkpoint.memory_interval"),
+        ("checkpoint.upload_retry_s=0", "checkpoint.upload_retry_s"),
+        ("checkpoint.upload_timeout_s=1", "checkpoint.upload_timeout_s"),  # below upload_retry_s (5)
+        ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above cluster.hang_timeout_s
+        ("fault.mode=kill_in_upload", None),  # no kill_rank: nothing to check
+    ],
+)
 def test_checkpoint_config_is_checked_before_launch(override, key):
     from mega.config import ConfigError
 
@@ -222,8 +264,13 @@ def test_checkpoint_config_is_checked_before_launch(override, key):
 def test_kill_in_upload_needs_a_step_that_saves():
     from mega.config import ConfigError
 
-    drill = ["checkpoint.interval=2", "train.steps=5", "optimizer.warmup_steps=1", "fault.mode=kill_in_upload",
-             "fault.kill_rank=0"]
+    drill = [
+        "checkpoint.interval=2",
+        "train.steps=5",
+        "optimizer.warmup_steps=1",
+        "fault.mode=kill_in_upload",
+        "fault.kill_rank=0",
+    ]
     with pytest.raises(ConfigError) as err:
         compose([*drill, "fault.kill_at_step=3"])
     assert err.value.key == "fault.kill_at_step"

@@ -12,12 +12,12 @@ tests/test_training.py::test_resume_with_another_layout):
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import socket
 from pathlib import Path
 
 import pytest
-import multiprocessing as mp
 
 from mega.checkpoint import megatron_io, save_group
 
@@ -25,14 +25,20 @@ WORLD = 3
 PIECES = [(0, 1000), (1000, 0), (1000, 5000), (6000, 30000), (36000, 4000)]  # the shard file's layout
 WANTS = {  # rank -> wanted (path, offset, length); `common.pt` is fetched whole
     0: [("__0_0.distcp", *PIECES[0]), ("__0_0.distcp", *PIECES[2]), ("common.pt", 0, 700)],
-    1: [("__0_0.distcp", *PIECES[2]), ("__0_0.distcp", *PIECES[3]), ("__0_0.distcp", *PIECES[1]),
-        ("common.pt", 0, 700)],
+    1: [
+        ("__0_0.distcp", *PIECES[2]),
+        ("__0_0.distcp", *PIECES[3]),
+        ("__0_0.distcp", *PIECES[1]),
+        ("common.pt", 0, 700),
+    ],
     2: [("__0_0.distcp", *PIECES[3]), ("__0_0.distcp", *PIECES[4]), ("common.pt", 100, 50)],
 }
 
 
-RELIED_ON = {**{t: (v, "megatron_io.py") for t, v in megatron_io.RELIED_ON_SOURCES.items()},
-             **{t: (v, "save_group.py") for t, v in save_group.RELIED_ON_SOURCES.items()}}
+RELIED_ON = {
+    **{t: (v, "megatron_io.py") for t, v in megatron_io.RELIED_ON_SOURCES.items()},
+    **{t: (v, "save_group.py") for t, v in save_group.RELIED_ON_SOURCES.items()},
+}
 
 
 @pytest.mark.parametrize("target", sorted(RELIED_ON))
@@ -66,9 +72,15 @@ def _rank(rank: int, port: int, root: str, out: str) -> None:
         held_after_fetch = ex.stats.held_bytes
         for piece in WANTS[rank]:
             ex.release(*piece)
-        result[f"{name}/{share}"] = {"got": got, "read": ex.stats.read_bytes, "received": ex.stats.received_bytes,
-                                     "sent": ex.stats.sent_bytes, "peak": ex.stats.peak_bytes,
-                                     "held_after_fetch": held_after_fetch, "held_after_release": ex.stats.held_bytes}
+        result[f"{name}/{share}"] = {
+            "got": got,
+            "read": ex.stats.read_bytes,
+            "received": ex.stats.received_bytes,
+            "sent": ex.stats.sent_bytes,
+            "peak": ex.stats.peak_bytes,
+            "held_after_fetch": held_after_fetch,
+            "held_after_release": ex.stats.held_bytes,
+        }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -87,8 +99,9 @@ def _checkpoint(root: Path, name: str, shard: bytes, common: bytes):
     (src / "__0_0.distcp").write_bytes(shard)
     (src / "common.pt").write_bytes(common)
     store = open_storage((root / "store").as_uri())
-    entries = store.upload_files(src, name, ["__0_0.distcp", "common.pt"],
-                                 ranges={"__0_0.distcp": [p for p in PIECES]})
+    entries = store.upload_files(
+        src, name, ["__0_0.distcp", "common.pt"], ranges={"__0_0.distcp": [p for p in PIECES]}
+    )
     store.commit(name, entries)
     return store
 
@@ -124,13 +137,15 @@ def test_pieces_are_read_once_per_group_and_go_only_where_needed(tmp_path):
     results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
     files = {"__0_0.distcp": shard, "common.pt": common}
-    needed = {r: {(p, *((0, len(files[p])) if p == "common.pt" else (o, n))) for p, o, n in WANTS[r]}
-              for r in range(WORLD)}  # what each rank must hold: common.pt is only hashed whole
+    needed = {
+        r: {(p, *((0, len(files[p])) if p == "common.pt" else (o, n))) for p, o, n in WANTS[r]}
+        for r in range(WORLD)
+    }  # what each rank must hold: common.pt is only hashed whole
     union = set().union(*needed.values())
     for mode in ("iter_0000001/True", "iter_0000001/False"):
         for r, res in enumerate(results):
             got = res[mode]
-            assert got["got"] == {f"{p}:{o}:{n}": files[p][o:o + n].hex() for p, o, n in WANTS[r]}
+            assert got["got"] == {f"{p}:{o}:{n}": files[p][o : o + n].hex() for p, o, n in WANTS[r]}
             own = sum(n for _, _, n in needed[r])
             assert got["peak"] == got["held_after_fetch"] == own  # exactly what it needs, at once
             assert got["held_after_release"] == 0
@@ -164,7 +179,10 @@ def test_write_results_tap_reports_each_piece_and_passes_results_on():
 
     queue = Queue()
     tap = megatron_io.WriteResultsTap(queue)
-    written = {0: [result("__3_0.distcp", 0, 10), result("__3_0.distcp", 10, 5)], 1: [result("__3_1.distcp", 0, 7)]}
+    written = {
+        0: [result("__3_0.distcp", 0, 10), result("__3_0.distcp", 10, 5)],
+        1: [result("__3_1.distcp", 0, 7)],
+    }
     tap.put(written)
     assert queue.items == [written]  # megatron's finalisation still gets them
     assert tap.pieces() == {"__3_0.distcp": [(0, 10), (10, 5)], "__3_1.distcp": [(0, 7)]}

@@ -20,67 +20,115 @@ def test_single_layout_runs_one_process():
     assert compose(["parallelism=single"]).cluster.procs_per_node == 1
 
 
-@pytest.mark.parametrize("overrides, key, fragment", [
-    # 3 heads over tp=2 (hidden 66 keeps hidden % heads valid)
-    (["model.num_attention_heads=3", "model.hidden_size=66"], "parallelism.tp", "not divisible by tp=2"),
-    (["model.num_layers=3"], "parallelism.pp", "pp*vpp=2*1"),
-    (["parallelism=tp2-pp2-vpp2-dp2", "model.num_layers=6"], "parallelism.pp", "pp*vpp=2*2"),
-    # h100-8x has 8 procs per node: 2 nodes are 16 processes for a layout of 8
-    (["cluster=h100-8x", "cluster.nodes=2"], "cluster.procs_per_node", "2*8=16 does not equal"),
-    (["cluster=h100-8x", "parallelism=single"], "cluster.procs_per_node", "does not equal"),
-    (["parallelism.global_batch_size=10"], "parallelism.global_batch_size", "micro_batch_size*dp=2*2"),
-    (["+model.foo=1"], "model.foo", "not in 'ModelConfig'"),
-    (["model.foo=1"], "model.foo", "not in 'ModelConfig'"),
-    (["model.num_layers=abc"], "model.num_layers", "could not be converted to Integer"),
-    (["model=nope"], "model", "'nope'"),
-    (["train.precision=fp8"], "train.precision", "must be one of"),
-    (["train.precision=fp16"], "train.precision", "for GPUs"),
-    (["cluster.backend=nccl"], "cluster.backend", "needs cluster.device=cuda"),
-    (["parallelism=single", "parallelism.sequence_parallel=true"], "parallelism.sequence_parallel", "tp>1"),
-    (["fault.kill_rank=8", "fault.kill_at_step=3"], "fault.kill_rank", "no rank 8 in world 8"),
-    (["fault.kill_rank=-1", "fault.kill_at_step=3"], "fault.kill_rank", "no rank -1"),
-    # nodes and launchers: how a run starts must fit what the hardware is
-    (["cluster.nodes=2", "cluster.procs_per_node=4"], "cluster.nodes", "launcher=local starts one node"),
-    (["launcher=local-nodes", "cluster.nodes=3", "cluster.procs_per_node=3"], "cluster.procs_per_node",
-     "3*3=9 does not equal"),
-    (["launcher=slurm"], "launcher.name", "cluster=local-cpu cannot be started by launcher=slurm"),
-    (["cluster=h100-8x", "launcher=local-nodes"], "launcher.name", "cannot be started by launcher=local-nodes"),
-    (["launcher=nope"], "launcher", "'nope'"),
-    (["launcher=local-nodes", "launcher.local_nodes.subnet=8.8.8.0/24"], "launcher.local_nodes.subnet",
-     "private IPv4"),
-    (["cluster.peak_tflops=-1"], "cluster.peak_tflops", "must be positive"),
-    # PP/DP overlap (issue 13): megatron's non-interleaved 1F1B refuses p2p overlap and never
-    # calls param_sync_func, so asking for them explicitly without virtual stages names vpp
-    (["parallelism.overlap_p2p_comm=true"], "parallelism.vpp", "refuses overlap_p2p_comm"),
-    (["parallelism=pp2", "parallelism.overlap_param_gather=true", "parallelism.align_param_gather=true"],
-     "parallelism.vpp", "never calls param_sync_func"),
-    (["parallelism=tp2-pp2-vpp2-dp2", "parallelism.overlap_p2p_comm_warmup_flush=true"],
-     "parallelism.overlap_p2p_comm_warmup_flush", "needs parallelism.overlap_p2p_comm=true"),
-    (["parallelism=tp2-pp2-vpp2-dp2", "parallelism.align_param_gather=true"],
-     "parallelism.align_param_gather", "needs parallelism.overlap_param_gather=true"),
-    (["parallelism.overlap_param_gather=true", "parallelism.use_distributed_optimizer=false"],
-     "parallelism.overlap_param_gather", "use_distributed_optimizer=true"),
-    (["parallelism.comm_overlap=on"], "parallelism.comm_overlap", "must be one of"),
-    (["parallelism.overlap_param_gather=true", "parallelism.overlap_grad_reduce=false"],
-     "parallelism.overlap_param_gather", "needs parallelism.overlap_grad_reduce=true"),
-    (["parallelism.ddp_bucket_size=0"], "parallelism.ddp_bucket_size", "must be a positive number"),
-    # stability (issue 12): heartbeats and hang thresholds
-    (["stability.heartbeat_s=0"], "stability.heartbeat_s", "must be positive"),
-    (["stability.progress_factor=1"], "stability.progress_factor", "must be >= 2"),
-    (["stability.min_hang_s=1"], "stability.min_hang_s", "must be >= 2 x stability.heartbeat_s"),
-    (["stability.straggler_factor=1"], "stability.straggler_factor", "must be > 1"),
-    # stability: membership on failure, rollback and its drills (mega/stability)
-    (["cluster.spare_nodes=-1"], "cluster.spare_nodes", "must be >= 0"),
-    (["cluster.min_nodes=2"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
-    (["cluster.min_nodes=0"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
-    (["train.steps=5", "optimizer.warmup_steps=1", "train.skip_steps=[6]"], "train.skip_steps", "at most train.steps=5"),
-    (["train.skip_steps=[0]"], "train.skip_steps", "1-based"),
-    (["train.steps=5", "optimizer.warmup_steps=1", "fault.nan_at_step=9"], "fault.nan_at_step", "must be in [1, train.steps=5]"),
-    (["fault.bad_node=1"], "fault.bad_node", "no node 1 in cluster.nodes=1"),
-    (["stability.spike_z=-1"], "stability.spike_z", "must be >= 0 (0: off)"),
-    (["stability.spike_min_steps=40"], "stability.spike_min_steps", "must be in [3, stability.spike_window=32]"),
-    (["fault.spike_at_step=0"], "fault.spike_at_step", "must be in [1, train.steps="),
-])
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [
+        # 3 heads over tp=2 (hidden 66 keeps hidden % heads valid)
+        (["model.num_attention_heads=3", "model.hidden_size=66"], "parallelism.tp", "not divisible by tp=2"),
+        (["model.num_layers=3"], "parallelism.pp", "pp*vpp=2*1"),
+        (["parallelism=tp2-pp2-vpp2-dp2", "model.num_layers=6"], "parallelism.pp", "pp*vpp=2*2"),
+        # h100-8x has 8 procs per node: 2 nodes are 16 processes for a layout of 8
+        (["cluster=h100-8x", "cluster.nodes=2"], "cluster.procs_per_node", "2*8=16 does not equal"),
+        (["cluster=h100-8x", "parallelism=single"], "cluster.procs_per_node", "does not equal"),
+        (["parallelism.global_batch_size=10"], "parallelism.global_batch_size", "micro_batch_size*dp=2*2"),
+        (["+model.foo=1"], "model.foo", "not in 'ModelConfig'"),
+        (["model.foo=1"], "model.foo", "not in 'ModelConfig'"),
+        (["model.num_layers=abc"], "model.num_layers", "could not be converted to Integer"),
+        (["model=nope"], "model", "'nope'"),
+        (["train.precision=fp8"], "train.precision", "must be one of"),
+        (["train.precision=fp16"], "train.precision", "for GPUs"),
+        (["cluster.backend=nccl"], "cluster.backend", "needs cluster.device=cuda"),
+        (
+            ["parallelism=single", "parallelism.sequence_parallel=true"],
+            "parallelism.sequence_parallel",
+            "tp>1",
+        ),
+        (["fault.kill_rank=8", "fault.kill_at_step=3"], "fault.kill_rank", "no rank 8 in world 8"),
+        (["fault.kill_rank=-1", "fault.kill_at_step=3"], "fault.kill_rank", "no rank -1"),
+        # nodes and launchers: how a run starts must fit what the hardware is
+        (["cluster.nodes=2", "cluster.procs_per_node=4"], "cluster.nodes", "launcher=local starts one node"),
+        (
+            ["launcher=local-nodes", "cluster.nodes=3", "cluster.procs_per_node=3"],
+            "cluster.procs_per_node",
+            "3*3=9 does not equal",
+        ),
+        (["launcher=slurm"], "launcher.name", "cluster=local-cpu cannot be started by launcher=slurm"),
+        (
+            ["cluster=h100-8x", "launcher=local-nodes"],
+            "launcher.name",
+            "cannot be started by launcher=local-nodes",
+        ),
+        (["launcher=nope"], "launcher", "'nope'"),
+        (
+            ["launcher=local-nodes", "launcher.local_nodes.subnet=8.8.8.0/24"],
+            "launcher.local_nodes.subnet",
+            "private IPv4",
+        ),
+        (["cluster.peak_tflops=-1"], "cluster.peak_tflops", "must be positive"),
+        # PP/DP overlap (issue 13): megatron's non-interleaved 1F1B refuses p2p overlap and never
+        # calls param_sync_func, so asking for them explicitly without virtual stages names vpp
+        (["parallelism.overlap_p2p_comm=true"], "parallelism.vpp", "refuses overlap_p2p_comm"),
+        (
+            [
+                "parallelism=pp2",
+                "parallelism.overlap_param_gather=true",
+                "parallelism.align_param_gather=true",
+            ],
+            "parallelism.vpp",
+            "never calls param_sync_func",
+        ),
+        (
+            ["parallelism=tp2-pp2-vpp2-dp2", "parallelism.overlap_p2p_comm_warmup_flush=true"],
+            "parallelism.overlap_p2p_comm_warmup_flush",
+            "needs parallelism.overlap_p2p_comm=true",
+        ),
+        (
+            ["parallelism=tp2-pp2-vpp2-dp2", "parallelism.align_param_gather=true"],
+            "parallelism.align_param_gather",
+            "needs parallelism.overlap_param_gather=true",
+        ),
+        (
+            ["parallelism.overlap_param_gather=true", "parallelism.use_distributed_optimizer=false"],
+            "parallelism.overlap_param_gather",
+            "use_distributed_optimizer=true",
+        ),
+        (["parallelism.comm_overlap=on"], "parallelism.comm_overlap", "must be one of"),
+        (
+            ["parallelism.overlap_param_gather=true", "parallelism.overlap_grad_reduce=false"],
+            "parallelism.overlap_param_gather",
+            "needs parallelism.overlap_grad_reduce=true",
+        ),
+        (["parallelism.ddp_bucket_size=0"], "parallelism.ddp_bucket_size", "must be a positive number"),
+        # stability (issue 12): heartbeats and hang thresholds
+        (["stability.heartbeat_s=0"], "stability.heartbeat_s", "must be positive"),
+        (["stability.progress_factor=1"], "stability.progress_factor", "must be >= 2"),
+        (["stability.min_hang_s=1"], "stability.min_hang_s", "must be >= 2 x stability.heartbeat_s"),
+        (["stability.straggler_factor=1"], "stability.straggler_factor", "must be > 1"),
+        # stability: membership on failure, rollback and its drills (mega/stability)
+        (["cluster.spare_nodes=-1"], "cluster.spare_nodes", "must be >= 0"),
+        (["cluster.min_nodes=2"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
+        (["cluster.min_nodes=0"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
+        (
+            ["train.steps=5", "optimizer.warmup_steps=1", "train.skip_steps=[6]"],
+            "train.skip_steps",
+            "at most train.steps=5",
+        ),
+        (["train.skip_steps=[0]"], "train.skip_steps", "1-based"),
+        (
+            ["train.steps=5", "optimizer.warmup_steps=1", "fault.nan_at_step=9"],
+            "fault.nan_at_step",
+            "must be in [1, train.steps=5]",
+        ),
+        (["fault.bad_node=1"], "fault.bad_node", "no node 1 in cluster.nodes=1"),
+        (["stability.spike_z=-1"], "stability.spike_z", "must be >= 0 (0: off)"),
+        (
+            ["stability.spike_min_steps=40"],
+            "stability.spike_min_steps",
+            "must be in [3, stability.spike_window=32]",
+        ),
+        (["fault.spike_at_step=0"], "fault.spike_at_step", "must be in [1, train.steps="),
+    ],
+)
 def test_rejection_names_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as info:
         compose(overrides)
@@ -89,12 +137,18 @@ def test_rejection_names_the_key(overrides, key, fragment):
     assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize("optimizer, steps, warmup", [
-    ("adam", 100, 10), ("lamb", 100, 10),  # the default run
-    ("adam", 1000, 10),  # long runs keep 10 steps
-    ("adam", 50, 5), ("adam", 10, 1), ("lamb", 10, 1),  # a shortened run warms up for a tenth of it
-    ("adam", 5, 0),
-])
+@pytest.mark.parametrize(
+    "optimizer, steps, warmup",
+    [
+        ("adam", 100, 10),
+        ("lamb", 100, 10),  # the default run
+        ("adam", 1000, 10),  # long runs keep 10 steps
+        ("adam", 50, 5),
+        ("adam", 10, 1),
+        ("lamb", 10, 1),  # a shortened run warms up for a tenth of it
+        ("adam", 5, 0),
+    ],
+)
 def test_default_warmup_follows_the_run_length(optimizer, steps, warmup):
     cfg = compose([f"optimizer={optimizer}", f"train.steps={steps}"])
     assert cfg.optimizer.warmup_steps == warmup  # settled at composition: the saved config says what ran
@@ -113,11 +167,14 @@ def test_an_explicit_warmup_too_long_for_the_run_says_what_to_set():
     assert info.value.key == "optimizer.warmup_steps"
 
 
-@pytest.mark.parametrize("data, key", [
-    ({"parallelism": {"tpp": 2}}, "parallelism.tpp"),
-    ({"model": {"foo": {"bar": 1}}}, "model.foo"),
-    ({"model": {"num_layers": "abc"}}, "model.num_layers"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"parallelism": {"tpp": 2}}, "parallelism.tpp"),
+        ({"model": {"foo": {"bar": 1}}}, "model.foo"),
+        ({"model": {"num_layers": "abc"}}, "model.num_layers"),
+    ],
+)
 def test_from_dict_names_the_full_dotted_key(data, key):
     with pytest.raises(ConfigError) as info:
         from_dict(data)
@@ -128,7 +185,12 @@ def test_from_dict_names_the_full_dotted_key(data, key):
 # consistent, and the key it is rejected with when composed alone.
 COMPANIONS = {
     "model/gpt-530b": ["parallelism=tp2"],  # 105 layers do not split over pp=2
-    "parallelism/paper-175b-256gpu": ["model=gpt-175b", "cluster=h100-8x", "cluster.nodes=32", "launcher=slurm"],
+    "parallelism/paper-175b-256gpu": [
+        "model=gpt-175b",
+        "cluster=h100-8x",
+        "cluster.nodes=32",
+        "launcher=slurm",
+    ],
     "cluster/gpu-1": ["parallelism=single"],  # one GPU, one process
     "launcher/slurm": ["cluster=h100-8x"],  # the CPU preset pairs with local launchers only
     "launcher/kubernetes": ["cluster=a100-8x"],
@@ -172,13 +234,16 @@ def test_paper_layout_on_32_h100_nodes():
     cfg = compose(COMPANIONS["parallelism/paper-175b-256gpu"] + ["parallelism=paper-175b-256gpu"])
     p = cfg.parallelism
     assert (p.tp, p.pp, p.vpp, p.dp, p.world_size) == (8, 8, 2, 4, 256)
-    assert cfg.cluster.world_size == 256 and cfg.cluster.env["NCCL_IB_RETRY_CNT"] == "7"  # 3-bit field: 7 is the most
+    assert (
+        cfg.cluster.world_size == 256 and cfg.cluster.env["NCCL_IB_RETRY_CNT"] == "7"
+    )  # 3-bit field: 7 is the most
 
 
 def test_save_and_load_round_trip(tmp_path):
     # a layout with vpp, a cluster with env presets and a fault set: nulls, dicts and nesting
-    cfg = compose(["parallelism=tp2-pp2-vpp2-dp2", "cluster=h100-8x",
-                   "fault.kill_rank=3", "fault.kill_at_step=5"])
+    cfg = compose(
+        ["parallelism=tp2-pp2-vpp2-dp2", "cluster=h100-8x", "fault.kill_rank=3", "fault.kill_at_step=5"]
+    )
     path = tmp_path / "config.json"
     save(cfg, path)
     loaded = load(path)
@@ -187,13 +252,24 @@ def test_save_and_load_round_trip(tmp_path):
     assert dataclasses.asdict(loaded) == dataclasses.asdict(cfg)
 
 
-@pytest.mark.parametrize("layout, on, left_off", [
-    # interleaved: everything megatron supports; 1F1B: only the pre-hook-driven all-gather
-    ("tp2-pp2-vpp2-dp2", ["overlap_p2p_comm", "overlap_p2p_comm_warmup_flush", "overlap_param_gather",
-                          "align_param_gather"], []),
-    ("tp2-pp2-dp2", ["overlap_param_gather"], ["overlap_p2p_comm", "align_param_gather"]),
-    ("pp2", [], ["overlap_p2p_comm", "overlap_param_gather"]),
-])
+@pytest.mark.parametrize(
+    "layout, on, left_off",
+    [
+        # interleaved: everything megatron supports; 1F1B: only the pre-hook-driven all-gather
+        (
+            "tp2-pp2-vpp2-dp2",
+            [
+                "overlap_p2p_comm",
+                "overlap_p2p_comm_warmup_flush",
+                "overlap_param_gather",
+                "align_param_gather",
+            ],
+            [],
+        ),
+        ("tp2-pp2-dp2", ["overlap_param_gather"], ["overlap_p2p_comm", "align_param_gather"]),
+        ("pp2", [], ["overlap_p2p_comm", "overlap_param_gather"]),
+    ],
+)
 def test_megascale_turns_on_what_the_layout_supports(layout, on, left_off):
     from mega.overlap import pp_dp
 

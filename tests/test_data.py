@@ -31,8 +31,10 @@ SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "ta", "shi", "vo", "pe", "dra", "qu",
 def make_documents(n: int = 30, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     words = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(300)]
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) + f".\nDocument {i}.\n"
-            for i in range(n)]
+    return [
+        " ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) + f".\nDocument {i}.\n"
+        for i in range(n)
+    ]
 
 
 def write_txt_dir(root: Path, docs: list[str]) -> Path:
@@ -48,8 +50,15 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 
 
 def data_config(source: Path | str, cache: Path, **overrides) -> DataConfig:
-    return DataConfig(**{"source": str(source), "cache_dir": str(cache), "shard_tokens": 1024,
-                         "val_fraction": 0.1, **overrides})
+    return DataConfig(
+        **{
+            "source": str(source),
+            "cache_dir": str(cache),
+            "shard_tokens": 1024,
+            "val_fraction": 0.1,
+            **overrides,
+        }
+    )
 
 
 def read_index(index_path: Path) -> dict:
@@ -101,7 +110,9 @@ def test_shakespeare_prepare(shakespeare):
     # The train stream is exactly the train documents (by the per-document hash rule), each
     # followed by EOS, and each tokenized as the tokenizer itself would.
     documents = load_documents("shakespeare", "text", Path(config.cache_dir))
-    train_docs = [d for d in documents if not is_val(hashlib.sha256(d.encode()).digest(), config.val_fraction)]
+    train_docs = [
+        d for d in documents if not is_val(hashlib.sha256(d.encode()).digest(), config.val_fraction)
+    ]
     assert len(train_docs) == index["num_documents"]["train"] > 0
     stream = split_stream(index_path, "train")
     ends = np.flatnonzero(stream == index["eos_id"])
@@ -109,7 +120,7 @@ def test_shakespeare_prepare(shakespeare):
     tokenizer = load_tokenizer(index_path)
     assert tokenizer.decode(stream[: ends[0]].tolist()) == train_docs[0]
     assert stream[: ends[0]].tolist() == tokenizer.encode(train_docs[0]).ids
-    assert tokenizer.decode(stream[ends[-2] + 1: ends[-1]].tolist()) == train_docs[-1]
+    assert tokenizer.decode(stream[ends[-2] + 1 : ends[-1]].tolist()) == train_docs[-1]
 
 
 def test_shakespeare_tokenizer_round_trips_a_real_line(shakespeare):
@@ -155,8 +166,11 @@ def test_shakespeare_token_dataset(shakespeare):
 @pytest.fixture(scope="module")
 def small_index(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("small")
-    return prepare_dataset(data_config(write_txt_dir(root / "txt", make_documents()), root / "cache"),
-                           vocab_size=300, progress=False)
+    return prepare_dataset(
+        data_config(write_txt_dir(root / "txt", make_documents()), root / "cache"),
+        vocab_size=300,
+        progress=False,
+    )
 
 
 def test_txt_jsonl_parquet_give_the_same_dataset(tmp_path, small_index):
@@ -165,8 +179,9 @@ def test_txt_jsonl_parquet_give_the_same_dataset(tmp_path, small_index):
     parquet = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"body": docs}), parquet)
     jsonl_index = prepare_dataset(data_config(jsonl, tmp_path / "c1"), 300, progress=False)
-    parquet_index = prepare_dataset(data_config(parquet, tmp_path / "c2", text_field="body"), 300,
-                                    progress=False)
+    parquet_index = prepare_dataset(
+        data_config(parquet, tmp_path / "c2", text_field="body"), 300, progress=False
+    )
 
     # Same documents, trained and tokenized independently -> byte-identical shards and tokenizer.
     reference = read_index(small_index)
@@ -174,8 +189,9 @@ def test_txt_jsonl_parquet_give_the_same_dataset(tmp_path, small_index):
         index = read_index(index_path)
         assert index["content_hash"] == reference["content_hash"]
         assert [s["sha256"] for s in index["shards"]] == [s["sha256"] for s in reference["shards"]]
-        assert (index_path.parent / "tokenizer.json").read_bytes() == \
-            (small_index.parent / "tokenizer.json").read_bytes()
+        assert (index_path.parent / "tokenizer.json").read_bytes() == (
+            small_index.parent / "tokenizer.json"
+        ).read_bytes()
     assert len([s for s in reference["shards"] if s["split"] == "train"]) > 1  # several shards
     assert reference["num_documents"]["val"] >= 1 and sum(reference["num_documents"].values()) == 30
 
@@ -214,7 +230,9 @@ def test_a_cache_without_its_index_is_rebuilt(tmp_path):
     index_path.unlink()  # as if a crash or a user had broken a finished cache
     assert prepare_dataset(config, 300, progress=False) == index_path
     assert sorted(p.name for p in index_path.parent.iterdir()) == shards
-    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")] == [index_path.parent.name]
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")] == [
+        index_path.parent.name
+    ]
 
 
 def test_utf8_bom_is_not_part_of_the_text(tmp_path):
@@ -309,7 +327,7 @@ def test_samples_are_consecutive_windows(small_index):
     straddling = first_shard // 17  # this sample crosses from shard 0 into shard 1
     for i in (0, 1, straddling, ds.num_samples - 1):
         assert ds.sample(i).dtype == np.int64
-        assert np.array_equal(ds.sample(i), stream[i * 17:(i + 1) * 17])
+        assert np.array_equal(ds.sample(i), stream[i * 17 : (i + 1) * 17])
     with pytest.raises(IndexError):
         ds.sample(ds.num_samples)
 
@@ -318,8 +336,11 @@ def test_microbatch_fields_and_determinism(small_index):
     ds = TokenDataset(small_index, seq_length=16, seed=7)
     batch = ds.microbatch(step=3, microbatch=1, dp_rank=0, dp_size=1, micro_batch_size=4, num_microbatches=2)
     assert {k: (tuple(v.shape), v.dtype) for k, v in batch.items()} == {
-        "tokens": ((4, 16), torch.int64), "labels": ((4, 16), torch.int64),
-        "loss_mask": ((4, 16), torch.float32), "position_ids": ((4, 16), torch.int64)}
+        "tokens": ((4, 16), torch.int64),
+        "labels": ((4, 16), torch.int64),
+        "loss_mask": ((4, 16), torch.float32),
+        "position_ids": ((4, 16), torch.int64),
+    }
     assert torch.equal(batch["labels"][:, :-1], batch["tokens"][:, 1:])
     ids = ds.sample_ids(3, 1, 0, 1, 4, 2)
     assert torch.equal(batch["labels"][:, -1], torch.from_numpy(np.stack([ds.sample(i)[-1] for i in ids])))
@@ -337,8 +358,13 @@ def test_microbatch_fields_and_determinism(small_index):
 
 def global_batch(ds: TokenDataset, step: int, dp_size: int, mbs: int, num_mb: int) -> torch.Tensor:
     """All ranks' microbatches of one step, concatenated rank-major."""
-    return torch.cat([ds.microbatch(step, m, r, dp_size, mbs, num_mb)["tokens"]
-                      for r in range(dp_size) for m in range(num_mb)])
+    return torch.cat(
+        [
+            ds.microbatch(step, m, r, dp_size, mbs, num_mb)["tokens"]
+            for r in range(dp_size)
+            for m in range(num_mb)
+        ]
+    )
 
 
 def test_every_dp_size_sees_the_same_global_batch(small_index):
@@ -362,19 +388,20 @@ def test_epochs_wrap_into_a_new_permutation(small_index):
     assert n % batch != 0  # so a global batch straddles the epoch boundary
     steps = 2 * n // batch + 1
     walk = np.concatenate([ds.sample_ids(s, 0, 0, 1, batch, 1) for s in range(steps)])
-    first, second = walk[:n], walk[n:2 * n]
+    first, second = walk[:n], walk[n : 2 * n]
     assert sorted(first) == list(range(n)) and sorted(second) == list(range(n))
     assert not np.array_equal(first, second)
 
     boundary = n // batch  # the step whose global batch holds the end of epoch 0 and start of epoch 1
     straddle = ds.microbatch(boundary, 0, 0, 1, batch, 1)["tokens"]
-    expected = [ds.sample(int(i))[:-1] for i in walk[boundary * batch:(boundary + 1) * batch]]
+    expected = [ds.sample(int(i))[:-1] for i in walk[boundary * batch : (boundary + 1) * batch]]
     assert torch.equal(straddle, torch.from_numpy(np.stack(expected)))
 
 
 def test_split_too_small_for_a_sample(tmp_path):
-    index_path = prepare(write_jsonl(tmp_path / "d.jsonl", ["tiny one", "tiny two", "tiny three"]), tmp_path,
-                         val_fraction=0.3)
+    index_path = prepare(
+        write_jsonl(tmp_path / "d.jsonl", ["tiny one", "tiny two", "tiny three"]), tmp_path, val_fraction=0.3
+    )
     with pytest.raises(DataError, match="split 'val' has .* tokens, fewer than one sample"):
         TokenDataset(index_path, seq_length=64, seed=0, split="val")
 
@@ -407,7 +434,7 @@ def test_a_2mb_document_without_whitespace_reaches_bpe_in_bounded_pieces(tmp_pat
     stream = split_stream(index_path, "train")
     ends = np.flatnonzero(stream == 0)
     assert len(ends) == 21
-    assert tokenizer.decode(stream[ends[9] + 1: ends[10]].tolist()) == blob  # nothing lost or changed
+    assert tokenizer.decode(stream[ends[9] + 1 : ends[10]].tolist()) == blob  # nothing lost or changed
 
 
 def test_chunked_encoding_equals_the_tokenizer(tmp_path):
@@ -418,10 +445,28 @@ def test_chunked_encoding_equals_the_tokenizer(tmp_path):
     from mega.data.tokenizer import Encoder, train_tokenizer
 
     rng = random.Random(1)
-    odd = ["\u00a0", "\u2009", "\u3000", "\u2028", "\x85", "\x1c", "\x1f", "\t", "\r\n", "  ", "\u200b", "!\x1c"]
+    odd = [
+        "\u00a0",
+        "\u2009",
+        "\u3000",
+        "\u2028",
+        "\x85",
+        "\x1c",
+        "\x1f",
+        "\t",
+        "\r\n",
+        "  ",
+        "\u200b",
+        "!\x1c",
+    ]
     words = ["the", "naïve", "café", "日本語", "🙂🙂", "x" * 300, "1234", "it's", "--", "«q»", "\\n"]
-    docs = ["".join(rng.choice(words + odd) + rng.choice(["", " ", "\n", ".", ", "]) for _ in range(rng.randint(1, 400)))
-            for _ in range(200)]
+    docs = [
+        "".join(
+            rng.choice(words + odd) + rng.choice(["", " ", "\n", ".", ", "])
+            for _ in range(rng.randint(1, 400))
+        )
+        for _ in range(200)
+    ]
     trained = train_tokenizer(docs, 400, max_run=64)
     encoder = Encoder(trained, max_bytes=8000)  # a small memo: exercised full, cleared and refilled
     assert encoder.chunked
@@ -449,12 +494,16 @@ def test_the_chunk_memo_stays_within_its_byte_budget():
     encoder = Encoder(trained, max_bytes=budget)
     peak = cleared = 0
     for _ in range(60):
-        batch = [" ".join("".join(rng.choice(letters) for _ in range(rng.randint(3, 12))) for _ in range(100))
-                 for _ in range(2)]  # ~200 distinct words a batch: the memo fills in a few batches
+        batch = [
+            " ".join("".join(rng.choice(letters) for _ in range(rng.randint(3, 12))) for _ in range(100))
+            for _ in range(2)
+        ]  # ~200 distinct words a batch: the memo fills in a few batches
         before = len(encoder._ids)
         assert encoder.encode(batch) == [trained.encode(d).ids for d in batch]
         cleared += len(encoder._ids) < before
-        held = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in encoder._ids.items()) + sys.getsizeof(encoder._ids)
+        held = sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in encoder._ids.items()) + sys.getsizeof(
+            encoder._ids
+        )
         peak = max(peak, held)
     assert cleared >= 2  # the budget was reached, more than once
     assert peak < 2 * budget, peak  # at most one batch's new words past the budget
@@ -473,20 +522,24 @@ def test_a_text_document_larger_than_a_block_is_read_in_exact_pieces(tmp_path, m
     stream = split_stream(index_path, "train")
     ends = np.flatnonzero(stream == 0)
     assert len(ends) == 2
-    piece = stream[ends[0] + 1: ends[1]].tolist()
+    piece = stream[ends[0] + 1 : ends[1]].tolist()
     assert tokenizer.decode(piece) == big[1:]
-    text_before_run = big[1:big.index("é")]
+    text_before_run = big[1 : big.index("é")]
     prefix = tokenizer.encode(text_before_run).ids  # cut at whitespace-run starts: exact up to the run
-    assert piece[:len(prefix)] == prefix
+    assert piece[: len(prefix)] == prefix
 
 
 def test_data_config_errors_name_the_key():
     from mega.config import ConfigError, compose
 
-    for override, key in [("data.loader=socket", "data.loader"), ("data.format=csv", "data.format"),
-                          ("data.workers=0", "data.workers"), ("data.max_run_chars=4", "data.max_run_chars"),
-                          ("data.blend=[{source: a, weight: 0}]", "data.blend.0.weight"),
-                          ("data.s3_endpoint_url=ftp://x", "data.s3_endpoint_url")]:
+    for override, key in [
+        ("data.loader=socket", "data.loader"),
+        ("data.format=csv", "data.format"),
+        ("data.workers=0", "data.workers"),
+        ("data.max_run_chars=4", "data.max_run_chars"),
+        ("data.blend=[{source: a, weight: 0}]", "data.blend.0.weight"),
+        ("data.s3_endpoint_url=ftp://x", "data.s3_endpoint_url"),
+    ]:
         with pytest.raises(ConfigError) as err:
             compose([override])
         assert err.value.key == key, override
@@ -526,8 +579,14 @@ def test_a_script_calling_prepare_dataset_at_top_level_is_told_to_guard_it(tmp_p
     script.write_text(USER_SCRIPT + call)
     source = write_txt_dir(tmp_path / "txt", make_documents(8))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    run = subprocess.run([sys.executable, str(script), str(source), str(tmp_path / "cache")], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=tmp_path)
+    run = subprocess.run(
+        [sys.executable, str(script), str(source), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     if guarded:
         assert run.returncode == 0, run.stderr
         assert Path(run.stdout.strip().splitlines()[-1]).is_file()
@@ -535,5 +594,7 @@ def test_a_script_calling_prepare_dataset_at_top_level_is_told_to_guard_it(tmp_p
     assert run.returncode == 1
     assert "worker died" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("mega.data.corpus.DataError: prepare_dataset was called again by its own tokenizer workers")
+    assert last.startswith(
+        "mega.data.corpus.DataError: prepare_dataset was called again by its own tokenizer workers"
+    )
     assert str(script) in last and 'Put that call under `if __name__ == "__main__":`' in last

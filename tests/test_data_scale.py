@@ -28,8 +28,15 @@ from tests.test_data import make_documents, read_index, split_stream, write_json
 
 
 def config(source, cache, **overrides) -> DataConfig:
-    return DataConfig(**{"source": str(source), "cache_dir": str(cache), "shard_tokens": 1024,
-                         "val_fraction": 0.1, **overrides})
+    return DataConfig(
+        **{
+            "source": str(source),
+            "cache_dir": str(cache),
+            "shard_tokens": 1024,
+            "val_fraction": 0.1,
+            **overrides,
+        }
+    )
 
 
 def write_corpus(root: Path) -> Path:
@@ -83,10 +90,14 @@ def test_a_corpus_streamed_from_s3_gives_the_same_shards_as_read_locally(seaweed
 def test_a_killed_preparation_resumes_where_it_was(tmp_path):
     root = write_corpus(tmp_path / "corpus")
     cfg = config(root, tmp_path / "cache", workers=1)
-    code = ("import sys; from mega.config import DataConfig; from mega.data import prepare_dataset; "
-            f"prepare_dataset(DataConfig(**{cfg.__dict__!r}), 300, progress=False)")
+    code = (
+        "import sys; from mega.config import DataConfig; from mega.data import prepare_dataset; "
+        f"prepare_dataset(DataConfig(**{cfg.__dict__!r}), 300, progress=False)"
+    )
     env = {**os.environ, "MEGA_DATA_KILL_AFTER_COMMITS": "2", "PYTHONPATH": os.getcwd()}
-    killed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     work = next((tmp_path / "cache").glob(".tmp-*"))
     journal = json.loads((work / "journal.json").read_text())
@@ -99,7 +110,9 @@ def test_a_killed_preparation_resumes_where_it_was(tmp_path):
     assert got["prepared"]["resumed_at"] == journal["position"]
     assert got["prepared"]["tokens_read_now"] < sum(want["num_tokens"].values())  # it did not start over
     assert got["content_hash"] == want["content_hash"]
-    assert [(s["path"], s["sha256"]) for s in got["shards"]] == [(s["path"], s["sha256"]) for s in want["shards"]]
+    assert [(s["path"], s["sha256"]) for s in got["shards"]] == [
+        (s["path"], s["sha256"]) for s in want["shards"]
+    ]
     assert not work.exists()
 
 
@@ -111,8 +124,17 @@ def test_a_dataset_without_held_out_text_is_refused_before_launch(tmp_path):
     index = prepare_dataset(config(corpus, tmp_path / "cache", val_fraction=0.01), 300, progress=False)
     assert read_index(index)["num_tokens"]["val"] == 0  # 4 documents at 1%: none held out
     run_dir = tmp_path / "run"
-    cfg = compose(["model=tiny", "model.vocab_size=300", f"data.source={corpus}", "data.val_fraction=0.01",
-                   f"train.run_dir={run_dir}", "train.steps=2", "optimizer.warmup_steps=1"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "model.vocab_size=300",
+            f"data.source={corpus}",
+            "data.val_fraction=0.01",
+            f"train.run_dir={run_dir}",
+            "train.steps=2",
+            "optimizer.warmup_steps=1",
+        ]
+    )
     with pytest.raises(ConfigError, match="held-out") as err:
         run_training(cfg, index)
     assert err.value.key == "data.val_fraction"
@@ -128,8 +150,12 @@ def blend_index(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("blend")
     alpha = write_jsonl(tmp / "alpha.jsonl", make_documents(40, seed=1))
     beta = write_jsonl(tmp / "beta.jsonl", [d.upper() for d in make_documents(20, seed=2)])
-    cfg = config("unused", tmp / "cache", val_fraction=0.0,
-                 blend=[{"source": str(alpha), "weight": 3.0}, {"source": str(beta), "weight": 1.0}])
+    cfg = config(
+        "unused",
+        tmp / "cache",
+        val_fraction=0.0,
+        blend=[{"source": str(alpha), "weight": 3.0}, {"source": str(beta), "weight": 1.0}],
+    )
     from mega.config import from_dict
 
     data = from_dict({"data": cfg.__dict__, "train": {"eval_batches": 0}}).data  # no held-out split
@@ -153,8 +179,10 @@ def test_blends_follow_their_weights(blend_index):
     batch = ds.microbatch_samples(7, 1, 1, 2, 4, 2)
     sources, ids = ds.locate(ds.positions(7, 1, 1, 2, 4, 2))
     for row, j, i in zip(batch, sources, ids):
-        stream = split_stream(blend_index.parent / json.loads(blend_index.read_text())["sources"][j]["index"], "train")
-        assert np.array_equal(row, stream[i * 17:(i + 1) * 17])
+        stream = split_stream(
+            blend_index.parent / json.loads(blend_index.read_text())["sources"][j]["index"], "train"
+        )
+        assert np.array_equal(row, stream[i * 17 : (i + 1) * 17])
     whole = np.concatenate([ds.microbatch_samples(7, m, 0, 1, 4, 4) for m in range(4)])
     halves = np.concatenate([ds.microbatch_samples(7, m, r, 2, 4, 2) for r in range(2) for m in range(2)])
     assert np.array_equal(whole, halves)
@@ -163,7 +191,7 @@ def test_blends_follow_their_weights(blend_index):
     sched = BlendSchedule([0.5, 0.3, 0.2])
     src, _ = sched.locate(np.arange(10 * sched.period + 12345))
     for lo, n in [(0, 1000), (777, 5000), (sched.period - 300, 900), (3 * sched.period + 5, 70_000)]:
-        share = np.bincount(src[lo:lo + n], minlength=3) / n
+        share = np.bincount(src[lo : lo + n], minlength=3) / n
         assert np.all(np.abs(share * n - np.array([0.5, 0.3, 0.2]) * n) <= 2), (lo, n, share)
     # the k-th draw of a source is its k-th sample of the walk: no repeats, none skipped
     sources, draws = sched.locate(np.arange(3 * sched.period))
@@ -216,13 +244,17 @@ def test_a_megatron_prefix_is_a_source(megatron_source, tmp_path):
     index = read_index(index_path)
     assert index["kind"] == "megatron" and index["vocab_size"] <= 512
     ds = TokenDataset(index_path, seq_length=32, seed=1)
-    assert ds.num_tokens == len(stream) and np.array_equal(ds.sample(5), stream[5 * 33:6 * 33])
-    split = prepare_dataset(config(f"{prefix}.idx", tmp_path / "cache", val_fraction=0.1), 512, progress=False)
+    assert ds.num_tokens == len(stream) and np.array_equal(ds.sample(5), stream[5 * 33 : 6 * 33])
+    split = prepare_dataset(
+        config(f"{prefix}.idx", tmp_path / "cache", val_fraction=0.1), 512, progress=False
+    )
     documents = index["num_documents"]["train"]  # data_index's train plays, all of them here (val_fraction=0)
     assert documents >= 39
     held = round(documents * 0.1)
     assert read_index(split)["num_documents"] == {"train": documents - held, "val": held}  # the last 10%
-    assert TokenDataset(split, 32, 1).num_tokens + TokenDataset(split, 32, 1, split="val").num_tokens == len(stream)
+    assert TokenDataset(split, 32, 1).num_tokens + TokenDataset(split, 32, 1, split="val").num_tokens == len(
+        stream
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,8 +286,11 @@ def _start_node(monkeypatch, cfg, index, ranks_dp: list[int], dp_size: int):
     clients = []
     for local_rank, dp_rank in enumerate(ranks_dp):
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-        clients.append(NodeBatches(cfg, TokenDataset(index, cfg.model.seq_length, cfg.train.seed), str(index),
-                                   dp_rank, dp_size))
+        clients.append(
+            NodeBatches(
+                cfg, TokenDataset(index, cfg.model.seq_length, cfg.train.seed), str(index), dp_rank, dp_size
+            )
+        )
     return clients
 
 
@@ -265,7 +300,7 @@ def _all_get(clients, step):
     def get(i):
         try:
             out[i] = clients[i].step_microbatches(step, torch.device("cpu"))
-        except Exception as err:  # noqa: BLE001 - handed to the test
+        except Exception as err:
             errors[i] = err
 
     threads = [threading.Thread(target=get, args=(i,)) for i in range(len(clients))]
@@ -312,8 +347,12 @@ def test_a_dead_or_stalled_node_loader_is_reported_not_waited_for(monkeypatch, t
         assert 5.0 <= time.monotonic() - started < 5.0 + 20
         for err in errors:
             assert isinstance(err, DataLoaderError)
-            assert f"data loader of node 0 (pid {loader.pid}" in str(err) and "fell behind or hangs" in str(err)
-            assert re.search(r"its last status: '(preparing step \d|delivering step \d|step \d+ prepared)", str(err)), err
+            assert f"data loader of node 0 (pid {loader.pid}" in str(err) and "fell behind or hangs" in str(
+                err
+            )
+            assert re.search(
+                r"its last status: '(preparing step \d|delivering step \d|step \d+ prepared)", str(err)
+            ), err
         os.kill(loader.pid, signal.SIGKILL)  # dead: seen at once
         started = time.monotonic()
         _, errors = _all_get(clients, 2 + cfg.data.loader_prefetch)
@@ -328,21 +367,36 @@ def test_a_dead_or_stalled_node_loader_is_reported_not_waited_for(monkeypatch, t
 
 
 @pytest.mark.slow
-def test_node_loader_training_matches_per_rank_loading_on_a_megatron_source(tmp_path, data_index, data_cache,
-                                                                               megatron_source):
+def test_node_loader_training_matches_per_rank_loading_on_a_megatron_source(
+    tmp_path, data_index, data_cache, megatron_source
+):
     """TP=2 x DP=2: per-rank loading of the Arrow shards, and the node loader over the same
     tokens as a megatron .bin/.idx prefix, give bit-identical losses."""
     from mega.config import compose
     from mega.launch import run_training
 
     prefix, _ = megatron_source
-    megatron_index = prepare_dataset(config(prefix, tmp_path / "cache", val_fraction=0.0), 512, progress=False)
+    megatron_index = prepare_dataset(
+        config(prefix, tmp_path / "cache", val_fraction=0.0), 512, progress=False
+    )
 
     def train(run_dir, index, loader):
-        cfg = compose(["model=tiny", "parallelism=tp2", "parallelism.dp=2", "parallelism.name=tp2-dp2",
-                       "train.steps=3", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
-                       "train.tensorboard=false", "checkpoint.interval=0", "optimizer.warmup_steps=1",
-                       f"data.loader={loader}", "train.eval_batches=0"])  # the .bin/.idx copy has no val
+        cfg = compose(
+            [
+                "model=tiny",
+                "parallelism=tp2",
+                "parallelism.dp=2",
+                "parallelism.name=tp2-dp2",
+                "train.steps=3",
+                f"train.run_dir={run_dir}",
+                f"data.cache_dir={data_cache}",
+                "train.tensorboard=false",
+                "checkpoint.interval=0",
+                "optimizer.warmup_steps=1",
+                f"data.loader={loader}",
+                "train.eval_batches=0",
+            ]
+        )  # the .bin/.idx copy has no val
         return run_training(cfg, index, log=print).metrics
 
     per_rank = train(tmp_path / "rank", data_index, "rank")
@@ -376,6 +430,10 @@ mapped = any(int(a, 16) <= p < int(b, 16) and "[heap]" not in line
              for line in maps for a, b in [line.split()[0].split("-")])
 print("mmap" if mapped else "heap")
 """
-    got = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
-           .stdout.strip() for mode in ("pin", "default")}
+    got = {
+        mode: subprocess.run(
+            [sys.executable, "-c", code, mode], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for mode in ("pin", "default")
+    }
     assert got == {"pin": "mmap", "default": "heap"}, got

@@ -17,9 +17,9 @@ import itertools
 import re
 import shlex
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -57,7 +57,11 @@ EXTERNAL_PROGRAMS = {"sbatch", "sinfo", "squeue", "scontrol", "kubectl", "prefec
 # Scripts whose extra arguments go to an entry point.
 SCRIPT_ARGS = {"infra/gpu-tp-overlap.sh": "mega.overlap.compare"}
 # <placeholders> docs use, and a value of the kind each stands for
-PLACEHOLDERS = {"<uuid>": "00000000-0000-0000-0000-000000000000", "<machine>": "machine", "<benchmark>": "step"}
+PLACEHOLDERS = {
+    "<uuid>": "00000000-0000-0000-0000-000000000000",
+    "<machine>": "machine",
+    "<benchmark>": "step",
+}
 PROGRAM = re.compile(r"^(sudo )?((\.venv/bin/)?python3? -m |bash infra/|(\.venv/bin/)?torchrun )")
 
 
@@ -80,7 +84,7 @@ def _fenced(path: Path) -> tuple[list[Command], set[int]]:
         elif fence:
             covered.update(range(start, n + 1))
             if lang in ("bash", "sh", "console", ""):
-                out += _block_commands(path, start, lines[start:n - 1], lang == "bash")
+                out += _block_commands(path, start, lines[start : n - 1], lang == "bash")
             lang = None
     return out, covered
 
@@ -175,7 +179,9 @@ def _check_module(module: str, args: list[str], mention: bool = False) -> None:
     if module in INTERNAL_MODULES:
         assert importlib.util.find_spec(module), f"no module {module}"
         return
-    assert module in ENTRY_POINTS, f"python -m {module}: not a known entry point (add its check to ENTRY_POINTS)"
+    assert module in ENTRY_POINTS, (
+        f"python -m {module}: not a known entry point (add its check to ENTRY_POINTS)"
+    )
     variants = _variants(args)
     if variants is None or mention:  # `python -m mega.bench ...`, `python -m mega.trace`: the program's name
         return
@@ -201,7 +207,7 @@ def check(command: Command) -> None:
         if program.endswith("python") or program.endswith("python3") or program.endswith("torchrun"):
             assert "-m" in args, f"{command.text}: only `python -m MODULE` commands are shown"
             i = args.index("-m")
-            _check_module(args[i + 1], args[i + 2:], mention=command.inline and not args[i + 2:])
+            _check_module(args[i + 1], args[i + 2 :], mention=command.inline and not args[i + 2 :])
         elif program == "bash":
             script = ROOT / args[0]
             assert script.is_file(), f"{args[0]} does not exist"
@@ -273,8 +279,7 @@ def links(path: Path) -> list[tuple[int, str]]:
     return out
 
 
-LINKS = [(path, n, target) for path in DOCS for n, target in links(path)
-         if not re.match(r"^[a-z]+:", target)]
+LINKS = [(path, n, target) for path in DOCS for n, target in links(path) if not re.match(r"^[a-z]+:", target)]
 
 
 def test_the_docs_link_to_each_other():
@@ -285,7 +290,9 @@ def test_the_docs_link_to_each_other():
 def test_relative_link_resolves(path: Path, line: int, target: str):
     file, _, anchor = target.partition("#")
     dest = (path.parent / file).resolve() if file else path
-    assert dest.exists(), f"{path.name}:{line}: {target}: no {dest.relative_to(ROOT) if ROOT in dest.parents else dest}"
+    assert dest.exists(), (
+        f"{path.name}:{line}: {target}: no {dest.relative_to(ROOT) if ROOT in dest.parents else dest}"
+    )
     if anchor and dest.suffix == ".md":
         assert anchor in anchors(dest), f"{path.name}:{line}: {target}: no heading #{anchor} in {dest.name}"
 
@@ -293,10 +300,14 @@ def test_relative_link_resolves(path: Path, line: int, target: str):
 def test_a_wrong_command_or_link_is_caught():
     """The checks can fail: an unknown key, a removed flag, an invalid combination, an unknown
     entry point, a synopsis alternative, a missing file."""
-    bad = ["python -m flows.pretrain train.nope=1", "python -m mega.bench step --no-such-flag",
-           "python -m flows.pretrain -m parallelism=single,tp2 optimizer.warmup_steps=10 train.steps=10",
-           "python -m mega.nothing", "python -m mega.bench step model.fused_ops=false|maybe",
-           "prefect deploy --prefect-file infra/missing.yaml"]
+    bad = [
+        "python -m flows.pretrain train.nope=1",
+        "python -m mega.bench step --no-such-flag",
+        "python -m flows.pretrain -m parallelism=single,tp2 optimizer.warmup_steps=10 train.steps=10",
+        "python -m mega.nothing",
+        "python -m mega.bench step model.fused_ops=false|maybe",
+        "prefect deploy --prefect-file infra/missing.yaml",
+    ]
     for text in bad:
         with pytest.raises((ConfigError, AssertionError, pytest.fail.Exception)):
             check(Command("test", text))

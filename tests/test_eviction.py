@@ -22,8 +22,17 @@ STEPS = 4
 
 
 def nodes_cfg(nodes=2, per_node=2, extra=()):
-    return compose(["model=tiny", "launcher=local-nodes", "parallelism=dp2", f"parallelism.dp={nodes * per_node}",
-                    f"cluster.nodes={nodes}", f"cluster.procs_per_node={per_node}", *extra])
+    return compose(
+        [
+            "model=tiny",
+            "launcher=local-nodes",
+            "parallelism=dp2",
+            f"parallelism.dp={nodes * per_node}",
+            f"cluster.nodes={nodes}",
+            f"cluster.procs_per_node={per_node}",
+            *extra,
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -31,7 +40,9 @@ def nodes_cfg(nodes=2, per_node=2, extra=()):
 
 
 def test_a_spare_takes_the_evicted_nodes_place():
-    cfg = nodes_cfg(extra=["cluster.spare_nodes=1", "fault.bad_node=1", "fault.kill_node=1", "fault.kill_at_step=2"])
+    cfg = nodes_cfg(
+        extra=["cluster.spare_nodes=1", "fault.bad_node=1", "fault.kill_node=1", "fault.kill_at_step=2"]
+    )
     members = Membership.initial(cfg)
     assert (members.nodes, members.spares) == ([0, 1], [2])
     d = decide(cfg, members, [1])
@@ -53,18 +64,29 @@ def test_without_a_spare_dp_shrinks_and_the_global_batch_stays():
 
 
 def test_model_parallel_groups_are_kept_when_shrinking():
-    cfg = compose(["model=tiny", "launcher=local-nodes", "parallelism=tp2-pp2-dp2", "cluster.nodes=2",
-                   "cluster.procs_per_node=4", "cluster.min_nodes=1"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "launcher=local-nodes",
+            "parallelism=tp2-pp2-dp2",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=4",
+            "cluster.min_nodes=1",
+        ]
+    )
     d = decide(cfg, Membership.initial(cfg), [1])
     p = d.cfg.parallelism
     assert (p.tp, p.pp, p.dp, d.cfg.cluster.nodes) == (2, 2, 1, 1)
 
 
-@pytest.mark.parametrize("extra, bad, fragment", [
-    ([], [1], "cluster.min_nodes=null (never shrink) does not allow 1"),  # no spare, no shrinking allowed
-    (["cluster.min_nodes=2"], [1], "cluster.min_nodes=2 does not allow 1"),
-    (["cluster.spare_nodes=1", "cluster.min_nodes=2"], [0, 1], "does not allow 1"),  # one spare, two bad
-])
+@pytest.mark.parametrize(
+    "extra, bad, fragment",
+    [
+        ([], [1], "cluster.min_nodes=null (never shrink) does not allow 1"),  # no spare, no shrinking allowed
+        (["cluster.min_nodes=2"], [1], "cluster.min_nodes=2 does not allow 1"),
+        (["cluster.spare_nodes=1", "cluster.min_nodes=2"], [0, 1], "does not allow 1"),  # one spare, two bad
+    ],
+)
 def test_cannot_continue_says_why(extra, bad, fragment):
     cfg = nodes_cfg(extra=extra)
     with pytest.raises(CannotContinue, match="failed the self-check") as info:
@@ -78,8 +100,17 @@ def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
     with pytest.raises(CannotContinue, match="parallelism.global_batch_size"):
         decide(cfg, Membership.initial(cfg), [2])
     # TP 2 on 4 single-rank nodes: 3 ranks cannot hold TP groups of 2
-    cfg = compose(["model=tiny", "launcher=local-nodes", "parallelism=tp2", "parallelism.dp=2", "cluster.nodes=4",
-                   "cluster.procs_per_node=1", "cluster.min_nodes=1"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "launcher=local-nodes",
+            "parallelism=tp2",
+            "parallelism.dp=2",
+            "cluster.nodes=4",
+            "cluster.procs_per_node=1",
+            "cluster.min_nodes=1",
+        ]
+    )
     with pytest.raises(CannotContinue, match="not a multiple of tp\\*pp=2\\*1"):
         decide(cfg, Membership.initial(cfg), [3])
 
@@ -87,10 +118,17 @@ def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
 def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
     cfg = nodes_cfg(extra=["cluster.spare_nodes=1"])
     members = Membership([0, 2], [], [1])  # after a first eviction: job node 1 is physical node 2
-    result = {"nodes": [{"node": 0, "healthy": True, "reasons": []},
-                        {"node": 1, "healthy": False, "reasons": ["rank 1: GEMM"]}]}
+    result = {
+        "nodes": [
+            {"node": 0, "healthy": True, "reasons": []},
+            {"node": 1, "healthy": False, "reasons": ["rank 1: GEMM"]},
+        ]
+    }
     verdicts = membership.selfcheck_verdicts(result, members)
-    assert verdicts == {0: {"healthy": True, "reasons": []}, 2: {"healthy": False, "reasons": ["rank 1: GEMM"]}}
+    assert verdicts == {
+        0: {"healthy": True, "reasons": []},
+        2: {"healthy": False, "reasons": ["rank 1: GEMM"]},
+    }
     d = decide(cfg, members, [5])  # not a member
     assert d.membership is members and d.cfg is cfg and d.evicted == []
     assert not membership.diagnosis_enabled(nodes_cfg())
@@ -102,16 +140,35 @@ def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
 
 
 def train(run_dir, data_index, data_cache, overrides):
-    cfg = compose(["model=tiny", "parallelism=dp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
-                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "train.eval_batches=0",
-                   "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false",
-                   f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.interval=2", *overrides])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=dp2",
+            f"train.steps={STEPS}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "train.eval_batches=0",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.async_save=false",
+            f"checkpoint.dir={run_dir}/checkpoints",
+            "checkpoint.interval=2",
+            *overrides,
+        ]
+    )
     logs = []
     return run_training(cfg, data_index, log=logs.append), logs
 
 
-NODE_1_DIES_AND_IS_BAD = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
-                          "fault.kill_node=1", "fault.kill_at_step=2", "fault.bad_node=1"]
+NODE_1_DIES_AND_IS_BAD = [
+    "launcher=local-nodes",
+    "cluster.nodes=2",
+    "cluster.procs_per_node=1",
+    "fault.kill_node=1",
+    "fault.kill_at_step=2",
+    "fault.bad_node=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +198,16 @@ def assert_evicted(run_dir, result, replaced_by):
     by_kind = {i["kind"]: i for i in read_incidents(run_dir) if i["kind"] != "straggler"}
     assert sorted(by_kind) == ["eviction", "rank-exit"]
     died, evicted = by_kind["rank-exit"], by_kind["eviction"]
-    assert (died["culprit"]["rank"], died["culprit"]["node"]) == (1, 1) and "killed by SIGKILL" in died["diagnosis"]
+    assert (died["culprit"]["rank"], died["culprit"]["node"]) == (1, 1) and "killed by SIGKILL" in died[
+        "diagnosis"
+    ]
     assert "self-check of node 1: unhealthy" in died["diagnosis"]
     assert evicted["culprit"]["node"] == 1 and "fault.bad_node" in evicted["diagnosis"]
-    assert evicted["action"] == (f"evicted node 1, spare node {replaced_by} in its place" if replaced_by is not None
-                                 else "evicted node 1; continuing on 1 nodes (dp 2 -> 1, same global batch)")
+    assert evicted["action"] == (
+        f"evicted node 1, spare node {replaced_by} in its place"
+        if replaced_by is not None
+        else "evicted node 1; continuing on 1 nodes (dp 2 -> 1, same global batch)"
+    )
     assert died["time_to_recover_s"] > 0 and evicted["time_to_recover_s"] > 0
     return record
 
@@ -166,8 +228,11 @@ def test_without_a_spare_the_run_shrinks_and_matches(tmp_path, data_index, data_
     record = assert_evicted(tmp_path, result, replaced_by=None)
     assert record.membership == {"nodes": [0], "spares": [], "evicted": [1]}
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["cluster"]["nodes"], config["parallelism"]["dp"], config["parallelism"]["global_batch_size"]) \
-        == (1, 1, 16)
+    assert (
+        config["cluster"]["nodes"],
+        config["parallelism"]["dp"],
+        config["parallelism"]["global_batch_size"],
+    ) == (1, 1, 16)
     assert result.init["world_size"] == 1  # the last attempt ran on the one node left
     assert any("dp 2 -> 1, 4 -> 8 microbatches per step, global batch 16" in line for line in logs), logs
     assert_same_curve(result.metrics, reference)

@@ -13,8 +13,16 @@ from mega.flops import measure_cpu_gemm_flops, mfu, model_flops_per_step, model_
 @pytest.fixture
 def small_gqa_model() -> ModelConfig:
     # 2 heads sharing 1 key/value group (kv = 4), an explicit ffn, and a vocabulary that gets padded
-    return ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
-                       ffn_hidden_size=16, seq_length=4, vocab_size=100, make_vocab_size_divisible_by=32)
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        ffn_hidden_size=16,
+        seq_length=4,
+        vocab_size=100,
+        make_vocab_size_divisible_by=32,
+    )
 
 
 def test_formula_matches_a_hand_count(small_gqa_model):
@@ -39,39 +47,45 @@ def test_sliding_window_counts_only_the_window(small_gqa_model):
 def test_reduces_to_megatron_72_bslh2_for_gpt_175b():
     cfg = compose(["model=gpt-175b"])
     B, s = cfg.parallelism.global_batch_size, cfg.model.seq_length
-    l, h, V = cfg.model.num_layers, cfg.model.hidden_size, cfg.model.padded_vocab_size
-    assert (l, h, s, V) == (96, 12288, 2048, 64000)
-    megatron = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    L, h, V = cfg.model.num_layers, cfg.model.hidden_size, cfg.model.padded_vocab_size
+    assert (L, h, s, V) == (96, 12288, 2048, 64000)
+    megatron = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
     assert math.isclose(model_flops_per_step(cfg), megatron, rel_tol=1e-12)
     # Megatron's variant with full recompute (Narayanan et al. 2021, eq. 3)
-    with_recompute = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    with_recompute = 96 * B * s * L * h**2 * (1 + s / (6 * h) + V / (16 * L * h))
     per_step_recompute = model_flops_per_token(cfg.model, recompute=True) * B * s
     assert math.isclose(per_step_recompute, with_recompute, rel_tol=1e-12)
 
 
-@pytest.mark.parametrize("device_name, dtype, tflops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
-    ("NVIDIA H100 80GB HBM3", "fp32", 494.7),  # TF32 tensor cores
-    ("NVIDIA H100 PCIe", "bf16", 756.0),
-    ("NVIDIA H100 NVL", "fp16", 835.5),
-    ("NVIDIA H200", "bf16", 989.4),
-    ("NVIDIA GH200 480GB", "bf16", 989.4),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA A100-SXM4-40GB", "fp32", 156.0),
-    ("NVIDIA A100 80GB PCIe", "torch.bfloat16", 312.0),
-    ("NVIDIA A100-PCIE-40GB", "float16", 312.0),
-    ("Tesla V100-SXM2-32GB", "fp16", 125.0),
-])
+@pytest.mark.parametrize(
+    "device_name, dtype, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "fp32", 494.7),  # TF32 tensor cores
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 NVL", "fp16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA GH200 480GB", "bf16", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", 156.0),
+        ("NVIDIA A100 80GB PCIe", "torch.bfloat16", 312.0),
+        ("NVIDIA A100-PCIE-40GB", "float16", 312.0),
+        ("Tesla V100-SXM2-32GB", "fp16", 125.0),
+    ],
+)
 def test_peak_lookup_by_device_name(device_name, dtype, tflops):
     assert peak_flops(device_name, dtype) == pytest.approx(tflops * 1e12)
 
 
-@pytest.mark.parametrize("device_name, dtype", [
-    ("Tesla V100-SXM2-16GB", "bf16"),  # no bf16 on Volta
-    ("NVIDIA GeForce RTX 4090", "bf16"),  # not in the table
-    ("cpu", "fp32"),
-    ("NVIDIA H100 80GB HBM3", "int4"),
-])
+@pytest.mark.parametrize(
+    "device_name, dtype",
+    [
+        ("Tesla V100-SXM2-16GB", "bf16"),  # no bf16 on Volta
+        ("NVIDIA GeForce RTX 4090", "bf16"),  # not in the table
+        ("cpu", "fp32"),
+        ("NVIDIA H100 80GB HBM3", "int4"),
+    ],
+)
 def test_peak_lookup_unknown_is_none(device_name, dtype):
     assert peak_flops(device_name, dtype) is None
 

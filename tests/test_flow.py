@@ -20,8 +20,16 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def small_run(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
-    return ["model=tiny", "train.steps=6", "checkpoint.interval=3", "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}", *extra]
+    return [
+        "model=tiny",
+        "train.steps=6",
+        "checkpoint.interval=3",
+        "optimizer.warmup_steps=1",
+        "checkpoint.restart_backoff_s=0",
+        f"train.run_dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *extra,
+    ]
 
 
 def flow_run_records(flow_run_id):
@@ -61,11 +69,20 @@ def test_pretrain_flow_end_to_end(prefect_harness, tmp_path, data_cache):
 
     task_runs, artifacts = flow_run_records(state.state_details.flow_run_id)
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(
-        ["prepare-data", "node-selfcheck", "verify-store", "train", "report", "observability"])
+        ["prepare-data", "node-selfcheck", "verify-store", "train", "report", "observability"]
+    )
     assert all(t.state.is_completed() for t in task_runs)
     by_key = {a.key: a for a in artifacts}
-    assert {"node-selfcheck", "rendezvous-store", "training-run", "goodput", "goodput-ledger",
-            "training-report", "observability", "stragglers"} <= set(by_key)
+    assert {
+        "node-selfcheck",
+        "rendezvous-store",
+        "training-run",
+        "goodput",
+        "goodput-ledger",
+        "training-report",
+        "observability",
+        "stragglers",
+    } <= set(by_key)
     assert "healthy" in by_key["node-selfcheck"].description
     assert "data:image/png;base64," in by_key["training-report"].data
     assert "| steps | 6 |" in by_key["training-report"].data
@@ -110,20 +127,29 @@ def test_flow_takes_overrides_or_a_resolved_config_not_both(prefect_harness):
 # CLI: python -m flows.pretrain [hydra overrides]
 
 
-def cli(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None,
-        python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, cwd: Path, timeout: float = 120, env: dict | None = None, python_flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     # The Prefect settings of conftest (a throwaway PREFECT_HOME, no API URL) are inherited, so
     # the CLI runs against its own temporary server, as it would on a fresh machine.
-    return subprocess.run([sys.executable, *python_flags, "-m", "flows.pretrain", *args], cwd=cwd,
-                          env=dict(os.environ) if env is None else env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *python_flags, "-m", "flows.pretrain", *args],
+        cwd=cwd,
+        env=dict(os.environ) if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def first_run_env(tmp_path: Path) -> dict:
     """A user's first run: an empty Prefect home, and Prefect's own settings left as the project
     sets them (conftest turns the server's telemetry off for every test; a user has not)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+    }
     env["PREFECT_HOME"] = str(tmp_path / "fresh-prefect-home")
     return env
 
@@ -148,8 +174,15 @@ def test_cli_rejects_a_bad_config_before_launching(tmp_path):
 
 
 def test_cli_prints_the_resolved_config(tmp_path):
-    out = cli("--cfg", "job", "--resolve", "parallelism=dp2", "train.steps=7", cwd=tmp_path,
-              python_flags=("-X", "importtime"))
+    out = cli(
+        "--cfg",
+        "job",
+        "--resolve",
+        "parallelism=dp2",
+        "train.steps=7",
+        cwd=tmp_path,
+        python_flags=("-X", "importtime"),
+    )
 
     assert out.returncode == 0, out.stderr
     assert "dp: 2" in out.stdout and "steps: 7" in out.stdout
@@ -157,7 +190,9 @@ def test_cli_prints_the_resolved_config(tmp_path):
     assert "run_dir: runs/tiny-dp2" in out.stdout
     assert not (tmp_path / "runs").exists()  # nothing ran
     # showing a config imports Hydra and mega.config, nothing heavy (-X importtime lists every import)
-    imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")
+    }
     assert {"hydra", "mega.config"} <= imported, sorted(imported)[:50]
     heavy = {name for name in imported if name.split(".")[0] in ("torch", "megatron", "prefect", "numpy")}
     assert not heavy, sorted(heavy)[:20]
@@ -170,24 +205,42 @@ def test_cli_multirun_sweeps_the_ablation_features(tmp_path, data_cache):
     Prefect home, Prefect's settings as the project leaves them), its console shows no traceback
     and no warning twice, and the ranks' logs none of megatron's warnings about absent GPU
     packages (one notice per flow run instead) or its "Overwriting ..." at each save."""
-    out = cli("-m", "features=megatron-baseline,ptb", "parallelism=single", "train.steps=2",
-              "optimizer.warmup_steps=1", "checkpoint.interval=2", "train.tensorboard=false",
-              f"data.cache_dir={data_cache}", f"train.run_dir={tmp_path}/runs/${{model.block}}",
-              f"hydra.sweep.dir={tmp_path}/multirun", cwd=tmp_path, timeout=600, env=first_run_env(tmp_path))
+    out = cli(
+        "-m",
+        "features=megatron-baseline,ptb",
+        "parallelism=single",
+        "train.steps=2",
+        "optimizer.warmup_steps=1",
+        "checkpoint.interval=2",
+        "train.tensorboard=false",
+        f"data.cache_dir={data_cache}",
+        f"train.run_dir={tmp_path}/runs/${{model.block}}",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        cwd=tmp_path,
+        timeout=600,
+        env=first_run_env(tmp_path),
+    )
 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     console = out.stdout + out.stderr
     assert_clean_console(console)
     from mega.optional_packages import missing
 
-    assert console.count("optional GPU packages not installed") == (2 if missing() else 0)  # once per flow run
+    assert console.count("optional GPU packages not installed") == (
+        2 if missing() else 0
+    )  # once per flow run
     losses = {}
     for block in ("sequential", "parallel"):
         run_dir = tmp_path / "runs" / block
         rank_log = (run_dir / "train-attempt0.log").read_text()
         assert "checkpoint iter_0000002" in rank_log  # a save happened
-        for noise in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                      "Overwriting old incomplete", "CUDA_DEVICE_MAX_CONNECTIONS", "full scope is deprecated"):
+        for noise in (
+            "Transformer Engine and Apex are not installed",
+            "Apex is not installed",
+            "Overwriting old incomplete",
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+            "full scope is deprecated",
+        ):
             assert noise not in rank_log, (noise, rank_log[-3000:])
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1, 2], block
@@ -210,9 +263,22 @@ def test_prefect_yaml_deploys(prefect_harness):
     before = (REPO / "infra" / "prefect.yaml").read_text()
 
     out = subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all"],
-        cwd=REPO, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "--no-prompt",
+            "deploy",
+            "--prefect-file",
+            "infra/prefect.yaml",
+            "--all",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (REPO / "infra" / "prefect.yaml").read_text() == before  # --no-prompt never rewrites it
@@ -223,4 +289,5 @@ def test_prefect_yaml_deploys(prefect_harness):
     assert deployment.parameters == {"overrides": []}
     assert set(deployment.parameter_openapi_schema["properties"]) == {"overrides", "config"}
     assert deployment.pull_steps == [
-        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ]

@@ -112,8 +112,9 @@ def test_bias_dropout_add_with_dropout_and_a_fixed_seed():
     _close(gb, gx.sum(dim=(0, 1)), 1e-5)
     _close(gr, g, 0)
 
-    eager_rng = torch.compile(bias_dropout_add_fused_train._torchdynamo_orig_callable,
-                              options={"fallback_random": True})
+    eager_rng = torch.compile(
+        bias_dropout_add_fused_train._torchdynamo_orig_callable, options={"fallback_random": True}
+    )
     torch.manual_seed(42)
     fused = _run_bda(eager_rng, x, bias, residual, g, p)
     torch.manual_seed(42)
@@ -127,8 +128,9 @@ def test_bias_dropout_add_with_dropout_and_a_fixed_seed():
 
 
 def _norm_config(sequence_parallel=False):
-    return SimpleNamespace(normalization="LayerNorm", layernorm_zero_centered_gamma=False,
-                           sequence_parallel=sequence_parallel)
+    return SimpleNamespace(
+        normalization="LayerNorm", layernorm_zero_centered_gamma=False, sequence_parallel=sequence_parallel
+    )
 
 
 def _layer_norm_vs_torch():
@@ -146,7 +148,12 @@ def _layer_norm_vs_torch():
     out, want = fused(x1), ref(x2)
     out.backward(g)
     want.backward(g)
-    return [(out, want), (x1.grad, x2.grad), (fused.weight.grad, ref.weight.grad), (fused.bias.grad, ref.bias.grad)]
+    return [
+        (out, want),
+        (x1.grad, x2.grad),
+        (fused.weight.grad, ref.weight.grad),
+        (fused.bias.grad, ref.bias.grad),
+    ]
 
 
 @pytest.fixture
@@ -186,8 +193,15 @@ def test_fused_layer_norm_matches_a_float64_reference(layer_norm_state):
     want = _layer_norm_float64(x64, w64, b64, 1e-5)
     want.backward(g.double())
 
-    assert layer_norm_state.layer_norm_mode() == ("compiled" if compile_unavailable_reason() is None else "eager")
-    for got, ref in [(out, want), (x32.grad, x64.grad), (fused.weight.grad, w64.grad), (fused.bias.grad, b64.grad)]:
+    assert layer_norm_state.layer_norm_mode() == (
+        "compiled" if compile_unavailable_reason() is None else "eager"
+    )
+    for got, ref in [
+        (out, want),
+        (x32.grad, x64.grad),
+        (fused.weight.grad, w64.grad),
+        (fused.bias.grad, b64.grad),
+    ]:
         assert got.dtype == torch.float32
         # fp32 rounding of O(1) values, sums over up to 32 positions
         _close(got.double(), ref.detach(), 2e-5 * max(1.0, ref.abs().max().item()))
@@ -201,8 +215,12 @@ def test_fused_layer_norm_matches_torch_layer_norm(layer_norm_state):
         _close(got, want, 2e-6)
 
 
-def test_fused_layer_norm_without_a_compiler_runs_eagerly_and_says_so_once(layer_norm_state, monkeypatch, caplog):
-    monkeypatch.setattr(layer_norm_state, "compile_unavailable_reason", lambda device="cpu": "no compiler (test)")
+def test_fused_layer_norm_without_a_compiler_runs_eagerly_and_says_so_once(
+    layer_norm_state, monkeypatch, caplog
+):
+    monkeypatch.setattr(
+        layer_norm_state, "compile_unavailable_reason", lambda device="cpu": "no compiler (test)"
+    )
     with caplog.at_level(logging.WARNING, logger="mega.layers.fused"):
         first = _layer_norm_vs_torch()
         _layer_norm_vs_torch()
@@ -217,6 +235,7 @@ def test_fused_layer_norm_falls_back_when_compiling_fails(layer_norm_state, monk
     def broken(*args, **kwargs):
         def run(*a, **k):
             raise RuntimeError("C++ compile failed (test)")
+
         return run
 
     monkeypatch.setattr(layer_norm_state, "_layer_norm_compiled", None)
@@ -232,13 +251,12 @@ def test_fused_layer_norm_marks_sequence_parallel_weights():
 
     for sp in (False, True):
         norm = FusedLayerNorm(_norm_config(sequence_parallel=sp), HIDDEN)
-        assert [getattr(p, "sequence_parallel") for p in norm.parameters()] == [sp, sp]
+        assert [p.sequence_parallel for p in norm.parameters()] == [sp, sp]
         assert set(norm.state_dict()) == set(torch.nn.LayerNorm(HIDDEN).state_dict())
 
 
 def test_megatron_fusions_run_eagerly_where_compiling_cannot(monkeypatch):
     import torch._dynamo
-
     from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
     from mega.layers import fused
@@ -261,7 +279,10 @@ def test_megatron_fusions_run_eagerly_where_compiling_cannot(monkeypatch):
 
 
 def test_presets_turn_fused_ops_on_for_megascale_only():
-    got = {f: compose([f"features={f}"]).model.fused_ops for f in ("megatron-baseline", "ptb", "ptb-swa", "megascale")}
+    got = {
+        f: compose([f"features={f}"]).model.fused_ops
+        for f in ("megatron-baseline", "ptb", "ptb-swa", "megascale")
+    }
     assert got == {"megatron-baseline": False, "ptb": False, "ptb-swa": False, "megascale": True}
     assert from_dict({}).model.fused_ops is False
 
@@ -270,8 +291,15 @@ def test_transformer_config_switches_megatrons_fusions():
     from mega.model import transformer_config
 
     for on in (False, True):
-        tcfg = transformer_config(from_dict({"model": {"fused_ops": on}, "parallelism": {"tp": 1, "pp": 1, "dp": 1},
-                                             "cluster": {"procs_per_node": 1}}))
+        tcfg = transformer_config(
+            from_dict(
+                {
+                    "model": {"fused_ops": on},
+                    "parallelism": {"tp": 1, "pp": 1, "dp": 1},
+                    "cluster": {"procs_per_node": 1},
+                }
+            )
+        )
         assert (tcfg.bias_activation_fusion, tcfg.bias_dropout_fusion) == (on, on)
         assert not (tcfg.masked_softmax_fusion or tcfg.gradient_accumulation_fusion or tcfg.apply_rope_fusion)
 
@@ -281,8 +309,11 @@ def test_gpu_backends_are_preferred_where_they_import(monkeypatch):
 
     from mega.layers import attention, fused
 
-    gpu = {"cluster": {"device": "cuda", "backend": "nccl"}, "train": {"precision": "bf16"},
-           "model": {"fused_ops": True}}
+    gpu = {
+        "cluster": {"device": "cuda", "backend": "nccl"},
+        "train": {"precision": "bf16"},
+        "model": {"fused_ops": True},
+    }
     gpu_cfg = from_dict(gpu, validate_config=False)
     cpu_cfg = from_dict({"model": {"fused_ops": True}}, validate_config=False)
     monkeypatch.setattr(fused, "_importable", lambda name: False)
@@ -305,12 +336,28 @@ def test_gpu_backends_are_preferred_where_they_import(monkeypatch):
 
 
 def _model_config(fused_ops: bool, block: str):
-    return from_dict({
-        "model": {"num_layers": 2, "hidden_size": HIDDEN, "num_attention_heads": 4, "seq_length": SEQ,
-                  "vocab_size": 128, "block": block, "fused_ops": fused_ops},
-        "parallelism": {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "micro_batch_size": BATCH, "global_batch_size": BATCH},
-        "cluster": {"procs_per_node": 1},
-    })
+    return from_dict(
+        {
+            "model": {
+                "num_layers": 2,
+                "hidden_size": HIDDEN,
+                "num_attention_heads": 4,
+                "seq_length": SEQ,
+                "vocab_size": 128,
+                "block": block,
+                "fused_ops": fused_ops,
+            },
+            "parallelism": {
+                "tp": 1,
+                "pp": 1,
+                "vpp": None,
+                "dp": 1,
+                "micro_batch_size": BATCH,
+                "global_batch_size": BATCH,
+            },
+            "cluster": {"procs_per_node": 1},
+        }
+    )
 
 
 def _loss_and_grads(cfg) -> dict:
@@ -318,9 +365,12 @@ def _loss_and_grads(cfg) -> dict:
     from mega.model import build_model_chunks, transformer_config
 
     model = build_model_chunks(cfg, transformer_config(cfg))[0]
-    norms = [type(m).__name__ for name, m in model.named_modules()
-             if name.endswith(("input_layernorm", "pre_mlp_layernorm", "final_layernorm"))
-             and type(m).__name__ != "IdentityOp"]
+    norms = [
+        type(m).__name__
+        for name, m in model.named_modules()
+        if name.endswith(("input_layernorm", "pre_mlp_layernorm", "final_layernorm"))
+        and type(m).__name__ != "IdentityOp"
+    ]
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 128, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, 128, (BATCH, SEQ), generator=gen)
@@ -341,16 +391,21 @@ def _mlp_against_gelu_forms(mlp) -> dict:
     """Max |difference| of the model's first MLP (fc1 -> activation -> fc2, biases as megatron adds
     them) from float64 references of the same weights with tanh GeLU and with erf GeLU."""
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen) * 30  # fc1 pre-activations of O(1): where the forms differ
+    x = (
+        torch.randn(SEQ, BATCH, HIDDEN, generator=gen) * 30
+    )  # fc1 pre-activations of O(1): where the forms differ
     with torch.no_grad():
         out, out_bias = mlp(x)
         out = out + out_bias if out_bias is not None else out
         w1, b1 = mlp.linear_fc1.weight.double(), mlp.linear_fc1.bias.double()
         w2, b2 = mlp.linear_fc2.weight.double(), mlp.linear_fc2.bias.double()
         h = x.double() @ w1.T + b1
-        tanh = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h ** 3)))
-        erf = 0.5 * h * (1 + torch.erf(h / 2 ** 0.5))
-    return {form: (out.double() - (act @ w2.T + b2)).abs().max().item() for form, act in [("tanh", tanh), ("erf", erf)]}
+        tanh = 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))
+        erf = 0.5 * h * (1 + torch.erf(h / 2**0.5))
+    return {
+        form: (out.double() - (act @ w2.T + b2)).abs().max().item()
+        for form, act in [("tanh", tanh), ("erf", erf)]
+    }
 
 
 def _model_worker(rank: int, port: int, out_dir: str) -> None:
@@ -369,8 +424,10 @@ def _model_worker(rank: int, port: int, out_dir: str) -> None:
     ps.initialize_model_parallel()
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    results = {block: {str(on): _loss_and_grads(_model_config(on, block)) for on in (False, True)}
-               for block in ("sequential", "parallel")}
+    results = {
+        block: {str(on): _loss_and_grads(_model_config(on, block)) for on in (False, True)}
+        for block in ("sequential", "parallel")
+    }
     results["layer_norm_mode"] = fused.layer_norm_mode()
     Path(out_dir, "results.json").write_text(json.dumps(results))
     ps.destroy_model_parallel()
@@ -401,8 +458,14 @@ def test_whole_model_step_same_loss_and_grads_with_fused_ops(whole_model, block)
     # the only numerical change: fused_ops computes the MLP with GeLU's tanh approximation, the
     # unfused MLP with erf GeLU; each matches its float64 reference, and is clearly off the other's
     # (measured: 7e-7 from its own form, 1.7e-4 from the other)
-    assert fused["mlp_vs_gelu"]["tanh"] < 1e-5 and 100 * fused["mlp_vs_gelu"]["tanh"] < fused["mlp_vs_gelu"]["erf"]
-    assert plain["mlp_vs_gelu"]["erf"] < 1e-5 and 100 * plain["mlp_vs_gelu"]["erf"] < plain["mlp_vs_gelu"]["tanh"]
+    assert (
+        fused["mlp_vs_gelu"]["tanh"] < 1e-5
+        and 100 * fused["mlp_vs_gelu"]["tanh"] < fused["mlp_vs_gelu"]["erf"]
+    )
+    assert (
+        plain["mlp_vs_gelu"]["erf"] < 1e-5
+        and 100 * plain["mlp_vs_gelu"]["erf"] < plain["mlp_vs_gelu"]["tanh"]
+    )
     assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-4)
     for name, want in plain["grads"].items():
         want, got = torch.tensor(want), torch.tensor(fused["grads"][name])

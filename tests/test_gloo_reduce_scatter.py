@@ -112,8 +112,12 @@ def run_probe(tmp_path) -> dict:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     # a network namespace of its own: the loopback counter counts the two ranks' bytes only
-    out = subprocess.run(["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {sys.executable} {script}"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        ["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {sys.executable} {script}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[7:])
 

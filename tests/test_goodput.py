@@ -11,20 +11,43 @@ from mega.goodput.samples import sample_ledger
 
 
 def test_sweep_gives_each_instant_to_the_highest_priority_and_names_the_gaps():
-    ivs = [Interval(0, 10, "unattributed", 1, "attempt 0: no rank records"), Interval(2, 8, "productive", 4),
-           Interval(3, 4, "checkpoint_stall", 5), Interval(12, 14, "idle", 2)]
+    ivs = [
+        Interval(0, 10, "unattributed", 1, "attempt 0: no rank records"),
+        Interval(2, 8, "productive", 4),
+        Interval(3, 4, "checkpoint_stall", 5),
+        Interval(12, 14, "idle", 2),
+    ]
     totals, parts, timeline, _ = sweep(ivs, 0, 15)
     assert totals["productive"] == 5 and totals["checkpoint_stall"] == 1 and totals["idle"] == 2
     assert totals["unattributed"] == 7 and sum(totals.values()) == 15
     assert parts == {"attempt 0: no rank records": 4, "no record covers it": 3}
-    assert [c for _, _, c in timeline] == ["unattributed", "productive", "checkpoint_stall", "productive",
-                                           "unattributed", "idle", "unattributed"]
+    assert [c for _, _, c in timeline] == [
+        "unattributed",
+        "productive",
+        "checkpoint_stall",
+        "productive",
+        "unattributed",
+        "idle",
+        "unattributed",
+    ]
 
 
 def steps(attempt, first, last, dp=2, per_rank=4, skipped=()):
-    return [{"attempt": attempt, "step": s, "skipped": s in skipped,
-             "samples": {"dp_rank": r, "dp_size": dp, "first": (s - 1) * dp * per_rank + r * per_rank, "count": per_rank}}
-            for s in range(first, last + 1) for r in range(dp)]
+    return [
+        {
+            "attempt": attempt,
+            "step": s,
+            "skipped": s in skipped,
+            "samples": {
+                "dp_rank": r,
+                "dp_size": dp,
+                "first": (s - 1) * dp * per_rank + r * per_rank,
+                "count": per_rank,
+            },
+        }
+        for s in range(first, last + 1)
+        for r in range(dp)
+    ]
 
 
 def test_sample_ledger_counts_a_replayed_step_once_and_lists_a_skipped_batch():
@@ -52,9 +75,12 @@ def test_cli_prints_the_ledger_and_json_last(tmp_path, capsys):
 
     g = tmp_path / "goodput"
     g.mkdir()
-    rows = [{"event": "start", "t": 100.0, "t_entered": 100.0}, {"event": "launch", "t": 101.0, "attempt": 0},
-            {"event": "stopped", "t": 110.0, "attempt": 0, "ok": True, "reason": "completed", "stop_s": 0.0},
-            {"event": "end", "t": 110.5}]
+    rows = [
+        {"event": "start", "t": 100.0, "t_entered": 100.0},
+        {"event": "launch", "t": 101.0, "attempt": 0},
+        {"event": "stopped", "t": 110.0, "attempt": 0, "ok": True, "reason": "completed", "stop_s": 0.0},
+        {"event": "end", "t": 110.5},
+    ]
     (g / "driver.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
@@ -84,17 +110,30 @@ def test_fault_schedule_is_seeded_poisson_over_the_kinds():
 def test_config_faults_take_one_of_each_kind_at_a_step_and_kill_in_a_save():
     from mega.bench.soak import config_faults
 
-    schedule = [{"at_s": 30, "kind": "nan"}, {"at_s": 50, "kind": "rank-kill"}, {"at_s": 61, "kind": "kill-in-save"},
-                {"at_s": 90, "kind": "nan"}]
+    schedule = [
+        {"at_s": 30, "kind": "nan"},
+        {"at_s": 50, "kind": "rank-kill"},
+        {"at_s": 61, "kind": "kill-in-save"},
+        {"at_s": 90, "kind": "nan"},
+    ]
     overrides, out = config_faults(schedule, step_s=2.0, interval=4, steps=100)
-    assert overrides == ["fault.nan_at_step=15", "fault.mode=kill_in_upload", "fault.kill_rank=0",
-                         "fault.kill_at_step=28"]
+    assert overrides == [
+        "fault.nan_at_step=15",
+        "fault.mode=kill_in_upload",
+        "fault.kill_rank=0",
+        "fault.kill_at_step=28",
+    ]
     assert [f["how"] for f in out] == ["config", "harness", "config", "not injected (one per soak)"]
 
 
 def _led(exact=True, skipped=(4,), trained=56, ettr=0.5):
-    return {"ettr": ettr, "wall_s": 10.0, "ledger_s": {"productive": 5.0}, "unattributed_s": 0.01,
-            "samples": {"exact": exact, "skipped": [{"step": s} for s in skipped], "trained_samples": trained}}
+    return {
+        "ettr": ettr,
+        "wall_s": 10.0,
+        "ledger_s": {"productive": 5.0},
+        "unattributed_s": 0.01,
+        "samples": {"exact": exact, "skipped": [{"step": s} for s in skipped], "trained_samples": trained},
+    }
 
 
 def test_compare_needs_both_sample_ledgers_exact_and_the_same_skips():
@@ -110,17 +149,33 @@ def test_compare_needs_both_sample_ledgers_exact_and_the_same_skips():
 def test_fault_rows_take_the_first_answering_incident_after_each_fault():
     from mega.bench.soak import fault_rows
 
-    incidents = [{"kind": "straggler", "attempt": 0, "detected_at": 1010.0},
-                 {"kind": "hang", "attempt": 0, "detected_at": 1020.0, "time_to_recover_s": 9.0},
-                 {"kind": "store", "attempt": 1, "detected_at": 1100.0}]
-    saves = [{"event": "retry", "time": 1202.0}, {"event": "committed", "time": 1215.0},
-             {"event": "committed", "time": 1230.0}]
-    rows = fault_rows([{"kind": "rank-hang", "at_s": 5, "time": 1005.0}, {"kind": "redis-stop", "at_s": 90, "time": 1090.0},
-                       {"kind": "rank-kill", "at_s": 150, "time": 1150.0}, {"kind": "s3-stop", "at_s": 200, "time": 1200.0}],
-                      incidents, {0: 3.5}, saves)
+    incidents = [
+        {"kind": "straggler", "attempt": 0, "detected_at": 1010.0},
+        {"kind": "hang", "attempt": 0, "detected_at": 1020.0, "time_to_recover_s": 9.0},
+        {"kind": "store", "attempt": 1, "detected_at": 1100.0},
+    ]
+    saves = [
+        {"event": "retry", "time": 1202.0},
+        {"event": "committed", "time": 1215.0},
+        {"event": "committed", "time": 1230.0},
+    ]
+    rows = fault_rows(
+        [
+            {"kind": "rank-hang", "at_s": 5, "time": 1005.0},
+            {"kind": "redis-stop", "at_s": 90, "time": 1090.0},
+            {"kind": "rank-kill", "at_s": 150, "time": 1150.0},
+            {"kind": "s3-stop", "at_s": 200, "time": 1200.0},
+        ],
+        incidents,
+        {0: 3.5},
+        saves,
+    )
     assert [(r["detected"], r["detect_s"], r["recovered"], r["recover_s"], r["lost_s"]) for r in rows] == [
-        (True, 15.0, True, 9.0, 3.5), (True, 10.0, True, None, 0.0), (False, None, False, None, 0.0),
-        (True, 2.0, True, 10.0, 0.0)]
+        (True, 15.0, True, 9.0, 3.5),
+        (True, 10.0, True, None, 0.0),
+        (False, None, False, None, 0.0),
+        (True, 2.0, True, 10.0, 0.0),
+    ]
 
 
 def test_simulated_ettr_falls_with_scale_and_says_it_is_not_measured():
@@ -136,12 +191,21 @@ def test_simulated_ettr_falls_with_scale_and_says_it_is_not_measured():
 def test_not_struck_says_why():
     from mega.bench.soak import _not_struck
 
-    schedule = [{"at_s": 1.0, "kind": "rank-kill", "how": "harness"}, {"at_s": 2.0, "kind": "nan", "how": "config", "step": 9},
-                {"at_s": 3.0, "kind": "straggler", "how": "harness"}, {"at_s": 4.0, "kind": "nan", "how": "not injected (one per soak)"},
-                {"at_s": 5.0, "kind": "s3-stop", "how": "harness"}]
-    done = [{"kind": "rank-kill", "at_s": 1.0, "struck": True, "time": 10.0},
-            {"kind": "straggler", "at_s": 3.0, "struck": False, "why": "no live rank"}]
+    schedule = [
+        {"at_s": 1.0, "kind": "rank-kill", "how": "harness"},
+        {"at_s": 2.0, "kind": "nan", "how": "config", "step": 9},
+        {"at_s": 3.0, "kind": "straggler", "how": "harness"},
+        {"at_s": 4.0, "kind": "nan", "how": "not injected (one per soak)"},
+        {"at_s": 5.0, "kind": "s3-stop", "how": "harness"},
+    ]
+    done = [
+        {"kind": "rank-kill", "at_s": 1.0, "struck": True, "time": 10.0},
+        {"kind": "straggler", "at_s": 3.0, "struck": False, "why": "no live rank"},
+    ]
     struck = [done[0]]
     assert [(f["kind"], f["why"]) for f in _not_struck(schedule, done, struck)] == [
-        ("nan", "step 9 not trained by the attempt it was set for"), ("straggler", "no live rank"),
-        ("nan", "not injected (one per soak)"), ("s3-stop", "the run ended first")]
+        ("nan", "step 9 not trained by the attempt it was set for"),
+        ("straggler", "no live rank"),
+        ("nan", "not injected (one per soak)"),
+        ("s3-stop", "the run ended first"),
+    ]

@@ -28,22 +28,48 @@ GPU_PRESETS = {  # preset -> the overrides of one valid GPU layout on it
 
 # -- the stage-2 thread of an asynchronous save
 
-def test_stage2_thread_never_issues_a_collective_on_the_default_group(tmp_path, data_index, data_cache, free_port):
+
+def test_stage2_thread_never_issues_a_collective_on_the_default_group(
+    tmp_path, data_index, data_cache, free_port
+):
     """Two ranks train a step, then save asynchronously with the distributed optimizer (its state
     built and the save planned in stage 2). Every collective called from the stage-2 thread is
     recorded with its group: none is on the default group (NCCL on GPUs, the training thread's),
     and the recorder does see the save's planning (so an empty record cannot pass)."""
     from mega.config import save
 
-    cfg = compose(["model=tiny", "parallelism=dp2", "parallelism.global_batch_size=4", "train.precision=bf16",
-                   f"train.run_dir={tmp_path}", f"checkpoint.dir={tmp_path / 'checkpoints'}",
-                   f"data.cache_dir={data_cache}", "train.tensorboard=false"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=dp2",
+            "parallelism.global_batch_size=4",
+            "train.precision=bf16",
+            f"train.run_dir={tmp_path}",
+            f"checkpoint.dir={tmp_path / 'checkpoints'}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+        ]
+    )
     assert cfg.checkpoint.async_save and cfg.parallelism.use_distributed_optimizer
     save(cfg, tmp_path / "config.json")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), str(REPO / "tests" / "stage2_collectives.py"),
-                          str(tmp_path / "config.json"), str(data_index), str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(REPO / "tests" / "stage2_collectives.py"),
+            str(tmp_path / "config.json"),
+            str(data_index),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -87,6 +113,7 @@ def test_the_default_group_on_gpus_carries_gloo_for_host_tensors(preset):
 
 # -- CUDA_DEVICE_MAX_CONNECTIONS=1 in every rank's environment
 
+
 @pytest.mark.parametrize("preset", list(GPU_PRESETS))
 def test_every_launch_form_exports_cuda_device_max_connections(preset, tmp_path):
     from mega.launch import kubernetes as k8s
@@ -98,15 +125,26 @@ def test_every_launch_form_exports_cuda_device_max_connections(preset, tmp_path)
     # local and local-nodes: the driver hands the backend this JobSpec; its env is every rank's
     assert job.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     if "slurm" in cfg.cluster.launchers:
-        script = slurm.render_sbatch(compose([*GPU_PRESETS[preset], f"train.run_dir={tmp_path}", "launcher=slurm"]), job)
+        script = slurm.render_sbatch(
+            compose([*GPU_PRESETS[preset], f"train.run_dir={tmp_path}", "launcher=slurm"]), job
+        )
         assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script.splitlines()
     if "kubernetes" in cfg.cluster.launchers:
-        kcfg = compose([*GPU_PRESETS[preset], "train.run_dir=/mnt/mega/run", "launcher=kubernetes",
-                        "launcher.kubernetes.volume_claim=mega-shared"])  # the data index is on the shared volume
-        manifests = k8s.render_manifests(kcfg, hand_job(kcfg, "/mnt/mega/index.json", "/etc/mega/config.json"))
+        kcfg = compose(
+            [
+                *GPU_PRESETS[preset],
+                "train.run_dir=/mnt/mega/run",
+                "launcher=kubernetes",
+                "launcher.kubernetes.volume_claim=mega-shared",
+            ]
+        )  # the data index is on the shared volume
+        manifests = k8s.render_manifests(
+            kcfg, hand_job(kcfg, "/mnt/mega/index.json", "/etc/mega/config.json")
+        )
         containers = [c for m in manifests for c in _containers(m)]
-        assert containers and all({"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"} in c["env"]
-                                  for c in containers)
+        assert containers and all(
+            {"name": "CUDA_DEVICE_MAX_CONNECTIONS", "value": "1"} in c["env"] for c in containers
+        )
 
 
 def _containers(manifest: dict) -> list[dict]:
@@ -124,13 +162,17 @@ def test_the_prefect_work_pool_deployment_exports_it_to_the_flow_pod():
         assert d["work_pool"]["job_variables"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     # the template hands the deployment's env to the pod's container
     template = json.loads((REPO / "infra" / "kubernetes" / "work-pool.json").read_text())
-    assert template["job_configuration"]["env"] == "{{ env }}"  # prefect-kubernetes prepends it to the container's
+    assert (
+        template["job_configuration"]["env"] == "{{ env }}"
+    )  # prefect-kubernetes prepends it to the container's
 
 
 def test_a_gpu_rank_with_tensor_parallelism_refuses_to_start_without_it():
     tp = compose(GPU_PRESETS["h100-8x"])
     assert launch_env_problems(tp, {}) == ["CUDA_DEVICE_MAX_CONNECTIONS=1 (got None)"]
-    assert launch_env_problems(tp, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == ["CUDA_DEVICE_MAX_CONNECTIONS=1 (got '8')"]
+    assert launch_env_problems(tp, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}) == [
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 (got '8')"
+    ]
     assert launch_env_problems(tp, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) == []
     # no TP communication to order: nothing needed; CPU ranks never need it
     assert launch_env_problems(compose(["cluster=gpu-1", "parallelism=dp2"]), {}) == []
@@ -148,16 +190,30 @@ def test_train_checks_the_environment_before_building_anything(tmp_path, monkeyp
 
 
 def test_tp_overlap_te_validates_on_h100_8x():
-    cfg = compose(["cluster=h100-8x", "parallelism=tp2-pp2-dp2", "parallelism.sequence_parallel=true",
-                   "parallelism.tp_overlap=te"])
+    cfg = compose(
+        [
+            "cluster=h100-8x",
+            "parallelism=tp2-pp2-dp2",
+            "parallelism.sequence_parallel=true",
+            "parallelism.tp_overlap=te",
+        ]
+    )
     assert cfg.parallelism.tp_overlap == "te"
     with pytest.raises(ConfigError) as info:
-        compose(["cluster=h100-8x", "parallelism=tp2-pp2-dp2", "parallelism.sequence_parallel=true",
-                 "parallelism.tp_overlap=te", "~cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"])
+        compose(
+            [
+                "cluster=h100-8x",
+                "parallelism=tp2-pp2-dp2",
+                "parallelism.sequence_parallel=true",
+                "parallelism.tp_overlap=te",
+                "~cluster.env.CUDA_DEVICE_MAX_CONNECTIONS",
+            ]
+        )
     assert info.value.key == "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 # -- the self-check's pair exchange
+
 
 def _pair_rank(rank: int, port: int, queue) -> None:
     import torch
@@ -174,7 +230,9 @@ def _pair_rank(rank: int, port: int, queue) -> None:
         return original_batch(ops)
 
     dist.batch_isend_irecv = batch
-    rows = selfcheck._pair_checks(torch.device("cpu"), node=rank, nodes=2, procs=1, local_rank=0, nbytes=1 << 12)
+    rows = selfcheck._pair_checks(
+        torch.device("cpu"), node=rank, nodes=2, procs=1, local_rank=0, nbytes=1 << 12
+    )
     queue.put((rank, rows, posted))
     dist.destroy_process_group()
 
@@ -199,12 +257,15 @@ def test_the_pair_exchange_posts_its_send_and_receive_as_one_batch(free_port):
 
 # -- optional GPU packages: importing them is the test
 
+
 def test_flash_attn_that_fails_at_import_is_not_available(tmp_path, monkeypatch):
     from mega.layers import attention
 
     broken = tmp_path / "flash_attn"
     broken.mkdir()
-    (broken / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10 (built for another torch)')\n")
+    (broken / "__init__.py").write_text(
+        "raise ImportError('undefined symbol: _ZN3c10 (built for another torch)')\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     assert attention.flash_attn_available() is False

@@ -30,11 +30,16 @@ def smoke(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("gpu-smoke")
     env = {**os.environ, "GPU_SMOKE_DIR": str(out), "PYTHON": os.environ.get("PYTHON", _python())}
     env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # the launchers must put it there themselves
-    proc = subprocess.run(["bash", str(SCRIPT), "--cpu-dry-run"], capture_output=True, text=True, timeout=600,
-                          env=env)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu-dry-run"], capture_output=True, text=True, timeout=600, env=env
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {"rc": proc.returncode, "checks": {row["check"]: row for row in lines}, "dir": out,
-            "stderr": proc.stderr[-4000:]}
+    return {
+        "rc": proc.returncode,
+        "checks": {row["check"]: row for row in lines},
+        "dir": out,
+        "stderr": proc.stderr[-4000:],
+    }
 
 
 def _python() -> str:
@@ -50,15 +55,29 @@ def test_the_smoke_script_passes_on_the_twin(smoke):
         assert checks[name]["ok"] is True, checks[name]
     # what needs GPUs says so, and is not a failure
     assert {n for n, row in checks.items() if row.get("skipped") == "cpu dry run"} == {
-        "layouts", "save_kill_resume_adam", "tp_overlap", "sliding_window", "selfcheck", "cuda_events", "lamb_nccl"}
+        "layouts",
+        "save_kill_resume_adam",
+        "tp_overlap",
+        "sliding_window",
+        "selfcheck",
+        "cuda_events",
+        "lamb_nccl",
+    }
 
 
 def test_the_twin_is_h100_8x_with_only_backend_and_device_swapped(smoke):
     twin = load(smoke["dir"] / "runs" / "resume-lamb" / "config.json")
     assert (twin.cluster.backend, twin.cluster.device) == ("gloo", "cpu")
     # the smoke's own choices for every run (4 ranks, no Redis), on the GPU preset
-    gpu = compose(["cluster=h100-8x", "cluster.procs_per_node=4", "cluster.start_local_redis=false",
-                   "parallelism=tp2-pp2-dp2", "parallelism.dp=1"])
+    gpu = compose(
+        [
+            "cluster=h100-8x",
+            "cluster.procs_per_node=4",
+            "cluster.start_local_redis=false",
+            "parallelism=tp2-pp2-dp2",
+            "parallelism.dp=1",
+        ]
+    )
     for key, value in vars(gpu.cluster).items():
         if key not in ("name", "backend", "device"):
             assert getattr(twin.cluster, key) == value, key
@@ -84,7 +103,14 @@ def test_cpu_adaptations_are_exactly_the_expected_ones(smoke):
     the corrections of megatron itself are the ones a GPU rank applies."""
     assert smoke["checks"]["rank_env"]["megatron_patches"] == {
         "megatron_fixes": ["sequence_parallel_norm", "distopt_restore"],
-        "megatron_cpu": ["cuda_runtime", "rng_tracker", "cuda_factories", "cuda_type_checks", "gloo_reduce_scatter"]}
+        "megatron_cpu": [
+            "cuda_runtime",
+            "rng_tracker",
+            "cuda_factories",
+            "cuda_type_checks",
+            "gloo_reduce_scatter",
+        ],
+    }
     assert list(megatron_fixes.FIXES) == smoke["checks"]["rank_env"]["megatron_patches"]["megatron_fixes"]
     assert list(megatron_cpu.ADAPTATIONS) == smoke["checks"]["rank_env"]["megatron_patches"]["megatron_cpu"]
 
@@ -103,14 +129,28 @@ def test_step_one_loss_is_within_bf16_tolerance_of_fp32(smoke):
     twin = load(run / "config.json")
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     bf16_step1 = next(r["loss"] for r in rows if r["step"] == 1)
-    fp32 = compose(["cluster=h100-8x-cpu-twin", "cluster.procs_per_node=1", "parallelism=single",
-                    "features=megascale", "model=tiny", "model.fused_ops=false", "model.window_size=16",
-                    "train.precision=fp32", "train.steps=2", "checkpoint.interval=0", "train.eval_batches=0",
-                    "checkpoint.max_restarts=0",
-                    "train.tensorboard=false", "optimizer.warmup_steps=1", f"data.source={twin.data.source}",
-                    f"data.cache_dir={twin.data.cache_dir}",
-                    f"parallelism.global_batch_size={twin.parallelism.global_batch_size}",
-                    f"train.run_dir={smoke['dir'] / 'runs' / 'fp32'}"])
+    fp32 = compose(
+        [
+            "cluster=h100-8x-cpu-twin",
+            "cluster.procs_per_node=1",
+            "parallelism=single",
+            "features=megascale",
+            "model=tiny",
+            "model.fused_ops=false",
+            "model.window_size=16",
+            "train.precision=fp32",
+            "train.steps=2",
+            "checkpoint.interval=0",
+            "train.eval_batches=0",
+            "checkpoint.max_restarts=0",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            f"data.source={twin.data.source}",
+            f"data.cache_dir={twin.data.cache_dir}",
+            f"parallelism.global_batch_size={twin.parallelism.global_batch_size}",
+            f"train.run_dir={smoke['dir'] / 'runs' / 'fp32'}",
+        ]
+    )
     index = next(Path(twin.data.cache_dir).glob("*/index.json"))
     fp32_step1 = run_training(fp32, index, log=lambda m: None).metrics[0]["loss"]
     assert bf16_step1 == pytest.approx(fp32_step1, rel=2e-2)

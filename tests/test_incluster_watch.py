@@ -46,12 +46,33 @@ def _controller(backend: LocalNodesBackend, job: JobSpec, attempts: int) -> list
 
 @pytest.mark.slow
 def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_path, data_index, data_cache):
-    cfg = compose(["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1", "model=tiny",
-                   "parallelism.tp=1", "parallelism.pp=1", "parallelism.dp=2", f"train.steps={STEPS}", f"train.run_dir={tmp_path}",
-                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                   "checkpoint.async_save=false", "checkpoint.interval=2", "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=10",
-                   "stability.heartbeat_s=0.5", "stability.min_hang_s=4", "stability.progress_factor=4",
-                   "fault.mode=hang", "fault.kill_node=1", "fault.kill_at_step=3", "train.eval_batches=0"])
+    cfg = compose(
+        [
+            "launcher=local-nodes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=1",
+            "model=tiny",
+            "parallelism.tp=1",
+            "parallelism.pp=1",
+            "parallelism.dp=2",
+            f"train.steps={STEPS}",
+            f"train.run_dir={tmp_path}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.async_save=false",
+            "checkpoint.interval=2",
+            "cluster.hang_timeout_s=120",
+            "checkpoint.upload_timeout_s=10",
+            "stability.heartbeat_s=0.5",
+            "stability.min_hang_s=4",
+            "stability.progress_factor=4",
+            "fault.mode=hang",
+            "fault.kill_node=1",
+            "fault.kill_at_step=3",
+            "train.eval_batches=0",
+        ]
+    )
     from mega import config as mega_config
 
     config_path = tmp_path / "config.json"
@@ -62,8 +83,13 @@ def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_p
         with channel.heartbeat_env(cfg, {}) as hb_env:
             # the pod template's environment: the same for every attempt (MEGA_ATTEMPT=0 as rendered)
             env = {**cfg.cluster.env, **hb_env, "PYTHONUNBUFFERED": "1", "MEGA_ATTEMPT": "0"}
-            job = JobSpec("mega.train", ["--config", str(config_path), "--data-index", str(data_index)], env,
-                          tmp_path, "train")
+            job = JobSpec(
+                "mega.train",
+                ["--config", str(config_path), "--data-index", str(data_index)],
+                env,
+                tmp_path,
+                "train",
+            )
             ends = _controller(backend, job, attempts=3)
             client, prefix = channel.client_from_env(hb_env)
             order = json.loads(client.get(channel.stop_key(prefix, 0)))
@@ -89,8 +115,18 @@ def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_p
 
     # the culprit's node is named for the next placement: kept out by node anti-affinity
     assert evicted == order["evict"] and len(evicted) == 1
-    kcfg = compose(["cluster=h100-8x", "launcher=kubernetes", "launcher.kubernetes.image=reg/mega:1",
-                    f"launcher.kubernetes.avoid_hosts={json.dumps(evicted)}"])
+    kcfg = compose(
+        [
+            "cluster=h100-8x",
+            "launcher=kubernetes",
+            "launcher.kubernetes.image=reg/mega:1",
+            f"launcher.kubernetes.avoid_hosts={json.dumps(evicted)}",
+        ]
+    )
     pod = k8s.pod_template(kcfg, k8s.names(kcfg, job), job)["spec"]
-    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": evicted} in terms[0]["matchExpressions"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": evicted} in terms[0][
+        "matchExpressions"
+    ]

@@ -31,8 +31,11 @@ from mega.stability import channel
 REPO = Path(__file__).resolve().parent.parent
 CRDS = REPO / "tests" / "fixtures" / "crds"
 JOBSET_SCHEMA = "jobset-v0.12.0-jobsets.json"
-KUEUE_SCHEMAS = {"LocalQueue": "kueue-v0.19.2-localqueues.json", "ClusterQueue": "kueue-v0.19.2-clusterqueues.json",
-                 "ResourceFlavor": "kueue-v0.19.2-resourceflavors.json"}
+KUEUE_SCHEMAS = {
+    "LocalQueue": "kueue-v0.19.2-localqueues.json",
+    "ClusterQueue": "kueue-v0.19.2-clusterqueues.json",
+    "ResourceFlavor": "kueue-v0.19.2-resourceflavors.json",
+}
 WORK_POOL = "mega-kubernetes"
 PASSWORD = "pw-never-in-a-manifest"
 IMAGE = "ghcr.io/mega-llm/mega:0.1.0@sha256:" + "0" * 64
@@ -69,8 +72,11 @@ def validate(manifests: list[dict]) -> None:
             kubernetes_validate.validate(m, k8s.KUBERNETES_VERSION, strict=True)
         if m["kind"] == "JobSet":
             for r in m["spec"]["replicatedJobs"]:
-                kubernetes_validate.validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"},
-                                              **r["template"]}, k8s.KUBERNETES_VERSION, strict=True)
+                kubernetes_validate.validate(
+                    {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, **r["template"]},
+                    k8s.KUBERNETES_VERSION,
+                    strict=True,
+                )
 
 
 def restricted_violations(pod: dict) -> list[str]:
@@ -78,8 +84,16 @@ def restricted_violations(pod: dict) -> list[str]:
     rendered pod can fail): privilege, host namespaces and paths, capabilities beyond
     NET_BIND_SERVICE, privilege escalation, root, seccomp, volume types."""
     found = []
-    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                       "projected", "secret"}
+    allowed_volumes = {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         if pod.get(key):
             found.append(f"{key}: true")
@@ -98,7 +112,10 @@ def restricted_violations(pod: dict) -> list[str]:
         for cap in sc.get("capabilities", {}).get("add", []):
             if cap != "NET_BIND_SERVICE":
                 found.append(f"{where}: capability {cap}")
-        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")) or sc.get("runAsUser", psc.get("runAsUser")) == 0:
+        if (
+            not sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
+            or sc.get("runAsUser", psc.get("runAsUser")) == 0
+        ):
             found.append(f"{where}: may run as root")
         seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
         if seccomp not in ("RuntimeDefault", "Localhost"):
@@ -113,56 +130,102 @@ def _cfg(*overrides):
 
 
 def _job(cfg, index="/mnt/mega/data/index.json", **env):
-    return JobSpec("mega.train", ["--config", f"{k8s.CONFIG_MOUNT}/config.json", "--data-index", index],
-                   {**cfg.cluster.env, "MEGA_ATTEMPT": "0", **env}, Path(cfg.train.run_dir), "train-attempt0")
+    return JobSpec(
+        "mega.train",
+        ["--config", f"{k8s.CONFIG_MOUNT}/config.json", "--data-index", index],
+        {**cfg.cluster.env, "MEGA_ATTEMPT": "0", **env},
+        Path(cfg.train.run_dir),
+        "train-attempt0",
+    )
 
 
-SHARED = ["launcher.kubernetes.volume_claim=mega-shared", "launcher.kubernetes.volume_access_mode=ReadWriteMany",
-          "checkpoint.dir=/mnt/mega/checkpoints/gpt-13b"]
+SHARED = [
+    "launcher.kubernetes.volume_claim=mega-shared",
+    "launcher.kubernetes.volume_access_mode=ReadWriteMany",
+    "checkpoint.dir=/mnt/mega/checkpoints/gpt-13b",
+]
 
 
 def _layout(preset: str, nodes: int) -> list[str]:
     dp = 8 * nodes // 4  # tp2 x pp2 x dp over nodes x 8 devices
-    return [f"cluster={preset}", f"cluster.nodes={nodes}", "parallelism=tp2-pp2-dp2", f"parallelism.dp={dp}",
-            f"parallelism.global_batch_size={2 * dp}", "train.run_dir=/mnt/mega/runs/gpt-13b", *SHARED]
+    return [
+        f"cluster={preset}",
+        f"cluster.nodes={nodes}",
+        "parallelism=tp2-pp2-dp2",
+        f"parallelism.dp={dp}",
+        f"parallelism.global_batch_size={2 * dp}",
+        "train.run_dir=/mnt/mega/runs/gpt-13b",
+        *SHARED,
+    ]
 
 
 def _pod(workload: dict) -> dict:
     spec = workload["spec"]
-    return (spec["replicatedJobs"][0]["template"]["spec"] if workload["kind"] == "JobSet" else spec)["template"]
+    return (spec["replicatedJobs"][0]["template"]["spec"] if workload["kind"] == "JobSet" else spec)[
+        "template"
+    ]
 
 
-@pytest.mark.parametrize("workload, preset, nodes", [("jobset", "h100-8x", 1), ("jobset", "h100-8x", 16),
-                                                     ("jobset", "a100-8x", 64), ("job", "h100-8x", 2),
-                                                     ("job", "a100-8x", 4)])
+@pytest.mark.parametrize(
+    "workload, preset, nodes",
+    [
+        ("jobset", "h100-8x", 1),
+        ("jobset", "h100-8x", 16),
+        ("jobset", "a100-8x", 64),
+        ("job", "h100-8x", 2),
+        ("job", "a100-8x", 4),
+    ],
+)
 def test_manifests_validate_and_wire_one_pod_per_node(workload, preset, nodes):
-    cfg = _cfg(*_layout(preset, nodes), f"launcher.kubernetes.workload={workload}",
-               "launcher.kubernetes.node_selector={nvidia.com/gpu.product: x}",
-               "launcher.kubernetes.extra_resources={example.com/fpga: '1'}", "launcher.kubernetes.cpu=96",
-               "launcher.kubernetes.memory=1600Gi")
+    cfg = _cfg(
+        *_layout(preset, nodes),
+        f"launcher.kubernetes.workload={workload}",
+        "launcher.kubernetes.node_selector={nvidia.com/gpu.product: x}",
+        "launcher.kubernetes.extra_resources={example.com/fpga: '1'}",
+        "launcher.kubernetes.cpu=96",
+        "launcher.kubernetes.memory=1600Gi",
+    )
     manifests = k8s.render_manifests(cfg, _job(cfg))
     validate(manifests)
 
     configmap, *_, work = manifests
-    assert [m["kind"] for m in manifests] == (["ConfigMap", "JobSet"] if workload == "jobset"
-                                              else ["ConfigMap", "Service", "Job"])
+    assert [m["kind"] for m in manifests] == (
+        ["ConfigMap", "JobSet"] if workload == "jobset" else ["ConfigMap", "Service", "Job"]
+    )
     job_spec = work["spec"]["replicatedJobs"][0]["template"]["spec"] if workload == "jobset" else work["spec"]
     pod = job_spec["template"]["spec"]
-    assert job_spec["completionMode"] == "Indexed" and job_spec["completions"] == job_spec["parallelism"] == nodes
+    assert (
+        job_spec["completionMode"] == "Indexed"
+        and job_spec["completions"] == job_spec["parallelism"] == nodes
+    )
     (container,) = pod["containers"]
-    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8", "example.com/fpga": "1", "cpu": "96",
-                                                "memory": "1600Gi"}
+    assert container["resources"]["limits"] == {
+        "nvidia.com/gpu": "8",
+        "example.com/fpga": "1",
+        "cpu": "96",
+        "memory": "1600Gi",
+    }
     assert container["resources"]["requests"] == {"cpu": "96", "memory": "1600Gi"}  # Guaranteed QoS
     command = container["command"]
     assert command[:4] == ["python", "-m", "mega.launch.pod", "--selfcheck"]  # the pod entry, then the agent
-    assert f"--nnodes={nodes}" in command and "--nproc-per-node=8" in command and "--node-rank=$(NODE_RANK)" in command
+    assert (
+        f"--nnodes={nodes}" in command
+        and "--nproc-per-node=8" in command
+        and "--node-rank=$(NODE_RANK)" in command
+    )
     env = {e["name"]: e for e in container["env"]}
-    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     assert all(env[k]["value"] == v for k, v in cfg.cluster.env.items())
     if workload == "jobset":  # the JobSet's headless Service: <jobset>-node-0-0.<jobset>
         name = work["metadata"]["name"]
         assert f"--master-addr={name}-node-0-0.{name}" in command
-        assert env["MEGA_ATTEMPT"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
+        assert (
+            env["MEGA_ATTEMPT"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"
+        )
         host = f"{name}-node-0-{nodes - 1}"
     else:
         service = manifests[1]
@@ -175,15 +238,22 @@ def test_manifests_validate_and_wire_one_pod_per_node(workload, preset, nodes):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     assert volumes["shared"]["persistentVolumeClaim"]["claimName"] == "mega-shared"
-    assert container["image"] == IMAGE and container["imagePullPolicy"] == "IfNotPresent"  # a digest never changes
+    assert (
+        container["image"] == IMAGE and container["imagePullPolicy"] == "IfNotPresent"
+    )  # a digest never changes
     assert restricted_violations(pod) == []
 
 
 def test_jobset_is_queued_and_restarted_by_the_cluster_with_disruptions_not_counted():
-    cfg = _cfg(*_layout("h100-8x", 4), "launcher.kubernetes.exclusive_topology=cloud.example.com/rack",
-               "launcher.kubernetes.priority_class=training", "launcher.kubernetes.active_deadline_s=864000",
-               "launcher.kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
-               "launcher.kubernetes.annotations={team: llm}", "checkpoint.max_restarts=5")
+    cfg = _cfg(
+        *_layout("h100-8x", 4),
+        "launcher.kubernetes.exclusive_topology=cloud.example.com/rack",
+        "launcher.kubernetes.priority_class=training",
+        "launcher.kubernetes.active_deadline_s=864000",
+        "launcher.kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+        "launcher.kubernetes.annotations={team: llm}",
+        "checkpoint.max_restarts=5",
+    )
     _, jobset = k8s.render_manifests(cfg, _job(cfg))
     validate([jobset])
     meta, spec = jobset["metadata"], jobset["spec"]
@@ -191,22 +261,36 @@ def test_jobset_is_queued_and_restarted_by_the_cluster_with_disruptions_not_coun
     assert spec["suspend"] is True  # until Kueue admits every pod at once
     assert meta["annotations"] == {"team": "llm", k8s.EXCLUSIVE_ANNOTATION: "cloud.example.com/rack"}
     assert spec["failurePolicy"]["maxRestarts"] == 5 and spec["ttlSecondsAfterFinished"] == 86400
-    assert spec["failurePolicy"]["rules"] == [{"name": "disrupted-or-saved", "action": "RestartJobSetAndIgnoreMaxRestarts",
-                                               "onJobFailureReasons": ["PodFailurePolicy"]}]
+    assert spec["failurePolicy"]["rules"] == [
+        {
+            "name": "disrupted-or-saved",
+            "action": "RestartJobSetAndIgnoreMaxRestarts",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+        }
+    ]
     assert spec["startupPolicy"] == {"startupPolicyOrder": "AnyOrder"}
     [rj] = spec["replicatedJobs"]
     job = rj["template"]["spec"]
     assert rj["replicas"] == 1 and job["backoffLimit"] == 0 and job["activeDeadlineSeconds"] == 864000
     rules = job["podFailurePolicy"]["rules"]
-    assert rules[0] == {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
-    assert [(r["action"], r["onExitCodes"]["values"]) for r in rules[1:]] == [("FailJob", [85]),
-                                                                             ("Count", [channel.RESTART_EXIT_CODE])]
+    assert rules[0] == {
+        "action": "FailJob",
+        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+    }
+    assert [(r["action"], r["onExitCodes"]["values"]) for r in rules[1:]] == [
+        ("FailJob", [85]),
+        ("Count", [channel.RESTART_EXIT_CODE]),
+    ]
     pod = job["template"]["spec"]
     assert pod["priorityClassName"] == "training" and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert job["template"]["metadata"]["annotations"] == {"team": "llm"}
     anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert anti == [{"labelSelector": {"matchLabels": job["template"]["metadata"]["labels"]},
-                     "topologyKey": "kubernetes.io/hostname"}]  # one pod of the run per node
+    assert anti == [
+        {
+            "labelSelector": {"matchLabels": job["template"]["metadata"]["labels"]},
+            "topologyKey": "kubernetes.io/hostname",
+        }
+    ]  # one pod of the run per node
 
     fallback = _cfg(*_layout("h100-8x", 4), "launcher.kubernetes.workload=job", "checkpoint.max_restarts=5")
     job = k8s.render_manifests(fallback, _job(fallback))[2]
@@ -215,10 +299,15 @@ def test_jobset_is_queued_and_restarted_by_the_cluster_with_disruptions_not_coun
 
 
 def test_rdma_is_opt_in_and_its_one_security_exception_is_listed():
-    cfg = _cfg(*_layout("h100-8x", 2), "launcher.kubernetes.rdma.enabled=true",
-               "launcher.kubernetes.rdma.network=mega/ib-sriov", "launcher.kubernetes.rdma.resources={nvidia.com/hostdev: '8'}",
-               "launcher.kubernetes.rdma.hca=mlx5", "launcher.kubernetes.rdma.socket_ifname=eth0",
-               "launcher.kubernetes.rdma.gid_index=3")
+    cfg = _cfg(
+        *_layout("h100-8x", 2),
+        "launcher.kubernetes.rdma.enabled=true",
+        "launcher.kubernetes.rdma.network=mega/ib-sriov",
+        "launcher.kubernetes.rdma.resources={nvidia.com/hostdev: '8'}",
+        "launcher.kubernetes.rdma.hca=mlx5",
+        "launcher.kubernetes.rdma.socket_ifname=eth0",
+        "launcher.kubernetes.rdma.gid_index=3",
+    )
     _, jobset = k8s.render_manifests(cfg, _job(cfg))
     validate([jobset])
     template = _pod(jobset)
@@ -233,18 +322,25 @@ def test_rdma_is_opt_in_and_its_one_security_exception_is_listed():
 
 
 def test_credentials_come_from_secrets_and_never_appear_in_a_manifest():
-    cfg = _cfg(*_layout("h100-8x", 2), "cluster.store=redis", f"cluster.redis_url=redis://:{PASSWORD}@redis.mega:6379/0",
-               "launcher.kubernetes.redis_secret=mega-redis", "launcher.kubernetes.s3_secret=mega-s3",
-               "checkpoint.storage_uri=s3://ckpt/gpt-13b")
+    cfg = _cfg(
+        *_layout("h100-8x", 2),
+        "cluster.store=redis",
+        f"cluster.redis_url=redis://:{PASSWORD}@redis.mega:6379/0",
+        "launcher.kubernetes.redis_secret=mega-redis",
+        "launcher.kubernetes.s3_secret=mega-s3",
+        "checkpoint.storage_uri=s3://ckpt/gpt-13b",
+    )
     manifests = k8s.render_manifests(cfg, _job(cfg, MEGA_REDIS_PASSWORD=PASSWORD, MEGA_JOB_ID="j1"))
     validate(manifests)
     assert PASSWORD not in k8s.to_yaml(manifests)
     env = {e["name"]: e for e in _pod(manifests[1])["spec"]["containers"][0]["env"]}
     assert env["MEGA_REDIS_URL"]["value"] == env[channel.URL_ENV]["value"] == "redis://redis.mega:6379/0"
-    for name, secret, key in (("MEGA_REDIS_PASSWORD", "mega-redis", "password"),
-                              (channel.PASSWORD_ENV, "mega-redis", "password"),
-                              ("AWS_ACCESS_KEY_ID", "mega-s3", "AWS_ACCESS_KEY_ID"),
-                              ("AWS_SECRET_ACCESS_KEY", "mega-s3", "AWS_SECRET_ACCESS_KEY")):
+    for name, secret, key in (
+        ("MEGA_REDIS_PASSWORD", "mega-redis", "password"),
+        (channel.PASSWORD_ENV, "mega-redis", "password"),
+        ("AWS_ACCESS_KEY_ID", "mega-s3", "AWS_ACCESS_KEY_ID"),
+        ("AWS_SECRET_ACCESS_KEY", "mega-s3", "AWS_SECRET_ACCESS_KEY"),
+    ):
         assert env[name]["valueFrom"] == {"secretKeyRef": {"name": secret, "key": key}}
     assert env[channel.PREFIX_ENV]["value"] == f"mega:hb:{k8s.names(cfg, _job(cfg))['run']}"  # one per run
 
@@ -252,23 +348,43 @@ def test_credentials_come_from_secrets_and_never_appear_in_a_manifest():
 NODES4 = [*_layout("h100-8x", 4)[:5], "train.run_dir=/mnt/mega/runs/gpt-13b"]
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (NODES4, "launcher.kubernetes.volume_claim"),  # 4 nodes, checkpoints in each pod's own filesystem
-    ([*NODES4, "launcher.kubernetes.volume_claim=c", "launcher.kubernetes.volume_access_mode=ReadWriteOnce"],
-     "launcher.kubernetes.volume_access_mode"),
-    ([*NODES4, *SHARED[:2], "checkpoint.dir=checkpoints"], "checkpoint.dir"),  # relative: not under the mount
-    ([*NODES4, *SHARED, "train.run_dir=runs/x"], "train.run_dir"),
-    ([*_layout("h100-8x", 4), "cluster.env={AWS_SECRET_ACCESS_KEY: abc}"], "cluster.env.AWS_SECRET_ACCESS_KEY"),
-    ([*NODES4, "checkpoint.storage_uri=s3://b/p"], "launcher.kubernetes.s3_secret"),
-    (["cluster=h100-8x", "cluster.store=redis"], "cluster.redis_url"),  # no server the pods reach
-    (["cluster=h100-8x", "cluster.store=redis", f"cluster.redis_url=redis://:{PASSWORD}@r:6379/0"],
-     "launcher.kubernetes.redis_secret"),
-    (["cluster=h100-8x", "launcher.kubernetes.shm_size=lots"], "launcher.kubernetes.shm_size"),
-    (["cluster=h100-8x", "launcher.kubernetes.mount_path=mnt"], "launcher.kubernetes.mount_path"),
-    (["cluster=h100-8x", "launcher.kubernetes.image=ghcr.io/mega-llm/mega:latest"], "launcher.kubernetes.image"),
-    (["cluster=h100-8x", "launcher.kubernetes.cpu=8"], "launcher.kubernetes.memory"),
-    (["cluster=h100-8x", "launcher.kubernetes.rdma.enabled=true"], "launcher.kubernetes.rdma.resources"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (NODES4, "launcher.kubernetes.volume_claim"),  # 4 nodes, checkpoints in each pod's own filesystem
+        (
+            [
+                *NODES4,
+                "launcher.kubernetes.volume_claim=c",
+                "launcher.kubernetes.volume_access_mode=ReadWriteOnce",
+            ],
+            "launcher.kubernetes.volume_access_mode",
+        ),
+        (
+            [*NODES4, *SHARED[:2], "checkpoint.dir=checkpoints"],
+            "checkpoint.dir",
+        ),  # relative: not under the mount
+        ([*NODES4, *SHARED, "train.run_dir=runs/x"], "train.run_dir"),
+        (
+            [*_layout("h100-8x", 4), "cluster.env={AWS_SECRET_ACCESS_KEY: abc}"],
+            "cluster.env.AWS_SECRET_ACCESS_KEY",
+        ),
+        ([*NODES4, "checkpoint.storage_uri=s3://b/p"], "launcher.kubernetes.s3_secret"),
+        (["cluster=h100-8x", "cluster.store=redis"], "cluster.redis_url"),  # no server the pods reach
+        (
+            ["cluster=h100-8x", "cluster.store=redis", f"cluster.redis_url=redis://:{PASSWORD}@r:6379/0"],
+            "launcher.kubernetes.redis_secret",
+        ),
+        (["cluster=h100-8x", "launcher.kubernetes.shm_size=lots"], "launcher.kubernetes.shm_size"),
+        (["cluster=h100-8x", "launcher.kubernetes.mount_path=mnt"], "launcher.kubernetes.mount_path"),
+        (
+            ["cluster=h100-8x", "launcher.kubernetes.image=ghcr.io/mega-llm/mega:latest"],
+            "launcher.kubernetes.image",
+        ),
+        (["cluster=h100-8x", "launcher.kubernetes.cpu=8"], "launcher.kubernetes.memory"),
+        (["cluster=h100-8x", "launcher.kubernetes.rdma.enabled=true"], "launcher.kubernetes.rdma.resources"),
+    ],
+)
 def test_bad_settings_are_refused_naming_the_key(overrides, key):
     cfg = _cfg(*overrides)
     with pytest.raises(ConfigError) as err:
@@ -289,7 +405,10 @@ def test_a_tag_without_digest_is_pulled_always():
 
 
 def test_long_run_names_stay_dns_labels():
-    cfg = _cfg(*_layout("h100-8x", 16), "train.run_dir=/mnt/mega/runs/A_Very_Long_Run_Name_For_The_175B_Model_On_256_GPUs_v2")
+    cfg = _cfg(
+        *_layout("h100-8x", 16),
+        "train.run_dir=/mnt/mega/runs/A_Very_Long_Run_Name_For_The_175B_Model_On_256_GPUs_v2",
+    )
     n = k8s.names(cfg, _job(cfg))
     assert all(DNS_LABEL.fullmatch(v) and len(v) <= 63 for v in n.values())
     assert len(f"{n['job']}-15") <= 63 and len(f"{n['jobset']}-node-0-15") <= 63
@@ -300,8 +419,10 @@ def test_the_admins_kueue_objects_validate_and_name_the_default_queue():
     validate(docs)
     [queue] = [d for d in docs if d["kind"] == "LocalQueue"]
     cfg = _cfg("cluster=h100-8x")
-    assert (queue["metadata"]["name"], queue["metadata"]["namespace"]) == (cfg.launcher.kubernetes.queue,
-                                                                           cfg.launcher.kubernetes.namespace)
+    assert (queue["metadata"]["name"], queue["metadata"]["namespace"]) == (
+        cfg.launcher.kubernetes.queue,
+        cfg.launcher.kubernetes.namespace,
+    )
     broken = json.loads(json.dumps(docs))
     broken[1]["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]["nominalQuota"] = ["1536"]
     with pytest.raises(INVALID):
@@ -310,14 +431,35 @@ def test_the_admins_kueue_objects_validate_and_name_the_default_queue():
 
 def test_render_cli_output_passes_the_validators_and_a_broken_one_does_not(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "mega.launch.kubernetes", "render", *_layout("a100-8x", 2),
-                          "launcher=kubernetes", f"launcher.kubernetes.image={IMAGE}", "launcher.kubernetes.workload=job",
-                          "--data-index", "/mnt/mega/data/index.json", "--out", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mega.launch.kubernetes",
+            "render",
+            *_layout("a100-8x", 2),
+            "launcher=kubernetes",
+            f"launcher.kubernetes.image={IMAGE}",
+            "launcher.kubernetes.workload=job",
+            "--data-index",
+            "/mnt/mega/data/index.json",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     (manifest,) = tmp_path.glob("*.yaml")
-    validator = [str(Path(sys.executable).with_name("kubernetes-validate")), "--strict", "--no-warn",
-                 "-k", k8s.KUBERNETES_VERSION]
+    validator = [
+        str(Path(sys.executable).with_name("kubernetes-validate")),
+        "--strict",
+        "--no-warn",
+        "-k",
+        k8s.KUBERNETES_VERSION,
+    ]
     ok = subprocess.run([*validator, str(manifest)], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.count("passed") == 3
@@ -335,7 +477,9 @@ def test_render_cli_output_passes_the_validators_and_a_broken_one_does_not(tmp_p
     with pytest.raises(INVALID, match="maxRestart"):
         validate([jobset])
     _, jobset = k8s.render_manifests(cfg, _job(cfg))
-    _pod(jobset)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = [8]  # a list, inside the Job
+    _pod(jobset)["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = [
+        8
+    ]  # a list, inside the Job
     with pytest.raises(INVALID, match="nvidia.com/gpu"):
         validate([jobset])
 
@@ -352,7 +496,9 @@ def _flow_run_job(base_job_template: dict, job_variables: dict) -> dict:
     from prefect.client.schemas.objects import FlowRun
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    config = asyncio.run(KubernetesWorkerJobConfiguration.from_template_and_values(base_job_template, job_variables))
+    config = asyncio.run(
+        KubernetesWorkerJobConfiguration.from_template_and_values(base_job_template, job_variables)
+    )
     config.prepare_for_flow_run(FlowRun(flow_id=uuid.uuid4(), name="test-run"))
     return config.job_manifest
 
@@ -381,14 +527,29 @@ def test_prefect_deploy_onto_the_kubernetes_work_pool(prefect_harness):
     template = json.loads((REPO / "infra" / "kubernetes" / "work-pool.json").read_text())
     with get_client(sync_client=True) as client:
         try:  # the server validates the template: every placeholder must be a declared variable
-            client.create_work_pool(WorkPoolCreate(name=WORK_POOL, type="kubernetes", base_job_template=template))
+            client.create_work_pool(
+                WorkPoolCreate(name=WORK_POOL, type="kubernetes", base_job_template=template)
+            )
         except ObjectAlreadyExists:
             pass
 
     out = subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", "infra/prefect-kubernetes.yaml", "--all"],
-        cwd=REPO, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "--no-prompt",
+            "deploy",
+            "--prefect-file",
+            "infra/prefect-kubernetes.yaml",
+            "--all",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     with get_client(sync_client=True) as client:
@@ -401,21 +562,37 @@ def test_prefect_deploy_onto_the_kubernetes_work_pool(prefect_harness):
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert container["workingDir"] == "/opt/mega"
-    assert job["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert job["spec"]["template"]["spec"]["nodeSelector"] == {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"
+    }
 
     # the server checks job variables against the pool's schema: a wrong type is refused
     from prefect.exceptions import PrefectHTTPStatusError
 
     with get_client(sync_client=True) as client, pytest.raises(PrefectHTTPStatusError) as err:
-        client.create_deployment(flow_id=deployment.flow_id, name="bad-gpus", work_pool_name=WORK_POOL,
-                                 entrypoint=deployment.entrypoint, job_variables={"gpus": "eight"})
+        client.create_deployment(
+            flow_id=deployment.flow_id,
+            name="bad-gpus",
+            work_pool_name=WORK_POOL,
+            entrypoint=deployment.entrypoint,
+            job_variables={"gpus": "eight"},
+        )
     assert "Validation failed for field 'gpus'" in str(err.value)
     # credentials only from Secrets: a plain-text one in the job variables is refused by the pool
     with get_client(sync_client=True) as client, pytest.raises(PrefectHTTPStatusError) as err:
-        client.create_deployment(flow_id=deployment.flow_id, name="plain-secret", work_pool_name=WORK_POOL,
-                                 entrypoint=deployment.entrypoint, job_variables={"env": {"AWS_SECRET_ACCESS_KEY": PASSWORD}})
+        client.create_deployment(
+            flow_id=deployment.flow_id,
+            name="plain-secret",
+            work_pool_name=WORK_POOL,
+            entrypoint=deployment.entrypoint,
+            job_variables={"env": {"AWS_SECRET_ACCESS_KEY": PASSWORD}},
+        )
     assert "env" in str(err.value) and PASSWORD not in str(err.value)
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
-    assert refs["AWS_SECRET_ACCESS_KEY"] == {"name": "mega-s3", "key": "AWS_SECRET_ACCESS_KEY", "optional": True}
+    assert refs["AWS_SECRET_ACCESS_KEY"] == {
+        "name": "mega-s3",
+        "key": "AWS_SECRET_ACCESS_KEY",
+        "optional": True,
+    }
     assert refs["MEGA_REDIS_PASSWORD"]["name"] == "mega-redis"
     assert restricted_violations(job["spec"]["template"]["spec"]) == []

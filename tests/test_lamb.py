@@ -34,8 +34,10 @@ def _tensors(seed=0):
 
 def _grads(tensors, steps, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [{k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, (v, _) in tensors.items()}
-            for _ in range(steps)]
+    return [
+        {k: torch.randn(v.shape, generator=g, dtype=torch.float64) for k, (v, _) in tensors.items()}
+        for _ in range(steps)
+    ]
 
 
 def _reference(tensors, grads):
@@ -66,7 +68,11 @@ def _groups(params: dict, tensors):
     """megatron-style grouping: decayed weights, and a marked no-decay group."""
     return [
         {"params": [p for k, p in params.items() if not tensors[k][1]], "lamb_exclude": False},
-        {"params": [p for k, p in params.items() if tensors[k][1]], "weight_decay": 0.0, "lamb_exclude": True},
+        {
+            "params": [p for k, p in params.items() if tensors[k][1]],
+            "weight_decay": 0.0,
+            "lamb_exclude": True,
+        },
     ]
 
 
@@ -110,7 +116,7 @@ def test_uneven_shards_over_two_ranks_equal_the_whole_tensor_update():
     # rank 0: w[0:3] and w[20:], w_big, w_zero[:2]; rank 1: w[3:20], w_zero[2:], bias, norm.
     cuts = {0: [(0, 3), (20, 49)], 1: [(3, 20), (49, len(flat))]}
     ranks = []
-    for rank, spans in cuts.items():
+    for _rank, spans in cuts.items():
         pieces = []  # (name, lo, hi) in flat coordinates, split at tensor boundaries
         for lo, hi in spans:
             for i, k in enumerate(names):
@@ -134,7 +140,7 @@ def test_uneven_shards_over_two_ranks_equal_the_whole_tensor_update():
         for k, p in whole.items():
             p.grad = step_grads[k].float()
         reference.step()
-        for opt, pieces in ranks:
+        for _, pieces in ranks:
             for _, a, b, p in pieces:
                 p.grad = flat_grad[a:b].clone()
         partial = [opt.local_sq_norms() for opt, _ in ranks]
@@ -142,10 +148,10 @@ def test_uneven_shards_over_two_ranks_equal_the_whole_tensor_update():
         for opt, _ in ranks:
             opt.apply_update(total)
 
-    for opt, pieces in ranks:
+    for _, pieces in ranks:
         for k, a, b, p in pieces:
             i = names.index(k)
-            want = whole[k].reshape(-1)[a - starts[i]: b - starts[i]]
+            want = whole[k].reshape(-1)[a - starts[i] : b - starts[i]]
             torch.testing.assert_close(p, want, rtol=1e-6, atol=1e-7, msg=f"{k}[{a}:{b}]")
 
 
@@ -278,8 +284,12 @@ def test_dp2_distributed_optimizer_matches_one_process(dp2, single):
 def test_tp2_dp2_matches_one_process(tmp_path, data_index, data_cache, single):
     """TP partitions are pieces too: their norms are summed over TPxDP in the same all-reduce,
     and TP-replicated tensors (position embeddings) are counted once."""
-    result = train(tmp_path, data_index, data_cache,
-                   ["parallelism=dp2", "parallelism.tp=2", f"checkpoint.interval={STEPS}"])
+    result = train(
+        tmp_path,
+        data_index,
+        data_cache,
+        ["parallelism=dp2", "parallelism.tp=2", f"checkpoint.interval={STEPS}"],
+    )
     _assert_same_curve(result.metrics, single[1].metrics)
     _assert_same_state(tmp_path, single[0])
 
@@ -290,9 +300,18 @@ def test_killed_dp2_run_resumes_on_the_same_curve(tmp_path, data_index, data_cac
     bit-identical to the uninterrupted run. Synchronous saves: `latest` is iter_0000004 before step 5
     starts (an asynchronous one may still be uploading when the kill strikes; CI saw iter_0000002)."""
     clean_dir, clean = dp2
-    killed = train(tmp_path, data_index, data_cache,
-                   ["parallelism=dp2", "checkpoint.interval=2", "checkpoint.async_save=false",
-                    "fault.kill_rank=1", "fault.kill_at_step=5"])
+    killed = train(
+        tmp_path,
+        data_index,
+        data_cache,
+        [
+            "parallelism=dp2",
+            "checkpoint.interval=2",
+            "checkpoint.async_save=false",
+            "fault.kill_rank=1",
+            "fault.kill_at_step=5",
+        ],
+    )
     assert killed.attempts == 2
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["attempt"] == 1][0] == 5, "should resume from step 4"

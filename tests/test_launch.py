@@ -23,7 +23,13 @@ import pytest
 from waiting import wait_for
 
 from mega.cluster.node import read_processes
-from mega.cluster.selfcheck import cluster_verdict, pair_bandwidths, pair_rounds, run_selfcheck, selfcheck_floors
+from mega.cluster.selfcheck import (
+    cluster_verdict,
+    pair_bandwidths,
+    pair_rounds,
+    run_selfcheck,
+    selfcheck_floors,
+)
 from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
 from mega.launch.backend import JobSpec, agent_argv, backend_for
@@ -55,16 +61,36 @@ def test_agent_argv_one_local_node_is_standalone():
     cfg = from_dict({"parallelism": {"dp": 2}, "cluster": {"procs_per_node": 2}})
     argv = agent_argv(cfg, 0, "127.0.0.1", 0, JobSpec("mega.train", ["--config", "c.json"]))
     assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert argv[3:] == ["--standalone", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=0",
-                        "-m", "mega.train", "--config", "c.json"]
+    assert argv[3:] == [
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "-m",
+        "mega.train",
+        "--config",
+        "c.json",
+    ]
 
 
 def test_agent_argv_of_node_k_rendezvous_on_node_0():
-    cfg = compose(["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4", "cluster.pg_timeout_s=90"])
+    cfg = compose(
+        ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4", "cluster.pg_timeout_s=90"]
+    )
     argv = agent_argv(cfg, 1, "10.1.2.2", 29511, JobSpec("mega.cluster.selfcheck", ["--out", "r.json"]))
-    assert argv[3:] == ["--nnodes=2", "--node-rank=1", "--master-addr=10.1.2.2", "--master-port=29511",
-                        "--rdzv-conf=timeout=90", "--nproc-per-node=4", "--max-restarts=0",
-                        "-m", "mega.cluster.selfcheck", "--out", "r.json"]
+    assert argv[3:] == [
+        "--nnodes=2",
+        "--node-rank=1",
+        "--master-addr=10.1.2.2",
+        "--master-port=29511",
+        "--rdzv-conf=timeout=90",
+        "--nproc-per-node=4",
+        "--max-restarts=0",
+        "-m",
+        "mega.cluster.selfcheck",
+        "--out",
+        "r.json",
+    ]
     assert "--standalone" not in argv
 
 
@@ -90,10 +116,13 @@ class _Scripted:
         self.stopped = True
 
 
-@pytest.mark.parametrize("codes, cause, first_in_reason", [
-    ({0: 1, 1: -9}, [1], "node 1: torchrun agent killed by SIGKILL"),  # node 0's ranks lost their peer
-    ({0: 1, 1: 1, 2: None}, [0, 1], "node 0: torchrun agent exited with code 1"),  # no telling: both
-])
+@pytest.mark.parametrize(
+    "codes, cause, first_in_reason",
+    [
+        ({0: 1, 1: -9}, [1], "node 1: torchrun agent killed by SIGKILL"),  # node 0's ranks lost their peer
+        ({0: 1, 1: 1, 2: None}, [0, 1], "node 0: torchrun agent exited with code 1"),  # no telling: both
+    ],
+)
 def test_a_node_killed_outright_is_the_cause_not_the_peers_it_took_down(codes, cause, first_in_reason):
     backend = _Scripted(codes)
     outcome = run_job(backend, JobSpec("mega.train", []), poll_s=0.01)
@@ -125,8 +154,12 @@ def test_kubernetes_is_rendered_not_driven(tmp_path):
 
 
 NODES2 = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4"]
-TWO_NODES = {"launcher": {"name": "local-nodes"}, "cluster": {"nodes": 2, "procs_per_node": 4},
-             "parallelism": {"tp": 2, "pp": 2, "dp": 2}, "model": {"num_layers": 4}}
+TWO_NODES = {
+    "launcher": {"name": "local-nodes"},
+    "cluster": {"nodes": 2, "procs_per_node": 4},
+    "parallelism": {"tp": 2, "pp": 2, "dp": 2},
+    "model": {"num_layers": 4},
+}
 NETNS = {"launcher": {"name": "local-nodes", "local_nodes": {"netns": True}}}
 
 
@@ -138,22 +171,53 @@ def merged(*parts: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("data, key, fragment", [
-    ({"fault": {"kill_node": 2, "kill_at_step": 1}}, "fault.kill_node", "no node 2 in cluster.nodes=2"),
-    ({"fault": {"kill_node": 1}}, "fault.kill_at_step", "needed with fault.kill_node"),
-    ({"fault": {"kill_node": 1, "kill_rank": 0, "kill_at_step": 1}}, "fault.kill_node", "not both"),
-    ({"fault": {"mode": "kill_agent", "kill_rank": 0, "kill_at_step": 1}}, "fault.mode", "set fault.kill_node"),
-    ({"fault": {"mode": "kill_in_upload", "kill_node": 1, "kill_at_step": 1}}, "fault.mode", "use fault.kill_rank"),
-    ({"launcher": {"name": "local", "local_nodes": {"netns": True}}, "cluster": {"nodes": 1, "procs_per_node": 8}},
-     "launcher.local_nodes.netns", "not launcher=local"),
-    ({**NETNS, "cluster": {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}}, "cluster.redis_url",
-     "unreachable from network-namespace nodes"),
-    ({**NETNS, "checkpoint": {"s3_endpoint_url": "http://localhost:8333"}}, "checkpoint.s3_endpoint_url",
-     "bridge address"),
-    ({"cluster": {"selfcheck_gemm_fraction": 1.5}}, "cluster.selfcheck_gemm_fraction", "must be in (0, 1]"),
-    ({"cluster": {"selfcheck_nic_fraction": 0}}, "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
-    ({"cluster": {"selfcheck_min_inter_node_mb_per_s": -1}}, "cluster.selfcheck_min_inter_node_mb_per_s", ">= 0"),
-])
+@pytest.mark.parametrize(
+    "data, key, fragment",
+    [
+        ({"fault": {"kill_node": 2, "kill_at_step": 1}}, "fault.kill_node", "no node 2 in cluster.nodes=2"),
+        ({"fault": {"kill_node": 1}}, "fault.kill_at_step", "needed with fault.kill_node"),
+        ({"fault": {"kill_node": 1, "kill_rank": 0, "kill_at_step": 1}}, "fault.kill_node", "not both"),
+        (
+            {"fault": {"mode": "kill_agent", "kill_rank": 0, "kill_at_step": 1}},
+            "fault.mode",
+            "set fault.kill_node",
+        ),
+        (
+            {"fault": {"mode": "kill_in_upload", "kill_node": 1, "kill_at_step": 1}},
+            "fault.mode",
+            "use fault.kill_rank",
+        ),
+        (
+            {
+                "launcher": {"name": "local", "local_nodes": {"netns": True}},
+                "cluster": {"nodes": 1, "procs_per_node": 8},
+            },
+            "launcher.local_nodes.netns",
+            "not launcher=local",
+        ),
+        (
+            {**NETNS, "cluster": {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}},
+            "cluster.redis_url",
+            "unreachable from network-namespace nodes",
+        ),
+        (
+            {**NETNS, "checkpoint": {"s3_endpoint_url": "http://localhost:8333"}},
+            "checkpoint.s3_endpoint_url",
+            "bridge address",
+        ),
+        (
+            {"cluster": {"selfcheck_gemm_fraction": 1.5}},
+            "cluster.selfcheck_gemm_fraction",
+            "must be in (0, 1]",
+        ),
+        ({"cluster": {"selfcheck_nic_fraction": 0}}, "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
+        (
+            {"cluster": {"selfcheck_min_inter_node_mb_per_s": -1}},
+            "cluster.selfcheck_min_inter_node_mb_per_s",
+            ">= 0",
+        ),
+    ],
+)
 def test_config_rejections(data, key, fragment):
     with pytest.raises(ConfigError) as info:
         from_dict(merged(TWO_NODES, data))
@@ -161,8 +225,16 @@ def test_config_rejections(data, key, fragment):
 
 
 def test_netns_nodes_with_non_loopback_servers_are_accepted():
-    cfg = from_dict(merged(TWO_NODES, NETNS, {"cluster": {"store": "redis", "redis_url": "redis://10.213.0.1:6379/0"},
-                                              "checkpoint": {"s3_endpoint_url": "http://10.213.0.1:8333"}}))
+    cfg = from_dict(
+        merged(
+            TWO_NODES,
+            NETNS,
+            {
+                "cluster": {"store": "redis", "redis_url": "redis://10.213.0.1:6379/0"},
+                "checkpoint": {"s3_endpoint_url": "http://10.213.0.1:8333"},
+            },
+        )
+    )
     assert cfg.launcher.local_nodes.netns
 
 
@@ -187,15 +259,36 @@ def test_pair_rounds_are_capped_for_many_nodes():
 
 
 def _rank(node: int, rank: int) -> dict:
-    return {"rank": rank, "node": node, "local_rank": 0, "host": "h", "address": f"10.0.0.{node + 2}",
-            "device": "cpu", "error": None, "gemm_max_rel_err": 1e-7, "gemm_gflops": 10.0, "alltoall_ok": True,
-            "alltoall_mb_per_s": None}
+    return {
+        "rank": rank,
+        "node": node,
+        "local_rank": 0,
+        "host": "h",
+        "address": f"10.0.0.{node + 2}",
+        "device": "cpu",
+        "error": None,
+        "gemm_max_rel_err": 1e-7,
+        "gemm_gflops": 10.0,
+        "alltoall_ok": True,
+        "alltoall_mb_per_s": None,
+    }
 
 
 def _pair(a: int, b: int, seconds: float) -> list[dict]:
     """The exchange rows of node pair (a, b): 1 MB each way per rank, taking ``seconds``."""
-    return [{"round": 0, "node": x, "partner": y, "local_rank": 0, "ok": True, "bytes": 1_000_000,
-             "elapsed_s": seconds, "error": None} for x, y in ((a, b), (b, a))]
+    return [
+        {
+            "round": 0,
+            "node": x,
+            "partner": y,
+            "local_rank": 0,
+            "ok": True,
+            "bytes": 1_000_000,
+            "elapsed_s": seconds,
+            "error": None,
+        }
+        for x, y in ((a, b), (b, a))
+    ]
 
 
 def test_a_node_with_slow_links_is_blamed_not_its_peers():
@@ -203,14 +296,22 @@ def test_a_node_with_slow_links_is_blamed_not_its_peers():
     # node 2's links run at 1 MB/s, the others' at 100 MB/s
     pairs = pair_bandwidths(_pair(0, 1, 0.01) + _pair(0, 2, 1.0) + _pair(1, 2, 1.0), floors)
     assert [(p["nodes"], round(p["mb_per_s"])) for p in pairs] == [([0, 1], 100), ([0, 2], 1), ([1, 2], 1)]
-    verdict = cluster_verdict([_rank(k, k) for k in range(3)], pairs, nodes=3, procs_per_node=1, floors=floors)
+    verdict = cluster_verdict(
+        [_rank(k, k) for k in range(3)], pairs, nodes=3, procs_per_node=1, floors=floors
+    )
     assert [n["healthy"] for n in verdict["nodes"]] == [True, True, False]
     assert verdict["reasons"] == [
         "node 2: link to node 0: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)",
-        "node 2: link to node 1: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)"]
+        "node 2: link to node 1: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)",
+    ]
     # two nodes alone cannot tell whose link is slow: both fail
-    two = cluster_verdict([_rank(0, 0), _rank(1, 1)], pair_bandwidths(_pair(0, 1, 1.0), floors), nodes=2,
-                          procs_per_node=1, floors=floors)
+    two = cluster_verdict(
+        [_rank(0, 0), _rank(1, 1)],
+        pair_bandwidths(_pair(0, 1, 1.0), floors),
+        nodes=2,
+        procs_per_node=1,
+        floors=floors,
+    )
     assert [n["healthy"] for n in two["nodes"]] == [False, False]
 
 
@@ -246,14 +347,29 @@ def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
     """torch starts each rank in a session of its own: killing a node's agent leaves its ranks
     (and what they started) running. stop() finds them by the job's mark and kills their groups."""
     (tmp_path / "sleeper.py").write_text(SLEEPER)
-    cfg = from_dict({"parallelism": {"dp": 4}, "cluster": {"nodes": 2, "procs_per_node": 2},
-                     "launcher": {"name": "local-nodes"}})
+    cfg = from_dict(
+        {
+            "parallelism": {"dp": 4},
+            "cluster": {"nodes": 2, "procs_per_node": 2},
+            "launcher": {"name": "local-nodes"},
+        }
+    )
     backend = backend_for(cfg, tmp_path)
-    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "SLEEPER_DIR": str(tmp_path)}
+    env = {
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "SLEEPER_DIR": str(tmp_path),
+    }
     try:
         backend.start(JobSpec("sleeper", [], env, tmp_path, "sleep"))
-        ranks = wait_for(lambda: [json.loads(p.read_text()) for p in sorted(tmp_path.glob("[0-9].json"))]
-                          if len(list(tmp_path.glob("[0-9].json"))) == 4 else None, 120, "4 ranks")
+        ranks = wait_for(
+            lambda: (
+                [json.loads(p.read_text()) for p in sorted(tmp_path.glob("[0-9].json"))]
+                if len(list(tmp_path.glob("[0-9].json"))) == 4
+                else None
+            ),
+            120,
+            "4 ranks",
+        )
         assert sorted(r["node"] for r in ranks) == [0, 0, 1, 1]
         agents = backend.agent_pids()
         agent1 = agents[1]
@@ -280,25 +396,36 @@ def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
 
 
 def _serve_once(namespace: str, port: int) -> subprocess.Popen:
-    code = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            f"s.bind(('0.0.0.0', {port})); s.listen(8); print('ready', flush=True)\n"
-            "while True:\n    c, _ = s.accept(); c.sendall(b'pong'); c.close()")
-    proc = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-c", code],
-                            stdout=subprocess.PIPE, text=True)
+    code = (
+        "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(('0.0.0.0', {port})); s.listen(8); print('ready', flush=True)\n"
+        "while True:\n    c, _ = s.accept(); c.sendall(b'pong'); c.close()"
+    )
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
 
 def _connect(namespace: str, address: str, port: int, timeout_s: float = 2.0) -> str:
-    code = (f"import socket\ntry:\n    s = socket.create_connection(('{address}', {port}), timeout={timeout_s}); "
-            "print(s.recv(4).decode())\nexcept OSError as e:\n    print(type(e).__name__)")
-    return subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=60).stdout.strip()
+    code = (
+        f"import socket\ntry:\n    s = socket.create_connection(('{address}', {port}), timeout={timeout_s}); "
+        "print(s.recv(4).decode())\nexcept OSError as e:\n    print(type(e).__name__)"
+    )
+    return subprocess.run(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
 
 
 def _links() -> str:
-    return subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout + \
-        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return (
+        subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+        + subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
 
 
 @needs_root
@@ -309,7 +436,9 @@ def test_netns_nodes_reach_each_other_and_links_can_be_cut(tmp_path):
     server = None
     try:
         n0, n1 = net.plan.nodes
-        assert n0.address != n1.address and ipaddress.ip_address(n1.address) in ipaddress.ip_network(net.plan.subnet)
+        assert n0.address != n1.address and ipaddress.ip_address(n1.address) in ipaddress.ip_network(
+            net.plan.subnet
+        )
         server = _serve_once(n1.namespace, 7777)
         assert _connect(n0.namespace, n1.address, 7777) == "pong"  # across the bridge
         assert _connect(n0.namespace, "127.0.0.1", 7777) == "ConnectionRefusedError"  # its own loopback
@@ -360,17 +489,32 @@ def expected_addresses(run_dir: Path, nodes: int) -> list[str]:
 
 
 def train(run_dir, data_index, data_cache, overrides, log=print, steps=STEPS):
-    cfg = compose(["model=tiny", f"train.steps={steps}", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
-                   "train.tensorboard=false", "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0",
-                   "checkpoint.async_save=false", f"checkpoint.dir={run_dir}/checkpoints", *overrides])
+    cfg = compose(
+        [
+            "model=tiny",
+            f"train.steps={steps}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.async_save=false",
+            f"checkpoint.dir={run_dir}/checkpoints",
+            *overrides,
+        ]
+    )
     return run_training(cfg, data_index, log=log)
 
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory, data_index, data_cache):
     """TP2xPP2xDP2 as 8 ranks of one node: the losses every node layout must reproduce bit for bit."""
-    return train(tmp_path_factory.mktemp("one-node"), data_index, data_cache,
-                 ["parallelism=tp2-pp2-dp2", "checkpoint.interval=0"])
+    return train(
+        tmp_path_factory.mktemp("one-node"),
+        data_index,
+        data_cache,
+        ["parallelism=tp2-pp2-dp2", "checkpoint.interval=0"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -387,10 +531,24 @@ def two_nodes(tmp_path_factory, data_index, data_cache):
         if message.startswith("attempt 1: launching"):
             survivors[0] = [r for r in read_processes(run_dir, 0) if pid_alive(r["pid"])]
 
-    netns = [f"launcher.local_nodes.netns={str(ROOT).lower()}", f"launcher.local_nodes.subnet={free_subnet()}"]
-    result = train(run_dir, data_index, data_cache,
-                   ["parallelism=tp2-pp2-dp2", *NODES2, *netns, "checkpoint.interval=2",
-                    "fault.kill_node=1", "fault.kill_at_step=2"], log=log)
+    netns = [
+        f"launcher.local_nodes.netns={str(ROOT).lower()}",
+        f"launcher.local_nodes.subnet={free_subnet()}",
+    ]
+    result = train(
+        run_dir,
+        data_index,
+        data_cache,
+        [
+            "parallelism=tp2-pp2-dp2",
+            *NODES2,
+            *netns,
+            "checkpoint.interval=2",
+            "fault.kill_node=1",
+            "fault.kill_at_step=2",
+        ],
+        log=log,
+    )
     return {"result": result, "messages": messages, "survivors": survivors, "run_dir": run_dir}
 
 
@@ -432,9 +590,16 @@ def test_the_node_kill_has_a_whole_ledger_and_a_cut_off_node_is_named(two_nodes,
 def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nodes):
     faults = [json.loads(line) for line in (two_nodes["run_dir"] / "faults.jsonl").read_text().splitlines()]
     assert sorted(f["rank"] for f in faults) == [4, 5, 6, 7] and {f["node"] for f in faults} == {1}
-    assert any(m.startswith("attempt 0:") and "node 1: torchrun agent exited with code 1" in m
-               and m.endswith("stopping every node") for m in two_nodes["messages"])
-    assert "attempt 1: launching 8 ranks on 2 nodes (4 per node); `latest` is iter_0000002" in two_nodes["messages"]
+    assert any(
+        m.startswith("attempt 0:")
+        and "node 1: torchrun agent exited with code 1" in m
+        and m.endswith("stopping every node")
+        for m in two_nodes["messages"]
+    )
+    assert (
+        "attempt 1: launching 8 ranks on 2 nodes (4 per node); `latest` is iter_0000002"
+        in two_nodes["messages"]
+    )
     attempt0 = read_processes(two_nodes["run_dir"], 0)
     assert sorted(r["rank"] for r in attempt0) == list(range(8))
     assert two_nodes["survivors"] == {0: []}, "ranks of attempt 0 were alive when attempt 1 launched"
@@ -442,7 +607,12 @@ def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nod
     # first with its coordinates (rank = tp + 2 dp + 4 pp)
     [inc] = [i for i in read_incidents(two_nodes["run_dir"]) if i["kind"] != "straggler"]
     c = inc["culprit"]
-    assert (inc["kind"], c["ranks"], c["node"], c["coords"]) == ("rank-exit", [4, 5, 6, 7], 1, {"tp": 0, "pp": 1, "dp": 0})
+    assert (inc["kind"], c["ranks"], c["node"], c["coords"]) == (
+        "rank-exit",
+        [4, 5, 6, 7],
+        1,
+        {"tp": 0, "pp": 1, "dp": 0},
+    )
     assert "rank 4 killed by SIGKILL" in inc["diagnosis"] and inc["time_to_recover_s"] > 0
 
 
@@ -474,27 +644,49 @@ def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, 
         messages.append(message)
         if message.startswith("attempt 0:") and "stopping every node" in message:
             seen["time"], seen["message"] = time.time(), message
-            alive_at_failure.extend(r["pid"] for r in read_processes(tmp_path, 0, node=1) if pid_alive(r["pid"]))
+            alive_at_failure.extend(
+                r["pid"] for r in read_processes(tmp_path, 0, node=1) if pid_alive(r["pid"])
+            )
         if message.startswith("attempt 1: launching"):
             alive_at_relaunch.extend(r["pid"] for r in read_processes(tmp_path, 0) if pid_alive(r["pid"]))
 
     # 22 steps after the kill (~2 s on an idle machine) to see the orphan training: the driver
     # polls its agents every 0.5 s
     hang_timeout_s, steps = 60, 24
-    result = train(tmp_path, data_index, data_cache,
-                   ["parallelism=dp2", "launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
-                    "checkpoint.interval=0", f"cluster.hang_timeout_s={hang_timeout_s}", "cluster.store=redis",
-                    f"launcher.local_nodes.netns={str(ROOT).lower()}", f"launcher.local_nodes.subnet={free_subnet()}",
-                    "fault.kill_node=1", "fault.mode=kill_agent", "fault.kill_at_step=2"], log=log, steps=steps)
+    result = train(
+        tmp_path,
+        data_index,
+        data_cache,
+        [
+            "parallelism=dp2",
+            "launcher=local-nodes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=1",
+            "checkpoint.interval=0",
+            f"cluster.hang_timeout_s={hang_timeout_s}",
+            "cluster.store=redis",
+            f"launcher.local_nodes.netns={str(ROOT).lower()}",
+            f"launcher.local_nodes.subnet={free_subnet()}",
+            "fault.kill_node=1",
+            "fault.mode=kill_agent",
+            "fault.kill_at_step=2",
+        ],
+        log=log,
+        steps=steps,
+    )
     fault = json.loads((tmp_path / "faults.jsonl").read_text())
     assert fault["kind"] == "kill_agent" and fault["node"] == 1
     assert "node 1: torchrun agent killed by SIGKILL" in seen["message"]
     assert seen["time"] - fault["time"] < hang_timeout_s
-    assert alive_at_failure, "the orphaned rank should still have been training when the driver saw the failure"
+    assert alive_at_failure, (
+        "the orphaned rank should still have been training when the driver saw the failure"
+    )
     assert alive_at_relaunch == []
     assert result.final_step == steps and result.attempts == 2
     assert result.history[0]["failed_nodes"] == [1]
-    assert sum(m.startswith(("attempt 0: dropped its", "attempt 1: dropped its")) for m in messages) == 2  # Redis keys
+    assert (
+        sum(m.startswith(("attempt 0: dropped its", "attempt 1: dropped its")) for m in messages) == 2
+    )  # Redis keys
     if ROOT:
         assert [n["address"] for n in result.init["nodes"]] == expected_addresses(tmp_path, 2)
 
@@ -510,9 +702,13 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     node 2, nodes 0 and 1 stay healthy, the intra-node all-to-all runs per node."""
     from mega.launch.local_nodes import LocalNodesBackend
 
-    cfg = from_dict({"parallelism": {"dp": 6, "global_batch_size": 12},
-                     "cluster": {"nodes": 3, "procs_per_node": 2, "selfcheck_min_inter_node_mb_per_s": 20.0},
-                     "launcher": {"name": "local-nodes", "local_nodes": {"netns": True, "subnet": free_subnet()}}})
+    cfg = from_dict(
+        {
+            "parallelism": {"dp": 6, "global_batch_size": 12},
+            "cluster": {"nodes": 3, "procs_per_node": 2, "selfcheck_min_inter_node_mb_per_s": 20.0},
+            "launcher": {"name": "local-nodes", "local_nodes": {"netns": True, "subnet": free_subnet()}},
+        }
+    )
     backend = LocalNodesBackend(cfg, tmp_path)
     try:
         backend.network.shape(2, 8)  # 1 MB/s each way
@@ -522,8 +718,10 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     assert [n["healthy"] for n in result["nodes"]] == [True, True, False], result["reasons"]
     subnet = ipaddress.ip_network(cfg.launcher.local_nodes.subnet)
     assert [n["address"] for n in result["nodes"]] == [str(subnet.network_address + k + 2) for k in range(3)]
-    assert all("link to node" in r and "cluster.selfcheck_min_inter_node_mb_per_s=20" in r
-               for r in result["nodes"][2]["reasons"])
+    assert all(
+        "link to node" in r and "cluster.selfcheck_min_inter_node_mb_per_s=20" in r
+        for r in result["nodes"][2]["reasons"]
+    )
     pairs = {tuple(p["nodes"]): p for p in result["pairs"]}
     assert set(pairs) == {(0, 1), (0, 2), (1, 2)} and all(p["data_ok"] for p in pairs.values())
     assert pairs[(0, 1)]["mb_per_s"] > 20 and pairs[(0, 2)]["mb_per_s"] < 2 and pairs[(1, 2)]["mb_per_s"] < 2
@@ -536,8 +734,14 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
 def test_bootstrap_timing_reports_per_node(tmp_path):
     from mega.cluster.bootstrap import time_process_groups
 
-    cfg = from_dict({"parallelism": {"dp": 2}, "cluster": {"nodes": 2, "procs_per_node": 1},
-                     "launcher": {"name": "local-nodes"}, "train": {"run_dir": str(tmp_path)}})
+    cfg = from_dict(
+        {
+            "parallelism": {"dp": 2},
+            "cluster": {"nodes": 2, "procs_per_node": 1},
+            "launcher": {"name": "local-nodes"},
+            "train": {"run_dir": str(tmp_path)},
+        }
+    )
     result = time_process_groups(cfg)
     assert result["world_size"] == 2 and [r["node"] for r in result["ranks"]] == [0, 1]
     assert [n["node"] for n in result["nodes"]] == [0, 1]

@@ -34,8 +34,13 @@ def test_corrected_function_source_unchanged(target):
 
 def test_the_two_lists_do_not_overlap():
     assert set(megatron_fixes.PATCHED_SOURCES).isdisjoint(megatron_cpu.PATCHED_SOURCES)
-    assert megatron_cpu.ADAPTATIONS == ("cuda_runtime", "rng_tracker", "cuda_factories", "cuda_type_checks",
-                                        "gloo_reduce_scatter")
+    assert megatron_cpu.ADAPTATIONS == (
+        "cuda_runtime",
+        "rng_tracker",
+        "cuda_factories",
+        "cuda_type_checks",
+        "gloo_reduce_scatter",
+    )
     assert megatron_fixes.FIXES == ("sequence_parallel_norm", "distopt_restore")
 
 
@@ -100,19 +105,41 @@ PROBE = textwrap.dedent(
 
 
 @pytest.mark.parametrize("optimizer", ["lamb", "adam"])
-def test_restore_needs_the_correction_and_works_with_it(optimizer, tmp_path, data_index, data_cache, free_port):
+def test_restore_needs_the_correction_and_works_with_it(
+    optimizer, tmp_path, data_index, data_cache, free_port
+):
     from mega.config import compose, save
 
-    cfg = compose(["model=tiny", "parallelism=single", f"optimizer={optimizer}", f"train.run_dir={tmp_path}",
-                   f"checkpoint.dir={tmp_path / 'checkpoints'}", f"data.cache_dir={data_cache}",
-                   "checkpoint.async_save=false", "train.tensorboard=false"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=single",
+            f"optimizer={optimizer}",
+            f"train.run_dir={tmp_path}",
+            f"checkpoint.dir={tmp_path / 'checkpoints'}",
+            f"data.cache_dir={data_cache}",
+            "checkpoint.async_save=false",
+            "train.tensorboard=false",
+        ]
+    )
     save(cfg, tmp_path / "config.json")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+    }
     import os
 
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "config.json"), str(data_index)],
-                         capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path / "config.json"), str(data_index)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **env},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("REPORT"))[7:])
     # exactly the CPU adaptations gloo/CPU needs, and every correction a GPU rank applies

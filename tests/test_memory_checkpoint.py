@@ -34,12 +34,28 @@ KILL_AT = 5  # steps done when the fault strikes
 
 
 def _cfg(run_dir: Path, data_cache: Path, memory_dir: Path, extra=()):
-    return compose([
-        "model=tiny", "parallelism=dp2", "launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1",
-        f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
-        "train.tensorboard=false", "train.eval_batches=0", "optimizer.warmup_steps=1",
-        "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", f"checkpoint.dir={run_dir}/checkpoints",
-        "checkpoint.interval=3", "checkpoint.memory_interval=1", f"checkpoint.memory_dir={memory_dir}", *extra])
+    return compose(
+        [
+            "model=tiny",
+            "parallelism=dp2",
+            "launcher=local-nodes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=1",
+            f"train.steps={STEPS}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "train.eval_batches=0",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.async_save=false",
+            f"checkpoint.dir={run_dir}/checkpoints",
+            "checkpoint.interval=3",
+            "checkpoint.memory_interval=1",
+            f"checkpoint.memory_dir={memory_dir}",
+            *extra,
+        ]
+    )
 
 
 class _BetweenAttempts:
@@ -78,14 +94,24 @@ def runs(tmp_path_factory, data_index, data_cache):
     memory_dir = Path("/dev/shm") / f"mega-test-{uuid.uuid4().hex[:8]}"
     out = {}
     try:
-        out["reference"] = run_training(_cfg(root / "reference", data_cache, memory_dir,
-                                             ["checkpoint.memory_interval=0"]), data_index)
+        out["reference"] = run_training(
+            _cfg(root / "reference", data_cache, memory_dir, ["checkpoint.memory_interval=0"]), data_index
+        )
         kill_rank = ["fault.kill_rank=1", f"fault.kill_at_step={KILL_AT}"]
         out["rank"] = run_training(_cfg(root / "rank", data_cache, memory_dir, kill_rank), data_index)
-        cfg = _cfg(root / "node", data_cache, memory_dir, ["fault.kill_node=1", f"fault.kill_at_step={KILL_AT}",
-                                                             "fault.bad_node=1", "cluster.spare_nodes=1",
-                                                             # a loaded machine is slow, not broken
-                                                             "cluster.selfcheck_min_gemm_gflops=0.01"])
+        cfg = _cfg(
+            root / "node",
+            data_cache,
+            memory_dir,
+            [
+                "fault.kill_node=1",
+                f"fault.kill_at_step={KILL_AT}",
+                "fault.bad_node=1",
+                "cluster.spare_nodes=1",
+                # a loaded machine is slow, not broken
+                "cluster.selfcheck_min_gemm_gflops=0.01",
+            ],
+        )
         lost = _BetweenAttempts(lambda: shutil.rmtree(_node_dirs(cfg)[1]) or "node1")
         out["node"] = run_training(cfg, data_index, log=lost)
         out["node_damage"] = lost.done
@@ -107,8 +133,11 @@ def _same_weights(root: Path, name: str) -> None:
     from mega.bench.soak import weights_equal
 
     last = f"iter_{STEPS:07d}"
-    same = weights_equal(root / name / "checkpoints" / last, root / "reference" / "checkpoints" / last,
-                         root / f"weights-{name}")
+    same = weights_equal(
+        root / name / "checkpoints" / last,
+        root / "reference" / "checkpoints" / last,
+        root / f"weights-{name}",
+    )
     assert same["equal"] and same["tensors"] > 10, same
 
 
@@ -151,8 +180,10 @@ def test_choose_picks_the_newest_step_every_rank_has_and_prefers_the_owners_node
     from mega.checkpoint.memory import choose
 
     # rank 0's node holds its own steps 4, 5 and rank 1's step 4; rank 1's node only its own 4
-    listings = [{0: [{"step": 4, "path": "a4"}, {"step": 5, "path": "a5"}], 1: [{"step": 4, "path": "h4"}]},
-                {1: [{"step": 4, "path": "b4"}]}]
+    listings = [
+        {0: [{"step": 4, "path": "a4"}, {"step": 5, "path": "a5"}], 1: [{"step": 4, "path": "h4"}]},
+        {1: [{"step": 4, "path": "b4"}]},
+    ]
     assert choose(listings, 2) == (4, {0: (0, "a4"), 1: (1, "b4")})
     # node 1 lost: rank 1's copy comes from rank 0, which holds it
     assert choose([listings[0], {}], 2) == (4, {0: (0, "a4"), 1: (0, "h4")})

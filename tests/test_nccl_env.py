@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mega.config import ConfigError, compose, from_dict
 from mega.cluster.nccl import KNOWN, check_env
+from mega.config import ConfigError, compose, from_dict
 
 
 @pytest.mark.parametrize("preset", ["h100-8x", "gpu-1"])
@@ -23,18 +23,21 @@ def test_h100_preset_carries_the_tuned_network_settings():
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
 
 
-@pytest.mark.parametrize("name, value, fragment", [
-    ("NCCL_IB_RETRY_CNT", "12", "[0, 7]"),        # the old preset's value: does not fit 3 bits
-    ("NCCL_IB_RETRY_CNT", "-1", "[0, 7]"),
-    ("NCCL_IB_RETRY_CNT", "seven", "integer"),
-    ("NCCL_IB_TIMEOUT", "32", "[1, 31]"),         # 5-bit exponent
-    ("NCCL_IB_TIMEOUT", "0", "[1, 31]"),          # would wait for an ACK forever
-    ("NCCL_IB_TIMEOUT", "2.5", "integer"),
-    ("NCCL_IB_SL", "16", "[0, 15]"),
-    ("NCCL_IB_DISABLE", "yes", "['0', '1']"),
-    ("NCCL_DEBUG", "LOUD", "NCCL log level"),
-    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "4", "[0, 3]"),
-])
+@pytest.mark.parametrize(
+    "name, value, fragment",
+    [
+        ("NCCL_IB_RETRY_CNT", "12", "[0, 7]"),  # the old preset's value: does not fit 3 bits
+        ("NCCL_IB_RETRY_CNT", "-1", "[0, 7]"),
+        ("NCCL_IB_RETRY_CNT", "seven", "integer"),
+        ("NCCL_IB_TIMEOUT", "32", "[1, 31]"),  # 5-bit exponent
+        ("NCCL_IB_TIMEOUT", "0", "[1, 31]"),  # would wait for an ACK forever
+        ("NCCL_IB_TIMEOUT", "2.5", "integer"),
+        ("NCCL_IB_SL", "16", "[0, 15]"),
+        ("NCCL_IB_DISABLE", "yes", "['0', '1']"),
+        ("NCCL_DEBUG", "LOUD", "NCCL log level"),
+        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "4", "[0, 3]"),
+    ],
+)
 def test_bad_values_fail_validation_naming_the_variable(name, value, fragment):
     with pytest.raises(ConfigError) as err:
         from_dict({"cluster": {"env": {name: value}}})
@@ -42,11 +45,18 @@ def test_bad_values_fail_validation_naming_the_variable(name, value, fragment):
     assert fragment in str(err.value)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("NCCL_IB_RETRY_CNT", "0"), ("NCCL_IB_RETRY_CNT", "7"), ("NCCL_IB_TIMEOUT", "1"),
-    ("NCCL_IB_TIMEOUT", "31"), ("NCCL_IB_TC", "255"), ("NCCL_DEBUG", "info"),
-    ("NCCL_SOCKET_IFNAME", "=eth0"),  # not in the table: passed through unchecked
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("NCCL_IB_RETRY_CNT", "0"),
+        ("NCCL_IB_RETRY_CNT", "7"),
+        ("NCCL_IB_TIMEOUT", "1"),
+        ("NCCL_IB_TIMEOUT", "31"),
+        ("NCCL_IB_TC", "255"),
+        ("NCCL_DEBUG", "info"),
+        ("NCCL_SOCKET_IFNAME", "=eth0"),  # not in the table: passed through unchecked
+    ],
+)
 def test_values_in_range_are_accepted(name, value):
     assert from_dict({"cluster": {"env": {name: value}}}).cluster.env[name] == value
 
@@ -62,7 +72,9 @@ def test_the_flow_rejects_a_bad_preset_before_launch():
     from flows.pretrain import resolve_config
 
     with pytest.raises(ConfigError) as err:
-        resolve_config(["cluster=h100-8x", "parallelism=tp2-pp2-dp2", "cluster.env.NCCL_IB_RETRY_CNT=12"], None)
+        resolve_config(
+            ["cluster=h100-8x", "parallelism=tp2-pp2-dp2", "cluster.env.NCCL_IB_RETRY_CNT=12"], None
+        )
     assert err.value.key == "cluster.env.NCCL_IB_RETRY_CNT" and "[0, 7]" in str(err.value)
 
 

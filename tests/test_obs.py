@@ -54,9 +54,11 @@ def test_summary_books_a_pipeline_wait_only_after_the_peer_posted():
     ms = 1_000_000
     # rank 1 waits for a receive from rank 0 from 10 ms to 110 ms; rank 0 posted its send at 100 ms
     p2p = [["recv", 0, 0, 10 * ms, 10 * ms, 110 * ms, 64]]
-    spans = [("forward", "forward", 110 * ms, 150 * ms, 0, False, None),
-             ("all_reduce", "tp", 120 * ms, 130 * ms, 1, True, None),
-             ("wait recv <- 0", "pp", 10 * ms, 110 * ms, 0, True, {"p2p": [0]})]
+    spans = [
+        ("forward", "forward", 110 * ms, 150 * ms, 0, False, None),
+        ("all_reduce", "tp", 120 * ms, 130 * ms, 1, True, None),
+        ("wait recv <- 0", "pp", 10 * ms, 110 * ms, 0, True, {"p2p": [0]}),
+    ]
     peer = {timeline.post_key("send", 0, 1, 0): 100 * ms}
     s = timeline.summarize(spans, p2p, 0, 200 * ms, peer, rank=1)
     assert s["pp_wait_s"] == pytest.approx(0.100)
@@ -104,25 +106,43 @@ def test_spans_nest_phase_is_readable_from_another_thread_and_the_file_is_flushe
     assert seen["phase"] == "forward" and seen["doing"] == "tp all_reduce" and seen["doing_s"] >= 0
     assert seen["step"] == 1
     assert rec.last_step["step"] == 2 and "exposed_tp_s" in rec.last_step
-    assert set(row) == {"compute_s", "exposed_tp_s", "exposed_pp_s", "exposed_dp_s", "exposed_other_s", "pp_wait_s"}
+    assert set(row) == {
+        "compute_s",
+        "exposed_tp_s",
+        "exposed_pp_s",
+        "exposed_dp_s",
+        "exposed_other_s",
+        "pp_wait_s",
+    }
     assert row["exposed_tp_s"] > 0 and row["compute_s"] >= 0
     lines = [json.loads(x) for x in rec.path.read_text().splitlines()]
     assert lines[0]["header"]["rank"] == 3 and [x["step"] for x in lines[1:]] == [1, 2]
     spans = {s[0]: s for s in lines[1]["spans"]}
     # children lie inside their parents, one level deeper
-    for child, parent in [("forward", "forward-backward"), ("all_reduce", "forward"), ("backward", "forward-backward")]:
+    for child, parent in [
+        ("forward", "forward-backward"),
+        ("all_reduce", "forward"),
+        ("backward", "forward-backward"),
+    ]:
         c, p = spans[child], spans[parent]
         assert p[2] <= c[2] <= c[3] <= p[3] and c[4] == p[4] + 1, (child, parent)
     assert spans["all_reduce"][5] is True and spans["forward"][6] == {"mb": 0}
 
 
 def test_a_rank_that_fails_mid_step_leaves_its_last_steps(tmp_path):
-    code = ("import sys; from mega.obs.recorder import Recorder\n"
-            f"rec = Recorder({str(tmp_path)!r}, {{'rank': 0}})\n"
-            "rec.begin_step(0); rec.end_step(); rec.begin_step(1)\n"
-            "with rec.span('forward', 'forward'):\n    raise RuntimeError('boom')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys; from mega.obs.recorder import Recorder\n"
+        f"rec = Recorder({str(tmp_path)!r}, {{'rank': 0}})\n"
+        "rec.begin_step(0); rec.end_step(); rec.begin_step(1)\n"
+        "with rec.span('forward', 'forward'):\n    raise RuntimeError('boom')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 1 and "boom" in out.stderr
     tl = analysis.load(tmp_path)
     assert sorted(tl.steps[0]) == [1, 2]  # the finished step and the one it died in
@@ -169,13 +189,15 @@ def test_garbage_collection_under_control(tmp_path):
 def test_clock_offsets_from_store_round_trips():
     """Three 'nodes' on one real TCPStore, two with skewed clocks: every estimate is within its
     own error bound (half the best round trip) of the true skew."""
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from mega.obs import clock
 
-    from datetime import timedelta
-
-    server = dist.TCPStore("127.0.0.1", 0, 5, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 5, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     skews = [0, 0, 3_000_000_000, -7_500_000_000]  # ns; ranks 0, 1 share node 0
     domains = ["node0", "node0", "node1", "node2"]
     results = {}
@@ -218,7 +240,9 @@ def test_device_timer_resolves_without_waiting():
             return (other.t - self.t) / 1e6
 
     syncs = []
-    rec = Recorder(None, {"rank": 0}, device_timer=DeviceTimer(time.perf_counter_ns, HostEvent, lambda: syncs.append(1)))
+    rec = Recorder(
+        None, {"rank": 0}, device_timer=DeviceTimer(time.perf_counter_ns, HostEvent, lambda: syncs.append(1))
+    )
     rec.begin_step(0)
     with rec.span("forward", "forward"):
         time.sleep(0.002)
@@ -271,12 +295,15 @@ def test_device_timer_spans_after_end_step_stay_in_their_step():
 # Config
 
 
-@pytest.mark.parametrize("override,key", [
-    ("train.gc_interval=-1", "train.gc_interval"),
-    ("train.profile_steps=[3,1]", "train.profile_steps"),
-    ("obs.clock_sync_rounds=0", "obs.clock_sync_rounds"),
-    ("fault.slow_rank=8", "fault.slow_rank"),
-])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.gc_interval=-1", "train.gc_interval"),
+        ("train.profile_steps=[3,1]", "train.profile_steps"),
+        ("obs.clock_sync_rounds=0", "obs.clock_sync_rounds"),
+        ("fault.slow_rank=8", "fault.slow_rank"),
+    ],
+)
 def test_bad_obs_config_names_the_key(override, key):
     extra = ["fault.slow_s=0.1"] if "slow_rank" in override else []
     with pytest.raises(ConfigError) as err:
@@ -308,7 +335,8 @@ def test_wrapped_function_source_unchanged(target):
     from mega.obs import megatron_hooks
 
     assert source_fingerprint(target) == megatron_hooks.PATCHED_SOURCES[target], (
-        f"{target} changed in megatron-core: re-verify its wrapper in mega/obs/megatron_hooks.py")
+        f"{target} changed in megatron-core: re-verify its wrapper in mega/obs/megatron_hooks.py"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,11 +348,24 @@ def slow_run(tmp_path_factory, data_index, data_cache):
     from mega.launch import run_training
 
     run_dir = tmp_path_factory.mktemp("obs-run")
-    cfg = compose(["model=tiny", "parallelism=tp2-pp2-dp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
-                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                   f"checkpoint.interval={STEPS}", f"checkpoint.dir={run_dir / 'ckpt'}", "checkpoint.async_save=false",
-                   "train.gc_interval=2", "train.profile_steps=[3,3]",
-                   f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.1"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=tp2-pp2-dp2",
+            f"train.steps={STEPS}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            f"checkpoint.interval={STEPS}",
+            f"checkpoint.dir={run_dir / 'ckpt'}",
+            "checkpoint.async_save=false",
+            "train.gc_interval=2",
+            "train.profile_steps=[3,3]",
+            f"fault.slow_rank={SLOW_RANK}",
+            "fault.slow_s=0.1",
+        ]
+    )
     result = run_training(cfg, data_index)
     return run_dir, result
 
@@ -372,7 +413,14 @@ def test_run_logs_exposed_communication_per_step(slow_run):
     _, result = slow_run
     assert [m["step"] for m in result.metrics] == list(range(1, STEPS + 1))
     for m in result.metrics:
-        for key in ("compute_s", "exposed_tp_s", "exposed_pp_s", "exposed_dp_s", "exposed_other_s", "pp_wait_s"):
+        for key in (
+            "compute_s",
+            "exposed_tp_s",
+            "exposed_pp_s",
+            "exposed_dp_s",
+            "exposed_other_s",
+            "pp_wait_s",
+        ):
             assert isinstance(m[key], float) and m[key] >= 0, (key, m)
         assert m["exposed_pp_s"] <= m["pp_wait_s"] + 1e-9
         assert m["compute_s"] + m["exposed_tp_s"] + m["exposed_dp_s"] <= m["step_s"] + 0.05
@@ -381,8 +429,13 @@ def test_run_logs_exposed_communication_per_step(slow_run):
 
 def test_merged_trace_has_every_rank_and_every_step(slow_run):
     run_dir, _ = slow_run
-    out = subprocess.run([sys.executable, "-m", "mega.trace", str(run_dir)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ})
+    out = subprocess.run(
+        [sys.executable, "-m", "mega.trace", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     path = Path(out.stdout.strip().splitlines()[-1])
     assert path == run_dir.resolve() / "trace.json"
@@ -405,16 +458,28 @@ def test_merged_trace_has_every_rank_and_every_step(slow_run):
 
 def test_trace_of_a_step_range_and_bad_ranges(slow_run):
     run_dir, _ = slow_run
-    out = subprocess.run([sys.executable, "-m", "mega.trace", str(run_dir), "--steps", "2:3"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "mega.trace", str(run_dir), "--steps", "2:3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     _, spans = check_chrome_trace(json.loads(Path(out.stdout.strip()).read_text()))
     assert {n for pid in spans for _, _, n, _ in spans[pid] if n.startswith("step ")} == {"step 2", "step 3"}
-    bad = subprocess.run([sys.executable, "-m", "mega.trace", str(run_dir), "--steps", "3:1"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mega.trace", str(run_dir), "--steps", "3:1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--steps" in bad.stderr
-    none = subprocess.run([sys.executable, "-m", "mega.trace", str(run_dir / "nope")], capture_output=True,
-                          text=True, timeout=120)
+    none = subprocess.run(
+        [sys.executable, "-m", "mega.trace", str(run_dir / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert none.returncode == 2 and "no span files" in none.stderr and "Traceback" not in none.stderr
 
 
@@ -476,13 +541,29 @@ def test_recorder_overhead_is_accounted(slow_run):
 def test_wait_on_a_delayed_peer_is_booked_after_its_send(tmp_path, free_port):
     delay, skew, steps = 0.4, 5.0, 3
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "obs_p2p_drill.py"), str(tmp_path), str(delay), str(skew), str(steps)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(REPO / "tests" / "obs_p2p_drill.py"),
+            str(tmp_path),
+            str(delay),
+            str(skew),
+            str(steps),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "rows-1.json").read_text())
     tl = analysis.load(tmp_path)
-    assert tl.headers[1]["clock_offset_ns"] == pytest.approx(-skew * 1e9, abs=tl.headers[1]["clock_error_ns"] + 1)
+    assert tl.headers[1]["clock_offset_ns"] == pytest.approx(
+        -skew * 1e9, abs=tl.headers[1]["clock_error_ns"] + 1
+    )
     for step, row in enumerate(rows, start=1):
         # rank 1 waited about the peer's compute, but only the transfer after the send counts
         assert row["pp_wait_s"] >= 0.8 * delay, row
@@ -514,8 +595,15 @@ def _heatmap_data(scores: list[float]) -> dict:
     """What analysis.heatmap_data gives for ranks of one stage whose compute, relative to the
     stage median, is ``scores`` in each of 3 steps."""
     ranks = list(range(len(scores)))
-    return {"ranks": ranks, "labels": [f"r{r}" for r in ranks], "stages": [0 for _ in ranks], "steps": [1, 2, 3],
-            "compute_s": [[0.1 * s] * 3 for s in scores], "relative": [[s] * 3 for s in scores], "scores": scores}
+    return {
+        "ranks": ranks,
+        "labels": [f"r{r}" for r in ranks],
+        "stages": [0 for _ in ranks],
+        "steps": [1, 2, 3],
+        "compute_s": [[0.1 * s] * 3 for s in scores],
+        "relative": [[s] * 3 for s in scores],
+        "scores": scores,
+    }
 
 
 def _red_pixels(png: Path) -> int:
@@ -536,8 +624,12 @@ def test_heatmap_paints_a_rank_red_only_above_the_straggler_threshold(tmp_path):
     healthy = [1.0, 1.08, 0.95, 0.97]  # the top rank of a healthy run: no straggler
     slow = [1.0, 2.1, 0.95, 0.97]
     assert heatmap.bar_colours(healthy, threshold) == [heatmap.PEER_COLOUR] * 4
-    assert heatmap.bar_colours(slow, threshold) == [heatmap.PEER_COLOUR, heatmap.STRAGGLER_COLOUR,
-                                                    heatmap.PEER_COLOUR, heatmap.PEER_COLOUR]
+    assert heatmap.bar_colours(slow, threshold) == [
+        heatmap.PEER_COLOUR,
+        heatmap.STRAGGLER_COLOUR,
+        heatmap.PEER_COLOUR,
+        heatmap.PEER_COLOUR,
+    ]
     assert heatmap.bar_colours([threshold], threshold) == [heatmap.PEER_COLOUR]  # at it: not yet
     assert _red_pixels(heatmap.plot(_heatmap_data(healthy), tmp_path / "healthy.png", threshold)) == 0
     assert _red_pixels(heatmap.plot(_heatmap_data(slow), tmp_path / "slow.png", threshold)) > 1000

@@ -15,15 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from comm_count import counting_communication
 
 from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
 
 # A small model whose every TP split is even: 2 layers, 4 heads of 8, ffn 128, seq 16.
-MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16,
-         "vocab_size": 128, "block": "parallel"}
+MODEL = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "seq_length": 16,
+    "vocab_size": 128,
+    "block": "parallel",
+}
 MICRO_BATCH = 2
 
 
@@ -68,13 +73,22 @@ def _stop_world() -> None:
 
 def _config(tp: int, seed: int = 1234, sp: bool = False, **model):
     dp = 2 // tp  # the workers' world has 2 processes
-    return from_dict({
-        "model": {**MODEL, **model},
-        "parallelism": {"tp": tp, "dp": dp, "pp": 1, "vpp": None, "sequence_parallel": sp,
-                        "micro_batch_size": MICRO_BATCH, "global_batch_size": MICRO_BATCH * dp},
-        "cluster": {"procs_per_node": 2},
-        "train": {"seed": seed},
-    })
+    return from_dict(
+        {
+            "model": {**MODEL, **model},
+            "parallelism": {
+                "tp": tp,
+                "dp": dp,
+                "pp": 1,
+                "vpp": None,
+                "sequence_parallel": sp,
+                "micro_batch_size": MICRO_BATCH,
+                "global_batch_size": MICRO_BATCH * dp,
+            },
+            "cluster": {"procs_per_node": 2},
+            "train": {"seed": seed},
+        }
+    )
 
 
 def _build(cfg):
@@ -128,8 +142,11 @@ def _tp2_checks(out_dir: str) -> dict:
                 out = model.decoder(hidden, attention_mask=None)
             with counting_communication() as backward:
                 out.sum().backward()
-            results[f"{block},sp={sp}"] = {"forward": dict(forward), "backward": dict(backward),
-                                           "loss": _loss(model)}
+            results[f"{block},sp={sp}"] = {
+                "forward": dict(forward),
+                "backward": dict(backward),
+                "loss": _loss(model),
+            }
     parallel = _build(_config(2))
     Path(out_dir, "ckpt").mkdir(exist_ok=True)
     dist_checkpointing.save(parallel.sharded_state_dict(metadata=dict(SHARDING_METADATA)), out_dir + "/ckpt")
@@ -143,8 +160,9 @@ def _reference_layer(layer, x: torch.Tensor) -> torch.Tensor:
     s, b, h = x.shape
     heads = layer.config.num_attention_heads
     d = h // heads
-    ln = torch.nn.functional.layer_norm(x, (h,), p["input_layernorm.weight"], p["input_layernorm.bias"],
-                                        eps=layer.config.layernorm_epsilon)
+    ln = torch.nn.functional.layer_norm(
+        x, (h,), p["input_layernorm.weight"], p["input_layernorm.bias"], eps=layer.config.layernorm_epsilon
+    )
     # megatron's fused QKV weight holds, per head, [q | k | v] rows of d each
     qkv = ln @ p["self_attention.linear_qkv.weight"].T + p["self_attention.linear_qkv.bias"]
     q, k, v = qkv.view(s, b, heads, 3, d).unbind(3)
@@ -187,11 +205,16 @@ def _tp1_checks(out_dir: str) -> dict:
     state = dist_checkpointing.load(sharded, out_dir + "/ckpt")
     target.load_state_dict(state)
     want = dict(_build(_config(1)).named_parameters())
-    results["checkpoint_max_abs_diff"] = max((p - want[n]).abs().max().item() for n, p in target.named_parameters())
+    results["checkpoint_max_abs_diff"] = max(
+        (p - want[n]).abs().max().item() for n, p in target.named_parameters()
+    )
     sequential = _build(_config(1, block="sequential"))
     results["parallel_keys"] = sorted(k for k in sharded if not k.endswith("_extra_state"))
     results["sequential_keys"] = sorted(
-        k for k in sequential.sharded_state_dict(metadata=dict(SHARDING_METADATA)) if not k.endswith("_extra_state"))
+        k
+        for k in sequential.sharded_state_dict(metadata=dict(SHARDING_METADATA))
+        if not k.endswith("_extra_state")
+    )
     return results
 
 
@@ -271,19 +294,26 @@ def test_spec_guards_against_a_double_reduction_setup():
 
 
 def test_block_is_validated():
-    assert from_dict({"model": {"block": "parallel"}, "parallelism": {"global_batch_size": 2,
-                      "micro_batch_size": 2}}).model.block == "parallel"
+    assert (
+        from_dict(
+            {"model": {"block": "parallel"}, "parallelism": {"global_batch_size": 2, "micro_batch_size": 2}}
+        ).model.block
+        == "parallel"
+    )
     with pytest.raises(ConfigError) as err:
         from_dict({"model": {"block": "gptj"}})
     assert err.value.key == "model.block"
 
 
-@pytest.mark.parametrize("preset, block, window, every", [
-    ("megatron-baseline", "sequential", None, None),
-    ("ptb", "parallel", None, None),
-    ("ptb-swa", "parallel", 1024, 2),
-    ("megascale", "parallel", 1024, 2),
-])
+@pytest.mark.parametrize(
+    "preset, block, window, every",
+    [
+        ("megatron-baseline", "sequential", None, None),
+        ("ptb", "parallel", None, None),
+        ("ptb-swa", "parallel", 1024, 2),
+        ("megascale", "parallel", 1024, 2),
+    ],
+)
 def test_feature_presets(preset, block, window, every):
     m = compose([f"features={preset}"]).model
     assert (m.block, m.window_size, m.full_attention_every) == (block, window, every)
@@ -318,9 +348,20 @@ STEPS = 3
 
 
 def _train(tmp_path, data_index, data_cache, overrides):
-    cfg = compose(["model=tiny", "features=ptb-swa", "model.window_size=16", f"train.steps={STEPS}",
-                   f"train.run_dir={tmp_path}", f"data.cache_dir={data_cache}", "train.tensorboard=false",
-                   "optimizer.warmup_steps=1", "checkpoint.interval=0", *overrides])
+    cfg = compose(
+        [
+            "model=tiny",
+            "features=ptb-swa",
+            "model.window_size=16",
+            f"train.steps={STEPS}",
+            f"train.run_dir={tmp_path}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.interval=0",
+            *overrides,
+        ]
+    )
     return run_training(cfg, data_index, log=print).metrics
 
 
@@ -329,12 +370,17 @@ def parallel_reference(tmp_path_factory, data_index, data_cache):
     return _train(tmp_path_factory.mktemp("ptb-swa-single"), data_index, data_cache, ["parallelism=single"])
 
 
-@pytest.mark.parametrize("overrides", [
-    ["parallelism=tp2", "parallelism.sequence_parallel=true"],
-    ["parallelism=pp2-vpp2", "model.recompute=full"],
-], ids=["tp2-sp", "pp2-vpp2-recompute"])
-def test_parallel_block_training_matches_single_process(overrides, tmp_path, data_index, data_cache,
-                                                        parallel_reference):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+        ["parallelism=pp2-vpp2", "model.recompute=full"],
+    ],
+    ids=["tp2-sp", "pp2-vpp2-recompute"],
+)
+def test_parallel_block_training_matches_single_process(
+    overrides, tmp_path, data_index, data_cache, parallel_reference
+):
     metrics = _train(tmp_path, data_index, data_cache, overrides)
     assert [m["step"] for m in metrics] == [r["step"] for r in parallel_reference]
     for got, want in zip(metrics, parallel_reference):

@@ -32,13 +32,21 @@ LAYOUTS_4 = [
     ("pp2-vpp2-dp2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     ("tp2-pp2", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
     ("dp4-ep2-2distopt", {"expert_model_parallel_size": 2, "num_distributed_optimizer_instances": 2}),
-    ("tp2-cp2-allgather", {"tensor_model_parallel_size": 2, "context_parallel_size": 2,
-                           "create_all_gather_group": True}),
+    (
+        "tp2-cp2-allgather",
+        {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "create_all_gather_group": True},
+    ),
 ]
 LAYOUTS_8 = [
     ("tp2-pp2-dp2", {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
-    ("pp2-vpp2-dp2-ep2", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
-                          "expert_model_parallel_size": 2}),
+    (
+        "pp2-vpp2-dp2-ep2",
+        {
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "expert_model_parallel_size": 2,
+        },
+    ),
 ]
 
 # every group getter of megatron-core 0.16.1, called as the model code calls it
@@ -48,25 +56,39 @@ GETTERS = [
     ("mp", "get_model_parallel_group", {"check_initialized": False}),
     ("dp", "get_data_parallel_group", {}),
     ("dp-cp", "get_data_parallel_group", {"with_context_parallel": True}),
-    ("dp-cp-partial", "get_data_parallel_group", {"with_context_parallel": True, "partial_data_parallel": True}),
+    (
+        "dp-cp-partial",
+        "get_data_parallel_group",
+        {"with_context_parallel": True, "partial_data_parallel": True},
+    ),
     ("dp-cp-ag", "get_data_parallel_group", {"with_context_parallel": True, "independent_all_gather": True}),
     ("dp-gloo", "get_data_parallel_group_gloo", {}),
     ("dp-cp-gloo", "get_data_parallel_group_gloo", {"with_context_parallel": True}),
-    ("dp-cp-partial-gloo", "get_data_parallel_group_gloo", {"with_context_parallel": True,
-                                                            "partial_data_parallel": True}),
+    (
+        "dp-cp-partial-gloo",
+        "get_data_parallel_group_gloo",
+        {"with_context_parallel": True, "partial_data_parallel": True},
+    ),
     ("cp", "get_context_parallel_group", {"check_initialized": False}),
     ("embedding", "get_embedding_group", {"check_initialized": False}),
     ("position-embedding", "get_position_embedding_group", {"check_initialized": False}),
     ("tp-dp", "get_tensor_and_data_parallel_group", {"check_initialized": False}),
-    ("tp-dp-cp", "get_tensor_and_data_parallel_group", {"check_initialized": False, "with_context_parallel": True}),
+    (
+        "tp-dp-cp",
+        "get_tensor_and_data_parallel_group",
+        {"check_initialized": False, "with_context_parallel": True},
+    ),
     ("tp-cp", "get_tensor_and_context_parallel_group", {"check_initialized": False}),
     ("ep", "get_expert_model_parallel_group", {"check_initialized": False}),
     ("ep-tp", "get_expert_tensor_parallel_group", {"check_initialized": False}),
     ("ep-tp-mp", "get_expert_tensor_and_model_parallel_group", {"check_initialized": False}),
     ("ep-tp-pp", "get_expert_tensor_model_pipeline_parallel_group", {"check_initialized": False}),
     ("ep-dp", "get_expert_data_parallel_group", {"check_initialized": False}),
-    ("ep-dp-partial", "get_expert_data_parallel_group", {"check_initialized": False,
-                                                         "partial_expert_data_parallel": True}),
+    (
+        "ep-dp-partial",
+        "get_expert_data_parallel_group",
+        {"check_initialized": False, "partial_expert_data_parallel": True},
+    ),
     ("ep-dp-gloo", "get_expert_data_parallel_group_gloo", {}),
     ("ep-dp-partial-gloo", "get_expert_data_parallel_group_gloo", {"partial_expert_data_parallel": True}),
     ("intra-distopt", "get_intra_distributed_optimizer_instance_group", {"check_initialized": False}),
@@ -90,8 +112,12 @@ def _describe(value, base: int):
     import torch.distributed as dist
 
     if isinstance(value, dist.ProcessGroup):
-        return {"ranks": dist.get_process_group_ranks(value), "name": int(value.group_name) - base,
-                "desc": value.group_desc, "backend": dist.get_backend(value)}
+        return {
+            "ranks": dist.get_process_group_ranks(value),
+            "name": int(value.group_name) - base,
+            "desc": value.group_desc,
+            "backend": dist.get_backend(value),
+        }
     if isinstance(value, (list, tuple)):
         return [_describe(v, base) for v in value]
     if isinstance(value, dict):
@@ -105,9 +131,14 @@ def _megatron_state(base: int) -> dict:
     """Every module-level group, rank list and size megatron-core's parallel_state keeps."""
     from megatron.core import parallel_state as ps
 
-    return {name: _describe(value, base) for name, value in sorted(vars(ps).items())
-            if name.startswith("_") and (name.isupper() or name == "_global_process_group_list")
-            and not name.startswith("_GLOBAL_") and not callable(value)}
+    return {
+        name: _describe(value, base)
+        for name, value in sorted(vars(ps).items())
+        if name.startswith("_")
+        and (name.isupper() or name == "_global_process_group_list")
+        and not name.startswith("_GLOBAL_")
+        and not callable(value)
+    }
 
 
 def _getters(base: int) -> dict:
@@ -119,11 +150,17 @@ def _getters(base: int) -> dict:
             out[label] = _describe(getattr(ps, fn)(**kwargs), base)
         except AssertionError as err:  # not built for this layout: must be so in both strategies
             out[label] = f"AssertionError: {err}"
-    out["ranks"] = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
-                    "dp": ps.get_data_parallel_rank(), "cp": ps.get_context_parallel_rank(),
-                    "ep": ps.get_expert_model_parallel_rank(), "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
-                    "first": ps.is_pipeline_first_stage(), "last": ps.is_pipeline_last_stage(),
-                    "in-embedding": ps.is_rank_in_embedding_group()}
+    out["ranks"] = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "vpp": ps.get_virtual_pipeline_model_parallel_world_size(),
+        "first": ps.is_pipeline_first_stage(),
+        "last": ps.is_pipeline_last_stage(),
+        "in-embedding": ps.is_rank_in_embedding_group(),
+    }
     return out
 
 
@@ -162,31 +199,42 @@ def _groups_rank(rank: int, world: int, port: int, layouts, results) -> None:
 
         from mega.store.recording import RecordingStore
 
-        tcp = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=90),
-                            wait_for_workers=False)
+        tcp = dist.TCPStore(
+            "127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=90), wait_for_workers=False
+        )
         store = RecordingStore(tcp, rank)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
+        )
         rows = {}
         for name, kwargs in layouts:
             for strategy in ("default", "light"):
                 dist.barrier()
                 base = c10d._world.group_count
                 store.reset()
-                parallel_groups.initialize_model_parallel(strategy, create_gloo_process_groups=True,
-                                                          distributed_timeout_minutes=1, **kwargs)
+                parallel_groups.initialize_model_parallel(
+                    strategy, create_gloo_process_groups=True, distributed_timeout_minutes=1, **kwargs
+                )
                 ops = [keys for _, keys in store.ops]
-                row = {"state": _megatron_state(base), "getters": _getters(base),
-                       "created": c10d._world.group_count - base, "ops": len(ops),
-                       "group_barrier_ops": sum("store_based_barrier_key" in k for keys in ops for k in keys),
-                       "ready_barrier_ops": sum(parallel_groups.READY_BARRIER_PREFIX in k for keys in ops for k in keys),
-                       "touched": sorted({i for keys in ops for k in keys
-                                          if (i := _group_index(k, base)) is not None}),
-                       "member_of": sorted(int(g.group_name) - base for g in ps._global_process_group_list[1:]),
-                       # the context manager put megatron's and torch's functions back
-                       "restored": ps.create_group.__module__ == ps.__name__
-                                   and c10d._process_group_name.__module__ == c10d.__name__
-                                   and c10d._is_barrier_after_init.__module__ == c10d.__name__,
-                       "sums": _all_reduce_every_group(rank)}
+                row = {
+                    "state": _megatron_state(base),
+                    "getters": _getters(base),
+                    "created": c10d._world.group_count - base,
+                    "ops": len(ops),
+                    "group_barrier_ops": sum("store_based_barrier_key" in k for keys in ops for k in keys),
+                    "ready_barrier_ops": sum(
+                        parallel_groups.READY_BARRIER_PREFIX in k for keys in ops for k in keys
+                    ),
+                    "touched": sorted(
+                        {i for keys in ops for k in keys if (i := _group_index(k, base)) is not None}
+                    ),
+                    "member_of": sorted(int(g.group_name) - base for g in ps._global_process_group_list[1:]),
+                    # the context manager put megatron's and torch's functions back
+                    "restored": ps.create_group.__module__ == ps.__name__
+                    and c10d._process_group_name.__module__ == c10d.__name__
+                    and c10d._is_barrier_after_init.__module__ == c10d.__name__,
+                    "sums": _all_reduce_every_group(rank),
+                }
                 ps.destroy_model_parallel()
                 rows[f"{name}/{strategy}"] = row
         dist.barrier()
@@ -202,10 +250,19 @@ def _groups_rank(rank: int, world: int, port: int, layouts, results) -> None:
 
 def _run_world(world: int, target, args_for, timeout_s: float = 240) -> dict:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.cluster.parallel_groups",
-                                "mega.store.recording", "mega.train"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "megatron.core.parallel_state",
+            "mega.cluster.parallel_groups",
+            "mega.store.recording",
+            "mega.train",
+        ]
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args_for(rank), results), daemon=True) for rank in range(world)]
+    procs = [
+        ctx.Process(target=target, args=(*args_for(rank), results), daemon=True) for rank in range(world)
+    ]
     for p in procs:
         p.start()
     rows = {}
@@ -249,7 +306,9 @@ def _check_layouts(rows: dict, layouts, world: int) -> None:
             assert light["ops"] < default["ops"], where
             # default: torch's barrier after every group, world-wide; light: none per group, one
             # world barrier at the end (add + wait, and the set of the rank completing the count)
-            assert default["group_barrier_ops"] >= 3 * default["created"] and not default["ready_barrier_ops"], where
+            assert (
+                default["group_barrier_ops"] >= 3 * default["created"] and not default["ready_barrier_ops"]
+            ), where
             assert light["group_barrier_ops"] == 0 and light["ready_barrier_ops"] in (2, 3), where
             for strategy in ("default", "light"):
                 totals[strategy] = totals.get(strategy, 0) + by_layout[f"{name}/{strategy}"]["ops"]
@@ -301,9 +360,17 @@ def _train_rank(rank: int, world: int, port: int, config_path: str, index_path: 
     try:
         # torch's default (no post-init barrier), whatever the environment the forkserver was
         # started with says (a forkserver child has that one, not the test's current one)
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port), "TORCH_DIST_INIT_BARRIER": "0"})
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCH_DIST_INIT_BARRIER": "0",
+            }
+        )
         from mega import train
 
         train.main(["--config", config_path, "--data-index", index_path])
@@ -320,15 +387,28 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
     losses = {}
     for strategy in ("default", "light"):
         run_dir = tmp_path / strategy
-        cfg = compose(["model=tiny", "parallelism=pp2", "parallelism.dp=2", "train.steps=3",
-                       f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}", "train.tensorboard=false",
-                       "optimizer.warmup_steps=1", "checkpoint.interval=0", f"cluster.group_init={strategy}",
-                       "cluster.record_store=true"])
+        cfg = compose(
+            [
+                "model=tiny",
+                "parallelism=pp2",
+                "parallelism.dp=2",
+                "train.steps=3",
+                f"train.run_dir={run_dir}",
+                f"data.cache_dir={data_cache}",
+                "train.tensorboard=false",
+                "optimizer.warmup_steps=1",
+                "checkpoint.interval=0",
+                f"cluster.group_init={strategy}",
+                "cluster.record_store=true",
+            ]
+        )
         assert cfg.parallelism.world_size == 4
         run_dir.mkdir()
         save(cfg, run_dir / "config.json")
         port = _free_port()
-        _run_world(4, _train_rank, lambda rank: (rank, 4, port, str(run_dir / "config.json"), str(data_index)))
+        _run_world(
+            4, _train_rank, lambda rank: (rank, 4, port, str(run_dir / "config.json"), str(data_index))
+        )
         metrics = read_metrics(run_dir)
         assert [m["step"] for m in metrics] == [1, 2, 3]
         losses[strategy] = [(m["loss"], m["grad_norm"]) for m in metrics]
@@ -338,7 +418,9 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
         # bootstrap simulator replays for this layout (torch's post-init barrier is off here)
         recorded = load_recordings(run_dir / "store-traffic" / "train-attempt0")
         simulated: list = []
-        bs.run_in_memory(strategy, bs.Layout(4, 1, 2, backend="gloo", gloo_groups=True, barrier=False), ops=simulated)
+        bs.run_in_memory(
+            strategy, bs.Layout(4, 1, 2, backend="gloo", gloo_groups=True, barrier=False), ops=simulated
+        )
         assert sorted(recorded) == [0, 1, 2, 3]
         for rank, row in recorded.items():
             assert [tuple(op) for op in row["ops"]] == simulated[rank], (strategy, rank)

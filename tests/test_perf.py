@@ -46,8 +46,11 @@ def test_rows_outside_3_points_are_exactly_the_reported_ones(published_results, 
     reports it; a row that starts failing, or a reason that no longer applies, fails here."""
     outside = {r.name for r in published_results if abs(r.err_mfu_pts) > published.TARGET_PTS}
     reported = {c.row["id"] for c in published_cases if c.row.get("unexplained") or c.row.get("miss")}
-    report = "\n".join(f"{r.source} {r.name}: published {r.published_mfu:.3f} predicted {r.predicted_mfu:.3f} "
-                       f"({r.err_mfu_pts:+.1f} pts)" for r in published_results)
+    report = "\n".join(
+        f"{r.source} {r.name}: published {r.published_mfu:.3f} predicted {r.predicted_mfu:.3f} "
+        f"({r.err_mfu_pts:+.1f} pts)"
+        for r in published_results
+    )
     assert outside == reported, report
     # every published run fits in 80 GB, or its fixture says why the memory model cannot see it
     assert all(r.fits or r.memory_known for r in published_results), report
@@ -70,8 +73,10 @@ def test_unpublished_knobs_are_chosen_and_reported(published_results):
     llama = [r for r in published_results if r.source.startswith("Llama")]
     assert llama and all({"vpp", "micro_batch_size"} <= set(r.knobs_chosen) for r in llama)
     # published: TP8 PP16, and no activation recomputation (8K tokens, section 3.3.2)
-    assert all(r.knobs_given["tp"] == 8 and r.knobs_given["pp"] == 16 and r.knobs_given["recompute"] is None
-               for r in llama)
+    assert all(
+        r.knobs_given["tp"] == 8 and r.knobs_given["pp"] == 16 and r.knobs_given["recompute"] is None
+        for r in llama
+    )
     # megatron-core's memory accounting says no layout fits without recomputation; the source says
     # it trained so: the fixture declares it, and the planner interleaves (the least-memory layout
     # it would otherwise fall back to is plain 1F1B)
@@ -90,7 +95,9 @@ def test_published_mfu_counts_causal_attention_whole(published_cases):
         per_second = case.row["step_s"] * case.gpus * case.peak
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
         keys = windowed * min((m.window_size or m.seq_length) + 1, m.seq_length) + full * m.seq_length
-        attention = 3 * 4 * keys * m.hidden_size * p.global_batch_size * m.seq_length  # as mega.flops counts it
+        attention = (
+            3 * 4 * keys * m.hidden_size * p.global_batch_size * m.seq_length
+        )  # as mega.flops counts it
         whole, halved = case.flops / per_second, (case.flops - attention / 2) / per_second
         assert whole == pytest.approx(case.row["value"], rel=0.01), case.row["id"]
         if m.window_size is None:  # (MegaScale's own rows: sliding windows, the two counts 0.7% apart)
@@ -100,8 +107,11 @@ def test_published_mfu_counts_causal_attention_whole(published_cases):
 def test_readme_mfu_follows_from_table5_times_with_mega_flops(published_cases):
     """The MFU convention (mega.flops over the dense bf16 peak) reproduces the README's MFUs from
     the paper's iteration times: two sources, no model involved."""
-    times = {c.row["id"].split("-")[0]: c.row["value"] for c in published_cases
-             if c.fixture["file"] == "korthikanti2022-table5.json" and c.row["id"].endswith("present")}
+    times = {
+        c.row["id"].split("-")[0]: c.row["value"]
+        for c in published_cases
+        if c.fixture["file"] == "korthikanti2022-table5.json" and c.row["id"].endswith("present")
+    }
     readme = [c for c in published_cases if c.fixture["file"] == "megatron-lm-readme-mfu.json"]
     assert len(readme) == 4 and set(times) == {c.row["id"] for c in readme}
     for case in readme:
@@ -115,25 +125,38 @@ def test_parameter_counts_match_the_published_model_sizes(published_cases):
     assert len(rows) == 10
     for case in rows:
         # the paper rounds to one decimal (1.65B -> "1.7")
-        assert model_params(case.plan.cfg.model) / 1e9 == pytest.approx(case.row["parameters_billion"], rel=0.035)
+        assert model_params(case.plan.cfg.model) / 1e9 == pytest.approx(
+            case.row["parameters_billion"], rel=0.035
+        )
 
 
 # --- memory: Korthikanti et al. 2022, section 4 -----------------------------------------------
 
+
 def _gpt(heads: int = 96, h: int = 12288, s: int = 2048) -> ModelConfig:
-    return ModelConfig(num_layers=96, hidden_size=h, num_attention_heads=heads, seq_length=s, vocab_size=51200,
-                       hidden_dropout=0.1, attention_dropout=0.1)
+    return ModelConfig(
+        num_layers=96,
+        hidden_size=h,
+        num_attention_heads=heads,
+        seq_length=s,
+        vocab_size=51200,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
 
 
-@pytest.mark.parametrize("tp, sp, recompute, formula", [
-    (1, False, None, lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
-    (8, False, None, lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
-    (8, True, None, lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
-    (8, True, "selective", lambda s, b, h, a, t: s * b * h / t * 34),
-    (8, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
-    (8, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
-    (8, True, "full", lambda s, b, h, a, t: 2 * s * b * h / t),
-])
+@pytest.mark.parametrize(
+    "tp, sp, recompute, formula",
+    [
+        (1, False, None, lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h)),
+        (8, False, None, lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+        (8, True, None, lambda s, b, h, a, t: s * b * h / t * (34 + 5 * a * s / h)),
+        (8, True, "selective", lambda s, b, h, a, t: s * b * h / t * 34),
+        (8, False, "selective", lambda s, b, h, a, t: s * b * h * (10 + 24 / t)),
+        (8, False, "full", lambda s, b, h, a, t: 2 * s * b * h),
+        (8, True, "full", lambda s, b, h, a, t: 2 * s * b * h / t),
+    ],
+)
 def test_activation_memory_per_layer_is_korthikantis(tp, sp, recompute, formula):
     m, b = _gpt(), 2
     got = activation_bytes_per_layer(m, b, tp, sp, recompute, dtype_bytes=2, flash=False)
@@ -163,14 +186,29 @@ def _run_plan(capsys, args: list[str]) -> dict:
 def test_must_show_evaluation(capsys, nodes, dp, batch):
     out = {}
     for features in ("megatron-baseline", "megascale"):
-        r = _run_plan(capsys, [*MUST_SHOW, f"cluster.nodes={nodes}", f"parallelism.dp={dp}",
-                               f"parallelism.global_batch_size={batch}", f"features={features}", "--json"])
+        r = _run_plan(
+            capsys,
+            [
+                *MUST_SHOW,
+                f"cluster.nodes={nodes}",
+                f"parallelism.dp={dp}",
+                f"parallelism.global_batch_size={batch}",
+                f"features={features}",
+                "--json",
+            ],
+        )
         assert set(r) >= {"mfu", "step_s", "tokens_per_s", "memory_gib", "fits", "knobs", "breakdown"}
         assert 0 < r["mfu"] < 1 and r["fits"] is True
         assert sum(t["seconds"] for t in r["breakdown"].values()) == pytest.approx(r["step_s"])
         assert r["tokens_per_s"] == pytest.approx(batch * 2048 / r["step_s"])
         # every knob the overrides left open was chosen, and says so
-        assert set(r["chosen"]) >= {"micro_batch_size", "recompute", "sequence_parallel", "precision", "launcher"}
+        assert set(r["chosen"]) >= {
+            "micro_batch_size",
+            "recompute",
+            "sequence_parallel",
+            "precision",
+            "launcher",
+        }
         assert r["knobs"]["launcher"] == "slurm" and r["knobs"]["precision"] == "bf16"
         out[features] = r
     base, ms = out["megatron-baseline"], out["megascale"]
@@ -183,8 +221,17 @@ def test_must_show_evaluation(capsys, nodes, dp, batch):
 
 
 def test_search_ranks_layouts_that_fit(capsys):
-    r = _run_plan(capsys, ["model=gpt-13b", "cluster=a100-8x", "cluster.nodes=4", "parallelism.global_batch_size=128",
-                           "--search", "--json"])
+    r = _run_plan(
+        capsys,
+        [
+            "model=gpt-13b",
+            "cluster=a100-8x",
+            "cluster.nodes=4",
+            "parallelism.global_batch_size=128",
+            "--search",
+            "--json",
+        ],
+    )
     rows = r["rows"]
     assert len(rows) > 5 and all(row["fits"] for row in rows)
     assert [row["mfu"] for row in rows] == sorted((row["mfu"] for row in rows), reverse=True)
@@ -194,17 +241,41 @@ def test_search_ranks_layouts_that_fit(capsys):
 
 
 def test_search_keeps_the_layout_keys_given(capsys):
-    r = _run_plan(capsys, ["model=gpt-13b", "cluster=a100-8x", "cluster.nodes=4", "parallelism.global_batch_size=128",
-                           "parallelism.tp=4", "--search", "--json"])
+    r = _run_plan(
+        capsys,
+        [
+            "model=gpt-13b",
+            "cluster=a100-8x",
+            "cluster.nodes=4",
+            "parallelism.global_batch_size=128",
+            "parallelism.tp=4",
+            "--search",
+            "--json",
+        ],
+    )
     assert r["rows"] and {row["layout"]["tp"] for row in r["rows"]} == {4}
 
 
 def test_knobs_given_are_kept_even_when_they_do_not_fit():
-    overrides = ["model=gpt-175b", "model.num_attention_heads=96", "cluster=a100-8x", "cluster.nodes=8",
-                 "parallelism.tp=8", "parallelism.pp=8", "parallelism.vpp=null", "parallelism.dp=1",
-                 "parallelism.global_batch_size=64"]
-    fixed = for_planning([*overrides, "model.recompute=null", "parallelism.sequence_parallel=false",
-                          "parallelism.micro_batch_size=8"])
+    overrides = [
+        "model=gpt-175b",
+        "model.num_attention_heads=96",
+        "cluster=a100-8x",
+        "cluster.nodes=8",
+        "parallelism.tp=8",
+        "parallelism.pp=8",
+        "parallelism.vpp=null",
+        "parallelism.dp=1",
+        "parallelism.global_batch_size=64",
+    ]
+    fixed = for_planning(
+        [
+            *overrides,
+            "model.recompute=null",
+            "parallelism.sequence_parallel=false",
+            "parallelism.micro_batch_size=8",
+        ]
+    )
     settle_precision(fixed)
     ev = evaluate(fixed)
     assert not ev.prediction.fits and set(ev.chosen) == {"precision", "launcher"}
@@ -214,17 +285,32 @@ def test_knobs_given_are_kept_even_when_they_do_not_fit():
 
 
 def test_overlap_flags_hide_their_communication():
-    base = ["model=gpt-175b", "cluster=a100-8x", "cluster.nodes=32", "parallelism.tp=8", "parallelism.pp=8",
-            "parallelism.vpp=4", "parallelism.dp=4", "parallelism.global_batch_size=256",
-            "parallelism.micro_batch_size=1", "model.recompute=selective", "parallelism.sequence_parallel=true",
-            "parallelism.use_distributed_optimizer=true"]
-    flags = {"tp_comm": "parallelism.tp_overlap=ring", "pp_p2p": "parallelism.overlap_p2p_comm=true",
-             "dp_param_gather": "parallelism.overlap_param_gather=true"}
+    base = [
+        "model=gpt-175b",
+        "cluster=a100-8x",
+        "cluster.nodes=32",
+        "parallelism.tp=8",
+        "parallelism.pp=8",
+        "parallelism.vpp=4",
+        "parallelism.dp=4",
+        "parallelism.global_batch_size=256",
+        "parallelism.micro_batch_size=1",
+        "model.recompute=selective",
+        "parallelism.sequence_parallel=true",
+        "parallelism.use_distributed_optimizer=true",
+    ]
+    flags = {
+        "tp_comm": "parallelism.tp_overlap=ring",
+        "pp_p2p": "parallelism.overlap_p2p_comm=true",
+        "dp_param_gather": "parallelism.overlap_param_gather=true",
+    }
     with Composer() as composer:
+
         def predict(extra):
             plan = composer.plan([*base, *extra])
             settle_precision(plan)
             return evaluate(plan)
+
         off = predict([])
         for term, flag in flags.items():
             on = predict([flag])
@@ -234,17 +320,31 @@ def test_overlap_flags_hide_their_communication():
             assert on.prediction.step_s < off.prediction.step_s
         aligned = predict([flags["dp_param_gather"], "parallelism.align_param_gather=true"])
         unaligned = predict([flags["dp_param_gather"]])
-        assert aligned.prediction.breakdown()["dp_param_gather"]["seconds"] <= \
-            unaligned.prediction.breakdown()["dp_param_gather"]["seconds"]
+        assert (
+            aligned.prediction.breakdown()["dp_param_gather"]["seconds"]
+            <= unaligned.prediction.breakdown()["dp_param_gather"]["seconds"]
+        )
 
 
 def test_bubble_is_pp_minus_one_over_v_m():
     with Composer() as composer:
         for vpp in ("null", "3"):
-            plan = composer.plan(["model=gpt-175b", "model.vocab_size=51200", "cluster=a100-8x", "cluster.nodes=8",
-                                  "parallelism.tp=8", "parallelism.pp=8", f"parallelism.vpp={vpp}", "parallelism.dp=1",
-                                  "parallelism.global_batch_size=64", "parallelism.micro_batch_size=1",
-                                  "model.recompute=selective", "parallelism.sequence_parallel=true"])
+            plan = composer.plan(
+                [
+                    "model=gpt-175b",
+                    "model.vocab_size=51200",
+                    "cluster=a100-8x",
+                    "cluster.nodes=8",
+                    "parallelism.tp=8",
+                    "parallelism.pp=8",
+                    f"parallelism.vpp={vpp}",
+                    "parallelism.dp=1",
+                    "parallelism.global_batch_size=64",
+                    "parallelism.micro_batch_size=1",
+                    "model.recompute=selective",
+                    "parallelism.sequence_parallel=true",
+                ]
+            )
             settle_precision(plan)
             pr = evaluate(plan).prediction
             v = 1 if vpp == "null" else 3
@@ -254,17 +354,33 @@ def test_bubble_is_pp_minus_one_over_v_m():
 
 
 def test_left_open_means_not_named():
-    keys = given_keys(["parallelism.micro_batch_size=2", "+model.recompute=full", "parallelism=paper-175b-256gpu",
-                       "features=megascale"])
-    assert {"parallelism.micro_batch_size", "model.recompute", "parallelism.tp", "parallelism.vpp",
-            "model.block", "model.window_size"} <= keys
+    keys = given_keys(
+        [
+            "parallelism.micro_batch_size=2",
+            "+model.recompute=full",
+            "parallelism=paper-175b-256gpu",
+            "features=megascale",
+        ]
+    )
+    assert {
+        "parallelism.micro_batch_size",
+        "model.recompute",
+        "parallelism.tp",
+        "parallelism.vpp",
+        "model.block",
+        "model.window_size",
+    } <= keys
     assert "parallelism.sequence_parallel" in keys  # the preset sets it
     assert "train.precision" not in given_keys(["model=gpt-175b", "cluster=a100-8x"])
 
 
 def test_inconsistent_layout_is_refused_naming_the_key(capsys):
-    assert plan_main([*MUST_SHOW, "cluster.nodes=32", "parallelism.dp=3", "parallelism.global_batch_size=96",
-                      "--json"]) == 2
+    assert (
+        plan_main(
+            [*MUST_SHOW, "cluster.nodes=32", "parallelism.dp=3", "parallelism.global_batch_size=96", "--json"]
+        )
+        == 2
+    )
     assert "cluster.procs_per_node" in capsys.readouterr().err
 
 
@@ -276,9 +392,22 @@ def test_cpu_cluster_needs_a_calibration(tmp_path):
 
 def test_hydra_sweep_one_evaluation_per_job(capsys, tmp_path):
     bystander = logging.getLogger("mega.test.bystander")  # a library's logger in the same process
-    assert plan_main(["-m", "model=gpt-13b", "cluster=a100-8x", "cluster.nodes=4", "parallelism.tp=8",
-                      "parallelism.pp=1,2", "parallelism.global_batch_size=128", f"hydra.sweep.dir={tmp_path}",
-                      "--json"]) == 0
+    assert (
+        plan_main(
+            [
+                "-m",
+                "model=gpt-13b",
+                "cluster=a100-8x",
+                "cluster.nodes=4",
+                "parallelism.tp=8",
+                "parallelism.pp=1,2",
+                "parallelism.global_batch_size=128",
+                f"hydra.sweep.dir={tmp_path}",
+                "--json",
+            ]
+        )
+        == 0
+    )
     jobs = sorted(tmp_path.glob("*/plan.json"))
     results = [json.loads(p.read_text()) for p in jobs]
     assert [(r["layout"]["pp"], r["layout"]["dp"]) for r in results] == [(1, 4), (2, 2)]
@@ -289,13 +418,18 @@ def test_hydra_sweep_one_evaluation_per_job(capsys, tmp_path):
 
 # --- calibration (recorded on this project's CPU machine) -------------------------------------
 
+
 def _calibrations() -> list[Path]:
     """The CPU calibrations (their validation layouts); GPU micro-benchmark runs sit beside them."""
-    return sorted(p for p in (FIXTURES / "calibration").glob("*.json") if "layouts" in json.loads(p.read_text()))
+    return sorted(
+        p for p in (FIXTURES / "calibration").glob("*.json") if "layouts" in json.loads(p.read_text())
+    )
 
 
 def test_a_calibration_is_recorded():
-    assert _calibrations(), "record one: python -m mega.plan calibrate --out tests/fixtures/calibration/<name>.json"
+    assert _calibrations(), (
+        "record one: python -m mega.plan calibrate --out tests/fixtures/calibration/<name>.json"
+    )
 
 
 @pytest.mark.parametrize("path", _calibrations(), ids=lambda p: p.stem)
@@ -305,8 +439,13 @@ def test_model_against_recorded_calibration(path):
     are only comparable on a quiet machine (docs/perf-model.md)."""
     cal = json.loads(path.read_text())
     names = {row["name"] for row in cal["layouts"]}
-    assert len(names) >= 6 and any("tp" in n for n in names) and any("vpp" in n for n in names) \
-        and any("dp" in n for n in names) and any("pp" in n for n in names)
+    assert (
+        len(names) >= 6
+        and any("tp" in n for n in names)
+        and any("vpp" in n for n in names)
+        and any("dp" in n for n in names)
+        and any("pp" in n for n in names)
+    )
     assert cal["machine"]["load_average"] and all("load_before" in row for row in cal["layouts"])
     rows = compare(cal)
     worst = max(rows, key=lambda r: abs(r["cpu_error"]))

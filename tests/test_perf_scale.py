@@ -22,9 +22,18 @@ from mega.perf.step import causal_keys, effective_overlap, layer_unit, predict
 from mega.plan import main as plan_main
 
 # MegaScale Table 2's 175B layout (TP8 PP8 VPP6, batch 6144), knobs fixed so only the scale moves.
-LAYOUT_175B = ["model=gpt-175b", "cluster=a100-8x", "parallelism.tp=8", "parallelism.pp=8", "parallelism.vpp=6",
-               "parallelism.global_batch_size=6144", "parallelism.micro_batch_size=2", "model.recompute=null",
-               "parallelism.sequence_parallel=true", "train.precision=bf16"]
+LAYOUT_175B = [
+    "model=gpt-175b",
+    "cluster=a100-8x",
+    "parallelism.tp=8",
+    "parallelism.pp=8",
+    "parallelism.vpp=6",
+    "parallelism.global_batch_size=6144",
+    "parallelism.micro_batch_size=2",
+    "model.recompute=null",
+    "parallelism.sequence_parallel=true",
+    "train.precision=bf16",
+]
 BASELINE = ["features=megatron-baseline", "parallelism.overlap_grad_reduce=false"]
 MEGASCALE = ["features=megascale", "parallelism.tp_overlap=ring"]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -44,6 +53,7 @@ def _predict(composer, overrides):
 
 
 # --- each term against an independent computation --------------------------------------------
+
 
 @pytest.mark.parametrize("n", [2, 8, 64, 1024])
 def test_expected_max_of_n_normals_matches_sampling(n):
@@ -70,10 +80,22 @@ def test_causal_keys_count_the_mask(s, window):
 
 
 def _hw(intra_bw=100e9, inter_bw=10e9, lat_intra=5e-6, lat_inter=10e-6, procs=8):
-    return Hardware(name="t", source="test", peak_flops=1e15, gemm_efficiency=1.0, attention_efficiency=1.0,
-                    kernel_s=0.0, memory_bytes_per_s=1e12, memory_bytes=1e11, memory_capacity_bytes=1e11,
-                    intra=Link(intra_bw, lat_intra), inter=Link(inter_bw, lat_inter), procs_per_node=procs,
-                    sms=None, flash_attention=True)
+    return Hardware(
+        name="t",
+        source="test",
+        peak_flops=1e15,
+        gemm_efficiency=1.0,
+        attention_efficiency=1.0,
+        kernel_s=0.0,
+        memory_bytes_per_s=1e12,
+        memory_bytes=1e11,
+        memory_capacity_bytes=1e11,
+        intra=Link(intra_bw, lat_intra),
+        inter=Link(inter_bw, lat_inter),
+        procs_per_node=procs,
+        sms=None,
+        flash_attention=True,
+    )
 
 
 def test_ring_collectives_from_bytes_and_bandwidth():
@@ -104,12 +126,16 @@ def test_interleaved_bubble_at_fixed_global_batch(composer):
     doubles (the stages differ only by embedding/output layer: within 3%)."""
     shares = []
     for nodes, dp in ((384, 48), (768, 96), (1536, 192)):
-        pr, cfg, _ = _predict(composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"])
+        pr, cfg, _ = _predict(
+            composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"]
+        )
         m = cfg.parallelism.num_microbatches
         share = pr.breakdown()["pp_bubble"]["seconds"] / pr.stages["pipeline_s"]
         assert share == pytest.approx(7 / (6 * m), rel=0.03)
         shares.append(share)
-    assert shares[1] == pytest.approx(2 * shares[0], rel=0.03) and shares[2] == pytest.approx(4 * shares[0], rel=0.03)
+    assert shares[1] == pytest.approx(2 * shares[0], rel=0.03) and shares[2] == pytest.approx(
+        4 * shares[0], rel=0.03
+    )
 
 
 def test_dp_reduce_tail_is_at_least_one_bucket(composer):
@@ -138,10 +164,13 @@ def test_step_overhead_and_stragglers_are_terms(composer):
 
 # --- must show: the losses of scale and the MegaScale speed-up ------------------------------
 
+
 def test_mfu_falls_with_gpus_at_fixed_batch_and_the_breakdown_says_why(composer):
     rows = []
     for nodes, dp in ((384, 48), (768, 96), (1024, 128), (1536, 192)):
-        pr, _, _ = _predict(composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"])
+        pr, _, _ = _predict(
+            composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"]
+        )
         share = {k: v["seconds"] / pr.step_s for k, v in pr.breakdown().items()}
         rows.append((pr.mfu, share))
     mfus = [r[0] for r in rows]
@@ -165,9 +194,20 @@ def test_megascale_speedup_over_the_baseline_grows_with_scale(composer):
 def test_comm_overlap_auto_resolves_as_in_training(composer):
     """features=megascale sets comm_overlap=auto: the planner resolves it with mega.overlap.pp_dp
     (what mega.train uses), the same prediction as the resolved flags given explicitly."""
-    lay = ["model=gpt-175b", "cluster=a100-8x", "cluster.nodes=1536", "parallelism.tp=8", "parallelism.pp=8",
-           "parallelism.vpp=6", "parallelism.dp=192", "parallelism.global_batch_size=6144", "features=megascale",
-           "parallelism.micro_batch_size=1", "model.recompute=null", "parallelism.sequence_parallel=true"]
+    lay = [
+        "model=gpt-175b",
+        "cluster=a100-8x",
+        "cluster.nodes=1536",
+        "parallelism.tp=8",
+        "parallelism.pp=8",
+        "parallelism.vpp=6",
+        "parallelism.dp=192",
+        "parallelism.global_batch_size=6144",
+        "features=megascale",
+        "parallelism.micro_batch_size=1",
+        "model.recompute=null",
+        "parallelism.sequence_parallel=true",
+    ]
     auto, cfg, hw = _predict(composer, lay)
     eff = pp_dp.resolve(cfg.parallelism)
     assert eff.overlap_p2p_comm and eff.overlap_param_gather and eff.align_param_gather
@@ -181,25 +221,41 @@ def test_comm_overlap_auto_resolves_as_in_training(composer):
 
 # --- per-device calibration ------------------------------------------------------------------
 
+
 def test_cuda_attention_flops_match_the_models_attention_term(composer):
     """calibrate's attention FLOPs are the model's: an SDPA run taking exactly the time the model's
     fused attention term (forward + backward, one layer, TP1) gives at efficiency 0.5 reads back 0.5.
     Both count what a causal kernel computes: about half the s x s square."""
-    plan = composer.plan(["model=gpt-175b", "cluster=h100-8x", "parallelism.tp=1", "parallelism.pp=1",
-                          "parallelism.micro_batch_size=2", "model.fused_ops=true", "train.precision=bf16"])
+    plan = composer.plan(
+        [
+            "model=gpt-175b",
+            "cluster=h100-8x",
+            "parallelism.tp=1",
+            "parallelism.pp=1",
+            "parallelism.micro_batch_size=2",
+            "model.fused_ops=true",
+            "train.precision=bf16",
+        ]
+    )
     m = plan.cfg.model
     hw = dataclasses.replace(_hw(), attention_efficiency=0.5)
     unit = layer_unit(plan.cfg, hw, 2)
     seconds = unit.forward.attention + unit.backward.attention
-    point = {"batch": 2, "heads": m.num_attention_heads, "seq": m.seq_length,
-             "head_dim": m.hidden_size // m.num_attention_heads, "seconds": seconds}
+    point = {
+        "batch": 2,
+        "heads": m.num_attention_heads,
+        "seq": m.seq_length,
+        "head_dim": m.hidden_size // m.num_attention_heads,
+        "seconds": seconds,
+    }
     assert calibrate_cuda.attention_efficiency([point], hw.peak_flops) == pytest.approx(0.5, rel=1e-9)
     # the lead's H200 run of 175B shapes was derived counting the full square: the causal count
     # gives (s + 1) / (2 s) of its figure
     rec = json.loads((FIXTURES / "calibration" / "h200-2026-11-26-gpt175b.json").read_text())
     (att,) = rec["measurements"]["attention"]
     assert calibrate_cuda.attention_efficiency([att], 989.4e12) == pytest.approx(
-        rec["calibration"]["attention_efficiency"] * (att["seq"] + 1) / (2 * att["seq"]), abs=1e-4)
+        rec["calibration"]["attention_efficiency"] * (att["seq"] + 1) / (2 * att["seq"]), abs=1e-4
+    )
 
 
 def test_calibration_file_round_trip_and_bad_values(tmp_path):
@@ -215,13 +271,22 @@ def test_calibration_file_round_trip_and_bad_values(tmp_path):
 
 
 def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path, capsys):
-    args = ["model=gpt-13b", "cluster=h100-8x", "cluster.nodes=4", "parallelism.tp=8", "parallelism.pp=1",
-            "parallelism.global_batch_size=128", "--json"]
+    args = [
+        "model=gpt-13b",
+        "cluster=h100-8x",
+        "cluster.nodes=4",
+        "parallelism.tp=8",
+        "parallelism.pp=1",
+        "parallelism.global_batch_size=128",
+        "--json",
+    ]
     assert plan_main(args) == 0
     built_in = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert built_in["validated"] is True and "warnings" not in built_in
-    slow = device.save(device.prior("H100 SXM").replace(gemm_efficiency=0.4, validated=False, source="t"),
-                       tmp_path / "slow.json")
+    slow = device.save(
+        device.prior("H100 SXM").replace(gemm_efficiency=0.4, validated=False, source="t"),
+        tmp_path / "slow.json",
+    )
     assert plan_main([*args, f"--calibration={slow}"]) == 0
     captured = capsys.readouterr()
     measured = json.loads(captured.out.strip().splitlines()[-1])
@@ -247,13 +312,21 @@ def test_fit_recovers_a_known_gemm_efficiency():
 
 # --- the cuda calibration's arithmetic (no GPU needed) ---------------------------------------
 
+
 def test_cuda_calibration_derivation_from_measurements():
     peak = 989.4e12
     shapes = calibrate_cuda.layer_gemm_shapes(4096, 16384, 4096, 4096, tps=(1, 8))
     assert (4096, 3 * 4096, 4096) in shapes and (4096, 4096, 16384 // 8) in shapes
     # GEMMs at exactly 0.7 x peak x the model's shape factor -> 0.7
-    gemms = [{"m": m, "n": n, "k": k, "seconds": 2 * m * n * k / (0.7 * peak * calibrate_cuda.shape_factor(m, n, k, 132))}
-             for m, n, k in shapes]
+    gemms = [
+        {
+            "m": m,
+            "n": n,
+            "k": k,
+            "seconds": 2 * m * n * k / (0.7 * peak * calibrate_cuda.shape_factor(m, n, k, 132)),
+        }
+        for m, n, k in shapes
+    ]
     flops = 3.5 * 4 * 1 * 16 * 4096 * (4096 + 1) / 2 * 128  # causal: (s + 1) / 2 keys per query
     attention = [{"batch": 1, "heads": 16, "seq": 4096, "head_dim": 128, "seconds": flops / (0.5 * peak)}]
     # all-reduce of 256 MiB over 8 ranks at 360 GB/s bus bandwidth -> 0.8 of 450 GB/s

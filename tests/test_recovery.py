@@ -17,8 +17,8 @@ import pytest
 from prefect_pool import ensure_work_pool
 from waiting import wait_for
 
-from mega.launch import runs
 from mega.config import compose, from_dict, save
+from mega.launch import runs
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
@@ -28,23 +28,47 @@ STEPS = 4
 # The registry
 
 
-def make_run(root: Path, name: str, *, state="training", host=None, pid=None, heartbeat_age_s=0.0,
-             latest: str | None = None, **fields) -> Path:
+def make_run(
+    root: Path,
+    name: str,
+    *,
+    state="training",
+    host=None,
+    pid=None,
+    heartbeat_age_s=0.0,
+    latest: str | None = None,
+    **fields,
+) -> Path:
     """A run directory with a config and a record, as a launcher would have left it."""
     run_dir = root / name
     ckpt = run_dir / "checkpoints"
     ckpt.mkdir(parents=True)
-    cfg = from_dict({"train": {"run_dir": str(run_dir), "steps": STEPS},
-                     "checkpoint": {"dir": str(ckpt), "interval": 2}, "optimizer": {"warmup_steps": 1}})
+    cfg = from_dict(
+        {
+            "train": {"run_dir": str(run_dir), "steps": STEPS},
+            "checkpoint": {"dir": str(ckpt), "interval": 2},
+            "optimizer": {"warmup_steps": 1},
+        }
+    )
     save(cfg, run_dir / "config.json")
     if latest:
         (ckpt / "latest").write_text(latest)
     now = time.time()
-    runs.write_record(runs.RunRecord(
-        run_dir=str(run_dir), state=state, config=str(run_dir / "config.json"), data_index="/nowhere/index.json",
-        target_steps=STEPS, cwd=str(root), pid=os.getpid() if pid is None else pid,
-        host=socket.gethostname() if host is None else host, heartbeat=now - heartbeat_age_s, started=now,
-        **fields))
+    runs.write_record(
+        runs.RunRecord(
+            run_dir=str(run_dir),
+            state=state,
+            config=str(run_dir / "config.json"),
+            data_index="/nowhere/index.json",
+            target_steps=STEPS,
+            cwd=str(root),
+            pid=os.getpid() if pid is None else pid,
+            host=socket.gethostname() if host is None else host,
+            heartbeat=now - heartbeat_age_s,
+            started=now,
+            **fields,
+        )
+    )
     return run_dir
 
 
@@ -76,9 +100,16 @@ def test_registry_finds_runs_whose_launcher_is_gone(tmp_path):
     make_run(tmp_path, "exhausted", pid=dead_pid(), recoveries=3)
 
     assert verdicts(tmp_path) == {
-        "alive": "alive", "dead-pid": "recover", "stale": "recover", "remote-fresh": "alive",
-        "completed": "completed", "stopped": "stopped", "failed": "recover", "finished": "finished",
-        "exhausted": "exhausted"}
+        "alive": "alive",
+        "dead-pid": "recover",
+        "stale": "recover",
+        "remote-fresh": "alive",
+        "completed": "completed",
+        "stopped": "stopped",
+        "failed": "recover",
+        "finished": "finished",
+        "exhausted": "exhausted",
+    }
     assert verdicts(tmp_path, include_failed=False)["failed"] == "failed"
     found = {Path(s.run_dir).name: s for s in runs.find_runs_to_recover(tmp_path, stale_after_s=60)}
     assert set(found) == {"dead-pid", "stale", "failed"}
@@ -93,11 +124,14 @@ def test_registry_finds_runs_whose_launcher_is_gone(tmp_path):
     assert runs.read_record(partial).state == "training"
 
 
-@pytest.mark.parametrize("content, error", [
-    ('{"state": "training", "pid": ', "not valid JSON"),  # torn write of a non-atomic writer
-    ("[1, 2]", "expected a JSON object"),
-    ('{"state": "training"}', "missing field 'run_dir'"),
-])
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        ('{"state": "training", "pid": ', "not valid JSON"),  # torn write of a non-atomic writer
+        ("[1, 2]", "expected a JSON object"),
+        ('{"state": "training"}', "missing field 'run_dir'"),
+    ],
+)
 def test_bad_run_record_is_reported_and_skipped(tmp_path, content, error):
     make_run(tmp_path, "good", pid=dead_pid())
     bad = make_run(tmp_path, "bad", pid=dead_pid())
@@ -126,10 +160,18 @@ def test_bad_state_and_unreadable_config_are_errors_not_crashes(tmp_path):
 def test_claim_is_exclusive_across_processes(tmp_path):
     run_dir = make_run(tmp_path, "run", pid=dead_pid())
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from mega.launch import runs\n"
-                               "with runs.hold(sys.argv[1], 'other recovery'):\n"
-                               "    print('held', flush=True); time.sleep(60)", str(run_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from mega.launch import runs\n"
+            "with runs.hold(sys.argv[1], 'other recovery'):\n"
+            "    print('held', flush=True); time.sleep(60)",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         assert runs.held_elsewhere(run_dir)
@@ -146,9 +188,18 @@ def test_claim_is_exclusive_across_processes(tmp_path):
     with runs.hold(run_dir, "me"):
         with runs.hold(run_dir, "me again"):
             assert not runs.held_elsewhere(run_dir)
-        probe = subprocess.run([sys.executable, "-c", "import sys; from mega.launch import runs; "
-                                "print(runs.held_elsewhere(sys.argv[1]))", str(run_dir)],
-                               cwd=REPO, capture_output=True, text=True, check=True)
+        probe = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from mega.launch import runs; print(runs.held_elsewhere(sys.argv[1]))",
+                str(run_dir),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert probe.stdout.strip() == "True"
     assert runs.inspect_run(run_dir, stale_after_s=60).verdict == "recover"
 
@@ -168,8 +219,9 @@ def test_recover_flow_leaves_cancelled_and_unknown_runs_alone(prefect_harness, t
 
     with get_client(sync_client=True) as client:
         cancelled = client.create_flow_run(stand_in, state=Cancelled())
-        no_record = client.create_flow_run(stand_in, parameters={"overrides": [f"train.run_dir={tmp_path}/x"]},
-                                           state=Failed())
+        no_record = client.create_flow_run(
+            stand_in, parameters={"overrides": [f"train.run_dir={tmp_path}/x"]}, state=Failed()
+        )
     make_run(tmp_path / "runs", "cancelled", pid=dead_pid(), flow_run_ids=[str(cancelled.id)])
 
     summary = recover(runs_root=str(tmp_path / "runs"))
@@ -188,10 +240,19 @@ def test_recover_flow_leaves_cancelled_and_unknown_runs_alone(prefect_harness, t
 def overrides(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
     # async_save=false: `latest` moves before the next step, so "checkpoint at step 2" is a fact
     # the test can wait for (an asynchronous save is published by a later step's poll).
-    return ["model=tiny", "parallelism=single", f"train.steps={STEPS}", "checkpoint.interval=2",
-            "checkpoint.async_save=false",
-            "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "train.tensorboard=false",
-            f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}", *extra]
+    return [
+        "model=tiny",
+        "parallelism=single",
+        f"train.steps={STEPS}",
+        "checkpoint.interval=2",
+        "checkpoint.async_save=false",
+        "optimizer.warmup_steps=1",
+        "checkpoint.restart_backoff_s=0",
+        "train.tensorboard=false",
+        f"train.run_dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -203,8 +264,9 @@ def reference(single_process_reference):
     return single_process_reference.metrics
 
 
-def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, tmp_path, data_index,
-                                                                data_cache, reference):
+def test_recover_flow_restarts_a_run_whose_launcher_was_killed(
+    prefect_harness, tmp_path, data_index, data_cache, reference
+):
     """The launcher is SIGKILLed while its rank hangs at step 4 (checkpoint at step 2 durable): the
     record still says training, its pid is dead and the rank is orphaned. The recover flow finds
     it, stops the orphan, restarts from iter_0000002 and ends on the uninterrupted curve."""
@@ -212,17 +274,37 @@ def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, 
 
     run_dir = tmp_path / "runs" / "killed"
     # cold processes: warm ones (forks of a zygote whose lifeline is the launcher) die with it
-    hang_at_step_4 = overrides(run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "fault.mode=hang",
-                               "launcher.warm_processes=false")
+    hang_at_step_4 = overrides(
+        run_dir,
+        data_cache,
+        "fault.kill_rank=0",
+        "fault.kill_at_step=3",
+        "fault.mode=hang",
+        "launcher.warm_processes=false",
+    )
     cfg = compose(hang_at_step_4)
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from mega import config; from mega.launch import run_training\n"
-                               "run_training(config.compose(sys.argv[2:]), sys.argv[1])",
-         str(data_index), *hang_at_step_4],
-        cwd=REPO, start_new_session=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from mega import config; from mega.launch import run_training\n"
+            "run_training(config.compose(sys.argv[2:]), sys.argv[1])",
+            str(data_index),
+            *hang_at_step_4,
+        ],
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
-        wait_for(lambda: latest_durable(cfg) == "iter_0000002" and (run_dir / "metrics.jsonl").exists()
-                 and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3, 300, "step 3 and a checkpoint")
+        wait_for(
+            lambda: (
+                latest_durable(cfg) == "iter_0000002"
+                and (run_dir / "metrics.jsonl").exists()
+                and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+            ),
+            300,
+            "step 3 and a checkpoint",
+        )
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)  # the launcher only: torchrun runs in its own session
         launcher.wait()
@@ -233,12 +315,12 @@ def test_recover_flow_restarts_a_run_whose_launcher_was_killed(prefect_harness, 
 
 
 def check_recovery(tmp_path, run_dir, cfg, launcher, reference):
-    from mega.checkpoint import latest_durable
-    from mega.metrics import read_metrics
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from flows.recover import recover
+    from mega.checkpoint import latest_durable
+    from mega.metrics import read_metrics
 
     (status,) = runs.find_runs_to_recover(tmp_path / "runs", stale_after_s=60)
     assert status.record.state == "training" and f"launcher pid {launcher.pid} is gone" in status.reason
@@ -290,9 +372,22 @@ def deploy_all() -> None:
             pass
     ensure_work_pool()
     out = subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all"],
-        cwd=REPO, env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "--no-prompt",
+            "deploy",
+            "--prefect-file",
+            "infra/prefect.yaml",
+            "--all",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
@@ -318,20 +413,33 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
     assert deployment.entrypoint == "flows/recover.py:recover" and deployment.work_pool_name == "mega-process"
     assert deployment.parameters == {"runs_root": "runs", "stale_after_s": 120}
     ((schedule),) = deployment.schedules
-    assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("*/10 * * * *", "UTC", True)
+    assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == (
+        "*/10 * * * *",
+        "UTC",
+        True,
+    )
     assert deployment.global_concurrency_limit.limit == 1
     trigger = automation.trigger
     assert trigger.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}
-    assert trigger.match_related.model_dump() == {"prefect.resource.role": "flow", "prefect.resource.name": "pretrain"}
+    assert trigger.match_related.model_dump() == {
+        "prefect.resource.role": "flow",
+        "prefect.resource.name": "pretrain",
+    }
     assert trigger.posture == "Reactive" and automation.enabled
     (action,) = automation.actions
     assert action.deployment_id == deployment.id
-    assert action.parameters == {"runs_root": "runs",
-                                 "flow_run_id": "{{ event.resource.id | replace('prefect.flow-run.', '') }}"}
+    assert action.parameters == {
+        "runs_root": "runs",
+        "flow_run_id": "{{ event.resource.id | replace('prefect.flow-run.', '') }}",
+    }
 
     run_dir = tmp_path / "run"
-    failed = pretrain(overrides=overrides(run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3",
-                                          "checkpoint.max_restarts=0"), return_state=True)
+    failed = pretrain(
+        overrides=overrides(
+            run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "checkpoint.max_restarts=0"
+        ),
+        return_state=True,
+    )
     assert failed.is_failed()
     with pytest.raises(TrainingFailed):
         failed.result()
@@ -345,14 +453,19 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
     [artifact] = [a for a in artifacts if a.key == "incident-run-000-attempt0-rank-exit"]
     assert "| culprit | rank 0 on node 0" in artifact.data and "rank 0 killed by SIGKILL" in artifact.data
     assert "| time to recovery | not recovered |" in artifact.data
-    [event] = wait_for(lambda: incident_events(run_dir, "mega.incident.rank-exit"), 30, "the incident's event")
+    [event] = wait_for(
+        lambda: incident_events(run_dir, "mega.incident.rank-exit"), 30, "the incident's event"
+    )
     assert event.payload["culprit_rank"] == 0 and event.payload["stage"] == "detected"
-    assert f"prefect.flow-run.{failed_id}" in {r.id for r in event.related}  # automations can match the flow run
+    assert f"prefect.flow-run.{failed_id}" in {
+        r.id for r in event.related
+    }  # automations can match the flow run
 
     def triggered():
         with get_client(sync_client=True) as client:
             flow_runs = client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            )
         return [fr for fr in flow_runs if fr.parameters.get("flow_run_id") == failed_id]
 
     (flow_run,) = wait_for(triggered, 60, "the automation to create a recover-runs flow run")
@@ -364,14 +477,24 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
     assert state.is_completed(), state
     (row,) = state.result()["runs"]
     assert (row["run_dir"], row["found"], row["checkpoint"], row["action"]) == (
-        str(run_dir), "recover", "iter_0000002", "restarted")
+        str(run_dir),
+        "recover",
+        "iter_0000002",
+        "restarted",
+    )
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in reference]
     record = runs.read_record(run_dir)
-    assert (record.state, record.recoveries, record.flow_run_ids) == ("completed", 1, [failed_id, str(flow_run.id)])
+    assert (record.state, record.recoveries, record.flow_run_ids) == (
+        "completed",
+        1,
+        [failed_id, str(flow_run.id)],
+    )
     # the recovery's first step ends the incident: a second event, a new version of the artifact
     [back] = record.incidents
     assert back["time_to_recover_s"] > 0
-    [event] = wait_for(lambda: incident_events(run_dir, "mega.recovery.rank-exit"), 30, "the recovery's event")
+    [event] = wait_for(
+        lambda: incident_events(run_dir, "mega.recovery.rank-exit"), 30, "the recovery's event"
+    )
     assert event.payload["time_to_recover_s"] == back["time_to_recover_s"]
     artifacts = flow_run_artifacts(flow_run.id)
     [artifact] = [a for a in artifacts if a.key == "incident-run-000-attempt0-rank-exit"]
@@ -392,7 +515,11 @@ def incident_events(run_dir, name):
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
     with get_client(sync_client=True) as client:
-        page = client.read_events(EventFilter(event=EventNameFilter(name=[name]),
-                                              resource=EventResourceFilter(id=[f"mega.run.{run_dir.name}"])),
-                                  limit=50)  # the server's maximum (the client's default, 100, is refused)
+        page = client.read_events(
+            EventFilter(
+                event=EventNameFilter(name=[name]),
+                resource=EventResourceFilter(id=[f"mega.run.{run_dir.name}"]),
+            ),
+            limit=50,
+        )  # the server's maximum (the client's default, 100, is refused)
     return [e for e in page.events if e.resource.get("mega.run-dir") == str(run_dir)]

@@ -43,8 +43,9 @@ class Stores:
         self.kind = kind
         self._made: list = []
         if kind == "tcp":
-            self._server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10),
-                                         wait_for_workers=False)
+            self._server = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
+            )
             self.a = self._server
         else:
             self._url, self._job = redis_server.url, f"test-{uuid.uuid4().hex[:10]}"
@@ -359,11 +360,20 @@ def test_password_protected_server(tmp_path):
 
         # an ACL user limited to mega's keys (least privilege) runs every store operation
         admin = RedisStore(server.url, job_id="admin")
-        admin._r.acl_setuser("ranks", enabled=True, passwords=[f"+acl-{secret}"], keys=["mega:*"],
-                             commands=["+@all", "-@dangerous"])
+        admin._r.acl_setuser(
+            "ranks",
+            enabled=True,
+            passwords=[f"+acl-{secret}"],
+            keys=["mega:*"],
+            commands=["+@all", "-@dangerous"],
+        )
         admin.close()
-        limited = RedisStore(f"redis://ranks@{server.address}/0", job_id="acl", password=f"acl-{secret}",
-                             timeout=timedelta(seconds=5))
+        limited = RedisStore(
+            f"redis://ranks@{server.address}/0",
+            job_id="acl",
+            password=f"acl-{secret}",
+            timeout=timedelta(seconds=5),
+        )
         threading.Timer(0.1, limited.clone().set, args=("k", b"v")).start()
         assert limited.get("k") == b"v" and limited.add("n", 2) == 2 and limited.num_keys() == 2
         assert limited.drop_namespace() > 0
@@ -377,20 +387,32 @@ def test_redis_urls_never_show_passwords():
     assert redact_url("redis://user:p4ss@h:6380/2") == "redis://user:***@h:6380/2"
     assert redact_url("rediss://h:6380") == "rediss://h:6380"
     fields = parse_redis_url("rediss://user:p%40ss@10.0.0.5:6380/3")
-    assert fields == {"host": "10.0.0.5", "port": 6380, "db": 3, "username": "user", "password": "p@ss",
-                      "ssl": True}
+    assert fields == {
+        "host": "10.0.0.5",
+        "port": 6380,
+        "db": 3,
+        "username": "user",
+        "password": "p@ss",
+        "ssl": True,
+    }
     assert parse_redis_url("redis://h")["port"] == 6379
     with pytest.raises(ValueError, match="scheme") as err:
         parse_redis_url("http://u:p4ss@h:1/0")
     assert "p4ss" not in str(err.value)
 
 
-@pytest.mark.parametrize("cluster, fragment", [
-    ({"redis_url": "http://h:1"}, "scheme must be"),
-    ({"redis_url": "redis://:s3cret@h:99999/0"}, "Port out of range"),
-    ({"redis_url": "redis://h:6379/zero"}, "database must be a number"),
-    ({"store": "redis", "start_local_redis": False}, "set cluster.redis_url or cluster.start_local_redis"),
-])
+@pytest.mark.parametrize(
+    "cluster, fragment",
+    [
+        ({"redis_url": "http://h:1"}, "scheme must be"),
+        ({"redis_url": "redis://:s3cret@h:99999/0"}, "Port out of range"),
+        ({"redis_url": "redis://h:6379/zero"}, "database must be a number"),
+        (
+            {"store": "redis", "start_local_redis": False},
+            "set cluster.redis_url or cluster.start_local_redis",
+        ),
+    ],
+)
 def test_cluster_redis_settings_are_validated(cluster, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
         from_dict({"cluster": cluster})
@@ -428,17 +450,28 @@ def _rank_main(rank: int, world: int, url: str, job: str, results) -> None:
         from megatron.core import parallel_state as ps
 
         store = RedisStore(url, job_id=job, attempt=0, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
         x = torch.tensor([float(rank + 1)])
         dist.all_reduce(x)
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                     distributed_timeout_minutes=1, create_gloo_process_groups=True)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            distributed_timeout_minutes=1,
+            create_gloo_process_groups=True,
+        )
         tp = torch.tensor([float(rank)])
         dist.all_reduce(tp, group=ps.get_tensor_model_parallel_group())
-        row = {"rank": rank, "world_sum": x.item(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-               "pp_rank": ps.get_pipeline_model_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
-               "tp_sum": tp.item(), "store_keys": store.num_keys()}
+        row = {
+            "rank": rank,
+            "world_sum": x.item(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_size": ps.get_data_parallel_world_size(),
+            "tp_sum": tp.item(),
+            "store_keys": store.num_keys(),
+        }
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
@@ -455,8 +488,10 @@ def test_gloo_world_and_megatron_groups_over_redis_store(redis_server):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.store.redis_store"])
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, redis_server.url, job, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, redis_server.url, job, results), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     rows = []
@@ -473,7 +508,12 @@ def test_gloo_world_and_megatron_groups_over_redis_store(redis_server):
     rows.sort(key=lambda r: r["rank"])
     assert all(r["world_sum"] == 1 + 2 + 3 + 4 for r in rows)
     # megatron's default order tp-cp-ep-dp-pp: tp groups {0,1} and {2,3}, pp groups {0,2} and {1,3}
-    assert [(r["tp_rank"], r["pp_rank"], r["dp_size"]) for r in rows] == [(0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+    assert [(r["tp_rank"], r["pp_rank"], r["dp_size"]) for r in rows] == [
+        (0, 0, 1),
+        (1, 0, 1),
+        (0, 1, 1),
+        (1, 1, 1),
+    ]
     assert [r["tp_sum"] for r in rows] == [1.0, 1.0, 5.0, 5.0]
     assert all(r["store_keys"] > 0 for r in rows)
     assert all(p.exitcode == 0 for p in procs)

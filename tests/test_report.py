@@ -12,16 +12,30 @@ from mega.report import load_metrics, markdown_report, node_table, plot_loss_cur
 
 
 def row(step, loss, attempt, tokens_per_s=1000.0, mfu=0.1, step_s=0.5):
-    return {"step": step, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "step_s": step_s,
-            "tokens_per_s": tokens_per_s, "mfu": mfu, "attempt": attempt}
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "attempt": attempt,
+    }
 
 
 @pytest.fixture
 def restarted_run(tmp_path):
     """Attempt 0 logs steps 1-4 and dies; attempt 1 resumes from the step-2 checkpoint."""
-    rows = [row(1, 6.0, 0, tokens_per_s=10.0, mfu=0.01), row(2, 5.0, 0), row(3, 4.5, 0), row(4, 4.2, 0),
-            row(3, 4.4, 1, tokens_per_s=2000.0, mfu=0.2), row(4, 4.1, 1, tokens_per_s=2000.0, mfu=0.2),
-            row(5, 3.9, 1, tokens_per_s=2000.0, mfu=0.2)]
+    rows = [
+        row(1, 6.0, 0, tokens_per_s=10.0, mfu=0.01),
+        row(2, 5.0, 0),
+        row(3, 4.5, 0),
+        row(4, 4.2, 0),
+        row(3, 4.4, 1, tokens_per_s=2000.0, mfu=0.2),
+        row(4, 4.1, 1, tokens_per_s=2000.0, mfu=0.2),
+        row(5, 3.9, 1, tokens_per_s=2000.0, mfu=0.2),
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     return tmp_path
 
@@ -50,7 +64,12 @@ def test_summarize(restarted_run):
 
 
 def test_summary_and_plot_carry_the_last_validation_loss(tmp_path):
-    metrics = [row(1, 4.0, 0), {**row(2, 3.5, 0), "val_loss": 3.8}, row(3, 3.2, 0), {**row(4, 3.0, 0), "val_loss": 3.3}]
+    metrics = [
+        row(1, 4.0, 0),
+        {**row(2, 3.5, 0), "val_loss": 3.8},
+        row(3, 3.2, 0),
+        {**row(4, 3.0, 0), "val_loss": 3.3},
+    ]
     summary = summarize(metrics)
     assert summary["val_loss"] == 3.3 and summary["final_loss"] == 3.0
     png = plot_loss_curve(metrics, tmp_path / "loss.png")
@@ -82,11 +101,16 @@ def test_plot_of_no_metrics_still_writes_a_png(tmp_path):
 
 
 def test_markdown_names_the_nodes(restarted_run):
-    nodes = [{"node": 0, "host": "vm", "address": "10.9.0.2", "ranks": [0, 1, 2, 3]},
-             {"node": 1, "host": "vm", "address": "10.9.0.3", "ranks": [4, 5, 6, 7]}]
+    nodes = [
+        {"node": 0, "host": "vm", "address": "10.9.0.2", "ranks": [0, 1, 2, 3]},
+        {"node": 1, "host": "vm", "address": "10.9.0.3", "ranks": [4, 5, 6, 7]},
+    ]
     (restarted_run / "init.json").write_text(json.dumps({"world_size": 8, "nodes": nodes}))
     assert node_table(restarted_run) == nodes
-    md = markdown_report(summarize(load_metrics(restarted_run)), plot_loss_curve([], restarted_run / "l.png"),
-                         nodes=node_table(restarted_run))
+    md = markdown_report(
+        summarize(load_metrics(restarted_run)),
+        plot_loss_curve([], restarted_run / "l.png"),
+        nodes=node_table(restarted_run),
+    )
     assert "| 0 | vm | 10.9.0.2 | 0-3 |" in md and "| 1 | vm | 10.9.0.3 | 4-7 |" in md
     assert node_table(restarted_run / "nowhere") == []

@@ -23,10 +23,24 @@ STEPS, NAN_AT, SPIKE_AT = 8, 4, 7
 
 
 def train(run_dir, data_index, data_cache, overrides):
-    cfg = compose(["model=tiny", "parallelism=pp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
-                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "train.eval_batches=0",
-                   "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false",
-                   f"checkpoint.dir={run_dir}/checkpoints", "checkpoint.interval=2", "stability.spike_min_steps=3", *overrides])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=pp2",
+            f"train.steps={STEPS}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "train.eval_batches=0",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.async_save=false",
+            f"checkpoint.dir={run_dir}/checkpoints",
+            "checkpoint.interval=2",
+            "stability.spike_min_steps=3",
+            *overrides,
+        ]
+    )
     logs = []
     return run_training(cfg, data_index, log=logs.append), logs
 
@@ -36,7 +50,12 @@ def runs(tmp_path_factory, data_index, data_cache):
     """The drill (NaN at step 4, a loss spike at step 7) and the reference (both steps skipped from
     the start)."""
     root = tmp_path_factory.mktemp("rollback")
-    drill = train(root / "drill", data_index, data_cache, [f"fault.nan_at_step={NAN_AT}", f"fault.spike_at_step={SPIKE_AT}"])
+    drill = train(
+        root / "drill",
+        data_index,
+        data_cache,
+        [f"fault.nan_at_step={NAN_AT}", f"fault.spike_at_step={SPIKE_AT}"],
+    )
     reference = train(root / "reference", data_index, data_cache, [f"train.skip_steps=[{NAN_AT},{SPIKE_AT}]"])
     return root, drill, reference
 
@@ -54,7 +73,10 @@ def test_nan_step_and_spike_roll_back_and_are_skipped(runs):
     assert any(f"step {SPIKE_AT}: loss spike" in line for line in logs), logs
     # both faults were real arithmetic: a poisoned weight (NaN), a 30x final layer norm (spike)
     faults = [json.loads(line) for line in (root / "drill" / "faults.jsonl").read_text().splitlines()]
-    assert {(f["kind"], f["step"], f["attempt"]) for f in faults} == {("nan", NAN_AT, 0), ("spike", SPIKE_AT, 1)}
+    assert {(f["kind"], f["step"], f["attempt"]) for f in faults} == {
+        ("nan", NAN_AT, 0),
+        ("spike", SPIKE_AT, 1),
+    }
     # the skips are in the run record and the metrics; every other step has a finite loss
     record = read_record(root / "drill")
     assert [(s["step"], s["attempt"]) for s in record.skipped_steps] == [(NAN_AT, 0), (SPIKE_AT, 1)]
@@ -67,9 +89,15 @@ def test_nan_step_and_spike_roll_back_and_are_skipped(runs):
     # incidents (mega/stability/incidents_of_attempt.py), each recovered by the next attempt's first step
     nan, spike = [i for i in read_incidents(root / "drill") if i["kind"] != "straggler"]
     assert (nan["kind"], nan["action"]) == ("nan", f"rolled back to iter_0000002, step {NAN_AT} skipped")
-    assert nan["summary"] == f"step {NAN_AT}: loss not finite and grad_norm not finite" and nan["steps_lost"] == 1
+    assert (
+        nan["summary"] == f"step {NAN_AT}: loss not finite and grad_norm not finite"
+        and nan["steps_lost"] == 1
+    )
     assert (spike["kind"], spike["action"], spike["attempt"]) == (
-        "spike", f"rolled back to iter_0000006, step {SPIKE_AT} skipped", 1)
+        "spike",
+        f"rolled back to iter_0000006, step {SPIKE_AT} skipped",
+        1,
+    )
     assert spike["summary"] == f"step {SPIKE_AT}: loss spike" and spike["steps_lost"] == 0
     assert nan["time_to_recover_s"] > 0 and spike["time_to_recover_s"] > 0
 
@@ -111,7 +139,10 @@ def test_curve_after_skip_equals_a_run_that_never_saw_the_batch(runs):
             assert got.get("data_skipped") and got["lr"] == want["lr"]
             continue
         # bit-identical on CPU: same data order, same updates, a bit-exact resume in between
-        assert (got["loss"], got["grad_norm"], got["lr"]) == (want["loss"], want["grad_norm"], want["lr"]), (got, want)
+        assert (got["loss"], got["grad_norm"], got["lr"]) == (want["loss"], want["grad_norm"], want["lr"]), (
+            got,
+            want,
+        )
 
 
 def _verdict_worker(rank: int, port: int, out: str) -> None:
@@ -124,8 +155,9 @@ def _verdict_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=20))  # a wrong pairing errors out, never hangs the suite
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )  # a wrong pairing errors out, never hangs the suite
     ps.is_pipeline_last_stage = lambda ignore_virtual=False: True  # no model here: every rank holds a loss
     group = rollback.verdict_group()
     window = rollback.LossWindow(compose(["model=tiny"]))
@@ -140,7 +172,9 @@ def _verdict_worker(rank: int, port: int, out: str) -> None:
     if rank == 1:
         thread.start()
         time.sleep(0.5)
-    verdict = rollback.check_step({"loss": float("nan") if rank == 0 else 5.0, "grad_norm": 1.0}, window, group)
+    verdict = rollback.check_step(
+        {"loss": float("nan") if rank == 0 else 5.0, "grad_norm": 1.0}, window, group
+    )
     if rank == 0:
         thread.start()
     thread.join()
@@ -154,7 +188,10 @@ def test_step_verdict_does_not_pair_with_a_save_threads_collectives(tmp_path, fr
     mp.spawn(_verdict_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got == {"verdict": {"loss": True, "grad_norm": False, "spike": False}, "sum": 201.0}, (rank, got)
+        assert got == {"verdict": {"loss": True, "grad_norm": False, "spike": False}, "sum": 201.0}, (
+            rank,
+            got,
+        )
 
 
 @pytest.mark.slow
@@ -166,22 +203,23 @@ def test_sample_ledger_lists_the_skipped_batches_and_the_rest_once(runs):
     from tests.goodput_checks import assert_sums_to_wall
 
     root, (drill, _), _ = runs
-    batch = json.loads((root / "drill" / "config.json").read_text())[
-        "parallelism"]["global_batch_size"]
+    batch = json.loads((root / "drill" / "config.json").read_text())["parallelism"]["global_batch_size"]
     for name in ("drill", "reference"):
         led = ledger.write(root / name)
         assert_sums_to_wall(led)
         s = led["samples"]
         assert s["exact"], s
         assert [(x["step"], x["positions"]) for x in s["skipped"]] == [
-            (k, list(range((k - 1) * batch, k * batch))) for k in (NAN_AT, SPIKE_AT)]
+            (k, list(range((k - 1) * batch, k * batch))) for k in (NAN_AT, SPIKE_AT)
+        ]
         assert s["trained_samples"] == s["distinct_samples"] == (STEPS - 2) * batch
     # the final weights equal the reference's bit for bit (the soak's comparison, mega/bench/soak.py)
     from mega.bench.soak import weights_equal
 
     last = f"iter_{STEPS:07d}"
-    same = weights_equal(root / "drill" / "checkpoints" / last, root / "reference" / "checkpoints" / last,
-                         root / "weights")
+    same = weights_equal(
+        root / "drill" / "checkpoints" / last, root / "reference" / "checkpoints" / last, root / "weights"
+    )
     assert same["equal"] and same["tensors"] > 10, same
     drill_led = ledger.build(root / "drill")
     assert {(x["attempt"], x["step"]) for x in drill_led["lost_steps"]} >= {(0, 3), (0, NAN_AT)}

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from mega.config import from_dict
 from mega.cluster.selfcheck import node_verdict, run_selfcheck, selfcheck_floors, verdict_table
+from mega.config import from_dict
 
 
 def node_config(**cluster):
@@ -56,10 +56,19 @@ def test_a_timeout_gives_an_unhealthy_verdict(tmp_path):
     assert "timed out after 1 s" in result["reasons"][0]
 
 
-ROW = {"rank": 0, "local_rank": 0, "device": "cpu", "error": None, "gemm_max_rel_err": 1e-7,
-       "gemm_gflops": 10.0, "alltoall_ok": True, "alltoall_mb_per_s": 100.0}
-FLOORS = selfcheck_floors(from_dict({"cluster": {"selfcheck_min_gemm_gflops": 1.0,
-                                                 "selfcheck_min_alltoall_mb_per_s": 1.0}}).cluster)
+ROW = {
+    "rank": 0,
+    "local_rank": 0,
+    "device": "cpu",
+    "error": None,
+    "gemm_max_rel_err": 1e-7,
+    "gemm_gflops": 10.0,
+    "alltoall_ok": True,
+    "alltoall_mb_per_s": 100.0,
+}
+FLOORS = selfcheck_floors(
+    from_dict({"cluster": {"selfcheck_min_gemm_gflops": 1.0, "selfcheck_min_alltoall_mb_per_s": 1.0}}).cluster
+)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +95,9 @@ def test_node_verdict(rows, expected, reason):
 
 
 def test_library_modules_import_neither_prefect_nor_gpu_packages():
-    code = ("import sys, mega.cluster.selfcheck, mega.cluster.bootstrap, mega.report; "
-            "bad = [m for m in ('prefect', 'megatron', 'transformer_engine', 'apex', 'flash_attn') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, mega.cluster.selfcheck, mega.cluster.bootstrap, mega.report; "
+        "bad = [m for m in ('prefect', 'megatron', 'transformer_engine', 'apex', 'flash_attn') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

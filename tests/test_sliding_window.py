@@ -25,12 +25,27 @@ HEADS, HEAD_DIM = 4, 8
 
 
 def _config(**model):
-    return from_dict({
-        "model": {"num_layers": 2, "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
-                  "seq_length": SEQ, "vocab_size": 128, **model},
-        "parallelism": {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "micro_batch_size": 2, "global_batch_size": 2},
-        "cluster": {"procs_per_node": 1},
-    })
+    return from_dict(
+        {
+            "model": {
+                "num_layers": 2,
+                "hidden_size": HEADS * HEAD_DIM,
+                "num_attention_heads": HEADS,
+                "seq_length": SEQ,
+                "vocab_size": 128,
+                **model,
+            },
+            "parallelism": {
+                "tp": 1,
+                "pp": 1,
+                "vpp": None,
+                "dp": 1,
+                "micro_batch_size": 2,
+                "global_batch_size": 2,
+            },
+            "cluster": {"procs_per_node": 1},
+        }
+    )
 
 
 def reference_attention(q, k, v, window: int | None) -> torch.Tensor:
@@ -57,8 +72,12 @@ def _core_attention(cfg, layer_number: int = 1):
 
     from mega.model import transformer_config
 
-    return DotProductAttention(transformer_config(cfg), layer_number=layer_number,
-                               attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return DotProductAttention(
+        transformer_config(cfg),
+        layer_number=layer_number,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+    )
 
 
 def _attention_vs_reference(window: int | None, groups: int = HEADS) -> dict:
@@ -70,7 +89,10 @@ def _attention_vs_reference(window: int | None, groups: int = HEADS) -> dict:
     core = _core_attention(_config(window_size=window, num_query_groups=groups))
     errors = {}
     outputs, grads = [], []
-    for attend in (lambda *qkv: core(*qkv, attention_mask=None), lambda *qkv: reference_attention(*qkv, window)):
+    for attend in (
+        lambda *qkv: core(*qkv, attention_mask=None),
+        lambda *qkv: reference_attention(*qkv, window),
+    ):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = attend(*leaves)
         (out * upstream).sum().backward()
@@ -133,7 +155,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             "1 layer, window 4": _positions_token0_reaches(num_layers=1, window_size=4),
             "2 layers, window 4": _positions_token0_reaches(window_size=4),
             "2 layers, window 4, parallel block": _positions_token0_reaches(window_size=4, block="parallel"),
-            "2 layers, window 4, every 2nd full": _positions_token0_reaches(window_size=4, full_attention_every=2),
+            "2 layers, window 4, every 2nd full": _positions_token0_reaches(
+                window_size=4, full_attention_every=2
+            ),
         },
     }
     Path(out_dir, "results.json").write_text(json.dumps(results))
@@ -196,11 +220,14 @@ def test_information_travels_window_tokens_per_layer(results):
 # Configuration, backend choice, MFU
 
 
-@pytest.mark.parametrize("model, key", [
-    ({"window_size": 0}, "model.window_size"),
-    ({"window_size": 8, "full_attention_every": 0}, "model.full_attention_every"),
-    ({"full_attention_every": 2}, "model.full_attention_every"),  # needs a window
-])
+@pytest.mark.parametrize(
+    "model, key",
+    [
+        ({"window_size": 0}, "model.window_size"),
+        ({"window_size": 8, "full_attention_every": 0}, "model.full_attention_every"),
+        ({"full_attention_every": 2}, "model.full_attention_every"),  # needs a window
+    ],
+)
 def test_invalid_window_settings_name_the_key(model, key):
     with pytest.raises(ConfigError) as err:
         from_dict({"model": model})
@@ -231,11 +258,27 @@ def test_flash_attention_only_where_it_can_run(monkeypatch):
 
 
 def test_mfu_counts_windowed_and_full_layers_separately():
-    cfg = from_dict({"model": {"num_layers": 4, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 16,
-                               "window_size": 3, "full_attention_every": 2},
-                     "parallelism": {"tp": 1, "pp": 1, "vpp": None, "dp": 1, "micro_batch_size": 2,
-                                     "global_batch_size": 4},
-                     "cluster": {"procs_per_node": 1}})
+    cfg = from_dict(
+        {
+            "model": {
+                "num_layers": 4,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "seq_length": 16,
+                "window_size": 3,
+                "full_attention_every": 2,
+            },
+            "parallelism": {
+                "tp": 1,
+                "pp": 1,
+                "vpp": None,
+                "dp": 1,
+                "micro_batch_size": 2,
+                "global_batch_size": 4,
+            },
+            "cluster": {"procs_per_node": 1},
+        }
+    )
     m, tokens = cfg.model, 4 * 16
     full = model_flops_per_token(m)  # every layer attends to all 16 positions
 
@@ -251,4 +294,5 @@ def test_mfu_counts_windowed_and_full_layers_separately():
     # the per-token count with explicit arguments agrees; 3 layers with every=2: one full layer
     three = ModelConfig(num_layers=3, hidden_size=8, num_attention_heads=2, seq_length=16)
     assert model_flops_per_token(three, window=3, full_attention_every=2) == (
-        model_flops_per_token(three) - attention_saving(2))
+        model_flops_per_token(three) - attention_saving(2)
+    )

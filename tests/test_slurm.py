@@ -29,20 +29,44 @@ def _cfg(tmp_path, *extra):
 
 
 def _job(cfg, name="train-attempt0", **env):
-    return JobSpec("mega.train", ["--config", "/shared/run/config.json", "--data-index", "/shared/data/index.json"],
-                   {**cfg.cluster.env, "MEGA_ATTEMPT": "0", **env}, Path(cfg.train.run_dir), name)
+    return JobSpec(
+        "mega.train",
+        ["--config", "/shared/run/config.json", "--data-index", "/shared/data/index.json"],
+        {**cfg.cluster.env, "MEGA_ATTEMPT": "0", **env},
+        Path(cfg.train.run_dir),
+        name,
+    )
 
 
 SCRIPTS = {
-    "h100-8x-4nodes": ["cluster=h100-8x", "cluster.nodes=4", "parallelism.dp=8", "parallelism.global_batch_size=64",
-                       "launcher.slurm.partition=gpu", "launcher.slurm.account=proj", "launcher.slurm.qos=high",
-                       "launcher.slurm.cpus_per_task=96",
-                       "launcher.slurm.setup=[module load cuda/12.4,source /shared/venv/bin/activate]"],
-    "a100-8x-2nodes-container": ["cluster=a100-8x", "cluster.nodes=2", "parallelism.dp=4",
-                                 "parallelism.global_batch_size=32", "launcher.slurm.container_image=nvcr.io/x/mega:1",
-                                 "launcher.slurm.exclusive=false", "launcher.rdzv_port=0", "launcher.slurm.mem=null"],
-    "cpu-2nodes": ["cluster=local-cpu", "cluster.launchers=[local,slurm]", "cluster.nodes=2",
-                   "cluster.procs_per_node=4", "launcher.slurm.time=1-00:00:00"],
+    "h100-8x-4nodes": [
+        "cluster=h100-8x",
+        "cluster.nodes=4",
+        "parallelism.dp=8",
+        "parallelism.global_batch_size=64",
+        "launcher.slurm.partition=gpu",
+        "launcher.slurm.account=proj",
+        "launcher.slurm.qos=high",
+        "launcher.slurm.cpus_per_task=96",
+        "launcher.slurm.setup=[module load cuda/12.4,source /shared/venv/bin/activate]",
+    ],
+    "a100-8x-2nodes-container": [
+        "cluster=a100-8x",
+        "cluster.nodes=2",
+        "parallelism.dp=4",
+        "parallelism.global_batch_size=32",
+        "launcher.slurm.container_image=nvcr.io/x/mega:1",
+        "launcher.slurm.exclusive=false",
+        "launcher.rdzv_port=0",
+        "launcher.slurm.mem=null",
+    ],
+    "cpu-2nodes": [
+        "cluster=local-cpu",
+        "cluster.launchers=[local,slurm]",
+        "cluster.nodes=2",
+        "cluster.procs_per_node=4",
+        "launcher.slurm.time=1-00:00:00",
+    ],
 }
 
 
@@ -58,7 +82,9 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
     # SC1091: the setup lines source files that exist only on the cluster
     check = subprocess.run(["shellcheck", "--exclude=SC1091", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
-    node_cmd = script.split("bash -c ", 1)[1].rsplit(") &\n", 1)[0].strip()  # srun's command, in its ( ... ) &
+    node_cmd = (
+        script.split("bash -c ", 1)[1].rsplit(") &\n", 1)[0].strip()
+    )  # srun's command, in its ( ... ) &
     inner = subprocess.run(["bash", "-c", f"bash -n -c {node_cmd}"], capture_output=True, text=True)
     assert inner.returncode == 0, inner.stderr  # the per-node command parses too
 
@@ -82,33 +108,64 @@ def test_sbatch_script_is_valid_and_wires_every_node(name, tmp_path):
 
 
 def test_secrets_and_bad_settings_never_reach_a_script(tmp_path):
-    cfg = _cfg(tmp_path, "cluster=h100-8x", "cluster.store=redis", f"cluster.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0")
+    cfg = _cfg(
+        tmp_path,
+        "cluster=h100-8x",
+        "cluster.store=redis",
+        f"cluster.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0",
+    )
     script = slurm.render_sbatch(cfg, _job(cfg, MEGA_REDIS_URL="redis://10.0.0.5:6379/0"))
     assert PASSWORD not in script and "MEGA_REDIS_URL=redis://10.0.0.5:6379/0" in script
-    for secret in ("MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        with pytest.raises(ValueError, match=secret):  # a secret handed to the renderer is refused, not written
+    for secret in (
+        "MEGA_REDIS_PASSWORD",
+        "MEGA_HEARTBEAT_PASSWORD",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+    ):
+        with pytest.raises(
+            ValueError, match=secret
+        ):  # a secret handed to the renderer is refused, not written
             slurm.render_sbatch(cfg, _job(cfg, **{secret: PASSWORD}))
 
-    for override, key in [("launcher.slurm.time=4h", "launcher.slurm.time"),
-                          ("launcher.slurm.time=0", "launcher.slurm.time"),
-                          ("launcher.slurm.cpus_per_task=0", "launcher.slurm.cpus_per_task"),
-                          ("launcher.slurm.signal_grace_s=14400", "launcher.slurm.signal_grace_s"),  # = the limit
-                          ("launcher.slurm.max_requeues=-1", "launcher.slurm.max_requeues"),
-                          ("launcher.slurm.numa_binding=nearest", "launcher.slurm.numa_binding")]:
+    for override, key in [
+        ("launcher.slurm.time=4h", "launcher.slurm.time"),
+        ("launcher.slurm.time=0", "launcher.slurm.time"),
+        ("launcher.slurm.cpus_per_task=0", "launcher.slurm.cpus_per_task"),
+        ("launcher.slurm.signal_grace_s=14400", "launcher.slurm.signal_grace_s"),  # = the limit
+        ("launcher.slurm.max_requeues=-1", "launcher.slurm.max_requeues"),
+        ("launcher.slurm.numa_binding=nearest", "launcher.slurm.numa_binding"),
+    ]:
         cfg = _cfg(tmp_path, "cluster=h100-8x", override)
         with pytest.raises(ConfigError) as err:
             slurm.render_sbatch(cfg, _job(cfg))
         assert err.value.key == key
-    assert [slurm.slurm_minutes(t) for t in ("30", "90:30", "04:00:00", "2-00:00:00", "1-12")] == [30, 91, 240, 2880, 2160]
+    assert [slurm.slurm_minutes(t) for t in ("30", "90:30", "04:00:00", "2-00:00:00", "1-12")] == [
+        30,
+        91,
+        240,
+        2880,
+        2160,
+    ]
 
 
 def test_each_attempt_is_named_for_its_run_signals_and_excludes(tmp_path):
-    cfg = _cfg(tmp_path, "cluster=h100-8x", "cluster.nodes=2", "parallelism.dp=4", "parallelism.global_batch_size=32",
-               "launcher.slurm.signal_grace_s=300", "launcher.slurm.exclude=[bad7]")
+    cfg = _cfg(
+        tmp_path,
+        "cluster=h100-8x",
+        "cluster.nodes=2",
+        "parallelism.dp=4",
+        "parallelism.global_batch_size=32",
+        "launcher.slurm.signal_grace_s=300",
+        "launcher.slurm.exclude=[bad7]",
+    )
     script = slurm.render_sbatch(cfg, _job(cfg, name="train-attempt3"), exclude=["gpu12", "bad7"])
     directives = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
     assert "--job-name=mega-run-train-attempt3" in directives
-    assert "--exclude=bad7,gpu12" in directives and "--signal=B:USR1@300" in directives and "--no-requeue" in directives
+    assert (
+        "--exclude=bad7,gpu12" in directives
+        and "--signal=B:USR1@300" in directives
+        and "--no-requeue" in directives
+    )
     assert "export MEGA_EXIT_SIGNAL=USR1" in script
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script  # cpus_per_task=null: every core of the node
     assert "MASTER_PORT=$(python -c" in script  # rdzv_port=0: a port free on the first node
@@ -116,10 +173,16 @@ def test_each_attempt_is_named_for_its_run_signals_and_excludes(tmp_path):
 
 def test_numa_binding_is_a_torchrun_flag_for_gpu_ranks_only(tmp_path):
     cfg = _cfg(tmp_path, "cluster=h100-8x", "launcher.slurm.numa_binding=node")
-    agent = next(line for line in slurm.render_sbatch(cfg, _job(cfg)).splitlines() if "torch.distributed.run" in line)
+    agent = next(
+        line for line in slurm.render_sbatch(cfg, _job(cfg)).splitlines() if "torch.distributed.run" in line
+    )
     assert "python -m torch.distributed.run --numa-binding=node --nnodes=1" in agent
-    assert "--numa-binding" not in slurm.render_sbatch(_cfg(tmp_path, "cluster=h100-8x"), _job(cfg))  # null: none
-    cpu = _cfg(tmp_path, "cluster=local-cpu", "cluster.launchers=[local,slurm]", "launcher.slurm.numa_binding=node")
+    assert "--numa-binding" not in slurm.render_sbatch(
+        _cfg(tmp_path, "cluster=h100-8x"), _job(cfg)
+    )  # null: none
+    cpu = _cfg(
+        tmp_path, "cluster=local-cpu", "cluster.launchers=[local,slurm]", "launcher.slurm.numa_binding=node"
+    )
     with pytest.raises(ConfigError, match="needs cluster.device=cuda"):
         slurm.render_sbatch(cpu, _job(cpu))
     assert set(slurm.numa_modes()) >= {"node", "socket"}  # this torch has the flag
@@ -137,24 +200,64 @@ def test_a_driver_without_prefect_api_url_says_once_what_that_means(tmp_path, mo
     for run in ("b", "c"):
         slurm.SlurmBackend(cfg, tmp_path / run, log=said.append)
     [note] = said  # once per driver process, not once per backend
-    assert "PREFECT_API_URL is not set" in note and "temporary Prefect server" in note and "/home/me/.prefect" in note
+    assert (
+        "PREFECT_API_URL is not set" in note
+        and "temporary Prefect server" in note
+        and "/home/me/.prefect" in note
+    )
 
 
 def test_render_cli_writes_config_and_script_or_names_the_bad_key(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "mega.launch.slurm", "render", "cluster=a100-8x", "launcher=slurm",
-                          "cluster.nodes=2", "parallelism.dp=4", "parallelism.global_batch_size=32",
-                          f"train.run_dir={tmp_path}/run", "--data-index", "/shared/index.json", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mega.launch.slurm",
+            "render",
+            "cluster=a100-8x",
+            "launcher=slurm",
+            "cluster.nodes=2",
+            "parallelism.dp=4",
+            "parallelism.global_batch_size=32",
+            f"train.run_dir={tmp_path}/run",
+            "--data-index",
+            "/shared/index.json",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     script = (tmp_path / "o" / "train-attempt0.sbatch").read_text()
     assert f"--config {tmp_path}/o/config.json --data-index /shared/index.json" in script
     assert json.loads((tmp_path / "o" / "config.json").read_text())["cluster"]["nodes"] == 2
     assert (tmp_path / "run").is_dir()  # sbatch opens --output there before the script runs
 
-    bad = subprocess.run([sys.executable, "-m", "mega.launch.slurm", "render", "cluster=a100-8x", "launcher=slurm",
-                          "cluster.nodes=2", "--data-index", "x", "--out", str(tmp_path / "bad")],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mega.launch.slurm",
+            "render",
+            "cluster=a100-8x",
+            "launcher=slurm",
+            "cluster.nodes=2",
+            "--data-index",
+            "x",
+            "--out",
+            str(tmp_path / "bad"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "invalid config: cluster.procs_per_node" in bad.stderr
     assert not (tmp_path / "bad").exists()
 
@@ -169,17 +272,21 @@ def slurm_bin(tmp_path, monkeypatch):
     bin_dir = tmp_path / "slurm-bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(
-        '#!/bin/bash\n# stand-in: keep the script sbatch was given, then refuse it\n'
-        f'cp "${{@: -1}}" {bin_dir}/submitted.sh\necho "sbatch: error: stand-in, not a Slurm cluster" >&2\nexit 1\n')
+        "#!/bin/bash\n# stand-in: keep the script sbatch was given, then refuse it\n"
+        f'cp "${{@: -1}}" {bin_dir}/submitted.sh\necho "sbatch: error: stand-in, not a Slurm cluster" >&2\nexit 1\n'
+    )
     # stand-in: `scontrol show hostnames`, the first host this machine; as on a large allocation
     # the list is long, so a script that stops reading after one line gets scontrol killed by SIGPIPE
-    (bin_dir / "scontrol").write_text('#!/bin/bash\necho 127.0.0.1\nfor ((i = 2; i <= 20000; i++)); do echo "node$i"; done\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\necho 127.0.0.1\nfor ((i = 2; i <= 20000; i++)); do echo "node$i"; done\n'
+    )
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n# stand-in: start --ntasks copies of the command, task k with SLURM_NODEID=k, as srun\n"
         "# does with one task per node; exit with the first failure\n"
-        'n=1; while [[ $1 == -* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n'
+        "n=1; while [[ $1 == -* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n"
         'pids=(); for ((k = 0; k < n; k++)); do SLURM_NODEID=$k SLURM_PROCID=$k "$@" & pids+=($!); done\n'
-        'rc=0; for p in "${pids[@]}"; do wait "$p" || { c=$?; [[ $rc == 0 ]] && rc=$c; }; done; exit $rc\n')
+        'rc=0; for p in "${pids[@]}"; do wait "$p" || { c=$?; [[ $rc == 0 ]] && rc=$c; }; done; exit $rc\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -187,8 +294,17 @@ def slurm_bin(tmp_path, monkeypatch):
 
 
 def _probe_cfg(tmp_path, port, *extra):
-    return _cfg(tmp_path, "cluster=local-cpu", "cluster.launchers=[local,slurm]", "cluster.nodes=2",
-                "cluster.procs_per_node=2", "parallelism=dp2", "parallelism.dp=4", f"launcher.rdzv_port={port}", *extra)
+    return _cfg(
+        tmp_path,
+        "cluster=local-cpu",
+        "cluster.launchers=[local,slurm]",
+        "cluster.nodes=2",
+        "cluster.procs_per_node=2",
+        "parallelism=dp2",
+        "parallelism.dp=4",
+        f"launcher.rdzv_port={port}",
+        *extra,
+    )
 
 
 def _ranks(out_dir: Path) -> dict[int, dict]:
@@ -197,9 +313,16 @@ def _ranks(out_dir: Path) -> dict[int, dict]:
 
 def _assert_two_nodes_of_two(ranks: dict[int, dict], master: str):
     assert sorted(ranks) == [0, 1, 2, 3]
-    assert {r: (x["node_rank"], x["local_rank"]) for r, x in ranks.items()} == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert {r: (x["node_rank"], x["local_rank"]) for r, x in ranks.items()} == {
+        0: (0, 0),
+        1: (0, 1),
+        2: (1, 0),
+        3: (1, 1),
+    }
     assert {x["master"] for x in ranks.values()} == {master}
-    assert all(x["world_size"] == 4 and x["nnodes"] == 2 and x["local_world_size"] == 2 for x in ranks.values())
+    assert all(
+        x["world_size"] == 4 and x["nnodes"] == 2 and x["local_world_size"] == 2 for x in ranks.values()
+    )
     assert ranks[0]["peers"] == ranks[3]["peers"]  # one process group over both nodes
 
 
@@ -209,13 +332,26 @@ def test_the_sbatch_script_runs_one_agent_per_node(tmp_path, slurm_bin, free_por
     its node rank from SLURM_NODEID and meets the others at the first host."""
     port = free_port()
     cfg = _probe_cfg(tmp_path, port)
-    job = JobSpec("mega.launch.probe", ["--out", str(tmp_path / "probe")], {"MEGA_ATTEMPT": "0"}, tmp_path / "run", "probe")
+    job = JobSpec(
+        "mega.launch.probe",
+        ["--out", str(tmp_path / "probe")],
+        {"MEGA_ATTEMPT": "0"},
+        tmp_path / "run",
+        "probe",
+    )
     script = tmp_path / "probe.sbatch"
     script.write_text(slurm.render_sbatch(cfg, job, python=sys.executable))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "4242",
-           "SLURM_CPUS_ON_NODE": "2"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_CPUS_ON_NODE": "2",
+    }
     run = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr + "".join(p.read_text() for p in (tmp_path / "run" / "nodes").rglob("*.log"))
+    assert run.returncode == 0, run.stderr + "".join(
+        p.read_text() for p in (tmp_path / "run" / "nodes").rglob("*.log")
+    )
     _assert_two_nodes_of_two(_ranks(tmp_path / "probe"), f"127.0.0.1:{port}")
     assert sorted(p.parent.name for p in (tmp_path / "run" / "nodes").glob("*/probe.log")) == ["0", "1"]
 
@@ -225,14 +361,34 @@ def test_the_hydra_sweep_preset_submits_through_the_plugin(tmp_path, slurm_bin):
     hydra-submitit-launcher, in launcher.slurm.driver_partition (not the GPU partition) with the
     account of launcher.slurm, asking for no GPU."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "flows.pretrain", "-m", "hydra/launcher=slurm-sweep",
-                          "launcher.slurm.partition=gpu", "launcher.slurm.driver_partition=cpu-long",
-                          "launcher.slurm.account=proj", "optimizer.lr=1e-4,3e-4",
-                          f"hydra.sweep.dir={tmp_path}/sweep"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.pretrain",
+            "-m",
+            "hydra/launcher=slurm-sweep",
+            "launcher.slurm.partition=gpu",
+            "launcher.slurm.driver_partition=cpu-long",
+            "launcher.slurm.account=proj",
+            "optimizer.lr=1e-4,3e-4",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert out.returncode != 0 and "stand-in, not a Slurm cluster" in out.stderr, out.stderr[-2000:]
     submitted = (slurm_bin / "submitted.sh").read_text()
-    for directive in ("--partition=cpu-long", "--account=proj", "--nodes=1", "--ntasks-per-node=1",
-                      "--cpus-per-task=4", "--array=0-1%2"):  # two sweep jobs
+    for directive in (
+        "--partition=cpu-long",
+        "--account=proj",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=4",
+        "--array=0-1%2",
+    ):  # two sweep jobs
         assert f"#SBATCH {directive}\n" in submitted, directive
     assert "--partition=gpu" not in submitted and "--gpus" not in submitted and "--gres" not in submitted

@@ -15,24 +15,39 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_cluster import needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 from mega.config import compose
 from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
 from mega.metrics import read_metrics
 from mega.stability.incident import read_incidents
-from slurm_cluster import needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 pytestmark = [needs_slurm, pytest.mark.slow]
 
 S3_SECRET = "s3-secret-never-in-slurm-4c1d"
-LAYOUT = ["model=tiny", "model.num_layers=4", "parallelism=tp2-pp2-dp2", "optimizer.warmup_steps=1",
-          "cluster.pg_timeout_s=120"]
-ON_SLURM = ["launcher=slurm", "cluster.launchers=[local,local-nodes,slurm]", "cluster.nodes=2",
-            "launcher.slurm.exclusive=false", "launcher.slurm.mem=null"]
+LAYOUT = [
+    "model=tiny",
+    "model.num_layers=4",
+    "parallelism=tp2-pp2-dp2",
+    "optimizer.warmup_steps=1",
+    "cluster.pg_timeout_s=120",
+]
+ON_SLURM = [
+    "launcher=slurm",
+    "cluster.launchers=[local,local-nodes,slurm]",
+    "cluster.nodes=2",
+    "launcher.slurm.exclusive=false",
+    "launcher.slurm.mem=null",
+]
 # The drills test Slurm's side (signals, requeue, exclusion), not a layout: one rank per node.
-DRILL = ["model=tiny", "parallelism=dp2", "optimizer.warmup_steps=1", "cluster.pg_timeout_s=120",
-         "cluster.procs_per_node=1"]
+DRILL = [
+    "model=tiny",
+    "parallelism=dp2",
+    "optimizer.warmup_steps=1",
+    "cluster.pg_timeout_s=120",
+    "cluster.procs_per_node=1",
+]
 
 
 def _cfg(run_dir: Path, *extra: str):
@@ -58,12 +73,15 @@ class _Watch(threading.Thread):
 
     def run(self):
         while not self.halt.is_set():
-            out = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30).stdout
+            out = subprocess.run(
+                ["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, timeout=30
+            ).stdout
             running = [line.split() for line in out.splitlines() if "RUNNING" in line]
             self.names |= {name for _, name, _ in running}
             for job_id, _, _ in running:
-                self.stored += subprocess.run(["scontrol", "show", "job", "-dd", job_id], capture_output=True,
-                                              text=True, timeout=30).stdout
+                self.stored += subprocess.run(
+                    ["scontrol", "show", "job", "-dd", job_id], capture_output=True, text=True, timeout=30
+                ).stdout
             for f in self.state_dir.glob("hash.*/job.*/*"):  # environment, script (while the job lives)
                 with contextlib.suppress(OSError):
                     self.stored += f.read_bytes().decode(errors="replace")
@@ -89,7 +107,8 @@ def local_losses(tmp_path_factory, data_index):
 
 
 def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_out_of_slurm(
-        slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch):
+    slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch
+):
     """flows.pretrain with launcher=slurm, tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the self-check and
     the training run as Slurm jobs (squeue) on two hosts of their own, the losses equal
     launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge, and neither the
@@ -98,8 +117,15 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     run_dir = tmp_path / "run"
-    overrides = [*LAYOUT, *ON_SLURM, "cluster.procs_per_node=4", f"train.run_dir={run_dir}", "train.steps=4",
-                 f"data.cache_dir={data_cache}", "cluster.store=redis"]  # a local Redis, with a password, on the bridge
+    overrides = [
+        *LAYOUT,
+        *ON_SLURM,
+        "cluster.procs_per_node=4",
+        f"train.run_dir={run_dir}",
+        "train.steps=4",
+        f"data.cache_dir={data_cache}",
+        "cluster.store=redis",
+    ]  # a local Redis, with a password, on the bridge
     watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
     watch.start()
     try:
@@ -112,13 +138,18 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
     assert "mega-run-train-attempt0" in watch.names
     hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}  # the self-check's Slurm job
-    assert summary["selfcheck"]["healthy"] and hosts == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}, summary
+    assert summary["selfcheck"]["healthy"] and hosts == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}, (
+        summary
+    )
 
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert max(abs(a - b) for a, b in zip(losses, local_losses, strict=True)) <= 1e-6, (losses, local_losses)
 
-    procs = [json.loads(line) for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
-             for line in p.read_text().splitlines()]
+    procs = [
+        json.loads(line)
+        for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
+        for line in p.read_text().splitlines()
+    ]
     assert {(p["node"], p["host"]) for p in procs} == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}
     beats = json.loads((run_dir / "heartbeats-attempt0.json").read_text())
     assert sorted(int(r) for r, b in beats["ranks"].items() if b["sent"] > 0) == list(range(8))
@@ -127,20 +158,26 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     script = (run_dir / "slurm" / "train-attempt0" / "job.sbatch").read_text()
     assert watch.modes == {0o600}
     assert watch.secrets["AWS_SECRET_ACCESS_KEY"] == repr(S3_SECRET).strip("'")
-    assert {"MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD"} <= set(watch.secrets)  # the ranks read them there
+    assert {"MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD"} <= set(
+        watch.secrets
+    )  # the ranks read them there
     assert "MEGA_REDIS_URL=redis://10.216.0.1:" in stored  # the job's environment is in Slurm ...
     for value in [S3_SECRET, *(v.strip("'") for v in watch.secrets.values())]:
         assert value not in stored and value not in script  # ... its secrets are not
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
 
 
-def _when_step(run_dir: Path, step: int, action, attempt: int = 0, timeout_s: float = 300.0) -> threading.Thread:
+def _when_step(
+    run_dir: Path, step: int, action, attempt: int = 0, timeout_s: float = 300.0
+) -> threading.Thread:
     """A thread that calls ``action()`` once ``attempt`` has logged ``step`` (gives up after ``timeout_s``)."""
+
     def wait():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if (run_dir / "metrics.jsonl").exists() and any(
-                    r["step"] >= step and r.get("attempt") == attempt for r in read_metrics(run_dir)):
+                r["step"] >= step and r.get("attempt") == attempt for r in read_metrics(run_dir)
+            ):
                 action()
                 return
             time.sleep(0.5)
@@ -151,16 +188,26 @@ def _when_step(run_dir: Path, step: int, action, attempt: int = 0, timeout_s: fl
 
 
 def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_new_attempt_finishes(
-        slurm_cluster, tmp_path, data_index):
+    slurm_cluster, tmp_path, data_index
+):
     """SIGSTOP rank 1 (node 1's only rank) after step 3: the watcher's hang incident names that rank,
     node 1 and its host; the driver cancels the attempt's Slurm job and a new job resumes from
     step 2's save and finishes."""
     from mega.bench.faults import stop_rank_when
 
     run_dir = tmp_path / "run"
-    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "checkpoint.async_save=false",
-                     "checkpoint.restart_backoff_s=0", "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=10",
-                     "stability.heartbeat_s=1", "stability.min_hang_s=20", "stability.progress_factor=10")
+    cfg = _drill_cfg(
+        run_dir,
+        "train.steps=4",
+        "checkpoint.interval=2",
+        "checkpoint.async_save=false",
+        "checkpoint.restart_backoff_s=0",
+        "cluster.hang_timeout_s=120",
+        "checkpoint.upload_timeout_s=10",
+        "stability.heartbeat_s=1",
+        "stability.min_hang_s=20",
+        "stability.progress_factor=10",
+    )
     stopped: dict = {}
     stopper = threading.Thread(target=stop_rank_when, args=(run_dir, 1, 3, stopped), daemon=True)
     stopper.start()
@@ -180,7 +227,9 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     assert slurm.job_info(second)["JobState"] == "COMPLETED"
 
 
-def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(slurm_cluster, tmp_path, data_index):
+def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
+    slurm_cluster, tmp_path, data_index
+):
     """The short partition, a 2-minute limit and ``--signal=B:USR1@90``: slurmctld's own timer sends
     the warning. It checks limits every 30 s and sends a warning due before the next check at once,
     so here it comes within about 30 s of the job's start (Slurm's documented "up to 60 s early"),
@@ -192,9 +241,16 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(slur
     from mega.cluster.node import read_processes
 
     run_dir = tmp_path / "run"
-    cfg = _drill_cfg(run_dir, "train.steps=2", "launcher.slurm.partition=short", "launcher.slurm.time=2",
-                     "launcher.slurm.signal_grace_s=90", "checkpoint.interval=100", "checkpoint.max_restarts=0",
-                     "stability.min_hang_s=120")
+    cfg = _drill_cfg(
+        run_dir,
+        "train.steps=2",
+        "launcher.slurm.partition=short",
+        "launcher.slurm.time=2",
+        "launcher.slurm.signal_grace_s=90",
+        "checkpoint.interval=100",
+        "checkpoint.max_restarts=0",
+        "stability.min_hang_s=120",
+    )
     warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
     frozen: dict = {}
 
@@ -222,18 +278,28 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(slur
     assert result.final_step == 2
     first, second = result.history
     assert first.get("requeued") and first["final_step"] == 1, result.history
-    assert second["code"] in (0, slurm.PREEMPTED), result.history  # done, or warned at its last step: no failure
+    assert second["code"] in (0, slurm.PREEMPTED), (
+        result.history
+    )  # done, or warned at its last step: no failure
     assert second["restored"].endswith("iter_0000001"), result.history
     rows = read_metrics(run_dir)
-    assert [(r["step"], r["attempt"]) for r in rows] == [(1, first["attempt"]), (2, second["attempt"])]  # none lost
+    assert [(r["step"], r["attempt"]) for r in rows] == [
+        (1, first["attempt"]),
+        (2, second["attempt"]),
+    ]  # none lost
 
 
 def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster, tmp_path, data_index):
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
     ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
     run_dir = tmp_path / "run"
-    cfg = _drill_cfg(run_dir, "train.steps=4", "checkpoint.interval=2", "launcher.slurm.stop_timeout_s=5",
-               "checkpoint.restart_backoff_s=0")
+    cfg = _drill_cfg(
+        run_dir,
+        "train.steps=4",
+        "checkpoint.interval=2",
+        "launcher.slurm.stop_timeout_s=5",
+        "checkpoint.restart_backoff_s=0",
+    )
     killed = {}
     killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))
     try:
@@ -259,8 +325,9 @@ def test_recovery_cancels_the_runs_live_job_and_no_other(slurm_cluster, tmp_path
         script = tmp_path / run / "slurm" / "train-attempt0" / "job.sbatch"
         script.parent.mkdir(parents=True)
         script.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --output=/dev/null\nsleep 600\n")
-        jobs[run] = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True,
-                                   check=True, timeout=30).stdout.strip()
+        jobs[run] = subprocess.run(
+            ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
     deadline = time.monotonic() + 60
     while any(slurm.job_info(j).get("JobState") != "RUNNING" for j in jobs.values()):
         assert time.monotonic() < deadline, {r: slurm.job_info(j).get("JobState") for r, j in jobs.items()}

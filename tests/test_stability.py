@@ -24,19 +24,35 @@ def grid(tp=2, pp=2, dp=2, per_node=4) -> dict[int, dict]:
     ids = {}
     for r in range(tp * pp * dp):
         t, d, p = r % tp, (r // tp) % dp, r // (tp * dp)
-        ids[r] = {"rank": r, "node": r // per_node, "host": f"h{r // per_node}", "tp": t, "pp": p, "dp": d,
-                  "groups": {"tp": [p * tp * dp + d * tp + i for i in range(tp)],
-                             "dp": [p * tp * dp + j * tp + t for j in range(dp)],
-                             "pp": [k * tp * dp + d * tp + t for k in range(pp)],
-                             "world": list(range(tp * pp * dp))}}
+        ids[r] = {
+            "rank": r,
+            "node": r // per_node,
+            "host": f"h{r // per_node}",
+            "tp": t,
+            "pp": p,
+            "dp": d,
+            "groups": {
+                "tp": [p * tp * dp + d * tp + i for i in range(tp)],
+                "dp": [p * tp * dp + j * tp + t for j in range(dp)],
+                "pp": [k * tp * dp + d * tp + t for k in range(pp)],
+                "world": list(range(tp * pp * dp)),
+            },
+        }
     return ids
 
 
 def beats(ids, seq: dict[int, dict] | None = None, age: dict[int, float] | None = None) -> dict[int, dict]:
     """Everyone beat 0.5 s ago having entered 10 collectives per group, unless told otherwise."""
     seq, age = seq or {}, age or {}
-    return {r: {"rank": r, "time": NOW - age.get(r, 0.5), "step": 3,
-                "seq": {g: seq.get(r, {}).get(g, 10) for g in ("tp", "pp", "dp", "world")}} for r in ids}
+    return {
+        r: {
+            "rank": r,
+            "time": NOW - age.get(r, 0.5),
+            "step": 3,
+            "seq": {g: seq.get(r, {}).get(g, 10) for g in ("tp", "pp", "dp", "world")},
+        }
+        for r in ids
+    }
 
 
 def test_all_beating_and_level_is_no_culprit():
@@ -128,8 +144,14 @@ def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
     def publish(step, skip=()):
         for rank in ids:
             if rank not in skip:
-                rec = {"rank": rank, "time": clock[0], "step": step, "step_s": 0.2, "compute_s": 0.1,
-                       "seq": {"tp": 10 * step + (rank == 4), "pp": 10 * step, "dp": 10 * step, "world": step}}
+                rec = {
+                    "rank": rank,
+                    "time": clock[0],
+                    "step": step,
+                    "step_s": 0.2,
+                    "compute_s": 0.1,
+                    "seq": {"tp": 10 * step + (rank == 4), "pp": 10 * step, "dp": 10 * step, "world": step},
+                }
                 r.set(channel.beat_key("mega:hb:test1", 0, rank), json.dumps(rec))
 
     for step in range(1, 4):  # three steps, one per second
@@ -196,7 +218,9 @@ def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
     port = server.port
     server.stop()
     ident = {"rank": 1, "node": 0, "groups": {}}
-    hb = Heartbeat(channel.client(f"redis://127.0.0.1:{port}/0"), "mega:hb:test4", 0, ident, {}, interval_s=0.1)
+    hb = Heartbeat(
+        channel.client(f"redis://127.0.0.1:{port}/0"), "mega:hb:test4", 0, ident, {}, interval_s=0.1
+    )
     t0 = time.monotonic()
     hb.start()
     assert time.monotonic() - t0 < 0.1
@@ -222,16 +246,31 @@ def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
     import redis
 
     cfg = _cfg(heartbeat_s=1, min_hang_s=5, progress_factor=10)
-    w = Watcher(cfg, {channel.URL_ENV: url, channel.PREFIX_ENV: prefix}, attempt=0, log=logs.append,
-                clock=lambda: clock[0])
+    w = Watcher(
+        cfg,
+        {channel.URL_ENV: url, channel.PREFIX_ENV: prefix},
+        attempt=0,
+        log=logs.append,
+        clock=lambda: clock[0],
+    )
 
     def publish(step, dropped=0, closed=False):
         r = redis.Redis.from_url(url)
         for rank, ident in grid().items():
             r.set(channel.id_key(prefix, 0, rank), json.dumps(ident))
-            rec = {"rank": rank, "time": clock[0], "step": step, "step_s": 0.2, "compute_s": 0.1,
-                   "seq": {"world": step}, "sent": 10 * step, "dropped": dropped + rank,
-                   "cpu_s": 0.01, "up_s": 5.0, "closed": closed}
+            rec = {
+                "rank": rank,
+                "time": clock[0],
+                "step": step,
+                "step_s": 0.2,
+                "compute_s": 0.1,
+                "seq": {"world": step},
+                "sent": 10 * step,
+                "dropped": dropped + rank,
+                "cpu_s": 0.01,
+                "up_s": 5.0,
+                "closed": closed,
+            }
             r.set(channel.beat_key(prefix, 0, rank), json.dumps(rec))
         r.close()
 
@@ -313,8 +352,18 @@ def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_p
     for _ in range(4):
         clock[0] += 1.0
         assert w.poll() is None
-    record = RunRecord(run_dir=str(tmp_path), state="training", config="", data_index="", target_steps=4,
-                       cwd=".", pid=0, host="h", heartbeat=NOW, started=NOW)
+    record = RunRecord(
+        run_dir=str(tmp_path),
+        state="training",
+        config="",
+        data_index="",
+        target_steps=4,
+        cwd=".",
+        pid=0,
+        host="h",
+        heartbeat=NOW,
+        started=NOW,
+    )
     w.close(SimpleNamespace(record=record), 2, "failed: ranks exited", lambda: None)
     [inc] = read_incidents(tmp_path)
     assert inc["kind"] == "store" and inc["evidence"]["resumed"] is False
@@ -328,10 +377,25 @@ def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_p
 
 
 def test_incident_is_written_as_json_and_markdown(tmp_path):
-    inc = Incident("hang", 0, NOW, "no step", {"rank": 5, "node": 1, "host": "h1",
-                                               "coords": {"tp": 1, "pp": 1, "dp": 0}, "group": "tp",
-                                               "group_ranks": [4, 5], "behind": 1, "reason": "silent"},
-                   {"stalled_s": 9.0}, "relaunch from latest", steps_lost=1)
+    inc = Incident(
+        "hang",
+        0,
+        NOW,
+        "no step",
+        {
+            "rank": 5,
+            "node": 1,
+            "host": "h1",
+            "coords": {"tp": 1, "pp": 1, "dp": 0},
+            "group": "tp",
+            "group_ranks": [4, 5],
+            "behind": 1,
+            "reason": "silent",
+        },
+        {"stalled_s": 9.0},
+        "relaunch from latest",
+        steps_lost=1,
+    )
     path = inc.write(tmp_path)
     assert path.name == "000-attempt0-hang.json"
     [back] = read_incidents(tmp_path)
@@ -356,14 +420,29 @@ def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, d
     from mega.launch.runs import read_record
 
     victim = 3  # tp 1, dp 1 in megatron's order
-    cfg = compose(["model=tiny", "parallelism=tp2", "parallelism.dp=2", "parallelism.name=tp2-dp2",
-                   "train.steps=4", f"train.run_dir={tmp_path}",
-                   f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                   "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", "checkpoint.interval=2",
-                   # a synchronous save blocks the step, and the watcher allows it upload_timeout_s
-                   # more: on a loaded machine a save's planning alone took 10 s
-                   "cluster.hang_timeout_s=120", "checkpoint.upload_timeout_s=30",
-                   "stability.heartbeat_s=1", "stability.min_hang_s=10", "stability.progress_factor=5"])
+    cfg = compose(
+        [
+            "model=tiny",
+            "parallelism=tp2",
+            "parallelism.dp=2",
+            "parallelism.name=tp2-dp2",
+            "train.steps=4",
+            f"train.run_dir={tmp_path}",
+            f"data.cache_dir={data_cache}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.async_save=false",
+            "checkpoint.interval=2",
+            # a synchronous save blocks the step, and the watcher allows it upload_timeout_s
+            # more: on a loaded machine a save's planning alone took 10 s
+            "cluster.hang_timeout_s=120",
+            "checkpoint.upload_timeout_s=30",
+            "stability.heartbeat_s=1",
+            "stability.min_hang_s=10",
+            "stability.progress_factor=5",
+        ]
+    )
     assert cfg.parallelism.world_size == 4
     stopped: dict = {}
     thread = threading.Thread(target=stop_rank_when, args=(tmp_path, victim, 3, stopped), daemon=True)
@@ -407,15 +486,32 @@ def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
     with RedisServer() as server:
         # A hang from stale heartbeats would be declared 8 s (min_hang_s) after the last step
         # seen: within the outage, were hang detection not suspended.
-        cfg = compose(["model=tiny", "parallelism=dp2", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
-                       f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                       "checkpoint.interval=0", f"cluster.redis_url={server.url}",
-                       "fault.slow_rank=1", "fault.slow_s=0.25",
-                       "stability.heartbeat_s=0.5", "stability.min_hang_s=8", "stability.progress_factor=4",
-                       "stability.straggler_beats=2"])
+        cfg = compose(
+            [
+                "model=tiny",
+                "parallelism=dp2",
+                f"train.steps={STEPS}",
+                f"train.run_dir={run_dir}",
+                f"data.cache_dir={data_cache}",
+                "train.tensorboard=false",
+                "optimizer.warmup_steps=1",
+                "checkpoint.interval=0",
+                f"cluster.redis_url={server.url}",
+                "fault.slow_rank=1",
+                "fault.slow_s=0.25",
+                "stability.heartbeat_s=0.5",
+                "stability.min_hang_s=8",
+                "stability.progress_factor=4",
+                "stability.straggler_beats=2",
+            ]
+        )
         paused: dict = {}
-        thread = threading.Thread(target=stop_process_when, args=(run_dir, 2, lambda: server.pid, paused),
-                                  kwargs={"pause_s": PAUSE_S}, daemon=True)
+        thread = threading.Thread(
+            target=stop_process_when,
+            args=(run_dir, 2, lambda: server.pid, paused),
+            kwargs={"pause_s": PAUSE_S},
+            daemon=True,
+        )
         thread.start()
         messages: list[str] = []
         try:
@@ -425,8 +521,15 @@ def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
         url = server.url
     assert "resumed" in paused, ("Redis was never paused", messages)
     incidents = read_incidents(run_dir)
-    return {"cfg": cfg, "result": result, "run_dir": run_dir, "paused": paused, "messages": messages,
-            "url": url, "incidents": incidents}
+    return {
+        "cfg": cfg,
+        "result": result,
+        "run_dir": run_dir,
+        "paused": paused,
+        "messages": messages,
+        "url": url,
+        "incidents": incidents,
+    }
 
 
 @pytest.mark.slow
@@ -470,10 +573,15 @@ def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_o
     assert inc["detected_at"] > paused["resumed"]
     assert any("store outage" in m for m in messages) and any("answers again" in m for m in messages)
     record = read_record(run_dir)
-    assert record.evicted_nodes == [] and sorted(b["kind"] for b in record.incidents) == ["store", "straggler"]
+    assert record.evicted_nodes == [] and sorted(b["kind"] for b in record.incidents) == [
+        "store",
+        "straggler",
+    ]
 
     summary = json.loads((run_dir / "heartbeats-attempt0.json").read_text())
-    assert summary["attempt"] == 0 and summary["heartbeat_s"] == 0.5 and sorted(summary["ranks"]) == ["0", "1"]
+    assert (
+        summary["attempt"] == 0 and summary["heartbeat_s"] == 0.5 and sorted(summary["ranks"]) == ["0", "1"]
+    )
     for rank, s in summary["ranks"].items():
         # dropped while Redis was stopped (a write times out in 0.5 s: ~10-20 per rank), sent before and after
         assert s["dropped"] > 0 and s["sent"] > s["dropped"], (rank, s)

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from s3_env import hermetic_s3_env
 
 from mega.storage import (
     CorruptCheckpoint,
@@ -29,7 +30,6 @@ from mega.storage import (
 from mega.storage.local import FileStorage
 from mega.storage.manifest import MANIFEST, HashingReader
 from mega.storage.seaweed import SeaweedS3
-from s3_env import hermetic_s3_env
 
 MiB = 1 << 20
 THRESHOLD = 5 * MiB  # S3's minimum part size: the big file below goes up in 3 parts
@@ -37,8 +37,14 @@ BIG = "model/__0_0.distcp"
 
 
 def _open_s3(server: SeaweedS3, **opts):
-    opts = {"multipart_threshold": THRESHOLD, "multipart_chunksize": THRESHOLD, "max_attempts": 2,
-            "connect_timeout": 1, "read_timeout": 10, **opts}
+    opts = {
+        "multipart_threshold": THRESHOLD,
+        "multipart_chunksize": THRESHOLD,
+        "max_attempts": 2,
+        "connect_timeout": 1,
+        "read_timeout": 10,
+        **opts,
+    }
     return open_storage(server.uri(f"t-{uuid.uuid4().hex[:8]}"), **opts)
 
 
@@ -86,7 +92,9 @@ def put_raw(store, name: str, relpath: str, data: bytes | None) -> None:
 def test_roundtrip_byte_identical(store, tmp_path):
     src = make_ckpt(tmp_path / "src")
     progress = []
-    manifest = store.upload_dir(src, "iter_0000010", on_progress=lambda done, total: progress.append((done, total)))
+    manifest = store.upload_dir(
+        src, "iter_0000010", on_progress=lambda done, total: progress.append((done, total))
+    )
 
     expected = {rel: (len(b), hashlib.sha256(b).hexdigest()) for rel, b in tree(src).items()}
     assert {f.path: (f.size, f.sha256) for f in manifest.files} == expected
@@ -148,7 +156,7 @@ def test_pieces_hashed_on_upload_are_fetched_and_verified_one_by_one(store, tmp_
     entries = store.upload_files(src, "iter_0000004", [BIG, "common.pt"], ranges={BIG: pieces})
     big = next(e for e in entries if e.path == BIG)
     assert big.sha256 == hashlib.sha256(data).hexdigest()
-    assert big.ranges == tuple((o, n, hashlib.sha256(data[o:o + n]).hexdigest()) for o, n in pieces)
+    assert big.ranges == tuple((o, n, hashlib.sha256(data[o : o + n]).hexdigest()) for o, n in pieces)
     assert next(e for e in entries if e.path == "common.pt").ranges == ()
     manifest = store.commit("iter_0000004", entries)
     assert store.read_manifest("iter_0000004") == manifest  # the ranges survive the manifest's JSON
@@ -156,7 +164,7 @@ def test_pieces_hashed_on_upload_are_fetched_and_verified_one_by_one(store, tmp_
     store.reset_bytes_read()
     wanted = [pieces[3], pieces[0], pieces[1]]
     got = store.read_pieces(manifest, BIG, wanted)
-    assert [bytes(g) for g in got] == [data[o:o + n] for o, n in wanted]
+    assert [bytes(g) for g in got] == [data[o : o + n] for o, n in wanted]
     assert store.bytes_read == pieces[0][1] + pieces[3][1]  # only what was asked for
     whole = store.read_pieces(manifest, "common.pt", [(0, 1000)])  # a file: its own sha256
     assert bytes(whole[0]) == (src / "common.pt").read_bytes()
@@ -167,7 +175,10 @@ def test_pieces_hashed_on_upload_are_fetched_and_verified_one_by_one(store, tmp_
     assert bytes(store.read_pieces(manifest, BIG, [pieces[0]])[0]) == data[:100]  # untouched piece
     with pytest.raises(CorruptCheckpoint) as err:
         store.read_pieces(manifest, BIG, [pieces[0], pieces[2]])
-    assert err.value.relpath == BIG and err.value.reason == f"sha256 of bytes [100, {6 * MiB + 100}) differs from the manifest"
+    assert (
+        err.value.relpath == BIG
+        and err.value.reason == f"sha256 of bytes [100, {6 * MiB + 100}) differs from the manifest"
+    )
     put_raw(store, "iter_0000004", BIG, data[: 5 * MiB])
     with pytest.raises(CorruptCheckpoint) as err:
         store.read_pieces(manifest, BIG, [pieces[2]])
@@ -224,8 +235,13 @@ def test_truncated_upload_is_not_a_checkpoint(store, tmp_path):
     if not isinstance(store, FileStorage):  # parts of a multipart upload whose uploader died
         key = store._key("iter_0000030", BIG)
         upload = store._client.create_multipart_upload(Bucket=store.bucket, Key=key)
-        store._client.upload_part(Bucket=store.bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1,
-                                  Body=os.urandom(THRESHOLD))
+        store._client.upload_part(
+            Bucket=store.bucket,
+            Key=key,
+            UploadId=upload["UploadId"],
+            PartNumber=1,
+            Body=os.urandom(THRESHOLD),
+        )
         assert store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)["Uploads"]
 
     # Retrying the upload under the same name starts clean (stray parts aborted) and completes.
@@ -234,7 +250,9 @@ def test_truncated_upload_is_not_a_checkpoint(store, tmp_path):
     store.download_dir("iter_0000030", tmp_path / "y")
     assert tree(tmp_path / "y") == tree(src)
     if not isinstance(store, FileStorage):
-        assert not store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix).get("Uploads")
+        assert not store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix).get(
+            "Uploads"
+        )
 
 
 def test_latest(store, tmp_path):
@@ -322,8 +340,12 @@ def test_uris_names_and_manifest(tmp_path, seaweed, monkeypatch):
         open_storage("file://otherhost/x")
     hermetic_s3_env(monkeypatch, seaweed, tmp_path)
     s3 = open_storage("s3://mega-test/runs/a/", endpoint_url=seaweed.endpoint_url)
-    assert (s3.bucket, s3.prefix, s3.uri, s3.endpoint) == ("mega-test", "runs/a", "s3://mega-test/runs/a",
-                                                           seaweed.endpoint_url)
+    assert (s3.bucket, s3.prefix, s3.uri, s3.endpoint) == (
+        "mega-test",
+        "runs/a",
+        "s3://mega-test/runs/a",
+        seaweed.endpoint_url,
+    )
     for bad in ("", "latest", "../x", "a/b", ".hidden", "iter_1\n"):
         with pytest.raises(ValueError):
             s3.delete(bad)
@@ -364,7 +386,7 @@ def test_hashing_reader_hashes_each_byte_once(tmp_path):
     r.read(700)
     entry = r.finish("f")
     assert entry.sha256 == want
-    assert entry.ranges == tuple((o, n, hashlib.sha256(data[o:o + n]).hexdigest()) for o, n in pieces)
+    assert entry.ranges == tuple((o, n, hashlib.sha256(data[o : o + n]).hexdigest()) for o, n in pieces)
     path.write_bytes(data + b"more")
     with pytest.raises(ValueError, match="changed size"):
         r.finish("f")

@@ -17,11 +17,9 @@ import os
 import socket
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional, Union
 
 import pytest
 import torch
-
 from comm_count import counting_communication
 
 from mega.config import ConfigError, compose, from_dict
@@ -70,8 +68,24 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     # the GPU comparison script's logic, at TP=4 on CPU (te cannot run here: skipped by its config check)
     from mega.overlap.compare import compare, parse_args
 
-    args = parse_args(["--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "16", "--micro-batch", "2",
-                       "--warmup", "0", "--iters", "1"])
+    args = parse_args(
+        [
+            "--layers",
+            "1",
+            "--hidden",
+            "32",
+            "--heads",
+            "4",
+            "--seq",
+            "16",
+            "--micro-batch",
+            "2",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+        ]
+    )
     results["compare_script"] = compare(["none", "ring", "te"], args, WORLD, cuda=False)
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
@@ -82,8 +96,15 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def _linear_config(tp: int):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, tensor_model_parallel_size=tp,
-                             sequence_parallel=True, use_cpu_initialization=True, params_dtype=torch.float32)
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=True,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
 
 
 def _run(module, x: torch.Tensor, grad: torch.Tensor) -> dict:
@@ -112,8 +133,12 @@ def _linear_checks(tp: int) -> dict:
 
     from mega.layers import UnreducedRowParallelLinear
     from mega.overlap import symm_mem
-    from mega.overlap.tp_layers import _CLASSES, DeferredRowParallelLinear, OverlappedColumnParallelLinear, \
-        OverlappedRowParallelLinear
+    from mega.overlap.tp_layers import (
+        _CLASSES,
+        DeferredRowParallelLinear,
+        OverlappedColumnParallelLinear,
+        OverlappedRowParallelLinear,
+    )
 
     r = ps.get_tensor_model_parallel_rank()
     config = _linear_config(tp)
@@ -129,10 +154,24 @@ def _linear_checks(tp: int) -> dict:
         return {backend: _CLASSES[(base, backend)] for backend in backends}
 
     layouts = [  # name, megatron's class, ours, sizes, its own kwargs, input shard, output-gradient shard
-        ("column", ColumnParallelLinear, OverlappedColumnParallelLinear, (HIDDEN, FFN), {"gather_output": False},
-         full_x.chunk(tp)[r], grad_col.chunk(tp, dim=-1)[r]),
-        ("row", RowParallelLinear, OverlappedRowParallelLinear, (FFN, HIDDEN), {"input_is_parallel": True},
-         full_h.chunk(tp, dim=-1)[r], grad_row.chunk(tp)[r]),
+        (
+            "column",
+            ColumnParallelLinear,
+            OverlappedColumnParallelLinear,
+            (HIDDEN, FFN),
+            {"gather_output": False},
+            full_x.chunk(tp)[r],
+            grad_col.chunk(tp, dim=-1)[r],
+        ),
+        (
+            "row",
+            RowParallelLinear,
+            OverlappedRowParallelLinear,
+            (FFN, HIDDEN),
+            {"input_is_parallel": True},
+            full_h.chunk(tp, dim=-1)[r],
+            grad_row.chunk(tp)[r],
+        ),
     ]
     for name, megatron_class, ours, sizes, extra, x, g in layouts:
         for skip_bias_add in (False, True):
@@ -145,12 +184,17 @@ def _linear_checks(tp: int) -> dict:
                 layer = cls(*sizes, **kwargs)
                 layer.load_state_dict(ref.state_dict())
                 with symm_mem.reference_kernels():
-                    results[f"{name},skip_bias_add={skip_bias_add},{backend}"] = _compare(_run(layer, x, g), want)
+                    results[f"{name},skip_bias_add={skip_bias_add},{backend}"] = _compare(
+                        _run(layer, x, g), want
+                    )
 
     # The parallel block's one reduction of two branches: megatron's reduce-scatter of the summed
     # partial products against the deferred projections' fused GEMM->reduce-scatter.
     kwargs = dict(config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=True)
-    ref_a, ref_b = UnreducedRowParallelLinear(HIDDEN, HIDDEN, **kwargs), UnreducedRowParallelLinear(FFN, HIDDEN, **kwargs)
+    ref_a, ref_b = (
+        UnreducedRowParallelLinear(HIDDEN, HIDDEN, **kwargs),
+        UnreducedRowParallelLinear(FFN, HIDDEN, **kwargs),
+    )
     xa, xb = full_x.chunk(tp, dim=-1)[r], full_h.chunk(tp, dim=-1)[r]
     g = grad_row.chunk(tp)[r]
 
@@ -160,26 +204,42 @@ def _linear_checks(tp: int) -> dict:
             m.zero_grad(set_to_none=True)
         out = reduce(a, b)
         out.backward(g)
-        return {"out": out.detach(), "grad_a": a.grad, "grad_b": b.grad, "grad_wa": ref_a.weight.grad.clone(),
-                "grad_wb": ref_b.weight.grad.clone()}
+        return {
+            "out": out.detach(),
+            "grad_a": a.grad,
+            "grad_b": b.grad,
+            "grad_wa": ref_a.weight.grad.clone(),
+            "grad_wb": ref_b.weight.grad.clone(),
+        }
 
     want = two_branches(lambda a, b: reduce_scatter_to_sequence_parallel_region(ref_a(a)[0] + ref_b(b)[0]))
     for backend, cls in candidates(DeferredRowParallelLinear).items():
         with symm_mem.reference_kernels():
-            got = two_branches(lambda a, b: cls.fused_gemm_reduce_scatter(
-                [(a, ref_a.weight), (b, ref_b.weight)], ref_a.tp_group))
+            got = two_branches(
+                lambda a, b: cls.fused_gemm_reduce_scatter(
+                    [(a, ref_a.weight), (b, ref_b.weight)], ref_a.tp_group
+                )
+            )
         results[f"two-branch row,{backend}"] = _compare(got, want)
     return results
 
 
 def _model_config(tp: int, block: str, tp_overlap: str):
     dp = WORLD // tp
-    return from_dict({
-        "model": {**MODEL, "block": block},
-        "parallelism": {"tp": tp, "dp": dp, "sequence_parallel": True, "tp_overlap": tp_overlap,
-                        "micro_batch_size": 2, "global_batch_size": 2 * dp},
-        "cluster": {"procs_per_node": WORLD},
-    })
+    return from_dict(
+        {
+            "model": {**MODEL, "block": block},
+            "parallelism": {
+                "tp": tp,
+                "dp": dp,
+                "sequence_parallel": True,
+                "tp_overlap": tp_overlap,
+                "micro_batch_size": 2,
+                "global_batch_size": 2 * dp,
+            },
+            "cluster": {"procs_per_node": WORLD},
+        }
+    )
 
 
 def _decoder_checks(tp: int) -> dict:
@@ -205,15 +265,20 @@ def _decoder_checks(tp: int) -> dict:
                 out = decoder(hidden, attention_mask=None)
             with counting_communication() as backward:
                 out.backward(grad_out)
-            runs[mode] = {"out": out.detach(), "grad_input": hidden.grad,
-                          **{f"grad {n}": p.grad for n, p in decoder.named_parameters()},
-                          "counts": {"forward": dict(forward), "backward": dict(backward)},
-                          "classes": sorted({type(m).__name__ for m in decoder.modules()})}
+            runs[mode] = {
+                "out": out.detach(),
+                "grad_input": hidden.grad,
+                **{f"grad {n}": p.grad for n, p in decoder.named_parameters()},
+                "counts": {"forward": dict(forward), "backward": dict(backward)},
+                "classes": sorted({type(m).__name__ for m in decoder.modules()}),
+            }
         ring, none = runs["ring"], runs["none"]
         tensors = [k for k in none if k not in ("counts", "classes")]
-        results[block] = {"rel": {k: _rel(ring[k], none[k]) for k in tensors},
-                          "counts": {"none": none["counts"], "ring": ring["counts"]},
-                          "classes": ring["classes"]}
+        results[block] = {
+            "rel": {k: _rel(ring[k], none[k]) for k in tensors},
+            "counts": {"none": none["counts"], "ring": ring["counts"]},
+            "classes": ring["classes"],
+        }
     return results
 
 
@@ -249,7 +314,9 @@ def test_overlapped_linears_match_megatron(worker_results, tp):
 def test_ring_decoder_matches_megatron_decoder(worker_results, tp, block):
     r = worker_results[f"tp{tp}"]["decoder"][block]
     assert "OverlappedColumnParallelLinear" in r["classes"]
-    assert ("DeferredRowParallelLinear" if block == "parallel" else "OverlappedRowParallelLinear") in r["classes"]
+    assert ("DeferredRowParallelLinear" if block == "parallel" else "OverlappedRowParallelLinear") in r[
+        "classes"
+    ]
     assert len(r["rel"]) > 10  # output, input gradient, every parameter's gradient
     for name, rel in r["rel"].items():
         assert rel <= REL_TOL, (tp, block, name, rel)
@@ -279,7 +346,9 @@ def test_gpu_comparison_script_logic_on_cpu(worker_results):
     rows = {row["backend"]: row for row in worker_results["compare_script"]}
     assert rows["none"]["step_ms_median"] > 0 and "max_rel_diff_vs_none" not in rows["none"]
     diff = rows["ring"]["max_rel_diff_vs_none"]
-    assert diff["params_compared"] > 5 and max(v for k, v in diff.items() if k != "params_compared") <= REL_TOL
+    assert (
+        diff["params_compared"] > 5 and max(v for k, v in diff.items() if k != "params_compared") <= REL_TOL
+    )
     assert "cluster.device" in rows["te"]["skipped"]
 
 
@@ -298,10 +367,21 @@ def training_runs(tmp_path_factory, data_index, data_cache, single_process_refer
     runs = {("sequential", "none"): single_process_reference.metrics}
     for block, mode in (("sequential", "ring"), ("parallel", "none"), ("parallel", "ring")):
         run_dir = tmp_path_factory.mktemp(f"train-{block}-{mode}")
-        cfg = compose(["model=tiny", f"model.block={block}", f"train.steps={STEPS}", f"train.run_dir={run_dir}",
-                       f"data.cache_dir={data_cache}", "train.tensorboard=false", "optimizer.warmup_steps=1",
-                       "checkpoint.interval=0", "parallelism=tp2", "parallelism.sequence_parallel=true",
-                       f"parallelism.tp_overlap={mode}"])
+        cfg = compose(
+            [
+                "model=tiny",
+                f"model.block={block}",
+                f"train.steps={STEPS}",
+                f"train.run_dir={run_dir}",
+                f"data.cache_dir={data_cache}",
+                "train.tensorboard=false",
+                "optimizer.warmup_steps=1",
+                "checkpoint.interval=0",
+                "parallelism=tp2",
+                "parallelism.sequence_parallel=true",
+                f"parallelism.tp_overlap={mode}",
+            ]
+        )
         runs[block, mode] = run_training(cfg, data_index, log=print).metrics
     return runs
 
@@ -331,19 +411,52 @@ def _cfg(**parallelism):
 GPU = {"device": "cuda", "backend": "nccl", "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}}
 
 
-@pytest.mark.parametrize("settings, key, words", [
-    ({"tp_overlap": "rings"}, "parallelism.tp_overlap", "must be one of"),
-    ({"tp_overlap": "ring", "tp": 1, "sequence_parallel": False}, "parallelism.tp_overlap", "tp>1"),
-    ({"tp_overlap": "ring", "sequence_parallel": False}, "parallelism.tp_overlap", "sequence_parallel=true"),
-    ({"tp_overlap": "symm_mem"}, "cluster.device", "cuda"),
-    ({"tp_overlap": "te"}, "cluster.device", "cuda"),
-    ({"tp_overlap": "te", "cluster": {**GPU, "env": {}}}, "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS", "=1"),
-    ({"tp_overlap": "te", "cluster": {**GPU, "procs_per_node": 3, "nodes": 2}, "tp": 2, "dp": 3,
-      "global_batch_size": 6}, "parallelism.tp", "NVLink node"),
-    ({"tp_overlap": "symm_mem", "cluster": {**GPU, "procs_per_node": 3, "nodes": 2}, "tp": 2, "dp": 3,
-      "global_batch_size": 6}, "parallelism.tp", "symmetric memory"),
-    ({"tp_overlap": "te", "cluster": GPU, "model": {"block": "parallel"}}, "model.block", "tp_overlap=ring"),
-])
+@pytest.mark.parametrize(
+    "settings, key, words",
+    [
+        ({"tp_overlap": "rings"}, "parallelism.tp_overlap", "must be one of"),
+        ({"tp_overlap": "ring", "tp": 1, "sequence_parallel": False}, "parallelism.tp_overlap", "tp>1"),
+        (
+            {"tp_overlap": "ring", "sequence_parallel": False},
+            "parallelism.tp_overlap",
+            "sequence_parallel=true",
+        ),
+        ({"tp_overlap": "symm_mem"}, "cluster.device", "cuda"),
+        ({"tp_overlap": "te"}, "cluster.device", "cuda"),
+        (
+            {"tp_overlap": "te", "cluster": {**GPU, "env": {}}},
+            "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS",
+            "=1",
+        ),
+        (
+            {
+                "tp_overlap": "te",
+                "cluster": {**GPU, "procs_per_node": 3, "nodes": 2},
+                "tp": 2,
+                "dp": 3,
+                "global_batch_size": 6,
+            },
+            "parallelism.tp",
+            "NVLink node",
+        ),
+        (
+            {
+                "tp_overlap": "symm_mem",
+                "cluster": {**GPU, "procs_per_node": 3, "nodes": 2},
+                "tp": 2,
+                "dp": 3,
+                "global_batch_size": 6,
+            },
+            "parallelism.tp",
+            "symmetric memory",
+        ),
+        (
+            {"tp_overlap": "te", "cluster": GPU, "model": {"block": "parallel"}},
+            "model.block",
+            "tp_overlap=ring",
+        ),
+    ],
+)
 def test_tp_overlap_config_errors_name_the_key(settings, key, words):
     with pytest.raises(ConfigError) as err:
         from_dict(_cfg(**settings))
@@ -363,17 +476,29 @@ def test_ring_spec_swaps_only_the_four_tp_linears():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from mega.layers import parallel_layer_spec
-    from mega.overlap.tp_layers import DeferredRowParallelLinear, OverlappedColumnParallelLinear, \
-        OverlappedRowParallelLinear, overlap_layer_spec
+    from mega.overlap.tp_layers import (
+        DeferredRowParallelLinear,
+        OverlappedColumnParallelLinear,
+        OverlappedRowParallelLinear,
+        overlap_layer_spec,
+    )
 
     base = get_gpt_layer_local_spec()
-    for spec, row in [(base, OverlappedRowParallelLinear), (parallel_layer_spec(base), DeferredRowParallelLinear)]:
+    for spec, row in [
+        (base, OverlappedRowParallelLinear),
+        (parallel_layer_spec(base), DeferredRowParallelLinear),
+    ]:
         ring = overlap_layer_spec(spec, "ring")
         attn, mlp = ring.submodules.self_attention.submodules, ring.submodules.mlp.submodules
         assert attn.linear_qkv is mlp.linear_fc1 is OverlappedColumnParallelLinear
         assert attn.linear_proj is mlp.linear_fc2 is row
-        assert issubclass(OverlappedColumnParallelLinear, ColumnParallelLinear) and issubclass(row, RowParallelLinear)
-        assert ring.module is spec.module and attn.core_attention is spec.submodules.self_attention.submodules.core_attention
+        assert issubclass(OverlappedColumnParallelLinear, ColumnParallelLinear) and issubclass(
+            row, RowParallelLinear
+        )
+        assert (
+            ring.module is spec.module
+            and attn.core_attention is spec.submodules.self_attention.submodules.core_attention
+        )
         sym = overlap_layer_spec(spec, "symm_mem").submodules.mlp.submodules.linear_fc2
         assert issubclass(sym, row) and sym.backend == "symm_mem"
 
@@ -390,8 +515,9 @@ def test_te_sets_megatrons_tp_comm_overlap_flags():
     from mega.model import transformer_config
     from mega.overlap.te import TRANSFORMER_CONFIG
 
-    tcfg = transformer_config(from_dict(_cfg(tp_overlap="te", cluster=GPU, **{"model": {}})
-                                        | {"train": {"precision": "bf16"}}))
+    tcfg = transformer_config(
+        from_dict(_cfg(tp_overlap="te", cluster=GPU, **{"model": {}}) | {"train": {"precision": "bf16"}})
+    )
     source = inspect.getsource(mte)
     for name, value in TRANSFORMER_CONFIG.items():
         assert getattr(tcfg, name) == value, name
@@ -434,24 +560,43 @@ class _TE:
         self.calls = []
 
     @staticmethod
-    def v2_6(shape: list, tp_size: int, use_fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
-             ub_cfgs: Optional[dict] = None, bootstrap_backend: Union[str, "torch.distributed.Backend"] = None):
+    def v2_6(
+        shape: list,
+        tp_size: int,
+        use_fp8: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        ub_cfgs: dict | None = None,
+        bootstrap_backend: str | torch.distributed.Backend = None,
+    ):
         pass
 
     @staticmethod
-    def v2_18(shape: list, tp_size: int, use_fp8: bool = False, quantization_modes: List[_Quantization] = None,
-              dtype: torch.dtype = torch.bfloat16, ub_cfgs: Optional[Union[dict, List[dict]]] = None,
-              bootstrap_backend: Union[str, "torch.distributed.Backend"] = None, with_cublasmp: bool = False):
+    def v2_18(
+        shape: list,
+        tp_size: int,
+        use_fp8: bool = False,
+        quantization_modes: list[_Quantization] = None,
+        dtype: torch.dtype = torch.bfloat16,
+        ub_cfgs: dict | list[dict] | None = None,
+        bootstrap_backend: str | torch.distributed.Backend = None,
+        with_cublasmp: bool = False,
+    ):
         pass
 
     @staticmethod
-    def v1_8(shape: list, tp_size: int, use_fp8: bool = False, dtype: torch.dtype = torch.bfloat16,
-             ub_cfgs: Optional[dict] = None):
+    def v1_8(
+        shape: list,
+        tp_size: int,
+        use_fp8: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        ub_cfgs: dict | None = None,
+    ):
         pass
 
     def using(self, signature):
         def initialize_ub(*args, **kwargs):
             self.calls.append(inspect.signature(signature).bind(*args, **kwargs).arguments)
+
         initialize_ub.__signature__ = inspect.signature(signature)
         self.initialize_ub = initialize_ub
         return self
@@ -460,10 +605,17 @@ class _TE:
 def test_te_userbuffers_initialised_as_megatron_lm_does():
     from mega.overlap.te import initialize_userbuffers
 
-    cfg = from_dict(_cfg(tp_overlap="te", cluster=GPU, micro_batch_size=2, global_batch_size=2)
-                    | {"train": {"precision": "bf16"}})
-    want = {"shape": [MODEL["seq_length"] * 2, MODEL["hidden_size"]], "tp_size": 2, "dtype": torch.bfloat16,
-            "ub_cfgs": {}, "bootstrap_backend": "nccl"}
+    cfg = from_dict(
+        _cfg(tp_overlap="te", cluster=GPU, micro_batch_size=2, global_batch_size=2)
+        | {"train": {"precision": "bf16"}}
+    )
+    want = {
+        "shape": [MODEL["seq_length"] * 2, MODEL["hidden_size"]],
+        "tp_size": 2,
+        "dtype": torch.bfloat16,
+        "ub_cfgs": {},
+        "bootstrap_backend": "nccl",
+    }
     new = _TE().using(_TE.v2_18)
     initialize_userbuffers(cfg, torch.bfloat16, te_base=new)
     assert new.calls == [{**want, "quantization_modes": [_Quantization.NONE]}]

@@ -67,10 +67,19 @@ def test_clean_run_ledger_sums_to_its_wall_clock(reference_run):
 
     led = ledger.write(reference_run.run_dir)
     assert_sums_to_wall(led)
-    assert led["lost_steps"] == [] and led["ledger_s"]["lost_work"] == 0 and led["ledger_s"]["fault_detection"] == 0
+    assert (
+        led["lost_steps"] == []
+        and led["ledger_s"]["lost_work"] == 0
+        and led["ledger_s"]["fault_detection"] == 0
+    )
     assert led["ledger_s"]["productive"] > 0 and led["ledger_s"]["startup"] > 0
-    batch = json.loads((reference_run.run_dir / "config.json").read_text())["parallelism"]["global_batch_size"]
-    assert led["samples"]["exact"] and led["samples"]["distinct_samples"] == led["samples"]["trained_samples"] == STEPS * batch
+    batch = json.loads((reference_run.run_dir / "config.json").read_text())["parallelism"][
+        "global_batch_size"
+    ]
+    assert (
+        led["samples"]["exact"]
+        and led["samples"]["distinct_samples"] == led["samples"]["trained_samples"] == STEPS * batch
+    )
 
 
 def test_reference_run_learns(reference):
@@ -88,8 +97,11 @@ def test_reference_run_learns(reference):
     "layout",
     # tp2 runs with sequence parallelism (TP without SP: tests/test_lamb.py, test_parallel_block.py);
     # tp2-pp2-dp2: test_resume_with_another_layout; dp2: test_hung_rank_becomes_a_restart_not_a_silent_wait
-    [["parallelism=tp2", "parallelism.sequence_parallel=true"], ["parallelism=pp2"],
-     ["parallelism=pp2-vpp2"]],
+    [
+        ["parallelism=tp2", "parallelism.sequence_parallel=true"],
+        ["parallelism=pp2"],
+        ["parallelism=pp2-vpp2"],
+    ],
     ids=["tp2-sp", "pp2", "pp2-vpp2"],
 )
 def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache, reference):
@@ -106,9 +118,19 @@ def killed_3d_run(tmp_path_factory, data_index, data_cache):
     resumes in other layouts (test_resume_with_another_layout)."""
     root = tmp_path_factory.mktemp("killed-3d")
     with pytest.raises(TrainingFailed) as failed:
-        train(root / "saved", data_index, data_cache,
-              ["parallelism=tp2-pp2-dp2", "checkpoint.interval=2", "checkpoint.max_restarts=0",
-               "fault.kill_rank=0", "fault.kill_at_step=2", f"checkpoint.dir={root / 'checkpoints'}"])
+        train(
+            root / "saved",
+            data_index,
+            data_cache,
+            [
+                "parallelism=tp2-pp2-dp2",
+                "checkpoint.interval=2",
+                "checkpoint.max_restarts=0",
+                "fault.kill_rank=0",
+                "fault.kill_at_step=2",
+                f"checkpoint.dir={root / 'checkpoints'}",
+            ],
+        )
     return root, failed.value
 
 
@@ -125,15 +147,18 @@ def test_resume_with_another_layout(tmp_path, killed_3d_run, data_index, data_ca
     ckpt = ["checkpoint.dir=" + str(root / "checkpoints")]
     saved = read_metrics(root / "saved")
     _assert_same_curve(saved, reference[:2])
-    for name, layout in [("dp4", ["parallelism=dp2", "parallelism.dp=4"]),
-                         ("single", ["parallelism=single"])]:
+    for name, layout in [
+        ("dp4", ["parallelism=dp2", "parallelism.dp=4"]),
+        ("single", ["parallelism=single"]),
+    ]:
         monkeypatch.setenv(AUDIT_ENV, str(tmp_path / f"audit-{name}"))
         resumed = train(tmp_path / name, data_index, data_cache, [*layout, "checkpoint.interval=0", *ckpt])
         assert [m["step"] for m in resumed.metrics] == [3, 4], name
         # resharded optimizer state, fp32 sums in another order: equal to ~5 digits
         _assert_same_curve(resumed.metrics, reference[2:], rtol=1e-4)
-        _assert_restore_footprint(tmp_path / f"audit-{name}", root / "checkpoints" / "iter_0000002",
-                                  resumed.init["restore"])
+        _assert_restore_footprint(
+            tmp_path / f"audit-{name}", root / "checkpoints" / "iter_0000002", resumed.init["restore"]
+        )
     assert read_latest(root / "checkpoints").name == "iter_0000002"
 
 
@@ -148,10 +173,15 @@ def _assert_restore_footprint(audit_dir, ckpt_dir, info):
     from mega.checkpoint.restore import COMMON_FILES
 
     md = FileSystemReader(str(ckpt_dir)).read_metadata()
-    where = {(i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
-             for i, s in md.storage_data.items()}
-    chunks = {k: [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks]
-              for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
+    where = {
+        (i.fqn, None if i.offset is None else tuple(i.offset)): (s.relative_path, s.offset, s.length)
+        for i, s in md.storage_data.items()
+    }
+    chunks = {
+        k: [(tuple(c.offsets), tuple(c.sizes)) for c in v.chunks]
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "chunks")
+    }
     files = {f["path"]: f["size"] for f in json.loads((ckpt_dir / "manifest.json").read_text())["files"]}
 
     def needs(requests):
@@ -176,16 +206,18 @@ def _assert_restore_footprint(audit_dir, ckpt_dir, info):
         expected = sum(n for _, _, n in pieces) + sum(files[f] for f in COMMON_FILES)
         assert a["peak_bytes"] - a["buffer_bytes"] == expected, a["rank"]
         assert a["read_bytes"] + a["received_bytes"] == expected
-        optimizer_bytes.append(sum(n for r in a["requests"] if r[0].startswith("optimizer.")
-                                   for _, _, n in needs([r])))
+        optimizer_bytes.append(
+            sum(n for r in a["requests"] if r[0].startswith("optimizer.") for _, _, n in needs([r]))
+        )
         union |= held
     all_optimizer = sum(s.length for i, s in md.storage_data.items() if i.fqn.startswith("optimizer."))
     if len(audits) > 1:  # DP slices: each rank asks for part of the optimizer state, all of it together
         assert max(optimizer_bytes) < all_optimizer / 2, (optimizer_bytes, all_optimizer)
     else:
         assert optimizer_bytes == [all_optimizer]
-    assert {k for a in audits for k, *_ in a["requests"] if k.startswith("optimizer.")} == \
-        {k for k in md.state_dict_metadata if k.startswith("optimizer.")}
+    assert {k for a in audits for k, *_ in a["requests"] if k.startswith("optimizer.")} == {
+        k for k in md.state_dict_metadata if k.startswith("optimizer.")
+    }
     # one DP group: every piece read from the store once, by one rank
     assert info["restore_bytes_read"] == sum(a["read_bytes"] for a in audits) == sum(n for _, _, n in union)
     assert info["restore_peak_bytes_per_rank"] == max(a["peak_bytes"] for a in audits)
@@ -194,21 +226,34 @@ def _assert_restore_footprint(audit_dir, ckpt_dir, info):
 def test_restarts_are_bounded(killed_3d_run):
     """A job that dies with no restarts left (checkpoint.max_restarts=0) stops with a clear error."""
     root, failed = killed_3d_run
-    assert str(failed).startswith("training failed 1 times (last: ") and \
-        str(failed).endswith(f"see {root / 'saved'}/train-attempt*.log"), str(failed)
+    assert str(failed).startswith("training failed 1 times (last: ") and str(failed).endswith(
+        f"see {root / 'saved'}/train-attempt*.log"
+    ), str(failed)
 
 
-def test_hung_rank_becomes_a_restart_not_a_silent_wait(tmp_path, tmp_path_factory, data_index, data_cache,
-                                                       reference):
+def test_hung_rank_becomes_a_restart_not_a_silent_wait(
+    tmp_path, tmp_path_factory, data_index, data_cache, reference
+):
     """A rank that stops making progress: the launcher sees no progress for cluster.hang_timeout_s,
     kills the job and resumes it from `latest`. Through the restart, the DP2 run computes the
     model of one process (the dp2 case of test_layout_matches_single_process)."""
     messages = []
-    result = train(tmp_path, data_index, data_cache,
-                   ["parallelism=dp2", "checkpoint.interval=2", "cluster.hang_timeout_s=12",
-                    "checkpoint.upload_timeout_s=6",
-                    "fault.kill_rank=1", "fault.kill_at_step=3", "fault.mode=hang"], steps=4,
-                   log=messages.append)
+    result = train(
+        tmp_path,
+        data_index,
+        data_cache,
+        [
+            "parallelism=dp2",
+            "checkpoint.interval=2",
+            "cluster.hang_timeout_s=12",
+            "checkpoint.upload_timeout_s=6",
+            "fault.kill_rank=1",
+            "fault.kill_at_step=3",
+            "fault.mode=hang",
+        ],
+        steps=4,
+        log=messages.append,
+    )
     assert result.attempts == 2
     assert any("hung (no progress) at step 3" in m for m in messages), messages
     # the heartbeats localise it (mega.stability): rank 1 sleeps, alive, behind its DP peer

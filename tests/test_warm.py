@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -48,10 +47,19 @@ def zygote(tmp_path_factory):
     d = tmp_path_factory.mktemp("zygote")
     (d / "warmchild.py").write_text(CHILD)
     sock = str(d / "z.sock")
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock, "--preload", "json,torch"],
-                            stdin=subprocess.PIPE, stdout=open(d / "zygote.log", "wb"), stderr=subprocess.STDOUT)
-    env = {**os.environ, client.SOCKET_ENV: sock, client.PID_ENV: str(proc.pid), "WARM_TEST": "yes",
-           "PYTHONPATH": f"{d}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock, "--preload", "json,torch"],
+        stdin=subprocess.PIPE,
+        stdout=open(d / "zygote.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
+    env = {
+        **os.environ,
+        client.SOCKET_ENV: sock,
+        client.PID_ENV: str(proc.pid),
+        "WARM_TEST": "yes",
+        "PYTHONPATH": f"{d}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     yield d, env, proc
     proc.stdin.close()  # the lifeline: the zygote ends, and with it whatever it forked
     assert proc.wait(timeout=15) == 0
@@ -60,8 +68,15 @@ def zygote(tmp_path_factory):
 
 def _run(zygote, *args, **kw) -> subprocess.Popen:
     d, env, _ = zygote
-    return subprocess.Popen([sys.executable, "-u", "-m", "mega.warm.client", "warmchild", *args], env=env,
-                            cwd=d, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "mega.warm.client", "warmchild", *args],
+        env=env,
+        cwd=d,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -88,8 +103,14 @@ def test_fork_takes_its_own_thread_count(zygote):
     process started with it would have it."""
     d, env, _ = zygote
     for value in ("1", "2"):
-        out = subprocess.run([sys.executable, "-m", "mega.warm.client", "warmchild", "threads"], cwd=d,
-                             env={**env, "OMP_NUM_THREADS": value}, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "mega.warm.client", "warmchild", "threads"],
+            cwd=d,
+            env={**env, "OMP_NUM_THREADS": value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and f"threads {value}" in out.stdout, out.stdout + out.stderr
 
 
@@ -107,15 +128,26 @@ def test_signals_are_relayed_and_a_killed_client_takes_its_fork_along(zygote):
 
 
 def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):
-    (tmp_path / "spins.py").write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), "
-                                       "daemon=True).start()\n")
+    (tmp_path / "spins.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
     sock = str(tmp_path / "z.sock")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    z = subprocess.run([sys.executable, "-m", "mega.warm.zygote", "--socket", sock, "--preload", "spins"],
-                       env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    z = subprocess.run(
+        [sys.executable, "-m", "mega.warm.zygote", "--socket", sock, "--preload", "spins"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+    )
     assert z.returncode == 1
-    c = subprocess.run([sys.executable, "-m", "mega.warm.client", "json.tool"], capture_output=True, text=True,
-                       env={**env, client.SOCKET_ENV: sock}, timeout=60)
+    c = subprocess.run(
+        [sys.executable, "-m", "mega.warm.client", "json.tool"],
+        capture_output=True,
+        text=True,
+        env={**env, client.SOCKET_ENV: sock},
+        timeout=60,
+    )
     assert c.returncode == 1 and "NotForkSafe: importing started 1 native thread(s)" in c.stderr
 
 
@@ -124,10 +156,23 @@ def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):
 
 
 def _train(run_dir, data_index, data_cache, overrides):
-    cfg = compose(["model=tiny", f"train.steps={STEPS}", f"train.run_dir={run_dir}", f"data.cache_dir={data_cache}",
-                   f"checkpoint.dir={run_dir}/checkpoints", "train.tensorboard=false", "train.eval_batches=0",
-                   "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false",
-                   "checkpoint.interval=2", "parallelism=dp2", *overrides])
+    cfg = compose(
+        [
+            "model=tiny",
+            f"train.steps={STEPS}",
+            f"train.run_dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+            f"checkpoint.dir={run_dir}/checkpoints",
+            "train.tensorboard=false",
+            "train.eval_batches=0",
+            "optimizer.warmup_steps=1",
+            "checkpoint.restart_backoff_s=0",
+            "checkpoint.async_save=false",
+            "checkpoint.interval=2",
+            "parallelism=dp2",
+            *overrides,
+        ]
+    )
     return run_training(cfg, data_index, log=print)
 
 
@@ -142,8 +187,11 @@ def _final_state(run_dir) -> dict:
 
 def _forked_ranks(run_dir, attempt: int) -> set[int]:
     """The pids the ranks of ``attempt`` recorded (mega.cluster.node.record_process)."""
-    return {json.loads(line)["pid"] for d in (run_dir / "nodes").glob("*")
-            for line in (d / f"procs-attempt{attempt}.jsonl").read_text().splitlines()}
+    return {
+        json.loads(line)["pid"]
+        for d in (run_dir / "nodes").glob("*")
+        for line in (d / f"procs-attempt{attempt}.jsonl").read_text().splitlines()
+    }
 
 
 def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, data_cache):
@@ -154,13 +202,25 @@ def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, da
     cold = _train(tmp_path / "cold", data_index, data_cache, ["launcher.warm_processes=false"])
     assert cold.attempts == 1 and not list((tmp_path / "cold").rglob("zygote.log"))
     warm_dir = tmp_path / "warm"
-    warm = _train(warm_dir, data_index, data_cache, ["launcher=local-nodes", "cluster.nodes=2",
-                                                     "cluster.procs_per_node=1", "fault.kill_rank=1",
-                                                     "fault.kill_at_step=3"])
+    warm = _train(
+        warm_dir,
+        data_index,
+        data_cache,
+        [
+            "launcher=local-nodes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=1",
+            "fault.kill_rank=1",
+            "fault.kill_at_step=3",
+        ],
+    )
     assert warm.attempts == 2 and warm.history[1]["restored"].endswith("iter_0000002")
-    forks = [int(line.split()[2].rstrip(":")) for k in (0, 1)  # "zygote: forked <pid>: python -m mega.train"
-             for line in (warm_dir / "nodes" / str(k) / "zygote.log").read_text().splitlines()
-             if line.endswith("-m mega.train")]
+    forks = [
+        int(line.split()[2].rstrip(":"))
+        for k in (0, 1)  # "zygote: forked <pid>: python -m mega.train"
+        for line in (warm_dir / "nodes" / str(k) / "zygote.log").read_text().splitlines()
+        if line.endswith("-m mega.train")
+    ]
     assert len(forks) == 4 and set(forks) == _forked_ranks(warm_dir, 0) | _forked_ranks(warm_dir, 1)
     got, want = _final_state(warm_dir), _final_state(tmp_path / "cold")
     assert got.keys() == want.keys() and len(want) > 10

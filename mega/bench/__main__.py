@@ -69,8 +69,15 @@ import sys
 
 from mega import config as mega_config
 from mega import optional_packages
-from mega.bench.ablation import (DEFAULT_LAMB_LR, DEFAULT_OVERRIDES, DEFAULT_SEEDS, DEFAULT_WINDOW, TUNING_SEED,
-                                 bench_ablation, bench_ablation_throughput)
+from mega.bench.ablation import (
+    DEFAULT_LAMB_LR,
+    DEFAULT_OVERRIDES,
+    DEFAULT_SEEDS,
+    DEFAULT_WINDOW,
+    TUNING_SEED,
+    bench_ablation,
+    bench_ablation_throughput,
+)
 from mega.bench.bootstrap import DEFAULT_REAL_LAYOUTS, bench_bootstrap
 from mega.bench.bootstrap import ROWS as BOOTSTRAP_ROWS
 from mega.bench.checkpoint import bench_checkpoint
@@ -82,79 +89,167 @@ from mega.bench.overlap import bench_overlap
 from mega.bench.soak import bench_soak, simulate
 from mega.bench.step import bench_step
 
-__all__ = ["bench_ablation", "bench_bootstrap", "bench_checkpoint", "bench_data", "bench_faults", "bench_nodes",
-           "bench_observability", "bench_overlap", "bench_step", "main"]
+__all__ = [
+    "bench_ablation",
+    "bench_bootstrap",
+    "bench_checkpoint",
+    "bench_data",
+    "bench_faults",
+    "bench_nodes",
+    "bench_observability",
+    "bench_overlap",
+    "bench_step",
+    "main",
+]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mega.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", choices=["step", "ablation", "checkpoint", "bootstrap", "observability", "data",
-                                              "nodes", "overlap", "faults", "soak"])
+    parser = argparse.ArgumentParser(
+        prog="python -m mega.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "benchmark",
+        choices=[
+            "step",
+            "ablation",
+            "checkpoint",
+            "bootstrap",
+            "observability",
+            "data",
+            "nodes",
+            "overlap",
+            "faults",
+            "soak",
+        ],
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
     step = parser.add_argument_group("step")
-    step.add_argument("--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20; nodes: 6")
+    step.add_argument(
+        "--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20; nodes: 6"
+    )
     step.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     ablation = parser.add_argument_group("ablation")
-    ablation.add_argument("--tokens", type=int, default=None,
-                          help="token budget of every row (default: 512 baseline steps' worth)")
+    ablation.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="token budget of every row (default: 512 baseline steps' worth)",
+    )
     ablation.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="SWA window of the +swa rows")
-    ablation.add_argument("--out", default=None,
-                          help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap, "
-                               "runs/bench-observability)")
-    ablation.add_argument("--lamb-lr", type=float, default=DEFAULT_LAMB_LR,
-                          help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, chosen for model=tiny on "
-                               f"seed {TUNING_SEED})")
-    ablation.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
-                          help="train.seed of every row's runs (the reported seeds)")
-    ablation.add_argument("--tune-lamb-lr", default="",
-                          help="candidate peak LRs of the lamb row, tried on --tuning-seed first; the lowest "
-                               "validation loss replaces --lamb-lr")
-    ablation.add_argument("--throughput", action="store_true",
-                          help="instead of the convergence rows: the throughput rows ptb+swa, +tp-overlap, "
-                               "+pp-overlap, +dp-overlap on 8 ranks, one seed (--steps, default 8)")
-    ablation.add_argument("--tuning-seed", type=int, default=TUNING_SEED, help="the seed hyperparameters are chosen on")
-    ablation.add_argument("--eval-sequences", type=int, default=None,
-                          help="held-out sequences every run evaluates (default: the whole split, whole batches)")
+    ablation.add_argument(
+        "--out",
+        default=None,
+        help="where the plot and JSON go (default runs/bench-ablation, runs/bench-bootstrap, "
+        "runs/bench-observability)",
+    )
+    ablation.add_argument(
+        "--lamb-lr",
+        type=float,
+        default=DEFAULT_LAMB_LR,
+        help=f"peak LR of the lamb row (default {DEFAULT_LAMB_LR}, chosen for model=tiny on "
+        f"seed {TUNING_SEED})",
+    )
+    ablation.add_argument(
+        "--seeds",
+        default=",".join(map(str, DEFAULT_SEEDS)),
+        help="train.seed of every row's runs (the reported seeds)",
+    )
+    ablation.add_argument(
+        "--tune-lamb-lr",
+        default="",
+        help="candidate peak LRs of the lamb row, tried on --tuning-seed first; the lowest "
+        "validation loss replaces --lamb-lr",
+    )
+    ablation.add_argument(
+        "--throughput",
+        action="store_true",
+        help="instead of the convergence rows: the throughput rows ptb+swa, +tp-overlap, "
+        "+pp-overlap, +dp-overlap on 8 ranks, one seed (--steps, default 8)",
+    )
+    ablation.add_argument(
+        "--tuning-seed", type=int, default=TUNING_SEED, help="the seed hyperparameters are chosen on"
+    )
+    ablation.add_argument(
+        "--eval-sequences",
+        type=int,
+        default=None,
+        help="held-out sequences every run evaluates (default: the whole split, whole batches)",
+    )
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
-    ckpt.add_argument("--repeats", type=int, default=1, help="rounds of the async/sync/no-save/in-memory runs (medians)")
-    ckpt.add_argument("--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)")
+    ckpt.add_argument(
+        "--repeats", type=int, default=1, help="rounds of the async/sync/no-save/in-memory runs (medians)"
+    )
+    ckpt.add_argument(
+        "--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)"
+    )
     boot = parser.add_argument_group("bootstrap")
-    boot.add_argument("--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated")
-    boot.add_argument("--probe-ranks", default="64,128", help="smaller N run first for the growth fit ('' for none)")
+    boot.add_argument(
+        "--ranks", default="256,1024,2048,4096,12288", help="simulated world sizes, comma-separated"
+    )
+    boot.add_argument(
+        "--probe-ranks", default="64,128", help="smaller N run first for the growth fit ('' for none)"
+    )
     boot.add_argument("--max-seconds", type=float, default=60.0, help="per point; slower = completed=false")
-    boot.add_argument("--strategies", default=None,
-                      help="simulated rows, a subset of " + ",".join(BOOTSTRAP_ROWS))
-    boot.add_argument("--real", default=",".join(DEFAULT_REAL_LAYOUTS),
-                      help="conf/parallelism layouts to time with real ranks on this machine ('' for none)")
-    boot.add_argument("--real-group-init", default="light,default", help="cluster.group_init of the real rows")
-    boot.add_argument("--real-repeats", type=int, default=3, help="timing jobs per real row (the median counts)")
+    boot.add_argument(
+        "--strategies", default=None, help="simulated rows, a subset of " + ",".join(BOOTSTRAP_ROWS)
+    )
+    boot.add_argument(
+        "--real",
+        default=",".join(DEFAULT_REAL_LAYOUTS),
+        help="conf/parallelism layouts to time with real ranks on this machine ('' for none)",
+    )
+    boot.add_argument(
+        "--real-group-init", default="light,default", help="cluster.group_init of the real rows"
+    )
+    boot.add_argument(
+        "--real-repeats", type=int, default=3, help="timing jobs per real row (the median counts)"
+    )
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
     obs = parser.add_argument_group("observability")
-    obs.add_argument("--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward")
+    obs.add_argument(
+        "--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward"
+    )
     data = parser.add_argument_group("data")
-    data.add_argument("--corpus-mb", default="25,100,300", help="generated corpus sizes (MB); the JSON reports the largest")
-    data.add_argument("--workers", type=int, default=None, help="tokenizer processes of both sides (default: the cores)")
+    data.add_argument(
+        "--corpus-mb", default="25,100,300", help="generated corpus sizes (MB); the JSON reports the largest"
+    )
+    data.add_argument(
+        "--workers", type=int, default=None, help="tokenizer processes of both sides (default: the cores)"
+    )
     data.add_argument("--vocab", type=int, default=32768, help="BPE vocabulary of the shared tokenizer")
     nodes = parser.add_argument_group("nodes")
-    nodes.add_argument("--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)")
+    nodes.add_argument(
+        "--nodes", default="1,2,4", help="local node counts of the 8-rank world (1 always runs first)"
+    )
     nodes.add_argument("--netns", action="store_true", help="each node in its own network namespace (root)")
-    nodes.add_argument("--launcher", choices=["local-nodes", "slurm"], default="local-nodes",
-                       help="slurm: the runs go through Slurm ($SLURM_CONF, else a local cluster), plus a node-loss row")
+    nodes.add_argument(
+        "--launcher",
+        choices=["local-nodes", "slurm"],
+        default="local-nodes",
+        help="slurm: the runs go through Slurm ($SLURM_CONF, else a local cluster), plus a node-loss row",
+    )
     faults = parser.add_argument_group("faults")
-    faults.add_argument("--only", default=None, help="faults: comma-separated drills (default: all, and overhead)")
+    faults.add_argument(
+        "--only", default=None, help="faults: comma-separated drills (default: all, and overhead)"
+    )
     soak = parser.add_argument_group("soak")
     soak.add_argument("--minutes", type=float, default=10.0, help="soak: how long faults arrive")
     soak.add_argument("--mtbf-s", type=float, default=60.0, help="soak: mean time between faults")
     soak.add_argument("--seed", type=int, default=0, help="soak: the fault schedule's seed")
     soak.add_argument("--simulate", action="store_true", help="soak: model --gpus N at --mttf-h H instead")
     soak.add_argument("--gpus", type=int, default=16384, help="soak --simulate: GPUs of the run")
-    soak.add_argument("--mttf-h", type=float, default=50000.0,
-                      help="soak --simulate: hours between failures of one GPU (Llama 3: ~50,000)")
-    parser.add_argument("--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link")
+    soak.add_argument(
+        "--mttf-h",
+        type=float,
+        default=50000.0,
+        help="soak --simulate: hours between failures of one GPU (Llama 3: ~50,000)",
+    )
+    parser.add_argument(
+        "--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link"
+    )
     return parser
 
 
@@ -178,39 +273,72 @@ def main(argv: list[str] | None = None) -> int:
         if args.benchmark == "step":
             result = bench_step(args.overrides, args.steps or 8, args.warmup)
         elif args.benchmark == "checkpoint":
-            result = bench_checkpoint(args.overrides, args.steps or 30, args.interval, args.storage, args.repeats)
+            result = bench_checkpoint(
+                args.overrides, args.steps or 30, args.interval, args.storage, args.repeats
+            )
         elif args.benchmark == "observability":
-            result = bench_observability(args.overrides, args.steps or 20, args.warmup,
-                                         args.out or "runs/bench-observability", args.slow_s)
+            result = bench_observability(
+                args.overrides,
+                args.steps or 20,
+                args.warmup,
+                args.out or "runs/bench-observability",
+                args.slow_s,
+            )
         elif args.benchmark == "data":
-            result = bench_data(_ints(args.corpus_mb), args.workers, args.vocab, args.steps or 12,
-                                args.out or "runs/bench-data", args.overrides)
+            result = bench_data(
+                _ints(args.corpus_mb),
+                args.workers,
+                args.vocab,
+                args.steps or 12,
+                args.out or "runs/bench-data",
+                args.overrides,
+            )
         elif args.benchmark == "nodes":
-            result = bench_nodes(args.overrides, args.steps or 6, args.warmup, tuple(_ints(args.nodes)), args.netns,
-                                 args.launcher)
+            result = bench_nodes(
+                args.overrides,
+                args.steps or 6,
+                args.warmup,
+                tuple(_ints(args.nodes)),
+                args.netns,
+                args.launcher,
+            )
         elif args.benchmark == "overlap":
-            result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3),
-                                   args.link_mbit)
+            result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3), args.link_mbit)
         elif args.benchmark == "soak" and args.simulate:
             result = simulate(args.gpus, args.mttf_h)
         elif args.benchmark == "soak":
-            result = bench_soak(args.minutes, args.mtbf_s, args.seed, args.out or "runs/bench-soak", args.overrides)
+            result = bench_soak(
+                args.minutes, args.mtbf_s, args.seed, args.out or "runs/bench-soak", args.overrides
+            )
         elif args.benchmark == "faults":
             result = bench_faults(_names(args.only) if args.only else None, args.out, args.overrides)
         elif args.benchmark == "bootstrap":
-            result = bench_bootstrap(_ints(args.ranks), _ints(args.probe_ranks), args.max_seconds,
-                                     args.out or "runs/bench-bootstrap",
-                                     strategies=args.strategies.split(",") if args.strategies else None,
-                                     tp=args.tp, pp=args.pp, real_layouts=_names(args.real),
-                                     real_group_inits=_names(args.real_group_init),
-                                     real_repeats=args.real_repeats)
+            result = bench_bootstrap(
+                _ints(args.ranks),
+                _ints(args.probe_ranks),
+                args.max_seconds,
+                args.out or "runs/bench-bootstrap",
+                strategies=args.strategies.split(",") if args.strategies else None,
+                tp=args.tp,
+                pp=args.pp,
+                real_layouts=_names(args.real),
+                real_group_inits=_names(args.real_group_init),
+                real_repeats=args.real_repeats,
+            )
         elif args.throughput:
             result = bench_ablation_throughput(args.overrides, args.window, args.steps or 8)
         else:
-            result = bench_ablation(args.overrides, args.tokens, args.window, args.out or "runs/bench-ablation",
-                                    args.lamb_lr, seeds=_ints(args.seeds),
-                                    tune_lamb_lr=[float(x) for x in _names(args.tune_lamb_lr)],
-                                    tuning_seed=args.tuning_seed, n_eval_sequences=args.eval_sequences)
+            result = bench_ablation(
+                args.overrides,
+                args.tokens,
+                args.window,
+                args.out or "runs/bench-ablation",
+                args.lamb_lr,
+                seeds=_ints(args.seeds),
+                tune_lamb_lr=[float(x) for x in _names(args.tune_lamb_lr)],
+                tuning_seed=args.tuning_seed,
+                n_eval_sequences=args.eval_sequences,
+            )
     except mega_config.ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -239,42 +367,70 @@ def _print_human(benchmark: str, result: dict) -> None:
             print(f"{name}: time ~ N^{fit['exponent']}, store ops ~ N^{fit['ops_exponent']}", file=sys.stderr)
         return
     if benchmark == "nodes":
-        print(f"{'nodes':>5} {'x procs':>7} {'first step s':>12} {'step s':>8} {'max |dloss|':>11} completed",
-              file=sys.stderr)
+        print(
+            f"{'nodes':>5} {'x procs':>7} {'first step s':>12} {'step s':>8} {'max |dloss|':>11} completed",
+            file=sys.stderr,
+        )
+
         def fmt(x, spec: str, width: int) -> str:
             return format("-" if x is None else format(x, spec), f">{width}")
 
         for row in result["rows"]:
-            print(f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
-                  f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
-                  f"{row['completed']}", file=sys.stderr)
+            print(
+                f"{row['nodes']:>5} {row['procs_per_node']:>7} {fmt(row['first_step_s'], '.2f', 12)} "
+                f"{fmt(row['step_s'], '.3f', 8)} {fmt(row['max_abs_loss_diff_vs_one_node'], '.3g', 11)} "
+                f"{row['completed']}",
+                file=sys.stderr,
+            )
         return
     if benchmark == "faults":
-        print(f"{'fault':<13} {'detected':>8} {'detect s':>8} {'culprit':>7} {'recovered':>9} {'recover s':>9} "
-              f"{'lost':>4}", file=sys.stderr)
+        print(
+            f"{'fault':<13} {'detected':>8} {'detect s':>8} {'culprit':>7} {'recovered':>9} {'recover s':>9} "
+            f"{'lost':>4}",
+            file=sys.stderr,
+        )
+
         def num(x) -> str:
             return "-" if x is None else f"{x:.2f}"
 
         for row in result["faults"]:
-            print(f"{row['fault']:<13} {row['detected']!s:>8} {num(row['detect_s']):>8} {row['culprit_named']!s:>7} "
-                  f"{row['recovered']!s:>9} {num(row['recover_s']):>9} {row['steps_lost']!s:>4}", file=sys.stderr)
-        print(f"heartbeat overhead {result['heartbeat_overhead']}, on/off step time "
-              f"{result['heartbeat_overhead_on_off']}", file=sys.stderr)
+            print(
+                f"{row['fault']:<13} {row['detected']!s:>8} {num(row['detect_s']):>8} {row['culprit_named']!s:>7} "
+                f"{row['recovered']!s:>9} {num(row['recover_s']):>9} {row['steps_lost']!s:>4}",
+                file=sys.stderr,
+            )
+        print(
+            f"heartbeat overhead {result['heartbeat_overhead']}, on/off step time "
+            f"{result['heartbeat_overhead_on_off']}",
+            file=sys.stderr,
+        )
         return
     if benchmark == "ablation" and "throughput_rows" in result:
-        print(f"{'row':<14} {'tokens/s':>9} {'vs prev':>8} {'exposed tp s':>12} {'pp s':>7} {'dp s':>7}", file=sys.stderr)
+        print(
+            f"{'row':<14} {'tokens/s':>9} {'vs prev':>8} {'exposed tp s':>12} {'pp s':>7} {'dp s':>7}",
+            file=sys.stderr,
+        )
         for row in result["throughput_rows"]:
             vs = "-" if row["tokens_per_s_vs_previous"] is None else f"{row['tokens_per_s_vs_previous']:+.1%}"
-            print(f"{row['name']:<14} {row['tokens_per_s']:>9.0f} {vs:>8} {row['exposed_tp_s']:>12.4f} "
-                  f"{row['exposed_pp_s']:>7.4f} {row['exposed_dp_s']:>7.4f}", file=sys.stderr)
+            print(
+                f"{row['name']:<14} {row['tokens_per_s']:>9.0f} {vs:>8} {row['exposed_tp_s']:>12.4f} "
+                f"{row['exposed_pp_s']:>7.4f} {row['exposed_dp_s']:>7.4f}",
+                file=sys.stderr,
+            )
         return
     if benchmark == "ablation":
-        print(f"{'row':<16} {'val loss':>9} {'vs baseline':>11} {'train loss':>10} {'vs baseline':>11} "
-              f"{'tokens/s':>9} {'steps':>5} {'batch':>5}  seeds", file=sys.stderr)
+        print(
+            f"{'row':<16} {'val loss':>9} {'vs baseline':>11} {'train loss':>10} {'vs baseline':>11} "
+            f"{'tokens/s':>9} {'steps':>5} {'batch':>5}  seeds",
+            file=sys.stderr,
+        )
         for row in result["rows"]:
-            print(f"{row['name']:<16} {row['val_loss']:>9.4f} {row['val_loss_vs_baseline']:>+11.2%} "
-                  f"{row['final_loss']:>10.4f} {row['loss_vs_baseline']:>+11.2%} {row['tokens_per_s']:>9.0f} "
-                  f"{row['steps']:>5} {row['global_batch_size']:>5}  {row['seeds']}", file=sys.stderr)
+            print(
+                f"{row['name']:<16} {row['val_loss']:>9.4f} {row['val_loss_vs_baseline']:>+11.2%} "
+                f"{row['final_loss']:>10.4f} {row['loss_vs_baseline']:>+11.2%} {row['tokens_per_s']:>9.0f} "
+                f"{row['steps']:>5} {row['global_batch_size']:>5}  {row['seeds']}",
+                file=sys.stderr,
+            )
         return
     for key, value in result.items():
         print(f"{key:>14}: {value}", file=sys.stderr)

@@ -79,6 +79,7 @@ class Row:
 @dataclass
 class RowResult:
     """One training run: a row on one seed."""
+
     row: Row
     seed: int
     cfg: mega_config.MegaConfig
@@ -105,8 +106,9 @@ def _check_overrides(overrides: list[str]) -> None:
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key == "features" or key.startswith("features."):
-            raise mega_config.ConfigError("features", "the ablation sets the features of each row; "
-                                                      "pass the other overrides only")
+            raise mega_config.ConfigError(
+                "features", "the ablation sets the features of each row; pass the other overrides only"
+            )
         if key in ("train.seed", "train.eval_batches", "train.eval_interval"):
             raise mega_config.ConfigError(key, "the ablation sets it per run (--seeds, --eval-sequences)")
 
@@ -115,13 +117,20 @@ def _check_seeds(seeds: list[int], tuning_seed: int) -> None:
     if not seeds or len(set(seeds)) != len(seeds):
         raise mega_config.ConfigError("--seeds", f"needs distinct seeds, got {seeds}")
     if tuning_seed in seeds:
-        raise mega_config.ConfigError("--seeds", f"seed {tuning_seed} chose the LAMB learning rate "
-                                                 "(--tuning-seed): report other seeds")
+        raise mega_config.ConfigError(
+            "--seeds", f"seed {tuning_seed} chose the LAMB learning rate (--tuning-seed): report other seeds"
+        )
 
 
-def _row_overrides(row: Row, user: list[str], base: mega_config.MegaConfig, steps: int,
-                   lamb_lr: float = DEFAULT_LAMB_LR, seed: int | None = None,
-                   eval_sequences: int | None = None) -> list[str]:
+def _row_overrides(
+    row: Row,
+    user: list[str],
+    base: mega_config.MegaConfig,
+    steps: int,
+    lamb_lr: float = DEFAULT_LAMB_LR,
+    seed: int | None = None,
+    eval_sequences: int | None = None,
+) -> list[str]:
     """Defaults, the row's preset, the user's overrides, then the keys that make the run: its
     window, optimizer (``lamb_lr``: its peak LR, min LR a tenth), batch, seed, the held-out
     sequences evaluated after the last step (``eval_sequences``: the same for every row, in whole
@@ -134,7 +143,9 @@ def _row_overrides(row: Row, user: list[str], base: mega_config.MegaConfig, step
         batch = base.parallelism.global_batch_size * row.batch_multiplier
         keys += [f"train.eval_batches={eval_sequences // batch}", "train.eval_interval=0"]
     if row.batch_multiplier != 1:
-        keys.append(f"parallelism.global_batch_size={base.parallelism.global_batch_size * row.batch_multiplier}")
+        keys.append(
+            f"parallelism.global_batch_size={base.parallelism.global_batch_size * row.batch_multiplier}"
+        )
     if "optimizer=lamb" in row.overrides:
         keys += [f"optimizer.lr={lamb_lr}", f"optimizer.min_lr={lamb_lr / 10}"]
     configured = mega_config.compose([*head, *keys, "train.steps=1000000"]).optimizer.warmup_steps
@@ -150,9 +161,11 @@ def budget(base: mega_config.MegaConfig, tokens: int | None, multiplier: int) ->
     unit = per_step * multiplier
     if tokens < unit or tokens % unit:
         raise mega_config.ConfigError(
-            "--tokens", f"{tokens} is not a positive multiple of {unit} (global batch "
-                        f"{base.parallelism.global_batch_size} x seq {base.model.seq_length} x {multiplier}, "
-                        "the largest row's step)")
+            "--tokens",
+            f"{tokens} is not a positive multiple of {unit} (global batch "
+            f"{base.parallelism.global_batch_size} x seq {base.model.seq_length} x {multiplier}, "
+            "the largest row's step)",
+        )
     return tokens, tokens // per_step
 
 
@@ -173,13 +186,17 @@ def eval_sequences(base: mega_config.MegaConfig, index: Path, unit: int, request
     from mega.data import TokenDataset
     from mega.validation import HELD_OUT_SEED
 
-    available = TokenDataset(index, seq_length=base.model.seq_length, seed=HELD_OUT_SEED, split="val").num_samples
+    available = TokenDataset(
+        index, seq_length=base.model.seq_length, seed=HELD_OUT_SEED, split="val"
+    ).num_samples
     if requested is None:
         requested = available // unit * unit
     if requested < unit or requested % unit or requested > available:
         raise mega_config.ConfigError(
-            "--eval-sequences", f"{requested} is not a positive multiple of {unit} (the largest row's global "
-                                f"batch) within the held-out split's {available} sequences")
+            "--eval-sequences",
+            f"{requested} is not a positive multiple of {unit} (the largest row's global "
+            f"batch) within the held-out split's {available} sequences",
+        )
     return requested
 
 
@@ -193,10 +210,14 @@ def pick_lamb_lr(tuning: list[dict]) -> float:
 
 def mean_curve(runs: list[RowResult]) -> list[tuple[int, float]]:
     """The training-loss curve averaged over seeds (every seed logs the same steps)."""
-    return [(seen, sum(run.curve[i][1] for run in runs) / len(runs)) for i, (seen, _) in enumerate(runs[0].curve)]
+    return [
+        (seen, sum(run.curve[i][1] for run in runs) / len(runs)) for i, (seen, _) in enumerate(runs[0].curve)
+    ]
 
 
-def plot_curves(by_row: dict[str, list[RowResult]], tokens: int, tail: int, png_path: Path, title: str) -> Path:
+def plot_curves(
+    by_row: dict[str, list[RowResult]], tokens: int, tail: int, png_path: Path, title: str
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes or CI
@@ -208,11 +229,16 @@ def plot_curves(by_row: dict[str, list[RowResult]], tokens: int, tail: int, png_
         for name, runs in by_row.items():
             seen, loss = zip(*mean_curve(runs))
             val = sum(run.val_loss for run in runs) / len(runs)
-            line, = ax.plot(seen, loss, lw=1.2, marker="." if len(seen) <= 40 else None,
-                            label=f"{name} (val {val:.3f})")
+            (line,) = ax.plot(
+                seen, loss, lw=1.2, marker="." if len(seen) <= 40 else None, label=f"{name} (val {val:.3f})"
+            )
             ax.plot([tokens], [val], marker="D", ms=6, color=line.get_color(), ls="none")
         ax.axvspan(tokens - tail, tokens, color="0.9", zorder=0, label="final_loss window")
-        ax.set(xlabel="tokens seen", ylabel="training loss (mean over seeds); \u25c6 validation loss", title=title)
+        ax.set(
+            xlabel="tokens seen",
+            ylabel="training loss (mean over seeds); \u25c6 validation loss",
+            title=title,
+        )
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
         fig.tight_layout()
@@ -222,27 +248,55 @@ def plot_curves(by_row: dict[str, list[RowResult]], tokens: int, tail: int, png_
     return png_path
 
 
-def _train_run(row: Row, seed: int, overrides: list[str], base: mega_config.MegaConfig, baseline_steps: int,
-               lamb_lr: float, n_eval: int, index: Path, run_dir: str) -> RowResult:
+def _train_run(
+    row: Row,
+    seed: int,
+    overrides: list[str],
+    base: mega_config.MegaConfig,
+    baseline_steps: int,
+    lamb_lr: float,
+    n_eval: int,
+    index: Path,
+    run_dir: str,
+) -> RowResult:
     steps = baseline_steps // row.batch_multiplier
-    cfg = common.compose_run(_row_overrides(row, overrides, base, steps, lamb_lr, seed, n_eval), steps, run_dir)
-    common.log(f"ablation row {row.name}, seed {seed}: {steps} steps of {cfg.parallelism.global_batch_size} x "
-               f"{cfg.model.seq_length} tokens, optimizer {cfg.optimizer.name} (lr {cfg.optimizer.lr:g}), block "
-               f"{cfg.model.block}, window {cfg.model.window_size}; validation on {n_eval} held-out sequences")
+    cfg = common.compose_run(
+        _row_overrides(row, overrides, base, steps, lamb_lr, seed, n_eval), steps, run_dir
+    )
+    common.log(
+        f"ablation row {row.name}, seed {seed}: {steps} steps of {cfg.parallelism.global_batch_size} x "
+        f"{cfg.model.seq_length} tokens, optimizer {cfg.optimizer.name} (lr {cfg.optimizer.lr:g}), block "
+        f"{cfg.model.block}, window {cfg.model.window_size}; validation on {n_eval} held-out sequences"
+    )
     t0 = time.perf_counter()
     result = common.train(cfg, index)
     per_step = common.tokens_per_step(cfg)
-    run = RowResult(row, seed, cfg, result.metrics, time.perf_counter() - t0,
-                    [(m["step"] * per_step, m["loss"]) for m in result.metrics])
-    common.log(f"  {row.name}, seed {seed}: validation loss {run.val_loss:.4f}, last training loss "
-               f"{result.metrics[-1]['loss']:.4f}")
+    run = RowResult(
+        row,
+        seed,
+        cfg,
+        result.metrics,
+        time.perf_counter() - t0,
+        [(m["step"] * per_step, m["loss"]) for m in result.metrics],
+    )
+    common.log(
+        f"  {row.name}, seed {seed}: validation loss {run.val_loss:.4f}, last training loss "
+        f"{result.metrics[-1]['loss']:.4f}"
+    )
     return run
 
 
-def bench_ablation(overrides: list[str], tokens: int | None = None, window: int = DEFAULT_WINDOW,
-                   out_dir: str | Path = "runs/bench-ablation", lamb_lr: float = DEFAULT_LAMB_LR,
-                   seeds: list[int] | None = None, tune_lamb_lr: list[float] | None = None,
-                   tuning_seed: int = TUNING_SEED, n_eval_sequences: int | None = None) -> dict:
+def bench_ablation(
+    overrides: list[str],
+    tokens: int | None = None,
+    window: int = DEFAULT_WINDOW,
+    out_dir: str | Path = "runs/bench-ablation",
+    lamb_lr: float = DEFAULT_LAMB_LR,
+    seeds: list[int] | None = None,
+    tune_lamb_lr: list[float] | None = None,
+    tuning_seed: int = TUNING_SEED,
+    n_eval_sequences: int | None = None,
+) -> dict:
     _check_overrides(overrides)
     seeds = list(DEFAULT_SEEDS if seeds is None else seeds)
     _check_seeds(seeds, tuning_seed)
@@ -261,21 +315,50 @@ def bench_ablation(overrides: list[str], tokens: int | None = None, window: int 
         lamb_rows = [row for row in table if "optimizer=lamb" in row.overrides]
         for lr in tune_lamb_lr or []:
             for row in lamb_rows:
-                run = _train_run(row, tuning_seed, overrides, base, baseline_steps, lr, n_eval, index,
-                                 f"{tmp}/tune-{row.name}-{lr:g}")
-                tuning.append({"row": row.name, "lr": lr, "seed": tuning_seed, "val_loss": run.val_loss,
-                               "final_loss": final_loss(run.curve, tokens, tail)})
+                run = _train_run(
+                    row,
+                    tuning_seed,
+                    overrides,
+                    base,
+                    baseline_steps,
+                    lr,
+                    n_eval,
+                    index,
+                    f"{tmp}/tune-{row.name}-{lr:g}",
+                )
+                tuning.append(
+                    {
+                        "row": row.name,
+                        "lr": lr,
+                        "seed": tuning_seed,
+                        "val_loss": run.val_loss,
+                        "final_loss": final_loss(run.curve, tokens, tail),
+                    }
+                )
         if tuning:
             lamb_lr = pick_lamb_lr(tuning)
             common.log(f"LAMB peak LR {lamb_lr:g}: the lowest validation loss on seed {tuning_seed}")
         for row in table:
             for seed in seeds:
-                by_row[row.name].append(_train_run(row, seed, overrides, base, baseline_steps, lamb_lr, n_eval, index,
-                                                   f"{tmp}/{row.name}-{seed}"))
+                by_row[row.name].append(
+                    _train_run(
+                        row,
+                        seed,
+                        overrides,
+                        base,
+                        baseline_steps,
+                        lamb_lr,
+                        n_eval,
+                        index,
+                        f"{tmp}/{row.name}-{seed}",
+                    )
+                )
 
     out_dir = Path(out_dir)
-    title = (f"ablation: {base.model.name}, {base.parallelism.name}, {tokens:,} tokens, "
-             f"seeds {', '.join(map(str, seeds))}")
+    title = (
+        f"ablation: {base.model.name}, {base.parallelism.name}, {tokens:,} tokens, "
+        f"seeds {', '.join(map(str, seeds))}"
+    )
     png = plot_curves(by_row, tokens, tail, out_dir / "loss_curves.png", title).resolve()
     common.log(f"loss curves: {png}")
     summary_rows = [summarise(runs, tokens, tail) for runs in by_row.values()]
@@ -297,11 +380,19 @@ def bench_ablation(overrides: list[str], tokens: int | None = None, window: int 
         "target_loss_vs_baseline": TARGET_LOSS_VS_BASELINE,
         "target_met": all(row["within_target"] for row in summary_rows),
         "device": common.device_name(base),
-        "config": {"model": base.model.name, "parallelism": base.parallelism.name,
-                   "world_size": base.parallelism.world_size, "seq_length": base.model.seq_length,
-                   "precision": base.train.precision, "overrides": list(overrides)},
+        "config": {
+            "model": base.model.name,
+            "parallelism": base.parallelism.name,
+            "world_size": base.parallelism.world_size,
+            "seq_length": base.model.seq_length,
+            "precision": base.train.precision,
+            "overrides": list(overrides),
+        },
     }
-    details = {**result, "curves": {name: {str(run.seed): run.curve for run in runs} for name, runs in by_row.items()}}
+    details = {
+        **result,
+        "curves": {name: {str(run.seed): run.curve for run in runs} for name, runs in by_row.items()},
+    }
     (out_dir / "ablation.json").write_text(json.dumps(details, indent=1))
     return result
 
@@ -348,33 +439,61 @@ def throughput_rows(window: int = DEFAULT_WINDOW) -> list[Row]:
     tp = ("parallelism.tp_overlap=ring",)
     pp = ("parallelism.overlap_p2p_comm=true", "parallelism.overlap_p2p_comm_warmup_flush=true")
     dp = ("parallelism.overlap_param_gather=true", "parallelism.align_param_gather=true")
-    return [Row("ptb+swa", base), Row("+tp-overlap", base + tp), Row("+pp-overlap", base + tp + pp),
-            Row("+dp-overlap", base + tp + pp + dp)]
+    return [
+        Row("ptb+swa", base),
+        Row("+tp-overlap", base + tp),
+        Row("+pp-overlap", base + tp + pp),
+        Row("+dp-overlap", base + tp + pp + dp),
+    ]
 
 
 def throughput_row(name: str, metrics: list[dict], previous: dict | None) -> dict:
     timed = common.steady(metrics, WARMUP)
-    row = {"name": name, "tokens_per_s": round(common.median(timed, "tokens_per_s"), 1),
-           "step_s": round(common.median(timed, "step_s"), 6),
-           **{f"exposed_{k}_s": round(common.median(timed, f"exposed_{k}_s"), 6) for k in ("tp", "pp", "dp")},
-           "losses": [m["loss"] for m in metrics]}
-    row["tokens_per_s_vs_previous"] = None if previous is None else \
-        round(row["tokens_per_s"] / previous["tokens_per_s"] - 1, 4)
+    row = {
+        "name": name,
+        "tokens_per_s": round(common.median(timed, "tokens_per_s"), 1),
+        "step_s": round(common.median(timed, "step_s"), 6),
+        **{f"exposed_{k}_s": round(common.median(timed, f"exposed_{k}_s"), 6) for k in ("tp", "pp", "dp")},
+        "losses": [m["loss"] for m in metrics],
+    }
+    row["tokens_per_s_vs_previous"] = (
+        None if previous is None else round(row["tokens_per_s"] / previous["tokens_per_s"] - 1, 4)
+    )
     return row
 
 
-def bench_ablation_throughput(overrides: list[str], window: int = DEFAULT_WINDOW, steps: int = THROUGHPUT_STEPS,
-                              seed: int = THROUGHPUT_SEED) -> dict:
+def bench_ablation_throughput(
+    overrides: list[str],
+    window: int = DEFAULT_WINDOW,
+    steps: int = THROUGHPUT_STEPS,
+    seed: int = THROUGHPUT_SEED,
+) -> dict:
     _check_overrides(overrides)
     out = []
     with tempfile.TemporaryDirectory(prefix="mega-ablation-throughput-") as tmp:
         for row in throughput_rows(window):
-            cfg = common.compose_run([*DEFAULT_OVERRIDES, *THROUGHPUT_LAYOUT, *overrides, *row.overrides,
-                                      f"train.seed={seed}", "train.eval_batches=0", "optimizer.warmup_steps=1"],
-                                     steps, Path(tmp) / row.name.replace("+", "plus-"))
+            cfg = common.compose_run(
+                [
+                    *DEFAULT_OVERRIDES,
+                    *THROUGHPUT_LAYOUT,
+                    *overrides,
+                    *row.overrides,
+                    f"train.seed={seed}",
+                    "train.eval_batches=0",
+                    "optimizer.warmup_steps=1",
+                ],
+                steps,
+                Path(tmp) / row.name.replace("+", "plus-"),
+            )
             common.log(f"ablation throughput row {row.name}: {steps} steps on {cfg.parallelism.name}")
             metrics = common.train(cfg, common.prepare_data(cfg)).metrics
             out.append(throughput_row(row.name, metrics, out[-1] if out else None))
             common.log(f"  {row.name}: {out[-1]['tokens_per_s']:.0f} tokens/s")
-    return {"throughput_rows": out, "layout": list(THROUGHPUT_LAYOUT), "steps": steps, "warmup_steps": WARMUP,
-            "seed": seed, "note": "throughput only, one seed; 8 ranks on a shared CPU machine: noisy"}
+    return {
+        "throughput_rows": out,
+        "layout": list(THROUGHPUT_LAYOUT),
+        "steps": steps,
+        "warmup_steps": WARMUP,
+        "seed": seed,
+        "note": "throughput only, one seed; 8 ranks on a shared CPU machine: noisy",
+    }

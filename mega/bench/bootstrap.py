@@ -65,8 +65,12 @@ DEFAULT_PROBES = (64, 128)
 DEFAULT_MAX_SECONDS = 60.0
 DEFAULT_REAL_LAYOUTS = ("tp2-pp2-dp2",)
 REAL_GROUP_INITS = ("light", "default")
-TARGETS = {"light_redis_s_at_2048": 5.0, "light_redis_s_at_12288": 30.0,
-           "speedup_vs_per_group_barrier_at_2048": 100.0, "real_group_creation_s": 3.0}
+TARGETS = {
+    "light_redis_s_at_2048": 5.0,
+    "light_redis_s_at_12288": 30.0,
+    "speedup_vs_per_group_barrier_at_2048": 100.0,
+    "real_group_creation_s": 3.0,
+}
 
 
 def layout_for(ranks: int, tp: int = TP, pp: int = PP, barrier: bool = True):
@@ -105,15 +109,28 @@ def _run_point(name: str, ranks: int, max_seconds: float, workers: int, tp: int,
     if store == "redis":
         # one connection per rank, plus the XREAD waiters' (the same connections here)
         with RedisServer(maxclients=max(10_000, ranks + 256)) as server:
-            res = simulate(strategy, store, lay, max_seconds=max_seconds, workers=workers, redis_url=server.url)
+            res = simulate(
+                strategy, store, lay, max_seconds=max_seconds, workers=workers, redis_url=server.url
+            )
     else:
         res = simulate(strategy, store, lay, max_seconds=max_seconds, workers=workers)
-    row = {"strategy": name, "ranks": ranks, "seconds": res.seconds, "store_ops": res.store_ops,
-           "measured": res.completed, "completed": res.completed, "torch_dist_init_barrier": barrier,
-           "group_init": strategy, "store": store, "ops_done": res.ops_done, "ops_by_kind": res.ops_by_kind,
-           "connect_s": res.connect_s,
-           "client_cpu_s": res.client_cpu_s, "server_cpu_s": res.server_cpu_s,
-           "load_avg_1m": round(load, 1)}
+    row = {
+        "strategy": name,
+        "ranks": ranks,
+        "seconds": res.seconds,
+        "store_ops": res.store_ops,
+        "measured": res.completed,
+        "completed": res.completed,
+        "torch_dist_init_barrier": barrier,
+        "group_init": strategy,
+        "store": store,
+        "ops_done": res.ops_done,
+        "ops_by_kind": res.ops_by_kind,
+        "connect_s": res.connect_s,
+        "client_cpu_s": res.client_cpu_s,
+        "server_cpu_s": res.server_cpu_s,
+        "load_avg_1m": round(load, 1),
+    }
     if res.completed:
         row["planned_by_kind"] = plan_counts(strategy, lay)
     if res.error:
@@ -126,9 +143,18 @@ def _skipped(name: str, ranks: int, tp: int, pp: int) -> dict[str, Any]:
 
     strategy, store, barrier = ROWS[name]
     planned = sum(plan_counts(strategy, layout_for(ranks, tp, pp, barrier)).values())
-    return {"strategy": name, "ranks": ranks, "seconds": None, "store_ops": planned, "measured": False,
-            "completed": False, "attempted": False, "torch_dist_init_barrier": barrier, "group_init": strategy,
-            "store": store}
+    return {
+        "strategy": name,
+        "ranks": ranks,
+        "seconds": None,
+        "store_ops": planned,
+        "measured": False,
+        "completed": False,
+        "attempted": False,
+        "torch_dist_init_barrier": barrier,
+        "group_init": strategy,
+        "store": store,
+    }
 
 
 def plot(rows: list[dict], fits: dict, png_path: Path, title: str) -> Path:
@@ -146,7 +172,7 @@ def plot(rows: list[dict], fits: dict, png_path: Path, title: str) -> Path:
                 continue
             k = fits.get(name, {}).get("exponent")
             label = f"{name} (~N^{k:.2f})" if k is not None else name
-            line, = ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=label)
+            (line,) = ax.plot([n for n, _ in pts], [t for _, t in pts], marker="o", label=label)
             asked = sorted({r["ranks"] for r in rows if r["strategy"] == name and not r["completed"]})
             if k is not None and asked:
                 xs = [pts[-1][0], *asked]
@@ -165,8 +191,9 @@ def plot(rows: list[dict], fits: dict, png_path: Path, title: str) -> Path:
     return png_path
 
 
-def run_real(layout: str, group_init: str, out_dir: Path, overrides: list[str] | None = None,
-             repeats: int = 1) -> dict[str, Any]:
+def run_real(
+    layout: str, group_init: str, out_dir: Path, overrides: list[str] | None = None, repeats: int = 1
+) -> dict[str, Any]:
     """The flow's process-group timing job for a ``conf/parallelism`` layout on this machine (one
     torchrun process per rank, torchrun's TCPStore), ``repeats`` times, as a row: ``seconds`` is
     megatron-core's group creation (max over ranks, imports excluded; the median over the repeats,
@@ -174,11 +201,22 @@ def run_real(layout: str, group_init: str, out_dir: Path, overrides: list[str] |
     from mega.cluster.bootstrap import time_process_groups
     from mega.config import compose
 
-    cfg = compose([f"parallelism={layout}", f"cluster.group_init={group_init}", *(overrides or []),
-                   f"train.run_dir={out_dir}"])
-    row: dict[str, Any] = {"strategy": f"real-{group_init}-tcpstore", "layout": layout,
-                           "ranks": cfg.parallelism.world_size, "group_init": group_init, "store": cfg.cluster.store,
-                           "load_avg_1m": round(os.getloadavg()[0], 1)}
+    cfg = compose(
+        [
+            f"parallelism={layout}",
+            f"cluster.group_init={group_init}",
+            *(overrides or []),
+            f"train.run_dir={out_dir}",
+        ]
+    )
+    row: dict[str, Any] = {
+        "strategy": f"real-{group_init}-tcpstore",
+        "layout": layout,
+        "ranks": cfg.parallelism.world_size,
+        "group_init": group_init,
+        "store": cfg.cluster.store,
+        "load_avg_1m": round(os.getloadavg()[0], 1),
+    }
     runs = []
     for i in range(repeats):
         try:
@@ -188,22 +226,42 @@ def run_real(layout: str, group_init: str, out_dir: Path, overrides: list[str] |
     runs.sort(key=lambda r: r["model_parallel_init_s"])
     res = runs[(len(runs) - 1) // 2]  # the median (the lower one of an even count)
     slowest = max(res["ranks"], key=lambda r: r["model_parallel_init_s"])
-    return {**row, "seconds": res["model_parallel_init_s"], "measured": True, "completed": True,
-            "seconds_per_repeat": [r["model_parallel_init_s"] for r in runs], "pg_init_s": res["pg_init_s"],
-            "phases": res["phases"], "phases_max": res["phases_max"], "job_s": res["job_s"], "exit_s": res["exit_s"],
-            "new_group_calls": slowest["new_group_calls"], "store_ops": slowest["pg_store_ops"] + slowest["mp_store_ops"]}
+    return {
+        **row,
+        "seconds": res["model_parallel_init_s"],
+        "measured": True,
+        "completed": True,
+        "seconds_per_repeat": [r["model_parallel_init_s"] for r in runs],
+        "pg_init_s": res["pg_init_s"],
+        "phases": res["phases"],
+        "phases_max": res["phases_max"],
+        "job_s": res["job_s"],
+        "exit_s": res["exit_s"],
+        "new_group_calls": slowest["new_group_calls"],
+        "store_ops": slowest["pg_store_ops"] + slowest["mp_store_ops"],
+    }
 
 
-def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | None = None,
-                    max_seconds: float = DEFAULT_MAX_SECONDS, out_dir: str | Path = "runs/bench-bootstrap",
-                    workers: int = 2, strategies: list[str] | None = None, tp: int = TP,
-                    pp: int = PP, real_layouts: list[str] | None = None,
-                    real_group_inits: list[str] | None = None, real_repeats: int = 3) -> dict[str, Any]:
+def bench_bootstrap(
+    ranks: list[int] | None = None,
+    probe_ranks: list[int] | None = None,
+    max_seconds: float = DEFAULT_MAX_SECONDS,
+    out_dir: str | Path = "runs/bench-bootstrap",
+    workers: int = 2,
+    strategies: list[str] | None = None,
+    tp: int = TP,
+    pp: int = PP,
+    real_layouts: list[str] | None = None,
+    real_group_inits: list[str] | None = None,
+    real_repeats: int = 3,
+) -> dict[str, Any]:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)
     ranks = sorted(ranks or DEFAULT_RANKS)
-    probe_ranks = sorted(n for n in (DEFAULT_PROBES if probe_ranks is None else probe_ranks) if n not in ranks)
+    probe_ranks = sorted(
+        n for n in (DEFAULT_PROBES if probe_ranks is None else probe_ranks) if n not in ranks
+    )
     names = strategies or list(ROWS)
     unknown = [n for n in names if n not in ROWS]
     if unknown:
@@ -211,7 +269,9 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
     real_layouts = list(DEFAULT_REAL_LAYOUTS if real_layouts is None else real_layouts)
     real_group_inits = list(real_group_inits or REAL_GROUP_INITS)
     if not set(real_group_inits) <= set(REAL_GROUP_INITS):
-        raise ValueError(f"--real-group-init: expected some of {list(REAL_GROUP_INITS)}, got {real_group_inits}")
+        raise ValueError(
+            f"--real-group-init: expected some of {list(REAL_GROUP_INITS)}, got {real_group_inits}"
+        )
     for n in [*ranks, *probe_ranks]:
         layout_for(n, tp, pp)  # refuse a bad N before anything runs
     out_dir = Path(out_dir)
@@ -224,12 +284,14 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
             real.append(row)
             if row["measured"]:
                 ph = row["phases"]
-                console.print(f"  group creation {row['seconds']:.3f} s (median of "
-                              f"{', '.join(f'{s:.3f}' for s in row['seconds_per_repeat'])}; slowest rank: store {ph['mp_store_s']:.3f}, connections "
-                              f"{ph['mp_connect_s']:.3f}, megatron {ph['mp_megatron_s']:.3f}, barrier "
-                              f"{ph['mp_barrier_s']:.3f}); init_process_group {row['pg_init_s']:.3f} s; imports "
-                              f"{ph['import_s']:.1f} s; job {row['job_s']:.1f} s; load {row['load_avg_1m']}",
-                              highlight=False)
+                console.print(
+                    f"  group creation {row['seconds']:.3f} s (median of "
+                    f"{', '.join(f'{s:.3f}' for s in row['seconds_per_repeat'])}; slowest rank: store {ph['mp_store_s']:.3f}, connections "
+                    f"{ph['mp_connect_s']:.3f}, megatron {ph['mp_megatron_s']:.3f}, barrier "
+                    f"{ph['mp_barrier_s']:.3f}); init_process_group {row['pg_init_s']:.3f} s; imports "
+                    f"{ph['import_s']:.1f} s; job {row['job_s']:.1f} s; load {row['load_avg_1m']}",
+                    highlight=False,
+                )
             else:
                 console.print(f"  failed: {row['error']}", highlight=False)
 
@@ -244,9 +306,16 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
                 console.print(f"[bold]{name}[/] N={n:,}: replaying ...", highlight=False)
                 row = _run_point(name, n, max_seconds, workers, tp, pp)
                 failed = not row["completed"]
-                took = f"{row['seconds']:.2f} s" if row["completed"] else f"not finished within {max_seconds:g} s"
-                console.print(f"  {name} N={n:,}: {took}, {row['store_ops']:,} store ops planned, "
-                              f"{row['ops_done']:,} issued, load {row['load_avg_1m']}", highlight=False)
+                took = (
+                    f"{row['seconds']:.2f} s"
+                    if row["completed"]
+                    else f"not finished within {max_seconds:g} s"
+                )
+                console.print(
+                    f"  {name} N={n:,}: {took}, {row['store_ops']:,} store ops planned, "
+                    f"{row['ops_done']:,} issued, load {row['load_avg_1m']}",
+                    highlight=False,
+                )
             (probes if n in probe_ranks else results).append(row)
 
     fits: dict[str, Any] = {}
@@ -256,16 +325,22 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
         k = growth(pts)
         k_ops = growth(sorted((r["ranks"], r["store_ops"]) for r in rows))  # the plan is exact for every N
         todo = [r for r in results if r["strategy"] == name and not r["measured"]]
-        fit = {"exponent": None if k is None else round(k, 3),
-               "ops_exponent": None if k_ops is None else round(k_ops, 3),
-               "points": len(pts), "largest_completed": pts[-1][0] if pts else None,
-               "measured": False,  # what follows is a fit, never a measurement
-               "extrapolated_s": {str(r["ranks"]): round(extrapolate(pts, k, r["ranks"]), 2)
-                                  for r in todo if k is not None}}
+        fit = {
+            "exponent": None if k is None else round(k, 3),
+            "ops_exponent": None if k_ops is None else round(k_ops, 3),
+            "points": len(pts),
+            "largest_completed": pts[-1][0] if pts else None,
+            "measured": False,  # what follows is a fit, never a measurement
+            "extrapolated_s": {
+                str(r["ranks"]): round(extrapolate(pts, k, r["ranks"]), 2) for r in todo if k is not None
+            },
+        }
         if pts:  # at the largest completed point's seconds per planned operation
             n0, t0 = pts[-1]
             ops0 = next(r["store_ops"] for r in rows if r["ranks"] == n0)
-            fit["extrapolated_by_ops_s"] = {str(r["ranks"]): round(t0 * r["store_ops"] / ops0, 1) for r in todo}
+            fit["extrapolated_by_ops_s"] = {
+                str(r["ranks"]): round(t0 * r["store_ops"] / ops0, 1) for r in todo
+            }
         fits[name] = fit
 
     title = f"bootstrap store traffic: TP={tp} x PP={pp} x DP=N/{tp * pp}, {common_device()}"
@@ -280,9 +355,16 @@ def bench_bootstrap(ranks: list[int] | None = None, probe_ranks: list[int] | Non
         "speedups": speedups,
         "targets": _targets(results, speedups, real),
         "baseline": BASELINE,
-        "layout": {"tp": tp, "pp": pp, "dp": f"N/{tp * pp}", "main_backend": "nccl (modelled)", "gloo_groups": False,
-                   "torch_dist_init_barrier": {name: ROWS[name][2] for name in names},
-                   "megatron_core": "0.16.1", "torch": _torch_version()},
+        "layout": {
+            "tp": tp,
+            "pp": pp,
+            "dp": f"N/{tp * pp}",
+            "main_backend": "nccl (modelled)",
+            "gloo_groups": False,
+            "torch_dist_init_barrier": {name: ROWS[name][2] for name in names},
+            "megatron_core": "0.16.1",
+            "torch": _torch_version(),
+        },
         "max_seconds": max_seconds,
         "client_workers": workers,
         "plot": str(png),
@@ -308,26 +390,38 @@ def measured_speedups(rows: list[dict]) -> list[dict[str, Any]]:
 
 def _targets(results: list[dict], speedups: list[dict], real: list[dict]) -> dict[str, Any]:
     """Targets judged on measured rows only; an unmeasured point is ``value: null, met: false``."""
+
     def measured(name: str, n: int) -> float | None:
-        return next((r["seconds"] for r in results if r["strategy"] == name and r["ranks"] == n and r["measured"]),
-                    None)
+        return next(
+            (r["seconds"] for r in results if r["strategy"] == name and r["ranks"] == n and r["measured"]),
+            None,
+        )
 
     def judged(value: float | None, target: float, below: bool = True) -> dict[str, Any]:
         met = value is not None and (value < target if below else value >= target)
         return {"value": value, "measured": value is not None, "target": target, "met": met}
 
-    speedup_2k = next((s["speedup"] for s in speedups if s["strategy"] == "light-barrier-redis"
-                       and s["vs"] == PER_GROUP_BARRIER and s["ranks"] == 2048), None)
+    speedup_2k = next(
+        (
+            s["speedup"]
+            for s in speedups
+            if s["strategy"] == "light-barrier-redis" and s["vs"] == PER_GROUP_BARRIER and s["ranks"] == 2048
+        ),
+        None,
+    )
     out = {
         "light_redis_s_at_2048": judged(measured("light-redis", 2048), TARGETS["light_redis_s_at_2048"]),
         "light_redis_s_at_12288": judged(measured("light-redis", 12288), TARGETS["light_redis_s_at_12288"]),
         # light's one world barrier against a barrier per group, both with TORCH_DIST_INIT_BARRIER=1
-        "speedup_vs_per_group_barrier_at_2048": judged(speedup_2k, TARGETS["speedup_vs_per_group_barrier_at_2048"],
-                                                       below=False),
+        "speedup_vs_per_group_barrier_at_2048": judged(
+            speedup_2k, TARGETS["speedup_vs_per_group_barrier_at_2048"], below=False
+        ),
     }
     for row in real:
         if row["group_init"] == "light":
-            out[f"real_group_creation_s_{row['layout']}"] = judged(row["seconds"], TARGETS["real_group_creation_s"])
+            out[f"real_group_creation_s_{row['layout']}"] = judged(
+                row["seconds"], TARGETS["real_group_creation_s"]
+            )
     return out
 
 

@@ -48,20 +48,42 @@ from mega import config as mega_config
 from mega.bench import common
 
 # ~8.2M parameters: fp32 weights + Adam's two moments = ~100 MB of checkpoint state.
-MODEL = ("model=tiny", "model.name=ckpt-bench", "model.hidden_size=320", "model.num_layers=6",
-         "model.seq_length=32")
+MODEL = (
+    "model=tiny",
+    "model.name=ckpt-bench",
+    "model.hidden_size=320",
+    "model.num_layers=6",
+    "model.seq_length=32",
+)
 LAYOUT = ("parallelism=tp2-pp2-dp2",)
 MODES = ("none", "sync", "async", "memory")  # round r runs them rotated by r
 
 
-def _compose(overrides: list[str], steps: int, run_dir: Path, uri: str, interval: int,
-             async_save: bool = True, memory_interval: int = 0) -> mega_config.MegaConfig:
-    return mega_config.compose([
-        *MODEL, *LAYOUT, *overrides, f"train.steps={steps}", f"train.run_dir={run_dir}",
-        "train.tensorboard=false", "optimizer.warmup_steps=1", "checkpoint.max_restarts=0",
-        f"checkpoint.storage_uri={uri}", f"checkpoint.interval={interval}",
-        f"checkpoint.async_save={str(async_save).lower()}", f"checkpoint.memory_interval={memory_interval}",
-    ])
+def _compose(
+    overrides: list[str],
+    steps: int,
+    run_dir: Path,
+    uri: str,
+    interval: int,
+    async_save: bool = True,
+    memory_interval: int = 0,
+) -> mega_config.MegaConfig:
+    return mega_config.compose(
+        [
+            *MODEL,
+            *LAYOUT,
+            *overrides,
+            f"train.steps={steps}",
+            f"train.run_dir={run_dir}",
+            "train.tensorboard=false",
+            "optimizer.warmup_steps=1",
+            "checkpoint.max_restarts=0",
+            f"checkpoint.storage_uri={uri}",
+            f"checkpoint.interval={interval}",
+            f"checkpoint.async_save={str(async_save).lower()}",
+            f"checkpoint.memory_interval={memory_interval}",
+        ]
+    )
 
 
 def memory_costs(run_dir: Path) -> list[dict]:
@@ -81,14 +103,17 @@ def memory_overhead(costs: list[dict], step_s: float) -> dict:
         return statistics.mean(sum(c[k] for k in keys) / c["copies"] for c in ranks)
 
     mean = per_copy("blocking_s", "background_cpu_s", "exchange_cpu_s")
-    return {"memory_copy_s": mean, "memory_blocking_s": per_copy("blocking_s"),
-            # the training thread's CPU in that wait: the rest of it is descheduling on a busy machine
-            "memory_blocking_cpu_s": per_copy("blocking_cpu_s"),
-            "memory_background_cpu_s": per_copy("background_cpu_s"),
-            "memory_exchange_cpu_s": per_copy("exchange_cpu_s"),
-            "memory_copy_mb": ranks[0]["bytes"] / ranks[0]["copies"] / 1e6,
-            "memory_replicated": all(c["replicated"] == c["copies"] for c in ranks),
-            "memory_overhead": mean / ranks[0]["interval"] / step_s}
+    return {
+        "memory_copy_s": mean,
+        "memory_blocking_s": per_copy("blocking_s"),
+        # the training thread's CPU in that wait: the rest of it is descheduling on a busy machine
+        "memory_blocking_cpu_s": per_copy("blocking_cpu_s"),
+        "memory_background_cpu_s": per_copy("background_cpu_s"),
+        "memory_exchange_cpu_s": per_copy("exchange_cpu_s"),
+        "memory_copy_mb": ranks[0]["bytes"] / ranks[0]["copies"] / 1e6,
+        "memory_replicated": all(c["replicated"] == c["copies"] for c in ranks),
+        "memory_overhead": mean / ranks[0]["interval"] / step_s,
+    }
 
 
 def upload_cpu_ms_per_mb(uri: str, tmp: Path, rounds: int = 3, files: int = 4, mb: int = 16) -> dict:
@@ -113,8 +138,12 @@ def upload_cpu_ms_per_mb(uri: str, tmp: Path, rounds: int = 3, files: int = 4, m
         for mode in spent:
             store = open_storage(f"{uri}/upload-cpu-{mode}-{r}")
             if mode == "botocore_defaults":
-                store._client = boto3.client("s3", endpoint_url=store.endpoint, region_name="us-east-1",
-                                             config=Config(s3={"addressing_style": "path"}))
+                store._client = boto3.client(
+                    "s3",
+                    endpoint_url=store.endpoint,
+                    region_name="us-east-1",
+                    config=Config(s3={"addressing_style": "path"}),
+                )
             usage = resource.getrusage(resource.RUSAGE_SELF)
             before = usage.ru_utime + usage.ru_stime
             store.upload_files(src, "iter_0000001", names)
@@ -130,8 +159,9 @@ def steps_per_s(metrics: list[dict]) -> float:
     return (last["step"] - first["step"]) / (last["time"] - first["time"])
 
 
-def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: str | None,
-                     repeats: int = 1) -> dict:
+def bench_checkpoint(
+    overrides: list[str], steps: int, interval: int, storage: str | None, repeats: int = 1
+) -> dict:
     from mega.checkpoint import read_save_log
     from mega.checkpoint.restore import NAIVE_REFERENCE_ENV
 
@@ -155,13 +185,21 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
             copies: list[dict] = []  # of the memory runs, per rank
             commits: list[dict] = []  # of the async runs
             for r in range(repeats):
-                for mode in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:
+                for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
                     where = f"{storage}/{mode}-{r}"
-                    cfg = _compose(overrides, steps, tmp / f"{mode}-{r}", where, interval if mode in saves else 0,
-                                   async_save=mode == "async", memory_interval=1 if mode == "memory" else 0)
+                    cfg = _compose(
+                        overrides,
+                        steps,
+                        tmp / f"{mode}-{r}",
+                        where,
+                        interval if mode in saves else 0,
+                        async_save=mode == "async",
+                        memory_interval=1 if mode == "memory" else 0,
+                    )
                     index = common.prepare_data(cfg)
                     what = {"none": "no saves", "memory": "in-memory copies every step, no saves"}.get(
-                        mode, f"{mode} saves every {interval} steps to {where}")
+                        mode, f"{mode} saves every {interval} steps to {where}"
+                    )
                     common.log(f"checkpoint bench, round {r + 1}/{repeats}: {steps} steps, {what}")
                     rates[mode].append(steps_per_s(common.train(cfg, index).metrics))
                     # the first save of a run pays one-off start-up costs: left out of the timings
@@ -195,7 +233,12 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
     sync_s, stall_s = med("stall_s", "sync"), med("stall_s")
     p = cfg.parallelism
     return {
-        "layout": p.name, "tp": p.tp, "pp": p.pp, "dp": p.dp, "steps": steps, "interval": interval,
+        "layout": p.name,
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "steps": steps,
+        "interval": interval,
         "repeats": repeats,
         "steps_per_s": median_rate,  # median over the rounds
         "steps_per_s_runs": rates,
@@ -208,8 +251,10 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
         "stall_ratio": stall_s / sync_s,
         "upload_mb_per_s": statistics.median(r["upload_mb_per_s"] for r in commits),
         # CPU seconds of stage 2 per save, summed over ranks, and where they went
-        **{k: statistics.median(r[k] for r in commits) for k in (
-            "stage2_cpu_s", "stage2_build_cpu_s", "stage2_serialise_cpu_s", "stage2_upload_cpu_s")},
+        **{
+            k: statistics.median(r[k] for r in commits)
+            for k in ("stage2_cpu_s", "stage2_build_cpu_s", "stage2_serialise_cpu_s", "stage2_upload_cpu_s")
+        },
         # in-memory copies every step: counted cost per copy and per step, measured slowdown
         **memory_overhead(copies, 1 / median_rate["none"]),
         "memory_train_slowdown": slowdown["memory"],
@@ -217,7 +262,9 @@ def bench_checkpoint(overrides: list[str], steps: int, interval: int, storage: s
         "upload_cpu_ms_per_mb": upload_cpu,
         "checkpoint_mb": restored["checkpoint_bytes"] / 1e6,
         # stage 1 of an async save, split; and the wait for the previous save
-        "state_dict_s": med("state_dict_s"), "snapshot_s": med("snapshot_s"), "plan_s": med("plan_s"),
+        "state_dict_s": med("state_dict_s"),
+        "snapshot_s": med("snapshot_s"),
+        "plan_s": med("plan_s"),
         "wait_s": med("wait_s"),
         "saves_timed": len(saves["async"]),
         "restore_bytes_read": restored["restore_bytes_read"],

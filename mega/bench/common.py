@@ -22,7 +22,9 @@ def log(message: str) -> None:
 
 def compose_run(overrides: list[str], steps: int, run_dir: str | Path) -> MegaConfig:
     """The config of one benchmark run: ``overrides`` (later ones win), then the run's own keys."""
-    return mega_config.compose([*overrides, f"train.steps={steps}", f"train.run_dir={run_dir}", *RUN_OVERRIDES])
+    return mega_config.compose(
+        [*overrides, f"train.steps={steps}", f"train.run_dir={run_dir}", *RUN_OVERRIDES]
+    )
 
 
 def prepare_data(cfg: MegaConfig) -> Path:

@@ -122,11 +122,24 @@ def run_ours(corpus: str, tokenizer: str, out: str, workers: int) -> dict:
     from mega.config import DataConfig
     from mega.data import prepare_dataset
 
-    index = prepare_dataset(DataConfig(source=corpus, cache_dir=out, tokenizer_file=tokenizer, format="megatron",
-                                       val_fraction=0.0, workers=workers, shard_tokens=SHARD_TOKENS), 0, progress=False)
+    index = prepare_dataset(
+        DataConfig(
+            source=corpus,
+            cache_dir=out,
+            tokenizer_file=tokenizer,
+            format="megatron",
+            val_fraction=0.0,
+            workers=workers,
+            shard_tokens=SHARD_TOKENS,
+        ),
+        0,
+        progress=False,
+    )
     meta = json.loads(Path(index).read_text())
-    return {"tokens": meta["num_tokens"]["train"],
-            "bins": [str(Path(index).parent / s["path"]) for s in meta["shards"]]}
+    return {
+        "tokens": meta["num_tokens"]["train"],
+        "bins": [str(Path(index).parent / s["path"]) for s in meta["shards"]],
+    }
 
 
 _encoder = {}
@@ -175,9 +188,11 @@ def _side(name: str, corpus: Path, tokenizer: Path, out: Path, workers: int) -> 
 
     out.mkdir(parents=True, exist_ok=True)
     result_file = out / "result.json"
-    code = (f"import json; from mega.bench.data import run_{name}; "
-            f"r = run_{name}({str(corpus)!r}, {str(tokenizer)!r}, {str(out)!r}, {workers}); "
-            f"open({str(result_file)!r}, 'w').write(json.dumps(r))")
+    code = (
+        f"import json; from mega.bench.data import run_{name}; "
+        f"r = run_{name}({str(corpus)!r}, {str(tokenizer)!r}, {str(out)!r}, {workers}); "
+        f"open({str(result_file)!r}, 'w').write(json.dumps(r))"
+    )
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
     import resource
 
@@ -213,9 +228,15 @@ def _side(name: str, corpus: Path, tokenizer: Path, out: Path, workers: int) -> 
     if code_ != 0:
         raise RuntimeError(f"{name} side exited with {code_}")
     result = json.loads(result_file.read_text())
-    return {"tokens": result["tokens"], "seconds": seconds, "tokens_per_s": result["tokens"] / seconds,
-            "cpu_s": cpu_s, "tokens_per_cpu_s": result["tokens"] / cpu_s,
-            "peak_rss_mb": peak[0] / 2**20, "bins": result["bins"]}
+    return {
+        "tokens": result["tokens"],
+        "seconds": seconds,
+        "tokens_per_s": result["tokens"] / seconds,
+        "cpu_s": cpu_s,
+        "tokens_per_cpu_s": result["tokens"] / cpu_s,
+        "peak_rss_mb": peak[0] / 2**20,
+        "bins": result["bins"],
+    }
 
 
 def _same_tokens(a: list[str], b: list[str]) -> bool:
@@ -233,17 +254,27 @@ def _same_tokens(a: list[str], b: list[str]) -> bool:
 
 def loader_wait(steps: int, out: Path, overrides: list[str]) -> dict:
     run_dir = out / "loader-run"
-    cfg = common.compose_run(["model=tiny", f"parallelism={LAYOUT}", "data.loader=node",
-                              "optimizer.warmup_steps=1", *overrides], steps, run_dir)
+    cfg = common.compose_run(
+        ["model=tiny", f"parallelism={LAYOUT}", "data.loader=node", "optimizer.warmup_steps=1", *overrides],
+        steps,
+        run_dir,
+    )
     common.train(cfg, common.prepare_data(cfg))
     waits = [json.loads(p.read_text()) for p in sorted((run_dir / "data-wait").glob("attempt0-rank*.json"))]
     wait_s, step_s = sum(w["wait_s"] for w in waits), sum(w["step_s"] for w in waits)
-    return {"fraction": wait_s / step_s, "ranks": len(waits), "wait_s": wait_s, "step_s": step_s,
-            "max_rank_wait_s": max(w["wait_s"] for w in waits), "steps_timed": waits[0]["steps"]}
+    return {
+        "fraction": wait_s / step_s,
+        "ranks": len(waits),
+        "wait_s": wait_s,
+        "step_s": step_s,
+        "max_rank_wait_s": max(w["wait_s"] for w in waits),
+        "steps_timed": waits[0]["steps"],
+    }
 
 
-def bench_data(sizes: list[int], workers: int | None, vocab: int, steps: int, out: str,
-               overrides: list[str]) -> dict:
+def bench_data(
+    sizes: list[int], workers: int | None, vocab: int, steps: int, out: str, overrides: list[str]
+) -> dict:
     import shutil
 
     out_dir = Path(out).resolve()
@@ -266,17 +297,32 @@ def bench_data(sizes: list[int], workers: int | None, vocab: int, steps: int, ou
         if not same or ours["tokens"] != base["tokens"]:
             raise RuntimeError(f"the two sides wrote different tokens on the {mb} MB corpus")
         corpus_mb = sum(p.stat().st_size for p in corpus.glob("*.jsonl")) / 1e6
-        rows.append({"corpus_mb": round(corpus_mb, 1), "ours": ours, "baseline": base, "same_tokens": same,
-                     "speedup": ours["tokens_per_s"] / base["tokens_per_s"]})
+        rows.append(
+            {
+                "corpus_mb": round(corpus_mb, 1),
+                "ours": ours,
+                "baseline": base,
+                "same_tokens": same,
+                "speedup": ours["tokens_per_s"] / base["tokens_per_s"],
+            }
+        )
         for name, side in (("ours", ours), ("baseline", base)):
-            common.log(f"  {corpus_mb:.0f} MB {name}: {side['tokens_per_s']:,.0f} tokens/s wall, "
-                       f"{side['tokens_per_cpu_s']:,.0f} tokens per CPU-second, peak {side['peak_rss_mb']:.0f} MB")
+            common.log(
+                f"  {corpus_mb:.0f} MB {name}: {side['tokens_per_s']:,.0f} tokens/s wall, "
+                f"{side['tokens_per_cpu_s']:,.0f} tokens per CPU-second, peak {side['peak_rss_mb']:.0f} MB"
+            )
     common.log(f"data bench: loader wait on {LAYOUT}, {steps} steps")
     loader = loader_wait(steps, out_dir, overrides)
     shutil.rmtree(out_dir / "loader-run", ignore_errors=True)
-    report = {"rows": rows, "loader": loader, "workers": workers, "vocab": vocab,
-              "TOKENIZERS_PARALLELISM": "false", "cpu_count": os.cpu_count(),
-              "command": " ".join(["python -m mega.bench data", *sys.argv[2:]])}
+    report = {
+        "rows": rows,
+        "loader": loader,
+        "workers": workers,
+        "vocab": vocab,
+        "TOKENIZERS_PARALLELISM": "false",
+        "cpu_count": os.cpu_count(),
+        "command": " ".join(["python -m mega.bench data", *sys.argv[2:]]),
+    }
     (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     last = rows[-1]
     return {
@@ -288,7 +334,8 @@ def bench_data(sizes: list[int], workers: int | None, vocab: int, steps: int, ou
         "corpus_mb": last["corpus_mb"],
         # flat or not: every size's peak, ours and the baseline's (the figures above are the largest's)
         "peak_rss_mb_by_corpus_mb": {str(r["corpus_mb"]): round(r["ours"]["peak_rss_mb"], 1) for r in rows},
-        "baseline_peak_rss_mb_by_corpus_mb": {str(r["corpus_mb"]): round(r["baseline"]["peak_rss_mb"], 1)
-                                              for r in rows},
+        "baseline_peak_rss_mb_by_corpus_mb": {
+            str(r["corpus_mb"]): round(r["baseline"]["peak_rss_mb"], 1) for r in rows
+        },
         "layout": f"{LAYOUT} ({loader['ranks']} ranks, 1 node, data.loader=node, model=tiny)",
     }

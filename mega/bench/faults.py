@@ -59,8 +59,8 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mega.bench import common
 
@@ -78,11 +78,23 @@ DRILL_FILE = "drill.json"  # <run_dir>/drill.json: the harness's record of one d
 
 # Every drill: tiny model, no evaluation, checkpoints every 2 steps (sync: a relaunch has a
 # `latest` at a known step), no backoff between attempts.
-BASE = ["model=tiny", "train.tensorboard=false", "train.eval_batches=0", "optimizer.warmup_steps=1",
-        "checkpoint.restart_backoff_s=0", "checkpoint.async_save=false", "checkpoint.interval=2"]
+BASE = [
+    "model=tiny",
+    "train.tensorboard=false",
+    "train.eval_batches=0",
+    "optimizer.warmup_steps=1",
+    "checkpoint.restart_backoff_s=0",
+    "checkpoint.async_save=false",
+    "checkpoint.interval=2",
+]
 WARM_VS_COLD = ("rank-kill", "rank-hang", "bad-node")  # run warm, then cold: recover_s_cold
-TWO_BY_FOUR = ["parallelism=dp2", "parallelism.dp=8", "launcher=local-nodes", "cluster.nodes=2",
-               "cluster.procs_per_node=4"]
+TWO_BY_FOUR = [
+    "parallelism=dp2",
+    "parallelism.dp=8",
+    "launcher=local-nodes",
+    "cluster.nodes=2",
+    "cluster.procs_per_node=4",
+]
 COLD = ["launcher.warm_processes=false"]
 WARM_RECOVER_S, WARM_COLD_RATIO = 5.0, 0.25  # warm recovery: at most 5 s and a quarter of cold
 
@@ -91,8 +103,14 @@ WARM_RECOVER_S, WARM_COLD_RATIO = 5.0, 0.25  # warm recovery: at most 5 s and a 
 # Striking a running job from outside (shared with tests/test_stability.py)
 
 
-def stop_process_when(run_dir: str | Path, at_step: int, pid_of: Callable[[], int | None], done: dict,
-                      pause_s: float | None = None, deadline_s: float = 240) -> None:
+def stop_process_when(
+    run_dir: str | Path,
+    at_step: int,
+    pid_of: Callable[[], int | None],
+    done: dict,
+    pause_s: float | None = None,
+    deadline_s: float = 240,
+) -> None:
     """In a thread: once attempt 0 logged ``at_step`` and ``pid_of()`` names a process, SIGSTOP it
     (frozen: no step, no heartbeat, no exit, no answer) and record ``pid``, ``time``, ``step`` in
     ``done``; with ``pause_s``, SIGCONT it that much later (``resumed``: the time), else it stays
@@ -138,8 +156,15 @@ def stop_rank_when(run_dir: str | Path, rank: int, at_step: int, done: dict, dea
 # Running a drill and reading it back
 
 
-def run_drill(name: str, overrides: list[str], base: Path, extra: list[str], steps: int = STEPS,
-              strike: Callable[[Path, dict], None] | None = None, events: dict | None = None) -> Path:
+def run_drill(
+    name: str,
+    overrides: list[str],
+    base: Path,
+    extra: list[str],
+    steps: int = STEPS,
+    strike: Callable[[Path, dict], None] | None = None,
+    events: dict | None = None,
+) -> Path:
     """Train one drill's run in ``base/name`` through the driver, ``strike(run_dir, events)`` in a
     thread beside it; write ``drill.json`` and return the run dir. ``extra``: the user's overrides
     (e.g. data.cache_dir), before the drill's own. A failed run is recorded (``error``), never raised."""
@@ -148,8 +173,16 @@ def run_drill(name: str, overrides: list[str], base: Path, extra: list[str], ste
 
     run_dir = base / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a kept --out from before: start clean
-    cfg = compose([*BASE, *extra, f"train.steps={steps}", f"train.run_dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints",
-                   *overrides])
+    cfg = compose(
+        [
+            *BASE,
+            *extra,
+            f"train.steps={steps}",
+            f"train.run_dir={run_dir}",
+            f"checkpoint.dir={run_dir}/checkpoints",
+            *overrides,
+        ]
+    )
     index = common.prepare_data(cfg)
     lines: list[list] = []
     events = {} if events is None else events
@@ -164,7 +197,9 @@ def run_drill(name: str, overrides: list[str], base: Path, extra: list[str], ste
         thread.start()
     try:
         result = run_training(cfg, index, log=log)
-        record.update(attempts=result.attempts, final_step=result.final_step, history=result.history, error=None)
+        record.update(
+            attempts=result.attempts, final_step=result.final_step, history=result.history, error=None
+        )
     except TrainingFailed as e:
         record.update(attempts=None, final_step=None, history=[], error=str(e))
     finally:
@@ -246,8 +281,12 @@ def _since(t: float | None, t0: float | None) -> float | None:
 
 
 def run_rank_kill(base: Path, extra: list[str]) -> Path:
-    return run_drill("rank-kill", [*TWO_BY_FOUR, f"fault.kill_rank={KILL_RANK}", f"fault.kill_at_step={KILL_STEP}"],
-                     base, extra)
+    return run_drill(
+        "rank-kill",
+        [*TWO_BY_FOUR, f"fault.kill_rank={KILL_RANK}", f"fault.kill_at_step={KILL_STEP}"],
+        base,
+        extra,
+    )
 
 
 def row_rank_kill(run_dir: Path) -> dict:
@@ -258,20 +297,36 @@ def row_rank_kill(run_dir: Path) -> dict:
     if not d.history or not killed:
         return row
     first = d.history[0]
-    row.update(detected=seen is not None and not first["code"] == 0, detect_s=_since(seen, killed[0]["time"]),
-               culprit_named=first["failed_nodes"] == [killed[0]["node"]] and killed[0]["rank"] == KILL_RANK,
-               recovered=d.finished and d.d["attempts"] == 2, recover_s=_since(d.first_step_after(0), seen),
-               steps_lost=d.steps_lost(), failed_nodes=first["failed_nodes"])
+    row.update(
+        detected=seen is not None and not first["code"] == 0,
+        detect_s=_since(seen, killed[0]["time"]),
+        culprit_named=first["failed_nodes"] == [killed[0]["node"]] and killed[0]["rank"] == KILL_RANK,
+        recovered=d.finished and d.d["attempts"] == 2,
+        recover_s=_since(d.first_step_after(0), seen),
+        steps_lost=d.steps_lost(),
+        failed_nodes=first["failed_nodes"],
+    )
     return row
 
 
 def run_rank_hang(base: Path, extra: list[str]) -> Path:
-    return run_drill("rank-hang", [*TWO_BY_FOUR, "fault.slow_rank=0", "fault.slow_s=0.2",
-                                   f"stability.heartbeat_s={HANG_HEARTBEAT_S}",
-                                   f"stability.min_hang_s={HANG_THRESHOLD_S}", "stability.progress_factor=5",
-                                   "stability.straggler_beats=100", "cluster.hang_timeout_s=120",
-                                   "checkpoint.upload_timeout_s=10"],
-                     base, extra, strike=lambda run_dir, done: stop_rank_when(run_dir, HANG_RANK, HANG_STEP, done))
+    return run_drill(
+        "rank-hang",
+        [
+            *TWO_BY_FOUR,
+            "fault.slow_rank=0",
+            "fault.slow_s=0.2",
+            f"stability.heartbeat_s={HANG_HEARTBEAT_S}",
+            f"stability.min_hang_s={HANG_THRESHOLD_S}",
+            "stability.progress_factor=5",
+            "stability.straggler_beats=100",
+            "cluster.hang_timeout_s=120",
+            "checkpoint.upload_timeout_s=10",
+        ],
+        base,
+        extra,
+        strike=lambda run_dir, done: stop_rank_when(run_dir, HANG_RANK, HANG_STEP, done),
+    )
 
 
 def row_rank_hang(run_dir: Path) -> dict:
@@ -288,20 +343,38 @@ def row_rank_hang(run_dir: Path) -> dict:
     c = inc.get("culprit") or {}
     threshold = inc["evidence"].get("threshold_s")
     detect = _since(inc["detected_at"], stopped["time"])
-    row.update(detected=True, detect_s=detect, culprit_named=(c.get("rank"), c.get("node")) == (stopped["rank"],
-                                                                                                stopped["node"]),
-               culprit=c.get("rank"), coords=c.get("coords"), threshold_s=threshold,
-               within_target=detect is not None and threshold is not None
-               and detect <= 2 * HANG_HEARTBEAT_S + threshold,
-               recovered=d.finished and d.d["attempts"] == 2 and d.history[0]["reason"].startswith("hung"),
-               recover_s=_since(d.first_step_after(0), inc["detected_at"]), steps_lost=d.steps_lost())
+    row.update(
+        detected=True,
+        detect_s=detect,
+        culprit_named=(c.get("rank"), c.get("node")) == (stopped["rank"], stopped["node"]),
+        culprit=c.get("rank"),
+        coords=c.get("coords"),
+        threshold_s=threshold,
+        within_target=detect is not None
+        and threshold is not None
+        and detect <= 2 * HANG_HEARTBEAT_S + threshold,
+        recovered=d.finished and d.d["attempts"] == 2 and d.history[0]["reason"].startswith("hung"),
+        recover_s=_since(d.first_step_after(0), inc["detected_at"]),
+        steps_lost=d.steps_lost(),
+    )
     return row
 
 
 def run_straggler(base: Path, extra: list[str]) -> Path:
-    return run_drill("straggler", ["parallelism=dp2", f"fault.slow_rank={SLOW_RANK}", f"fault.slow_s={SLOW_S}",
-                                   "stability.heartbeat_s=0.25", "stability.min_hang_s=30",
-                                   "stability.straggler_beats=2"], base, extra, steps=STRAGGLER_STEPS)
+    return run_drill(
+        "straggler",
+        [
+            "parallelism=dp2",
+            f"fault.slow_rank={SLOW_RANK}",
+            f"fault.slow_s={SLOW_S}",
+            "stability.heartbeat_s=0.25",
+            "stability.min_hang_s=30",
+            "stability.straggler_beats=2",
+        ],
+        base,
+        extra,
+        steps=STRAGGLER_STEPS,
+    )
 
 
 def row_straggler(run_dir: Path) -> dict:
@@ -312,8 +385,13 @@ def row_straggler(run_dir: Path) -> dict:
     named = d.incidents("straggler")
     # slow from its first forward on: the fault begins with the first step
     began = min((r["time"] - r["step_s"] for r in rows), default=None)
-    row.update(detected=bool(slow), culprit_named=bool(slow) and len(named) == 1,
-               recovered=d.finished and d.d["attempts"] == 1, recover_s=0.0, steps_lost=d.steps_lost())
+    row.update(
+        detected=bool(slow),
+        culprit_named=bool(slow) and len(named) == 1,
+        recovered=d.finished and d.d["attempts"] == 1,
+        recover_s=0.0,
+        steps_lost=d.steps_lost(),
+    )
     if slow:
         row.update(detect_s=_since(slow[0]["detected_at"], began), ratios=slow[0]["evidence"].get("ratios"))
     return row
@@ -334,17 +412,32 @@ def row_nan(run_dir: Path) -> dict:
         return row
     rows = [r for r in d.metrics() if r.get("attempt", 0) > 0]
     skipped = [r for r in rows if r["step"] == NAN_STEP and r.get("data_skipped")]
-    row.update(detected=seen is not None, detect_s=_since(seen, poisoned[0]["time"]),
-               culprit_named=skips[0]["step"] == NAN_STEP,
-               recovered=d.finished and bool(skipped) and all(
-                   math.isfinite(r["loss"]) for r in rows if not r.get("data_skipped")),
-               recover_s=_since(d.first_step_after(0), seen), steps_lost=d.steps_lost())
+    row.update(
+        detected=seen is not None,
+        detect_s=_since(seen, poisoned[0]["time"]),
+        culprit_named=skips[0]["step"] == NAN_STEP,
+        recovered=d.finished
+        and bool(skipped)
+        and all(math.isfinite(r["loss"]) for r in rows if not r.get("data_skipped")),
+        recover_s=_since(d.first_step_after(0), seen),
+        steps_lost=d.steps_lost(),
+    )
     return row
 
 
 def run_bad_node(base: Path, extra: list[str]) -> Path:
-    return run_drill("bad-node", [*TWO_BY_FOUR, "cluster.spare_nodes=1", f"fault.kill_node={BAD_NODE}",
-                                  f"fault.kill_at_step={BAD_NODE_STEP}", f"fault.bad_node={BAD_NODE}"], base, extra)
+    return run_drill(
+        "bad-node",
+        [
+            *TWO_BY_FOUR,
+            "cluster.spare_nodes=1",
+            f"fault.kill_node={BAD_NODE}",
+            f"fault.kill_at_step={BAD_NODE_STEP}",
+            f"fault.bad_node={BAD_NODE}",
+        ],
+        base,
+        extra,
+    )
 
 
 def row_bad_node(run_dir: Path) -> dict:
@@ -357,13 +450,19 @@ def row_bad_node(run_dir: Path) -> dict:
     first = d.history[0]
     record = d.record()
     evicted = [e["node"] for e in record.evicted_nodes] if record else []
-    row.update(detected=first["failed_nodes"] == [BAD_NODE] and seen is not None,
-               detect_s=_since(seen, killed[0]["time"]) if killed else None,
-               culprit_named=first.get("evicted") == [BAD_NODE] and evicted == [BAD_NODE],
-               # at full size: two nodes again, the spare in the evicted node's place
-               recovered=d.finished and len(d.history) == 2 and record is not None
-               and len((record.membership or {}).get("nodes", [])) == 2 and BAD_NODE not in record.membership["nodes"],
-               recover_s=_since(d.first_step_after(0), seen), steps_lost=d.steps_lost())
+    row.update(
+        detected=first["failed_nodes"] == [BAD_NODE] and seen is not None,
+        detect_s=_since(seen, killed[0]["time"]) if killed else None,
+        culprit_named=first.get("evicted") == [BAD_NODE] and evicted == [BAD_NODE],
+        # at full size: two nodes again, the spare in the evicted node's place
+        recovered=d.finished
+        and len(d.history) == 2
+        and record is not None
+        and len((record.membership or {}).get("nodes", [])) == 2
+        and BAD_NODE not in record.membership["nodes"],
+        recover_s=_since(d.first_step_after(0), seen),
+        steps_lost=d.steps_lost(),
+    )
     return row
 
 
@@ -372,13 +471,26 @@ def run_redis_outage(base: Path, extra: list[str]) -> Path:
 
     with RedisServer() as server:
         events = {"store": server.address}
-        return run_drill("redis-outage", ["parallelism=dp2", f"cluster.redis_url={server.url}",
-                                          f"fault.slow_rank={SLOW_RANK}", "fault.slow_s=0.25",
-                                          "stability.heartbeat_s=0.5", "stability.min_hang_s=8",
-                                          "stability.progress_factor=4", f"stability.straggler_beats={OUTAGE_STEPS + 1}"],
-                         base, extra, steps=OUTAGE_STEPS, events=events,
-                         strike=lambda run_dir, done: stop_process_when(run_dir, OUTAGE_AT_STEP, lambda: server.pid,
-                                                                        done, pause_s=OUTAGE_S))
+        return run_drill(
+            "redis-outage",
+            [
+                "parallelism=dp2",
+                f"cluster.redis_url={server.url}",
+                f"fault.slow_rank={SLOW_RANK}",
+                "fault.slow_s=0.25",
+                "stability.heartbeat_s=0.5",
+                "stability.min_hang_s=8",
+                "stability.progress_factor=4",
+                f"stability.straggler_beats={OUTAGE_STEPS + 1}",
+            ],
+            base,
+            extra,
+            steps=OUTAGE_STEPS,
+            events=events,
+            strike=lambda run_dir, done: stop_process_when(
+                run_dir, OUTAGE_AT_STEP, lambda: server.pid, done, pause_s=OUTAGE_S
+            ),
+        )
 
 
 def row_redis_outage(run_dir: Path) -> dict:
@@ -398,13 +510,22 @@ def row_redis_outage(run_dir: Path) -> dict:
     e = inc.get("evidence") or {}
     seen = d.logged("store outage") or inc["detected_at"]
     last = max((r["time"] for r in d.metrics()), default=0)
-    row.update(detected=True, detect_s=_since(seen, paused["time"]),
-               culprit_named=str(paused.get("store", "")) in json.dumps(inc.get("culprit")),
-               recovered=bool(e.get("resumed")) and d.finished and d.d["attempts"] == 1
-               and record is not None and record.evicted_nodes == [],
-               recover_s=_since(inc["detected_at"], seen), reported_s=_since(inc["detected_at"], paused["time"]),
-               watcher_outage_s=e.get("outage_s"), ranks_resumed=e.get("ranks_resumed"),
-               dropped=e.get("dropped"), mid_run=last > paused.get("resumed", math.inf))
+    row.update(
+        detected=True,
+        detect_s=_since(seen, paused["time"]),
+        culprit_named=str(paused.get("store", "")) in json.dumps(inc.get("culprit")),
+        recovered=bool(e.get("resumed"))
+        and d.finished
+        and d.d["attempts"] == 1
+        and record is not None
+        and record.evicted_nodes == [],
+        recover_s=_since(inc["detected_at"], seen),
+        reported_s=_since(inc["detected_at"], paused["time"]),
+        watcher_outage_s=e.get("outage_s"),
+        ranks_resumed=e.get("ranks_resumed"),
+        dropped=e.get("dropped"),
+        mid_run=last > paused.get("resumed", math.inf),
+    )
     return row
 
 
@@ -429,8 +550,15 @@ def run_overhead(base: Path, extra: list[str]) -> dict[str, list[Path]]:
     over = ["parallelism=dp2", "checkpoint.interval=0"]
     runs: dict[str, list[Path]] = {"on": [], "off": []}
     for i, mode in enumerate(OVERHEAD_ORDER):
-        runs[mode].append(run_drill(f"overhead-{mode}-{i}", [*over, f"stability.enabled={mode == 'on'}"], base,
-                                    extra, steps=OVERHEAD_STEPS))
+        runs[mode].append(
+            run_drill(
+                f"overhead-{mode}-{i}",
+                [*over, f"stability.enabled={mode == 'on'}"],
+                base,
+                extra,
+                steps=OVERHEAD_STEPS,
+            )
+        )
     return runs
 
 
@@ -450,8 +578,10 @@ def overhead(runs: dict[str, list[Path]]) -> dict:
         out["heartbeat_overhead"] = round(max(ratios), 6)
         out["heartbeat_overhead_detail"] = {"runs": ranks, "target": 0.005, "target_met": max(ratios) < 0.005}
     else:
-        out["note"] = ("heartbeat_overhead: no heartbeats-attempt0.json (the watcher's heartbeat summary "
-                       "comes with branch i12c)")
+        out["note"] = (
+            "heartbeat_overhead: no heartbeats-attempt0.json (the watcher's heartbeat summary "
+            "comes with branch i12c)"
+        )
     steps = {}
     for mode, dirs in runs.items():
         drills = [Drill(d) for d in dirs]
@@ -471,31 +601,46 @@ def _line(row: dict, took: float) -> str:
     def s(x):
         return "-" if x is None else f"{x:.2f} s"
 
-    return (f"faults: {row['fault']}: detected {row['detected']} in {s(row['detect_s'])}, culprit named "
-            f"{row['culprit_named']}, recovered {row['recovered']} in {s(row['recover_s'])}, steps lost "
-            f"{row['steps_lost']} ({took:.0f} s)" + (f"; error: {row['error']}" if row.get("error") else ""))
+    return (
+        f"faults: {row['fault']}: detected {row['detected']} in {s(row['detect_s'])}, culprit named "
+        f"{row['culprit_named']}, recovered {row['recovered']} in {s(row['recover_s'])}, steps lost "
+        f"{row['steps_lost']} ({took:.0f} s)" + (f"; error: {row['error']}" if row.get("error") else "")
+    )
 
 
 def _drill_row(name: str, base: Path, extra: list[str]) -> dict:
     run, row_of = DRILLS[name]
     try:
         return row_of(run(base, extra))
-    except Exception as e:  # noqa: BLE001 - one broken drill is a row that says so, not a lost bench
-        return {**dict.fromkeys(ROW_KEYS), "fault": name, "detected": False, "culprit_named": False,
-                "recovered": False, "error": f"{type(e).__name__}: {e}"}
+    except Exception as e:
+        return {
+            **dict.fromkeys(ROW_KEYS),
+            "fault": name,
+            "detected": False,
+            "culprit_named": False,
+            "recovered": False,
+            "error": f"{type(e).__name__}: {e}",
+        }
 
 
 def warm_vs_cold(warm: dict, cold: dict) -> dict:
     """``recover_s_cold`` and whether warm recovery met its target (None when either is missing)."""
     w, c = warm.get("recover_s"), cold.get("recover_s")
-    met = None if w is None or c is None or not (warm["recovered"] and cold["recovered"]) else (
-        w <= WARM_RECOVER_S and w <= WARM_COLD_RATIO * c)
-    return {"recover_s_cold": c, "warm_target_met": met,
-            **({"cold_error": cold["error"]} if cold.get("error") else {})}
+    met = (
+        None
+        if w is None or c is None or not (warm["recovered"] and cold["recovered"])
+        else (w <= WARM_RECOVER_S and w <= WARM_COLD_RATIO * c)
+    )
+    return {
+        "recover_s_cold": c,
+        "warm_target_met": met,
+        **({"cold_error": cold["error"]} if cold.get("error") else {}),
+    }
 
 
-def bench_faults(only: list[str] | None = None, out: str | Path | None = None,
-                 overrides: list[str] | None = None) -> dict:
+def bench_faults(
+    only: list[str] | None = None, out: str | Path | None = None, overrides: list[str] | None = None
+) -> dict:
     """Run the named drills (all by default; ``overhead`` for the heartbeat overhead runs), one
     after another, each in its own run dir under ``out`` (default: a temporary dir, removed)."""
     names = only or [*DRILLS, OVERHEAD]
@@ -525,13 +670,17 @@ def bench_faults(only: list[str] | None = None, out: str | Path | None = None,
         if OVERHEAD in names:
             common.log("faults: heartbeat overhead (stability on, then off) ...")
             result.update(overhead(run_overhead(base, list(overrides or []))))
-            common.log(f"faults: heartbeat overhead {result['heartbeat_overhead']}, on/off step time "
-                       f"{result['heartbeat_overhead_on_off']}")
+            common.log(
+                f"faults: heartbeat overhead {result['heartbeat_overhead']}, on/off step time "
+                f"{result['heartbeat_overhead_on_off']}"
+            )
         else:
             result["note"] = "heartbeat overhead not measured (--only without overhead)"
-        result["targets_met"] = all(r["detected"] and r["recovered"] for r in rows) and all(
-            r.get("within_target", True) and r.get("warm_target_met", True) for r in rows) and (
-            result["heartbeat_overhead"] or 1.0) < 0.005
+        result["targets_met"] = (
+            all(r["detected"] and r["recovered"] for r in rows)
+            and all(r.get("within_target", True) and r.get("warm_target_met", True) for r in rows)
+            and (result["heartbeat_overhead"] or 1.0) < 0.005
+        )
         if out:
             result["out"] = str(base)
     return result

@@ -41,29 +41,60 @@ def _first_row_time(path: Path, stop: threading.Event, out: dict) -> None:
         time.sleep(0.02)
 
 
-SLURM = ["launcher=slurm", "cluster.launchers=[local,local-nodes,slurm]", "launcher.slurm.exclusive=false",
-         "launcher.slurm.mem=null", "launcher.slurm.stop_timeout_s=30", "checkpoint.restart_backoff_s=0"]
+SLURM = [
+    "launcher=slurm",
+    "cluster.launchers=[local,local-nodes,slurm]",
+    "launcher.slurm.exclusive=false",
+    "launcher.slurm.mem=null",
+    "launcher.slurm.stop_timeout_s=30",
+    "checkpoint.restart_backoff_s=0",
+]
 
 
-def run_nodes(n: int, overrides: list[str], steps: int, warmup: int, netns: bool, tmp: str,
-              launcher_name: str = "local-nodes", name: str | None = None, restarts: int | None = None) -> dict:
+def run_nodes(
+    n: int,
+    overrides: list[str],
+    steps: int,
+    warmup: int,
+    netns: bool,
+    tmp: str,
+    launcher_name: str = "local-nodes",
+    name: str | None = None,
+    restarts: int | None = None,
+) -> dict:
     """One run of the layout as ``n`` nodes (local-nodes or Slurm); its row and what it cost."""
     from mega.launch import TrainingFailed
 
     procs = WORLD // n
-    launcher = ["launcher=local"] if n == 1 and launcher_name != "slurm" else [
-        f"cluster.nodes={n}", f"cluster.procs_per_node={procs}",
-        *(SLURM if launcher_name == "slurm" else
-          ["launcher=local-nodes", f"launcher.local_nodes.netns={str(netns).lower()}"])]
+    launcher = (
+        ["launcher=local"]
+        if n == 1 and launcher_name != "slurm"
+        else [
+            f"cluster.nodes={n}",
+            f"cluster.procs_per_node={procs}",
+            *(
+                SLURM
+                if launcher_name == "slurm"
+                else ["launcher=local-nodes", f"launcher.local_nodes.netns={str(netns).lower()}"]
+            ),
+        ]
+    )
     run_dir = Path(tmp) / (name or f"nodes{n}-{launcher_name}")
-    cfg = common.compose_run([f"parallelism={LAYOUT}", *overrides, *launcher,
-                              f"optimizer.warmup_steps={min(warmup, steps - 1)}"], steps, run_dir)
+    cfg = common.compose_run(
+        [f"parallelism={LAYOUT}", *overrides, *launcher, f"optimizer.warmup_steps={min(warmup, steps - 1)}"],
+        steps,
+        run_dir,
+    )
     if restarts is not None:  # a fault row: the run must relaunch, from a checkpoint every 2 steps
         cfg.checkpoint.max_restarts, cfg.checkpoint.interval = restarts, 2
     index = common.prepare_data(cfg)
-    common.log(f"nodes: {n} node(s) x {procs} ranks ({LAYOUT}, {steps} steps){' in network namespaces' if netns and n > 1 else ''}")
+    common.log(
+        f"nodes: {n} node(s) x {procs} ranks ({LAYOUT}, {steps} steps){' in network namespaces' if netns and n > 1 else ''}"
+    )
     stop, first = threading.Event(), {}
-    watcher = threading.Thread(target=_first_row_time, args=(run_dir / METRICS_FILE, stop, first), daemon=True)
+    watcher = threading.Thread(
+        target=_first_row_time, args=(run_dir / METRICS_FILE, stop, first), daemon=True
+    )
     started = time.monotonic()
     watcher.start()
     try:
@@ -79,13 +110,20 @@ def run_nodes(n: int, overrides: list[str], steps: int, warmup: int, netns: bool
         watcher.join()
     wall = time.monotonic() - started
     timed = common.steady(metrics, warmup) if metrics else []
-    return {"nodes": n, "procs_per_node": procs, "world_size": n * procs, "layout": LAYOUT,
-            "launcher": "local" if "launcher=local" in launcher else launcher_name,
-            "first_step_s": round(first["time"] - started, 3) if "time" in first else None,
-            "step_s": common.median(timed, "step_s") if timed else None,
-            "completed": completed and len(metrics) == steps,
-            "_losses": [m["loss"] for m in metrics], "_wall_s": round(wall, 3), "_attempts": attempts,
-            "_history": result.history if completed else []}
+    return {
+        "nodes": n,
+        "procs_per_node": procs,
+        "world_size": n * procs,
+        "layout": LAYOUT,
+        "launcher": "local" if "launcher=local" in launcher else launcher_name,
+        "first_step_s": round(first["time"] - started, 3) if "time" in first else None,
+        "step_s": common.median(timed, "step_s") if timed else None,
+        "completed": completed and len(metrics) == steps,
+        "_losses": [m["loss"] for m in metrics],
+        "_wall_s": round(wall, 3),
+        "_attempts": attempts,
+        "_history": result.history if completed else [],
+    }
 
 
 def node_loss_row(overrides: list[str], steps: int, warmup: int, tmp: str, state) -> dict:
@@ -116,11 +154,17 @@ def node_loss_row(overrides: list[str], steps: int, warmup: int, tmp: str, state
     history = row.pop("_history")
     first_after = [r["time"] for r in read_metrics(run_dir) if r.get("attempt", 0) > 0]
     detected = bool(history) and history[0]["code"] != 0
-    return {**row, "fault": "node-loss", "detected": detected,
-            "detect_s": round(history[0]["elapsed_s"] - (killed["t"] - _started(run_dir)), 3) if detected and "t" in killed else None,
-            "recovered": row["completed"] and len(history) > 1,
-            "recover_s": round(min(first_after) - killed["t"], 3) if first_after and "t" in killed else None,
-            "excluded_host": (history[0].get("excluded_hosts") or [None])[0] if history else None}
+    return {
+        **row,
+        "fault": "node-loss",
+        "detected": detected,
+        "detect_s": round(history[0]["elapsed_s"] - (killed["t"] - _started(run_dir)), 3)
+        if detected and "t" in killed
+        else None,
+        "recovered": row["completed"] and len(history) > 1,
+        "recover_s": round(min(first_after) - killed["t"], 3) if first_after and "t" in killed else None,
+        "excluded_host": (history[0].get("excluded_hosts") or [None])[0] if history else None,
+    }
 
 
 def _started(run_dir: Path) -> float:
@@ -128,8 +172,14 @@ def _started(run_dir: Path) -> float:
     return (run_dir / "slurm" / "train-attempt0" / "job.sbatch").stat().st_mtime
 
 
-def bench_nodes(overrides: list[str], steps: int = 6, warmup: int = 2, node_counts: tuple[int, ...] = (1, 2, 4),
-                netns: bool = False, launcher: str = "local-nodes") -> dict:
+def bench_nodes(
+    overrides: list[str],
+    steps: int = 6,
+    warmup: int = 2,
+    node_counts: tuple[int, ...] = (1, 2, 4),
+    netns: bool = False,
+    launcher: str = "local-nodes",
+) -> dict:
     if node_counts[0] != 1:
         node_counts = (1, *[n for n in node_counts if n != 1])  # the reference comes first
     with tempfile.TemporaryDirectory(prefix="mega-bench-nodes-") as tmp:
@@ -143,22 +193,34 @@ def bench_nodes(overrides: list[str], steps: int = 6, warmup: int = 2, node_coun
         r.pop("_history", None)
         losses = r.pop("_losses")
         comparable = r["completed"] and runs[0]["completed"]
-        r["max_abs_loss_diff_vs_one_node"] = (max(abs(a - b) for a, b in zip(losses, ref)) if comparable else None)
-        details.append({"nodes": r["nodes"], "wall_s": r.pop("_wall_s"), "attempts": r.pop("_attempts"),
-                        "losses": losses})
+        r["max_abs_loss_diff_vs_one_node"] = (
+            max(abs(a - b) for a, b in zip(losses, ref)) if comparable else None
+        )
+        details.append(
+            {
+                "nodes": r["nodes"],
+                "wall_s": r.pop("_wall_s"),
+                "attempts": r.pop("_attempts"),
+                "losses": losses,
+            }
+        )
         rows.append(r)
     return {
         "launcher": launcher,
         "rows": rows,
         "details": details,  # whole-run wall time (launch to last rank gone), attempts, per-step losses
-        "steps": steps, "warmup_steps": warmup, "netns": netns,
+        "steps": steps,
+        "warmup_steps": warmup,
+        "netns": netns,
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "note": "local nodes share one machine's cores: the rows compare launch paths and rank layouts, "
-                "not interconnects; first_step_s runs from the driver's start to the first metrics row",
+        "not interconnects; first_step_s runs from the driver's start to the first metrics row",
     }
 
 
-def _slurm_runs(overrides: list[str], steps: int, warmup: int, node_counts: tuple[int, ...], tmp: str) -> list[dict]:
+def _slurm_runs(
+    overrides: list[str], steps: int, warmup: int, node_counts: tuple[int, ...], tmp: str
+) -> list[dict]:
     """One local node (the reference), then each node count through Slurm, then the node-loss row;
     on the cluster of ``$SLURM_CONF`` or, without one, a local 3-node cluster started for this."""
     from mega.launch import slurm_local
@@ -180,4 +242,3 @@ def _slurm_runs(overrides: list[str], steps: int, warmup: int, node_counts: tupl
         if own is not None:
             os.environ.pop("SLURM_CONF", None)
             slurm_local.down(own)
-

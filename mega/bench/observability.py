@@ -37,7 +37,9 @@ DEFAULT_OVERRIDES = ("model=tiny", "parallelism=tp2-pp2-dp2")
 def _run(name: str, overrides: list[str], steps: int, out: Path, index: Path | None):
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a previous bench's span files must not mix in
-    cfg = common.compose_run([*overrides, "checkpoint.load=false", "optimizer.warmup_steps=1"], steps, run_dir)
+    cfg = common.compose_run(
+        [*overrides, "checkpoint.load=false", "optimizer.warmup_steps=1"], steps, run_dir
+    )
     index = index or common.prepare_data(cfg)
     common.log(f"[observability] {name}: {cfg.parallelism.name}, {steps} steps -> {run_dir}")
     return cfg, common.train(cfg, index), index
@@ -53,12 +55,15 @@ def _step_intervals(tl, warmup: int) -> list[float]:
     runs between steps (the controlled collections)."""
     numbers = tl.step_numbers()
     steps = [s for s in numbers[:-1] if s > warmup]
-    return [max((rec["tail_t1"] - rec["t0"]) * 1e-9 for per in tl.steps.values() if (rec := per.get(s)))
-            for s in steps]
+    return [
+        max((rec["tail_t1"] - rec["t0"]) * 1e-9 for per in tl.steps.values() if (rec := per.get(s)))
+        for s in steps
+    ]
 
 
-def bench_observability(overrides: list[str], steps: int, warmup: int, out: str | Path,
-                        slow_s: float = 0.1) -> dict:
+def bench_observability(
+    overrides: list[str], steps: int, warmup: int, out: str | Path, slow_s: float = 0.1
+) -> dict:
     from mega.obs import analysis, report, trace
 
     out = Path(out).resolve()
@@ -69,14 +74,22 @@ def bench_observability(overrides: list[str], steps: int, warmup: int, out: str 
     _, auto, _ = _run("gc-auto", [*base, "train.gc_interval=0"], steps, out, index)
     world = cfg_on.parallelism.world_size
     slow_rank = world // 2 + 1 if world > 2 else world - 1
-    _, slow, _ = _run("straggler", [*base, f"fault.slow_rank={slow_rank}", f"fault.slow_s={slow_s}"],
-                      max(4, warmup + 3), out, index)
+    _, slow, _ = _run(
+        "straggler",
+        [*base, f"fault.slow_rank={slow_rank}", f"fault.slow_s={slow_s}"],
+        max(4, warmup + 3),
+        out,
+        index,
+    )
 
     timeline_on, timeline_auto = analysis.load(on.run_dir), analysis.load(auto.run_dir)
     counted = analysis.overhead(timeline_on)
     trace_path = trace.write(on.run_dir)
-    processes = sum(1 for e in json.loads(trace_path.read_text())["traceEvents"]
-                    if e["ph"] == "M" and e["name"] == "process_name")
+    processes = sum(
+        1
+        for e in json.loads(trace_path.read_text())["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "process_name"
+    )
     straggler = report.build(slow.run_dir, tensorboard=False)
     steady_on, steady_off = common.steady(on.metrics, warmup), common.steady(off.metrics, warmup)
     step_on, step_off = common.median(steady_on, "step_s"), common.median(steady_off, "step_s")
@@ -93,18 +106,29 @@ def bench_observability(overrides: list[str], steps: int, warmup: int, out: str 
     }
     details = {
         "result": result,
-        "config": {"overrides": base, "steps": steps, "warmup": warmup, "gc_interval": cfg_on.train.gc_interval,
-                   "slow_rank": slow_rank, "slow_s": slow_s, "device": common.device_name(cfg_on)},
+        "config": {
+            "overrides": base,
+            "steps": steps,
+            "warmup": warmup,
+            "gc_interval": cfg_on.train.gc_interval,
+            "slow_rank": slow_rank,
+            "slow_s": slow_s,
+            "device": common.device_name(cfg_on),
+        },
         "counted": counted,
         "accounting_per_rank": timeline_on.accounting,
-        "step_s": {name: [r["step_s"] for r in res.metrics] for name, res in
-                   (("on", on), ("off", off), ("gc-auto", auto), ("straggler", slow))},
-        "step_interval_s": {"gc-auto": _step_intervals(timeline_auto, warmup),
-                            "on (gc controlled)": _step_intervals(timeline_on, warmup)},
+        "step_s": {
+            name: [r["step_s"] for r in res.metrics]
+            for name, res in (("on", on), ("off", off), ("gc-auto", auto), ("straggler", slow))
+        },
+        "step_interval_s": {
+            "gc-auto": _step_intervals(timeline_auto, warmup),
+            "on (gc controlled)": _step_intervals(timeline_on, warmup),
+        },
         "gc_s_per_step_auto": [_gc_s(timeline_auto, s) for s in range(1, steps + 1)],
         "straggler": {k: straggler[k] for k in ("top_stragglers", "straggler_scores", "exposed_mean_s")},
         "note": "timings from a shared machine are noisy; overhead is counted (CPU time of the recorder), "
-                "overhead_on_off is measured end to end and reported for information",
+        "overhead_on_off is measured end to end and reported for information",
     }
     (out / "result.json").write_text(json.dumps(details, indent=2))
     return result

@@ -16,8 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
-KINDS = ("rank-kill", "rank-hang", "node-kill", "nan", "spike", "redis-stop", "s3-stop", "straggler",
-         "kill-in-save")
+KINDS = (
+    "rank-kill",
+    "rank-hang",
+    "node-kill",
+    "nan",
+    "spike",
+    "redis-stop",
+    "s3-stop",
+    "straggler",
+    "kill-in-save",
+)
 
 
 def fault_schedule(minutes: float, mtbf_s: float, seed: int, kinds: tuple[str, ...] = KINDS) -> list[dict]:
@@ -44,7 +53,9 @@ def weights_equal(a: str | Path, b: str | Path, work: str | Path) -> dict:
     sds = []
     for name, src in (("a", a), ("b", b)):
         dcp_to_torch_save(str(src), str(work / f"{name}.pt"))
-        sds.append(_tensors(torch.load(work / f"{name}.pt", weights_only=False)))  # our own files, just written
+        sds.append(
+            _tensors(torch.load(work / f"{name}.pt", weights_only=False))
+        )  # our own files, just written
     keys = sorted(set(sds[0]) | set(sds[1]))
     differ = [k for k in keys if k not in sds[0] or k not in sds[1] or not _same_bits(sds[0][k], sds[1][k])]
     return {"equal": not differ and bool(keys), "tensors": len(keys), "differ": differ[:20]}
@@ -53,8 +64,11 @@ def weights_equal(a: str | Path, b: str | Path, work: str | Path) -> dict:
 def _same_bits(x, y) -> bool:
     import torch
 
-    return (x.dtype == y.dtype and x.shape == y.shape
-            and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
+    return (
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+    )
 
 
 def _tensors(tree, prefix: str = "") -> dict:
@@ -78,24 +92,41 @@ def compare(soak: dict, reference: dict, weights: dict, loadable: bool) -> dict:
     s, r = soak["samples"], reference["samples"]
     skipped = [x["step"] for x in s["skipped"]]
     return {
-        "ettr": soak["ettr"], "wall_s": soak["wall_s"], "ledger": soak["ledger_s"],
+        "ettr": soak["ettr"],
+        "wall_s": soak["wall_s"],
+        "ledger": soak["ledger_s"],
         "unattributed_s": soak["unattributed_s"],
-        "samples_exact": bool(s["exact"] and r["exact"] and skipped == [x["step"] for x in r["skipped"]]
-                              and s["trained_samples"] == r["trained_samples"]),
+        "samples_exact": bool(
+            s["exact"]
+            and r["exact"]
+            and skipped == [x["step"] for x in r["skipped"]]
+            and s["trained_samples"] == r["trained_samples"]
+        ),
         "final_weights_equal_reference": bool(weights.get("equal")),
         "durable_checkpoint_loadable": bool(loadable),
-        "reference_ettr": reference["ettr"], "reference_wall_s": reference["wall_s"],
+        "reference_ettr": reference["ettr"],
+        "reference_wall_s": reference["wall_s"],
     }
 
 
 # the incidents that answer each fault kind (mega/stability); an S3 outage is answered by the
 # checkpoint upload's retries instead (checkpoints.jsonl)
-ANSWERS = {"rank-kill": ("rank-exit",), "node-kill": ("rank-exit",), "kill-in-save": ("rank-exit",),
-           "rank-hang": ("hang",), "nan": ("nan",), "spike": ("spike",), "redis-stop": ("store",),
-           "straggler": ("straggler", "hang"), "s3-stop": ()}
+ANSWERS = {
+    "rank-kill": ("rank-exit",),
+    "node-kill": ("rank-exit",),
+    "kill-in-save": ("rank-exit",),
+    "rank-hang": ("hang",),
+    "nan": ("nan",),
+    "spike": ("spike",),
+    "redis-stop": ("store",),
+    "straggler": ("straggler", "hang"),
+    "s3-stop": (),
+}
 
 
-def fault_rows(struck: list[dict], incidents: list[dict], lost_s: dict[int, float], saves: list[dict]) -> list[dict]:
+def fault_rows(
+    struck: list[dict], incidents: list[dict], lost_s: dict[int, float], saves: list[dict]
+) -> list[dict]:
     """Each fault that struck (``time``: when) with what the system made of it: the first
     incident of a kind that answers it detected after it (``detect_s``; an S3 outage: the first
     upload retry), its recovery (``recover_s``: the incident's time to recover; an S3 outage: the
@@ -107,16 +138,24 @@ def fault_rows(struck: list[dict], incidents: list[dict], lost_s: dict[int, floa
         if inc is not None:
             left.remove(inc)  # one incident answers one fault
         restarts = inc is not None and inc["kind"] not in ("straggler", "store")  # reported, no relaunch
-        row = {"kind": f["kind"], "at_s": f.get("at_s"), "detected": inc is not None,
-               "detect_s": round(inc["detected_at"] - t, 3) if inc else None,
-               "recovered": bool(inc and (inc.get("time_to_recover_s") is not None or not restarts)),
-               "recover_s": inc.get("time_to_recover_s") if inc else None,
-               "lost_s": round(lost_s.get(inc.get("attempt"), 0.0), 3) if restarts else 0.0}
+        row = {
+            "kind": f["kind"],
+            "at_s": f.get("at_s"),
+            "detected": inc is not None,
+            "detect_s": round(inc["detected_at"] - t, 3) if inc else None,
+            "recovered": bool(inc and (inc.get("time_to_recover_s") is not None or not restarts)),
+            "recover_s": inc.get("time_to_recover_s") if inc else None,
+            "lost_s": round(lost_s.get(inc.get("attempt"), 0.0), 3) if restarts else 0.0,
+        }
         if f["kind"] == "s3-stop":
             retry = next((r["time"] for r in saves if r["event"] == "retry" and r["time"] >= t), None)
             done = next((r["time"] for r in saves if r["event"] == "committed" and r["time"] >= t + 20), None)
-            row.update(detected=retry is not None, detect_s=round(retry - t, 3) if retry else None,
-                       recovered=done is not None, recover_s=round(done - t - 20, 3) if done else None)
+            row.update(
+                detected=retry is not None,
+                detect_s=round(retry - t, 3) if retry else None,
+                recovered=done is not None,
+                recover_s=round(done - t - 20, 3) if done else None,
+            )
         rows.append(row)
     return rows
 
@@ -132,10 +171,16 @@ ASSUMPTIONS = {
     "teardown_s": (5.0, "measured: rank-hang stop of every process, ~5 s (ledger teardown, this machine)"),
     "diagnosis_s": (30.0, "assumption: self-check of the suspect nodes before the relaunch"),
     "startup_s": (90.0, "assumption at scale: scheduling + process start + imports of every node"),
-    "group_creation_s_per_rank": (4.75 / 12288, "measured: bootstrap bench light-redis 4.75 s at 12,288 ranks, linear"),
+    "group_creation_s_per_rank": (
+        4.75 / 12288,
+        "measured: bootstrap bench light-redis 4.75 s at 12,288 ranks, linear",
+    ),
     "restore_s": (30.0, "assumption: durable checkpoint read from the object store at scale"),
     "warmup_s": (10.0, "assumption: the first step's excess (allocator, NCCL communicators)"),
-    "checkpoint_stall_s": (5.0, "assumption: async save's blocking part for a large model (0.17 s tiny, here)"),
+    "checkpoint_stall_s": (
+        5.0,
+        "assumption: async save's blocking part for a large model (0.17 s tiny, here)",
+    ),
 }
 
 
@@ -158,26 +203,52 @@ def simulate(gpus: int, mttf_h: float, run_days: float = 30.0, overrides: dict |
     ckpt_share = a["checkpoint_stall_s"] / (interval + a["checkpoint_stall_s"])
     ettr = max(0.0, (1 - failure_share) * (1 - ckpt_share) - restart / (run_days * 86400))
     return {
-        "measured": False, "gpus": gpus, "mttf_h_per_gpu": mttf_h, "run_days": run_days,
-        "job_mtbf_h": mtbf_s / 3600, "failures": run_days * 86400 / mtbf_s,
-        "checkpoint_interval_s": interval, "cost_per_failure_s": per_failure_fixed + lost_per_failure,
+        "measured": False,
+        "gpus": gpus,
+        "mttf_h_per_gpu": mttf_h,
+        "run_days": run_days,
+        "job_mtbf_h": mtbf_s / 3600,
+        "failures": run_days * 86400 / mtbf_s,
+        "checkpoint_interval_s": interval,
+        "cost_per_failure_s": per_failure_fixed + lost_per_failure,
         "ettr": ettr,
-        "assumptions": {k: {"value": a[k], "source": ASSUMPTIONS[k][1] if k in ASSUMPTIONS else "override"} for k in a},
+        "assumptions": {
+            k: {"value": a[k], "source": ASSUMPTIONS[k][1] if k in ASSUMPTIONS else "override"} for k in a
+        },
     }
 
 
 # ---------------------------------------------------------------------------------------------
 # The soak: a real TP2xPP2xDP2 run on 2 local nodes x 4 ranks and a spare, real Redis and S3
 
-LAYOUT = ["model=tiny", "parallelism=tp2-pp2-dp2", "launcher=local-nodes", "cluster.nodes=2",
-          "cluster.procs_per_node=4", "cluster.spare_nodes=1", "train.tensorboard=false", "train.eval_batches=0",
-          "optimizer.warmup_steps=1", "checkpoint.restart_backoff_s=0", "checkpoint.interval=4",
-          "stability.heartbeat_s=1", "stability.min_hang_s=15", "stability.progress_factor=5",
-          "checkpoint.upload_timeout_s=60", "checkpoint.upload_retry_s=1"]
-CONFIG_KINDS = {"nan": "fault.nan_at_step", "spike": "fault.spike_at_step", "kill-in-save": "fault.kill_at_step"}
+LAYOUT = [
+    "model=tiny",
+    "parallelism=tp2-pp2-dp2",
+    "launcher=local-nodes",
+    "cluster.nodes=2",
+    "cluster.procs_per_node=4",
+    "cluster.spare_nodes=1",
+    "train.tensorboard=false",
+    "train.eval_batches=0",
+    "optimizer.warmup_steps=1",
+    "checkpoint.restart_backoff_s=0",
+    "checkpoint.interval=4",
+    "stability.heartbeat_s=1",
+    "stability.min_hang_s=15",
+    "stability.progress_factor=5",
+    "checkpoint.upload_timeout_s=60",
+    "checkpoint.upload_retry_s=1",
+]
+CONFIG_KINDS = {
+    "nan": "fault.nan_at_step",
+    "spike": "fault.spike_at_step",
+    "kill-in-save": "fault.kill_at_step",
+}
 
 
-def config_faults(schedule: list[dict], step_s: float, interval: int, steps: int) -> tuple[list[str], list[dict]]:
+def config_faults(
+    schedule: list[dict], step_s: float, interval: int, steps: int
+) -> tuple[list[str], list[dict]]:
     """The faults the ranks inject themselves at a step (NaN, spike, a kill in a save's stage 2:
     one of each per soak, at the step the schedule's time falls on at ``step_s`` per step); the
     rest stay for the harness. Returns the overrides and the schedule with each fault's ``how``."""
@@ -219,8 +290,10 @@ class Harness:
 
         from mega.cluster.node import read_processes
 
-        attempts = sorted(int(p.name.split("attempt")[1].split(".")[0])
-                          for p in self.run_dir.glob("nodes/*/procs-attempt*.jsonl"))
+        attempts = sorted(
+            int(p.name.split("attempt")[1].split(".")[0])
+            for p in self.run_dir.glob("nodes/*/procs-attempt*.jsonl")
+        )
         procs = read_processes(self.run_dir, attempts[-1]) if attempts else []
         alive = []
         for p in procs:
@@ -289,11 +362,18 @@ class Harness:
         """Into ``faults.jsonl`` beside the ranks' own records: the ledger's fault time."""
         import json
 
-        attempts = sorted(int(p.name.split("attempt")[1].split(".")[0])
-                          for p in self.run_dir.glob("nodes/*/procs-attempt*.jsonl"))
-        row = {"kind": f["kind"], "time": f["time"],
-               "attempt": attempts[-1] if attempts else 0, "step": None, "by": "soak harness",
-               **{k: f[k] for k in ("rank", "node") if k in f}}
+        attempts = sorted(
+            int(p.name.split("attempt")[1].split(".")[0])
+            for p in self.run_dir.glob("nodes/*/procs-attempt*.jsonl")
+        )
+        row = {
+            "kind": f["kind"],
+            "time": f["time"],
+            "attempt": attempts[-1] if attempts else 0,
+            "step": None,
+            "by": "soak harness",
+            **{k: f[k] for k in ("rank", "node") if k in f},
+        }
         with open(self.run_dir / "faults.jsonl", "a") as out:
             out.write(json.dumps(row) + "\n")
 
@@ -309,8 +389,9 @@ class Harness:
             os.kill(pid, signal.SIGCONT)
 
 
-def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra: list[str],
-               step_s: float = 3.0) -> dict:
+def bench_soak(
+    minutes: float, mtbf_s: float, seed: int, out: str | Path, extra: list[str], step_s: float = 3.0
+) -> dict:
     """The soak and its fault-free reference; the comparison fields, the faults, the PNG."""
     import os
 
@@ -329,11 +410,18 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
     try:
         os.environ.update(s3.env())
         with RedisServer() as redis:
-            common_overrides = [*LAYOUT, f"cluster.redis_url={redis.url}",
-                                f"checkpoint.max_restarts={len(schedule) + 3}", *extra]
+            common_overrides = [
+                *LAYOUT,
+                f"cluster.redis_url={redis.url}",
+                f"checkpoint.max_restarts={len(schedule) + 3}",
+                *extra,
+            ]
             soak_dir = out / "soak"
-            cfg = _compose([*common_overrides, *fault_overrides, f"checkpoint.storage_uri={s3.uri('soak')}"],
-                           steps, soak_dir)
+            cfg = _compose(
+                [*common_overrides, *fault_overrides, f"checkpoint.storage_uri={s3.uri('soak')}"],
+                steps,
+                soak_dir,
+            )
             index = common.prepare_data(cfg)
             harness = Harness(soak_dir, schedule, redis.pid, s3, seed)
             harness.start()
@@ -343,8 +431,15 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
                 harness.stop.set()
             skipped = sorted(s["step"] for s in _skipped(soak_dir))
             ref_dir = out / "reference"
-            ref_cfg = _compose([*common_overrides, f"checkpoint.storage_uri={s3.uri('reference')}",
-                                f"train.skip_steps=[{','.join(map(str, skipped))}]"], steps, ref_dir)
+            ref_cfg = _compose(
+                [
+                    *common_overrides,
+                    f"checkpoint.storage_uri={s3.uri('reference')}",
+                    f"train.skip_steps=[{','.join(map(str, skipped))}]",
+                ],
+                steps,
+                ref_dir,
+            )
             common.train(ref_cfg, index)
             soak_led = goodput_report.build(soak_dir, title="soak", tensorboard=False)
             ref_led = goodput_report.build(ref_dir, title="reference", tensorboard=False)
@@ -353,7 +448,9 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
 
             for name, uri in (("soak", s3.uri("soak")), ("reference", s3.uri("reference"))):
                 open_storage(uri).download_dir(last, out / "final" / name)  # verified against its manifest
-            weights = weights_equal(out / "final" / "soak", out / "final" / "reference", out / "final" / "torch")
+            weights = weights_equal(
+                out / "final" / "soak", out / "final" / "reference", out / "final" / "torch"
+            )
             loadable = bool(weights["tensors"])
     finally:
         s3.stop()
@@ -362,13 +459,22 @@ def bench_soak(minutes: float, mtbf_s: float, seed: int, out: str | Path, extra:
     from mega.checkpoint.save import read_save_log
 
     struck = [f for f in harness.done if f.get("struck")] + _config_struck(soak_dir, schedule)
-    faults = fault_rows(struck, read_incidents(soak_dir), soak_led["lost_s_by_attempt"], read_save_log(soak_dir))
+    faults = fault_rows(
+        struck, read_incidents(soak_dir), soak_led["lost_s_by_attempt"], read_save_log(soak_dir)
+    )
     return {
         **compare(soak_led, ref_led, weights, loadable),
-        "faults": faults, "faults_survived": result.final_step == steps,  # the run ended, every step trained
-        "schedule": schedule, "not_struck": _not_struck(schedule, harness.done, struck), "steps": steps,
-        "attempts": result.attempts, "seed": seed,
-        "minutes": minutes, "mtbf_s": mtbf_s, "png": soak_led["png"], "weights": weights,
+        "faults": faults,
+        "faults_survived": result.final_step == steps,  # the run ended, every step trained
+        "schedule": schedule,
+        "not_struck": _not_struck(schedule, harness.done, struck),
+        "steps": steps,
+        "attempts": result.attempts,
+        "seed": seed,
+        "minutes": minutes,
+        "mtbf_s": mtbf_s,
+        "png": soak_led["png"],
+        "weights": weights,
         "measured": True,
     }
 

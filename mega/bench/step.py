@@ -14,7 +14,9 @@ from mega.bench import common
 
 def bench_step(overrides: list[str], steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="mega-bench-") as tmp:
-        cfg = common.compose_run([*overrides, f"optimizer.warmup_steps={min(warmup, steps - 1)}"], steps, f"{tmp}/run")
+        cfg = common.compose_run(
+            [*overrides, f"optimizer.warmup_steps={min(warmup, steps - 1)}"], steps, f"{tmp}/run"
+        )
         result = common.train(cfg, common.prepare_data(cfg))
     timed = common.steady(result.metrics, warmup)
     step_s = common.median(timed, "step_s")
@@ -24,8 +26,13 @@ def bench_step(overrides: list[str], steps: int, warmup: int) -> dict:
         "step_s": step_s,
         "device": common.device_name(cfg),
         "config": {
-            "model": cfg.model.name, "parallelism": cfg.parallelism.name, "world_size": cfg.parallelism.world_size,
-            "global_batch_size": cfg.parallelism.global_batch_size, "seq_length": cfg.model.seq_length,
-            "precision": cfg.train.precision, "steps": steps, "warmup_steps": warmup,
+            "model": cfg.model.name,
+            "parallelism": cfg.parallelism.name,
+            "world_size": cfg.parallelism.world_size,
+            "global_batch_size": cfg.parallelism.global_batch_size,
+            "seq_length": cfg.model.seq_length,
+            "precision": cfg.train.precision,
+            "steps": steps,
+            "warmup_steps": warmup,
         },
     }

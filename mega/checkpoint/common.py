@@ -82,7 +82,9 @@ def model_state(model_chunks, metadata: dict) -> tuple[dict, dict]:
     later chunks would hide the earlier ones' parameters."""
     state = {}
     for i, chunk in enumerate(model_chunks):
-        state["model" if len(model_chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(metadata=metadata)
+        state["model" if len(model_chunks) == 1 else f"model{i}"] = chunk.sharded_state_dict(
+            metadata=metadata
+        )
     return state, dict(state)
 
 
@@ -99,7 +101,9 @@ def rng_state() -> dict:
     return {
         "torch": torch.get_rng_state(),
         "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.empty(0, dtype=torch.uint8),
+        "cuda": torch.cuda.get_rng_state()
+        if torch.cuda.is_available()
+        else torch.empty(0, dtype=torch.uint8),
     }
 
 

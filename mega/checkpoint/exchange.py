@@ -79,8 +79,11 @@ class PieceExchange:
         does not list the file or the range lies outside it."""
         entry = self._entries.get(path) or entry_of(self.manifest, path)  # the latter raises
         if offset < 0 or offset + length > entry.size:
-            raise CorruptCheckpoint(self.manifest.name, path, f"bytes [{offset}, {offset + length}) lie outside "
-                                                              f"its {entry.size} bytes in the manifest")
+            raise CorruptCheckpoint(
+                self.manifest.name,
+                path,
+                f"bytes [{offset}, {offset + length}) lie outside its {entry.size} bytes in the manifest",
+            )
         if entry.range_hash(offset, length) is not None:
             return (path, offset, length)
         return (path, 0, entry.size)
@@ -109,7 +112,7 @@ class PieceExchange:
                 self._read([p for p, r in readers.items() if r == me])
             except CorruptCheckpoint as e:
                 error = ("corrupt", e.name, e.relpath, e.reason)
-            except Exception as e:  # noqa: BLE001 - StorageError or not, every rank must hear of it
+            except Exception as e:
                 error = ("storage", self.manifest.name, None, f"{type(e).__name__}: {e}")
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)  # every rank takes the same decision

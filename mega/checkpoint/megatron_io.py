@@ -132,16 +132,26 @@ def _dp_slice_request(opt, counter: list, model_sharded_state_dict, is_loading: 
                     sharded = param_to_sharded_metadata[model_param]
                     param_range = local[model_param]["param"]
                     whole = param_range.start == 0 and param_range.end == model_param.numel()
-                    live = opt._get_main_param_and_optimizer_states(model_param) if whole and in_place else None
+                    live = (
+                        opt._get_main_param_and_optimizer_states(model_param) if whole and in_place else None
+                    )
                     tensors = {}
                     for key in _OPTIMIZER_STATE_KEYS:
-                        if live is not None and live[key].dtype == torch.float32 and live[key].is_contiguous():
+                        if (
+                            live is not None
+                            and live[key].dtype == torch.float32
+                            and live[key].is_contiguous()
+                        ):
                             data = live[key].detach().view(sharded.data.shape)  # loads in place
                         else:  # straddles a slice boundary: the whole param's state, trimmed later
                             data = torch.empty(sharded.data.shape, dtype=torch.float32)
                             counter[0] += data.numel() * data.element_size()
-                        kwargs = dict(key=f"optimizer.state.{key}.{sharded.key}", data=data, dtype=data.dtype,
-                                      replica_id=sharded.replica_id)
+                        kwargs = dict(
+                            key=f"optimizer.state.{key}.{sharded.key}",
+                            data=data,
+                            dtype=data.dtype,
+                            replica_id=sharded.replica_id,
+                        )
                         if isinstance(sharded, ShardedTensorFactory):
                             kwargs.pop("dtype")
                         tensors[key] = replace(sharded, **kwargs)
@@ -191,16 +201,18 @@ def _reader_class():
             return self._metadata
 
         def read_data(self, plan, planner):
-            from torch.distributed.checkpoint.planner import LoadItemType
             from torch.distributed._shard._utils import narrow_tensor_by_index
+            from torch.distributed.checkpoint.planner import LoadItemType
             from torch.futures import Future
 
             wanted = []
             for req in plan.items:
                 info = self.storage_data[req.storage_index]
                 if info.transform_descriptors:
-                    raise NotImplementedError(f"{info.relative_path}: stream transforms "
-                                              f"{info.transform_descriptors} are not supported")
+                    raise NotImplementedError(
+                        f"{info.relative_path}: stream transforms "
+                        f"{info.transform_descriptors} are not supported"
+                    )
                 wanted.append((info.relative_path, info.offset, info.length))
             self.exchange.fetch(wanted)  # collective: every rank of the job calls read_data once
             for req, piece in zip(plan.items, wanted):
@@ -212,7 +224,9 @@ def _reader_class():
                     tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                     target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
-                        raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+                        raise AssertionError(
+                            f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}"
+                        )
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
                 del data
@@ -263,8 +277,14 @@ def _requests(sharded_state_dict) -> list:
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor):
             # the box in the global tensor: prepended axes (stacked layers) are one element wide
-            out.append([sh.key, list(sh.global_shape), list(sh.global_offset),
-                        [1] * sh.prepend_axis_num + list(sh.local_shape)])
+            out.append(
+                [
+                    sh.key,
+                    list(sh.global_shape),
+                    list(sh.global_offset),
+                    [1] * sh.prepend_axis_num + list(sh.local_shape),
+                ]
+            )
         elif isinstance(sh, ShardedObject):
             out.append([sh.unique_key])
     return out

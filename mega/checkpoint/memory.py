@@ -36,9 +36,9 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ def _table(tensors: dict[str, torch.Tensor]) -> tuple[list, int]:
 
 
 def _view(slot: torch.Tensor, dtype: str, shape: list, offset: int, nbytes: int) -> torch.Tensor:
-    return slot[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
+    return slot[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
 
 
 def _crc(slot: torch.Tensor, small: bytes) -> int:
@@ -138,7 +138,7 @@ class MemoryCheckpoints:
         self._t_created = time.perf_counter()
 
     @classmethod
-    def create(cls, cfg, model_chunks, optimizer, scheduler) -> "MemoryCheckpoints | None":
+    def create(cls, cfg, model_chunks, optimizer, scheduler) -> MemoryCheckpoints | None:
         """Collective. None when copies are off (``checkpoint.memory_interval=0``) or the optimizer
         is not megatron's distributed optimizer (whose shard the copy reads)."""
         from mega import optimizer_snapshot
@@ -164,7 +164,9 @@ class MemoryCheckpoints:
         if key not in self._slots:
             path = self._rank_dir(owner) / f"slot{slot}.bin"
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._slots[key] = torch.from_file(str(path), shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
+            self._slots[key] = torch.from_file(str(path), shared=True, size=max(size, 1), dtype=torch.uint8)[
+                :size
+            ]
         return self._slots[key]
 
     def _marker(self, owner: int, slot: int) -> Path:
@@ -192,8 +194,14 @@ class MemoryCheckpoints:
             for name, dtype, shape, offset, nbytes in self._table:
                 _view(slot, dtype, shape, offset, nbytes).copy_(live[name])
         small = io.BytesIO()
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "rng": rng_state()}, small)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(),
+            },
+            small,
+        )
         self._idle.clear()
         self._jobs.put((step, slot_no, small.getvalue()))
         blocking = time.perf_counter() - t0
@@ -214,8 +222,10 @@ class MemoryCheckpoints:
         dist.all_gather_object(sizes, self._size, group=self.group)
         self._source_size = sizes[self.source] if self.source is not None else 0
         if self.rank == 0:
-            self._log(f"copies of {self._size / 1e6:.1f} MB every {self.interval} steps in {self.dir}"
-                      + (f", replicated to rank {self.peer}" if self.peer is not None else " (one node: no peer)"))
+            self._log(
+                f"copies of {self._size / 1e6:.1f} MB every {self.interval} steps in {self.dir}"
+                + (f", replicated to rank {self.peer}" if self.peer is not None else " (one node: no peer)")
+            )
         self._thread = threading.Thread(target=self._loop, name="memory-checkpoint", daemon=True)
         self._thread.start()
 
@@ -228,8 +238,12 @@ class MemoryCheckpoints:
             self._thread.join()
             self._thread = None
         self.stats.exchange_cpu_s = sum(threads_cpu_s(self._gloo_threads).values())
-        row = {**self.stats.__dict__, "rank": self.rank, "interval": self.interval,
-               "wall_s": time.perf_counter() - self._t_created}
+        row = {
+            **self.stats.__dict__,
+            "rank": self.rank,
+            "interval": self.interval,
+            "wall_s": time.perf_counter() - self._t_created,
+        }
         out = Path(self.cfg.train.run_dir) / STATS_DIR
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{self.rank:05d}.json").write_text(json.dumps(row))
@@ -255,7 +269,7 @@ class MemoryCheckpoints:
             c0 = time.thread_time()
             try:
                 self._complete(*job)
-            except Exception as e:  # noqa: BLE001 - a copy that fails is only a copy missing
+            except Exception as e:
                 self.stats.errors += 1
                 self._log(f"rank {self.rank}: copy of step {job[0]} failed: {type(e).__name__}: {e}")
             finally:
@@ -264,8 +278,16 @@ class MemoryCheckpoints:
 
     def _complete(self, step: int, slot_no: int, small: bytes) -> None:
         slot = self._slot(self.rank, slot_no, self._size)
-        marker = json.dumps({"step": step, "owner": self.rank, "nbytes": self._size, "crc32": _crc(slot, small),
-                             "small": base64.b64encode(small).decode(), **self._meta}).encode()
+        marker = json.dumps(
+            {
+                "step": step,
+                "owner": self.rank,
+                "nbytes": self._size,
+                "crc32": _crc(slot, small),
+                "small": base64.b64encode(small).decode(),
+                **self._meta,
+            }
+        ).encode()
         self._write_marker(self._marker(self.rank, slot_no), marker)
         if self.peer is not None:
             self._exchange(slot_no, slot, marker)
@@ -283,7 +305,10 @@ class MemoryCheckpoints:
         self.stats.replicated += 1
 
     def _pair(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        works = [dist.isend(send, self.peer, group=self.group), dist.irecv(recv, self.source, group=self.group)]
+        works = [
+            dist.isend(send, self.peer, group=self.group),
+            dist.irecv(recv, self.source, group=self.group),
+        ]
         for w in works:
             w.wait()
 
@@ -315,14 +340,17 @@ class MemoryCheckpoints:
             return None, {"used": False, "reason": "no step with a complete in-memory copy of every rank"}
         step, sources = plan
         if step < durable_step:
-            return None, {"used": False, "reason": f"newest complete in-memory copy (step {step}) is older than "
-                                                   f"the durable checkpoint (step {durable_step})"}
+            return None, {
+                "used": False,
+                "reason": f"newest complete in-memory copy (step {step}) is older than "
+                f"the durable checkpoint (step {durable_step})",
+            }
         error = None
         try:
             meta, data = self._fetch(step, sources)
             if _crc(data, meta["small_bytes"]) != meta["crc32"]:
                 error = f"rank {self.rank}: in-memory copy of step {step} is torn (CRC-32 mismatch in {meta['path']})"
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+        except Exception as e:
             error = f"rank {self.rank}: in-memory copy of step {step}: {type(e).__name__}: {e}"
         errors = [None] * self.world
         dist.all_gather_object(errors, error, group=self.group)
@@ -331,9 +359,14 @@ class MemoryCheckpoints:
             return None, {"used": False, "step": step, "reason": bad[0]}
         self._load(meta, data)
         self._next = 1 - int(Path(meta["path"]).stem[-1]) if sources[self.rank][0] == self.rank else 0
-        info = {"used": True, "step": step, "source": f"rank {sources[self.rank][0]}",
-                "sources": {owner: holder for owner, (holder, _) in sorted(sources.items())},
-                "restore_s": time.perf_counter() - t0, "bytes": int(meta["nbytes"])}
+        info = {
+            "used": True,
+            "step": step,
+            "source": f"rank {sources[self.rank][0]}",
+            "sources": {owner: holder for owner, (holder, _) in sorted(sources.items())},
+            "restore_s": time.perf_counter() - t0,
+            "bytes": int(meta["nbytes"]),
+        }
         return step, info
 
     def _fetch(self, step: int, sources: dict) -> tuple[dict, torch.Tensor]:
@@ -377,8 +410,9 @@ class MemoryCheckpoints:
             for j, opt in enumerate(_inner(self.optimizer)):
                 for n, model_param in enumerate(opt.model_param_group_index_map):
                     live = opt._get_main_param_and_optimizer_states(model_param)
-                    opt._set_main_param_and_optimizer_states(model_param, {
-                        key: _view(data, *table[f"optimizer{j}/{n}/{key}"][1:]) for key in live})
+                    opt._set_main_param_and_optimizer_states(
+                        model_param, {key: _view(data, *table[f"optimizer{j}/{n}/{key}"][1:]) for key in live}
+                    )
         self.scheduler.load_state_dict(small["scheduler"])
         set_rng_state(small["rng"])
 

@@ -27,8 +27,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,9 @@ from mega.checkpoint.common import (
     META_FILE,
     SHARDING_METADATA,
     CheckpointError,
+    iteration_name,
     layout,
     model_state,
-    iteration_name,
     open_store,
     set_rng_state,
     staging_root,
@@ -59,12 +59,19 @@ def _rng_file(rank: int) -> str:
     return f"rng/rank{rank:05d}.pt"
 
 
-def load(path: str | Path, model_chunks, optimizer, scheduler, exchange: PieceExchange | None = None,
-         requests: list | None = None) -> tuple[int, int]:
+def load(
+    path: str | Path,
+    model_chunks,
+    optimizer,
+    scheduler,
+    exchange: PieceExchange | None = None,
+    requests: list | None = None,
+) -> tuple[int, int]:
     """Collective: restore model, optimizer, scheduler and (same layout only) RNG from checkpoint
     ``path``; return (step, bytes of load buffers allocated). With an ``exchange`` the shards come
     from the store through it and ``path`` holds only the small files; without, all from ``path``."""
     from megatron.core import dist_checkpointing
+
     path = Path(path)
     meta = json.loads((path / META_FILE).read_text())
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -81,7 +88,9 @@ def load(path: str | Path, model_chunks, optimizer, scheduler, exchange: PieceEx
     # The DP-slice request leaves other ranks' optimizer shards unrequested on purpose: megatron's
     # check that every shard is loaded exactly once does not apply (and would gather every
     # rank's shard metadata).
-    state = dist_checkpointing.load(state, str(path), sharded_strategy=strategy, validate_access_integrity=False)
+    state = dist_checkpointing.load(
+        state, str(path), sharded_strategy=strategy, validate_access_integrity=False
+    )
     for i, chunk in enumerate(model_chunks):
         chunk.load_state_dict(state["model" if len(model_chunks) == 1 else f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
@@ -137,8 +146,17 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-def _restore_from(store, name: str, local_dir: Path, model_chunks, optimizer, scheduler, device,
-                  share: bool, audit: dict | None) -> tuple[int, PieceExchange]:
+def _restore_from(
+    store,
+    name: str,
+    local_dir: Path,
+    model_chunks,
+    optimizer,
+    scheduler,
+    device,
+    share: bool,
+    audit: dict | None,
+) -> tuple[int, PieceExchange]:
     """Collective: load checkpoint ``name`` through a PieceExchange; (step, the exchange)."""
     from megatron.core import parallel_state as ps
 
@@ -156,7 +174,7 @@ def _restore_from(store, name: str, local_dir: Path, model_chunks, optimizer, sc
     requests = [] if audit is not None else None
     try:
         step, buffers = load(local_dir, model_chunks, optimizer, scheduler, exchange, requests)
-    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; re-raised
+    except BaseException as e:
         inner = _unwrap(e)
         if inner is e:
             raise
@@ -164,24 +182,36 @@ def _restore_from(store, name: str, local_dir: Path, model_chunks, optimizer, sc
     finally:
         exchange.drop()
     if audit is not None:
-        audit.update(requests=requests, buffer_bytes=buffers,
-                     pieces=[[*p, src] for p, src in sorted(exchange.stats.sources.items())])
+        audit.update(
+            requests=requests,
+            buffer_bytes=buffers,
+            pieces=[[*p, src] for p, src in sorted(exchange.stats.sources.items())],
+        )
     return step, exchange
 
 
 def _totals(stats) -> dict:
     """Every rank's counters (collective): the sums over the job, the largest footprint of one
     rank, and the per-rank rows."""
-    mine = {"read_bytes": stats.read_bytes, "received_bytes": stats.received_bytes, "sent_bytes": stats.sent_bytes,
-            "peak_bytes": stats.peak_bytes}
+    mine = {
+        "read_bytes": stats.read_bytes,
+        "received_bytes": stats.received_bytes,
+        "sent_bytes": stats.sent_bytes,
+        "peak_bytes": stats.peak_bytes,
+    }
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)
-    return {"read": sum(r["read_bytes"] for r in rows), "sent": sum(r["sent_bytes"] for r in rows),
-            "peak": max(r["peak_bytes"] for r in rows), "per_rank": rows}
+    return {
+        "read": sum(r["read_bytes"] for r in rows),
+        "sent": sum(r["sent_bytes"] for r in rows),
+        "peak": max(r["peak_bytes"] for r in rows),
+        "per_rank": rows,
+    }
 
 
-def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None,
-            memory=None) -> tuple[int, dict]:
+def restore(
+    cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None, memory=None
+) -> tuple[int, dict]:
     """Collective: load the newest complete in-memory copy (``memory``, a MemoryCheckpoints) when
     it is not older than ``latest``; else ``latest`` from the durable store, falling back to the
     previous complete checkpoint when it is refused. Returns (step to start from, what was done;
@@ -189,9 +219,11 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
     from mega.storage import CorruptCheckpoint, step_of
 
     if log is None:
+
         def log(message: str) -> None:  # every rank takes the same decisions: rank 0 tells them
             if dist.get_rank() == 0:
                 print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+
     store = open_store(cfg)
     t0 = time.perf_counter()
     candidates = [None]
@@ -214,16 +246,27 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
         step, memory_info = memory.restore(step_of(candidates[0][0]) if candidates[0] else 0)
         if step is not None:
             memory_info["restore_s"] = time.perf_counter() - t0
-            log(f"restored {iteration_name(step)} from the in-memory copies ({memory_info['source']} supplied "
-                f"rank 0's, {memory_info['bytes']} bytes per rank)")
-            return step, {"checkpoint": iteration_name(step), "step": step, "source": "memory", "refused": [],
-                          "restore_s": memory_info["restore_s"], "memory": memory_info}
+            log(
+                f"restored {iteration_name(step)} from the in-memory copies ({memory_info['source']} supplied "
+                f"rank 0's, {memory_info['bytes']} bytes per rank)"
+            )
+            return step, {
+                "checkpoint": iteration_name(step),
+                "step": step,
+                "source": "memory",
+                "refused": [],
+                "restore_s": memory_info["restore_s"],
+                "memory": memory_info,
+            }
         log(f"in-memory copies not used: {memory_info['reason']}")
     from mega.cluster.backend_flags import backend_flags
 
     # the DP peers exchange restored pieces point to point on the default group
-    device = (torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).collective_device == "cuda"
-              else torch.device("cpu"))
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend_flags(cfg).collective_device == "cuda"
+        else torch.device("cpu")
+    )
     audit_dir = os.environ.get(AUDIT_ENV)
     info: dict = {"refused": [], "source": "durable", **({"memory": memory_info} if memory_info else {})}
     for name in candidates[0]:
@@ -233,8 +276,9 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
         audit = {} if audit_dir else None
         try:
             try:
-                step, exchange = _restore_from(store, name, local_dir, model_chunks, optimizer, scheduler,
-                                               device, True, audit)
+                step, exchange = _restore_from(
+                    store, name, local_dir, model_chunks, optimizer, scheduler, device, True, audit
+                )
             except CorruptCheckpoint as e:
                 log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
                 info["refused"].append({"name": name, "file": e.relpath, "reason": e.reason})
@@ -248,19 +292,36 @@ def restore(cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] 
             # store must not keep pointing at a checkpoint that cannot be read.
             store.write_latest(name)
             log(f"`latest` moved back to {name}")
-        info.update(checkpoint=name, step=step, restore_s=restore_s, checkpoint_bytes=exchange.manifest.total_bytes,
-                    restore_bytes_read=totals["read"], restore_bytes_exchanged=totals["sent"],
-                    restore_peak_bytes_per_rank=totals["peak"], per_rank=totals["per_rank"])
+        info.update(
+            checkpoint=name,
+            step=step,
+            restore_s=restore_s,
+            checkpoint_bytes=exchange.manifest.total_bytes,
+            restore_bytes_read=totals["read"],
+            restore_bytes_exchanged=totals["sent"],
+            restore_peak_bytes_per_rank=totals["peak"],
+            per_rank=totals["per_rank"],
+        )
         if audit is not None:
-            audit.update(rank=dist.get_rank(), checkpoint=name, layout=layout(), read_bytes=exchange.stats.read_bytes,
-                         received_bytes=exchange.stats.received_bytes, peak_bytes=exchange.stats.peak_bytes)
+            audit.update(
+                rank=dist.get_rank(),
+                checkpoint=name,
+                layout=layout(),
+                read_bytes=exchange.stats.read_bytes,
+                received_bytes=exchange.stats.received_bytes,
+                peak_bytes=exchange.stats.peak_bytes,
+            )
             Path(audit_dir).mkdir(parents=True, exist_ok=True)
             (Path(audit_dir) / f"rank{dist.get_rank():05d}.json").write_text(json.dumps(audit))
         if os.environ.get(NAIVE_REFERENCE_ENV):
-            info["naive_restore_bytes"] = _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, device)
-        log(f"restored {name} (step {step}) from {store.uri}: {totals['read']} bytes read from the store by "
+            info["naive_restore_bytes"] = _naive_reference(
+                cfg, store, name, model_chunks, optimizer, scheduler, device
+            )
+        log(
+            f"restored {name} (step {step}) from {store.uri}: {totals['read']} bytes read from the store by "
             f"{dist.get_world_size()} ranks, {totals['sent']} passed between DP peers; at most "
-            f"{totals['peak']} bytes held by one rank")
+            f"{totals['peak']} bytes held by one rank"
+        )
         return step, info
     if info["refused"]:
         raise CheckpointError(f"no usable checkpoint in {store.uri}: refused {info['refused']}")
@@ -274,7 +335,9 @@ def _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, devic
     shutil.rmtree(local_dir, ignore_errors=True)
     local_dir.mkdir(parents=True)
     try:
-        _, exchange = _restore_from(store, name, local_dir, model_chunks, optimizer, scheduler, device, False, None)
+        _, exchange = _restore_from(
+            store, name, local_dir, model_chunks, optimizer, scheduler, device, False, None
+        )
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
     return _totals(exchange.stats)["read"]

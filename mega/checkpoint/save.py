@@ -38,16 +38,15 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from mega import optimizer_snapshot
-from mega.cluster.backend_flags import backend_flags
 from mega.checkpoint import megatron_io, save_group
 from mega.checkpoint.common import (
     META_FILE,
@@ -62,6 +61,7 @@ from mega.checkpoint.common import (
     threads,
     threads_cpu_s,
 )
+from mega.cluster.backend_flags import backend_flags
 
 SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
 STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
@@ -164,7 +164,7 @@ class _Worker:
             future, fn, args = job
             try:
                 future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            except BaseException as e:
                 future.set_exception(e)
 
 
@@ -197,8 +197,15 @@ class Checkpointer:
     """Saves of one training run (see the module docstring). Every rank makes one; ``save`` and
     ``poll`` are collective and must be called at the same steps on every rank."""
 
-    def __init__(self, cfg, model_chunks, optimizer, scheduler, config_dict: dict,
-                 log: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        cfg,
+        model_chunks,
+        optimizer,
+        scheduler,
+        config_dict: dict,
+        log: Callable[[str], None] | None = None,
+    ):
         self.cfg = cfg
         self.ck = cfg.checkpoint
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
@@ -213,7 +220,9 @@ class Checkpointer:
         # Asynchronous saves run it at a lower priority: where training keeps every core busy
         # (CPU ranks), serialising, hashing and uploading yield to it instead of slowing each
         # step. A synchronous save is what training waits for: normal priority.
-        device = torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).device == "cuda" else None
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend_flags(cfg).device == "cuda" else None
+        )
         self._worker = _Worker(nice=STAGE2_NICE if self.ck.async_save else 0, device=device)
         # megatron plans a save with collectives on the default group; here they run on this gloo
         # group instead (mega/checkpoint/save_group.py), which only saves use: stage 2 plans in its
@@ -287,8 +296,13 @@ class Checkpointer:
         del state
         if self.rank == 0:
             # Rank 0 writes the run-level metadata now: the scheduler changes with the next step.
-            meta = {"step": step, "scheduler": self.scheduler.state_dict(), "world_size": dist.get_world_size(),
-                    "layout": layout(), "config": self.config_dict}
+            meta = {
+                "step": step,
+                "scheduler": self.scheduler.state_dict(),
+                "world_size": dist.get_world_size(),
+                "layout": layout(),
+                "config": self.config_dict,
+            }
             (path / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
         self._inflight = job
         self._worker.submit(self._stage2, job)
@@ -304,21 +318,28 @@ class Checkpointer:
         from megatron.core import dist_checkpointing
 
         with save_group.collectives_on(self._save_group):  # also megatron's finalisation, later
-            job.request = dist_checkpointing.save(state, str(job.path), sharded_strategy=self._strategy,
-                                                  validate_access_integrity=not self._validated,
-                                                  async_sharded_save=True)
+            job.request = dist_checkpointing.save(
+                state,
+                str(job.path),
+                sharded_strategy=self._strategy,
+                validate_access_integrity=not self._validated,
+                async_sharded_save=True,
+            )
         self._validated = True
         job.tap = megatron_io.tap_write_results(job.request)
         buckets = job.request.async_fn_args[1] if job.request.async_fn is not None else []
-        job.files = [Path(b[0]).relative_to(job.path).as_posix() for b in buckets] + [f"rng/rank{self.rank:05d}.pt"]
+        job.files = [Path(b[0]).relative_to(job.path).as_posix() for b in buckets] + [
+            f"rng/rank{self.rank:05d}.pt"
+        ]
 
     def poll(self, blocking: bool = False) -> None:
         """Advance the save in flight (collective): finalise it once every rank has written its
         shards, hand it to rank 0 for the commit once every rank has uploaded."""
         while self._inflight is not None:
             job = self._inflight
-            flags = torch.tensor([job.written, job.uploaded or job.error is not None, job.error is None],
-                                 dtype=torch.int32)
+            flags = torch.tensor(
+                [job.written, job.uploaded or job.error is not None, job.error is None], dtype=torch.int32
+            )
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._control)
             all_written, all_finished, all_ok = (bool(x) for x in flags.tolist())
             if all_written and job.request is not None:
@@ -326,7 +347,7 @@ class Checkpointer:
                 try:
                     for fn in request.finalize_fns:  # megatron: gather write results, .metadata
                         fn()
-                except Exception as e:  # noqa: BLE001 - raised on every rank alike by megatron
+                except Exception as e:
                     self._log(f"{job.name}: finalising the shards failed: {e}")
                     job.error = job.error or f"finalise: {e}"
                     all_ok = False
@@ -361,7 +382,9 @@ class Checkpointer:
             errors = [None] * dist.get_world_size() if self.rank == 0 else None
             dist.gather_object(job.error, errors, dst=0, group=self._control)
             if self.rank == 0:
-                first = next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), "finalising the shards failed")
+                first = next(
+                    (f"rank {r}: {e}" for r, e in enumerate(errors) if e), "finalising the shards failed"
+                )
                 self._failed(job, first)
             return
         gathered = [None] * dist.get_world_size() if self.rank == 0 else None
@@ -369,8 +392,10 @@ class Checkpointer:
         if self.rank == 0:
             entries = [e for part, _, _ in gathered for e in part]
             uploaded = sum(n for _, n, _ in gathered)
-            cpu = {f"stage2_{k}_cpu_s": sum(c.get(k, 0.0) for _, _, c in gathered)
-                   for k in ("build", "serialise", "upload")}
+            cpu = {
+                f"stage2_{k}_cpu_s": sum(c.get(k, 0.0) for _, _, c in gathered)
+                for k in ("build", "serialise", "upload")
+            }
             self._commit = self._worker.submit(self._commit_job, job, entries, uploaded, cpu)
 
     # -- stage 2 (background thread; collectives only to build a deferred save, on groups the
@@ -383,7 +408,9 @@ class Checkpointer:
                 state, view, live_model_sd, metadata = job.deferred
                 job.deferred = None
                 t0 = time.perf_counter()
-                state["optimizer"] = view.sharded_state_dict(live_model_sd, is_loading=False, metadata=metadata)
+                state["optimizer"] = view.sharded_state_dict(
+                    live_model_sd, is_loading=False, metadata=metadata
+                )
                 self._plan(job, state)
                 del state, view
                 job.build_s = time.perf_counter() - t0
@@ -393,19 +420,23 @@ class Checkpointer:
                 job.request.async_fn(*job.request.async_fn_args, **job.request.async_fn_kwargs)
             torch.save(job.rng, job.path / job.files[-1])
             job.cpu["serialise"] = spent() - job.cpu.get("build", 0.0)
-        except BaseException as e:  # noqa: BLE001 - reported to every rank through poll()
+        except BaseException as e:
             job.error = f"writing shards: {type(e).__name__}: {e}"
             return
         finally:
             job.written = True
         pieces = job.tap.pieces() if job.tap is not None else {}
         try:
-            job.entries = self._retrying(f"upload of {job.name}", lambda: self.store.upload_files(
-                job.path, job.name, job.files, on_progress=self._fault_hook(job.step), ranges=pieces))
+            job.entries = self._retrying(
+                f"upload of {job.name}",
+                lambda: self.store.upload_files(
+                    job.path, job.name, job.files, on_progress=self._fault_hook(job.step), ranges=pieces
+                ),
+            )
             job.uploaded_bytes = sum(e.size for e in job.entries)
             for rel in job.files:  # uploaded: the staging copy is no longer needed
                 (job.path / rel).unlink(missing_ok=True)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             job.error = f"upload: {type(e).__name__}: {e}"
         finally:
             job.cpu["upload"] = spent() - job.cpu.get("build", 0.0) - job.cpu.get("serialise", 0.0)
@@ -419,8 +450,9 @@ class Checkpointer:
         try:
             have = {e.path for e in entries}
             extras = [rel for rel, _ in local_files(job.path) if rel not in have]  # common.pt, .metadata, ...
-            entries = entries + self._retrying(f"upload of {job.name}",
-                                               lambda: self.store.upload_files(job.path, job.name, extras))
+            entries = entries + self._retrying(
+                f"upload of {job.name}", lambda: self.store.upload_files(job.path, job.name, extras)
+            )
             uploaded += sum(e.size for e in entries if e.path in extras)
             manifest = self._retrying(f"commit of {job.name}", lambda: self.store.commit(job.name, entries))
             self._retrying(f"`latest` -> {job.name}", lambda: self.store.write_latest(job.name))
@@ -431,13 +463,24 @@ class Checkpointer:
             shutil.rmtree(job.path, ignore_errors=True)
         self._durable = job.name
         seconds = time.perf_counter() - job.started
-        self._record({"event": "committed", "step": job.step, "name": job.name, "files": len(manifest.files),
-                      "bytes": manifest.total_bytes, "stage2_s": seconds,
-                      "upload_mb_per_s": uploaded / 1e6 / max(seconds, 1e-9),
-                      # every rank's stage 2 (rank 0's commit not included), summed over ranks
-                      "stage2_cpu_s": sum(cpu.values()), **cpu})
-        self._log(f"{job.name} is `latest` in {self.store.uri} ({manifest.total_bytes / 1e6:.1f} MB, "
-                  f"{seconds:.2f}s after stage 1)")
+        self._record(
+            {
+                "event": "committed",
+                "step": job.step,
+                "name": job.name,
+                "files": len(manifest.files),
+                "bytes": manifest.total_bytes,
+                "stage2_s": seconds,
+                "upload_mb_per_s": uploaded / 1e6 / max(seconds, 1e-9),
+                # every rank's stage 2 (rank 0's commit not included), summed over ranks
+                "stage2_cpu_s": sum(cpu.values()),
+                **cpu,
+            }
+        )
+        self._log(
+            f"{job.name} is `latest` in {self.store.uri} ({manifest.total_bytes / 1e6:.1f} MB, "
+            f"{seconds:.2f}s after stage 1)"
+        )
         try:  # `latest` has moved: a retention that fails leaves old checkpoints, nothing worse
             deleted = self._retrying("retention", lambda: self.store.apply_retention(self.ck.keep_last))
         except StorageError as e:
@@ -448,7 +491,9 @@ class Checkpointer:
 
     def _failed(self, job: _InFlight, error: str) -> None:
         """Rank 0: record a save that will never be durable; `latest` still names the last one."""
-        self._record({"event": "failed", "step": job.step, "name": job.name, "error": error, "latest": self._durable})
+        self._record(
+            {"event": "failed", "step": job.step, "name": job.name, "error": error, "latest": self._durable}
+        )
         self._log(f"{job.name} not saved, `latest` unchanged ({self._durable or 'none yet'}): {error}")
 
     def _retrying(self, what: str, fn):
@@ -465,25 +510,41 @@ class Checkpointer:
                 first_failure = first_failure or now
                 left = self.ck.upload_timeout_s - (now - first_failure)
                 if left <= 0:
-                    raise StorageUnavailable(f"{what}: store unavailable for {now - first_failure:.1f}s "
-                                             f"(checkpoint.upload_timeout_s={self.ck.upload_timeout_s:g}), "
-                                             f"giving up on this checkpoint: {e}") from e
+                    raise StorageUnavailable(
+                        f"{what}: store unavailable for {now - first_failure:.1f}s "
+                        f"(checkpoint.upload_timeout_s={self.ck.upload_timeout_s:g}), "
+                        f"giving up on this checkpoint: {e}"
+                    ) from e
                 self._log(f"{what}: store unavailable, retrying in {self.ck.upload_retry_s:g}s: {e}")
-                self._record({"event": "retry", "what": what, "error": type(e).__name__,
-                              "gives_up_at": time.time() + left})
+                self._record(
+                    {
+                        "event": "retry",
+                        "what": what,
+                        "error": type(e).__name__,
+                        "gives_up_at": time.time() + left,
+                    }
+                )
                 if self._stop.wait(min(self.ck.upload_retry_s, left)):
                     raise
 
     def _fault_hook(self, step: int):
         f = self.cfg.fault
-        if not (f.mode == "kill_in_upload" and f.kill_rank == self.rank and f.kill_at_step == step
-                and int(os.environ.get("MEGA_ATTEMPT", "0")) == 0):
+        if not (
+            f.mode == "kill_in_upload"
+            and f.kill_rank == self.rank
+            and f.kill_at_step == step
+            and int(os.environ.get("MEGA_ATTEMPT", "0")) == 0
+        ):
             return None
 
         def kill(done: int, total: int) -> None:
             if done > 0:  # part of the upload is in the store, the rest never will be
-                print(f"[fault] kill_in_upload: rank {self.rank} during stage 2 of step {step} "
-                      f"({done}/{total} bytes sent)", file=sys.stderr, flush=True)
+                print(
+                    f"[fault] kill_in_upload: rank {self.rank} during stage 2 of step {step} "
+                    f"({done}/{total} bytes sent)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
 
         return kill

@@ -88,13 +88,17 @@ def install() -> None:
         if rank > 0:  # megatron only warns: the common state is saved by rank 0 alone
             only_rank0, only_here, mismatch = diff(rank0[0], common_state_dict)
             if only_rank0 or only_here or mismatch:
-                validation.logger.warning(f"Rank {rank} common state dict differs from rank 0 common state dict. "
-                                          f"Keys only on rank 0: {only_rank0}, Keys only on {rank}: {only_here}, "
-                                          f"Mismatched keys: {mismatch}")
+                validation.logger.warning(
+                    f"Rank {rank} common state dict differs from rank 0 common state dict. "
+                    f"Keys only on rank 0: {only_rank0}, Keys only on {rank}: {only_here}, "
+                    f"Mismatched keys: {mismatch}"
+                )
 
-    for wrapper, original in [(save_state_dict_async_plan, original_plan),
-                              (determine_global_metadata, original_metadata),
-                              (validate_common_state_dict, original_common)]:
+    for wrapper, original in [
+        (save_state_dict_async_plan, original_plan),
+        (determine_global_metadata, original_metadata),
+        (validate_common_state_dict, original_common),
+    ]:
         wrapper.__wrapped__ = original
     torch_strategy.save_state_dict_async_plan = save_state_dict_async_plan
     state_dict_utils.determine_global_metadata = determine_global_metadata

@@ -79,7 +79,9 @@ class BackendFlags:
     params_dtype: str  # TransformerConfig / OptimizerConfig, a torch dtype name
     pipeline_dtype: str  # TransformerConfig: dtype of the activations sent between stages
     grad_reduce_in_fp32: bool  # DistributedDataParallelConfig: fp32 gradient buckets under bf16/fp16
-    grad_reduce_scatter_all_to_all: bool  # DDP reduce_scatter_with_fp32_accumulation (gloo's RS = all-reduce bytes)
+    grad_reduce_scatter_all_to_all: (
+        bool  # DDP reduce_scatter_with_fp32_accumulation (gloo's RS = all-reduce bytes)
+    )
     megatron_cpu_patches: bool  # apply mega.megatron_cpu before building anything
     limit_cpu_threads: bool  # torch.set_num_threads(cores // local ranks)
     peak_flops: str  # MFU denominator: "datasheet" (GPU) | "measured" (a GEMM at start-up, CPU)
@@ -87,20 +89,20 @@ class BackendFlags:
     optimizer_gloo_process_groups: bool  # get_megatron_optimizer(use_gloo_process_groups=...)
     env: dict[str, str] = field(default_factory=dict)  # set in every rank before CUDA starts
 
-    def torch_dtype(self, name: str) -> "torch.dtype":
+    def torch_dtype(self, name: str) -> torch.dtype:
         import torch
 
         return getattr(torch, name)
 
 
-def resolve_precision(cfg: "MegaConfig") -> str:
+def resolve_precision(cfg: MegaConfig) -> str:
     """``train.precision`` with ``auto`` decided: bf16 on GPUs, fp32 on CPUs."""
     if cfg.train.precision == "auto":
         return "bf16" if cfg.cluster.device == "cuda" else "fp32"
     return cfg.train.precision
 
 
-def backend_flags(cfg: "MegaConfig") -> BackendFlags:
+def backend_flags(cfg: MegaConfig) -> BackendFlags:
     c = cfg.cluster
     cuda = c.device == "cuda"
     precision = resolve_precision(cfg)
@@ -126,12 +128,15 @@ def backend_flags(cfg: "MegaConfig") -> BackendFlags:
     )
 
 
-def launch_env_problems(cfg: "MegaConfig", environ: dict[str, str]) -> list[str]:
+def launch_env_problems(cfg: MegaConfig, environ: dict[str, str]) -> list[str]:
     """What a rank's launch environment lacks that megatron needs before CUDA starts: on GPUs with
     tensor parallelism (its all-gathers/reduce-scatters overlap the GEMMs in backward) or a
     ``parallelism.tp_overlap``, ``CUDA_DEVICE_MAX_CONNECTIONS=1``. Empty when nothing is missing."""
     p = cfg.parallelism
     if cfg.cluster.device != "cuda" or (p.tp <= 1 and p.tp_overlap == "none"):
         return []
-    return [f"{key}={value} (got {environ.get(key)!r})" for key, value in backend_flags(cfg).env.items()
-            if environ.get(key) != value]
+    return [
+        f"{key}={value} (got {environ.get(key)!r})"
+        for key, value in backend_flags(cfg).env.items()
+        if environ.get(key) != value
+    ]

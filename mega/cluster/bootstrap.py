@@ -32,8 +32,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mega.cluster.rendezvous import (ATTEMPT_ENV, drop_attempt_keys, dump_store_traffic, init_process_group,
-                                     redis_server_url, rendezvous_env, without_secrets)
+from mega.cluster.rendezvous import (
+    ATTEMPT_ENV,
+    drop_attempt_keys,
+    dump_store_traffic,
+    init_process_group,
+    redis_server_url,
+    rendezvous_env,
+    without_secrets,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -51,7 +58,7 @@ class StoreNotAvailable(NotImplementedError):
 # Rendezvous store
 
 
-def start_tcp_store(host: str, port: int = 0, timeout_s: float = 300.0) -> "TCPStore":
+def start_tcp_store(host: str, port: int = 0, timeout_s: float = 300.0) -> TCPStore:
     """A torch TCPStore server on host:port (0 = a free port; the bound one is ``store.port``)."""
     from torch.distributed import TCPStore
 
@@ -59,13 +66,13 @@ def start_tcp_store(host: str, port: int = 0, timeout_s: float = 300.0) -> "TCPS
     return TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def connect_tcp_store(host: str, port: int, timeout_s: float = 300.0) -> "TCPStore":
+def connect_tcp_store(host: str, port: int, timeout_s: float = 300.0) -> TCPStore:
     from torch.distributed import TCPStore
 
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def verify_store(cfg: "MegaConfig") -> dict[str, Any]:
+def verify_store(cfg: MegaConfig) -> dict[str, Any]:
     """Start the configured store, check it with real operations and time their round trips.
 
     Returns {"store", "host", "port", "ok", "ops", "roundtrip_ms" (median over all ops),
@@ -88,7 +95,7 @@ def verify_store(cfg: "MegaConfig") -> dict[str, Any]:
     return _store_report("tcp", c.master_addr, connect_ms, timings)
 
 
-def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
+def _verify_redis_store(cfg: MegaConfig) -> dict[str, Any]:
     """verify_store for cluster.store=redis: cluster.redis_url, else a local redis-server.
 
     Two RedisStore clients in a throwaway namespace play the tcp branch's server and client; the
@@ -116,16 +123,23 @@ def _verify_redis_store(cfg: "MegaConfig") -> dict[str, Any]:
 
 def _store_report(store: str, host: str, connect_ms: float, timings: dict[str, Any]) -> dict[str, Any]:
     """verify_store's result from ``_time_store_ops``'s timings: medians per op and over all."""
-    result: dict[str, Any] = {"store": store, "host": host, "port": timings.pop("port"),
-                              "ok": True, "ops": STORE_OPS, "connect_ms": round(connect_ms, 3)}
+    result: dict[str, Any] = {
+        "store": store,
+        "host": host,
+        "port": timings.pop("port"),
+        "ok": True,
+        "ops": STORE_OPS,
+        "connect_ms": round(connect_ms, 3),
+    }
     all_ms = [ms for op_ms in timings.values() for ms in op_ms]
     result["roundtrip_ms"] = round(statistics.median(all_ms), 4)
     result.update({f"{op}_ms": round(statistics.median(ms), 4) for op, ms in timings.items()})
     return result
 
 
-def _time_store_ops(server: "TCPStore", client: "TCPStore") -> dict[str, Any]:
+def _time_store_ops(server: TCPStore, client: TCPStore) -> dict[str, Any]:
     """set/get/add from the client, and wait on keys the server sets from another thread."""
+
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
@@ -156,6 +170,7 @@ def _expect(cond: bool, message: str) -> None:
     if not cond:
         raise RuntimeError(f"rendezvous store check failed: {message}")
 
+
 # ---------------------------------------------------------------------------------------------
 # Process-group initialization timing (torchrun job)
 
@@ -173,8 +188,9 @@ PHASES = (
 )
 
 
-def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
-                        timeout_s: float | None = None) -> dict[str, Any]:
+def time_process_groups(
+    cfg: MegaConfig, out_dir: str | Path | None = None, *, timeout_s: float | None = None
+) -> dict[str, Any]:
     """Launch cfg's world on every node (the launch backend of ``launcher``); the slowest rank's
     init times, overall and per node.
 
@@ -202,17 +218,23 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
     result_path.unlink(missing_ok=True)
     # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
     timeout_s = timeout_s or c.pg_timeout_s + 120.0
-    job = JobSpec("mega.cluster.bootstrap", ["--config", str(config_path), "--out", str(result_path)],
-                  log_dir=out_dir, name="bootstrap")
-    with closing(backend_for(cfg, out_dir)) as backend, rendezvous_env(cfg, host=server_host(backend)) as store_env:
+    job = JobSpec(
+        "mega.cluster.bootstrap",
+        ["--config", str(config_path), "--out", str(result_path)],
+        log_dir=out_dir,
+        name="bootstrap",
+    )
+    with (
+        closing(backend_for(cfg, out_dir)) as backend,
+        rendezvous_env(cfg, host=server_host(backend)) as store_env,
+    ):
         launched = time.time()
-        job.env = {**c.env, **store_env, ATTEMPT_ENV: "0",
-                   LAUNCH_TIME_ENV: repr(launched)}
+        job.env = {**c.env, **store_env, ATTEMPT_ENV: "0", LAUNCH_TIME_ENV: repr(launched)}
         outcome = run_job(backend, job, timeout_s=timeout_s)
         job_s = time.time() - launched
         try:
             drop_attempt_keys(store_env, 0)
-        except Exception:  # noqa: BLE001 - a shared server expires them anyway (RedisStore's TTL)
+        except Exception:
             pass
     if not outcome.ok or not result_path.exists():
         why = f"timed out after {timeout_s:g} s" if outcome.code == TIMEOUT_EXIT else outcome.reason
@@ -227,7 +249,9 @@ def time_process_groups(cfg: "MegaConfig", out_dir: str | Path | None = None, *,
 
 
 def _rank_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mega.cluster.bootstrap", description="time process-group init")
+    p = argparse.ArgumentParser(
+        prog="python -m mega.cluster.bootstrap", description="time process-group init"
+    )
     p.add_argument("--config", required=True, help="config.json (mega.config.save)")
     p.add_argument("--out", required=True, help="result.json written by rank 0")
     args = p.parse_args(argv)
@@ -259,24 +283,35 @@ def _rank_main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         slowest = max(rows, key=lambda r: r["model_parallel_init_s"])
         nodes = sorted({r["node"] for r in rows})
-        result = {"pg_init_s": max(r["pg_init_s"] for r in rows),
-                  "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
-                  "world_size": len(rows), "store": cfg.cluster.store,
-                  "group_init": cfg.cluster.group_init, "ranks": rows,
-                  "nodes": [{"node": k, "address": next(r["address"] for r in rows if r["node"] == k),
-                             "pg_init_s": max(r["pg_init_s"] for r in rows if r["node"] == k),
-                             "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows if r["node"] == k)}
-                            for k in nodes],
-                  # the rank that took longest to create its groups, phase by phase (they add up)
-                  "phases": {k: slowest.get(k) for k in PHASES},
-                  "phases_max": {k: max((r[k] for r in rows if r.get(k) is not None), default=None) for k in PHASES},
-                  "written_at": time.time()}
+        result = {
+            "pg_init_s": max(r["pg_init_s"] for r in rows),
+            "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
+            "world_size": len(rows),
+            "store": cfg.cluster.store,
+            "group_init": cfg.cluster.group_init,
+            "ranks": rows,
+            "nodes": [
+                {
+                    "node": k,
+                    "address": next(r["address"] for r in rows if r["node"] == k),
+                    "pg_init_s": max(r["pg_init_s"] for r in rows if r["node"] == k),
+                    "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows if r["node"] == k),
+                }
+                for k in nodes
+            ],
+            # the rank that took longest to create its groups, phase by phase (they add up)
+            "phases": {k: slowest.get(k) for k in PHASES},
+            "phases_max": {
+                k: max((r[k] for r in rows if r.get(k) is not None), default=None) for k in PHASES
+            },
+            "written_at": time.time(),
+        }
         Path(args.out).write_text(json.dumps(result, indent=2))
     _destroy_groups()
     return 0
 
 
-def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
+def _time_rank_init(cfg: MegaConfig) -> dict[str, Any]:
     """Time this rank's init_process_group and initialize_model_parallel, phase by phase (imports
     excluded: the caller imported everything). Every store operation goes through a
     ``RecordingStore``, whose ``busy_s`` is the store's part."""
@@ -305,22 +340,33 @@ def _time_rank_init(cfg: "MegaConfig") -> dict[str, Any]:
         start = time.perf_counter()
         parallel_groups.initialize_model_parallel(
             c.group_init,
-            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp,
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
             virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
             distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
-            create_gloo_process_groups=backend_flags(cfg).create_gloo_process_groups)  # as mega.train does
+            create_gloo_process_groups=backend_flags(cfg).create_gloo_process_groups,
+        )  # as mega.train does
         created = time.perf_counter()
     dist.barrier()
     done = time.perf_counter()
     dump_store_traffic(cfg, recorder, "bootstrap")
     mp_store_s = recorder.busy_s - pg_store_s  # in new_group, and light's one barrier outside it
-    return {"rank": dist.get_rank(), "node": node.node_rank(), "address": node.address(),
-            "pg_init_s": pg_init_s, "model_parallel_init_s": done - start,
-            "import_skew_s": import_skew_s, "pg_store_s": pg_store_s, "pg_store_ops": pg_ops,
-            "mp_store_s": mp_store_s, "mp_store_ops": len(recorder.ops) - pg_ops,
-            "mp_connect_s": in_new_group["s"] - in_new_group["store_s"],
-            "mp_megatron_s": created - start - in_new_group["s"] - (mp_store_s - in_new_group["store_s"]),
-            "mp_barrier_s": done - created, "new_group_calls": in_new_group["calls"]}
+    return {
+        "rank": dist.get_rank(),
+        "node": node.node_rank(),
+        "address": node.address(),
+        "pg_init_s": pg_init_s,
+        "model_parallel_init_s": done - start,
+        "import_skew_s": import_skew_s,
+        "pg_store_s": pg_store_s,
+        "pg_store_ops": pg_ops,
+        "mp_store_s": mp_store_s,
+        "mp_store_ops": len(recorder.ops) - pg_ops,
+        "mp_connect_s": in_new_group["s"] - in_new_group["store_s"],
+        "mp_megatron_s": created - start - in_new_group["s"] - (mp_store_s - in_new_group["store_s"]),
+        "mp_barrier_s": done - created,
+        "new_group_calls": in_new_group["calls"],
+    }
 
 
 @contextlib.contextmanager
@@ -363,7 +409,9 @@ def _wait_for_all_ranks(timeout: timedelta) -> float | None:
 
     start = time.perf_counter()
     world = int(os.environ["WORLD_SIZE"])
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     store.add("mega/bootstrap/ready", 1)
     deadline = time.monotonic() + timeout.total_seconds()
     while store.add("mega/bootstrap/ready", 0) < world:

@@ -56,15 +56,26 @@ import struct
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import lru_cache
-from typing import Any, Callable, Generator, Iterator
+from typing import Any
 
 from mega.cluster.parallel_groups import READY_BARRIER_PREFIX
 
-__all__ = ["STRATEGIES", "STORES", "Layout", "megatron_groups", "rank_program", "plan_counts",
-           "run_in_memory", "simulate", "TCPStoreServer", "record_real_ranks"]
+__all__ = [
+    "STRATEGIES",
+    "STORES",
+    "Layout",
+    "megatron_groups",
+    "rank_program",
+    "plan_counts",
+    "run_in_memory",
+    "simulate",
+    "TCPStoreServer",
+    "record_real_ranks",
+]
 
 STRATEGIES = ("default", "light")
 STORES = ("tcpstore", "redis")
@@ -103,7 +114,9 @@ class Layout:
 
 
 @lru_cache(maxsize=16)
-def megatron_groups(world: int, tp: int, pp: int, gloo_groups: bool) -> tuple[tuple[tuple[int, ...], bool], ...]:
+def megatron_groups(
+    world: int, tp: int, pp: int, gloo_groups: bool
+) -> tuple[tuple[tuple[int, ...], bool], ...]:
     """Every ``new_group`` call of megatron's ``initialize_model_parallel``, in order:
     ``(ranks, is_gloo)`` (``is_gloo``: backend="gloo"; otherwise the default backend)."""
     from unittest import mock
@@ -113,20 +126,32 @@ def megatron_groups(world: int, tp: int, pp: int, gloo_groups: bool) -> tuple[tu
 
     calls: list[tuple[tuple[int, ...], bool]] = []
 
-    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
-                  group_desc=None, **_):
+    def new_group(
+        ranks=None,
+        timeout=None,
+        backend=None,
+        pg_options=None,
+        use_local_synchronization=False,
+        group_desc=None,
+        **_,
+    ):
         calls.append((tuple(sorted(ranks)), backend == "gloo"))
         return object()
 
     if dist.is_initialized():
         raise RuntimeError("megatron_groups must run where no process group is initialized")
-    with mock.patch.object(dist, "new_group", new_group), \
-            mock.patch.object(dist, "get_world_size", lambda *a, **k: world), \
-            mock.patch.object(dist, "get_rank", lambda *a, **k: 0), \
-            mock.patch.object(dist, "is_initialized", lambda: True):
+    with (
+        mock.patch.object(dist, "new_group", new_group),
+        mock.patch.object(dist, "get_world_size", lambda *a, **k: world),
+        mock.patch.object(dist, "get_rank", lambda *a, **k: 0),
+        mock.patch.object(dist, "is_initialized", lambda: True),
+    ):
         try:
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         create_gloo_process_groups=gloo_groups)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                create_gloo_process_groups=gloo_groups,
+            )
         finally:
             ps.destroy_model_parallel()
     return tuple(calls)
@@ -179,8 +204,9 @@ def _barrier(store_prefix: str, name: str, size: int) -> Generator[Op, Any, None
     yield ("wait", key + ":last_worker")
 
 
-def rank_program(strategy: str, layout: Layout, rank: int,
-                 memberships: list[list[_Membership]] | None = None) -> Generator[Op, Any, None]:
+def rank_program(
+    strategy: str, layout: Layout, rank: int, memberships: list[list[_Membership]] | None = None
+) -> Generator[Op, Any, None]:
     """The store operations of ``rank``: init_process_group, then megatron's groups."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -256,7 +282,9 @@ def plan_counts(strategy: str, layout: Layout) -> dict[str, int]:
 # In-memory execution (small N): per-rank counts, and a check that every program terminates
 
 
-def run_in_memory(strategy: str, layout: Layout, ops: list[list[tuple[str, str]]] | None = None) -> list[Counter]:
+def run_in_memory(
+    strategy: str, layout: Layout, ops: list[list[tuple[str, str]]] | None = None
+) -> list[Counter]:
     """Run every rank's program against a dict, round-robin; blocked ranks wait for their key.
     Returns the operations per kind of each rank; ``ops`` (a list) receives each rank's
     ``(kind, key)`` sequence."""
@@ -310,8 +338,14 @@ def run_in_memory(strategy: str, layout: Layout, ops: list[list[tuple[str, str]]
 def _serve_tcpstore(port_out, stop) -> None:
     from torch.distributed import TCPStore
 
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True,
-                      timeout=timedelta(seconds=3600))
+    server = TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        use_libuv=True,
+        timeout=timedelta(seconds=3600),
+    )
     port_out.put(server.port)
     stop.wait()
 
@@ -327,7 +361,7 @@ class TCPStoreServer:
         self.proc = None
         self.port = 0
 
-    def start(self) -> "TCPStoreServer":
+    def start(self) -> TCPStoreServer:
         port_out = self._ctx.Queue()
         self._stop = self._ctx.Event()
         self.proc = self._ctx.Process(target=_serve_tcpstore, args=(port_out, self._stop), daemon=True)
@@ -360,7 +394,7 @@ class TCPStoreServer:
 
 
 class _Rank(asyncio.Protocol):
-    def __init__(self, program: Iterator[Op], on_done: Callable[["_Rank", BaseException | None], None]):
+    def __init__(self, program: Iterator[Op], on_done: Callable[[_Rank, BaseException | None], None]):
         self.program = program
         self.on_done = on_done
         self.ops = 0
@@ -404,7 +438,7 @@ class _Rank(asyncio.Protocol):
                 if self.issue(op):  # a reply is awaited
                     return
                 reply = None
-        except BaseException as err:  # noqa: BLE001 - reported through on_done
+        except BaseException as err:
             self._finish(err)
 
     def data_received(self, data: bytes) -> None:
@@ -416,7 +450,7 @@ class _Rank(asyncio.Protocol):
                     return
                 self.expect = None
                 self.on_reply(value)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             self._finish(err)
 
     def on_reply(self, value: Any) -> None:
@@ -445,7 +479,9 @@ class _TCPStoreRank(_Rank):
         self.transport = transport
         self.ready = asyncio.get_running_loop().create_future()
         self._nonce = os.getpid() & 0xFFFFFFFF
-        transport.write(struct.pack("<BI", self.VALIDATE, self.MAGIC) + struct.pack("<BI", self.PING, self._nonce))
+        transport.write(
+            struct.pack("<BI", self.VALIDATE, self.MAGIC) + struct.pack("<BI", self.PING, self._nonce)
+        )
         self.expect = self._fixed(4, "<I")
 
     @staticmethod
@@ -459,6 +495,7 @@ class _TCPStoreRank(_Rank):
             value = struct.unpack(fmt, self.buf[:n])[0]
             del self.buf[:n]
             return value
+
         return parse
 
     def _bytes(self):
@@ -467,8 +504,8 @@ class _TCPStoreRank(_Rank):
         n = struct.unpack("<Q", self.buf[:8])[0]
         if len(self.buf) < 8 + n:
             return _MORE
-        value = bytes(self.buf[8:8 + n])
-        del self.buf[:8 + n]
+        value = bytes(self.buf[8 : 8 + n])
+        del self.buf[: 8 + n]
         return value
 
     def issue(self, op: Op) -> bool:
@@ -528,7 +565,7 @@ class _RedisRank(_Rank):
     """RedisStore's commands for each op (mega/store/redis_store.py): the same Lua scripts, the
     ``HGET`` fast path of ``get``, and ``XREAD BLOCK`` on the signal stream of a missing key."""
 
-    def __init__(self, program, on_done, ns: "_RedisNamespace"):
+    def __init__(self, program, on_done, ns: _RedisNamespace):
         super().__init__(program, on_done)
         self.ns = ns
         self.state: tuple | None = None
@@ -541,7 +578,7 @@ class _RedisRank(_Rank):
                 if isinstance(value, Exception):
                     raise RespError(str(value))
                 self.on_reply(value)
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:
             self._finish(err)
 
     def _send(self, *args) -> None:
@@ -623,12 +660,15 @@ def _redis_namespace(url: str, job: str) -> _RedisNamespace:
 
     client = redis.Redis.from_url(url)
     try:
-        sha = {name: client.script_load(src) for name, src in
-               [("set", rs._LUA_SET), ("add", rs._LUA_ADD), ("read", rs._LUA_READ_OR_REGISTER)]}
+        sha = {
+            name: client.script_load(src)
+            for name, src in [("set", rs._LUA_SET), ("add", rs._LUA_ADD), ("read", rs._LUA_READ_OR_REGISTER)]
+        }
     finally:
         client.close()
-    return _RedisNamespace(prefix=f"mega:{job}:0:", sha={k: v.encode() if isinstance(v, str) else v
-                                                          for k, v in sha.items()})
+    return _RedisNamespace(
+        prefix=f"mega:{job}:0:", sha={k: v.encode() if isinstance(v, str) else v for k, v in sha.items()}
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,8 +694,18 @@ class SimResult:
         return asdict(self)
 
 
-async def _replay(strategy: str, store: str, layout: Layout, ranks: range, memberships, host: str, port: int,
-                  ns: _RedisNamespace | None, start_barrier, deadline_s: float) -> dict[str, Any]:
+async def _replay(
+    strategy: str,
+    store: str,
+    layout: Layout,
+    ranks: range,
+    memberships,
+    host: str,
+    port: int,
+    ns: _RedisNamespace | None,
+    start_barrier,
+    deadline_s: float,
+) -> dict[str, Any]:
     """Connect ``ranks``, wait for every worker at ``start_barrier``, run them; timestamps are
     ``time.monotonic()`` (one clock for all worker processes)."""
     loop = asyncio.get_running_loop()
@@ -695,7 +745,7 @@ async def _replay(strategy: str, store: str, layout: Layout, ranks: range, membe
     end = None
     try:
         end = await asyncio.wait_for(asyncio.shield(finished), timeout=max(0.1, deadline_s))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     cpu_s = time.process_time() - cpu0
     completed = end is not None and not errors and left[0] == 0
@@ -706,9 +756,16 @@ async def _replay(strategy: str, store: str, layout: Layout, ranks: range, membe
         if proto.transport is not None:
             proto.transport.abort()
     await asyncio.sleep(0)
-    return {"completed": completed, "start": start, "end": end if completed else None, "ops_done": ops_done,
-            "ops_by_kind": dict(kinds),
-            "connect_s": connect_s, "client_cpu_s": cpu_s, "error": errors[0] if errors else None}
+    return {
+        "completed": completed,
+        "start": start,
+        "end": end if completed else None,
+        "ops_done": ops_done,
+        "ops_by_kind": dict(kinds),
+        "connect_s": connect_s,
+        "client_cpu_s": cpu_s,
+        "error": errors[0] if errors else None,
+    }
 
 
 def _run_loop(coro):
@@ -722,20 +779,42 @@ def _run_loop(coro):
 def _worker(strategy, store, layout, ranks, host, port, ns, start_barrier, max_seconds, out) -> None:
     try:
         memberships = _memberships(layout)  # cached in the parent before the fork
-        out.put(_run_loop(_replay(strategy, store, layout, ranks, memberships, host, port, ns, start_barrier,
-                                  max_seconds)))
-    except BaseException as err:  # noqa: BLE001 - reported to the parent
-        out.put({"completed": False, "error": f"{type(err).__name__}: {err}", "ops_done": 0, "ops_by_kind": {},
-                 "start": None,
-                 "end": None, "connect_s": 0.0, "client_cpu_s": 0.0})
+        out.put(
+            _run_loop(
+                _replay(
+                    strategy, store, layout, ranks, memberships, host, port, ns, start_barrier, max_seconds
+                )
+            )
+        )
+    except BaseException as err:
+        out.put(
+            {
+                "completed": False,
+                "error": f"{type(err).__name__}: {err}",
+                "ops_done": 0,
+                "ops_by_kind": {},
+                "start": None,
+                "end": None,
+                "connect_s": 0.0,
+                "client_cpu_s": 0.0,
+            }
+        )
         try:
             start_barrier.abort()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
-def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 60.0, workers: int = 2,
-             redis_url: str | None = None, tcp_port: int | None = None) -> SimResult:
+def simulate(
+    strategy: str,
+    store: str,
+    layout: Layout,
+    *,
+    max_seconds: float = 60.0,
+    workers: int = 2,
+    redis_url: str | None = None,
+    tcp_port: int | None = None,
+) -> SimResult:
     """Replay ``strategy`` for ``layout`` against a server: ``store="redis"`` needs ``redis_url``
     (a fresh namespace is used), ``"tcpstore"`` starts a TCPStore server unless ``tcp_port`` names
     one. The ranks are split over ``workers`` forked client processes (one event loop each) that
@@ -769,9 +848,25 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
     start_barrier = ctx.Barrier(workers)
     out = ctx.Queue()
     bounds = [layout.world * i // workers for i in range(workers + 1)]
-    procs = [ctx.Process(target=_worker, args=(strategy, store, layout, range(bounds[i], bounds[i + 1]), host, port,
-                                               ns, start_barrier, max_seconds, out), daemon=True)
-             for i in range(workers)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                strategy,
+                store,
+                layout,
+                range(bounds[i], bounds[i + 1]),
+                host,
+                port,
+                ns,
+                start_barrier,
+                max_seconds,
+                out,
+            ),
+            daemon=True,
+        )
+        for i in range(workers)
+    ]
     cpu_before = _server_cpu(redis_url, server)
     try:
         for proc in procs:
@@ -782,9 +877,18 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
             try:
                 rows.append(out.get(timeout=max(0.0, deadline - time.monotonic())))
             except queue.Empty:  # a worker still connecting or replaying: the point did not complete
-                rows.append({"completed": False, "error": f"no report within {max_seconds + 300:g} s",
-                             "ops_done": 0, "ops_by_kind": {}, "start": None, "end": None, "connect_s": 0.0,
-                             "client_cpu_s": 0.0})
+                rows.append(
+                    {
+                        "completed": False,
+                        "error": f"no report within {max_seconds + 300:g} s",
+                        "ops_done": 0,
+                        "ops_by_kind": {},
+                        "start": None,
+                        "end": None,
+                        "connect_s": 0.0,
+                        "client_cpu_s": 0.0,
+                    }
+                )
         cpu_after = _server_cpu(redis_url, server)
     finally:
         for proc in procs:
@@ -805,12 +909,20 @@ def simulate(strategy: str, store: str, layout: Layout, *, max_seconds: float = 
         seconds = max(r["end"] for r in rows) - min(r["start"] for r in rows)
         completed = seconds <= max_seconds
     kinds = sum((Counter(r["ops_by_kind"]) for r in rows), Counter())
-    return SimResult(strategy, store, layout.world, completed, round(seconds, 4) if completed else None, planned,
-                     sum(r["ops_done"] for r in rows), dict(sorted(kinds.items())),
-                     round(max(r["connect_s"] for r in rows), 3),
-                     round(sum(r["client_cpu_s"] for r in rows), 3),
-                     None if cpu_before is None or cpu_after is None else round(cpu_after - cpu_before, 3),
-                     errors[0] if errors else None)
+    return SimResult(
+        strategy,
+        store,
+        layout.world,
+        completed,
+        round(seconds, 4) if completed else None,
+        planned,
+        sum(r["ops_done"] for r in rows),
+        dict(sorted(kinds.items())),
+        round(max(r["connect_s"] for r in rows), 3),
+        round(sum(r["client_cpu_s"] for r in rows), 3),
+        None if cpu_before is None or cpu_after is None else round(cpu_after - cpu_before, 3),
+        errors[0] if errors else None,
+    )
 
 
 def _server_cpu(redis_url: str | None, server: TCPStoreServer | None) -> float | None:
@@ -843,7 +955,7 @@ def _drop_namespace(url: str, ns: _RedisNamespace) -> None:
     try:
         names = list(client.scan_iter(match=ns.prefix + "*", count=10_000))
         for i in range(0, len(names), 10_000):
-            client.unlink(*names[i:i + 10_000])
+            client.unlink(*names[i : i + 10_000])
     finally:
         client.close()
 
@@ -852,8 +964,17 @@ def _drop_namespace(url: str, ns: _RedisNamespace) -> None:
 # Real ranks with a RecordingStore (the simulator's reference)
 
 
-def _record_rank(rank: int, world: int, port: int, tp: int, pp: int, strategies: tuple[str, ...],
-                 gloo_groups: bool, barrier: bool, results) -> None:
+def _record_rank(
+    rank: int,
+    world: int,
+    port: int,
+    tp: int,
+    pp: int,
+    strategies: tuple[str, ...],
+    gloo_groups: bool,
+    barrier: bool,
+    results,
+) -> None:
     try:
         # set here, not in the parent: a forkserver child has the environment the forkserver
         # started with (maybe long before, by another caller), not the parent's current one
@@ -872,8 +993,11 @@ def _record_rank(rank: int, world: int, port: int, tp: int, pp: int, strategies:
             store = RecordingStore(PrefixStore(f"record-{strategy}", tcp), rank=rank)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
             parallel_groups.initialize_model_parallel(
-                strategy, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                create_gloo_process_groups=gloo_groups)
+                strategy,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                create_gloo_process_groups=gloo_groups,
+            )
             rows[strategy] = store.to_dict()
             dist.barrier()  # gloo, not the store: nobody tears down while a peer still connects
             parallel_state.destroy_model_parallel()
@@ -884,8 +1008,16 @@ def _record_rank(rank: int, world: int, port: int, tp: int, pp: int, strategies:
         raise
 
 
-def record_real_ranks(strategies: tuple[str, ...], world: int, tp: int, pp: int, *, gloo_groups: bool = True,
-                      barrier: bool = True, timeout_s: float = 150.0) -> dict[str, dict[int, dict[str, Any]]]:
+def record_real_ranks(
+    strategies: tuple[str, ...],
+    world: int,
+    tp: int,
+    pp: int,
+    *,
+    gloo_groups: bool = True,
+    barrier: bool = True,
+    timeout_s: float = 150.0,
+) -> dict[str, dict[int, dict[str, Any]]]:
     """Run ``world`` real gloo ranks (processes; forkserver with torch and megatron-core preloaded)
     that create megatron's groups with each of ``strategies`` in turn (``mega.cluster.parallel_groups``)
     over a TCPStore wrapped in ``RecordingStore``. Returns ``{strategy: {rank: {"rank", "counts",
@@ -896,11 +1028,18 @@ def record_real_ranks(strategies: tuple[str, ...], world: int, tp: int, pp: int,
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron.core.parallel_state", "mega.cluster.parallel_groups",
-                                "mega.store.recording"])
+    ctx.set_forkserver_preload(
+        ["torch", "megatron.core.parallel_state", "mega.cluster.parallel_groups", "mega.store.recording"]
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=_record_rank, args=(r, world, server.port, tp, pp, tuple(strategies),
-                                                    gloo_groups, barrier, results), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_record_rank,
+            args=(r, world, server.port, tp, pp, tuple(strategies), gloo_groups, barrier, results),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     try:
         for p in procs:
             p.start()

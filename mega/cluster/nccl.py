@@ -64,7 +64,8 @@ _SWITCH = OneOf(("0", "1"), "0 or 1")
 
 KNOWN = {
     "NCCL_IB_TIMEOUT": IntRange(
-        1, 31, "InfiniBand ACK timeout exponent, 4.096 us * 2^n: a 5-bit field; 0 would disable it"),
+        1, 31, "InfiniBand ACK timeout exponent, 4.096 us * 2^n: a 5-bit field; 0 would disable it"
+    ),
     "NCCL_IB_RETRY_CNT": IntRange(0, 7, "InfiniBand retry count: a 3-bit field"),
     "NCCL_IB_SL": IntRange(0, 15, "InfiniBand service level: a 4-bit field"),
     "NCCL_IB_TC": IntRange(0, 255, "InfiniBand traffic class: an 8-bit field"),
@@ -100,5 +101,6 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
         if int(threads) * int(socks) > MAX_SOCKETS:
             problems["NCCL_NSOCKS_PERTHREAD"] = (
                 f"NCCL_SOCKET_NTHREADS * NCCL_NSOCKS_PERTHREAD = {int(threads) * int(socks)} "
-                f"exceeds NCCL's limit of {MAX_SOCKETS}")
+                f"exceeds NCCL's limit of {MAX_SOCKETS}"
+            )
     return problems

@@ -62,8 +62,14 @@ def node_dir(run_dir: str | Path, node: int | None = None) -> Path:
 
 def identity() -> dict[str, Any]:
     """This rank's place: global rank, node, local rank, host, node address, pid."""
-    return {"rank": int(os.environ.get("RANK", "0")), "node": node_rank(), "local_rank": local_rank(),
-            "host": socket.gethostname(), "address": address(), "pid": os.getpid()}
+    return {
+        "rank": int(os.environ.get("RANK", "0")),
+        "node": node_rank(),
+        "local_rank": local_rank(),
+        "host": socket.gethostname(),
+        "address": address(),
+        "pid": os.getpid(),
+    }
 
 
 def record_process(run_dir: str | Path, attempt: int) -> Path:
@@ -98,15 +104,22 @@ def gather_table() -> list[dict[str, Any]]:
     dist.all_gather_object(rows, mine)
     table: dict[int, dict[str, Any]] = {}
     for r in rows:
-        entry = table.setdefault(r["node"], {"node": r["node"], "host": r["host"], "address": r["address"],
-                                             "ranks": []})
+        entry = table.setdefault(
+            r["node"], {"node": r["node"], "host": r["host"], "address": r["address"], "ranks": []}
+        )
         entry["ranks"].append(r["rank"])
     return [table[k] for k in sorted(table)]
 
 
 def record_fault(run_dir: str | Path, kind: str, step: int, target_pid: int) -> None:
     """Append an injected fault to ``<run_dir>/faults.jsonl`` (drills: when, where, whom)."""
-    row = {**identity(), "kind": kind, "step": step, "target_pid": target_pid, "time": time.time(),
-           "attempt": int(os.environ.get("MEGA_ATTEMPT", "0"))}
+    row = {
+        **identity(),
+        "kind": kind,
+        "step": step,
+        "target_pid": target_pid,
+        "time": time.time(),
+        "attempt": int(os.environ.get("MEGA_ATTEMPT", "0")),
+    }
     with open(Path(run_dir) / "faults.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -72,7 +72,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 STRATEGIES = ("default", "light")
 
@@ -96,7 +97,9 @@ READY_BARRIER_PREFIX = "mega_groups_ready"
 def initialize_model_parallel(strategy: str = "default", **megatron_kwargs: Any) -> None:
     """megatron-core's ``parallel_state.initialize_model_parallel`` with the given strategy."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"cluster.group_init: unknown strategy {strategy!r}, expected one of {list(STRATEGIES)}")
+        raise ValueError(
+            f"cluster.group_init: unknown strategy {strategy!r}, expected one of {list(STRATEGIES)}"
+        )
     from megatron.core import parallel_state
 
     if strategy == "default":
@@ -134,8 +137,14 @@ def members_only_group_creation() -> Iterator[None]:
             return c10d.GroupName(next_name.pop())
         return original_group_name(ranks, use_hashed_name)
 
-    def create_group(ranks=None, timeout=None, backend=None, pg_options=None,
-                     use_local_synchronization=False, group_desc=None):
+    def create_group(
+        ranks=None,
+        timeout=None,
+        backend=None,
+        pg_options=None,
+        use_local_synchronization=False,
+        group_desc=None,
+    ):
         nonlocal created
         name = next(names)
         created += 1
@@ -147,14 +156,22 @@ def members_only_group_creation() -> Iterator[None]:
             return dist.GroupMember.NON_GROUP_MEMBER
         next_name.append(name)
         try:
-            group = original_create_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options,
-                                          use_local_synchronization=True, group_desc=group_desc)
+            group = original_create_group(
+                ranks,
+                timeout=timeout,
+                backend=backend,
+                pg_options=pg_options,
+                use_local_synchronization=True,
+                group_desc=group_desc,
+            )
         finally:
             unnamed = bool(next_name)
             next_name.clear()
         if unnamed:  # torch named the group some other way: members could disagree on the name
-            raise RuntimeError("torch.distributed.new_group did not name the group through "
-                               "_process_group_name; re-verify mega/cluster/parallel_groups.py")
+            raise RuntimeError(
+                "torch.distributed.new_group did not name the group through "
+                "_process_group_name; re-verify mega/cluster/parallel_groups.py"
+            )
         return group
 
     base = c10d._world.group_count

@@ -16,9 +16,10 @@ import dataclasses
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ JOB_ID_ENV = "MEGA_JOB_ID"  # one per launch: the store namespace of this job
 ATTEMPT_ENV = "MEGA_ATTEMPT"  # the restart count: a restarted job never reads a dead attempt's keys
 
 
-def new_job_id(cfg: "MegaConfig") -> str:
+def new_job_id(cfg: MegaConfig) -> str:
     """A store namespace unique to one launch (layout name, UTC time, random suffix)."""
     layout = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in cfg.parallelism.name)[:64]
     return f"{layout}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
@@ -47,7 +48,7 @@ def split_redis_password(url: str) -> tuple[str, str | None]:
     return parts._replace(netloc=f"{user}@{hostport}" if user else hostport).geturl(), unquote(password)
 
 
-def without_secrets(cfg: "MegaConfig") -> "MegaConfig":
+def without_secrets(cfg: MegaConfig) -> MegaConfig:
     """cfg with any password removed from cluster.redis_url: what may be saved next to a run."""
     if cfg.cluster.redis_url is None:
         return cfg
@@ -61,7 +62,9 @@ def public_env(env: dict[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None, host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
+def rendezvous_env(
+    cfg: MegaConfig, job_id: str | None = None, host: str = "127.0.0.1"
+) -> Iterator[dict[str, str]]:
     """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
 
     tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
@@ -82,15 +85,16 @@ def rendezvous_env(cfg: "MegaConfig", job_id: str | None = None, host: str = "12
 
 
 @contextlib.contextmanager
-def redis_server_url(cfg: "MegaConfig", host: str = "127.0.0.1") -> Iterator[str]:
+def redis_server_url(cfg: MegaConfig, host: str = "127.0.0.1") -> Iterator[str]:
     """``cluster.redis_url``, or the URL of a local redis-server on ``host`` running for the block."""
     c = cfg.cluster
     if c.redis_url is not None:
         yield c.redis_url
         return
     if not c.start_local_redis:
-        raise ValueError("cluster.redis_url: cluster.store=redis needs cluster.redis_url "
-                         "or cluster.start_local_redis=true")
+        raise ValueError(
+            "cluster.redis_url: cluster.store=redis needs cluster.redis_url or cluster.start_local_redis=true"
+        )
     import ipaddress
     import secrets
 
@@ -115,15 +119,16 @@ def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
         return None
     from mega.store import RedisStore
 
-    store = RedisStore(url, job_id=store_env[JOB_ID_ENV], attempt=attempt,
-                       password=store_env.get(REDIS_PASSWORD_ENV))
+    store = RedisStore(
+        url, job_id=store_env[JOB_ID_ENV], attempt=attempt, password=store_env.get(REDIS_PASSWORD_ENV)
+    )
     try:
         return store.drop_namespace()
     finally:
         store.close()
 
 
-def init_process_group(cfg: "MegaConfig", record: bool | None = None):
+def init_process_group(cfg: MegaConfig, record: bool | None = None):
     """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
 
     tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
@@ -147,8 +152,10 @@ def init_process_group(cfg: "MegaConfig", record: bool | None = None):
 
         url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
         if not url or not job_id:
-            raise RuntimeError(f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
-                               "launch ranks through mega.launch (run_training) or mega.cluster.bootstrap")
+            raise RuntimeError(
+                f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
+                "launch ranks through mega.launch (run_training) or mega.cluster.bootstrap"
+            )
         store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     else:
@@ -166,11 +173,10 @@ def init_process_group(cfg: "MegaConfig", record: bool | None = None):
     return recorder
 
 
-def dump_store_traffic(cfg: "MegaConfig", recorder, part: str) -> Path | None:
+def dump_store_traffic(cfg: MegaConfig, recorder, part: str) -> Path | None:
     """Write what ``recorder`` saw so far to ``<train.run_dir>/store-traffic/<part>/rank-<r>.json``
     (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder or
     without ``cluster.record_store``."""
     if recorder is None or not cfg.cluster.record_store:
         return None
     return recorder.dump(Path(cfg.train.run_dir) / "store-traffic" / part)
-

@@ -61,22 +61,43 @@ DEFAULT_TIMEOUT_S = 180.0  # the whole job; a node that needs longer than this i
 # Floors
 
 
-def selfcheck_floors(c: "ClusterConfig") -> dict[str, Any]:
+def selfcheck_floors(c: ClusterConfig) -> dict[str, Any]:
     """The floors of ``c`` and, for each, what it was derived from (named in every verdict)."""
     nvlink_one_way = c.nvlink_gb_per_s and c.nvlink_gb_per_s / 2 * 1e3  # the datasheet counts both directions
     checks = [  # floor, tag, fraction key, hardware figure in the floor's unit (None: unknown), as read, absolute key
-        ("min_gemm_gflops", "gemm", "selfcheck_gemm_fraction", c.peak_tflops and c.peak_tflops * 1e3,
-         f"cluster.peak_tflops={c.peak_tflops}", "selfcheck_min_gemm_gflops"),
-        ("min_alltoall_mb_per_s", "alltoall", "selfcheck_nvlink_fraction", nvlink_one_way,
-         f"cluster.nvlink_gb_per_s={c.nvlink_gb_per_s}/2", "selfcheck_min_alltoall_mb_per_s"),
-        ("min_inter_node_mb_per_s", "inter_node", "selfcheck_nic_fraction", c.node_nic_gb_per_s and c.node_nic_gb_per_s * 1e3,
-         f"{c.nics_per_node} x cluster.nic_gbit_per_s={c.nic_gbit_per_s}/8", "selfcheck_min_inter_node_mb_per_s"),
+        (
+            "min_gemm_gflops",
+            "gemm",
+            "selfcheck_gemm_fraction",
+            c.peak_tflops and c.peak_tflops * 1e3,
+            f"cluster.peak_tflops={c.peak_tflops}",
+            "selfcheck_min_gemm_gflops",
+        ),
+        (
+            "min_alltoall_mb_per_s",
+            "alltoall",
+            "selfcheck_nvlink_fraction",
+            nvlink_one_way,
+            f"cluster.nvlink_gb_per_s={c.nvlink_gb_per_s}/2",
+            "selfcheck_min_alltoall_mb_per_s",
+        ),
+        (
+            "min_inter_node_mb_per_s",
+            "inter_node",
+            "selfcheck_nic_fraction",
+            c.node_nic_gb_per_s and c.node_nic_gb_per_s * 1e3,
+            f"{c.nics_per_node} x cluster.nic_gbit_per_s={c.nic_gbit_per_s}/8",
+            "selfcheck_min_inter_node_mb_per_s",
+        ),
     ]
     floors: dict[str, Any] = {"max_gemm_rel_err": MAX_GEMM_REL_ERR}
     for floor, tag, fraction_key, figure, figure_text, absolute_key in checks:
         if figure:
             fraction = getattr(c, fraction_key)
-            floors[floor], floors[f"{tag}_from"] = fraction * figure, f"cluster.{fraction_key}={fraction:g} x {figure_text}"
+            floors[floor], floors[f"{tag}_from"] = (
+                fraction * figure,
+                f"cluster.{fraction_key}={fraction:g} x {figure_text}",
+            )
         else:
             value = getattr(c, absolute_key)
             floors[floor], floors[f"{tag}_from"] = value, f"cluster.{absolute_key}={value:g}"
@@ -87,8 +108,9 @@ def selfcheck_floors(c: "ClusterConfig") -> dict[str, Any]:
 # Checks run on every rank
 
 
-def _gemm_check(device: "torch.device", check_n: int, time_n: int, time_dtype: "torch.dtype",
-                min_time_s: float = 0.25) -> dict[str, Any]:
+def _gemm_check(
+    device: torch.device, check_n: int, time_n: int, time_dtype: torch.dtype, min_time_s: float = 0.25
+) -> dict[str, Any]:
     """Max relative error of a float32 matmul vs float64, and GEMM throughput in ``time_dtype``:
     the best rate over windows of 4 GEMMs within ``min_time_s`` (``gemm_gflops``; the mean over the
     whole time is ``gemm_gflops_mean``). A device that is really slow (throttled, degraded) is slow
@@ -126,11 +148,15 @@ def _gemm_check(device: "torch.device", check_n: int, time_n: int, time_dtype: "
             window, elapsed = now, now - start
             if elapsed >= min_time_s:
                 break
-    return {"gemm_max_rel_err": rel_err, "gemm_gflops": best / 1e9, "gemm_gflops_mean": flop * reps / elapsed / 1e9,
-            "gemm_dtype": str(time_dtype).removeprefix("torch.")}
+    return {
+        "gemm_max_rel_err": rel_err,
+        "gemm_gflops": best / 1e9,
+        "gemm_gflops_mean": flop * reps / elapsed / 1e9,
+        "gemm_dtype": str(time_dtype).removeprefix("torch."),
+    }
 
 
-def _pattern(tag: int, n: int) -> "torch.Tensor":
+def _pattern(tag: int, n: int) -> torch.Tensor:
     """n int32 values that identify ``tag`` and each position (catches swapped, shifted, stale data)."""
     import torch
 
@@ -138,7 +164,7 @@ def _pattern(tag: int, n: int) -> "torch.Tensor":
     return ((tag * 1_000_003 + pos * 7919) % 2_147_483_647).to(torch.int32)
 
 
-def _alltoall_check(device: "torch.device", nbytes: int, group=None) -> dict[str, Any]:
+def _alltoall_check(device: torch.device, nbytes: int, group=None) -> dict[str, Any]:
     """All-to-all among ``group`` (the node's ranks): every rank sends chunk j to member j; each
     received chunk must name its sender and us."""
     import torch
@@ -165,7 +191,7 @@ def _alltoall_check(device: "torch.device", nbytes: int, group=None) -> dict[str
     return {"alltoall_ok": ok, "alltoall_mb_per_s": sent / elapsed / 1e6 if world > 1 else None}
 
 
-def _allreduce_check(device: "torch.device", world: int) -> dict[str, Any]:
+def _allreduce_check(device: torch.device, world: int) -> dict[str, Any]:
     """NCCL all-reduce of 1..world: correctness, and bus bandwidth in GB/s (nccl-tests formula)."""
     import torch
     import torch.distributed as dist
@@ -200,7 +226,7 @@ def pair_rounds(nodes: int, max_rounds: int = MAX_PAIR_ROUNDS) -> list[list[tupl
     return rounds
 
 
-def exchange_ops(send: "torch.Tensor", recv: "torch.Tensor", peer: int) -> list:
+def exchange_ops(send: torch.Tensor, recv: torch.Tensor, peer: int) -> list:
     """The pair exchange's send and receive, posted together (``batch_isend_irecv``): NCCL runs
     a send and a receive to one peer, posted one after the other, on one stream, where each waits
     for the other side's; batched they are one group call."""
@@ -209,8 +235,9 @@ def exchange_ops(send: "torch.Tensor", recv: "torch.Tensor", peer: int) -> list:
     return [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
 
 
-def _pair_checks(device: "torch.device", node: int, nodes: int, procs: int, local_rank: int,
-                 nbytes: int) -> list[dict[str, Any]]:
+def _pair_checks(
+    device: torch.device, node: int, nodes: int, procs: int, local_rank: int, nbytes: int
+) -> list[dict[str, Any]]:
     """This rank's part of every round: exchange with the same local rank of the partner node."""
     import torch
     import torch.distributed as dist
@@ -241,13 +268,15 @@ def _pair_checks(device: "torch.device", node: int, nodes: int, procs: int, loca
                 exchange()
             _sync(device)
             row.update(bytes=n * 4 * PAIR_ITERS, elapsed_s=time.perf_counter() - start, error=None)
-        except Exception as err:  # noqa: BLE001 - a broken link is a finding
-            row.update(ok=False, bytes=0, elapsed_s=None, error=f"{type(err).__name__}: {err}".splitlines()[0])
+        except Exception as err:
+            row.update(
+                ok=False, bytes=0, elapsed_s=None, error=f"{type(err).__name__}: {err}".splitlines()[0]
+            )
         rows.append(row)
     return rows
 
 
-def _sync(device: "torch.device") -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if device.type == "cuda":
@@ -261,9 +290,15 @@ def _check_rank(device_kind: str, rank: int, local_rank: int, world: int, intra_
     from mega.cluster import node
 
     sizes = SIZES[device_kind]
-    row: dict[str, Any] = {"rank": rank, "node": node.node_rank(), "local_rank": local_rank,
-                           "host": socket.gethostname(), "address": node.address(), "device": device_kind,
-                           "error": None}
+    row: dict[str, Any] = {
+        "rank": rank,
+        "node": node.node_rank(),
+        "local_rank": local_rank,
+        "host": socket.gethostname(),
+        "address": node.address(),
+        "device": device_kind,
+        "error": None,
+    }
     try:
         if device_kind == "cuda":
             row["device_count"] = torch.cuda.device_count()
@@ -276,7 +311,7 @@ def _check_rank(device_kind: str, rank: int, local_rank: int, world: int, intra_
             row["threads"] = torch.get_num_threads()
             row.update(_gemm_check(device, sizes["gemm_check_n"], sizes["gemm_time_n"], torch.float32))
         row.update(_alltoall_check(device, sizes["alltoall_bytes"], intra_group))
-    except Exception as err:  # noqa: BLE001 - any failure is a finding, reported by rank 0
+    except Exception as err:
         row["error"] = f"{type(err).__name__}: {err}".splitlines()[0]
     return row
 
@@ -297,19 +332,27 @@ def node_verdict(rows: list[dict[str, Any]], *, expected_ranks: int, floors: dic
             reasons.append(f"{who}: check failed: {row['error']}")
             continue
         if row.get("device") == "cuda" and row.get("device_count", 0) <= row["local_rank"]:
-            reasons.append(f"{who}: sees {row.get('device_count')} GPUs, needs local rank {row['local_rank']}")
+            reasons.append(
+                f"{who}: sees {row.get('device_count')} GPUs, needs local rank {row['local_rank']}"
+            )
         if row["gemm_max_rel_err"] > floors["max_gemm_rel_err"]:
-            reasons.append(f"{who}: GEMM max relative error {row['gemm_max_rel_err']:.2e} "
-                           f"above {floors['max_gemm_rel_err']:.0e} (wrong results)")
+            reasons.append(
+                f"{who}: GEMM max relative error {row['gemm_max_rel_err']:.2e} "
+                f"above {floors['max_gemm_rel_err']:.0e} (wrong results)"
+            )
         if row["gemm_gflops"] < floors["min_gemm_gflops"]:
-            reasons.append(f"{who}: {row.get('gemm_dtype', '')} GEMM {row['gemm_gflops']:.2f} GFLOP/s below "
-                           f"{floors['min_gemm_gflops']:.4g} ({floors['gemm_from']})")
+            reasons.append(
+                f"{who}: {row.get('gemm_dtype', '')} GEMM {row['gemm_gflops']:.2f} GFLOP/s below "
+                f"{floors['min_gemm_gflops']:.4g} ({floors['gemm_from']})"
+            )
         if not row["alltoall_ok"]:
             reasons.append(f"{who}: all-to-all delivered wrong data")
         mbps = row.get("alltoall_mb_per_s")
         if mbps is not None and mbps < floors["min_alltoall_mb_per_s"]:
-            reasons.append(f"{who}: all-to-all {mbps:.1f} MB/s below {floors['min_alltoall_mb_per_s']:.4g} "
-                           f"({floors['alltoall_from']})")
+            reasons.append(
+                f"{who}: all-to-all {mbps:.1f} MB/s below {floors['min_alltoall_mb_per_s']:.4g} "
+                f"({floors['alltoall_from']})"
+            )
         if row.get("allreduce_ok") is False:
             reasons.append(f"{who}: NCCL all-reduce returned a wrong sum")
     return {"healthy": not reasons, "reasons": reasons}
@@ -328,13 +371,26 @@ def pair_bandwidths(pair_rows: list[dict[str, Any]], floors: dict[str, Any]) -> 
         sent = sum(r["bytes"] for r in rows if r["node"] == a)
         mbps = sent / max(times) / 1e6 if times and not errors else None
         ok = all(r["ok"] for r in rows) and not errors
-        out.append({"nodes": [a, b], "mb_per_s": mbps, "data_ok": ok, "errors": errors,
-                    "healthy": ok and mbps is not None and mbps >= floors["min_inter_node_mb_per_s"]})
+        out.append(
+            {
+                "nodes": [a, b],
+                "mb_per_s": mbps,
+                "data_ok": ok,
+                "errors": errors,
+                "healthy": ok and mbps is not None and mbps >= floors["min_inter_node_mb_per_s"],
+            }
+        )
     return out
 
 
-def cluster_verdict(rows: list[dict[str, Any]], pairs: list[dict[str, Any]], *, nodes: int, procs_per_node: int,
-                    floors: dict[str, Any]) -> dict[str, Any]:
+def cluster_verdict(
+    rows: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    *,
+    nodes: int,
+    procs_per_node: int,
+    floors: dict[str, Any],
+) -> dict[str, Any]:
     """A verdict per node: its ranks' checks, and its links. A bad pair is blamed on the node with
     more bad pairs (the common end of a node's slow links); a tie blames both (two nodes alone
     cannot tell whose link is slow)."""
@@ -348,16 +404,22 @@ def cluster_verdict(rows: list[dict[str, Any]], pairs: list[dict[str, Any]], *, 
             if k in p["nodes"]:
                 other = p["nodes"][1] if p["nodes"][0] == k else p["nodes"][0]
                 if count[k] >= count[other]:
-                    what = (f"{p['mb_per_s']:.1f} MB/s below {floors['min_inter_node_mb_per_s']:.4g} "
-                            f"({floors['inter_node_from']})" if p["data_ok"] and p["mb_per_s"] is not None
-                            else "; ".join(p["errors"]) or "wrong data")
+                    what = (
+                        f"{p['mb_per_s']:.1f} MB/s below {floors['min_inter_node_mb_per_s']:.4g} "
+                        f"({floors['inter_node_from']})"
+                        if p["data_ok"] and p["mb_per_s"] is not None
+                        else "; ".join(p["errors"]) or "wrong data"
+                    )
                     verdict["reasons"].append(f"link to node {other}: {what}")
         verdict["healthy"] = not verdict["reasons"]
         first = mine[0] if mine else {}
         table.append({"node": k, "host": first.get("host"), "address": first.get("address"), **verdict})
-    return {"healthy": all(n["healthy"] for n in table),
-            "reasons": [f"node {n['node']}: {r}" for n in table for r in n["reasons"]],
-            "nodes": table, "pairs": pairs}
+    return {
+        "healthy": all(n["healthy"] for n in table),
+        "reasons": [f"node {n['node']}: {r}" for n in table for r in n["reasons"]],
+        "nodes": table,
+        "pairs": pairs,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,21 +445,34 @@ def _rank_main(argv: list[str] | None = None) -> int:
     # every collective below fails after this long instead of hanging the check
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     try:
-        intra = dist.new_subgroups(group_size=procs)[0] if nodes > 1 else None  # ranks are laid out node by node
+        intra = (
+            dist.new_subgroups(group_size=procs)[0] if nodes > 1 else None
+        )  # ranks are laid out node by node
         row = _check_rank(args.device, rank, local_rank, world, intra)
         if args.bad_node == node.node_rank():  # drill (fault.bad_node): this node's matrix unit is broken
             row["error"] = "injected fault (fault.bad_node): the GEMM check reports a broken matrix unit"
         device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
-        pair_rows = _pair_checks(device, node.node_rank(), nodes, procs, local_rank,
-                                 SIZES[args.device]["pair_bytes"]) if nodes > 1 else []
+        pair_rows = (
+            _pair_checks(device, node.node_rank(), nodes, procs, local_rank, SIZES[args.device]["pair_bytes"])
+            if nodes > 1
+            else []
+        )
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, (row, pair_rows))
         if rank == 0:
             rows = [g[0] for g in gathered]
             pairs = pair_bandwidths([p for g in gathered for p in g[1]], floors)
-            result = {"node": socket.gethostname(), "device": args.device, "backend": backend, "world_size": world,
-                      "nodes_count": nodes, "procs_per_node": procs, "floors": floors, "ranks": rows,
-                      **cluster_verdict(rows, pairs, nodes=nodes, procs_per_node=procs, floors=floors)}
+            result = {
+                "node": socket.gethostname(),
+                "device": args.device,
+                "backend": backend,
+                "world_size": world,
+                "nodes_count": nodes,
+                "procs_per_node": procs,
+                "floors": floors,
+                "ranks": rows,
+                **cluster_verdict(rows, pairs, nodes=nodes, procs_per_node=procs, floors=floors),
+            }
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2))
     finally:
@@ -412,7 +487,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout")
     p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # test drill
-    p.add_argument("--bad-node", type=int, default=None, help=argparse.SUPPRESS)  # drill: node fails its checks
+    p.add_argument(
+        "--bad-node", type=int, default=None, help=argparse.SUPPRESS
+    )  # drill: node fails its checks
     return p.parse_args(argv)
 
 
@@ -420,9 +497,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 # Library side: launch the job on every node and read its verdict
 
 
-def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  fail_rank: int | None = None, backend: "Backend | None" = None,
-                  bad_node: int | None = None) -> dict[str, Any]:
+def run_selfcheck(
+    cfg: MegaConfig,
+    out_dir: str | Path,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    fail_rank: int | None = None,
+    backend: Backend | None = None,
+    bad_node: int | None = None,
+) -> dict[str, Any]:
     """Check every node of cfg's cluster (``cluster.procs_per_node`` ranks each) on the launch
     backend of ``launcher`` (or ``backend``, left open); always returns a verdict dict.
 
@@ -442,8 +525,16 @@ def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = 
     floors = selfcheck_floors(c)
     # collectives give up a little before the job does, so a dead peer shows as a rank error
     pg_timeout = max(10.0, min(float(c.pg_timeout_s), timeout_s - 10.0))
-    args = ["--out", str(result_path), "--floors", json.dumps(floors), "--device", c.device,
-            "--timeout-s", str(pg_timeout)]
+    args = [
+        "--out",
+        str(result_path),
+        "--floors",
+        json.dumps(floors),
+        "--device",
+        c.device,
+        "--timeout-s",
+        str(pg_timeout),
+    ]
     if fail_rank is not None:
         args += ["--fail-rank", str(fail_rank)]
     if bad_node is not None:
@@ -468,28 +559,60 @@ def run_selfcheck(cfg: "MegaConfig", out_dir: str | Path, *, timeout_s: float = 
             why, blamed = f"timed out after {timeout_s:g} s", []
         elif outcome.failed_nodes:
             blamed = outcome.failed_nodes
-            why = "; ".join(f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
-                            for k in blamed) if c.nodes > 1 else f"exited with code {outcome.code}"
+            why = (
+                "; ".join(
+                    f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
+                    for k in blamed
+                )
+                if c.nodes > 1
+                else f"exited with code {outcome.code}"
+            )
         else:
             why, blamed = f"exited with code {outcome.code}", []
         reason = f"selfcheck job {why} without a verdict (see {logs})"
-        result = {"node": socket.gethostname(), "device": c.device, "world_size": c.world_size,
-                  "nodes_count": c.nodes, "procs_per_node": c.procs_per_node, "floors": floors,
-                  "ranks": [], "pairs": [], "healthy": False, "reasons": [reason],
-                  # a node whose agent failed is unhealthy; the others could not be judged (None)
-                  "nodes": [{"node": k, "host": None, "address": None, "healthy": False if k in blamed else None,
-                             "reasons": [reason] if k in blamed or not blamed else []} for k in range(c.nodes)]}
+        result = {
+            "node": socket.gethostname(),
+            "device": c.device,
+            "world_size": c.world_size,
+            "nodes_count": c.nodes,
+            "procs_per_node": c.procs_per_node,
+            "floors": floors,
+            "ranks": [],
+            "pairs": [],
+            "healthy": False,
+            "reasons": [reason],
+            # a node whose agent failed is unhealthy; the others could not be judged (None)
+            "nodes": [
+                {
+                    "node": k,
+                    "host": None,
+                    "address": None,
+                    "healthy": False if k in blamed else None,
+                    "reasons": [reason] if k in blamed or not blamed else [],
+                }
+                for k in range(c.nodes)
+            ],
+        }
     result.update(exit_code=outcome.code, elapsed_s=round(elapsed, 3), result_path=str(result_path))
     return result
 
 
 def verdict_table(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per rank (or one row for a job that died), ready for a table artifact."""
-    rows = [{"node": r.get("node", 0), "host": r.get("host"), "rank": r["rank"],
-             "gemm_gflops": _round(r.get("gemm_gflops")), "gemm_dtype": r.get("gemm_dtype"),
-             "gemm_max_rel_err": _sig(r.get("gemm_max_rel_err")), "alltoall_ok": r.get("alltoall_ok"),
-             "alltoall_mb_per_s": _round(r.get("alltoall_mb_per_s")), "error": r.get("error") or ""}
-            for r in result["ranks"]]
+    rows = [
+        {
+            "node": r.get("node", 0),
+            "host": r.get("host"),
+            "rank": r["rank"],
+            "gemm_gflops": _round(r.get("gemm_gflops")),
+            "gemm_dtype": r.get("gemm_dtype"),
+            "gemm_max_rel_err": _sig(r.get("gemm_max_rel_err")),
+            "alltoall_ok": r.get("alltoall_ok"),
+            "alltoall_mb_per_s": _round(r.get("alltoall_mb_per_s")),
+            "error": r.get("error") or "",
+        }
+        for r in result["ranks"]
+    ]
     if not rows:
         rows = [{"node": "-", "host": result["node"], "rank": "-", "error": "; ".join(result["reasons"])}]
     return rows
@@ -497,9 +620,16 @@ def verdict_table(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def pair_table(result: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per node pair of the inter-node exchange (empty for one node)."""
-    return [{"nodes": f"{p['nodes'][0]}-{p['nodes'][1]}", "mb_per_s": _round(p["mb_per_s"]),
-             "data_ok": p["data_ok"], "healthy": p["healthy"], "error": "; ".join(p["errors"])}
-            for p in result.get("pairs", [])]
+    return [
+        {
+            "nodes": f"{p['nodes'][0]}-{p['nodes'][1]}",
+            "mb_per_s": _round(p["mb_per_s"]),
+            "data_ok": p["data_ok"],
+            "healthy": p["healthy"],
+            "error": "; ".join(p["errors"]),
+        }
+        for p in result.get("pairs", [])
+    ]
 
 
 def _round(x: float | None) -> float | None:

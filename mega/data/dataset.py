@@ -30,14 +30,18 @@ class TokenStream:
                 continue
             path = Path(entry["path"]) if entry.get("external") else index_path.parent / entry["path"]
             if entry.get("external") and path.stat().st_size != entry["bytes"]:
-                raise DataError(f"{path}: {path.stat().st_size} bytes, {index_path} was prepared from "
-                                f"{entry['bytes']}; it changed: prepare the dataset again")
+                raise DataError(
+                    f"{path}: {path.stat().st_size} bytes, {index_path} was prepared from "
+                    f"{entry['bytes']}; it changed: prepare the dataset again"
+                )
             tokens = read_shard(path, index.get("dtype"))
             if "token_range" in entry:
-                tokens = tokens[entry["token_range"][0]:entry["token_range"][1]]
+                tokens = tokens[entry["token_range"][0] : entry["token_range"][1]]
             if len(tokens) != entry["num_tokens"]:
-                raise DataError(f"{path}: {len(tokens)} tokens, the index says {entry['num_tokens']}; "
-                                "delete the directory and prepare again")
+                raise DataError(
+                    f"{path}: {len(tokens)} tokens, the index says {entry['num_tokens']}; "
+                    "delete the directory and prepare again"
+                )
             self.shards.append(tokens)
         # starts[k] = position of shard k's first token in the split's stream
         self.starts = np.cumsum([0] + [len(t) for t in self.shards])
@@ -71,8 +75,10 @@ class TokenDataset:
             stream = TokenStream(path, sub, split)
             samples = stream.num_tokens // (seq_length + 1)
             if samples == 0:
-                raise DataError(f"{path}: split {split!r} has {stream.num_tokens} tokens, fewer than one sample "
-                                f"of seq_length+1={seq_length + 1}; use more text or a larger data.val_fraction")
+                raise DataError(
+                    f"{path}: split {split!r} has {stream.num_tokens} tokens, fewer than one sample "
+                    f"of seq_length+1={seq_length + 1}; use more text or a larger data.val_fraction"
+                )
             self.streams.append(stream)
             self.source_samples.append(samples)
         self.vocab_size: int = index["vocab_size"]
@@ -103,12 +109,21 @@ class TokenDataset:
         if key not in self._permutations:
             if len(self._permutations) >= 2 * len(self.streams):  # a global batch spans at most two epochs
                 self._permutations.pop(next(iter(self._permutations)))
-            rng = np.random.default_rng([self.seed, epoch] if self.blend is None else [self.seed, epoch, source + 1])
+            rng = np.random.default_rng(
+                [self.seed, epoch] if self.blend is None else [self.seed, epoch, source + 1]
+            )
             self._permutations[key] = rng.permutation(self.source_samples[source])
         return self._permutations[key]
 
-    def positions(self, step: int, microbatch: int, dp_rank: int, dp_size: int,
-                  micro_batch_size: int, num_microbatches: int) -> np.ndarray:
+    def positions(
+        self,
+        step: int,
+        microbatch: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        num_microbatches: int,
+    ) -> np.ndarray:
         """Walk positions of one microbatch: step s takes [s*G, (s+1)*G), rank-major."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -132,20 +147,44 @@ class TokenDataset:
             ids[n] = self.permutation(epoch, int(j))[offset]
         return sources, ids
 
-    def sample_ids(self, step: int, microbatch: int, dp_rank: int, dp_size: int,
-                   micro_batch_size: int, num_microbatches: int) -> np.ndarray:
+    def sample_ids(
+        self,
+        step: int,
+        microbatch: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        num_microbatches: int,
+    ) -> np.ndarray:
         """The sample indices of one microbatch (within their sources; see ``locate``)."""
-        return self.locate(self.positions(step, microbatch, dp_rank, dp_size, micro_batch_size, num_microbatches))[1]
+        return self.locate(
+            self.positions(step, microbatch, dp_rank, dp_size, micro_batch_size, num_microbatches)
+        )[1]
 
-    def microbatch_samples(self, step: int, microbatch: int, dp_rank: int, dp_size: int,
-                           micro_batch_size: int, num_microbatches: int) -> np.ndarray:
+    def microbatch_samples(
+        self,
+        step: int,
+        microbatch: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        num_microbatches: int,
+    ) -> np.ndarray:
         """The microbatch's samples, [micro_batch_size, seq_length+1] int64 (no torch needed)."""
-        sources, ids = self.locate(self.positions(step, microbatch, dp_rank, dp_size, micro_batch_size,
-                                                  num_microbatches))
+        sources, ids = self.locate(
+            self.positions(step, microbatch, dp_rank, dp_size, micro_batch_size, num_microbatches)
+        )
         return np.stack([self.sample(int(i), int(j)) for j, i in zip(sources, ids)])
 
-    def microbatch(self, step: int, microbatch: int, dp_rank: int, dp_size: int,
-                   micro_batch_size: int, num_microbatches: int) -> dict:
+    def microbatch(
+        self,
+        step: int,
+        microbatch: int,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        num_microbatches: int,
+    ) -> dict:
         """Microbatch ``microbatch`` of data-parallel rank ``dp_rank`` at training step ``step``.
 
         The step's global batch is positions [step*G, (step+1)*G) of the walk,
@@ -153,12 +192,15 @@ class TokenDataset:
         it and microbatch m the m-th micro_batch_size of that. Keys: tokens, labels (tokens shifted
         by one), loss_mask (ones, float32), position_ids; all [micro_batch_size, seq_length].
         """
-        return as_batch(self.microbatch_samples(step, microbatch, dp_rank, dp_size, micro_batch_size,
-                                                num_microbatches))
+        return as_batch(
+            self.microbatch_samples(step, microbatch, dp_rank, dp_size, micro_batch_size, num_microbatches)
+        )
 
     def __repr__(self) -> str:
-        return (f"TokenDataset({str(self.index_path)!r}, split={self.split!r}, seq_length={self.seq_length}, "
-                f"num_samples={self.num_samples}, sources={len(self.streams)}, vocab_size={self.vocab_size})")
+        return (
+            f"TokenDataset({str(self.index_path)!r}, split={self.split!r}, seq_length={self.seq_length}, "
+            f"num_samples={self.num_samples}, sources={len(self.streams)}, vocab_size={self.vocab_size})"
+        )
 
 
 def as_batch(samples) -> dict:

@@ -59,7 +59,9 @@ def fixed_mmap_threshold() -> bool:
     glibc ``mallopt`` (musl, macOS): nothing changes there."""
     try:
         libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, MMAP_THRESHOLD))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, MMAP_THRESHOLD)
+        )
     except (OSError, AttributeError):
         return False
 
@@ -73,8 +75,12 @@ def init_worker(parent: int, tokenizer_path: str, text_field: str, eos: int, dty
 
     from mega.data.tokenizer import Encoder
 
-    _state.update(encoder=Encoder(Tokenizer.from_file(tokenizer_path)), text_field=text_field, eos=eos,
-                  dtype=np.dtype(dtype))
+    _state.update(
+        encoder=Encoder(Tokenizer.from_file(tokenizer_path)),
+        text_field=text_field,
+        eos=eos,
+        dtype=np.dtype(dtype),
+    )
 
 
 def encode_unit(unit: Unit) -> Encoded:

@@ -35,7 +35,9 @@ def is_megatron_prefix(source: str) -> bool:
     return megatron_prefix(source) is not None
 
 
-def prepare_megatron_source(data: DataConfig, source: str, cache_dir: Path, tokenizer_file: str | None) -> Path:
+def prepare_megatron_source(
+    data: DataConfig, source: str, cache_dir: Path, tokenizer_file: str | None
+) -> Path:
     prefix = megatron_prefix(source)
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     for path in (bin_path, idx_path):
@@ -43,9 +45,19 @@ def prepare_megatron_source(data: DataConfig, source: str, cache_dir: Path, toke
             raise DataError(f"data.source {source!r}: megatron prefix {prefix} has no {path.name}")
     stat = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in (bin_path, idx_path)}
     tokenizer_sha = hashlib.sha256(Path(tokenizer_file).read_bytes()).hexdigest() if tokenizer_file else None
-    key = hashlib.sha256(json.dumps({"version": FORMAT_VERSION, "megatron": str(prefix), "files": stat,
-                                     "val_fraction": data.val_fraction, "tokenizer": tokenizer_sha,
-                                     "eos_token": data.eos_token}, sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "version": FORMAT_VERSION,
+                "megatron": str(prefix),
+                "files": stat,
+                "val_fraction": data.val_fraction,
+                "tokenizer": tokenizer_sha,
+                "eos_token": data.eos_token,
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
     final = cache_dir / key[:16]
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
@@ -62,9 +74,14 @@ def prepare_megatron_source(data: DataConfig, source: str, cache_dir: Path, toke
     doc_index = dataset.document_indices.astype(np.int64)
     # token offset of each sequence; the .bin must hold the sequences back to back, in order
     starts = np.concatenate([[0], np.cumsum(lengths)])
-    if not np.array_equal(pointers, starts[:-1] * dtype.itemsize) or starts[-1] * dtype.itemsize != bin_path.stat().st_size:
-        raise DataError(f"{prefix}: the .bin does not hold the .idx's sequences back to back "
-                        "(rewrite it with IndexedDatasetBuilder)")
+    if (
+        not np.array_equal(pointers, starts[:-1] * dtype.itemsize)
+        or starts[-1] * dtype.itemsize != bin_path.stat().st_size
+    ):
+        raise DataError(
+            f"{prefix}: the .bin does not hold the .idx's sequences back to back "
+            "(rewrite it with IndexedDatasetBuilder)"
+        )
     num_docs = len(doc_index) - 1
     if num_docs < 1 or starts[-1] == 0:
         raise DataError(f"{prefix}: no documents")
@@ -74,20 +91,42 @@ def prepare_megatron_source(data: DataConfig, source: str, cache_dir: Path, toke
     split_token = int(starts[doc_index[num_docs - val_docs]])
     tokens = np.memmap(bin_path, dtype=dtype, mode="r")
     vocab_size, eos = _vocabulary(tokens, tokenizer_file, data.eos_token)
-    shards = [{"split": "train", "path": str(bin_path), "external": True, "token_range": [0, split_token],
-               "num_tokens": split_token, "bytes": bin_path.stat().st_size}]
+    shards = [
+        {
+            "split": "train",
+            "path": str(bin_path),
+            "external": True,
+            "token_range": [0, split_token],
+            "num_tokens": split_token,
+            "bytes": bin_path.stat().st_size,
+        }
+    ]
     if val_docs:
-        shards.append({"split": "val", "path": str(bin_path), "external": True,
-                       "token_range": [split_token, int(starts[-1])], "num_tokens": int(starts[-1]) - split_token,
-                       "bytes": bin_path.stat().st_size})
+        shards.append(
+            {
+                "split": "val",
+                "path": str(bin_path),
+                "external": True,
+                "token_range": [split_token, int(starts[-1])],
+                "num_tokens": int(starts[-1]) - split_token,
+                "bytes": bin_path.stat().st_size,
+            }
+        )
     index = {
-        "version": FORMAT_VERSION, "kind": "megatron", "key": key, "content_hash": None,
-        "vocab_size": vocab_size, "requested_vocab_size": None, "eos_id": eos,
+        "version": FORMAT_VERSION,
+        "kind": "megatron",
+        "key": key,
+        "content_hash": None,
+        "vocab_size": vocab_size,
+        "requested_vocab_size": None,
+        "eos_id": eos,
         "tokenizer": str(Path(tokenizer_file).resolve()) if tokenizer_file else None,
-        "dtype": dtype.name, "shards": shards,
+        "dtype": dtype.name,
+        "shards": shards,
         "num_tokens": {"train": split_token, "val": int(starts[-1]) - split_token},
         "num_documents": {"train": num_docs - val_docs, "val": val_docs},
-        "settings": {"val_fraction": data.val_fraction}, "source": {"source": str(prefix)},
+        "settings": {"val_fraction": data.val_fraction},
+        "source": {"source": str(prefix)},
     }
     final.mkdir(parents=True, exist_ok=True)
     write_json(final / INDEX_FILE, index)
@@ -103,5 +142,5 @@ def _vocabulary(tokens: np.ndarray, tokenizer_file: str | None, eos_token: str) 
         return tokenizer.get_vocab_size(), tokenizer.token_to_id(eos_token)
     largest = 0
     for lo in range(0, len(tokens), 1 << 26):  # bounded memory: 64M tokens at a time
-        largest = max(largest, int(tokens[lo:lo + (1 << 26)].max()))
+        largest = max(largest, int(tokens[lo : lo + (1 << 26)].max()))
     return largest + 1, None

@@ -69,8 +69,17 @@ class WaitStats:
     def write(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"mode": self.mode, "steps": self.steps, "wait_s": self.wait_s,
-                                             "step_s": self.step_s, "first_wait_s": self.first_wait_s}))
+            self.path.write_text(
+                json.dumps(
+                    {
+                        "mode": self.mode,
+                        "steps": self.steps,
+                        "wait_s": self.wait_s,
+                        "step_s": self.step_s,
+                        "first_wait_s": self.first_wait_s,
+                    }
+                )
+            )
         except OSError:
             pass
 
@@ -120,10 +129,20 @@ class RankBatches:
 def _node_names(run_dir: str) -> tuple[str, str, int]:
     """Socket path and shared-memory name of this node's loader in this attempt, and the node."""
     node = int(os.environ.get("GROUP_RANK", "0"))
-    job = "|".join([str(Path(run_dir).resolve()), os.environ.get("MEGA_ATTEMPT", "0"),
-                    os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_PORT", "")])
+    job = "|".join(
+        [
+            str(Path(run_dir).resolve()),
+            os.environ.get("MEGA_ATTEMPT", "0"),
+            os.environ.get("TORCHELASTIC_RUN_ID", ""),
+            os.environ.get("MASTER_PORT", ""),
+        ]
+    )
     token = hashlib.sha256(job.encode()).hexdigest()[:12]
-    return str(Path(tempfile.gettempdir()) / f"mega-loader-{token}-n{node}.sock"), f"mega-ld-{token}-n{node}", node
+    return (
+        str(Path(tempfile.gettempdir()) / f"mega-loader-{token}-n{node}.sock"),
+        f"mega-ld-{token}-n{node}",
+        node,
+    )
 
 
 class NodeBatches:
@@ -132,7 +151,12 @@ class NodeBatches:
 
         p = cfg.parallelism
         self.vocab_size = dataset.vocab_size
-        self.dp_rank, self.mbs, self.nmb, self.seq = dp_rank, p.micro_batch_size, p.num_microbatches, cfg.model.seq_length
+        self.dp_rank, self.mbs, self.nmb, self.seq = (
+            dp_rank,
+            p.micro_batch_size,
+            p.num_microbatches,
+            cfg.model.seq_length,
+        )
         self.timeout = cfg.data.loader_timeout_s
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -140,15 +164,28 @@ class NodeBatches:
         self.stats = WaitStats(cfg.train.run_dir, "node", dist.get_rank() if dist.is_initialized() else 0)
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
-        if self.local_rank == 0:  # one loader per node, started before the model is built: its start-up overlaps
-            spec = {"index": str(data_index), "seq_length": cfg.model.seq_length, "seed": cfg.train.seed,
-                    "dp_size": dp_size, "micro_batch_size": p.micro_batch_size,
-                    "num_microbatches": p.num_microbatches, "slots": cfg.data.loader_prefetch + 1,
-                    "end_step": cfg.train.steps, "local_world_size": self.local_world,
-                    "socket": self.sock_path, "shm": self.shm_name, "timeout_s": cfg.data.loader_timeout_s,
-                    "parent": os.getpid(), "node": self.node}
-            self.proc = subprocess.Popen([sys.executable, "-m", "mega.data.loader", json.dumps(spec)],
-                                         stdin=subprocess.DEVNULL)
+        if (
+            self.local_rank == 0
+        ):  # one loader per node, started before the model is built: its start-up overlaps
+            spec = {
+                "index": str(data_index),
+                "seq_length": cfg.model.seq_length,
+                "seed": cfg.train.seed,
+                "dp_size": dp_size,
+                "micro_batch_size": p.micro_batch_size,
+                "num_microbatches": p.num_microbatches,
+                "slots": cfg.data.loader_prefetch + 1,
+                "end_step": cfg.train.steps,
+                "local_world_size": self.local_world,
+                "socket": self.sock_path,
+                "shm": self.shm_name,
+                "timeout_s": cfg.data.loader_timeout_s,
+                "parent": os.getpid(),
+                "node": self.node,
+            }
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mega.data.loader", json.dumps(spec)], stdin=subprocess.DEVNULL
+            )
             self.pid = self.proc.pid
         self.sock = None
         self.shm = None
@@ -164,7 +201,9 @@ class NodeBatches:
                 pass
         status = "unknown"
         if self.shm is not None:
-            status = bytes(self.shm.buf[:HEADER_BYTES]).split(b"\0", 1)[0].decode(errors="replace") or "unknown"
+            status = (
+                bytes(self.shm.buf[:HEADER_BYTES]).split(b"\0", 1)[0].decode(errors="replace") or "unknown"
+            )
         return f"{who}); its last status: {status!r}"
 
     def _connect(self, start_step: int) -> None:
@@ -179,8 +218,10 @@ class NodeBatches:
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise DataLoaderError(f"no data loader listening at {self.sock_path} after {self.timeout:.0f}s "
-                                          f"(data.loader_timeout_s): {self._describe()}") from None
+                    raise DataLoaderError(
+                        f"no data loader listening at {self.sock_path} after {self.timeout:.0f}s "
+                        f"(data.loader_timeout_s): {self._describe()}"
+                    ) from None
                 time.sleep(0.05)
         self.sock = sock
         self._buf = b""
@@ -192,7 +233,9 @@ class NodeBatches:
         self.shm = shared_memory.SharedMemory(name=reply["shm"])
         # This rank only reads the segment; the loader owns it (and unlinks it).
         resource_tracker.unregister(self.shm._name, "shared_memory")
-        self.slots = np.ndarray(tuple(reply["shape"]), dtype=np.int64, buffer=self.shm.buf, offset=HEADER_BYTES)
+        self.slots = np.ndarray(
+            tuple(reply["shape"]), dtype=np.int64, buffer=self.shm.buf, offset=HEADER_BYTES
+        )
         self.row = reply["row"]
 
     def _send(self, message: dict) -> None:
@@ -202,16 +245,20 @@ class NodeBatches:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DataLoaderError(f"{self._describe()}: nothing received in {self.timeout:.0f}s "
-                                      f"(data.loader_timeout_s) while {doing}; the loader fell behind or hangs")
+                raise DataLoaderError(
+                    f"{self._describe()}: nothing received in {self.timeout:.0f}s "
+                    f"(data.loader_timeout_s) while {doing}; the loader fell behind or hangs"
+                )
             self.sock.settimeout(left)
             try:
                 data = self.sock.recv(65536)
             except TimeoutError:
                 continue
             except OSError as err:  # a reset: it died with messages of ours unread
-                raise DataLoaderError(f"{self._describe()}: the loader exited while this rank was {doing} "
-                                      f"({err.strerror or err})") from None
+                raise DataLoaderError(
+                    f"{self._describe()}: the loader exited while this rank was {doing} "
+                    f"({err.strerror or err})"
+                ) from None
             if not data:
                 raise DataLoaderError(f"{self._describe()}: the loader exited while this rank was {doing}")
             self._buf += data
@@ -219,8 +266,9 @@ class NodeBatches:
         return json.loads(line)
 
     def step_microbatches(self, step: int, device) -> list[dict]:
-        from mega.data.dataset import as_batch
         import torch
+
+        from mega.data.dataset import as_batch
 
         called = time.perf_counter()
         if self.sock is None:
@@ -249,8 +297,8 @@ class _Loader:
 
     def status(self, text: str) -> None:
         if self.status_buf is not None:
-            raw = text.encode()[:HEADER_BYTES - 1] + b"\0"
-            self.status_buf[:len(raw)] = raw
+            raw = text.encode()[: HEADER_BYTES - 1] + b"\0"
+            self.status_buf[: len(raw)] = raw
 
     def run(self) -> int:
         from multiprocessing import shared_memory
@@ -271,11 +319,20 @@ class _Loader:
                 conn, _ = server.accept()
                 conn.settimeout(s["timeout_s"])
                 hello = json.loads(_read_line(conn))
-                clients[conn] = {"local_rank": hello["hello"], "dp_rank": hello["dp_rank"],
-                                 "start": hello["start"], "done": hello["start"] - 1, "buf": b""}
+                clients[conn] = {
+                    "local_rank": hello["hello"],
+                    "dp_rank": hello["dp_rank"],
+                    "start": hello["start"],
+                    "done": hello["start"] - 1,
+                    "buf": b"",
+                }
         except TimeoutError:
-            print(f"[data loader] only {len(clients)} of {s['local_world_size']} local ranks registered in "
-                  f"{s['timeout_s']:.0f}s; exiting", file=sys.stderr, flush=True)
+            print(
+                f"[data loader] only {len(clients)} of {s['local_world_size']} local ranks registered in "
+                f"{s['timeout_s']:.0f}s; exiting",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         finally:
             server.close()
@@ -283,13 +340,19 @@ class _Loader:
         dp_rows = sorted({c["dp_rank"] for c in clients.values()})
         row_of = {dp: i for i, dp in enumerate(dp_rows)}
         shape = (s["slots"], len(dp_rows), s["num_microbatches"], s["micro_batch_size"], s["seq_length"] + 1)
-        shm = shared_memory.SharedMemory(name=s["shm"], create=True, size=HEADER_BYTES + 8 * int(np.prod(shape)))
+        shm = shared_memory.SharedMemory(
+            name=s["shm"], create=True, size=HEADER_BYTES + 8 * int(np.prod(shape))
+        )
         try:
             self.status_buf = shm.buf[:HEADER_BYTES]
             slots = np.ndarray(shape, dtype=np.int64, buffer=shm.buf, offset=HEADER_BYTES)
             for conn, c in clients.items():
-                conn.sendall(json.dumps({"pid": os.getpid(), "shm": s["shm"], "shape": shape,
-                                         "row": row_of[c["dp_rank"]]}).encode() + b"\n")
+                conn.sendall(
+                    json.dumps(
+                        {"pid": os.getpid(), "shm": s["shm"], "shape": shape, "row": row_of[c["dp_rank"]]}
+                    ).encode()
+                    + b"\n"
+                )
             return self._serve(dataset, clients, slots, dp_rows)
         finally:
             self.status_buf = None
@@ -314,8 +377,9 @@ class _Loader:
                 self.status(f"preparing step {step} into slot {k}")
                 for row, dp in enumerate(dp_rows):
                     for m in range(s["num_microbatches"]):
-                        slots[k, row, m] = dataset.microbatch_samples(step, m, dp, s["dp_size"],
-                                                                      s["micro_batch_size"], s["num_microbatches"])
+                        slots[k, row, m] = dataset.microbatch_samples(
+                            step, m, dp, s["dp_size"], s["micro_batch_size"], s["num_microbatches"]
+                        )
                 self.status(f"delivering step {step} (slot {k})")
                 ready = json.dumps({"ready": step, "slot": k}).encode() + b"\n"
                 for conn in list(clients):
@@ -330,8 +394,11 @@ class _Loader:
             self.status(f"step {step - 1} prepared; waiting for the ranks to finish step {slowest + 1}")
             events = sel.select(timeout=1.0)
             if not events and time.monotonic() - last_heard > 2 * s["timeout_s"]:
-                print(f"[data loader] no rank has answered for {2 * s['timeout_s']:.0f}s; exiting",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[data loader] no rank has answered for {2 * s['timeout_s']:.0f}s; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             for key, _ in events:
                 conn, c = key.fileobj, clients[key.fileobj]

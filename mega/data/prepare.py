@@ -56,8 +56,10 @@ def prepare_dataset(data: DataConfig, vocab_size: int, progress: bool = True) ->
     if data.tokenizer != "bpe":
         raise DataError(f"data.tokenizer {data.tokenizer!r}: the only tokenizer is 'bpe'")
     if data.shard_tokens < 1 or not 0 <= data.val_fraction < 1:
-        raise DataError(f"data.shard_tokens={data.shard_tokens} must be >= 1 and "
-                        f"data.val_fraction={data.val_fraction} in [0, 1)")
+        raise DataError(
+            f"data.shard_tokens={data.shard_tokens} must be >= 1 and "
+            f"data.val_fraction={data.val_fraction} in [0, 1)"
+        )
     cache_dir = Path(data.cache_dir).expanduser().resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
     if data.blend:
@@ -79,30 +81,54 @@ def _stop_if_script_rerun() -> None:
 
 def _script_rerun_error() -> DataError:
     script = getattr(sys.modules["__main__"], "__file__", None) or "the caller's __main__"
-    return DataError(f"prepare_dataset was called again by its own tokenizer workers: they are spawned "
-                     f"processes, which run {script} again as they start, and its call to prepare_dataset "
-                     f"is at the top level. Put that call under `if __name__ == \"__main__\":`.")
+    return DataError(
+        f"prepare_dataset was called again by its own tokenizer workers: they are spawned "
+        f"processes, which run {script} again as they start, and its call to prepare_dataset "
+        f'is at the top level. Put that call under `if __name__ == "__main__":`.'
+    )
 
 
 def formats_of(data: DataConfig) -> tuple[str, ...]:
     return ("arrow", "megatron") if data.format == "both" else (data.format,)
 
 
-def prepare_source(data: DataConfig, source: str, text_field: str, vocab_size: int, cache_dir: Path,
-                   progress: bool, tokenizer_file: str | None = None) -> Path:
+def prepare_source(
+    data: DataConfig,
+    source: str,
+    text_field: str,
+    vocab_size: int,
+    cache_dir: Path,
+    progress: bool,
+    tokenizer_file: str | None = None,
+) -> Path:
     from mega.data.indexed import is_megatron_prefix, prepare_megatron_source
 
     tokenizer_file = tokenizer_file or data.tokenizer_file
     if is_megatron_prefix(source):
         return prepare_megatron_source(data, source, cache_dir, tokenizer_file)
     corpus = open_corpus(source, text_field, cache_dir, data.s3_endpoint_url, progress)
-    pretrained = bpe.load_pretrained(tokenizer_file, data.max_run_chars, data.eos_token) if tokenizer_file else None
-    tokenizer_settings = ({"kind": "pretrained", "sha256": hashlib.sha256(pretrained.to_str().encode()).hexdigest(),
-                           "eos_token": data.eos_token} if pretrained
-                          else bpe.settings(vocab_size, data.max_run_chars, data.tokenizer_sample_mb))
-    settings = {"version": FORMAT_VERSION, "tokenizer": tokenizer_settings, "val_fraction": data.val_fraction,
-                "shard_tokens": data.shard_tokens, "formats": list(formats_of(data))}
-    key = _digest({"settings": settings, "source": source, "text_field": text_field, "files": corpus.listing()})
+    pretrained = (
+        bpe.load_pretrained(tokenizer_file, data.max_run_chars, data.eos_token) if tokenizer_file else None
+    )
+    tokenizer_settings = (
+        {
+            "kind": "pretrained",
+            "sha256": hashlib.sha256(pretrained.to_str().encode()).hexdigest(),
+            "eos_token": data.eos_token,
+        }
+        if pretrained
+        else bpe.settings(vocab_size, data.max_run_chars, data.tokenizer_sample_mb)
+    )
+    settings = {
+        "version": FORMAT_VERSION,
+        "tokenizer": tokenizer_settings,
+        "val_fraction": data.val_fraction,
+        "shard_tokens": data.shard_tokens,
+        "formats": list(formats_of(data)),
+    }
+    key = _digest(
+        {"settings": settings, "source": source, "text_field": text_field, "files": corpus.listing()}
+    )
     final = cache_dir / key[:16]
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
@@ -130,7 +156,7 @@ def _digest(obj) -> str:
 def is_val(digest: bytes, val_fraction: float) -> bool:
     """The split rule: a document is in val when its sha256, read as a fraction of 2**64, is
     below data.val_fraction (decided per document, whatever the corpus order or size)."""
-    return int.from_bytes(digest[:8], "big") < val_fraction * 2.0 ** 64
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2.0**64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,11 +171,15 @@ def _tokenizer(work: Path, corpus, pretrained, data: DataConfig, vocab_size: int
         return Tokenizer.from_file(str(path))
     if pretrained is None:
         if progress:
-            print(f"training the tokenizer on up to {data.tokenizer_sample_mb} MB of {corpus.source}",
-                  file=sys.stderr)
-        pretrained = bpe.train_tokenizer(sample_documents([corpus], [1.0], data.tokenizer_sample_mb << 20,
-                                                          data.val_fraction),
-                                         vocab_size, data.max_run_chars)
+            print(
+                f"training the tokenizer on up to {data.tokenizer_sample_mb} MB of {corpus.source}",
+                file=sys.stderr,
+            )
+        pretrained = bpe.train_tokenizer(
+            sample_documents([corpus], [1.0], data.tokenizer_sample_mb << 20, data.val_fraction),
+            vocab_size,
+            data.max_run_chars,
+        )
     tmp = work / f".{bpe.TOKENIZER_FILE}.tmp"
     pretrained.save(str(tmp))
     os.replace(tmp, path)
@@ -162,8 +192,11 @@ def sample_documents(corpora: list, weights: list[float], budget: int, val_fract
     total_weight = sum(weights)
     for corpus, weight in zip(corpora, weights):
         share = budget * weight / total_weight
-        limits = None if corpus.total_bytes <= share else [
-            max(1, int(share * f.size / max(corpus.total_bytes, 1))) for f in corpus.files]
+        limits = (
+            None
+            if corpus.total_bytes <= share
+            else [max(1, int(share * f.size / max(corpus.total_bytes, 1))) for f in corpus.files]
+        )
         for unit in read_units(corpus, limit_bytes=limits):
             for doc in unit_documents(unit, corpus.text_field):
                 digest = unit.digest or hashlib.sha256(doc.encode("utf-8")).digest()
@@ -175,8 +208,9 @@ def sample_documents(corpora: list, weights: list[float], budget: int, val_fract
 # Streaming: read units, tokenize them in the workers, write shards, commit the journal
 
 
-def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key: str, vocab_size: int,
-            progress: bool) -> dict:
+def _stream(
+    work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key: str, vocab_size: int, progress: bool
+) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
     from multiprocessing import get_context
@@ -191,9 +225,12 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
     if "megatron" in settings["formats"]:
         preload_megatron()
     journal = _load_journal(work, key, writers)
-    state = journal or {"position": [0, 0, 1], "chain": hashlib.sha256(json.dumps(settings, sort_keys=True)
-                                                                         .encode()).hexdigest(),
-                        "generation": 0, "commits": 0}
+    state = journal or {
+        "position": [0, 0, 1],
+        "chain": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(),
+        "generation": 0,
+        "commits": 0,
+    }
     resumed_at = state["position"] if journal else None
     chain = bytes.fromhex(state["chain"])
     workers = data.workers or len(os.sched_getaffinity(0))
@@ -207,14 +244,20 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
         for n, digest, ends in zip(encoded.lengths, encoded.digests, encoded.ends):
             digest = digest or unit.digest
             split = "val" if digest is not None and is_val(digest, data.val_fraction) else "train"
-            finished_since_commit += writers[split].add(encoded.tokens[offset:offset + n], ends_document=ends)
+            finished_since_commit += writers[split].add(
+                encoded.tokens[offset : offset + n], ends_document=ends
+            )
             offset += n
             if ends:
                 chain = hashlib.sha256(chain + digest).digest()
         counts["bytes"] += len(unit.payload) if isinstance(unit.payload, bytes) else unit.payload.nbytes
         counts["tokens"] += len(encoded.tokens)
         counts["documents"] += sum(encoded.ends)
-        state["position"] = [unit.file, unit.end, unit.line + (unit.payload.count(b"\n") if unit.kind == "jsonl" else 0)]
+        state["position"] = [
+            unit.file,
+            unit.end,
+            unit.line + (unit.payload.count(b"\n") if unit.kind == "jsonl" else 0),
+        ]
 
     def commit() -> None:
         nonlocal last_commit, finished_since_commit
@@ -229,17 +272,26 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
     tokenizer_path = str(work / bpe.TOKENIZER_FILE)
     rerun_mark = work / "worker-rerun-script"
     rerun_mark.unlink(missing_ok=True)
-    with _progress(progress, corpus) as show, _environ(RERUN_MARK_ENV, f"{os.getpid()}:{rerun_mark}"), ProcessPoolExecutor(
-            workers, mp_context=get_context("spawn"), initializer=init_worker,
-            initargs=(os.getpid(), tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name)) as pool:
+    with (
+        _progress(progress, corpus) as show,
+        _environ(RERUN_MARK_ENV, f"{os.getpid()}:{rerun_mark}"),
+        ProcessPoolExecutor(
+            workers,
+            mp_context=get_context("spawn"),
+            initializer=init_worker,
+            initargs=(os.getpid(), tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name),
+        ) as pool,
+    ):
         inflight: deque = deque()
         file, offset, line = state["position"]
 
         def worker_died(unit) -> DataError:
             if rerun_mark.exists():
                 return _script_rerun_error()
-            return DataError(f"a tokenizer worker died (killed, or out of memory?) while encoding "
-                             f"{unit.label} at offset {unit.start}")
+            return DataError(
+                f"a tokenizer worker died (killed, or out of memory?) while encoding "
+                f"{unit.label} at offset {unit.start}"
+            )
 
         def drain_one() -> None:
             unit, future = inflight.popleft()
@@ -248,8 +300,10 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
             except BrokenProcessPool:
                 raise worker_died(unit) from None
             except TimeoutError:
-                raise DataError(f"a tokenizer worker took over {RESULT_TIMEOUT_S:.0f}s on {unit.label} "
-                                f"at offset {unit.start}") from None
+                raise DataError(
+                    f"a tokenizer worker took over {RESULT_TIMEOUT_S:.0f}s on {unit.label} "
+                    f"at offset {unit.start}"
+                ) from None
             show(unit, counts, time.monotonic() - started)
             if finished_since_commit and (kill_after or time.monotonic() - last_commit >= COMMIT_EVERY_S):
                 commit()
@@ -266,8 +320,10 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
 
     shards = [entry for s in SPLITS for entry in writers[s].close()]
     if not any(w.num_documents for w in writers.values()):
-        raise DataError(f"empty corpus: {corpus.source} has no non-empty documents "
-                        f"(read {len(corpus.files)} file(s): {', '.join(f.rel for f in corpus.files[:5])})")
+        raise DataError(
+            f"empty corpus: {corpus.source} has no non-empty documents "
+            f"(read {len(corpus.files)} file(s): {', '.join(f.rel for f in corpus.files[:5])})"
+        )
     seconds = time.monotonic() - started
     return {
         "version": FORMAT_VERSION,
@@ -282,10 +338,18 @@ def _stream(work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key
         "num_tokens": {s: writers[s].num_tokens for s in SPLITS},
         "num_documents": {s: writers[s].num_documents for s in SPLITS},
         "settings": settings,
-        "source": {"source": corpus.source, "text_field": corpus.text_field, "files": len(corpus.files),
-                   "bytes": corpus.total_bytes},
-        "prepared": {"seconds": round(seconds, 3), "workers": workers, "resumed_at": resumed_at,
-                     "tokens_read_now": counts["tokens"]},
+        "source": {
+            "source": corpus.source,
+            "text_field": corpus.text_field,
+            "files": len(corpus.files),
+            "bytes": corpus.total_bytes,
+        },
+        "prepared": {
+            "seconds": round(seconds, 3),
+            "workers": workers,
+            "resumed_at": resumed_at,
+            "tokens_read_now": counts["tokens"],
+        },
     }
 
 
@@ -344,8 +408,10 @@ def _locked(cache_dir: Path, name: str, progress: bool):
                 if change != last_change:
                     last_change, waited_since = change, time.monotonic()
                 elif time.monotonic() - waited_since > LOCK_STALL_S:
-                    raise DataError(f"another preparation of this dataset ({work}) has made no progress for "
-                                    f"{LOCK_STALL_S:.0f}s; stop it (or delete {locks / name}) and retry") from None
+                    raise DataError(
+                        f"another preparation of this dataset ({work}) has made no progress for "
+                        f"{LOCK_STALL_S:.0f}s; stop it (or delete {locks / name}) and retry"
+                    ) from None
                 if progress and not told:
                     print(f"prepare: waiting for another process preparing {work}", file=sys.stderr)
                     told = True
@@ -379,14 +445,18 @@ def _progress(enabled: bool, corpus):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True)) as bar:
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=Console(stderr=True)
+    ) as bar:
         task = bar.add_task("tokenizing", total=len(corpus.files))
 
         def show(unit, counts, seconds) -> None:
             mb_s = counts["bytes"] / 1e6 / max(seconds, 1e-9)
-            bar.update(task, completed=unit.file + (unit.end >= corpus.files[unit.file].size),
-                       description=f"tokenizing: {counts['documents']:,} docs, {counts['tokens']:,} tokens, "
-                                   f"{mb_s:.1f} MB/s")
+            bar.update(
+                task,
+                completed=unit.file + (unit.end >= corpus.files[unit.file].size),
+                description=f"tokenizing: {counts['documents']:,} docs, {counts['tokens']:,} tokens, "
+                f"{mb_s:.1f} MB/s",
+            )
 
         yield show

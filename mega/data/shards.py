@@ -41,8 +41,13 @@ class SplitWriter:
     """
 
     def __init__(self, out_dir: Path, split: str, shard_tokens: int, dtype: type, formats: tuple[str, ...]):
-        self.out_dir, self.split, self.shard_tokens, self.dtype, self.formats = \
-            out_dir, split, shard_tokens, dtype, formats
+        self.out_dir, self.split, self.shard_tokens, self.dtype, self.formats = (
+            out_dir,
+            split,
+            shard_tokens,
+            dtype,
+            formats,
+        )
         self.pending: list[np.ndarray] = []
         self.pending_tokens = 0
         self.ends: list[int] = []  # document ends inside the pending tokens (offsets)
@@ -141,11 +146,14 @@ def write_megatron(out_dir: Path, stem: str, tokens: np.ndarray, lengths: list[i
     builder = IndexedDatasetBuilder(str(tmp_bin), dtype=tokens.dtype.type)
     offset = 0
     for length in lengths:
-        builder.add_document(tokens[offset:offset + length], [length])
+        builder.add_document(tokens[offset : offset + length], [length])
         offset += length
     builder.finalize(str(tmp_idx))
-    return {"prefix": stem, "bin_sha256": _publish(tmp_bin, out_dir / f"{stem}.bin"),
-            "idx_sha256": _publish(tmp_idx, out_dir / f"{stem}.idx")}
+    return {
+        "prefix": stem,
+        "bin_sha256": _publish(tmp_bin, out_dir / f"{stem}.bin"),
+        "idx_sha256": _publish(tmp_idx, out_dir / f"{stem}.idx"),
+    }
 
 
 def read_shard(path: Path, dtype: str | None = None) -> np.ndarray:
@@ -157,8 +165,9 @@ def read_shard(path: Path, dtype: str | None = None) -> np.ndarray:
         batch = pa.ipc.open_file(pa.memory_map(str(path), "r")).get_batch(0)
         return batch.column("tokens").to_numpy(zero_copy_only=True)
     except (pa.ArrowException, OSError, KeyError, ValueError) as err:
-        raise DataError(f"{path}: not a readable token shard ({err}); delete its directory and "
-                        "run prepare_dataset again") from None
+        raise DataError(
+            f"{path}: not a readable token shard ({err}); delete its directory and run prepare_dataset again"
+        ) from None
 
 
 def read_index(index_path: str | Path) -> dict:
@@ -168,8 +177,10 @@ def read_index(index_path: str | Path) -> dict:
     except (OSError, json.JSONDecodeError) as err:
         raise DataError(f"{path}: not a readable dataset index ({err}); run prepare_dataset") from None
     if index.get("version") != FORMAT_VERSION:
-        raise DataError(f"{path}: dataset format version {index.get('version')}, this mega reads "
-                        f"{FORMAT_VERSION}; run prepare_dataset again")
+        raise DataError(
+            f"{path}: dataset format version {index.get('version')}, this mega reads "
+            f"{FORMAT_VERSION}; run prepare_dataset again"
+        )
     return index
 
 

@@ -55,18 +55,27 @@ def run_splitter(max_run: int) -> pre_tokenizers.Split:
 def settings(vocab_size: int, max_run: int, sample_mb: int) -> dict:
     """Everything that decides the trained tokenizer besides the documents (part of the cache key).
     The library version is included because its training algorithm decides the merges."""
-    return {"kind": "byte_level_bpe", "vocab_size": vocab_size, "min_frequency": MIN_FREQUENCY,
-            "special_tokens": [EOS_TOKEN], "max_run": max_run, "sample_mb": sample_mb,
-            "tokenizers": tokenizers.__version__}
+    return {
+        "kind": "byte_level_bpe",
+        "vocab_size": vocab_size,
+        "min_frequency": MIN_FREQUENCY,
+        "special_tokens": [EOS_TOKEN],
+        "max_run": max_run,
+        "sample_mb": sample_mb,
+        "tokenizers": tokenizers.__version__,
+    }
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int, max_run: int) -> Tokenizer:
     if vocab_size < MIN_VOCAB_SIZE:
-        raise DataError(f"vocab_size {vocab_size} is too small: a byte-level BPE needs at least "
-                        f"{MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN})")
+        raise DataError(
+            f"vocab_size {vocab_size} is too small: a byte-level BPE needs at least "
+            f"{MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN})"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [run_splitter(max_run), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        [run_splitter(max_run), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -90,12 +99,17 @@ def load_pretrained(path: str | Path, max_run: int, eos_token: str) -> Tokenizer
     except Exception as err:  # the library raises plain Exceptions for malformed files
         raise DataError(f"{path}: not a HF tokenizers tokenizer.json ({err})") from None
     if tokenizer.token_to_id(eos_token) is None:
-        raise DataError(f"{path}: has no token {eos_token!r} to end documents with; set data.eos_token "
-                        "to its end-of-text token (e.g. '</s>', '<|end_of_text|>')")
+        raise DataError(
+            f"{path}: has no token {eos_token!r} to end documents with; set data.eos_token "
+            "to its end-of-text token (e.g. '</s>', '<|end_of_text|>')"
+        )
     if not _has_run_splitter(json.loads(tokenizer.to_str()).get("pre_tokenizer")):
         current = tokenizer.pre_tokenizer
-        tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([run_splitter(max_run), current])
-                                   if current is not None else run_splitter(max_run))
+        tokenizer.pre_tokenizer = (
+            pre_tokenizers.Sequence([run_splitter(max_run), current])
+            if current is not None
+            else run_splitter(max_run)
+        )
     return tokenizer
 
 
@@ -156,8 +170,10 @@ class Encoder:
         many each document has (its ``eos`` included)."""
         tail = b"" if eos is None else np.uint32(eos).tobytes()
         if not self.chunked:
-            pieces = [np.asarray(e.ids, dtype=np.uint32).tobytes() + tail
-                      for e in self.tokenizer.encode_batch_fast(documents, add_special_tokens=False)]
+            pieces = [
+                np.asarray(e.ids, dtype=np.uint32).tobytes() + tail
+                for e in self.tokenizer.encode_batch_fast(documents, add_special_tokens=False)
+            ]
         else:
             if self.memo_bytes > self.max_bytes:
                 self._ids.clear()
@@ -191,10 +207,14 @@ def chunkable(spec: dict) -> bool:
     model = spec.get("model") or {}
     return (
         spec.get("normalizer") is None
-        and len(steps) == 1 and steps[0].get("type") == "ByteLevel"
-        and not steps[0].get("add_prefix_space") and steps[0].get("use_regex", True)
-        and model.get("type") == "BPE" and model.get("dropout") is None
-        and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix")
+        and len(steps) == 1
+        and steps[0].get("type") == "ByteLevel"
+        and not steps[0].get("add_prefix_space")
+        and steps[0].get("use_regex", True)
+        and model.get("type") == "BPE"
+        and model.get("dropout") is None
+        and not model.get("continuing_subword_prefix")
+        and not model.get("end_of_word_suffix")
         # an added token holding whitespace could span a chunk boundary
         and not any(re.search(f"[{_WS}]", t.get("content", "")) for t in spec.get("added_tokens", []))
     )

@@ -16,11 +16,32 @@ from pathlib import Path
 
 from mega.goodput.marks import DIR
 
-CATEGORIES = ("productive", "lost_work", "queue_wait", "startup", "group_creation", "restore", "warmup",
-              "checkpoint_stall", "validation", "fault_detection", "teardown", "selfcheck", "data_wait",
-              "idle", "reporting", "unattributed")
-FLOW_TASKS = {"prepare-data": "data_wait", "node-selfcheck": "selfcheck", "verify-store": "selfcheck",
-              "time-process-groups": "group_creation", "report": "reporting", "observability": "reporting"}
+CATEGORIES = (
+    "productive",
+    "lost_work",
+    "queue_wait",
+    "startup",
+    "group_creation",
+    "restore",
+    "warmup",
+    "checkpoint_stall",
+    "validation",
+    "fault_detection",
+    "teardown",
+    "selfcheck",
+    "data_wait",
+    "idle",
+    "reporting",
+    "unattributed",
+)
+FLOW_TASKS = {
+    "prepare-data": "data_wait",
+    "node-selfcheck": "selfcheck",
+    "verify-store": "selfcheck",
+    "time-process-groups": "group_creation",
+    "report": "reporting",
+    "observability": "reporting",
+}
 GOODPUT_FILE = "goodput.json"
 
 
@@ -51,8 +72,12 @@ def read_marks(run_dir: str | Path) -> dict:
     for f in sorted((run_dir / DIR).glob("attempt-*/rank-*.jsonl")):
         a, r = int(f.parent.name.split("-")[1]), int(f.stem.split("-")[1])
         ranks.setdefault(a, {})[r] = _read(f)
-    return {"flow": _read(run_dir / DIR / "flow.jsonl"), "driver": _read(run_dir / DIR / "driver.jsonl"),
-            "ranks": ranks, "faults": _read(run_dir / "faults.jsonl")}
+    return {
+        "flow": _read(run_dir / DIR / "flow.jsonl"),
+        "driver": _read(run_dir / DIR / "driver.jsonl"),
+        "ranks": ranks,
+        "faults": _read(run_dir / "faults.jsonl"),
+    }
 
 
 def _attempts(driver: list[dict]) -> list[dict]:
@@ -62,8 +87,12 @@ def _attempts(driver: list[dict]) -> list[dict]:
         if e["event"] == "launch":
             out[e["attempt"]] = {"attempt": e["attempt"], "launch": e["t"]}
         elif e["event"] == "stopped" and e["attempt"] in out:
-            out[e["attempt"]].update(stopped=e["t"], verdict=e["t"] - e.get("stop_s", 0.0), ok=e.get("ok", False),
-                                     reason=e.get("reason", ""))
+            out[e["attempt"]].update(
+                stopped=e["t"],
+                verdict=e["t"] - e.get("stop_s", 0.0),
+                ok=e.get("ok", False),
+                reason=e.get("reason", ""),
+            )
     return [out[a] for a in sorted(out)]
 
 
@@ -110,10 +139,15 @@ def _driver_intervals(driver: list[dict], attempts: list[dict]) -> list[Interval
         first = min((a["launch"] for a in attempts if a["launch"] >= t0), default=t1)
         out.append(Interval(t0, first, "queue_wait", 2, "launcher: stores, Redis, nodes"))
     for i, a in enumerate(attempts):
-        nxt = attempts[i + 1]["launch"] if i + 1 < len(attempts) else min(
-            (t for t in ends if t >= a["launch"]), default=a.get("stopped", a["launch"]))
+        nxt = (
+            attempts[i + 1]["launch"]
+            if i + 1 < len(attempts)
+            else min((t for t in ends if t >= a["launch"]), default=a.get("stopped", a["launch"]))
+        )
         stopped = a.get("stopped", nxt)
-        out.append(Interval(a["launch"], stopped, "unattributed", 2, f"attempt {a['attempt']}: no rank records"))
+        out.append(
+            Interval(a["launch"], stopped, "unattributed", 2, f"attempt {a['attempt']}: no rank records")
+        )
         if "verdict" in a:
             out.append(Interval(a["verdict"], stopped, "teardown", 3, "verdict -> every process gone"))
         out.append(Interval(stopped, nxt, "teardown", 2, "driver: after the attempt"))
@@ -132,15 +166,16 @@ def _reference_rank(by_rank: dict[int, list[dict]]) -> list[dict]:
 
 
 def _median_step_s(marks: dict) -> float:
-    firsts, rest = set(), []
-    for a, by_rank in marks["ranks"].items():
+    rest = []
+    for by_rank in marks["ranks"].values():
         steps = [x for x in _reference_rank(by_rank) if x["event"] == "step"] if by_rank else []
         rest += [x["t1"] - x["t0"] for x in steps[1:] if not x["skipped"]]
     return statistics.median(rest) if rest else 0.0
 
 
-def _rank_intervals(a: dict, rows: list[dict], survivors: dict[int, int], fault_t: float | None,
-                    median_s: float) -> tuple[list[Interval], list[int]]:
+def _rank_intervals(
+    a: dict, rows: list[dict], survivors: dict[int, int], fault_t: float | None, median_s: float
+) -> tuple[list[Interval], list[int]]:
     """The attempt's timeline from its reference rank; returns the intervals and its lost steps."""
     n, out, lost = a["attempt"], [], []
     header = next((x for x in rows if x["event"] == "header"), {})
@@ -152,12 +187,26 @@ def _rank_intervals(a: dict, rows: list[dict], survivors: dict[int, int], fault_
     ends = [x.get("t1", 0.0) for x in rows if x["event"] != "header"] + [header.get("main_t") or 0.0]
     last = max(ends) if ends else born
     loop_start = steps[0]["t0"] if steps else last
-    out.append(Interval(min(born, a["launch"]) if born < a["launch"] else born, loop_start, "startup", 3,
-                        f"attempt {n}: start-up"))
+    out.append(
+        Interval(
+            min(born, a["launch"]) if born < a["launch"] else born,
+            loop_start,
+            "startup",
+            3,
+            f"attempt {n}: start-up",
+        )
+    )
     for p in phases:
-        cat = {"checkpoint": "checkpoint_stall", "validation": "validation", "restore": "restore",
-               "group_creation": "group_creation", "close": "teardown"}.get(p["event"], "unattributed")
-        out.append(Interval(p["t0"], p["t1"], cat, 5 if cat != "teardown" else 4, f"attempt {n}: {p['event']}"))
+        cat = {
+            "checkpoint": "checkpoint_stall",
+            "validation": "validation",
+            "restore": "restore",
+            "group_creation": "group_creation",
+            "close": "teardown",
+        }.get(p["event"], "unattributed")
+        out.append(
+            Interval(p["t0"], p["t1"], cat, 5 if cat != "teardown" else 4, f"attempt {n}: {p['event']}")
+        )
     for i, x in enumerate(steps):
         survives = survivors.get(x["step"]) == n and not x["skipped"]
         if not survives:
@@ -170,15 +219,31 @@ def _rank_intervals(a: dict, rows: list[dict], survivors: dict[int, int], fault_
         elif survives and x.get("data_s"):
             out.append(Interval(x["t0"], x["t0"] + x["data_s"], "data_wait", 6, f"attempt {n}: data"))
     if steps:  # after the loop: the tail of the last step until the close, or a fault
-        out.append(Interval(steps[-1]["t1"], last, "productive" if survivors.get(steps[-1]["step"]) == n
-                            and not steps[-1]["skipped"] else "lost_work", 4, f"attempt {n}: after the last step"))
+        out.append(
+            Interval(
+                steps[-1]["t1"],
+                last,
+                "productive"
+                if survivors.get(steps[-1]["step"]) == n and not steps[-1]["skipped"]
+                else "lost_work",
+                4,
+                f"attempt {n}: after the last step",
+            )
+        )
     if a.get("ok"):
         out.append(Interval(last, a.get("verdict", last), "teardown", 4, f"attempt {n}: ranks exit"))
     elif "verdict" in a:
         hit = max(last, fault_t) if fault_t is not None else last
         if fault_t is not None and fault_t > last:  # a step in flight, or start-up not yet done
-            out.append(Interval(last, fault_t, "lost_work" if steps else "startup", 4,
-                                f"attempt {n}: {'step in flight' if steps else 'start-up'} at the fault"))
+            out.append(
+                Interval(
+                    last,
+                    fault_t,
+                    "lost_work" if steps else "startup",
+                    4,
+                    f"attempt {n}: {'step in flight' if steps else 'start-up'} at the fault",
+                )
+            )
         out.append(Interval(hit, a["verdict"], "fault_detection", 4, f"attempt {n}: fault -> verdict"))
     return out, lost
 
@@ -219,23 +284,32 @@ def build(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     marks = read_marks(run_dir)
     if not marks["driver"] and not marks["flow"]:
-        raise FileNotFoundError(f"{run_dir}/{DIR}: no driver or flow marks (was the run launched by mega.launch?)")
+        raise FileNotFoundError(
+            f"{run_dir}/{DIR}: no driver or flow marks (was the run launched by mega.launch?)"
+        )
     attempts = _attempts(marks["driver"])
     survivors = _surviving(marks)
     median_s = _median_step_s(marks)
     intervals = _flow_intervals(marks["flow"], marks["driver"]) + _driver_intervals(marks["driver"], attempts)
     lost_steps = []
     everyone = {r for by_rank in marks["ranks"].values() for r in by_rank}
-    missing_ranks = {a["attempt"]: sorted(everyone - set(marks["ranks"].get(a["attempt"], {})))
-                     for a in attempts if everyone - set(marks["ranks"].get(a["attempt"], {}))}
+    missing_ranks = {
+        a["attempt"]: sorted(everyone - set(marks["ranks"].get(a["attempt"], {})))
+        for a in attempts
+        if everyone - set(marks["ranks"].get(a["attempt"], {}))
+    }
     for a in attempts:
         by_rank = marks["ranks"].get(a["attempt"], {})
         if not by_rank:
             continue
-        faults = [f["time"] for f in marks["faults"]  # the last fault before the verdict ended the attempt
-                  if f.get("attempt") == a["attempt"] and f["time"] <= a.get("verdict", f["time"])]
-        ivs, lost = _rank_intervals(a, _reference_rank(by_rank), survivors, max(faults) if faults else None,
-                                    median_s)
+        faults = [
+            f["time"]
+            for f in marks["faults"]  # the last fault before the verdict ended the attempt
+            if f.get("attempt") == a["attempt"] and f["time"] <= a.get("verdict", f["time"])
+        ]
+        ivs, lost = _rank_intervals(
+            a, _reference_rank(by_rank), survivors, max(faults) if faults else None, median_s
+        )
         intervals += ivs
         lost_steps += [{"attempt": a["attempt"], "step": s} for s in lost]
     times = [t for i in intervals for t in (i.t0, i.t1)]
@@ -247,12 +321,19 @@ def build(run_dir: str | Path) -> dict:
     wall = t1 - t0
     from mega.goodput.samples import sample_ledger
 
-    step_rows = [{**r, "attempt": a} for a, by_rank in marks["ranks"].items()
-                 for rows in by_rank.values() for r in rows if r["event"] == "step"]
+    step_rows = [
+        {**r, "attempt": a}
+        for a, by_rank in marks["ranks"].items()
+        for rows in by_rank.values()
+        for r in rows
+        if r["event"] == "step"
+    ]
     target = max((r["step"] for r in step_rows), default=0)
     return {
         "run_dir": str(run_dir),
-        "start": t0, "end": t1, "wall_s": wall,
+        "start": t0,
+        "end": t1,
+        "wall_s": wall,
         "ettr": totals["productive"] / wall if wall > 0 else 0.0,
         "ledger_s": totals,
         "unattributed_s": totals["unattributed"],
@@ -262,11 +343,19 @@ def build(run_dir: str | Path) -> dict:
         "lost_steps": lost_steps,
         "lost_s_by_attempt": lost_by_attempt,
         "missing_rank_files": missing_ranks,
-        "clock": sorted({e.get("clock", "host") for e in marks["driver"]} |
-                        {r.get("clock", "host") for by_rank in marks["ranks"].values()
-                         for rows in by_rank.values() for r in rows[:1]}),
-        "faults": [{"kind": f["kind"], "attempt": f.get("attempt"), "step": f.get("step"), "at": f["time"]}
-                   for f in marks["faults"]],
+        "clock": sorted(
+            {e.get("clock", "host") for e in marks["driver"]}
+            | {
+                r.get("clock", "host")
+                for by_rank in marks["ranks"].values()
+                for rows in by_rank.values()
+                for r in rows[:1]
+            }
+        ),
+        "faults": [
+            {"kind": f["kind"], "attempt": f.get("attempt"), "step": f.get("step"), "at": f["time"]}
+            for f in marks["faults"]
+        ],
         "samples": sample_ledger(step_rows, target),
         "timeline": [[round(a - t0, 4), round(b - t0, 4), c] for a, b, c in timeline],
     }

@@ -45,8 +45,10 @@ def driver_mark(run_dir: str | Path, event: str, env: dict[str, str] | None = No
     """One driver event (``start``, ``launch``, ``verdict``, ``stopped``, ``diagnose``, ``backoff``,
     ``end``) at now on the one clock."""
     c = driver_clock(env) if env else (_DRIVER_CLOCK or {"offset_s": 0.0, "clock": "host"})
-    _append(Path(run_dir) / DIR / "driver.jsonl",
-            {"event": event, "t": time.time() + c["offset_s"], "clock": c["clock"], **fields})
+    _append(
+        Path(run_dir) / DIR / "driver.jsonl",
+        {"event": event, "t": time.time() + c["offset_s"], "clock": c["clock"], **fields},
+    )
 
 
 class FlowMarks:
@@ -79,8 +81,14 @@ class RankMarks:
         self.path = Path(run_dir) / DIR / f"attempt-{attempt}" / f"rank-{rank}.jsonl"
         self.path.unlink(missing_ok=True)
         self.clock = clock.from_env()
-        header = {"event": "header", "rank": rank, "attempt": attempt, "pid": os.getpid(), **self.clock,
-                  **_process_starts()}
+        header = {
+            "event": "header",
+            "rank": rank,
+            "attempt": attempt,
+            "pid": os.getpid(),
+            **self.clock,
+            **_process_starts(),
+        }
         header["main_t"] = main_t
         self._write(header, shift=("created_t", "agent_created_t", "main_t"))
 
@@ -103,11 +111,21 @@ class RankMarks:
         finally:
             self.phase(name, t0, **fields)
 
-    def step(self, step: int, t0: float, t1: float, skipped: bool, data_s: float | None,
-             samples: dict | None) -> None:
+    def step(
+        self, step: int, t0: float, t1: float, skipped: bool, data_s: float | None, samples: dict | None
+    ) -> None:
         """A finished step (1-based ``step``), its data wait, and the samples this rank consumed."""
-        self._write({"event": "step", "step": step, "t0": t0, "t1": t1, "skipped": skipped,
-                     "data_s": data_s, **({"samples": samples} if samples else {})})
+        self._write(
+            {
+                "event": "step",
+                "step": step,
+                "t0": t0,
+                "t1": t1,
+                "skipped": skipped,
+                "data_s": data_s,
+                **({"samples": samples} if samples else {}),
+            }
+        )
 
 
 def _process_starts() -> dict:

@@ -7,12 +7,34 @@ from pathlib import Path
 
 from mega.goodput.ledger import CATEGORIES
 
-COLORS = dict(zip(CATEGORIES, ["tab:green", "tab:red", "lightgrey", "tab:orange", "gold", "tab:purple",
-                               "peru", "tab:blue", "tab:cyan", "crimson", "tab:brown", "tab:pink",
-                               "olive", "whitesmoke", "silver", "black"]))
+COLORS = dict(
+    zip(
+        CATEGORIES,
+        [
+            "tab:green",
+            "tab:red",
+            "lightgrey",
+            "tab:orange",
+            "gold",
+            "tab:purple",
+            "peru",
+            "tab:blue",
+            "tab:cyan",
+            "crimson",
+            "tab:brown",
+            "tab:pink",
+            "olive",
+            "whitesmoke",
+            "silver",
+            "black",
+        ],
+    )
+)
 
 
-def plot(led: dict, png_path: str | Path, title: str = "goodput", steps: list[tuple[float, int]] | None = None) -> Path:
+def plot(
+    led: dict, png_path: str | Path, title: str = "goodput", steps: list[tuple[float, int]] | None = None
+) -> Path:
     """``steps``: (seconds since the start, surviving step) points to draw over the timeline."""
     import matplotlib
 
@@ -26,9 +48,16 @@ def plot(led: dict, png_path: str | Path, title: str = "goodput", steps: list[tu
         for t0, t1, cat in led["timeline"]:
             top.broken_barh([(t0, t1 - t0)], (0, 1), color=COLORS[cat], lw=0)
         for i, f in enumerate(led["faults"]):
-            top.axvline(f["at"] - led["start"], color="black", ls="--", lw=1, label="fault" if i == 0 else None)
-        top.set(xlim=(0, led["wall_s"]), ylim=(0, 1), yticks=[], xlabel="seconds since the start",
-                title=f"{title}: ETTR {led['ettr']:.3f} over {led['wall_s']:.0f} s")
+            top.axvline(
+                f["at"] - led["start"], color="black", ls="--", lw=1, label="fault" if i == 0 else None
+            )
+        top.set(
+            xlim=(0, led["wall_s"]),
+            ylim=(0, 1),
+            yticks=[],
+            xlabel="seconds since the start",
+            title=f"{title}: ETTR {led['ettr']:.3f} over {led['wall_s']:.0f} s",
+        )
         if steps:
             ax = top.twinx()
             ax.plot([t for t, _ in steps], [s for _, s in steps], color="black", lw=1, marker=".", ms=2)

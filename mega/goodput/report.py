@@ -13,7 +13,9 @@ from mega.goodput import ledger, plot
 def steps_over_time(run_dir: Path, start: float) -> list[tuple[float, int]]:
     """(seconds since the start, step) of every logged step, replays included (metrics.jsonl)."""
     path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    )
     return [(r["time"] - start, r["step"]) for r in rows if "time" in r]
 
 
@@ -38,17 +40,24 @@ def build(run_dir: str | Path, title: str = "goodput", tensorboard: bool = True)
 
 def table(led: dict) -> list[dict]:
     wall = led["wall_s"] or 1.0
-    return [{"category": c, "seconds": round(s, 3), "percent": round(100 * s / wall, 3)}
-            for c, s in led["ledger_s"].items() if s > 0 or c in ("productive", "unattributed")]
+    return [
+        {"category": c, "seconds": round(s, 3), "percent": round(100 * s / wall, 3)}
+        for c, s in led["ledger_s"].items()
+        if s > 0 or c in ("productive", "unattributed")
+    ]
 
 
 def markdown(led: dict, png: str | Path, title: str) -> str:
     image = base64.b64encode(Path(png).read_bytes()).decode()
     rows = "\n".join(f"| {r['category']} | {r['seconds']:.2f} | {r['percent']:.2f} |" for r in table(led))
     parts = "".join(f"\n- unattributed: {k}: {v:.2f} s" for k, v in led["unattributed_parts"].items())
-    faults = "".join(f"\n- {f['kind']} (attempt {f['attempt']}, step {f['step']}) at "
-                     f"{f['at'] - led['start']:.1f} s" for f in led["faults"])
-    return (f"# {title}\n\nETTR **{led['ettr']:.4f}** (productive / wall clock) over {led['wall_s']:.1f} s, "
-            f"{len(led['attempts'])} attempt(s); samples exact: {led['samples']['exact']}\n\n"
-            f"![ledger](data:image/png;base64,{image})\n\n| category | seconds | % |\n|---|---|---|\n{rows}\n"
-            f"{parts}{faults}\n")
+    faults = "".join(
+        f"\n- {f['kind']} (attempt {f['attempt']}, step {f['step']}) at {f['at'] - led['start']:.1f} s"
+        for f in led["faults"]
+    )
+    return (
+        f"# {title}\n\nETTR **{led['ettr']:.4f}** (productive / wall clock) over {led['wall_s']:.1f} s, "
+        f"{len(led['attempts'])} attempt(s); samples exact: {led['samples']['exact']}\n\n"
+        f"![ledger](data:image/png;base64,{image})\n\n| category | seconds | % |\n|---|---|---|\n{rows}\n"
+        f"{parts}{faults}\n"
+    )

@@ -56,10 +56,13 @@ def sample_ledger(step_rows: list[dict], target_steps: int) -> dict:
             skipped.setdefault(r["step"], []).extend(_positions(s))
         else:
             trained.update(_positions(s))
-    incomplete = sorted(s for s in range(1, target_steps + 1)
-                        if s not in dp_seen or len(dp_seen[s]) != dp_size.get(s))
-    per_step = {s: dp_size[s] * next(r["samples"]["count"] for r in step_rows
-                                     if r["step"] == s and r.get("samples")) for s in dp_size}
+    incomplete = sorted(
+        s for s in range(1, target_steps + 1) if s not in dp_seen or len(dp_seen[s]) != dp_size.get(s)
+    )
+    per_step = {
+        s: dp_size[s] * next(r["samples"]["count"] for r in step_rows if r["step"] == s and r.get("samples"))
+        for s in dp_size
+    }
     expected = Counter()
     for s in range(1, target_steps + 1):
         if s in per_step and s not in skipped:

@@ -37,7 +37,9 @@ class JobSpec:
     module: str  # python -m target of every rank, e.g. "mega.train"
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every rank
-    log_dir: Path = Path(".")  # node k's agent log: log_dir/nodes/<k>/<name>.log (one local node: log_dir/<name>.log)
+    log_dir: Path = Path(
+        "."
+    )  # node k's agent log: log_dir/nodes/<k>/<name>.log (one local node: log_dir/<name>.log)
     name: str = "job"  # e.g. "train-attempt3"
 
     def log_path(self, node: int | str, nodes: int) -> Path:
@@ -63,8 +65,15 @@ class Backend(Protocol):
         """Release what the backend holds (namespaces, bridges, allocations); stops a running job."""
 
 
-def agent_argv(cfg: "MegaConfig", node_rank: int | str, master_addr: str, master_port: int | str, job: JobSpec,
-               python: str = sys.executable, warm: bool = False) -> list[str]:
+def agent_argv(
+    cfg: MegaConfig,
+    node_rank: int | str,
+    master_addr: str,
+    master_port: int | str,
+    job: JobSpec,
+    python: str = sys.executable,
+    warm: bool = False,
+) -> list[str]:
     """The torchrun command line of node ``node_rank``'s agent.
 
     One node under ``launcher=local`` keeps ``--standalone`` (torchrun picks its own port);
@@ -79,13 +88,23 @@ def agent_argv(cfg: "MegaConfig", node_rank: int | str, master_addr: str, master
     if c.nodes == 1 and cfg.launcher.name == "local":
         argv += ["--standalone", "--nnodes=1"]
     else:
-        argv += [f"--nnodes={c.nodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
-                 f"--master-port={master_port}", f"--rdzv-conf=timeout={int(c.pg_timeout_s)}"]
-    return argv + [f"--nproc-per-node={c.procs_per_node}", "--max-restarts=0", *(client or ["-m"]), job.module,
-                   *job.args]
+        argv += [
+            f"--nnodes={c.nodes}",
+            f"--node-rank={node_rank}",
+            f"--master-addr={master_addr}",
+            f"--master-port={master_port}",
+            f"--rdzv-conf=timeout={int(c.pg_timeout_s)}",
+        ]
+    return argv + [
+        f"--nproc-per-node={c.procs_per_node}",
+        "--max-restarts=0",
+        *(client or ["-m"]),
+        job.module,
+        *job.args,
+    ]
 
 
-def backend_for(cfg: "MegaConfig", run_dir: str | Path) -> Backend:
+def backend_for(cfg: MegaConfig, run_dir: str | Path) -> Backend:
     """The backend of ``launcher.name``; ``run_dir`` is where it may keep files of its own."""
     name = cfg.launcher.name
     if name in ("local", "local-nodes"):
@@ -99,9 +118,12 @@ def backend_for(cfg: "MegaConfig", run_dir: str | Path) -> Backend:
     if name == "kubernetes":
         from mega.config import ConfigError
 
-        raise ConfigError("launcher.name", "launcher=kubernetes is not driven from this process: render the "
-                                           "JobSet with `python -m mega.launch.kubernetes render` and apply "
-                                           "it; the cluster's controllers restart its pods (docs/cluster.md)")
+        raise ConfigError(
+            "launcher.name",
+            "launcher=kubernetes is not driven from this process: render the "
+            "JobSet with `python -m mega.launch.kubernetes render` and apply "
+            "it; the cluster's controllers restart its pods (docs/cluster.md)",
+        )
     from mega.config import ConfigError
 
     raise ConfigError("launcher.name", f"no launch backend {name!r}")

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from mega import config as mega_config
 from mega.cluster import rendezvous
@@ -51,9 +51,15 @@ class TrainingResult:
         return self.init.get("restore", {}).get("checkpoint")
 
 
-def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] = print, *,
-                 flow_run_id: str | None = None, recovery: bool = False,
-                 on_incident: Callable[[dict], None] | None = None) -> TrainingResult:
+def run_training(
+    cfg: MegaConfig,
+    index_path: Path,
+    log: Callable[[str], None] = print,
+    *,
+    flow_run_id: str | None = None,
+    recovery: bool = False,
+    on_incident: Callable[[dict], None] | None = None,
+) -> TrainingResult:
     """Train to ``train.steps``; when any node's ranks die or hang, restart all from ``latest``.
 
     While it runs, the run's record (``<run_dir>/run.json``, mega.launch.runs) says training, with a
@@ -66,14 +72,24 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
     from mega import validation
 
     entered = time.time()
-    validation.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
+    validation.check_held_out(
+        cfg, index_path
+    )  # a dataset without held-out text fails here, not in every rank
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with runs.track(run_dir, config=run_dir / "config.json", data_index=index_path,
-                    target_steps=cfg.train.steps, flow_run_id=flow_run_id, recovery=recovery) as run, \
-            contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes, \
-            rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env, \
-            heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env:  # docs/stability.md
+    with (
+        runs.track(
+            run_dir,
+            config=run_dir / "config.json",
+            data_index=index_path,
+            target_steps=cfg.train.steps,
+            flow_run_id=flow_run_id,
+            recovery=recovery,
+        ) as run,
+        contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes,
+        rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env,
+        heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env,
+    ):  # docs/stability.md
         if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
             if cancelled := nodes.backend.cancel_run_jobs():
                 log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
@@ -87,9 +103,15 @@ def run_training(cfg: MegaConfig, index_path: Path, log: Callable[[str], None] =
         return result
 
 
-def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str], None], run: runs.RunTracker,
-                         nodes: membership.Nodes, store_env: dict[str, str],
-                         book: incidents_of_attempt.Book) -> TrainingResult:
+def _train_with_restarts(
+    cfg: MegaConfig,
+    index_path: Path,
+    log: Callable[[str], None],
+    run: runs.RunTracker,
+    nodes: membership.Nodes,
+    store_env: dict[str, str],
+    book: incidents_of_attempt.Book,
+) -> TrainingResult:
     from mega.checkpoint import latest_durable
     from mega.storage import StorageError
 
@@ -118,25 +140,34 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         except StorageError as e:
             latest = None
             log(f"attempt {n}: checkpoint store: {e}")
-        log(f"attempt {n}: launching {cfg.parallelism.world_size} ranks{where}"
-            + (f"; `latest` is {latest}" if latest else ""))
+        log(
+            f"attempt {n}: launching {cfg.parallelism.world_size} ranks{where}"
+            + (f"; `latest` is {latest}" if latest else "")
+        )
         init_file = run_dir / "init.json"
         init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
         job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
         watcher = Watcher(cfg, env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
         driver_mark(run_dir, "launch", attempt=n)
         book.begin(n, job, cfg, watcher, lambda cfg=cfg: _durable_step(cfg))
-        outcome = run_job(backend, job, progress_file=run_dir / METRICS_FILE,
-                          stall_timeout_s=c.hang_timeout_s, on_poll=lambda: run.beat() or book.poll() or watcher.poll(),
-                          on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"))
+        outcome = run_job(
+            backend,
+            job,
+            progress_file=run_dir / METRICS_FILE,
+            stall_timeout_s=c.hang_timeout_s,
+            on_poll=lambda: run.beat() or book.poll() or watcher.poll(),
+            on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"),
+        )
         # agents of a dead rank's peers may fail in the same poll: blame the culprit's node
         logs = {k: job.log_path(k, c.nodes) for k in range(c.nodes)}
         outcome = incidents_of_attempt.narrow_to_culprits(outcome, logs)
-        driver_mark(run_dir, "stopped", attempt=n, ok=outcome.ok, reason=outcome.reason, stop_s=outcome.stop_s)
+        driver_mark(
+            run_dir, "stopped", attempt=n, ok=outcome.ok, reason=outcome.reason, stop_s=outcome.stop_s
+        )
         attempts += 1
         try:
             dropped = rendezvous.drop_attempt_keys(store_env, n)
-        except Exception as e:  # noqa: BLE001 - the keys expire anyway (RedisStore's TTL)
+        except Exception as e:
             log(f"attempt {n}: could not drop its store keys ({type(e).__name__}); they expire by TTL")
         else:
             if dropped is not None:
@@ -147,27 +178,43 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             init = {}
         if init.get("restore", {}).get("checkpoint"):
             r = init["restore"]
-            log(f"attempt {n}: resumed from {r['checkpoint']}"
-                + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""))
+            log(
+                f"attempt {n}: resumed from {r['checkpoint']}"
+                + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else "")
+            )
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
         watcher.close(run, final_step, outcome.reason, lambda: _durable_step(cfg))  # incidents/, run.json
-        history.append({"attempt": n, "code": outcome.code, "reason": outcome.reason,
-                        "failed_nodes": outcome.failed_nodes, "final_step": final_step,
-                        "restored": init.get("restore", {}).get("checkpoint"),
-                        "elapsed_s": round(outcome.elapsed_s, 3), "stop_s": round(outcome.stop_s, 3)})
-        if (outcome.ok or _preempted(outcome)) and final_step >= cfg.train.steps:  # a late signal: done anyway
+        history.append(
+            {
+                "attempt": n,
+                "code": outcome.code,
+                "reason": outcome.reason,
+                "failed_nodes": outcome.failed_nodes,
+                "final_step": final_step,
+                "restored": init.get("restore", {}).get("checkpoint"),
+                "elapsed_s": round(outcome.elapsed_s, 3),
+                "stop_s": round(outcome.stop_s, 3),
+            }
+        )
+        if (
+            outcome.ok or _preempted(outcome)
+        ) and final_step >= cfg.train.steps:  # a late signal: done anyway
             book.end(outcome, final_step)
             return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
-        if _preempted(outcome) and final_step < cfg.train.steps:  # Slurm's signal: saved at final_step; resubmit
+        if (
+            _preempted(outcome) and final_step < cfg.train.steps
+        ):  # Slurm's signal: saved at final_step; resubmit
             requeues += 1
             attempts -= 1
             history[-1]["requeued"] = True  # no incident: a scheduled end, not a fault
             runs.write_record(run.record)
             limit = cfg.launcher.slurm.max_requeues
-            log(f"attempt {n}: signalled by Slurm (time limit or preemption); the ranks saved step {final_step}; "
-                f"requeue {requeues} of at most {limit}")
+            log(
+                f"attempt {n}: signalled by Slurm (time limit or preemption); the ranks saved step {final_step}; "
+                f"requeue {requeues} of at most {limit}"
+            )
             if requeues > limit:
                 failed = TrainingFailed(f"requeued {requeues} times (launcher.slurm.max_requeues={limit})")
                 run.finish("failed", final_step, error=str(failed))
@@ -175,9 +222,13 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             first += 1  # the next attempt still gets a number (and a store namespace) of its own
             continue
         if outcome.ok:  # every agent exited 0 short of train.steps: not a success
-            outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
-        log(f"attempt {n}: training {_short(outcome)} at step {final_step}; "
-            f"logs: {_logs(job, c.nodes, outcome)}")
+            outcome = JobOutcome(
+                1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes
+            )
+        log(
+            f"attempt {n}: training {_short(outcome)} at step {final_step}; "
+            f"logs: {_logs(job, c.nodes, outcome)}"
+        )
         diagnosed = None
         lost = _exclude_lost_hosts(nodes, log, n)  # Slurm: hosts it holds down never come back in this run
         if lost:
@@ -185,12 +236,19 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
         if (request := rollback.take(run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
             run.record.skipped_steps.append(request)
             history[-1]["skipped_step"] = request["step"]
-            log(f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
-                "and skipping the step's batch")
+            log(
+                f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
+                "and skipping the step's batch"
+            )
         elif lost:
             pass  # Slurm gives the next attempt other nodes (spares) or fewer (min_nodes): no self-check
-        elif ((suspects := incidents_of_attempt.suspect_nodes(outcome, watcher.incidents))  # failed or hung nodes
-              and membership.diagnosis_enabled(cfg) and attempts <= cfg.checkpoint.max_restarts):
+        elif (
+            (
+                suspects := incidents_of_attempt.suspect_nodes(outcome, watcher.incidents)
+            )  # failed or hung nodes
+            and membership.diagnosis_enabled(cfg)
+            and attempts <= cfg.checkpoint.max_restarts
+        ):
             diagnosed = incidents_of_attempt.Diagnosed.before(nodes, suspects)
             try:
                 t_diagnose = time.time()
@@ -203,8 +261,13 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             run.record.evicted_nodes += evicted
             history[-1]["evicted"] = [e["node"] for e in evicted]
             diagnosed.after(nodes, evicted)
-        book.end(outcome, final_step, rollback=request, diagnosed=diagnosed,
-                 restarts_left=attempts <= cfg.checkpoint.max_restarts)  # incidents/, run.json, on_incident
+        book.end(
+            outcome,
+            final_step,
+            rollback=request,
+            diagnosed=diagnosed,
+            restarts_left=attempts <= cfg.checkpoint.max_restarts,
+        )  # incidents/, run.json, on_incident
         run.record.membership = nodes.as_record()
         runs.write_record(run.record)
         if attempts > cfg.checkpoint.max_restarts:
@@ -214,7 +277,9 @@ def _train_with_restarts(cfg: MegaConfig, index_path: Path, log: Callable[[str],
             )
             run.finish("failed", final_step, error=str(failed))
             raise failed
-        driver_mark(run_dir, "backoff", attempt=n, seconds=cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
+        driver_mark(
+            run_dir, "backoff", attempt=n, seconds=cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1)
+        )
         time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from mega.stability import channel
 from mega.stability.detect import Watcher
@@ -75,8 +75,14 @@ class InClusterWatch:
         if culprit.get("node") is not None:
             name = self.client.get(node_name_key(self.prefix, culprit["node"]))
             evict = [name.decode() if isinstance(name, bytes) else name] if name else []
-        order = {"attempt": self.attempt, "reason": reason, "exit_code": channel.RESTART_EXIT_CODE,
-                 "culprit": culprit, "evict": evict, "time": time.time()}
+        order = {
+            "attempt": self.attempt,
+            "reason": reason,
+            "exit_code": channel.RESTART_EXIT_CODE,
+            "culprit": culprit,
+            "evict": evict,
+            "time": time.time(),
+        }
         pipe = self.client.pipeline(transaction=True)
         pipe.set(channel.stop_key(self.prefix, self.attempt), json.dumps(order), ex=ORDER_TTL_S)
         pipe.set(channel.generation_key(self.prefix), self.attempt + 1)
@@ -85,13 +91,16 @@ class InClusterWatch:
         pipe.execute()
         if hang is not None:
             hang.write(self.cfg.train.run_dir)
-        self.log(f"attempt {self.attempt}: told every rank to exit with {channel.RESTART_EXIT_CODE}"
-                 + (f"; node {evict[0]} is evicted from the next placement" if evict else ""))
+        self.log(
+            f"attempt {self.attempt}: told every rank to exit with {channel.RESTART_EXIT_CODE}"
+            + (f"; node {evict[0]} is evicted from the next placement" if evict else "")
+        )
         return order
 
 
-def watch_in_thread(cfg, hb_env: dict[str, str], log: Callable[[str], None] = print,
-                    poll_s: float = 0.5) -> tuple[threading.Thread, threading.Event]:
+def watch_in_thread(
+    cfg, hb_env: dict[str, str], log: Callable[[str], None] = print, poll_s: float = 0.5
+) -> tuple[threading.Thread, threading.Event]:
     """Run the watcher in a daemon thread until the returned event is set (or it stopped an attempt)."""
     done = threading.Event()
 
@@ -101,7 +110,7 @@ def watch_in_thread(cfg, hb_env: dict[str, str], log: Callable[[str], None] = pr
             while not done.wait(poll_s):
                 if watch.poll() is not None:
                     return
-        except Exception as err:  # noqa: BLE001 - the watcher never takes the node down
+        except Exception as err:
             log(f"in-cluster watcher stopped: {type(err).__name__}: {err}")
 
     thread = threading.Thread(target=loop, name="mega-incluster-watch", daemon=True)

@@ -62,7 +62,7 @@ def marked_processes(token: str) -> dict[int, int]:
             continue
         start = environ.find(needle)
         if start >= 0 and (start == 0 or environ[start - 1] == 0):
-            value = environ[start + len(needle):].split(b"\0", 1)[0]
+            value = environ[start + len(needle) :].split(b"\0", 1)[0]
             found[int(proc.name)] = int(value) if value.isdigit() else -1
     return found
 
@@ -111,7 +111,7 @@ def _free_port(host: str) -> int:
 class LocalNodesBackend:
     """``cluster.nodes`` torchrun agents on this machine; node 0 hosts the rendezvous store."""
 
-    def __init__(self, cfg: "MegaConfig", run_dir: Path):
+    def __init__(self, cfg: MegaConfig, run_dir: Path):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.nodes = cfg.cluster.nodes
@@ -166,8 +166,11 @@ class LocalNodesBackend:
 
     def _node_env(self, k: int) -> dict[str, str]:
         """What every process of node k has in its environment, whatever the job."""
-        env = {**os.environ, NODE_ADDR_ENV: self.node_address(k),
-               RANKS_ON_HOST_ENV: str(self.cfg.cluster.world_size)}  # local nodes share this machine's cores
+        env = {
+            **os.environ,
+            NODE_ADDR_ENV: self.node_address(k),
+            RANKS_ON_HOST_ENV: str(self.cfg.cluster.world_size),
+        }  # local nodes share this machine's cores
         env.pop(MARK_ENV, None)
         return {**env, **(self.network.env(k) if self.network else {})}
 
@@ -184,8 +187,14 @@ class LocalNodesBackend:
         log = open(log_path, "ab")
         self._logs.append(log)
         # own session: a Ctrl-C of the driver's terminal does not reach the agents half-way
-        self._agents[k] = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+        self._agents[k] = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def poll(self) -> dict[int, int | None]:
         return {k: p.poll() for k, p in self._agents.items()}
@@ -240,8 +249,14 @@ class LocalNodesBackend:
         env = {**self._node_env(k), **self.cfg.cluster.env, "PYTHONUNBUFFERED": "1"}
         with open(log_path, "ab") as log:
             # stdin: its lifeline (EOF when this backend closes it or dies); own session: no Ctrl-C
-            self._zygotes[k] = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
+            self._zygotes[k] = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return sock
 
     def _stop_zygotes(self) -> None:

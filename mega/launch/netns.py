@@ -71,15 +71,23 @@ def plan(subnet: str, nodes: int, net_id: str | None = None) -> NetPlan:
         raise ConfigError(SUBNET_KEY, f"needs a private IPv4 network, got {net}")
     hosts = net.num_addresses - 2  # network and broadcast addresses are not hosts
     if nodes + 1 > hosts:
-        raise ConfigError(SUBNET_KEY, f"{net} has {hosts} host addresses: not enough for a bridge and {nodes} nodes")
+        raise ConfigError(
+            SUBNET_KEY, f"{net} has {hosts} host addresses: not enough for a bridge and {nodes} nodes"
+        )
     net_id = net_id or uuid.uuid4().hex[:6]
     if len(f"mgv-{net_id}-{nodes - 1}") > 15:
         raise ValueError(f"network id {net_id!r} too long for interface names")
     base = net.network_address
     return NetPlan(
-        net_id=net_id, subnet=str(net), prefixlen=net.prefixlen, bridge=f"mgb-{net_id}",
+        net_id=net_id,
+        subnet=str(net),
+        prefixlen=net.prefixlen,
+        bridge=f"mgb-{net_id}",
         bridge_address=str(base + 1),
-        nodes=tuple(NodeNet(k, f"mega-{net_id}-n{k}", f"mgv-{net_id}-{k}", str(base + k + 2)) for k in range(nodes)))
+        nodes=tuple(
+            NodeNet(k, f"mega-{net_id}-n{k}", f"mgv-{net_id}-{k}", str(base + k + 2)) for k in range(nodes)
+        ),
+    )
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,8 +103,11 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
 def require_root() -> None:
     """ConfigError naming launcher.local_nodes.netns unless namespaces can be made here."""
     if os.geteuid() != 0:
-        raise ConfigError(NETNS_KEY, "network-namespace nodes need root (namespaces, a bridge, veth pairs); "
-                                     "run as root or set launcher.local_nodes.netns=false")
+        raise ConfigError(
+            NETNS_KEY,
+            "network-namespace nodes need root (namespaces, a bridge, veth pairs); "
+            "run as root or set launcher.local_nodes.netns=false",
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise ConfigError(NETNS_KEY, f"needs the `{tool}` command (Debian: apt-get install iproute2)")
@@ -106,8 +117,12 @@ def addresses_in_use(subnet: str) -> dict[str, str]:
     """Interfaces of this (root) namespace holding an address inside ``subnet``: address -> interface."""
     net = ipaddress.ip_network(subnet)
     out = json.loads(_run("ip", "-j", "-4", "addr", "show").stdout or "[]")
-    return {a["local"]: link["ifname"] for link in out for a in link.get("addr_info", [])
-            if ipaddress.ip_address(a["local"]) in net}
+    return {
+        a["local"]: link["ifname"]
+        for link in out
+        for a in link.get("addr_info", [])
+        if ipaddress.ip_address(a["local"]) in net
+    }
 
 
 class NetnsNetwork:
@@ -131,19 +146,25 @@ class NetnsNetwork:
 
     def env(self, node: int) -> dict[str, str]:
         """What a rank in node's namespace needs: its sockets on mega0, its address."""
-        return {"GLOO_SOCKET_IFNAME": NODE_IFNAME, "NCCL_SOCKET_IFNAME": NODE_IFNAME,
-                "MEGA_NODE_ADDR": self.address(node)}
+        return {
+            "GLOO_SOCKET_IFNAME": NODE_IFNAME,
+            "NCCL_SOCKET_IFNAME": NODE_IFNAME,
+            "MEGA_NODE_ADDR": self.address(node),
+        }
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def create(self) -> "NetnsNetwork":
+    def create(self) -> NetnsNetwork:
         require_root()
         clean_stale()
         busy = addresses_in_use(self.plan.subnet)
         if busy:
-            raise ConfigError(SUBNET_KEY, f"{self.plan.subnet} is already in use here ("
-                              + ", ".join(f"{a} on {i}" for a, i in sorted(busy.items()))
-                              + "): another run's nodes? give this run another subnet")
+            raise ConfigError(
+                SUBNET_KEY,
+                f"{self.plan.subnet} is already in use here ("
+                + ", ".join(f"{a} on {i}" for a, i in sorted(busy.items()))
+                + "): another run's nodes? give this run another subnet",
+            )
         self._write_state()  # first: a crash from here on leaves a record for clean_stale
         try:
             p = self.plan
@@ -181,7 +202,9 @@ class NetnsNetwork:
         etc.mkdir(parents=True, exist_ok=True)
         base = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else "127.0.0.1 localhost\n"
         # also as IPv4-mapped IPv6: torch's store listens dual-stack and sees peers that way
-        names = [(self.plan.bridge_address, self.plan.bridge)] + [(m.address, m.namespace) for m in self.plan.nodes]
+        names = [(self.plan.bridge_address, self.plan.bridge)] + [
+            (m.address, m.namespace) for m in self.plan.nodes
+        ]
         own = "".join(f"{a} {name}\n::ffff:{a} {name}\n" for a, name in names)
         (etc / "hosts").write_text(base.rstrip("\n") + f"\n# mega network {self.plan.net_id}\n" + own)
 

@@ -50,9 +50,9 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 
 def _attempt(client, prefix: str | None) -> int:
-    from mega.launch.incluster_watch import generation
-
     import redis
+
+    from mega.launch.incluster_watch import generation
 
     own = int(os.environ.get("MEGA_ATTEMPT") or 0)
     try:
@@ -80,9 +80,18 @@ def _selfcheck(agent: list[str], cfg, node: int, attempt: int, client, prefix: s
     out = Path(cfg.train.run_dir) / "selfcheck" / f"attempt-{attempt}.json"
     pg_timeout = max(10.0, min(float(cfg.cluster.pg_timeout_s), SELFCHECK_TIMEOUT_S - 10.0))
     module = len(agent) - 1 - agent[::-1].index("-m")  # the ranks' module, after torchrun's own -m
-    check = agent[:module] + ["-m", "mega.cluster.selfcheck", "--out", str(out), "--floors",
-                                         json.dumps(selfcheck_floors(cfg.cluster)), "--device", cfg.cluster.device,
-                                         "--timeout-s", str(pg_timeout)]
+    check = agent[:module] + [
+        "-m",
+        "mega.cluster.selfcheck",
+        "--out",
+        str(out),
+        "--floors",
+        json.dumps(selfcheck_floors(cfg.cluster)),
+        "--device",
+        cfg.cluster.device,
+        "--timeout-s",
+        str(pg_timeout),
+    ]
     code = subprocess.run(check, timeout=SELFCHECK_TIMEOUT_S).returncode
     if node != 0 or client is None:
         return
@@ -93,8 +102,13 @@ def _selfcheck(agent: list[str], cfg, node: int, attempt: int, client, prefix: s
     bad = [n["node"] for n in verdict["nodes"] if not n["healthy"]] if verdict else []
     names = [v.decode() for v in (client.get(node_name_key(prefix, k)) for k in bad) if v]
     reason = "; ".join(verdict["reasons"]) if verdict else f"the self-check job exited with {code}"
-    order = {"attempt": attempt, "reason": f"self-check: {reason}", "exit_code": channel.RESTART_EXIT_CODE,
-             "culprit": {"nodes": bad}, "evict": names}
+    order = {
+        "attempt": attempt,
+        "reason": f"self-check: {reason}",
+        "exit_code": channel.RESTART_EXIT_CODE,
+        "culprit": {"nodes": bad},
+        "evict": names,
+    }
     pipe = client.pipeline(transaction=True)
     pipe.set(channel.stop_key(prefix, attempt), json.dumps(order), ex=ORDER_TTL_S)
     pipe.set(channel.generation_key(prefix), attempt + 1)
@@ -128,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="python -m mega.launch.pod", description=__doc__.splitlines()[0])
     parser.add_argument("--selfcheck", action="store_true", help="run the node self-check before training")
-    parser.add_argument("--watch", action="store_true", help="on node 0: run the in-cluster hang watcher beside the agent")
+    parser.add_argument(
+        "--watch", action="store_true", help="on node 0: run the in-cluster hang watcher beside the agent"
+    )
     args = parser.parse_args(argv[:split])
-    agent = argv[split + 1:]
+    agent = argv[split + 1 :]
     if not agent:
         parser.error("no torchrun command after --")
 
@@ -144,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MEGA_ATTEMPT"] = str(attempt)
     if client is not None:
         with contextlib.suppress(Exception):
-            client.set(incluster_watch.node_name_key(prefix, node),
-                       os.environ.get(NODE_NAME_ENV) or socket.gethostname(), ex=incluster_watch.ORDER_TTL_S)
+            client.set(
+                incluster_watch.node_name_key(prefix, node),
+                os.environ.get(NODE_NAME_ENV) or socket.gethostname(),
+                ex=incluster_watch.ORDER_TTL_S,
+            )
     print(f"node {node}: attempt {attempt}", flush=True)
 
     if args.selfcheck:

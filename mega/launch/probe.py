@@ -39,16 +39,26 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
-    me = {"rank": dist.get_rank(), "node_rank": node, "local_rank": int(os.environ["LOCAL_RANK"]),
-          "host": socket.gethostname(), "pid": os.getpid(),
-          "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"}
+    me = {
+        "rank": dist.get_rank(),
+        "node_rank": node,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {**me, "world_size": dist.get_world_size(), "nnodes": int(os.environ["GROUP_WORLD_SIZE"]),
-              "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "peers": everyone,
-              # names only: which of mega's variables reached the rank (values may be secret)
-              "mega_env": sorted(k for k in os.environ if k.startswith("MEGA_"))}
+    record = {
+        **me,
+        "world_size": dist.get_world_size(),
+        "nnodes": int(os.environ["GROUP_WORLD_SIZE"]),
+        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "peers": everyone,
+        # names only: which of mega's variables reached the rank (values may be secret)
+        "mega_env": sorted(k for k in os.environ if k.startswith("MEGA_")),
+    }
     tmp = args.out / f".rank-{me['rank']}.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, args.out / f"rank-{me['rank']}.json")

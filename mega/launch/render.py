@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mega.cluster import rendezvous
 from mega.launch.backend import JobSpec
@@ -19,37 +20,52 @@ if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 
-def hand_job(cfg: "MegaConfig", data_index: str, config_path: str, attempt: int = 0) -> JobSpec:
+def hand_job(cfg: MegaConfig, data_index: str, config_path: str, attempt: int = 0) -> JobSpec:
     """The JobSpec of attempt ``attempt`` as the driver would hand it to a backend."""
     env = {**cfg.cluster.env, "PYTHONUNBUFFERED": "1", rendezvous.ATTEMPT_ENV: str(attempt)}
     if cfg.cluster.store == "redis" and cfg.cluster.redis_url:
         public, _ = rendezvous.split_redis_password(cfg.cluster.redis_url)
         env.update({rendezvous.REDIS_URL_ENV: public, rendezvous.JOB_ID_ENV: rendezvous.new_job_id(cfg)})
-    return JobSpec(module="mega.train", args=["--config", config_path, "--data-index", data_index], env=env,
-                   log_dir=Path(cfg.train.run_dir).absolute(), name=f"train-attempt{attempt}")
+    return JobSpec(
+        module="mega.train",
+        args=["--config", config_path, "--data-index", data_index],
+        env=env,
+        log_dir=Path(cfg.train.run_dir).absolute(),
+        name=f"train-attempt{attempt}",
+    )
 
 
 def _parser(prog: str, what: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=f"Render {what} for one attempt of a training job.")
+    parser = argparse.ArgumentParser(
+        prog=prog, description=f"Render {what} for one attempt of a training job."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     render = sub.add_parser("render", help=f"write the resolved config and {what} into --out")
     render.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. cluster=h100-8x cluster.nodes=4")
     render.add_argument("--out", required=True, type=Path, help="directory to write into")
-    render.add_argument("--data-index", required=True,
-                        help="index.json of the prepared dataset, as the nodes see it (shared storage)")
+    render.add_argument(
+        "--data-index",
+        required=True,
+        help="index.json of the prepared dataset, as the nodes see it (shared storage)",
+    )
     return parser
 
 
-def check_args(argv: list[str], *, prog: str, what: str) -> "MegaConfig":
+def check_args(argv: list[str], *, prog: str, what: str) -> MegaConfig:
     """Parse ``argv`` as ``cli`` does and validate the config it would render, writing nothing."""
     from mega import config as mega_config
 
     return mega_config.compose(_parser(prog, what).parse_args(argv).overrides)
 
 
-def cli(argv: list[str] | None, *, prog: str, what: str,
-        write: Callable[["MegaConfig", JobSpec, Path], list[Path]],
-        config_path: Callable[[Path], str] = lambda out: str(out / "config.json")) -> int:
+def cli(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    what: str,
+    write: Callable[[MegaConfig, JobSpec, Path], list[Path]],
+    config_path: Callable[[Path], str] = lambda out: str(out / "config.json"),
+) -> int:
     from mega import config as mega_config
 
     args = _parser(prog, what).parse_args(argv)

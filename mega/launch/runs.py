@@ -30,10 +30,10 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
@@ -78,9 +78,22 @@ class RunRecord:
         return Path(self.run_dir) / RUN_FILE
 
 
-_FIELD_TYPES = {"run_dir": str, "state": str, "config": str, "data_index": str, "target_steps": int,
-                "cwd": str, "pid": int, "host": str, "heartbeat": (int, float), "started": (int, float),
-                "attempts": int, "final_step": int, "recoveries": int, "flow_run_ids": list}
+_FIELD_TYPES = {
+    "run_dir": str,
+    "state": str,
+    "config": str,
+    "data_index": str,
+    "target_steps": int,
+    "cwd": str,
+    "pid": int,
+    "host": str,
+    "heartbeat": (int, float),
+    "started": (int, float),
+    "attempts": int,
+    "final_step": int,
+    "recoveries": int,
+    "flow_run_ids": list,
+}
 
 
 def read_record(run_dir: str | Path) -> RunRecord:
@@ -195,7 +208,8 @@ class RunTracker:
         """Refresh the heartbeat, at most every ``heartbeat_s`` unless a field changes."""
         now = time.time()
         changed = (final_step is not None and final_step != self.record.final_step) or (
-            attempts is not None and attempts != self.record.attempts)
+            attempts is not None and attempts != self.record.attempts
+        )
         if not changed and now - self.record.heartbeat < self.heartbeat_s:
             return
         if final_step is not None:
@@ -215,8 +229,15 @@ class RunTracker:
 
 
 @contextmanager
-def track(run_dir: str | Path, *, config: str | Path, data_index: str | Path, target_steps: int,
-          flow_run_id: str | None = None, recovery: bool = False) -> Iterator[RunTracker]:
+def track(
+    run_dir: str | Path,
+    *,
+    config: str | Path,
+    data_index: str | Path,
+    target_steps: int,
+    flow_run_id: str | None = None,
+    recovery: bool = False,
+) -> Iterator[RunTracker]:
     """Claim ``run_dir`` and record it as training for the block.
 
     The previous record (if readable) carries over the attempt count and the flow runs, and the
@@ -236,9 +257,16 @@ def track(run_dir: str | Path, *, config: str | Path, data_index: str | Path, ta
         if flow_run_id and str(flow_run_id) not in flow_runs:
             flow_runs.append(str(flow_run_id))
         record = RunRecord(
-            run_dir=str(run_dir), state="training", config=str(Path(config).absolute()),
-            data_index=str(Path(data_index).absolute()), target_steps=target_steps, cwd=os.getcwd(),
-            pid=os.getpid(), host=socket.gethostname(), heartbeat=now, started=now,
+            run_dir=str(run_dir),
+            state="training",
+            config=str(Path(config).absolute()),
+            data_index=str(Path(data_index).absolute()),
+            target_steps=target_steps,
+            cwd=os.getcwd(),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            heartbeat=now,
+            started=now,
             attempts=previous.attempts if previous else 0,
             final_step=previous.final_step if previous else 0,
             # a launch by a person (not a recovery) gives the run a fresh recovery budget
@@ -310,8 +338,9 @@ def processes_of(config_path: str | Path) -> list[int]:
             # a relative path on a command line is relative to that process's working directory
             if args and int(proc.name) != os.getpid():
                 cwd = os.readlink(proc / "cwd")
-                if any(os.path.abspath(os.path.join(cwd, a.decode())) == target for a in args) \
-                        and pid_alive(int(proc.name)):
+                if any(os.path.abspath(os.path.join(cwd, a.decode())) == target for a in args) and pid_alive(
+                    int(proc.name)
+                ):
                     pids.append(int(proc.name))
         except (OSError, UnicodeDecodeError):
             continue
@@ -356,8 +385,14 @@ def checkpoint_step(name: str | None) -> int:
     return int(name.rsplit("_", 1)[1]) if name else 0
 
 
-def inspect_run(run_dir: str | Path, stale_after_s: float, *, include_failed: bool = True,
-                max_recoveries: int = 3, now: float | None = None) -> RunStatus:
+def inspect_run(
+    run_dir: str | Path,
+    stale_after_s: float,
+    *,
+    include_failed: bool = True,
+    max_recoveries: int = 3,
+    now: float | None = None,
+) -> RunStatus:
     """Decide whether one run directory should be training but is not. Never raises for a bad
     record or config: those come back as verdict ``error`` with the reason."""
     from mega.checkpoint import latest_durable
@@ -372,17 +407,24 @@ def inspect_run(run_dir: str | Path, stale_after_s: float, *, include_failed: bo
     if record.state in ("completed", "stopped"):
         return RunStatus(run_dir, record.state, f"state {record.state}", record)
     if record.state == "failed" and not include_failed:
-        return RunStatus(run_dir, "failed", f"failed ({record.error}); recovery of failed runs is off", record)
+        return RunStatus(
+            run_dir, "failed", f"failed ({record.error}); recovery of failed runs is off", record
+        )
     if record.recoveries >= max_recoveries:
-        return RunStatus(run_dir, "exhausted", f"already recovered {record.recoveries} times "
-                                               f"(max_recoveries={max_recoveries})", record)
+        return RunStatus(
+            run_dir,
+            "exhausted",
+            f"already recovered {record.recoveries} times (max_recoveries={max_recoveries})",
+            record,
+        )
 
     here = record.host == socket.gethostname()
     age = now - record.heartbeat
     launcher_alive = age < stale_after_s and (not here or pid_alive(record.pid))
     if record.state == "training" and (launcher_alive or held_elsewhere(run_dir)):
-        return RunStatus(run_dir, "alive", f"launcher pid {record.pid} on {record.host}, "
-                                           f"heartbeat {age:.0f} s ago", record)
+        return RunStatus(
+            run_dir, "alive", f"launcher pid {record.pid} on {record.host}, heartbeat {age:.0f} s ago", record
+        )
 
     try:
         cfg = run_config(record)
@@ -396,7 +438,10 @@ def inspect_run(run_dir: str | Path, stale_after_s: float, *, include_failed: bo
     done = (step if cfg.checkpoint.interval else (metrics[-1]["step"] if metrics else 0)) >= cfg.train.steps
     status = RunStatus(run_dir, "recover", "", record, name, step)
     if done:
-        status.verdict, status.reason = "finished", f"train.steps={cfg.train.steps} reached ({name or 'no checkpoint'})"
+        status.verdict, status.reason = (
+            "finished",
+            f"train.steps={cfg.train.steps} reached ({name or 'no checkpoint'})",
+        )
         return status
     if record.state == "failed":
         status.reason = f"failed at step {record.final_step} ({record.error})"

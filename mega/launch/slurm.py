@@ -24,7 +24,6 @@ setup lines, the master (the batch host: the allocation's first node) with a por
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -34,8 +33,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mega.cluster import rendezvous
 from mega.config import ConfigError
@@ -58,7 +58,9 @@ def slurm_minutes(text: str) -> int:
     """Slurm's ``--time`` formats (minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S) -> whole minutes."""
     m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(text).strip())
     if not m:
-        raise ConfigError("launcher.slurm.time", f"not a Slurm time limit: {text!r} (e.g. 04:00:00 or 2-00:00:00)")
+        raise ConfigError(
+            "launcher.slurm.time", f"not a Slurm time limit: {text!r} (e.g. 04:00:00 or 2-00:00:00)"
+        )
     days, a, b, c = (int(x) if x is not None else None for x in m.groups())
     if days is not None:  # D-H[:M[:S]]
         seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
@@ -73,22 +75,31 @@ def slurm_minutes(text: str) -> int:
     return -(-seconds // 60)
 
 
-def check(cfg: "MegaConfig") -> None:
+def check(cfg: MegaConfig) -> None:
     """What Slurm would refuse or misrun, named by key, before anything is submitted."""
     s = cfg.launcher.slurm
     minutes = slurm_minutes(s.time)
     if s.cpus_per_task is not None and s.cpus_per_task < 1:
-        raise ConfigError("launcher.slurm.cpus_per_task", f"must be >= 1 or null (all of the node's cores), got {s.cpus_per_task}")
+        raise ConfigError(
+            "launcher.slurm.cpus_per_task",
+            f"must be >= 1 or null (all of the node's cores), got {s.cpus_per_task}",
+        )
     if s.signal_grace_s < 0 or (s.signal_grace_s and s.signal_grace_s >= minutes * 60):
-        raise ConfigError("launcher.slurm.signal_grace_s", f"must be 0 (no signal) or between 1 and the time limit "
-                                                           f"({minutes * 60} s), got {s.signal_grace_s}")
+        raise ConfigError(
+            "launcher.slurm.signal_grace_s",
+            f"must be 0 (no signal) or between 1 and the time limit "
+            f"({minutes * 60} s), got {s.signal_grace_s}",
+        )
     if s.numa_binding is not None:
         _check_numa_binding(cfg)
     if s.max_requeues < 0:
         raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
     if cfg.cluster.store == "redis" and cfg.cluster.redis_url is None and not cfg.cluster.start_local_redis:
-        raise ConfigError("cluster.redis_url", "launcher=slurm with cluster.store=redis needs a Redis server "
-                                               "every node reaches: set cluster.redis_url or cluster.start_local_redis")
+        raise ConfigError(
+            "cluster.redis_url",
+            "launcher=slurm with cluster.store=redis needs a Redis server "
+            "every node reaches: set cluster.redis_url or cluster.start_local_redis",
+        )
 
 
 def numa_modes() -> list[str]:
@@ -100,11 +111,13 @@ def numa_modes() -> list[str]:
     return [m.value for m in AffinityMode]
 
 
-def _check_numa_binding(cfg: "MegaConfig") -> None:
+def _check_numa_binding(cfg: MegaConfig) -> None:
     key, mode = "launcher.slurm.numa_binding", cfg.launcher.slurm.numa_binding
     if cfg.cluster.device != "cuda":
-        raise ConfigError(key, f"binds each rank to the CPUs near its GPU: needs cluster.device=cuda, "
-                               f"got {cfg.cluster.device}")
+        raise ConfigError(
+            key,
+            f"binds each rank to the CPUs near its GPU: needs cluster.device=cuda, got {cfg.cluster.device}",
+        )
     modes = numa_modes()
     if not modes:
         raise ConfigError(key, "this torch's torchrun has no --numa-binding; set it to null")
@@ -112,19 +125,23 @@ def _check_numa_binding(cfg: "MegaConfig") -> None:
         raise ConfigError(key, f"must be one of {modes} or null, got {mode!r}")
 
 
-def gpus_per_node(cfg: "MegaConfig") -> int:
+def gpus_per_node(cfg: MegaConfig) -> int:
     return cfg.cluster.procs_per_node if cfg.cluster.device == "cuda" else 0
 
 
 def is_secret(name: str) -> bool:
     """Whether an environment variable holds a credential: never sent to slurmctld, never in a script."""
-    return bool(re.search(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|PRIVATE_KEY", name)) or name == "AWS_ACCESS_KEY_ID"
+    return (
+        bool(re.search(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|PRIVATE_KEY", name)) or name == "AWS_ACCESS_KEY_ID"
+    )
 
 
 def _shell_word(token: str, variables: dict[str, str]) -> str:
     """``token`` quoted for the shell, with each placeholder in it expanded as ``"${VAR}"``."""
     parts = re.split("(" + "|".join(map(re.escape, variables)) + ")", token)
-    return "".join(f'"${{{variables[p]}}}"' if p in variables else (shlex.quote(p) if p else "") for p in parts)
+    return "".join(
+        f'"${{{variables[p]}}}"' if p in variables else (shlex.quote(p) if p else "") for p in parts
+    )
 
 
 # The node task: read the secrets file (only this shell and the agent it starts see them), start the
@@ -160,7 +177,7 @@ def job_name(job: JobSpec) -> str:
     return f"mega-{Path(job.log_dir).absolute().name}-{job.name}"
 
 
-def sbatch_directives(cfg: "MegaConfig", job: JobSpec, exclude: list[str] = ()) -> list[str]:
+def sbatch_directives(cfg: MegaConfig, job: JobSpec, exclude: list[str] = ()) -> list[str]:
     c, s = cfg.cluster, cfg.launcher.slurm
     log_dir = Path(job.log_dir).absolute()
     d = [f"--job-name={job_name(job)}", f"--nodes={c.nodes}", "--ntasks-per-node=1"]
@@ -185,8 +202,9 @@ def sbatch_directives(cfg: "MegaConfig", job: JobSpec, exclude: list[str] = ()) 
     return d
 
 
-def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude: list[str] = (),
-                  exit_dir: Path | None = None) -> str:
+def render_sbatch(
+    cfg: MegaConfig, job: JobSpec, python: str = PYTHON, exclude: list[str] = (), exit_dir: Path | None = None
+) -> str:
     """The sbatch script of one attempt of ``job`` on ``cluster.nodes`` nodes (``exclude``: hosts
     kept out; ``exit_dir``: where each node writes its exit code, default ``<log_dir>/slurm/exit``)."""
     check(cfg)
@@ -198,26 +216,47 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
     if secret:
         raise ValueError(f"secrets in a job's environment never go into a script: {secret}")
 
-    placeholders = {"@NODE_RANK@": "SLURM_NODEID", "@MASTER_ADDR@": "MASTER_ADDR", "@MASTER_PORT@": "MASTER_PORT"}
+    placeholders = {
+        "@NODE_RANK@": "SLURM_NODEID",
+        "@MASTER_ADDR@": "MASTER_ADDR",
+        "@MASTER_PORT@": "MASTER_PORT",
+    }
     argv = agent_argv(cfg, "@NODE_RANK@", "@MASTER_ADDR@", "@MASTER_PORT@", job, python=python)
     if s.numa_binding:  # a torchrun flag: right after `python -m torch.distributed.run`
         argv.insert(3, f"--numa-binding={s.numa_binding}")
     log = _absolute(job).log_path("@NODE_RANK@", nodes)
     task = _NODE_TASK
     signalled = exit_dir / "signalled"
-    for key, value in {"@LOGDIR@": str(log.parent), "@EXITDIR@": str(exit_dir), "@LOG@": str(log),
-                       "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json"), "@SIGNALLED@": str(signalled)}.items():
+    for key, value in {
+        "@LOGDIR@": str(log.parent),
+        "@EXITDIR@": str(exit_dir),
+        "@LOG@": str(log),
+        "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json"),
+        "@SIGNALLED@": str(signalled),
+    }.items():
         task = task.replace(key, _shell_word(value, placeholders))
     task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
     task = task.replace("@PREEMPTED@", str(PREEMPTED))
     # srun no longer passes the job's --cpus-per-task on (Slurm >= 22.05): each task gets its node's cores
     cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
-    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            f"--cpus-per-task={cpus}"]
+    srun = [
+        "srun",
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        f"--cpus-per-task={cpus}",
+    ]
     if s.container_image:
-        srun += [f"--container-image={s.container_image}", f"--container-mounts={','.join(_mounts(cfg, job))}"]
-    port = (str(cfg.launcher.rdzv_port) if cfg.launcher.rdzv_port else
-            f"$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')")
+        srun += [
+            f"--container-image={s.container_image}",
+            f"--container-mounts={','.join(_mounts(cfg, job))}",
+        ]
+    port = (
+        str(cfg.launcher.rdzv_port)
+        if cfg.launcher.rdzv_port
+        else f"$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')"
+    )
 
     lines = [
         "#!/bin/bash",
@@ -234,8 +273,10 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
     if s.signal_grace_s:
         env[exit_signal.ENV] = "USR1"  # the ranks save and exit on it (mega/stability/exit_signal.py)
     if env:
-        lines += ["# cluster.env presets and this attempt's variables, exported to every node (srun); no secret:",
-                  "# those are read from $MEGA_PRIVATE_ENV_FILE by each node's task"]
+        lines += [
+            "# cluster.env presets and this attempt's variables, exported to every node (srun); no secret:",
+            "# those are read from $MEGA_PRIVATE_ENV_FILE by each node's task",
+        ]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         lines.append("")
     lines += [
@@ -272,7 +313,7 @@ def render_sbatch(cfg: "MegaConfig", job: JobSpec, python: str = PYTHON, exclude
     return "\n".join(lines)
 
 
-def _mounts(cfg: "MegaConfig", job: JobSpec) -> list[str]:
+def _mounts(cfg: MegaConfig, job: JobSpec) -> list[str]:
     """Container mounts: the run directory and the data (same paths inside as outside)."""
     paths = {str(Path(job.log_dir).absolute())}
     paths |= {str(Path(a).absolute().parent) for a in job.args if a.endswith(".json") and os.path.isabs(a)}
@@ -297,7 +338,9 @@ def _slurm(*argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = Non
     except subprocess.TimeoutExpired:
         raise SlurmError(f"`{' '.join(argv)}` did not answer in {timeout_s:g} s (slurmctld down?)") from None
     except FileNotFoundError:
-        raise SlurmError(f"`{argv[0]}` not found: launcher=slurm needs Slurm's client commands on PATH") from None
+        raise SlurmError(
+            f"`{argv[0]}` not found: launcher=slurm needs Slurm's client commands on PATH"
+        ) from None
     if check and proc.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed: {(proc.stderr or proc.stdout).strip()}")
     return proc.stdout
@@ -324,8 +367,17 @@ def _unusable(state: str) -> bool:
     return state.endswith("*") or bool(re.match(r"(down|drain|drng|fail|maint|unk|npc)", state))
 
 
-_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-          "BOOT_FAIL", "DEADLINE"}
+_ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def controller_address() -> str:
@@ -355,17 +407,25 @@ def prefect_note(environ: dict[str, str] = os.environ) -> str | None:
     if environ.get("PREFECT_API_URL"):
         return None
     home = environ.get("PREFECT_HOME", "~/.prefect")
-    return (f"PREFECT_API_URL is not set: unless a Prefect profile sets it, this driver's flow runs go to a "
-            f"temporary Prefect server it starts itself, with a SQLite database under {home} (often NFS on a "
-            f"cluster), seen in no shared UI and gone with this process. Set PREFECT_API_URL to the site's "
-            f"Prefect server (docs/cluster.md).")
+    return (
+        f"PREFECT_API_URL is not set: unless a Prefect profile sets it, this driver's flow runs go to a "
+        f"temporary Prefect server it starts itself, with a SQLite database under {home} (often NFS on a "
+        f"cluster), seen in no shared UI and gone with this process. Set PREFECT_API_URL to the site's "
+        f"Prefect server (docs/cluster.md)."
+    )
 
 
 class SlurmBackend:
     """``Backend`` on Slurm: one ``sbatch`` of the rendered script per attempt, one task per node."""
 
-    def __init__(self, cfg: "MegaConfig", run_dir: str | Path, *, stop_timeout_s: float | None = None,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: MegaConfig,
+        run_dir: str | Path,
+        *,
+        stop_timeout_s: float | None = None,
+        log: Callable[[str], None] = print,
+    ):
         check(cfg)
         self.cfg = rendezvous.without_secrets(cfg)
         self.folder = Path(run_dir).absolute() / "slurm"
@@ -409,8 +469,13 @@ class SlurmBackend:
         if self.job_id is not None and self.job_id != self.left_to_slurm and not self._ended():
             raise RuntimeError(f"Slurm job {self.job_id} is still running: stop() it first")
         secrets = {k: v for k, v in {**os.environ, **job.env}.items() if is_secret(k)}
-        public = JobSpec(job.module, list(job.args), {k: v for k, v in job.env.items() if not is_secret(k)},
-                         Path(job.log_dir).absolute(), job.name)
+        public = JobSpec(
+            job.module,
+            list(job.args),
+            {k: v for k, v in job.env.items() if not is_secret(k)},
+            Path(job.log_dir).absolute(),
+            job.name,
+        )
         public.env["MEGA_PRIVATE_ENV_FILE"] = str(self.secrets_file)
         self._write_secrets(secrets)
         attempt_dir = self.folder / job.name
@@ -418,8 +483,11 @@ class SlurmBackend:
         shutil.rmtree(self._exit_dir, ignore_errors=True)
         attempt_dir.mkdir(parents=True, exist_ok=True)
         script = attempt_dir / "job.sbatch"
-        script.write_text(render_sbatch(self.cfg, public, python=sys.executable, exclude=self.excluded,
-                                        exit_dir=self._exit_dir))
+        script.write_text(
+            render_sbatch(
+                self.cfg, public, python=sys.executable, exclude=self.excluded, exit_dir=self._exit_dir
+            )
+        )
         submit_env = {k: v for k, v in os.environ.items() if not is_secret(k)}  # slurmctld stores it
         self.job_id = _slurm("sbatch", "--parsable", str(script), env=submit_env).strip().split(";")[0]
         self._hosts = []
@@ -455,7 +523,9 @@ class SlurmBackend:
         if not hosts:
             return []
         out = _slurm("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
-        bad = {n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)}
+        bad = {
+            n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)
+        }
         return [h for h in hosts if h in bad or h in self._stuck_hosts]
 
     def usable_nodes(self) -> int:
@@ -468,7 +538,7 @@ class SlurmBackend:
         excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
         return sum(1 for n, st in states.items() if n not in excluded and not _unusable(st))
 
-    def resize(self, cfg: "MegaConfig") -> None:
+    def resize(self, cfg: MegaConfig) -> None:
         """Later attempts run ``cfg`` (fewer nodes after a loss, mega.stability.membership.resize)."""
         self.cfg = rendezvous.without_secrets(cfg)
 
@@ -487,8 +557,10 @@ class SlurmBackend:
         deadline = time.monotonic() + self.stop_timeout_s
         while (info := job_info(self.job_id)) and info.get("JobState") not in _ENDED:
             if time.monotonic() > deadline:
-                self.log(f"slurm job {self.job_id} is still {info.get('JobState')} {self.stop_timeout_s:g} s after "
-                         f"scancel (nodes {info.get('NodeList')}); going on without waiting for it")
+                self.log(
+                    f"slurm job {self.job_id} is still {info.get('JobState')} {self.stop_timeout_s:g} s after "
+                    f"scancel (nodes {info.get('NodeList')}); going on without waiting for it"
+                )
                 self.left_to_slurm = self.job_id
                 # a node that cannot finish a cancelled job is lost (its slurmd or host is gone), whether
                 # or not Slurm has marked it down yet (it waits SlurmdTimeout, often minutes)
@@ -505,8 +577,11 @@ class SlurmBackend:
         ``slurm/``) and wait, bounded, until Slurm says they ended: a recovery calls it before it
         submits, so one run never has two jobs writing the same checkpoints."""
         out = _slurm("squeue", "-h", "-o", "%i %o")
-        ids = [i for i, command in (line.split(None, 1) for line in out.splitlines() if " " in line.strip())
-               if command.startswith(str(self.folder) + "/")]
+        ids = [
+            i
+            for i, command in (line.split(None, 1) for line in out.splitlines() if " " in line.strip())
+            if command.startswith(str(self.folder) + "/")
+        ]
         if not ids:
             return []
         _slurm("scancel", *ids, check=False)
@@ -516,8 +591,10 @@ class SlurmBackend:
                 break
             time.sleep(1.0)
         else:
-            self.log(f"slurm job(s) {', '.join(ids)} of this run still not ended {self.stop_timeout_s:g} s after "
-                     "scancel; submitting anyway")
+            self.log(
+                f"slurm job(s) {', '.join(ids)} of this run still not ended {self.stop_timeout_s:g} s after "
+                "scancel; submitting anyway"
+            )
         return ids
 
 
@@ -525,7 +602,7 @@ class SlurmBackend:
 # CLI
 
 
-def check_args(argv: list[str]) -> "MegaConfig":
+def check_args(argv: list[str]) -> MegaConfig:
     """Validate ``render`` arguments without writing anything (mega.launch.render.check)."""
     from mega.launch import render
 
@@ -535,15 +612,24 @@ def check_args(argv: list[str]) -> "MegaConfig":
 def main(argv: list[str] | None = None) -> int:
     from mega.launch import render
 
-    return render.cli(argv, prog="python -m mega.launch.slurm", what="an sbatch script",
-                      write=lambda cfg, job, out: _write_script(cfg, job, out))
+    return render.cli(
+        argv,
+        prog="python -m mega.launch.slurm",
+        what="an sbatch script",
+        write=lambda cfg, job, out: _write_script(cfg, job, out),
+    )
 
 
-def _write_script(cfg: "MegaConfig", job: JobSpec, out: Path) -> list[Path]:
+def _write_script(cfg: MegaConfig, job: JobSpec, out: Path) -> list[Path]:
     Path(job.log_dir).mkdir(parents=True, exist_ok=True)  # sbatch opens --output there before the script runs
     path = out / f"{job.name}.sbatch"
-    public = JobSpec(job.module, list(job.args), {k: v for k, v in job.env.items() if not is_secret(k)},
-                     job.log_dir, job.name)
+    public = JobSpec(
+        job.module,
+        list(job.args),
+        {k: v for k, v in job.env.items() if not is_secret(k)},
+        job.log_dir,
+        job.name,
+    )
     path.write_text(render_sbatch(cfg, public))
     path.chmod(0o755)
     return [path]

@@ -86,16 +86,20 @@ def _free_ports(count: int) -> list[int]:
 def _require_tools() -> None:
     missing = [t for t in ("munged", "slurmctld", "slurmd", "sinfo", "unshare") if shutil.which(t) is None]
     if missing:
-        raise SlurmLocalError(f"missing {', '.join(missing)}: run infra/install.sh as root "
-                              "(Debian: apt-get install slurm-wlm munge)")
+        raise SlurmLocalError(
+            f"missing {', '.join(missing)}: run infra/install.sh as root "
+            "(Debian: apt-get install slurm-wlm munge)"
+        )
     netns.require_root()
 
 
 def render_conf(state: ClusterState, cpus: int, memory_mb: int) -> str:
     """slurm.conf of the local cluster (every path under ``state.root``)."""
     r = Path(state.root)
-    nodes = "\n".join(f"NodeName={h} NodeAddr={a} NodeHostname={h} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
-                      for h, a in zip(state.hostnames, state.addresses))
+    nodes = "\n".join(
+        f"NodeName={h} NodeAddr={a} NodeHostname={h} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN"
+        for h, a in zip(state.hostnames, state.addresses)
+    )
     bridge = netns.plan(state.subnet, state.nodes, state.net_id).bridge_address
     return f"""# mega.launch.slurm_local: {state.nodes} node(s) on this machine, each in its own namespaces
 ClusterName=mega-local
@@ -104,14 +108,14 @@ SlurmctldPort={state.ctl_port}
 SlurmdPort={state.slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r / 'munge' / 'munge.socket'}
+AuthInfo=socket={r / "munge" / "munge.socket"}
 SlurmUser=root
 SlurmdUser=root
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}/%n
-SlurmctldPidFile={r / 'slurmctld.pid'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}/%n
+SlurmctldPidFile={r / "slurmctld.pid"}
 SlurmdPidFile={r}/slurmd-%n.pid
-SlurmctldLogFile={r / 'slurmctld.log'}
+SlurmctldLogFile={r / "slurmctld.log"}
 SlurmdLogFile={r}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -144,8 +148,9 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def _spawn(argv: list[str], log: Path) -> int:
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     return proc.pid
 
 
@@ -177,8 +182,15 @@ def _write_state(state: ClusterState) -> None:
     os.replace(tmp, path)
 
 
-def up(nodes: int = 3, root: Path = DEFAULT_DIR, subnet: str = DEFAULT_SUBNET, cpus: int | None = None,
-       memory_mb: int = 4000, timeout_s: float = 120.0, net_id: str = NET_ID) -> ClusterState:
+def up(
+    nodes: int = 3,
+    root: Path = DEFAULT_DIR,
+    subnet: str = DEFAULT_SUBNET,
+    cpus: int | None = None,
+    memory_mb: int = 4000,
+    timeout_s: float = 120.0,
+    net_id: str = NET_ID,
+) -> ClusterState:
     """Start the cluster; return once every node is idle. On any failure, everything started is
     stopped and removed again before the error is raised."""
     if nodes < 1:
@@ -187,14 +199,24 @@ def up(nodes: int = 3, root: Path = DEFAULT_DIR, subnet: str = DEFAULT_SUBNET, c
     root = Path(root).absolute()
     if (old := read_state(root)) is not None:
         if any(_alive(p) for p in old.pids.values()):
-            raise SlurmLocalError(f"a local Slurm cluster already runs from {root} "
-                                  f"(pids {sorted(old.pids.values())}): `python -m mega.launch.slurm_local down` first")
+            raise SlurmLocalError(
+                f"a local Slurm cluster already runs from {root} "
+                f"(pids {sorted(old.pids.values())}): `python -m mega.launch.slurm_local down` first"
+            )
         down(root)
     netns.clean_stale()
     plan = netns.plan(subnet, nodes, net_id)
     ctl_port, slurmd_port = _free_ports(2)
-    state = ClusterState(str(root), nodes, subnet, net_id, ctl_port, slurmd_port,
-                         hostnames=[n.namespace for n in plan.nodes], addresses=[n.address for n in plan.nodes])
+    state = ClusterState(
+        str(root),
+        nodes,
+        subnet,
+        net_id,
+        ctl_port,
+        slurmd_port,
+        hostnames=[n.namespace for n in plan.nodes],
+        addresses=[n.address for n in plan.nodes],
+    )
     shutil.rmtree(root, ignore_errors=True)
     for sub in ("munge", "state", "spool"):
         (root / sub).mkdir(parents=True, exist_ok=True)
@@ -242,7 +264,17 @@ def _start_slurmd(state: ClusterState, net: netns.NetnsNetwork, k: int) -> None:
     exec slurmd, all one pid, recorded in the state file."""
     host = state.hostnames[k]
     (Path(state.root) / "spool" / host).mkdir(parents=True, exist_ok=True)
-    argv = [*net.exec_prefix(k), "unshare", "--uts", "sh", "-c", _SLURMD_SH, host, str(state.conf), _cgroup_mode()]
+    argv = [
+        *net.exec_prefix(k),
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        _SLURMD_SH,
+        host,
+        str(state.conf),
+        _cgroup_mode(),
+    ]
     state.pids[f"slurmd-{host}"] = _spawn(argv, Path(state.root) / f"slurmd-{host}.out")
     _write_state(state)
 
@@ -263,9 +295,20 @@ def _start_munge(state: ClusterState) -> None:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o600)
     log = d / "munged.log"
-    proc = subprocess.run(["munged", "--force", f"--socket={d / 'munge.socket'}", f"--key-file={key}",
-                           f"--log-file={log}", f"--pid-file={d / 'munged.pid'}", f"--seed-file={d / 'munged.seed'}"],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            "munged",
+            "--force",
+            f"--socket={d / 'munge.socket'}",
+            f"--key-file={key}",
+            f"--log-file={log}",
+            f"--pid-file={d / 'munged.pid'}",
+            f"--seed-file={d / 'munged.seed'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if proc.returncode != 0:
         raise SlurmLocalError(f"munged did not start: {(proc.stderr or proc.stdout).strip()}\n{_tail(log)}")
     state.pids["munged"] = int((d / "munged.pid").read_text())
@@ -294,12 +337,20 @@ def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
     root = Path(state.root)
     dead = [name for name, pid in state.pids.items() if not _alive(pid)]
-    lines = [f"the local Slurm cluster is not up after {timeout_s:g} s: "
-             + (f"{', '.join(dead)} exited" if dead else f"sinfo says {seen or 'nothing (slurmctld does not answer)'}")]
+    lines = [
+        f"the local Slurm cluster is not up after {timeout_s:g} s: "
+        + (
+            f"{', '.join(dead)} exited"
+            if dead
+            else f"sinfo says {seen or 'nothing (slurmctld does not answer)'}"
+        )
+    ]
     lines += [f"--- slurmctld.log\n{_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmctld.out', 5)}"]
     for h in state.hostnames:
         if seen.get(h) != "idle":
-            lines += [f"--- slurmd-{h}.log\n{_tail(root / f'slurmd-{h}.log')}\n{_tail(root / f'slurmd-{h}.out', 5)}"]
+            lines += [
+                f"--- slurmd-{h}.log\n{_tail(root / f'slurmd-{h}.log')}\n{_tail(root / f'slurmd-{h}.out', 5)}"
+            ]
     raise SlurmLocalError("\n".join(lines))
 
 
@@ -307,8 +358,12 @@ def kill_node(state: ClusterState, k: int) -> list[int]:
     """Drill: node k dies -- SIGKILL to every process in its network namespace (its slurmd, its job
     steps, its ranks). The namespace stays, so ``restart_node`` can bring the node back."""
     ns = netns.plan(state.subnet, state.nodes, state.net_id).nodes[k].namespace
-    pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                                           timeout=30).stdout.split()]
+    pids = [
+        int(p)
+        for p in subprocess.run(
+            ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+    ]
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -389,16 +444,25 @@ def status(root: Path = DEFAULT_DIR) -> dict:
     if state is None:
         return {"up": False, "dir": str(root)}
     alive = {name: _alive(pid) for name, pid in state.pids.items()}
-    return {"up": all(alive.values()), "dir": state.root, "SLURM_CONF": str(state.conf), "daemons": alive,
-            "nodes": node_states(state) if alive.get("slurmctld") else {}}
+    return {
+        "up": all(alive.values()),
+        "dir": state.root,
+        "SLURM_CONF": str(state.conf),
+        "daemons": alive,
+        "nodes": node_states(state) if alive.get("slurmctld") else {},
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m mega.launch.slurm_local", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m mega.launch.slurm_local", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("command", choices=["up", "down", "status"])
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="scratch directory (default %(default)s)")
-    ap.add_argument("--subnet", default=DEFAULT_SUBNET, help="private IPv4 subnet of the bridge (default %(default)s)")
+    ap.add_argument(
+        "--subnet", default=DEFAULT_SUBNET, help="private IPv4 subnet of the bridge (default %(default)s)"
+    )
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds `up` waits for idle nodes")
     return ap
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from mega.launch.backend import Backend, JobSpec
 
@@ -16,7 +16,9 @@ TIMEOUT_EXIT = 124
 
 @dataclass
 class JobOutcome:
-    code: int  # 0: every node's agent exited 0; TIMEOUT_EXIT: timed out or stalled; else the failed node's code
+    code: (
+        int  # 0: every node's agent exited 0; TIMEOUT_EXIT: timed out or stalled; else the failed node's code
+    )
     reason: str  # for people: "completed", "node 1: torchrun agent killed by SIGKILL", ...
     failed_nodes: list[int] = field(default_factory=list)  # the cause: see run_job
     exit_codes: dict[int, int | None] = field(default_factory=dict)  # at the moment the job ended
@@ -37,9 +39,17 @@ def describe_exit(code: int) -> str:
     return f"torchrun agent exited with code {code}" + (" (a rank failed)" if code == 1 else "")
 
 
-def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, progress_file: Path | None = None,
-            stall_timeout_s: float | None = None, on_poll: Callable[[], str | None] | None = None,
-            on_failure: Callable[[JobOutcome], None] | None = None, poll_s: float = 0.5) -> JobOutcome:
+def run_job(
+    backend: Backend,
+    job: JobSpec,
+    *,
+    timeout_s: float | None = None,
+    progress_file: Path | None = None,
+    stall_timeout_s: float | None = None,
+    on_poll: Callable[[], str | None] | None = None,
+    on_failure: Callable[[JobOutcome], None] | None = None,
+    poll_s: float = 0.5,
+) -> JobOutcome:
     """Start ``job`` on every node and wait; returns how it ended (never raises for the job's own
     failure). When any node's agent exits non-zero, every node is stopped at once.
 
@@ -69,8 +79,12 @@ def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, p
                 # whose agents exited 1 because their ranks lost it: the killed ones are the cause
                 cause = [k for k in failed if codes[k] < 0] or failed
                 shown = cause + [k for k in failed if k not in cause]
-                outcome = JobOutcome(codes[cause[0]], "; ".join(f"node {k}: {describe_exit(codes[k])}" for k in shown),
-                                     cause, codes)
+                outcome = JobOutcome(
+                    codes[cause[0]],
+                    "; ".join(f"node {k}: {describe_exit(codes[k])}" for k in shown),
+                    cause,
+                    codes,
+                )
             elif codes and all(c == 0 for c in codes.values()):
                 outcome = JobOutcome(0, "completed", [], codes)
             elif on_poll is not None and (verdict := on_poll()):  # a watcher saw a hang: its reason
@@ -82,7 +96,11 @@ def run_job(backend: Backend, job: JobSpec, *, timeout_s: float | None = None, p
                         last_mtime, last_progress = mtime, now
                 if timeout_s is not None and now - started > timeout_s:
                     outcome = JobOutcome(TIMEOUT_EXIT, f"timed out after {timeout_s:g} s", [], codes)
-                elif stall_timeout_s is not None and last_mtime is not None and now - last_progress > stall_timeout_s:
+                elif (
+                    stall_timeout_s is not None
+                    and last_mtime is not None
+                    and now - last_progress > stall_timeout_s
+                ):
                     outcome = JobOutcome(TIMEOUT_EXIT, "hung (no progress)", [], codes)
         outcome.elapsed_s = time.monotonic() - started
         if outcome.failed_nodes and on_failure is not None:

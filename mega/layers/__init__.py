@@ -2,7 +2,11 @@
 the parallel transformer block and the core attention behind sliding-window attention."""
 
 from mega.layers.attention import FlashWindowAttention, core_attention_class
-from mega.layers.parallel_block import ParallelTransformerLayer, UnreducedRowParallelLinear, parallel_layer_spec
+from mega.layers.parallel_block import (
+    ParallelTransformerLayer,
+    UnreducedRowParallelLinear,
+    parallel_layer_spec,
+)
 
 __all__ = [
     "FlashWindowAttention",

@@ -25,7 +25,7 @@ def flash_attn_available() -> bool:
         return False
     try:
         import flash_attn  # noqa: F401
-    except Exception:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError alike
+    except Exception:
         return False
     return True
 
@@ -63,8 +63,16 @@ class FlashWindowAttention(DotProductAttention):
         # under apply_query_key_layer_scaling; the kernel takes the product.
         self.flash_scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         assert packed_seq_params is None and attention_bias is None, "not supported by this backend"
         # megatron: [s, b, heads, d]; flash-attn: [b, s, heads, d]. Grouped-query K/V (fewer
         # heads) are accepted by the kernel as they are.
@@ -72,8 +80,15 @@ class FlashWindowAttention(DotProductAttention):
         dropout = self.attention_dropout.p if self.training else 0.0
 
         def attend():
-            return self._flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=self.flash_scale,
-                                         causal=True, window_size=self.flash_window)
+            return self._flash_attn_func(
+                q,
+                k,
+                v,
+                dropout_p=dropout,
+                softmax_scale=self.flash_scale,
+                causal=True,
+                window_size=self.flash_window,
+            )
 
         if dropout and not self.config.sequence_parallel:
             # Per-TP-rank dropout stream, as DotProductAttention does.

@@ -50,7 +50,7 @@ def compile_unavailable_reason(device: str = "cpu") -> str | None:
     try:
         dynamo_config = importlib.import_module("torch._dynamo.config")
         importlib.import_module("torch._inductor.config")
-    except Exception as err:  # noqa: BLE001 - any import problem means: no Inductor
+    except Exception as err:
         return f"Inductor does not import ({err})"
     if dynamo_config.disable:
         return "torch._dynamo is disabled"
@@ -75,8 +75,11 @@ def guard_megatron_fusions(device: str) -> None:
     import torch._dynamo
 
     torch._dynamo.config.disable = True
-    _warn_once("megatron", f"torch.compile unavailable ({reason}): megatron's fused bias-GeLU and "
-                           "bias-dropout-add run eagerly, same math")
+    _warn_once(
+        "megatron",
+        f"torch.compile unavailable ({reason}): megatron's fused bias-GeLU and "
+        "bias-dropout-add run eagerly, same math",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,8 +97,10 @@ _mode: str | None = None  # None: not tried yet; "compiled" | "eager"
 def _use_eager(why: str) -> None:
     global _mode
     _mode = "eager"
-    _warn_once("layer_norm", f"FusedLayerNorm: torch.compile unavailable ({why}); running F.layer_norm "
-                             "eagerly, same math")
+    _warn_once(
+        "layer_norm",
+        f"FusedLayerNorm: torch.compile unavailable ({why}); running F.layer_norm eagerly, same math",
+    )
 
 
 def _probe(x, weight, bias, eps: float) -> None:
@@ -114,7 +119,7 @@ def _probe(x, weight, bias, eps: float) -> None:
             out = _layer_norm_compiled(xs, ws, bs, eps)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
-    except Exception as err:  # noqa: BLE001 - any compiler failure: eager fallback
+    except Exception as err:
         return _use_eager(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
     _mode = "compiled"
 
@@ -151,8 +156,15 @@ class FusedLayerNorm(torch.nn.Module):
     gradients over TP (as Apex's FusedLayerNorm does, and mega's patch of WrappedTorchNorm).
     """
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
         super().__init__()
         if config.normalization != "LayerNorm" or normalization != "LayerNorm":
             raise ValueError(f"FusedLayerNorm is a LayerNorm, not {config.normalization}")
@@ -163,7 +175,7 @@ class FusedLayerNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size))
         for param in (self.weight, self.bias):
-            setattr(param, "sequence_parallel", bool(config.sequence_parallel))
+            param.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_layer_norm(x, self.weight, self.bias, self.eps)
@@ -188,7 +200,7 @@ def layer_norm_class(cfg: MegaConfig) -> type:
                 from megatron.core.extensions.transformer_engine import TENorm
 
                 return TENorm
-            except Exception as err:  # noqa: BLE001 - a broken TE install: try the next one
+            except Exception as err:
                 _warn_once("te", f"Transformer Engine does not import ({err}); not using TENorm")
         if _importable("apex"):
             try:
@@ -196,7 +208,7 @@ def layer_norm_class(cfg: MegaConfig) -> type:
                 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm as ApexFusedLayerNorm
 
                 return ApexFusedLayerNorm
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 _warn_once("apex", f"Apex does not import ({err}); not using its fused LayerNorm")
     return FusedLayerNorm
 
@@ -211,7 +223,11 @@ def core_attention_class(cfg: MegaConfig, precision: str) -> type:
     from mega.layers import attention
 
     chosen = attention.core_attention_class(cfg, precision)
-    if (chosen is not attention.FlashWindowAttention and cfg.cluster.device == "cuda"
-            and precision in ("bf16", "fp16") and attention.flash_attn_available()):
+    if (
+        chosen is not attention.FlashWindowAttention
+        and cfg.cluster.device == "cuda"
+        and precision in ("bf16", "fp16")
+        and attention.flash_attn_available()
+    ):
         return attention.FlashWindowAttention  # no window: flash_window = (-1, -1), causal
     return chosen

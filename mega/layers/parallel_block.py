@@ -43,8 +43,10 @@ class UnreducedRowParallelLinear(RowParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.skip_bias_add:
-            raise ValueError("UnreducedRowParallelLinear needs skip_bias_add=True: the bias belongs "
-                             "after the tensor-parallel reduction, which the caller does")
+            raise ValueError(
+                "UnreducedRowParallelLinear needs skip_bias_add=True: the bias belongs "
+                "after the tensor-parallel reduction, which the caller does"
+            )
         if self.explicit_expert_comm:
             raise ValueError("UnreducedRowParallelLinear is for dense layers, not experts")
 
@@ -77,24 +79,35 @@ class ParallelTransformerLayer(TransformerLayer):
         problems = []
         if not isinstance(self.pre_mlp_layernorm, IdentityOp):
             problems.append("pre_mlp_layernorm must be IdentityOp (both branches read input_layernorm)")
-        for name, proj in [("self_attention.linear_proj", getattr(self.self_attention, "linear_proj", None)),
-                           ("mlp.linear_fc2", getattr(self.mlp, "linear_fc2", None))]:
+        for name, proj in [
+            ("self_attention.linear_proj", getattr(self.self_attention, "linear_proj", None)),
+            ("mlp.linear_fc2", getattr(self.mlp, "linear_fc2", None)),
+        ]:
             if not isinstance(proj, UnreducedRowParallelLinear):
                 problems.append(f"{name} must be UnreducedRowParallelLinear, got {type(proj).__name__}")
-        projections = {type(getattr(self.self_attention, "linear_proj", None)),
-                       type(getattr(self.mlp, "linear_fc2", None))}
+        projections = {
+            type(getattr(self.self_attention, "linear_proj", None)),
+            type(getattr(self.mlp, "linear_fc2", None)),
+        }
         if len(projections) != 1:
-            problems.append("linear_proj and linear_fc2 must be of one class (both deferred to the fused "
-                            "GEMM->reduce-scatter or neither)")
-        elif getattr(projections.pop(), "fused_gemm_reduce_scatter", None) and not self.config.sequence_parallel:
+            problems.append(
+                "linear_proj and linear_fc2 must be of one class (both deferred to the fused "
+                "GEMM->reduce-scatter or neither)"
+            )
+        elif (
+            getattr(projections.pop(), "fused_gemm_reduce_scatter", None)
+            and not self.config.sequence_parallel
+        ):
             problems.append("projections deferred to a GEMM->reduce-scatter need sequence parallelism")
         if not isinstance(self.cross_attention, IdentityOp):
             problems.append("cross attention is not supported")
         if self.is_moe_layer:
             problems.append("MoE MLPs are not supported")
         if self.recompute_input_layernorm or self.recompute_mlp:
-            problems.append("selective recompute of 'layernorm'/'mlp' is not supported "
-                            "(recompute_granularity=full and 'core_attn' are)")
+            problems.append(
+                "selective recompute of 'layernorm'/'mlp' is not supported "
+                "(recompute_granularity=full and 'core_attn' are)"
+            )
         if problems:
             raise ValueError("ParallelTransformerLayer: " + "; ".join(problems))
 
@@ -136,12 +149,21 @@ class ParallelTransformerLayer(TransformerLayer):
         # under sequence parallelism, the layout the residual stream has there).
         fused = self.self_attention.linear_proj.fused_gemm_reduce_scatter
         if fused is not None:  # the projections returned their inputs: GEMMs and reduction in one
-            reduced = fused([(attn_partial, self.self_attention.linear_proj.weight),
-                             (mlp_partial, self.mlp.linear_fc2.weight)], self.tp_group)
+            reduced = fused(
+                [
+                    (attn_partial, self.self_attention.linear_proj.weight),
+                    (mlp_partial, self.mlp.linear_fc2.weight),
+                ],
+                self.tp_group,
+            )
         elif self.config.sequence_parallel:
-            reduced = reduce_scatter_to_sequence_parallel_region(attn_partial + mlp_partial, group=self.tp_group)
+            reduced = reduce_scatter_to_sequence_parallel_region(
+                attn_partial + mlp_partial, group=self.tp_group
+            )
         else:
-            reduced = reduce_from_tensor_model_parallel_region(attn_partial + mlp_partial, group=self.tp_group)
+            reduced = reduce_from_tensor_model_parallel_region(
+                attn_partial + mlp_partial, group=self.tp_group
+            )
         if attn_bias is None or mlp_bias is None:  # add_bias_linear=False: both are None
             bias = mlp_bias if attn_bias is None else attn_bias
         else:

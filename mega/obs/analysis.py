@@ -44,8 +44,15 @@ class RunTimeline:
 
     def ordered_ranks(self) -> list[int]:
         """Ranks laid out by their parallel coordinates: pipeline stage, then DP, then TP."""
-        return sorted(self.ranks, key=lambda r: (self.headers[r].get("pp", 0), self.headers[r].get("dp", 0),
-                                                 self.headers[r].get("tp", 0), r))
+        return sorted(
+            self.ranks,
+            key=lambda r: (
+                self.headers[r].get("pp", 0),
+                self.headers[r].get("dp", 0),
+                self.headers[r].get("tp", 0),
+                r,
+            ),
+        )
 
     def offset(self, rank: int, step: int | None = None) -> int:
         """ns to add to a rank's timestamps to put them on rank 0's clock (its record's attempt)."""
@@ -58,8 +65,11 @@ def load(run_dir: str | Path, steps: tuple[int, int] | None = None) -> RunTimeli
     """Read the run's span files (``steps``: an inclusive 1-based range, to read less)."""
     run_dir = Path(run_dir)
     tl = RunTimeline(run_dir)
-    attempts = sorted((int(m.group(1)), d) for d in (run_dir / OBS_DIR).glob("attempt-*")
-                      if (m := _ATTEMPT_DIR.search(d.name)))
+    attempts = sorted(
+        (int(m.group(1)), d)
+        for d in (run_dir / OBS_DIR).glob("attempt-*")
+        if (m := _ATTEMPT_DIR.search(d.name))
+    )
     if not attempts:
         raise FileNotFoundError(f"no span files under {run_dir / OBS_DIR} (was obs.enabled off?)")
     for attempt, directory in attempts:  # later attempts overwrite replayed steps
@@ -164,13 +174,19 @@ def exposed_per_step(tl: RunTimeline, from_arrival: bool = False) -> list[dict]:
     for step in tl.step_numbers():
         row: dict = {"step": step}
         for kind in ("tp", "pp", "dp", "other"):
-            values = [v for r in tl.ranks
-                      if (v := _summary(tl.steps.get(r, {}).get(step, {})).get(f"exposed_{kind}_s")) is not None]
+            values = [
+                v
+                for r in tl.ranks
+                if (v := _summary(tl.steps.get(r, {}).get(step, {})).get(f"exposed_{kind}_s")) is not None
+            ]
             row[f"exposed_{kind}_max_s"] = max(values) if values else None
             row[f"exposed_{kind}_mean_s"] = statistics.fmean(values) if values else None
         for kind in ("tp", "dp") if from_arrival else ():
-            values = [exposed_by_op(tl, r, kind, [step], from_arrival=True).get("total", 0.0)
-                      for r in tl.ranks if step in tl.steps.get(r, {})]
+            values = [
+                exposed_by_op(tl, r, kind, [step], from_arrival=True).get("total", 0.0)
+                for r in tl.ranks
+                if step in tl.steps.get(r, {})
+            ]
             row[f"exposed_{kind}_from_arrival_max_s"] = max(values) if values else None
             row[f"exposed_{kind}_from_arrival_mean_s"] = statistics.fmean(values) if values else None
         out.append(row)
@@ -231,8 +247,9 @@ def _last_launches(tl: RunTimeline, rank: int, kind: str, step: int) -> dict[tup
     return out
 
 
-def exposed_intervals(tl: RunTimeline, rank: int, kind: str, step: int,
-                      from_arrival: bool = False) -> dict[str, list[timeline.Interval]]:
+def exposed_intervals(
+    tl: RunTimeline, rank: int, kind: str, step: int, from_arrival: bool = False
+) -> dict[str, list[timeline.Interval]]:
     """``rank``'s blocked intervals of ``kind`` in ``step`` by operation (bucket numbers dropped).
 
     ``from_arrival``: each one counts only from when the last peer of the group had launched the
@@ -255,8 +272,9 @@ def exposed_intervals(tl: RunTimeline, rank: int, kind: str, step: int,
     return groups
 
 
-def exposed_by_op(tl: RunTimeline, rank: int, kind: str, steps: list[int],
-                  from_arrival: bool = False) -> dict[str, float]:
+def exposed_by_op(
+    tl: RunTimeline, rank: int, kind: str, steps: list[int], from_arrival: bool = False
+) -> dict[str, float]:
     """``rank``'s exposed communication of ``kind`` split by what it waited for: the blocked spans
     of that kind grouped by name (a DP bucket's number and start/wait dropped: ``all_gather
     params``, ``reduce_scatter grads``), each group's union per step, the median over ``steps``
@@ -279,5 +297,10 @@ def overhead(tl: RunTimeline) -> dict:
     acc = list(tl.accounting.values())
     total = sum(a["total_ns"] for a in acc)
     wall = sum(a["wall_ns"] for a in acc)
-    return {"overhead": total / wall if wall else None, "ranks": len(acc), "total_s": total * 1e-9,
-            "wall_s": wall * 1e-9, "max_rank_overhead": max((a["overhead"] for a in acc), default=None)}
+    return {
+        "overhead": total / wall if wall else None,
+        "ranks": len(acc),
+        "total_s": total * 1e-9,
+        "wall_s": wall * 1e-9,
+        "max_rank_overhead": max((a["overhead"] for a in acc), default=None),
+    }

@@ -18,8 +18,8 @@ estimate has something to find even on one machine.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 PREFIX = "mega-obs-clock"
 
@@ -32,8 +32,12 @@ class ClockEstimate:
     rounds: int
 
     def as_dict(self) -> dict:
-        return {"clock_offset_ns": self.offset_ns, "clock_error_ns": self.error_ns,
-                "clock_domain": self.domain, "clock_rounds": self.rounds}
+        return {
+            "clock_offset_ns": self.offset_ns,
+            "clock_error_ns": self.error_ns,
+            "clock_domain": self.domain,
+            "clock_rounds": self.rounds,
+        }
 
 
 def leaders(domains: list[str]) -> dict[str, int]:
@@ -68,8 +72,9 @@ def probe(store, rank: int, rounds: int, clock: Callable[[], int] = time.perf_co
     return best[1], best[0] // 2
 
 
-def estimate(store, rank: int, domains: list[str], rounds: int = 8,
-             clock: Callable[[], int] = time.perf_counter_ns) -> ClockEstimate:
+def estimate(
+    store, rank: int, domains: list[str], rounds: int = 8, clock: Callable[[], int] = time.perf_counter_ns
+) -> ClockEstimate:
     """This rank's offset to rank 0's clock. Every rank calls it once, at the same point."""
     domain = domains[rank]
     if domain == domains[0]:

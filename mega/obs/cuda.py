@@ -22,12 +22,16 @@ and ``scripts/gpu/obs_cuda_events.py`` checks it on a GPU.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class DeviceTimer:
-    def __init__(self, clock: Callable[[], int], event_factory: Callable | None = None,
-                 synchronize: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        clock: Callable[[], int],
+        event_factory: Callable | None = None,
+        synchronize: Callable[[], None] | None = None,
+    ):
         if event_factory is None or synchronize is None:
             import torch
 

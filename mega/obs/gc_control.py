@@ -58,6 +58,12 @@ class GarbageCollection:
         rec.counts["gc"] += 1
         t1 = rec.clock()
         if not rec._stack or rec._stack[-1].cat != "gc":  # not inside our own "collect" span
-            rec.record(f"gc gen{info.get('generation')} (auto)", "gc", self._t0, t1, False,
-                       {"collected": info.get("collected")})
+            rec.record(
+                f"gc gen{info.get('generation')} (auto)",
+                "gc",
+                self._t0,
+                t1,
+                False,
+                {"collected": info.get("collected")},
+            )
         self._t0 = None

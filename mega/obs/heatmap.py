@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-
 STRAGGLER_COLOUR, PEER_COLOUR = "tab:red", "tab:gray"
 
 
@@ -22,8 +21,9 @@ def bar_colours(scores: list[float], threshold: float) -> list[str]:
     return [STRAGGLER_COLOUR if s > threshold else PEER_COLOUR for s in scores]
 
 
-def plot(data: dict, png_path: str | Path, threshold: float,
-         title: str = "compute time per rank and step") -> Path:
+def plot(
+    data: dict, png_path: str | Path, threshold: float, title: str = "compute time per rank and step"
+) -> Path:
     """Draw ``data`` (mega.obs.analysis.heatmap_data) into ``png_path``; ranks whose straggler score
     is above ``threshold`` get a red bar."""
     import matplotlib
@@ -39,8 +39,9 @@ def plot(data: dict, png_path: str | Path, threshold: float,
     finite = [v for row in rel for v in row if not math.isnan(v)] or [1.0]
     vmin, vmax = min(0.5, min(finite)), max(1.5, max(finite))
     height = min(16.0, 1.6 + 0.28 * len(ranks))
-    fig, (ax, bars) = plt.subplots(1, 2, figsize=(11, height), dpi=100, sharey=True,
-                                   gridspec_kw={"width_ratios": [4, 1]})
+    fig, (ax, bars) = plt.subplots(
+        1, 2, figsize=(11, height), dpi=100, sharey=True, gridspec_kw={"width_ratios": [4, 1]}
+    )
     try:
         norm = TwoSlopeNorm(vcenter=1.0, vmin=vmin, vmax=vmax)
         image = ax.imshow(rel, aspect="auto", cmap="RdBu_r", norm=norm, interpolation="nearest")
@@ -59,8 +60,15 @@ def plot(data: dict, png_path: str | Path, threshold: float,
                 for j, v in enumerate(row):
                     if v is not None:
                         dark = abs(float(norm(rel[i][j])) - 0.5) > 0.3
-                        ax.text(j, i, f"{1e3 * v:.0f}", ha="center", va="center", fontsize=6,
-                                color="white" if dark else "black")
+                        ax.text(
+                            j,
+                            i,
+                            f"{1e3 * v:.0f}",
+                            ha="center",
+                            va="center",
+                            fontsize=6,
+                            color="white" if dark else "black",
+                        )
         ax.set(xlabel="step", title=f"{title}\n(cell: ms; colour: vs. the median of its pipeline stage)")
         fig.colorbar(image, ax=ax, fraction=0.04, pad=0.01, label="compute / stage median")
         scores = [0.0 if s is None or math.isnan(s) else s for s in data["scores"]]
@@ -68,7 +76,10 @@ def plot(data: dict, png_path: str | Path, threshold: float,
         bars.axvline(1.0, color="black", lw=0.8, ls="--")
         bars.axvline(threshold, color="black", lw=0.8, ls=":")
         bars.set_xlim(0, 1.1 * max([threshold, *scores]))  # the threshold in view in a healthy run too
-        bars.set(xlabel="straggler score", title=f"per rank\n(red: above {threshold:g},\nstability.straggler_factor)")
+        bars.set(
+            xlabel="straggler score",
+            title=f"per rank\n(red: above {threshold:g},\nstability.straggler_factor)",
+        )
         fig.tight_layout()
         fig.savefig(png_path, format="png")
     finally:

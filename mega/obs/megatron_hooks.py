@@ -31,7 +31,8 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -67,14 +68,29 @@ PATCHED_SOURCES = {
 }
 
 # torch.distributed collectives wrapped at module level (megatron calls them as torch.distributed.X)
-TORCH_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
-                     "reduce_scatter", "broadcast", "barrier", "_all_gather_base", "_reduce_scatter_base")
-_TP_MAPPINGS = {"_reduce": "all_reduce", "_gather_along_last_dim": "all_gather",
-                "_gather_along_first_dim": "all_gather", "_reduce_scatter_along_first_dim": "reduce_scatter"}
+TORCH_COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
+_TP_MAPPINGS = {
+    "_reduce": "all_reduce",
+    "_gather_along_last_dim": "all_gather",
+    "_gather_along_first_dim": "all_gather",
+    "_reduce_scatter_along_first_dim": "reduce_scatter",
+}
 
-_SCHEDULES = {"forward_backward_no_pipelining": "forward-backward (no pipelining)",
-              "forward_backward_pipelining_without_interleaving": "forward-backward (1F1B)",
-              "forward_backward_pipelining_with_interleaving": "forward-backward (interleaved 1F1B)"}
+_SCHEDULES = {
+    "forward_backward_no_pipelining": "forward-backward (no pipelining)",
+    "forward_backward_pipelining_without_interleaving": "forward-backward (1F1B)",
+    "forward_backward_pipelining_with_interleaving": "forward-backward (interleaved 1F1B)",
+}
 
 _REC: Recorder | None = None
 _KINDS: dict = {}
@@ -301,7 +317,9 @@ def _wrap_microbatch(fn: Callable, phase: str) -> Callable:
         if forward:
             meta = {"mb": kwargs.get("current_microbatch"), "chunk": kwargs.get("vp_stage") or 0}
         else:
-            meta = rec.fwd_meta.pop(_output_id(args[1] if len(args) > 1 else kwargs.get("output_tensor")), None)
+            meta = rec.fwd_meta.pop(
+                _output_id(args[1] if len(args) > 1 else kwargs.get("output_tensor")), None
+            )
         s = _Span(rec, phase, phase, meta, False)
         rec._push(s)
         try:
@@ -317,8 +335,12 @@ def _wrap_microbatch(fn: Callable, phase: str) -> Callable:
     return microbatch
 
 
-_P2P_SLOTS = (("tensor_send_prev", "send", "prev", "send_prev"), ("tensor_recv_prev", "recv", "prev", "recv_prev"),
-              ("tensor_send_next", "send", "next", "send_next"), ("tensor_recv_next", "recv", "next", "recv_next"))
+_P2P_SLOTS = (
+    ("tensor_send_prev", "send", "prev", "send_prev"),
+    ("tensor_recv_prev", "recv", "prev", "recv_prev"),
+    ("tensor_send_next", "send", "next", "send_next"),
+    ("tensor_recv_next", "recv", "next", "recv_next"),
+)
 
 
 def _wrap_p2p_ops(fn: Callable) -> Callable:
@@ -342,8 +364,10 @@ def _wrap_p2p_ops(fn: Callable) -> Callable:
                 ops.append((slot, record, f"wait {op} {'->' if op == 'send' else '<-'} {peer}"))
         if isinstance(reqs, dict):
             by_slot = {slot: (record, label) for slot, record, label in ops}
-            return {k: _P2PWork(w, rec, [by_slot[k][0]], by_slot[k][1]) if k in by_slot else w
-                    for k, w in reqs.items()}
+            return {
+                k: _P2PWork(w, rec, [by_slot[k][0]], by_slot[k][1]) if k in by_slot else w
+                for k, w in reqs.items()
+            }
         reqs = list(reqs)
         if len(reqs) == len(ops):
             return [_P2PWork(w, rec, [record], label) for w, (_, record, label) in zip(reqs, ops)]
@@ -360,10 +384,16 @@ def _wrap_communicate(fn: Callable) -> Callable:
         rec = _recording()
         if rec is None:
             return fn(self, **kwargs)
-        what = [name for name, on in (("send_next", kwargs.get("tensor_send_next") is not None),
-                                      ("send_prev", kwargs.get("tensor_send_prev") is not None),
-                                      ("recv_prev", kwargs.get("recv_prev")),
-                                      ("recv_next", kwargs.get("recv_next"))) if on]
+        what = [
+            name
+            for name, on in (
+                ("send_next", kwargs.get("tensor_send_next") is not None),
+                ("send_prev", kwargs.get("tensor_send_prev") is not None),
+                ("recv_prev", kwargs.get("recv_prev")),
+                ("recv_next", kwargs.get("recv_next")),
+            )
+            if on
+        ]
         rec.counts["communicate"] += 1
         s = _Span(rec, "p2p " + "+".join(what), "pp", None, False)
         rec._push(s)
@@ -396,7 +426,9 @@ def _wrap_bucket(fn: Callable, what: str) -> Callable:
             overlapped = cfg.overlap_grad_reduce
         else:
             op = "all_gather params"
-            overlapped = cfg.overlap_param_gather and not (args[0] if args else kwargs.get("force_sync", False))
+            overlapped = cfg.overlap_param_gather and not (
+                args[0] if args else kwargs.get("force_sync", False)
+            )
         blocked = not (start and overlapped)
         rec.suppress += 1
         d0 = rec.device_mark()
@@ -437,8 +469,10 @@ def install(rec: Recorder, slow_s: float = 0.0) -> None:
     import megatron.core
 
     if megatron.core.__version__ != MEGATRON_VERSION:
-        raise RuntimeError(f"mega.obs instruments megatron-core {MEGATRON_VERSION}, found "
-                           f"{megatron.core.__version__}: re-run tests/test_obs.py and update the wrappers")
+        raise RuntimeError(
+            f"mega.obs instruments megatron-core {MEGATRON_VERSION}, found "
+            f"{megatron.core.__version__}: re-run tests/test_obs.py and update the wrappers"
+        )
     from megatron.core.distributed import param_and_grad_buffer as pgb
     from megatron.core.pipeline_parallel import p2p_communication as p2p
     from megatron.core.pipeline_parallel import schedules
@@ -456,9 +490,16 @@ def install(rec: Recorder, slow_s: float = 0.0) -> None:
         _replace(group, what, _wrap_bucket(getattr(group, what), what))
     for name, label in _TP_MAPPINGS.items():
         _replace(mappings, name, _wrap_tp_mapping(getattr(mappings, name), f"{label} ({name.strip('_')})"))
-    _replace(layers, "dist_all_gather_func", _wrap_collective(layers.dist_all_gather_func, "all_gather (linear)", "tp"))
-    _replace(layers, "dist_reduce_scatter_func",
-             _wrap_collective(layers.dist_reduce_scatter_func, "reduce_scatter (linear)", "tp"))
+    _replace(
+        layers,
+        "dist_all_gather_func",
+        _wrap_collective(layers.dist_all_gather_func, "all_gather (linear)", "tp"),
+    )
+    _replace(
+        layers,
+        "dist_reduce_scatter_func",
+        _wrap_collective(layers.dist_reduce_scatter_func, "reduce_scatter (linear)", "tp"),
+    )
     for name in TORCH_COLLECTIVES:
         _replace(dist, name, _wrap_collective(getattr(dist, name), name.strip("_")))
 
@@ -474,5 +515,3 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return bool(_originals)
-
-

@@ -62,8 +62,11 @@ def calibrate(iterations: int = 2000) -> dict[str, float]:
     try:
         group = _Group()
         tensor = SimpleNamespace(numel=lambda: 1, element_size=lambda: 4)
-        bucket = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True,
-                                                            overlap_grad_reduce=True, overlap_param_gather=False))
+        bucket = SimpleNamespace(
+            ddp_config=SimpleNamespace(
+                use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=False
+            )
+        )
         collective = hooks._wrap_collective(_noop, "all_reduce")
         mapping = hooks._wrap_tp_mapping(_noop, "all_reduce")
         bucket_start = hooks._wrap_bucket(lambda self: None, "start_grad_sync")
@@ -72,8 +75,15 @@ def calibrate(iterations: int = 2000) -> dict[str, float]:
         communicate = hooks._wrap_communicate(lambda self, **k: None)
         gc_hook = gc_control.GarbageCollection(0, rec)
         done = _Done()
-        p2p_kwargs = dict(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=tensor,
-                          tensor_recv_next=None, group=None, prev_pipeline_rank=0, next_pipeline_rank=1)
+        p2p_kwargs = dict(
+            tensor_send_prev=None,
+            tensor_recv_prev=None,
+            tensor_send_next=tensor,
+            tensor_recv_next=None,
+            group=None,
+            prev_pipeline_rank=0,
+            next_pipeline_rank=1,
+        )
 
         def span():
             with rec.span("x", "forward"):
@@ -99,11 +109,16 @@ def calibrate(iterations: int = 2000) -> dict[str, float]:
             "collective": _per_call(lambda: collective(1, group=group), n, rec) - bare,
             "tp_mapping": _per_call(lambda: mapping(1, group), n, rec) - bare,
             "bucket": _per_call(lambda: bucket_start(bucket), n, rec) - bare,
-            "p2p": _per_call(lambda: p2p(**p2p_kwargs), n, rec) - _per_call(lambda: _noop_p2p(**p2p_kwargs), n),
+            "p2p": _per_call(lambda: p2p(**p2p_kwargs), n, rec)
+            - _per_call(lambda: _noop_p2p(**p2p_kwargs), n),
             "async": _per_call(async_wait, n, rec) - _per_call(done.wait, n),
             "gc": _per_call(gc_pair, n, rec) - empty,
         }
-        units["p2p_wait"] = _per_call(p2p_wait, n, rec) - _per_call(lambda: _noop_p2p(**p2p_kwargs)["send_next"].wait(), n) - units["p2p"]
+        units["p2p_wait"] = (
+            _per_call(p2p_wait, n, rec)
+            - _per_call(lambda: _noop_p2p(**p2p_kwargs)["send_next"].wait(), n)
+            - units["p2p"]
+        )
         rec.active = False
         units["passthrough"] = _per_call(lambda: collective(1, group=group), n) - bare
     finally:

@@ -26,8 +26,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mega.obs import timeline
 
@@ -36,8 +37,19 @@ _get_ident = threading.get_ident
 _PHASE_CATS = frozenset((*timeline.PHASES, "schedule"))  # what a watcher sees as the rank's phase
 # What end_step returns for the metrics row (mega.metrics logs them to TensorBoard too).
 # Instrumented code paths whose calls are counted (their unit cost: mega.obs.overhead.calibrate).
-COUNTED_PATHS = ("span", "fwdbwd", "communicate", "collective", "tp_mapping", "bucket", "p2p", "p2p_wait",
-                 "async", "passthrough", "gc")
+COUNTED_PATHS = (
+    "span",
+    "fwdbwd",
+    "communicate",
+    "collective",
+    "tp_mapping",
+    "bucket",
+    "p2p",
+    "p2p_wait",
+    "async",
+    "passthrough",
+    "gc",
+)
 ROW_KEYS = ("compute_s", "exposed_tp_s", "exposed_pp_s", "exposed_dp_s", "exposed_other_s", "pp_wait_s")
 
 
@@ -46,7 +58,7 @@ class _Span:
 
     __slots__ = ("rec", "name", "cat", "args", "blocked", "t0", "d0", "prev_phase", "prev_doing")
 
-    def __init__(self, rec: "Recorder", name: str, cat: str, args, blocked: bool):
+    def __init__(self, rec: Recorder, name: str, cat: str, args, blocked: bool):
         self.rec, self.name, self.cat, self.args, self.blocked = rec, name, cat, args, blocked
 
     def __enter__(self):
@@ -75,9 +87,18 @@ class Recorder:
     """Spans of one rank. ``enabled=False`` gives a recorder whose calls do nothing (``obs.enabled``
     off), so the training loop calls it unconditionally."""
 
-    def __init__(self, run_dir: str | Path | None, identity: dict, *, enabled: bool = True,
-                 clock: Callable[[], int] = time.perf_counter_ns, clock_offset_ns: int = 0,
-                 exchange=None, device_timer=None, attempt: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        identity: dict,
+        *,
+        enabled: bool = True,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        clock_offset_ns: int = 0,
+        exchange=None,
+        device_timer=None,
+        attempt: int = 0,
+    ):
         self.enabled = enabled
         self.identity = identity
         self.rank = identity.get("rank", 0)
@@ -107,8 +128,9 @@ class Recorder:
         self._writer: _FlushThread | None = None
         if enabled and run_dir is not None:
             self.path = Path(run_dir) / "obs" / f"attempt-{attempt}" / f"rank-{self.rank:05d}.jsonl"
-            self._writer = _FlushThread(self.path, {"header": {**identity, "attempt": attempt,
-                                                               "clock_offset_ns": clock_offset_ns}})
+            self._writer = _FlushThread(
+                self.path, {"header": {**identity, "attempt": attempt, "clock_offset_ns": clock_offset_ns}}
+            )
             atexit.register(self._at_exit)  # a rank failing mid-run still leaves its last steps
 
     # -- spans ---------------------------------------------------------------------------------
@@ -140,8 +162,16 @@ class Recorder:
         self.spans.append((s.name, s.cat, s.t0, t1, len(self._stack), s.blocked, s.args))
         self.phase, self.doing = s.prev_phase, s.prev_doing
 
-    def record(self, name: str, cat: str, t0: int, t1: int, blocked: bool = True, args: Any = None,
-               dev: tuple | None = None) -> None:
+    def record(
+        self,
+        name: str,
+        cat: str,
+        t0: int,
+        t1: int,
+        blocked: bool = True,
+        args: Any = None,
+        dev: tuple | None = None,
+    ) -> None:
         """A finished span measured by the caller (the wrappers of mega.obs.megatron_hooks);
         ``dev``: its (start, end) device events on GPUs."""
         if dev is not None:
@@ -249,21 +279,36 @@ class Recorder:
     def _flush_step(self, now: int) -> None:
         if self.step is None or self._writer is None:
             return
-        self._writer.put({"step": self.step + 1, "t0": self.step_t0, "t1": self.step_t1 or now,
-                          "tail_t1": now, "summary": self.summary, "spans": self.spans, "p2p": self.p2p,
-                          "async": self.asyncs, "device": self.device})
+        self._writer.put(
+            {
+                "step": self.step + 1,
+                "t0": self.step_t0,
+                "t1": self.step_t1 or now,
+                "tail_t1": now,
+                "summary": self.summary,
+                "spans": self.spans,
+                "p2p": self.p2p,
+                "async": self.asyncs,
+                "device": self.device,
+            }
+        )
 
     def snapshot(self) -> dict:
         """For a watcher thread: what the rank is doing now and its last step's numbers."""
         now = self.clock()
         cat, name, since = self.phase
         dcat, dname, dsince = self.doing
-        return {"rank": self.rank, "step": None if self.step is None else self.step + 1,
-                "phase": cat, "phase_s": (now - since) * 1e-9 if since else None,
-                "doing": f"{dcat} {dname}".strip(), "doing_s": (now - dsince) * 1e-9 if dsince else None,
-                "last_step": self.last_step}
+        return {
+            "rank": self.rank,
+            "step": None if self.step is None else self.step + 1,
+            "phase": cat,
+            "phase_s": (now - since) * 1e-9 if since else None,
+            "doing": f"{dcat} {dname}".strip(),
+            "doing_s": (now - dsince) * 1e-9 if dsince else None,
+            "last_step": self.last_step,
+        }
 
-    def close(self, account: Callable[["Recorder"], dict] | None = None) -> dict | None:
+    def close(self, account: Callable[[Recorder], dict] | None = None) -> dict | None:
         """Flush the last step and stop the flush thread; then ``account(self)`` (the overhead
         accounting, which needs the flush thread's final CPU time) is appended to the file."""
         if not self.enabled:
@@ -322,7 +367,7 @@ class _FlushThread:
                         f.flush()
                 f.flush()
                 os.fsync(f.fileno())
-        except BaseException as e:  # noqa: BLE001 - a full disk must not kill training: say so at close
+        except BaseException as e:
             self.error = e
         finally:
             self.cpu_ns = time.thread_time_ns()  # this thread's CPU time, all of it

@@ -32,13 +32,18 @@ def build(run_dir: str | Path, tensorboard: bool = True) -> dict:
         "ranks": len(tl.ranks),
         "steps": len(tl.step_numbers()),
         "straggler_scores": {str(r): round(scores[r], 4) for r in data["ranks"]},
-        "top_stragglers": [{"rank": r, "label": tl.headers[r].get("label"), "score": round(scores[r], 4)}
-                           for r in ranking[:5]],
-        "exposed_mean_s": {k: _mean([row[f"exposed_{k}_max_s"] for row in steady]) for k in ("tp", "pp", "dp", "other")},
+        "top_stragglers": [
+            {"rank": r, "label": tl.headers[r].get("label"), "score": round(scores[r], 4)}
+            for r in ranking[:5]
+        ],
+        "exposed_mean_s": {
+            k: _mean([row[f"exposed_{k}_max_s"] for row in steady]) for k in ("tp", "pp", "dp", "other")
+        },
         # the same without the waits on a late peer (a straggler's cost, not communication);
         # pipeline p2p is counted that way already
-        "exposed_from_arrival_mean_s": {k: _mean([row[f"exposed_{k}_from_arrival_max_s"] for row in steady])
-                                        for k in ("tp", "dp")},
+        "exposed_from_arrival_mean_s": {
+            k: _mean([row[f"exposed_{k}_from_arrival_max_s"] for row in steady]) for k in ("tp", "dp")
+        },
         "overhead": analysis.overhead(tl)["overhead"],
     }
     if tensorboard:
@@ -77,7 +82,9 @@ def write_tensorboard(run_dir: Path, tl: analysis.RunTimeline, data: dict) -> No
             if not math.isnan(score):
                 writer.add_scalar(f"obs/straggler_score/rank_{rank:05d}", score, last)
         for j, step in enumerate(data["steps"]):
-            column = [(row[j], data["ranks"][i]) for i, row in enumerate(data["relative"]) if row[j] is not None]
+            column = [
+                (row[j], data["ranks"][i]) for i, row in enumerate(data["relative"]) if row[j] is not None
+            ]
             if column:
                 value, rank = max(column)
                 writer.add_scalar("obs/max_relative_compute", value, step)
@@ -90,14 +97,18 @@ def markdown(result: dict, title: str = "Observability") -> str:
     """Summary tables and the heat map inlined (base64), so the Prefect UI shows it as is."""
     rows = "\n".join(f"| {s['rank']} | {s['label']} | {s['score']:.3f} |" for s in result["top_stragglers"])
     late = result.get("exposed_from_arrival_mean_s", {})
-    exposed = "\n".join(f"| {k.upper()} | {_ms(v)} | {_ms(late[k]) if k in late else _ms(v) if k == 'pp' else 'n/a'} |"
-                        for k, v in result["exposed_mean_s"].items())
+    exposed = "\n".join(
+        f"| {k.upper()} | {_ms(v)} | {_ms(late[k]) if k in late else _ms(v) if k == 'pp' else 'n/a'} |"
+        for k, v in result["exposed_mean_s"].items()
+    )
     png = base64.b64encode(Path(result["heatmap"]).read_bytes()).decode("ascii")
     overhead = "n/a" if result["overhead"] is None else f"{result['overhead']:.3%}"
-    return (f"# {title}\n\n{result['ranks']} ranks, {result['steps']} steps; recorder overhead (counted) "
-            f"{overhead}; merged trace: `{result['trace']}` (open in ui.perfetto.dev)\n\n"
-            f"## Stragglers (compute time / median of the same pipeline stage)\n\n"
-            f"| rank | where | score |\n| --- | --- | --- |\n{rows}\n\n"
-            f"## Exposed communication per step (slowest rank, mean over steps after the first), ms\n\n"
-            f"| kind | ms | without waits on a late peer, ms |\n| --- | --- | --- |\n{exposed}\n\n"
-            f"![heat map](data:image/png;base64,{png})\n")
+    return (
+        f"# {title}\n\n{result['ranks']} ranks, {result['steps']} steps; recorder overhead (counted) "
+        f"{overhead}; merged trace: `{result['trace']}` (open in ui.perfetto.dev)\n\n"
+        f"## Stragglers (compute time / median of the same pipeline stage)\n\n"
+        f"| rank | where | score |\n| --- | --- | --- |\n{rows}\n\n"
+        f"## Exposed communication per step (slowest rank, mean over steps after the first), ms\n\n"
+        f"| kind | ms | without waits on a late peer, ms |\n| --- | --- | --- |\n{exposed}\n\n"
+        f"![heat map](data:image/png;base64,{png})\n"
+    )

@@ -26,15 +26,25 @@ def rank_identity() -> dict:
     from megatron.core import parallel_state as ps
 
     rank, node = dist.get_rank(), int(os.environ.get("GROUP_RANK", "0"))
-    tp, pp, dp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+    tp, pp, dp = (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
     return {
-        "rank": rank, "world": dist.get_world_size(), "node": node,
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "node": node,
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-        "tp": tp, "pp": pp, "dp": dp,
-        "tp_size": ps.get_tensor_model_parallel_world_size(), "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_size": ps.get_pipeline_model_parallel_world_size(),
         "dp_size": ps.get_data_parallel_world_size(),
         "vpp_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-        "host": socket.gethostname(), "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
         "label": f"node {node} / rank {rank} (tp {tp}, pp {pp}, dp {dp})",
     }
 
@@ -68,8 +78,11 @@ class PostExchange:
         if len(rows) > self.capacity and not self.warned:
             # cannot happen with megatron's schedules (4 per microbatch and chunk): say so if it does
             self.warned = True
-            print(f"[mega.obs] {len(rows)} p2p operations in a step, more than {self.capacity}: the rest "
-                  "count as whole waits", file=sys.stderr)
+            print(
+                f"[mega.obs] {len(rows)} p2p operations in a step, more than {self.capacity}: the rest "
+                "count as whole waits",
+                file=sys.stderr,
+            )
         rows = rows[: self.capacity] + [[0] * 5] * (self.capacity - len(rows))
         table = torch.tensor(rows, dtype=torch.int64, device=self.device)
         tables = [torch.empty_like(table) for _ in range(self.size)]
@@ -79,8 +92,11 @@ class PostExchange:
         tables, work = pending
         work.wait()
         names = {v: k for k, v in self.OPS.items()}
-        return {(names[row[0]], row[1], row[2], row[3]): row[4]
-                for row in self.torch.cat(tables).cpu().tolist() if row[0]}
+        return {
+            (names[row[0]], row[1], row[2], row[3]): row[4]
+            for row in self.torch.cat(tables).cpu().tolist()
+            if row[0]
+        }
 
 
 class StepProfiler:
@@ -88,7 +104,7 @@ class StepProfiler:
     metrics count them), one Chrome trace per rank in ``<run_dir>/profile/``."""
 
     def __init__(self, steps: list[int] | None, run_dir: Path, rank: int, cuda: bool):
-        self.first, self.last = (steps or (0, -1))
+        self.first, self.last = steps or (0, -1)
         self.path = Path(run_dir) / "profile" / f"rank-{rank:05d}.json"
         self.cuda = cuda
         self._prof = None
@@ -116,7 +132,7 @@ class Session:
         self.rec, self.gc, self.profiler = rec, gc, profiler
 
     @classmethod
-    def start(cls, cfg) -> "Session":
+    def start(cls, cfg) -> Session:
         import torch.distributed as dist
 
         cpu0 = time.thread_time_ns()
@@ -150,8 +166,15 @@ class Session:
                 from mega.obs.cuda import DeviceTimer
 
                 device_timer = DeviceTimer(clock)
-            rec = Recorder(run_dir, {**identity, **est.as_dict()}, clock=clock, clock_offset_ns=est.offset_ns,
-                           exchange=exchange, device_timer=device_timer, attempt=attempt)
+            rec = Recorder(
+                run_dir,
+                {**identity, **est.as_dict()},
+                clock=clock,
+                clock_offset_ns=est.offset_ns,
+                exchange=exchange,
+                device_timer=device_timer,
+                attempt=attempt,
+            )
             from mega.obs import megatron_hooks
 
             megatron_hooks.install(rec, slow_s=f.slow_s if f.slow_rank == rank else 0.0)

@@ -20,7 +20,7 @@ peer that is still computing is the peer's compute, not communication.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 COMM_KINDS = ("tp", "pp", "dp", "other")
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
@@ -85,8 +85,14 @@ def p2p_exposed(record: Sequence, peer_post_ns: int | None) -> Interval | None:
     return (start, w1) if w1 > start else None
 
 
-def summarize(spans: Sequence[Sequence], p2p: Sequence[Sequence], step_t0: int, step_t1: int,
-              peer_posts: dict | None = None, rank: int | None = None) -> dict:
+def summarize(
+    spans: Sequence[Sequence],
+    p2p: Sequence[Sequence],
+    step_t0: int,
+    step_t1: int,
+    peer_posts: dict | None = None,
+    rank: int | None = None,
+) -> dict:
     """One rank's step in seconds.
 
     ``peer_posts`` maps ``post_key`` of peers' operations to their post time on this rank's

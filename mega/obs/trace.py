@@ -59,11 +59,25 @@ def build(tl: analysis.RunTimeline) -> dict:
     for index, rank in enumerate(tl.ordered_ranks()):
         h = tl.headers[rank]
         meta += [
-            {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": h.get("label", f"rank {rank}")}},
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "tid": 0,
+                "args": {"name": h.get("label", f"rank {rank}")},
+            },
             {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": index}},
             {"ph": "M", "name": "thread_name", "pid": rank, "tid": MAIN_TID, "args": {"name": "main thread"}},
-            *({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": f"in flight {kind}"}}
-              for kind, tid in TRACKS.items()),
+            *(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"name": f"in flight {kind}"},
+                }
+                for kind, tid in TRACKS.items()
+            ),
         ]
         for step, rec in sorted(tl.steps.get(rank, {}).items()):
             off = rec["_offset"]
@@ -72,42 +86,108 @@ def build(tl: analysis.RunTimeline) -> dict:
                 return _us(t + off, origin)
 
             summary = rec.get("summary") or {}
-            events.append(_complete(f"step {step}", "step", us(rec["t0"]), us(rec["t1"]), rank, MAIN_TID,
-                                    {k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()}))
+            events.append(
+                _complete(
+                    f"step {step}",
+                    "step",
+                    us(rec["t0"]),
+                    us(rec["t1"]),
+                    rank,
+                    MAIN_TID,
+                    {k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()},
+                )
+            )
             for name, cat, t0, t1, _depth, blocked, args in rec["spans"]:
                 a = dict(args) if isinstance(args, dict) else {}
                 if blocked:
                     a["blocked"] = True
                 events.append(_complete(name, cat, us(t0), us(t1), rank, MAIN_TID, a))
-            for i, (op, peer, seq, post, w0, w1, nbytes) in enumerate(rec["p2p"]):
+            for i, (op, peer, seq, post, _w0, w1, nbytes) in enumerate(rec["p2p"]):
                 end = us(w1) if w1 is not None else us(rec["t1"])
                 name = f"{op} {'->' if op == 'send' else '<-'} {peer}"
-                events += _async(name, "pp", us(post), end, rank, TRACKS["pp"], f"{rank}.{step}.p{i}",
-                                 {"seq": seq, "bytes": nbytes})
+                events += _async(
+                    name,
+                    "pp",
+                    us(post),
+                    end,
+                    rank,
+                    TRACKS["pp"],
+                    f"{rank}.{step}.p{i}",
+                    {"seq": seq, "bytes": nbytes},
+                )
                 if op == "recv" and w1 is not None:
                     src = sends.get((rec["_attempt"], peer, rank, seq))
                     if src is not None:
                         flow += 1
-                        events.append({"ph": "s", "name": "p2p", "cat": "p2p", "id": flow, "pid": peer,
-                                       "tid": MAIN_TID, "ts": src})
-                        events.append({"ph": "f", "bp": "e", "name": "p2p", "cat": "p2p", "id": flow, "pid": rank,
-                                       "tid": MAIN_TID, "ts": end})
+                        events.append(
+                            {
+                                "ph": "s",
+                                "name": "p2p",
+                                "cat": "p2p",
+                                "id": flow,
+                                "pid": peer,
+                                "tid": MAIN_TID,
+                                "ts": src,
+                            }
+                        )
+                        events.append(
+                            {
+                                "ph": "f",
+                                "bp": "e",
+                                "name": "p2p",
+                                "cat": "p2p",
+                                "id": flow,
+                                "pid": rank,
+                                "tid": MAIN_TID,
+                                "ts": end,
+                            }
+                        )
             for i, (kind, name, post, _w0, w1) in enumerate(rec["async"]):
                 if w1 is not None:
-                    events += _async(name, kind, us(post), us(w1), rank, TRACKS.get(kind, TRACKS["other"]),
-                                     f"{rank}.{step}.a{i}", {})
+                    events += _async(
+                        name,
+                        kind,
+                        us(post),
+                        us(w1),
+                        rank,
+                        TRACKS.get(kind, TRACKS["other"]),
+                        f"{rank}.{step}.a{i}",
+                        {},
+                    )
             if summary:
                 ts = us(rec["t1"])
-                events.append({"ph": "C", "name": "exposed communication (ms)", "pid": rank, "tid": MAIN_TID,
-                               "ts": ts, "args": {k: round(1e3 * summary[f"exposed_{k}_s"], 3)
-                                                  for k in timeline.COMM_KINDS}})
-                events.append({"ph": "C", "name": "compute (ms)", "pid": rank, "tid": MAIN_TID, "ts": ts,
-                               "args": {"compute": round(1e3 * summary["compute_s"], 3)}})
+                events.append(
+                    {
+                        "ph": "C",
+                        "name": "exposed communication (ms)",
+                        "pid": rank,
+                        "tid": MAIN_TID,
+                        "ts": ts,
+                        "args": {k: round(1e3 * summary[f"exposed_{k}_s"], 3) for k in timeline.COMM_KINDS},
+                    }
+                )
+                events.append(
+                    {
+                        "ph": "C",
+                        "name": "compute (ms)",
+                        "pid": rank,
+                        "tid": MAIN_TID,
+                        "ts": ts,
+                        "args": {"compute": round(1e3 * summary["compute_s"], 3)},
+                    }
+                )
     # by time, parents before their children at equal start (longer first), so viewers nest them
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
-    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-            "otherData": {"run_dir": str(tl.run_dir), "ranks": len(tl.ranks), "steps": tl.step_numbers(),
-                          "clock": "rank 0's perf_counter; other nodes aligned by store round trips"}}
+    return {
+        "traceEvents": meta + events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "run_dir": str(tl.run_dir),
+            "ranks": len(tl.ranks),
+            "steps": tl.step_numbers(),
+            "clock": "rank 0's perf_counter; other nodes aligned by store round trips",
+        },
+    }
 
 
 def _us(ns: int, origin: int) -> float:
@@ -115,13 +195,23 @@ def _us(ns: int, origin: int) -> float:
 
 
 def _complete(name, cat, ts, end, pid, tid, args) -> dict:
-    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": round(max(0.0, end - ts), 3), "pid": pid,
-            "tid": tid, "args": args}
+    return {
+        "ph": "X",
+        "name": name,
+        "cat": cat,
+        "ts": ts,
+        "dur": round(max(0.0, end - ts), 3),
+        "pid": pid,
+        "tid": tid,
+        "args": args,
+    }
 
 
 def _async(name, cat, ts, end, pid, tid, ident, args) -> list[dict]:
-    return [{"ph": "b", "name": name, "cat": cat, "id": ident, "ts": ts, "pid": pid, "tid": tid, "args": args},
-            {"ph": "e", "name": name, "cat": cat, "id": ident, "ts": max(ts, end), "pid": pid, "tid": tid}]
+    return [
+        {"ph": "b", "name": name, "cat": cat, "id": ident, "ts": ts, "pid": pid, "tid": tid, "args": args},
+        {"ph": "e", "name": name, "cat": cat, "id": ident, "ts": max(ts, end), "pid": pid, "tid": tid},
+    ]
 
 
 def write(run_dir: str | Path, steps: tuple[int, int] | None = None, out: str | Path | None = None) -> Path:
@@ -130,7 +220,11 @@ def write(run_dir: str | Path, steps: tuple[int, int] | None = None, out: str | 
     tl = analysis.load(run_dir, steps)
     trace = build(tl)
     if out is None:
-        name = "trace.json" if steps is None else f"trace-steps-{steps[0]}-{min(steps[1], max(tl.step_numbers()))}.json"
+        name = (
+            "trace.json"
+            if steps is None
+            else f"trace-steps-{steps[0]}-{min(steps[1], max(tl.step_numbers()))}.json"
+        )
         out = Path(run_dir) / name
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,11 +233,16 @@ def write(run_dir: str | Path, steps: tuple[int, int] | None = None, out: str | 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mega.trace", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mega.trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path, help="a training run's directory (train.run_dir)")
-    parser.add_argument("--steps", type=_steps_arg, default=None, help="a:b, 1-based and inclusive (a: or :b too)")
-    parser.add_argument("--out", type=Path, default=None, help="where the trace goes (default: under RUN_DIR)")
+    parser.add_argument(
+        "--steps", type=_steps_arg, default=None, help="a:b, 1-based and inclusive (a: or :b too)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="where the trace goes (default: under RUN_DIR)"
+    )
     return parser
 
 

@@ -118,7 +118,9 @@ def _whole_tensors(wrapper) -> tuple[list[list[torch.Tensor]], list[torch.Tensor
     inner = wrapper.optimizer
     tp = ps.get_tensor_model_parallel_world_size()
     if isinstance(wrapper, DistributedOptimizer):
-        model_groups = [fp32 + f16 for fp32, f16 in zip(wrapper.model_fp32_groups, wrapper.model_float16_groups)]
+        model_groups = [
+            fp32 + f16 for fp32, f16 in zip(wrapper.model_fp32_groups, wrapper.model_float16_groups)
+        ]
         assert [len(m) for m in model_groups] == [len(g["params"]) for g in inner.param_groups]
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         dp = wrapper.data_parallel_group.size()
@@ -127,7 +129,8 @@ def _whole_tensors(wrapper) -> tuple[list[list[torch.Tensor]], list[torch.Tensor
             # shards are spread over another group; not needed yet.
             raise NotImplementedError(
                 f"lamb: the distributed optimizer shards over {dp} ranks, but the TPxDP group "
-                f"has {group.size()} (tp={tp})")
+                f"has {group.size()} (tp={tp})"
+            )
         universe = [param for buffer in wrapper.buffers for param in buffer.params]
         return model_groups, universe, group
     model_groups = [list(g["params"]) for g in inner.param_groups]

@@ -82,8 +82,11 @@ class Lamb(torch.optim.Optimizer):
         if any(not 0 <= t < self.num_tensors for t in self._tensor_id.values()):
             raise ValueError(f"tensor ids must lie in [0, {self.num_tensors})")
         first = next((p for g in groups for p in g), None)
-        self.device = torch.device(device) if device is not None else (
-            first.device if first is not None else torch.device("cpu"))
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (first.device if first is not None else torch.device("cpu"))
+        )
         self.num_reductions = 0  # all-reduces issued (one per step with a norm_group)
 
     # -----------------------------------------------------------------------------------------

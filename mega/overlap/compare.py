@@ -26,16 +26,32 @@ SCRIPT_STATUS = "unverified on GPU: written and run on CPU/gloo only (none, ring
 def build_config(backend: str, args, world: int, cuda: bool):
     from mega.config import from_dict
 
-    return from_dict({
-        "model": {"num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": args.heads,
-                  "seq_length": args.seq, "vocab_size": 128, "block": args.block},
-        "parallelism": {"tp": world, "sequence_parallel": True, "tp_overlap": backend,
-                        "micro_batch_size": args.micro_batch, "global_batch_size": args.micro_batch},
-        "cluster": {"procs_per_node": world, "device": "cuda" if cuda else "cpu",
-                    "backend": "nccl" if cuda else "gloo",
-                    "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cuda else {}},
-        "train": {"precision": args.precision if cuda else "fp32"},
-    })
+    return from_dict(
+        {
+            "model": {
+                "num_layers": args.layers,
+                "hidden_size": args.hidden,
+                "num_attention_heads": args.heads,
+                "seq_length": args.seq,
+                "vocab_size": 128,
+                "block": args.block,
+            },
+            "parallelism": {
+                "tp": world,
+                "sequence_parallel": True,
+                "tp_overlap": backend,
+                "micro_batch_size": args.micro_batch,
+                "global_batch_size": args.micro_batch,
+            },
+            "cluster": {
+                "procs_per_node": world,
+                "device": "cuda" if cuda else "cpu",
+                "backend": "nccl" if cuda else "gloo",
+                "env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if cuda else {},
+            },
+            "train": {"precision": args.precision if cuda else "fp32"},
+        }
+    )
 
 
 def run_backend(backend: str, args, world: int, cuda: bool) -> dict:
@@ -69,8 +85,12 @@ def run_backend(backend: str, args, world: int, cuda: bool) -> dict:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     grads = {n: p.grad.float().cpu() for n, p in decoder.named_parameters() if p.grad is not None}
-    return {"times": times, "out": out.detach().float().cpu(), "grad_input": hidden.grad.float().cpu(),
-            "grads": grads}
+    return {
+        "times": times,
+        "out": out.detach().float().cpu(),
+        "grad_input": hidden.grad.float().cpu(),
+        "grads": grads,
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -88,14 +108,20 @@ def compare(backends: list[str], args, world: int, cuda: bool) -> list[dict]:
             rows.append({"backend": backend, "skipped": str(err)})
     ref = runs.get("none")
     for backend, r in runs.items():
-        row = {"backend": backend, "step_ms_median": 1e3 * statistics.median(r["times"]),
-               "step_ms_min": 1e3 * min(r["times"]), "iters": len(r["times"])}
+        row = {
+            "backend": backend,
+            "step_ms_median": 1e3 * statistics.median(r["times"]),
+            "step_ms_min": 1e3 * min(r["times"]),
+            "iters": len(r["times"]),
+        }
         if ref is not None and backend != "none":
             common = sorted(set(r["grads"]) & set(ref["grads"]))  # te renames the LayerNorm weights
             row["max_rel_diff_vs_none"] = {
-                "output": _rel(r["out"], ref["out"]), "grad_input": _rel(r["grad_input"], ref["grad_input"]),
+                "output": _rel(r["out"], ref["out"]),
+                "grad_input": _rel(r["grad_input"], ref["grad_input"]),
                 "param_grads": max(_rel(r["grads"][n], ref["grads"][n]) for n in common),
-                "params_compared": len(common)}
+                "params_compared": len(common),
+            }
         rows.append(row)
     return rows
 
@@ -139,10 +165,24 @@ def main(argv=None) -> int:
         backends = [b for b in backends if b in ("none", "ring")]  # the others are CUDA kernels
     rows = compare(backends, args, world, cuda)
     if dist.get_rank() == 0:
-        print(json.dumps({"script_status": SCRIPT_STATUS, "device": torch.cuda.get_device_name() if cuda else "cpu",
-                          "tp": world, "block": args.block, "precision": args.precision if cuda else "fp32",
-                          "shape": {"seq": args.seq, "micro_batch": args.micro_batch, "hidden": args.hidden,
-                                    "layers": args.layers}, "rows": rows}))
+        print(
+            json.dumps(
+                {
+                    "script_status": SCRIPT_STATUS,
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "tp": world,
+                    "block": args.block,
+                    "precision": args.precision if cuda else "fp32",
+                    "shape": {
+                        "seq": args.seq,
+                        "micro_batch": args.micro_batch,
+                        "hidden": args.hidden,
+                        "layers": args.layers,
+                    },
+                    "rows": rows,
+                }
+            )
+        )
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

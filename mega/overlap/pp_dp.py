@@ -74,9 +74,12 @@ def resolve(p) -> PpDpOverlap:
             gather = True
         else:
             left_off["overlap_param_gather"] = (
-                "dp=1: nothing to all-gather" if p.dp == 1
-                else "needs parallelism.use_distributed_optimizer=true" if not p.use_distributed_optimizer
-                else "needs parallelism.overlap_grad_reduce=true")
+                "dp=1: nothing to all-gather"
+                if p.dp == 1
+                else "needs parallelism.use_distributed_optimizer=true"
+                if not p.use_distributed_optimizer
+                else "needs parallelism.overlap_grad_reduce=true"
+            )
         if gather and _interleaved(p):
             align = True
         elif gather:
@@ -92,10 +95,12 @@ def problems(cfg) -> list[tuple[str, str]]:
         return [("parallelism.comm_overlap", f"must be one of {COMM_OVERLAP_MODES}, got {p.comm_overlap!r}")]
     why = "megatron's non-interleaved 1F1B {}; set parallelism.vpp>1 (with pp>1) or turn it off"
     if not _interleaved(p):
-        for flag, what in [("overlap_p2p_comm", "refuses overlap_p2p_comm"),
-                           ("overlap_p2p_comm_warmup_flush", "refuses overlap_p2p_comm"),
-                           ("align_param_gather", "never calls param_sync_func"),
-                           ("overlap_param_gather_with_optimizer_step", "has no chunk 0 to prefetch")]:
+        for flag, what in [
+            ("overlap_p2p_comm", "refuses overlap_p2p_comm"),
+            ("overlap_p2p_comm_warmup_flush", "refuses overlap_p2p_comm"),
+            ("align_param_gather", "never calls param_sync_func"),
+            ("overlap_param_gather_with_optimizer_step", "has no chunk 0 to prefetch"),
+        ]:
             if getattr(p, flag):
                 out.append(("parallelism.vpp", f"parallelism.{flag}=true: " + why.format(what)))
     eff = resolve(p)
@@ -105,7 +110,12 @@ def problems(cfg) -> list[tuple[str, str]]:
         if getattr(p, flag) and not eff.overlap_param_gather:
             out.append((f"parallelism.{flag}", "needs parallelism.overlap_param_gather=true"))
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
-        out.append(("parallelism.ddp_bucket_size", f"must be a positive number of parameters or null, got {p.ddp_bucket_size}"))
+        out.append(
+            (
+                "parallelism.ddp_bucket_size",
+                f"must be a positive number of parameters or null, got {p.ddp_bucket_size}",
+            )
+        )
     if eff.overlap_param_gather and not p.use_distributed_optimizer:
         out.append(("parallelism.overlap_param_gather", "needs parallelism.use_distributed_optimizer=true"))
     if eff.overlap_param_gather and not p.overlap_grad_reduce:  # as Megatron-LM's arguments.py asserts
@@ -123,16 +133,20 @@ def record(p) -> dict:
 def log_line(p) -> str:
     r = record(p)
     off = "; ".join(f"{k}: {v}" for k, v in r["left_off"].items())
-    return (f"comm overlap ({r['mode']}): pp/dp on: {', '.join(r['on']) or 'none'}"
-            + (f"; left off: {off}" if off else ""))
+    return f"comm overlap ({r['mode']}): pp/dp on: {', '.join(r['on']) or 'none'}" + (
+        f"; left off: {off}" if off else ""
+    )
 
 
 # --- megatron-core wiring (torch/megatron imported by the callers only) ----------------------
 
+
 def transformer_config_kwargs(cfg) -> dict:
     eff = resolve(cfg.parallelism)
-    return {"overlap_p2p_comm": eff.overlap_p2p_comm,
-            "overlap_p2p_comm_warmup_flush": eff.overlap_p2p_comm_warmup_flush}
+    return {
+        "overlap_p2p_comm": eff.overlap_p2p_comm,
+        "overlap_p2p_comm_warmup_flush": eff.overlap_p2p_comm_warmup_flush,
+    }
 
 
 def ddp_config_kwargs(cfg) -> dict:

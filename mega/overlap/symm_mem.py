@@ -118,9 +118,11 @@ class _LinearReduceScatter(torch.autograd.Function):
         ag_mm, _ = kernels()
         saved = ctx.saved_tensors
         xs, ws = saved[0::2], saved[1::2]
-        gathered, grad_rows = ag_mm(_rows(grad).contiguous(), list(ws), 0, group_name(ctx.group), return_A=True)
+        gathered, grad_rows = ag_mm(
+            _rows(grad).contiguous(), list(ws), 0, group_name(ctx.group), return_A=True
+        )
         grads = []
-        for x, w, gx in zip(xs, ws, grad_rows):
+        for x, _w, gx in zip(xs, ws, grad_rows):
             grads += [gx.view_as(x), gathered.t() @ _rows(x)]
         return (None, *grads)
 

@@ -46,20 +46,28 @@ def te_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     from megatron.core.extensions import transformer_engine as mte
 
     if not mte.HAVE_TE:
-        raise ImportError("parallelism.tp_overlap=te needs Transformer Engine (pip install "
-                          "transformer-engine[pytorch]) on the GPU nodes")
+        raise ImportError(
+            "parallelism.tp_overlap=te needs Transformer Engine (pip install "
+            "transformer-engine[pytorch]) on the GPU nodes"
+        )
     return _with_te_linears(spec, mte.TELayerNormColumnParallelLinear, mte.TERowParallelLinear)
 
 
 def _with_te_linears(spec: ModuleSpec, column: Any, row: Any) -> ModuleSpec:
     sub = spec.submodules
     attention = sub.self_attention
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, linear_qkv=column, linear_proj=row))
-    mlp = dataclasses.replace(sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, linear_fc1=column,
-                                                                      linear_fc2=row))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(
-        sub, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp, self_attention=attention, mlp=mlp))
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=column, linear_proj=row)
+    )
+    mlp = dataclasses.replace(
+        sub.mlp, submodules=dataclasses.replace(sub.mlp.submodules, linear_fc1=column, linear_fc2=row)
+    )
+    return dataclasses.replace(
+        spec,
+        submodules=dataclasses.replace(
+            sub, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp, self_attention=attention, mlp=mlp
+        ),
+    )
 
 
 def userbuffer_arguments(cfg, dtype) -> dict:
@@ -87,8 +95,10 @@ def initialize_userbuffers(cfg, dtype, te_base=None) -> dict:
         from transformer_engine.pytorch.module import base as te_base
     params = inspect.signature(te_base.initialize_ub).parameters
     if "bootstrap_backend" not in params:
-        raise RuntimeError("parallelism.tp_overlap=te needs Transformer Engine >= 1.9 (userbuffers "
-                           "bootstrapped over torch.distributed)")
+        raise RuntimeError(
+            "parallelism.tp_overlap=te needs Transformer Engine >= 1.9 (userbuffers "
+            "bootstrapped over torch.distributed)"
+        )
     kwargs = userbuffer_arguments(cfg, dtype)
     if "quantization_modes" in params:
         kwargs["quantization_modes"] = [te_base.UserBufferQuantizationMode.NONE]

@@ -39,7 +39,9 @@ def _check_overlappable(layer, kind: str) -> None:
     if layer.config.defer_embedding_wgrad_compute:
         problems.append("does not implement defer_embedding_wgrad_compute")
     if problems:
-        raise ValueError(f"{type(layer).__name__} ({kind}, tp_overlap={layer.backend}): " + "; ".join(problems))
+        raise ValueError(
+            f"{type(layer).__name__} ({kind}, tp_overlap={layer.backend}): " + "; ".join(problems)
+        )
 
 
 class OverlappedColumnParallelLinear(ColumnParallelLinear):
@@ -55,8 +57,10 @@ class OverlappedColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if weight is not None or runtime_gather_output or not self.weight.requires_grad:
-            raise ValueError(f"{type(self).__name__}: an explicit weight, runtime_gather_output and "
-                             "frozen weights are not supported")
+            raise ValueError(
+                f"{type(self).__name__}: an explicit weight, runtime_gather_output and "
+                "frozen weights are not supported"
+            )
         all_gather_linear, _ = BACKENDS[self.backend]
         bias = None if self.skip_bias_add else self.bias
         output = all_gather_linear(input_, self.weight, bias, self.tp_group)
@@ -138,12 +142,15 @@ def overlap_layer_spec(spec: ModuleSpec, backend: str) -> ModuleSpec:
         sub = module_spec.submodules
         for name in fields:
             current = getattr(sub, name)
-            if not (isinstance(current, type) and issubclass(current, (ColumnParallelLinear, RowParallelLinear))):
+            if not (
+                isinstance(current, type) and issubclass(current, (ColumnParallelLinear, RowParallelLinear))
+            ):
                 raise ValueError(f"tp_overlap={backend}: {name} is {current!r}, not a megatron TP linear")
         return dataclasses.replace(module_spec, submodules=dataclasses.replace(sub, **fields))
 
     sub = spec.submodules
-    attention = swap(sub.self_attention, linear_qkv=column,
-                     linear_proj=row_for(sub.self_attention.submodules.linear_proj))
+    attention = swap(
+        sub.self_attention, linear_qkv=column, linear_proj=row_for(sub.self_attention.submodules.linear_proj)
+    )
     mlp = swap(sub.mlp, linear_fc1=column, linear_fc2=row_for(sub.mlp.submodules.linear_fc2))
     return dataclasses.replace(spec, submodules=dataclasses.replace(sub, self_attention=attention, mlp=mlp))

@@ -58,8 +58,10 @@ class _Ring:
         # the launch, not blocked: mega.obs.analysis counts a peer's ring wait from this moment
         with obs.span("ring start", "tp"):
             if not self.nccl:
-                return [dist.isend(send, group=self.group, group_dst=self.next),
-                        dist.irecv(recv, group=self.group, group_src=self.prev)], ()
+                return [
+                    dist.isend(send, group=self.group, group_dst=self.next),
+                    dist.irecv(recv, group=self.group, group_src=self.prev),
+                ], ()
             return self._start_cuda(send, recv)
 
     def wait(self, pending) -> None:
@@ -78,10 +80,12 @@ class _Ring:
         # NCCL's own stream, which waits on the stream current at issue) starts after it.
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            works = dist.batch_isend_irecv([
-                dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next),
-                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev),
-            ])
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, send, group=self.group, group_peer=self.next),
+                    dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.prev),
+                ]
+            )
         return works, (send, recv)
 
     def _wait_cuda(self, works, tensors):
@@ -120,8 +124,9 @@ def ring_all_gather(ring: _Ring, shard: torch.Tensor, on_chunk: Callable[[int, t
             held = bufs[step % 2]
 
 
-def ring_reduce_scatter(ring: _Ring, partial: Callable[[int, torch.Tensor], None],
-                        shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+def ring_reduce_scatter(
+    ring: _Ring, partial: Callable[[int, torch.Tensor], None], shape: Sequence[int], like: torch.Tensor
+) -> torch.Tensor:
     """The sum over ranks of ``partial(c, out)`` (which writes this rank's partial product of
     chunk c into ``out``), for chunk c = this rank. Step k computes the partial of chunk
     ``rank-k-1`` while the running sum of step k-1 travels; two output buffers alternate."""
@@ -221,14 +226,16 @@ class _LinearReduceScatter(torch.autograd.Function):
         return (None, *grads)
 
 
-def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
     """Column-parallel linear under sequence parallelism: all-gather of x and the GEMM, as a ring."""
     return _AllGatherLinear.apply(x, weight, bias, ring_of(group))
 
 
-def linear_reduce_scatter(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                          group: dist.ProcessGroup) -> torch.Tensor:
+def linear_reduce_scatter(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Row-parallel linear(s) under sequence parallelism: sum_i x_i @ W_i^T reduce-scattered over
     the sequence, as a ring."""
     flat = [t for pair in pairs for t in pair]

@@ -45,8 +45,13 @@ from mega.perf.hardware import from_calibration_block
 DEFAULT_OUT = Path("runs/perf-calibration.json")
 # The validation model: big enough that GEMMs, not only Python, show in a step (vocab 512 keeps the
 # tokenizer the tests and the default run already cached).
-MODEL = ["model=tiny", "model.num_layers=8", "model.hidden_size=128", "model.num_attention_heads=4",
-         "model.seq_length=128"]
+MODEL = [
+    "model=tiny",
+    "model.num_layers=8",
+    "model.hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.seq_length=128",
+]
 # TP, PP, VPP, DP and their mixes; 2 to 8 ranks (8 ranks share the cores: the core-sharing bound).
 LAYOUTS: dict[str, list[str]] = {
     "tp2": ["parallelism=tp2"],
@@ -63,10 +68,20 @@ PROBE_MODEL = ["model=tiny", "model.hidden_size=32", "model.num_attention_heads=
 # Probes of a model that computes, of another shape than the validation model (so that none of
 # the validation rows is fitted): how much slower a layer's compute runs inside training than
 # in the microbenchmarks (allocation, cache misses between ops, autograd bookkeeping).
-SIZE_PROBE_MODEL = ["model=tiny", "model.hidden_size=192", "model.num_attention_heads=6", "model.seq_length=96"]
+SIZE_PROBE_MODEL = [
+    "model=tiny",
+    "model.hidden_size=192",
+    "model.num_attention_heads=6",
+    "model.seq_length=96",
+]
 # cold processes: RankSampler finds the ranks by their command line (a warm rank shows its zygote's)
-RUN = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.tensorboard=false", "optimizer.warmup_steps=1",
-       "launcher.warm_processes=false"]
+RUN = [
+    "checkpoint.interval=0",
+    "checkpoint.max_restarts=0",
+    "train.tensorboard=false",
+    "optimizer.warmup_steps=1",
+    "launcher.warm_processes=false",
+]
 
 
 def log(message: str) -> None:
@@ -84,9 +99,15 @@ def machine() -> dict[str, Any]:
         pass
     import torch
 
-    return {"cpu": model, "cores": os.cpu_count(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "python": platform.python_version(), "torch": torch.__version__, "load_average": os.getloadavg(),
-            "date": _dt.datetime.now().isoformat(timespec="seconds")}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average": os.getloadavg(),
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def _time(fn, repeats: int, min_s: float = 0.02, clock=time.thread_time) -> float:
@@ -137,18 +158,40 @@ def bench_gemm(threads: int = 1) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
-    shapes = [(256, 384, 128), (256, 128, 128), (256, 512, 128), (256, 128, 512), (512, 512, 512),
-              (1024, 1024, 1024), (4096, 384, 128), (4096, 128, 512), (128, 128, 32), (128, 32, 128)]
+    shapes = [
+        (256, 384, 128),
+        (256, 128, 128),
+        (256, 512, 128),
+        (256, 128, 512),
+        (512, 512, 512),
+        (1024, 1024, 1024),
+        (4096, 384, 128),
+        (4096, 128, 512),
+        (128, 128, 32),
+        (128, 32, 128),
+    ]
     points = []
     for m, n, k in shapes:
-        variants = {"nn": (torch.randn(m, k), torch.randn(k, n)), "nt": (torch.randn(m, k), torch.randn(n, k).t()),
-                    "tn": (torch.randn(k, m).t(), torch.randn(k, n))}
+        variants = {
+            "nn": (torch.randn(m, k), torch.randn(k, n)),
+            "nt": (torch.randn(m, k), torch.randn(n, k).t()),
+            "tn": (torch.randn(k, m).t(), torch.randn(k, n)),
+        }
         for name, (a, b) in variants.items():
             t = _time(lambda: torch.mm(a, b), 5)
-            points.append({"m": m, "n": n, "k": k, "layout": name, "seconds": t, "gflops": 2 * m * n * k / t / 1e9})
-    t0, inv_rate = _fit([[1.0] * len(points), [2.0 * p["m"] * p["n"] * p["k"] for p in points]],
-                        [p["seconds"] for p in points])
-    return {"threads": threads, "points": points, "fixed_s": t0, "flops_per_s": 1 / inv_rate if inv_rate else float("nan")}
+            points.append(
+                {"m": m, "n": n, "k": k, "layout": name, "seconds": t, "gflops": 2 * m * n * k / t / 1e9}
+            )
+    t0, inv_rate = _fit(
+        [[1.0] * len(points), [2.0 * p["m"] * p["n"] * p["k"] for p in points]],
+        [p["seconds"] for p in points],
+    )
+    return {
+        "threads": threads,
+        "points": points,
+        "fixed_s": t0,
+        "flops_per_s": 1 / inv_rate if inv_rate else float("nan"),
+    }
 
 
 def bench_memory(threads: int = 1) -> dict[str, Any]:
@@ -165,8 +208,12 @@ def bench_memory(threads: int = 1) -> dict[str, Any]:
         t = _time(lambda: torch.add(a, b, out=out), 5)
         points.append({"elements": n, "bytes": 12 * n, "seconds": t})
     fixed, inv_bw = _fit([[1.0] * len(points), [p["bytes"] for p in points]], [p["seconds"] for p in points])
-    ops = {"gelu": lambda x: F.gelu(x), "softmax": lambda x: torch.softmax(x, -1),
-           "layer_norm": lambda x: F.layer_norm(x, (x.shape[-1],)), "add": lambda x: x + x}
+    ops = {
+        "gelu": lambda x: F.gelu(x),
+        "softmax": lambda x: torch.softmax(x, -1),
+        "layer_norm": lambda x: F.layer_norm(x, (x.shape[-1],)),
+        "add": lambda x: x + x,
+    }
     activation = []
     for n in (32768, 131072, 524288):
         x = torch.randn(n // 128, 128)
@@ -174,8 +221,14 @@ def bench_memory(threads: int = 1) -> dict[str, Any]:
             t = _time(lambda: op(x), 5)
             activation.append({"op": name, "elements": n, "bytes": 8 * n, "seconds": t})
     elementwise = sum(p["bytes"] for p in activation) / sum(p["seconds"] for p in activation)
-    return {"threads": threads, "points": points, "activation_ops": activation, "kernel_s": fixed,
-            "bytes_per_s": 1 / inv_bw if inv_bw else float("nan"), "elementwise_bytes_per_s": elementwise}
+    return {
+        "threads": threads,
+        "points": points,
+        "activation_ops": activation,
+        "kernel_s": fixed,
+        "bytes_per_s": 1 / inv_bw if inv_bw else float("nan"),
+        "elementwise_bytes_per_s": elementwise,
+    }
 
 
 def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -214,8 +267,16 @@ def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
                     points.append({"kind": kind, "bytes": nbytes, "error": str(err).splitlines()[0]})
                     continue
                 # the fastest sample: the least disturbed by other processes on the cores
-                points.append({"kind": kind, "bytes": nbytes, "world": world, "seconds": min(wall),
-                               "median_s": statistics.median(wall), "cpu_seconds": statistics.median(cpu)})
+                points.append(
+                    {
+                        "kind": kind,
+                        "bytes": nbytes,
+                        "world": world,
+                        "seconds": min(wall),
+                        "median_s": statistics.median(wall),
+                        "cpu_seconds": statistics.median(cpu),
+                    }
+                )
         if rank == 0:
             Path(out).write_text(json.dumps(points))
     finally:
@@ -237,22 +298,39 @@ def bench_gloo(world: int = 2) -> dict[str, Any]:
     ok = [p for p in points if "seconds" in p]
     n = world
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "send": 1}
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "send": 1.0}
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "send": 1.0,
+    }
     # Two points rather than a joint fit (one disturbed sample can drive a joint fit's bandwidth
     # negative): the latency per ring step from the smallest messages, the bandwidth from the
     # largest once that latency is taken off.
     small, large = min(p["bytes"] for p in ok), max(p["bytes"] for p in ok)
     latency = statistics.median(p["seconds"] / steps[p["kind"]] for p in ok if p["bytes"] == small)
-    bandwidth = statistics.median(factor[p["kind"]] * p["bytes"] / max(p["seconds"] - steps[p["kind"]] * latency,
-                                                                        0.1 * p["seconds"])
-                                  for p in ok if p["bytes"] == large)
+    bandwidth = statistics.median(
+        factor[p["kind"]] * p["bytes"] / max(p["seconds"] - steps[p["kind"]] * latency, 0.1 * p["seconds"])
+        for p in ok
+        if p["bytes"] == large
+    )
     # the same for the core time a call costs its rank (CPU seconds: not inflated by other jobs)
     cpu_latency = statistics.median(p["cpu_seconds"] / steps[p["kind"]] for p in ok if p["bytes"] == small)
     cpu_bandwidth = statistics.median(
-        factor[p["kind"]] * p["bytes"] / max(p["cpu_seconds"] - steps[p["kind"]] * cpu_latency, 0.1 * p["cpu_seconds"])
-        for p in ok if p["bytes"] == large)
-    return {"world": world, "points": points, "latency_s": latency, "bytes_per_s": bandwidth,
-            "cpu_latency_s": cpu_latency, "cpu_bytes_per_s": cpu_bandwidth}
+        factor[p["kind"]]
+        * p["bytes"]
+        / max(p["cpu_seconds"] - steps[p["kind"]] * cpu_latency, 0.1 * p["cpu_seconds"])
+        for p in ok
+        if p["bytes"] == large
+    )
+    return {
+        "world": world,
+        "points": points,
+        "latency_s": latency,
+        "bytes_per_s": bandwidth,
+        "cpu_latency_s": cpu_latency,
+        "cpu_bytes_per_s": cpu_bandwidth,
+    }
 
 
 def bench_data(index: Path, seq_length: int, micro_batch: int = 2) -> float:
@@ -306,6 +384,7 @@ class RankSampler(threading.Thread):
 
     def per_step(self, first: int, last: int) -> dict[str, float]:
         """CPU and wall seconds per step between the logging of step ``first`` and ``last``."""
+
         def at(step: int) -> tuple[float, int, float]:
             return next(x for x in self.samples if x[1] >= step)
 
@@ -325,7 +404,11 @@ def wait_for_quiet() -> float:
     shared machine other jobs' bursts come and go, and even CPU seconds grow under heavy load
     (caches and memory bandwidth are shared too). Returns the load average at the start."""
     deadline = time.monotonic() + QUIET["max_wait_s"]
-    while QUIET["max_load"] is not None and os.getloadavg()[0] > QUIET["max_load"] and time.monotonic() < deadline:
+    while (
+        QUIET["max_load"] is not None
+        and os.getloadavg()[0] > QUIET["max_load"]
+        and time.monotonic() < deadline
+    ):
         time.sleep(5)
     return os.getloadavg()[0]
 
@@ -348,9 +431,14 @@ def run_layout(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
             sampler.stop()
     timed = common.steady(result.metrics, warmup)
     usage = sampler.per_step(warmup, steps)
-    return {"step_s": common.median(timed, "step_s"), "steps_s": [r["step_s"] for r in timed],
-            "cpu_s": usage["cpu_s"], "sampled_wall_s": usage["wall_s"],
-            "load_before": load_before, "load_after": os.getloadavg()[0]}
+    return {
+        "step_s": common.median(timed, "step_s"),
+        "steps_s": [r["step_s"] for r in timed],
+        "cpu_s": usage["cpu_s"],
+        "sampled_wall_s": usage["wall_s"],
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
 
 
 def hardware_block(mach: dict, gemm: dict, mem: dict, gloo: dict, data_s_per_token: float) -> dict[str, Any]:
@@ -381,16 +469,39 @@ def probe_configs() -> list[dict[str, Any]]:
     SIZE_PROBE_MODEL with 2 and 8 layers."""
     out = []
     for layout, layers, mb in PROBES:
-        out.append({"kind": "overhead", "layout": layout, "layers": layers, "microbatches": mb,
-                    "overrides": [*PROBE_MODEL, f"model.num_layers={layers}", f"parallelism={layout}",
-                                  "parallelism.micro_batch_size=1",
-                                  f"parallelism.global_batch_size={mb * (2 if layout == 'dp2' else 1)}",
-                                  "parallelism.name=probe"]})
+        out.append(
+            {
+                "kind": "overhead",
+                "layout": layout,
+                "layers": layers,
+                "microbatches": mb,
+                "overrides": [
+                    *PROBE_MODEL,
+                    f"model.num_layers={layers}",
+                    f"parallelism={layout}",
+                    "parallelism.micro_batch_size=1",
+                    f"parallelism.global_batch_size={mb * (2 if layout == 'dp2' else 1)}",
+                    "parallelism.name=probe",
+                ],
+            }
+        )
     for layers in (2, 8):
-        out.append({"kind": "compute", "layout": "dp2", "layers": layers, "microbatches": 4,
-                    "overrides": [*SIZE_PROBE_MODEL, f"model.num_layers={layers}", "parallelism=dp2",
-                                  "parallelism.micro_batch_size=2", "parallelism.global_batch_size=16",
-                                  "parallelism.name=probe"]})
+        out.append(
+            {
+                "kind": "compute",
+                "layout": "dp2",
+                "layers": layers,
+                "microbatches": 4,
+                "overrides": [
+                    *SIZE_PROBE_MODEL,
+                    f"model.num_layers={layers}",
+                    "parallelism=dp2",
+                    "parallelism.micro_batch_size=2",
+                    "parallelism.global_batch_size=16",
+                    "parallelism.name=probe",
+                ],
+            }
+        )
     return out
 
 
@@ -398,12 +509,21 @@ def measure_probes(steps: int, warmup: int) -> list[dict[str, Any]]:
     """Overhead probes run 4x the steps: theirs last milliseconds, and the CPU clock ticks 10 ms."""
     rows = []
     for probe in probe_configs():
-        log(f"calibrate: {probe['kind']} probe {probe['layout']}, {probe['layers']} layers x "
-            f"{probe['microbatches']} microbatches")
+        log(
+            f"calibrate: {probe['kind']} probe {probe['layout']}, {probe['layers']} layers x "
+            f"{probe['microbatches']} microbatches"
+        )
         n = steps * 4 if probe["kind"] == "overhead" else steps
         measured = run_layout(probe["overrides"], n, warmup)
-        rows.append({**probe, "cpu_s": measured["cpu_s"], "measured_step_s": measured["step_s"],
-                     "load_before": measured["load_before"], "load_after": measured["load_after"]})
+        rows.append(
+            {
+                **probe,
+                "cpu_s": measured["cpu_s"],
+                "measured_step_s": measured["step_s"],
+                "load_before": measured["load_before"],
+                "load_after": measured["load_after"],
+            }
+        )
     return rows
 
 
@@ -421,12 +541,24 @@ def fit_overheads(block: dict[str, Any], probes: list[dict[str, Any]]) -> dict[s
     residual = [max(1e-4, (r["cpu_s"] - _predict_probe(block, r["overrides"]).busy_s) / 2) for r in rows]
     tp = [1.0 if r["layout"] == "tp2" else 0.0 for r in rows]
     c_step, c_layer_step, c_mb, c_layer, c_tp_mb, c_tp_layer = _nnls(
-        [[1.0] * len(rows), [r["layers"] for r in rows], [r["microbatches"] for r in rows],
-         [r["microbatches"] * r["layers"] for r in rows], [t * r["microbatches"] for t, r in zip(tp, rows)],
-         [t * r["microbatches"] * r["layers"] for t, r in zip(tp, rows)]], residual)
-    return {"step_overhead_s": c_step, "layer_step_overhead_s": c_layer_step, "microbatch_overhead_s": c_mb,
-            "layer_overhead_s": c_layer / 3, "tp_microbatch_overhead_s": c_tp_mb,
-            "tp_layer_overhead_s": c_tp_layer / 3}  # a layer's backward costs twice its forward
+        [
+            [1.0] * len(rows),
+            [r["layers"] for r in rows],
+            [r["microbatches"] for r in rows],
+            [r["microbatches"] * r["layers"] for r in rows],
+            [t * r["microbatches"] for t, r in zip(tp, rows)],
+            [t * r["microbatches"] * r["layers"] for t, r in zip(tp, rows)],
+        ],
+        residual,
+    )
+    return {
+        "step_overhead_s": c_step,
+        "layer_step_overhead_s": c_layer_step,
+        "microbatch_overhead_s": c_mb,
+        "layer_overhead_s": c_layer / 3,
+        "tp_microbatch_overhead_s": c_tp_mb,
+        "tp_layer_overhead_s": c_tp_layer / 3,
+    }  # a layer's backward costs twice its forward
 
 
 def fit_compute_scale(block: dict[str, Any], probes: list[dict[str, Any]]) -> float:
@@ -468,10 +600,18 @@ def compare(calibration: dict[str, Any]) -> list[dict[str, Any]]:
         for row in calibration["layouts"]:
             cfg = composer.plan(row["overrides"]).cfg
             pr = predict(cfg, from_calibration_block(block, cfg.cluster.procs_per_node))
-            out.append({"name": row["name"], "measured_step_s": row["measured_step_s"], "predicted_step_s": pr.step_s,
-                        "error": pr.step_s / row["measured_step_s"] - 1, "measured_cpu_s": row["cpu_s"],
-                        "predicted_cpu_s": pr.busy_s, "cpu_error": pr.busy_s / row["cpu_s"] - 1,
-                        "breakdown": {k: v["seconds"] for k, v in pr.breakdown().items() if v["seconds"]}})
+            out.append(
+                {
+                    "name": row["name"],
+                    "measured_step_s": row["measured_step_s"],
+                    "predicted_step_s": pr.step_s,
+                    "error": pr.step_s / row["measured_step_s"] - 1,
+                    "measured_cpu_s": row["cpu_s"],
+                    "predicted_cpu_s": pr.busy_s,
+                    "cpu_error": pr.busy_s / row["cpu_s"] - 1,
+                    "breakdown": {k: v["seconds"] for k, v in pr.breakdown().items() if v["seconds"]},
+                }
+            )
     return out
 
 
@@ -482,30 +622,54 @@ def calibrate(out: Path, steps: int, warmup: int, names: tuple[str, ...]) -> dic
     mach = machine()
     log(f"calibrate: {mach['cpu']} x{mach['cores']}, load average {mach['load_average']}")
     gemm, mem = bench_gemm(1), bench_memory(1)
-    log(f"calibrate: GEMM {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per thread, memory "
-        f"{mem['bytes_per_s'] / 1e9:.1f} GB/s, {mem['kernel_s'] * 1e6:.1f} us per op")
+    log(
+        f"calibrate: GEMM {gemm['flops_per_s'] / 1e9:.1f} GFLOP/s per thread, memory "
+        f"{mem['bytes_per_s'] / 1e9:.1f} GB/s, {mem['kernel_s'] * 1e6:.1f} us per op"
+    )
     gloo = bench_gloo(2)
-    log(f"calibrate: gloo {gloo['latency_s'] * 1e6:.0f} us per ring step, {gloo['bytes_per_s'] / 1e9:.2f} GB/s")
+    log(
+        f"calibrate: gloo {gloo['latency_s'] * 1e6:.0f} us per ring step, {gloo['bytes_per_s'] / 1e9:.2f} GB/s"
+    )
     cfg = compose([*MODEL, "parallelism=tp2"])
     data = bench_data(common.prepare_data(cfg), cfg.model.seq_length)
     result: dict[str, Any] = {
         "machine": mach,
-        "measurements": {"gemm": gemm, "memory": mem, "gloo": gloo, "data_s_per_token": data,
-                         "probes": measure_probes(steps, warmup)},
-        "model": MODEL, "steps": steps, "warmup": warmup, "layouts": [], "command": " ".join(sys.argv),
+        "measurements": {
+            "gemm": gemm,
+            "memory": mem,
+            "gloo": gloo,
+            "data_s_per_token": data,
+            "probes": measure_probes(steps, warmup),
+        },
+        "model": MODEL,
+        "steps": steps,
+        "warmup": warmup,
+        "layouts": [],
+        "command": " ".join(sys.argv),
         "note": "measured on a machine shared with other jobs unless the load averages say otherwise; "
-                "re-run on a quiet machine for final figures",
+        "re-run on a quiet machine for final figures",
     }
     result["hardware"] = derive_hardware(result)
-    log("calibrate: " + ", ".join(f"{k} {v:.3g}" for k, v in result["hardware"].items() if k.endswith(("_s", "scale"))))
+    log(
+        "calibrate: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in result["hardware"].items() if k.endswith(("_s", "scale")))
+    )
     for name in names:
         overrides = [*MODEL, *LAYOUTS[name]]
         log(f"calibrate: layout {name}")
         measured = run_layout(overrides, steps, warmup)
-        result["layouts"].append({"name": name, "overrides": overrides, "measured_step_s": measured["step_s"],
-                                  "steps_s": measured["steps_s"], "cpu_s": measured["cpu_s"],
-                                  "sampled_wall_s": measured["sampled_wall_s"], "load_before": measured["load_before"],
-                                  "load_after": measured["load_after"]})
+        result["layouts"].append(
+            {
+                "name": name,
+                "overrides": overrides,
+                "measured_step_s": measured["step_s"],
+                "steps_s": measured["steps_s"],
+                "cpu_s": measured["cpu_s"],
+                "sampled_wall_s": measured["sampled_wall_s"],
+                "load_before": measured["load_before"],
+                "load_after": measured["load_after"],
+            }
+        )
     result["machine"]["load_average_end"] = os.getloadavg()
     return finish(result, out)
 
@@ -514,34 +678,54 @@ def finish(result: dict[str, Any], out: Path) -> dict[str, Any]:
     """Hardware from the measurements, predicted vs measured per layout, the summary; written to ``out``."""
     result["hardware"] = derive_hardware(result)
     for row, cmp in zip(result["layouts"], compare(result)):
-        row.update({k: cmp[k] for k in ("predicted_step_s", "error", "predicted_cpu_s", "cpu_error", "breakdown")})
-        log(f"calibrate: {row['name']:<18} step measured {row['measured_step_s']:.3f} s predicted "
+        row.update(
+            {k: cmp[k] for k in ("predicted_step_s", "error", "predicted_cpu_s", "cpu_error", "breakdown")}
+        )
+        log(
+            f"calibrate: {row['name']:<18} step measured {row['measured_step_s']:.3f} s predicted "
             f"{row['predicted_step_s']:.3f} s ({row['error']:+.1%}); CPU s/step measured {row['cpu_s']:.3f} "
-            f"predicted {row['predicted_cpu_s']:.3f} ({row['cpu_error']:+.1%}); load {row['load_before']:.1f}")
+            f"predicted {row['predicted_cpu_s']:.3f} ({row['cpu_error']:+.1%}); load {row['load_before']:.1f}"
+        )
     result["summary"] = {"layouts": len(result["layouts"])}
     for key in ("error", "cpu_error"):
         errors = [abs(r[key]) for r in result["layouts"]]
-        result["summary"][key] = {"max_abs": max(errors), "mean_abs": sum(errors) / len(errors),
-                                  "within_15_percent": sum(e <= 0.15 for e in errors)}
+        result["summary"][key] = {
+            "max_abs": max(errors),
+            "mean_abs": sum(errors) / len(errors),
+            "within_15_percent": sum(e <= 0.15 for e in errors),
+        }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return result
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mega.plan calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mega.plan calibrate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help=f"six layouts only: {', '.join(QUICK)}")
     parser.add_argument("--layouts", default=None, help="comma-separated subset of " + ", ".join(LAYOUTS))
-    parser.add_argument("--max-load", type=float, default=None,
-                        help="before each run wait until the 1-minute load average is at most this")
-    parser.add_argument("--max-wait", type=float, default=300.0, help="... for at most this many seconds per run")
-    parser.add_argument("--refit", default=None, metavar="FILE",
-                        help="measure nothing: derive the hardware of a recorded calibration again with the "
-                             "current model and compare its layouts (written to --out)")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=None,
+        help="before each run wait until the 1-minute load average is at most this",
+    )
+    parser.add_argument(
+        "--max-wait", type=float, default=300.0, help="... for at most this many seconds per run"
+    )
+    parser.add_argument(
+        "--refit",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: derive the hardware of a recorded calibration again with the "
+        "current model and compare its layouts (written to --out)",
+    )
     parser.add_argument("--json", action="store_true")
     return parser
 
@@ -561,10 +745,30 @@ def main(argv: list[str]) -> int:
     result = calibrate(Path(args.out), args.steps, args.warmup, names)
     if not args.json:
         log(f"calibrate: {result['summary']}; written to {args.out}")
-    print(json.dumps({"out": args.out, "summary": result["summary"],
-                      "layouts": [{k: r[k] for k in ("name", "measured_step_s", "predicted_step_s", "error", "cpu_s",
-                                                     "predicted_cpu_s", "cpu_error", "load_before")}
-                                  for r in result["layouts"]]}))
+    print(
+        json.dumps(
+            {
+                "out": args.out,
+                "summary": result["summary"],
+                "layouts": [
+                    {
+                        k: r[k]
+                        for k in (
+                            "name",
+                            "measured_step_s",
+                            "predicted_step_s",
+                            "error",
+                            "cpu_s",
+                            "predicted_cpu_s",
+                            "cpu_error",
+                            "load_before",
+                        )
+                    }
+                    for r in result["layouts"]
+                ],
+            }
+        )
+    )
     return 0
 
 
@@ -573,7 +777,7 @@ def _split_device(argv: list[str]) -> tuple[str, list[str]]:
     if "--device" not in argv:
         return "cpu", argv
     i = argv.index("--device")
-    return (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2:]
+    return (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2 :]
 
 
 def check_args(argv: list[str]) -> None:

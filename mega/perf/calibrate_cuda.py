@@ -23,8 +23,9 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mega.flops import PEAK_TFLOPS, device_key
 from mega.perf import device as device_mod
@@ -48,12 +49,18 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
 }
 
 
-def layer_gemm_shapes(hidden: int, ffn: int, kv: int, tokens: int, tps=(1, 2, 4, 8)) -> list[tuple[int, int, int]]:
+def layer_gemm_shapes(
+    hidden: int, ffn: int, kv: int, tokens: int, tps=(1, 2, 4, 8)
+) -> list[tuple[int, int, int]]:
     """(m, n, k) of a layer's GEMMs (forward, dgrad, wgrad) for each tensor-parallel size."""
     shapes = set()
     for t in tps:
-        for rows, cols, inner in ((tokens, (hidden + 2 * kv) // t, hidden), (tokens, hidden, hidden // t),
-                                  (tokens, ffn // t, hidden), (tokens, hidden, ffn // t)):
+        for rows, cols, inner in (
+            (tokens, (hidden + 2 * kv) // t, hidden),
+            (tokens, hidden, hidden // t),
+            (tokens, ffn // t, hidden),
+            (tokens, hidden, ffn // t),
+        ):
             shapes |= {(rows, cols, inner), (rows, inner, cols), (inner, cols, rows)}
     return sorted(shapes)
 
@@ -69,8 +76,10 @@ def shape_factor(m: int, n: int, k: int, sms: int | None) -> float:
 
 def gemm_efficiency(points: list[dict[str, Any]], peak: float, sms: int | None) -> float:
     """Median over shapes of achieved FLOP/s / (peak x shape factor)."""
-    return statistics.median(2 * p["m"] * p["n"] * p["k"] / p["seconds"] / (peak * shape_factor(p["m"], p["n"], p["k"], sms))
-                             for p in points)
+    return statistics.median(
+        2 * p["m"] * p["n"] * p["k"] / p["seconds"] / (peak * shape_factor(p["m"], p["n"], p["k"], sms))
+        for p in points
+    )
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
@@ -82,8 +91,9 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
 
 def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:
     """Median over points of attention_flops / seconds / peak."""
-    return statistics.median(attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak
-                             for p in points)
+    return statistics.median(
+        attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak for p in points
+    )
 
 
 def bus_bandwidth(kind: str, nbytes: float, ranks: int, seconds: float) -> float:
@@ -93,7 +103,9 @@ def bus_bandwidth(kind: str, nbytes: float, ranks: int, seconds: float) -> float
 def link_efficiency(points: list[dict[str, Any]], link_bytes_per_s: float) -> float:
     """The best bus bandwidth of the large messages (>= 64 MiB) / the datasheet link rate."""
     large = [p for p in points if p["bytes"] >= 64 * 2**20] or points
-    return max(bus_bandwidth(p["kind"], p["bytes"], p["ranks"], p["seconds"]) for p in large) / link_bytes_per_s
+    return (
+        max(bus_bandwidth(p["kind"], p["bytes"], p["ranks"], p["seconds"]) for p in large) / link_bytes_per_s
+    )
 
 
 def _cuda_time(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
@@ -131,16 +143,25 @@ def bench_attention(seq: int, heads: int, head_dim: int, batch: int = 1) -> list
     import torch
     import torch.nn.functional as F
 
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
     grad_out = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def step() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad_out)
 
-    return [{"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim,
-             "seconds": _cuda_time(step, repeats=20, warmup=5)}]
+    return [
+        {
+            "batch": batch,
+            "heads": heads,
+            "seq": seq,
+            "head_dim": head_dim,
+            "seconds": _cuda_time(step, repeats=20, warmup=5),
+        }
+    ]
 
 
 def bench_memory(nbytes: int = 2 << 30) -> float:
@@ -162,10 +183,12 @@ def bench_collectives(sizes=(1 << 20, 64 << 20, 256 << 20)) -> list[dict[str, An
         n = nbytes // 2
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         shard = torch.empty(n // world, device="cuda", dtype=torch.bfloat16)
-        ops = {"all_reduce": lambda: dist.all_reduce(x),
-               "all_gather": lambda: dist.all_gather_into_tensor(x, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
-               "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x)}
+        ops = {
+            "all_reduce": lambda: dist.all_reduce(x),
+            "all_gather": lambda: dist.all_gather_into_tensor(x, shard),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, x),
+            "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(x), x),
+        }
         if world == 2:
             ops["send_recv"] = (lambda: dist.send(x, 1)) if rank == 0 else (lambda: dist.recv(x, 0))
         for kind, fn in ops.items():
@@ -174,8 +197,14 @@ def bench_collectives(sizes=(1 << 20, 64 << 20, 256 << 20)) -> list[dict[str, An
     return out
 
 
-def derive(key: str, gemms: list, attention: list, memory_bytes_per_s: float | None,
-           collectives: list, multi_node: bool) -> tuple[device_mod.DeviceCalibration, list[str]]:
+def derive(
+    key: str,
+    gemms: list,
+    attention: list,
+    memory_bytes_per_s: float | None,
+    collectives: list,
+    multi_node: bool,
+) -> tuple[device_mod.DeviceCalibration, list[str]]:
     """The calibration from the measurements; what was not measured keeps the built-in value."""
     peak = PEAK_TFLOPS[key]["bf16"] * 1e12
     sheet = DATASHEET.get(key, {})
@@ -192,14 +221,18 @@ def derive(key: str, gemms: list, attention: list, memory_bytes_per_s: float | N
         values[f"{link}_efficiency"] = link_efficiency(collectives, sheet[link])
     not_measured += [f for f in ("nvlink_efficiency", "nic_efficiency") if f not in values]
     not_measured += ["straggler_sigma", "step_overhead_s"]  # properties of a job, not of a device
-    cal = device_mod.prior(key).replace(**{k: round(v, 4) for k, v in values.items()},
-                                        source="python -m mega.perf.calibrate --device cuda")
+    cal = device_mod.prior(key).replace(
+        **{k: round(v, 4) for k, v in values.items()}, source="python -m mega.perf.calibrate --device cuda"
+    )
     return cal, not_measured
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mega.perf.calibrate --device cuda", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m mega.perf.calibrate --device cuda",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--hidden", type=int, default=12288)
     parser.add_argument("--ffn", type=int, default=None)
@@ -242,9 +275,17 @@ def main(argv: list[str]) -> int:
             dist.destroy_process_group()
             return 0
     cal, not_measured = derive(key, gemms, attention, memory, collectives, multi_node)
-    extra = {"device_name": name, "not_measured": not_measured, "command": " ".join(sys.argv),
-             "measurements": {"gemm": gemms, "attention": attention, "memory_bytes_per_s": memory,
-                              "collectives": collectives}}
+    extra = {
+        "device_name": name,
+        "not_measured": not_measured,
+        "command": " ".join(sys.argv),
+        "measurements": {
+            "gemm": gemms,
+            "attention": attention,
+            "memory_bytes_per_s": memory,
+            "collectives": collectives,
+        },
+    }
     device_mod.save(cal, args.out, extra)
     print(json.dumps({"out": args.out, "calibration": cal.to_dict(), "not_measured": not_measured}))
     if distributed:

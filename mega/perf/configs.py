@@ -78,7 +78,12 @@ def for_planning(overrides: list[str]) -> Planning:
 def prepare(cfg: MegaConfig, given: set[str]) -> Planning:
     plan = Planning(cfg, given)
     c = cfg.cluster
-    if "launcher" not in given and "launcher.name" not in given and c.nodes > 1 and cfg.launcher.name == "local":
+    if (
+        "launcher" not in given
+        and "launcher.name" not in given
+        and c.nodes > 1
+        and cfg.launcher.name == "local"
+    ):
         name = next((n for n in LAUNCHERS_FOR_PLANNING if n in c.launchers), None)
         if name is not None:
             plan.cfg = dataclasses.replace(cfg, launcher=dataclasses.replace(cfg.launcher, name=name))

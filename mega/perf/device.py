@@ -55,8 +55,15 @@ STRAGGLER_SIGMA = 0.01
 # loader's hand-off, Python between the schedule's phases), seconds; fitted.
 STEP_OVERHEAD_S = 0.05
 
-FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "nvlink_efficiency", "nic_efficiency",
-          "straggler_sigma", "step_overhead_s")
+FIELDS = (
+    "gemm_efficiency",
+    "attention_efficiency",
+    "memory_efficiency",
+    "nvlink_efficiency",
+    "nic_efficiency",
+    "straggler_sigma",
+    "step_overhead_s",
+)
 
 
 # GEMM efficiency before any fit, per device type. A100: least squares over Korthikanti et al. 2022
@@ -68,10 +75,15 @@ FIELDS = ("gemm_efficiency", "attention_efficiency", "memory_efficiency", "nvlin
 # (peak x the model's shape factor) = 0.7178 (per model 0.749, 0.717, 0.709; the runs are
 # tests/fixtures/calibration/h200-2026-11-26-*.json).
 PRIOR_GEMM = {"A100": 0.76, "H100 SXM": 0.7178, "H200": 0.7178}
-_H200_RUNS = ("GEMM prior: python -m mega.perf.calibrate --device cuda on one H200 (the H100 SXM's GH100 chip), "
-              "2026-11-26, tests/fixtures/calibration/h200-2026-11-26-*.json")
-PRIOR_SOURCE = {"A100": "GEMM prior: least squares over Korthikanti et al. 2022 Table 5",
-                "H100 SXM": _H200_RUNS, "H200": _H200_RUNS}
+_H200_RUNS = (
+    "GEMM prior: python -m mega.perf.calibrate --device cuda on one H200 (the H100 SXM's GH100 chip), "
+    "2026-11-26, tests/fixtures/calibration/h200-2026-11-26-*.json"
+)
+PRIOR_SOURCE = {
+    "A100": "GEMM prior: least squares over Korthikanti et al. 2022 Table 5",
+    "H100 SXM": _H200_RUNS,
+    "H200": _H200_RUNS,
+}
 DEFAULT_GEMM = 0.76
 
 
@@ -99,7 +111,9 @@ def prior(device: str | None) -> DeviceCalibration:
     """The built-in calibration of a device type (``FITTED`` over the priors)."""
     key = device or "unknown"
     values = {"gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM), **FITTED.get(key, {})}
-    return DeviceCalibration(key, **values, source="built-in (mega/perf/device.py)", validated=key in VALIDATED)
+    return DeviceCalibration(
+        key, **values, source="built-in (mega/perf/device.py)", validated=key in VALIDATED
+    )
 
 
 def unfitted(device: str) -> DeviceCalibration:
@@ -113,17 +127,28 @@ def load(path: str | Path) -> DeviceCalibration:
     data = json.loads(Path(path).read_text())
     block = data.get("calibration", data)
     if "device" not in block:
-        raise ValueError(f"{path}: not a GPU calibration (no 'device'); CPU calibrations come from "
-                         "python -m mega.plan calibrate")
+        raise ValueError(
+            f"{path}: not a GPU calibration (no 'device'); CPU calibrations come from "
+            "python -m mega.plan calibrate"
+        )
     unknown = set(block) - set(FIELDS) - {"device", "source", "validated"}
-    bad = [k for k in FIELDS if k in block and not (isinstance(block[k], (int, float)) and math.isfinite(block[k])
-                                                    and block[k] >= 0)]
+    if unknown:
+        raise ValueError(f"{path}: unknown calibration field(s) {sorted(unknown)}; known: {sorted(FIELDS)}")
+    bad = [
+        k
+        for k in FIELDS
+        if k in block
+        and not (isinstance(block[k], (int, float)) and math.isfinite(block[k]) and block[k] >= 0)
+    ]
     if bad:
         raise ValueError(f"{path}: {bad[0]} must be a finite number >= 0, got {block[bad[0]]!r}")
     base = prior(block["device"])
     values = {k: float(block[k]) for k in FIELDS if k in block}
-    return base.replace(**values, source=block.get("source", str(path)),
-                        validated=bool(block.get("validated", base.validated)))
+    return base.replace(
+        **values,
+        source=block.get("source", str(path)),
+        validated=bool(block.get("validated", base.validated)),
+    )
 
 
 def save(calibration: DeviceCalibration, path: str | Path, extra: dict[str, Any] | None = None) -> Path:

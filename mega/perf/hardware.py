@@ -32,8 +32,17 @@ GIB = 1024**3
 # prologue/epilogue worth GEMM_K_OVERHEAD elements of its inner dimension. 256 x 128 is the usual
 # cuBLAS/CUTLASS bf16 tile on A100 and H100; the SM counts are the NVIDIA architecture whitepapers'.
 TILE_M, TILE_N, GEMM_K_OVERHEAD = 256, 128, 64
-SMS = {"A100": 108, "H100 SXM": 132, "H100 PCIe": 114, "H100 NVL": 132, "H200": 132, "H200 NVL": 132,
-       "GH200": 132, "V100 SXM2": 80, "V100 PCIe": 80}
+SMS = {
+    "A100": 108,
+    "H100 SXM": 132,
+    "H100 PCIe": 114,
+    "H100 NVL": 132,
+    "H200": 132,
+    "H200 NVL": 132,
+    "GH200": 132,
+    "V100 SXM2": 80,
+    "V100 PCIe": 80,
+}
 # Fixed cost of one GPU kernel (launch gap and tail), seconds: small kernels cannot go faster.
 GPU_KERNEL_S = 5e-6
 # Per-hop latency of a collective step (NCCL ring step), seconds: NVLink and InfiniBand.
@@ -81,8 +90,12 @@ class Hardware:
     microbatch_overhead_s: float = 0.0  # per microbatch and model chunk: schedule, embedding, loss
     step_overhead_s: float = 0.0  # per step: zero_grad, grad-norm, scheduler, logging
     layer_step_overhead_s: float = 0.0  # per layer and step: the optimizer's per-tensor work
-    tp_layer_overhead_s: float = 0.0  # with tp > 1, per layer forward and microbatch: the TP wrappers and collective calls
-    tp_microbatch_overhead_s: float = 0.0  # with tp > 1, per microbatch: vocab-parallel embedding and cross entropy
+    tp_layer_overhead_s: float = (
+        0.0  # with tp > 1, per layer forward and microbatch: the TP wrappers and collective calls
+    )
+    tp_microbatch_overhead_s: float = (
+        0.0  # with tp > 1, per microbatch: vocab-parallel embedding and cross entropy
+    )
     data_s_per_token: float = 0.0  # building a microbatch's tensors and copying them to the device
     # CPU: the core time a collective call costs its rank (latency per ring step, bytes/s), measured
     # in CPU seconds; None on GPUs (NCCL runs on the device)
@@ -149,32 +162,47 @@ class Hardware:
         if self.collective_cpu is None or group_size <= 1:
             return 0.0
         n, link = group_size, self.collective_cpu
-        steps, factor = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
-                         "reduce_scatter": (n - 1, (n - 1) / n), "send": (1, 1.0)}[kind]
+        steps, factor = {
+            "all_reduce": (2 * (n - 1), 2 * (n - 1) / n),
+            "all_gather": (n - 1, (n - 1) / n),
+            "reduce_scatter": (n - 1, (n - 1) / n),
+            "send": (1, 1.0),
+        }[kind]
         return steps * link.latency_s + factor * nbytes / link.bytes_per_s
 
     def describe(self) -> dict[str, Any]:
         return {
-            "name": self.name, "source": self.source, "peak_tflops": self.peak_flops / 1e12,
-            "gemm_efficiency": self.gemm_efficiency, "attention_efficiency": self.attention_efficiency,
+            "name": self.name,
+            "source": self.source,
+            "peak_tflops": self.peak_flops / 1e12,
+            "gemm_efficiency": self.gemm_efficiency,
+            "attention_efficiency": self.attention_efficiency,
             "memory_tb_per_s_achieved": self.memory_bytes_per_s / 1e12,
             "memory_gib_usable": self.memory_bytes / GIB,
-            "intra_gb_per_s": self.intra.bytes_per_s / 1e9, "inter_gb_per_s_per_rank": self.inter.bytes_per_s / 1e9,
-            "procs_per_node": self.procs_per_node, "cores": self.cores, "flash_attention": self.flash_attention,
-            "straggler_sigma": self.straggler_sigma, "step_overhead_s": self.step_overhead_s,
+            "intra_gb_per_s": self.intra.bytes_per_s / 1e9,
+            "inter_gb_per_s_per_rank": self.inter.bytes_per_s / 1e9,
+            "procs_per_node": self.procs_per_node,
+            "cores": self.cores,
+            "flash_attention": self.flash_attention,
+            "straggler_sigma": self.straggler_sigma,
+            "step_overhead_s": self.step_overhead_s,
             **({"calibration": self.calibration.to_dict()} if self.calibration else {}),
         }
 
 
 def _need(value: Any, key: str) -> Any:
     if value is None or value == 0:
-        raise ConfigError(key, "the performance model needs this hardware fact (set it in the cluster preset, "
-                               "or calibrate a CPU machine: python -m mega.plan calibrate)")
+        raise ConfigError(
+            key,
+            "the performance model needs this hardware fact (set it in the cluster preset, "
+            "or calibrate a CPU machine: python -m mega.plan calibrate)",
+        )
     return value
 
 
-def from_cluster(cluster: ClusterConfig, precision: str, fused_ops: bool,
-                 calibration: DeviceCalibration | None = None) -> Hardware:
+def from_cluster(
+    cluster: ClusterConfig, precision: str, fused_ops: bool, calibration: DeviceCalibration | None = None
+) -> Hardware:
     """Hardware of a GPU cluster preset at a training precision: datasheet x the per-device
     efficiencies of ``calibration`` (default: the device type's built-in one, mega/perf/device.py).
 
@@ -221,7 +249,9 @@ def from_calibration(calibration: dict[str, Any], cluster: ClusterConfig, source
     return dataclasses.replace(hw, extra={"machine": calibration.get("machine", {})})
 
 
-def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: str = "calibration") -> Hardware:
+def from_calibration_block(
+    block: dict[str, Any], procs_per_node: int, source: str = "calibration"
+) -> Hardware:
     """The measured rates of a calibration. Ranks run ``cores // procs_per_node`` threads each (at
     least one: mega.train), so the per-thread GEMM rate scales by that; collectives inside and
     across "nodes" of this machine use the same loopback gloo."""
@@ -230,11 +260,21 @@ def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: s
     threads = max(1, cores // max(1, procs_per_node))
     memory = float(block["memory_bytes"])
     return Hardware(
-        name=block["name"], source=source, peak_flops=float(block["gemm_flops_per_s"]) * threads,
+        name=block["name"],
+        source=source,
+        peak_flops=float(block["gemm_flops_per_s"]) * threads,
         gemm_efficiency=1.0,  # the measured rate is already what GEMMs reach
-        attention_efficiency=1.0, kernel_s=float(block["kernel_s"]),
-        memory_bytes_per_s=float(block["memory_bytes_per_s"]), memory_bytes=memory, memory_capacity_bytes=memory,
-        intra=link, inter=link, procs_per_node=procs_per_node, sms=None, flash_attention=False, cores=cores,
+        attention_efficiency=1.0,
+        kernel_s=float(block["kernel_s"]),
+        memory_bytes_per_s=float(block["memory_bytes_per_s"]),
+        memory_bytes=memory,
+        memory_capacity_bytes=memory,
+        intra=link,
+        inter=link,
+        procs_per_node=procs_per_node,
+        sms=None,
+        flash_attention=False,
+        cores=cores,
         layer_overhead_s=float(block.get("layer_overhead_s", 0.0)),
         microbatch_overhead_s=float(block.get("microbatch_overhead_s", 0.0)),
         step_overhead_s=float(block.get("step_overhead_s", 0.0)),
@@ -243,5 +283,7 @@ def from_calibration_block(block: dict[str, Any], procs_per_node: int, source: s
         tp_microbatch_overhead_s=float(block.get("tp_microbatch_overhead_s", 0.0)),
         data_s_per_token=float(block["data_s_per_token"]),
         collective_cpu=Link(float(block["gloo_cpu_bytes_per_s"]), float(block["gloo_cpu_latency_s"])),
-        elementwise_bytes_per_s=float(block["elementwise_bytes_per_s"]) if "elementwise_bytes_per_s" in block else None,
+        elementwise_bytes_per_s=float(block["elementwise_bytes_per_s"])
+        if "elementwise_bytes_per_s" in block
+        else None,
     )

@@ -53,8 +53,9 @@ def model_params(m: ModelConfig) -> float:
     return sum(stage_params(m, 1, 1))
 
 
-def activation_bytes_per_layer(m: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str | None,
-                               dtype_bytes: int, flash: bool) -> float:
+def activation_bytes_per_layer(
+    m: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str | None, dtype_bytes: int, flash: bool
+) -> float:
     """Bytes one layer keeps for its backward, per microbatch, on one tensor-parallel rank."""
     s, h, a, f, kv = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn, kv_size(m)
     tokens = s * micro_batch
@@ -104,9 +105,15 @@ class Memory:
         return self.weights + self.gradients + self.optimizer + self.activations + self.temporary
 
     def to_gib(self) -> dict[str, float]:
-        return {"weights": self.weights / GIB, "gradients": self.gradients / GIB, "optimizer": self.optimizer / GIB,
-                "activations": self.activations / GIB, "temporary": self.temporary / GIB,
-                "total": self.total / GIB, "stage": self.stage}
+        return {
+            "weights": self.weights / GIB,
+            "gradients": self.gradients / GIB,
+            "optimizer": self.optimizer / GIB,
+            "activations": self.activations / GIB,
+            "temporary": self.temporary / GIB,
+            "total": self.total / GIB,
+            "stage": self.stage,
+        }
 
 
 def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
@@ -121,11 +128,14 @@ def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool) -> Memory:
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
     params = stage_params(m, tp, pp)
-    per_layer = activation_bytes_per_layer(m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute,
-                                           dtype_bytes, flash)
+    per_layer = activation_bytes_per_layer(
+        m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash
+    )
     chunk_layers = m.num_layers / (pp * vpp)
     tokens = m.seq_length * p.micro_batch_size
-    full_layer = activation_bytes_per_layer(m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash)
+    full_layer = activation_bytes_per_layer(
+        m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash
+    )
     best: Memory | None = None
     for stage in range(pp):
         n = params[stage]

@@ -41,7 +41,9 @@ def settle_precision(plan: Planning) -> None:
     when the overrides leave ``train.precision`` open."""
     if plan.is_open(KNOBS["precision"]) and "precision" not in plan.chosen:
         precision = "bf16" if plan.cfg.cluster.device == "cuda" else "fp32"
-        plan.cfg = dataclasses.replace(plan.cfg, train=dataclasses.replace(plan.cfg.train, precision=precision))
+        plan.cfg = dataclasses.replace(
+            plan.cfg, train=dataclasses.replace(plan.cfg.train, precision=precision)
+        )
         plan.chosen["precision"] = precision
 
 
@@ -67,9 +69,12 @@ def hardware_for(cfg: MegaConfig, calibration: str | Path | None = None) -> tupl
         return hw, c.peak_tflops * 1e12
     path = Path(calibration) if calibration else DEFAULT_CALIBRATION
     if not path.is_file():
-        raise ConfigError("cluster.peak_tflops", f"cluster={c.name} is a CPU cluster without datasheet facts: "
-                                                 f"run `python -m mega.plan calibrate` first (writes {DEFAULT_CALIBRATION}) "
-                                                 "or pass --calibration FILE")
+        raise ConfigError(
+            "cluster.peak_tflops",
+            f"cluster={c.name} is a CPU cluster without datasheet facts: "
+            f"run `python -m mega.plan calibrate` first (writes {DEFAULT_CALIBRATION}) "
+            "or pass --calibration FILE",
+        )
     hw = hardware.from_calibration(json.loads(path.read_text()), c, str(path))
     return hw, hw.peak_flops
 
@@ -94,17 +99,39 @@ class Evaluation:
             "breakdown": pr.breakdown(),
             "chosen": self.chosen,
             "hfu": pr.hfu,
-            "layout": {"tp": p.tp, "pp": p.pp, "vpp": p.vpp or 1, "dp": p.dp, "world_size": p.world_size,
-                       "global_batch_size": p.global_batch_size, "microbatches": p.num_microbatches,
-                       "nodes": self.cfg.cluster.nodes},
+            "layout": {
+                "tp": p.tp,
+                "pp": p.pp,
+                "vpp": p.vpp or 1,
+                "dp": p.dp,
+                "world_size": p.world_size,
+                "global_batch_size": p.global_batch_size,
+                "microbatches": p.num_microbatches,
+                "nodes": self.cfg.cluster.nodes,
+            },
             "memory": pr.memory.to_gib(),
-            "model": {"name": m.name, "block": m.block, "window_size": m.window_size, "fused_ops": m.fused_ops,
-                      "optimizer": self.cfg.optimizer.name},
+            "model": {
+                "name": m.name,
+                "block": m.block,
+                "window_size": m.window_size,
+                "fused_ops": m.fused_ops,
+                "optimizer": self.cfg.optimizer.name,
+            },
             # the flags training runs with (comm_overlap=auto resolved as mega.train resolves it)
-            "overlap": {"comm_overlap": p.comm_overlap,
-                        **{k: getattr(p, k) for k in ("tp_overlap", "overlap_p2p_comm", "overlap_grad_reduce",
-                                                      "overlap_param_gather", "align_param_gather",
-                                                      "overlap_param_gather_with_optimizer_step")}},
+            "overlap": {
+                "comm_overlap": p.comm_overlap,
+                **{
+                    k: getattr(p, k)
+                    for k in (
+                        "tp_overlap",
+                        "overlap_p2p_comm",
+                        "overlap_grad_reduce",
+                        "overlap_param_gather",
+                        "align_param_gather",
+                        "overlap_param_gather_with_optimizer_step",
+                    )
+                },
+            },
             "model_flops_per_step": pr.model_flops_per_step,
             "evaluated": self.evaluated,
         }
@@ -119,27 +146,46 @@ def _knob_values(plan: Planning, cfg: MegaConfig) -> dict[str, list]:
     per_replica = p.global_batch_size // p.dp if p.global_batch_size % p.dp == 0 else 0
     per_stage = m.num_layers // p.pp if m.num_layers % p.pp == 0 else 0
     values: dict[str, list] = {
-        "micro_batch_size": [b for b in MICRO_BATCH_SIZES if per_replica and per_replica % b == 0] or [p.micro_batch_size],
+        "micro_batch_size": [b for b in MICRO_BATCH_SIZES if per_replica and per_replica % b == 0]
+        or [p.micro_batch_size],
         "recompute": [None, "selective", "full"],
         "sequence_parallel": [True, False] if p.tp > 1 else [False],
         # virtual stages: only with a pipeline; the interleaved schedule needs >1 layer-chunk per stage
-        "vpp": [None] + [v for v in range(2, 17) if per_stage and per_stage % v == 0] if p.pp > 1 else [p.vpp],
+        "vpp": [None] + [v for v in range(2, 17) if per_stage and per_stage % v == 0]
+        if p.pp > 1
+        else [p.vpp],
     }
-    fixed = {"micro_batch_size": p.micro_batch_size, "recompute": m.recompute,
-             "sequence_parallel": p.sequence_parallel, "vpp": p.vpp}
+    fixed = {
+        "micro_batch_size": p.micro_batch_size,
+        "recompute": m.recompute,
+        "sequence_parallel": p.sequence_parallel,
+        "vpp": p.vpp,
+    }
     return {k: (v if plan.is_open(KNOBS[k]) else [fixed[k]]) for k, v in values.items()}
 
 
 def _with(cfg: MegaConfig, knobs: dict[str, Any], layout: dict[str, Any] | None = None) -> MegaConfig:
-    changes = {"micro_batch_size": knobs["micro_batch_size"], "sequence_parallel": knobs["sequence_parallel"],
-               "vpp": knobs["vpp"], **(layout or {})}
+    changes = {
+        "micro_batch_size": knobs["micro_batch_size"],
+        "sequence_parallel": knobs["sequence_parallel"],
+        "vpp": knobs["vpp"],
+        **(layout or {}),
+    }
     par = dataclasses.replace(cfg.parallelism, **changes)
-    return dataclasses.replace(cfg, parallelism=par, model=dataclasses.replace(cfg.model, recompute=knobs["recompute"]))
+    return dataclasses.replace(
+        cfg, parallelism=par, model=dataclasses.replace(cfg.model, recompute=knobs["recompute"])
+    )
 
 
-def evaluate(plan: Planning, hw: Hardware | None = None, mfu_peak: float | None = None,
-             calibration: str | Path | None = None, layout: dict[str, Any] | None = None,
-             memory_known: bool = False, **predict_kwargs: Any) -> Evaluation:
+def evaluate(
+    plan: Planning,
+    hw: Hardware | None = None,
+    mfu_peak: float | None = None,
+    calibration: str | Path | None = None,
+    layout: dict[str, Any] | None = None,
+    memory_known: bool = False,
+    **predict_kwargs: Any,
+) -> Evaluation:
     """The layout of ``plan`` (or ``layout`` over it) with its open knobs chosen as the best that
     fits. Raises the ConfigError of the first candidate when no candidate is a valid config.
 
@@ -194,8 +240,11 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
     m, p, c = cfg.model, cfg.parallelism, cfg.cluster
     world = c.nodes * c.procs_per_node
     groups = m.num_query_groups or m.num_attention_heads
-    tps = [p.tp] if not plan.is_open(LAYOUT["tp"]) else [
-        t for t in _divisors(min(world, hw.procs_per_node)) if groups % t == 0 and m.ffn % t == 0]
+    tps = (
+        [p.tp]
+        if not plan.is_open(LAYOUT["tp"])
+        else [t for t in _divisors(min(world, hw.procs_per_node)) if groups % t == 0 and m.ffn % t == 0]
+    )
     pps = [p.pp] if not plan.is_open(LAYOUT["pp"]) else _divisors(m.num_layers)
     out = []
     for tp in tps:
@@ -237,7 +286,16 @@ def search(plan: Planning, calibration: str | Path | None = None, **predict_kwar
     best = None
     if rows:
         top = rows[0]["layout"]
-        best = evaluate(plan, hw, mfu_peak, layout={k: (top[k] if k != "vpp" or top[k] > 1 else None)
-                                                    for k in ("tp", "pp", "vpp", "dp")},
-                        **predict_kwargs).to_dict(hw)
-    return {"best": best, "rows": rows, "rejected": rejected, "world_size": plan.cfg.cluster.nodes * plan.cfg.cluster.procs_per_node}
+        best = evaluate(
+            plan,
+            hw,
+            mfu_peak,
+            layout={k: (top[k] if k != "vpp" or top[k] > 1 else None) for k in ("tp", "pp", "vpp", "dp")},
+            **predict_kwargs,
+        ).to_dict(hw)
+    return {
+        "best": best,
+        "rows": rows,
+        "rejected": rejected,
+        "world_size": plan.cfg.cluster.nodes * plan.cfg.cluster.procs_per_node,
+    }

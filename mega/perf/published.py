@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mega.config import MegaConfig
 from mega.flops import device_key, model_flops_per_step, model_flops_per_token
@@ -118,7 +119,9 @@ def cases(fixtures: list[dict[str, Any]]) -> list[Case]:
                 settle_precision(plan)
                 flops_cfg = composer.plan([*overrides, *fx.get("flops_overrides", [])]).cfg
                 flops = model_flops_per_step(flops_cfg)
-                out.append(Case(fx, row, plan, flops, device_key(plan.cfg.cluster.device_name or "") or "unknown"))
+                out.append(
+                    Case(fx, row, plan, flops, device_key(plan.cfg.cluster.device_name or "") or "unknown")
+                )
     return out
 
 
@@ -128,8 +131,9 @@ Calibrations = dict[str, DeviceCalibration]
 def _hardware(case: Case, calibrations: Calibrations):
     cal = calibrations.get(case.device) or device.prior(case.device)
     c = case.plan.cfg
-    return hardware.from_cluster(c.cluster, "bf16" if c.train.precision == "auto" else c.train.precision,
-                                 c.model.fused_ops, cal)
+    return hardware.from_cluster(
+        c.cluster, "bf16" if c.train.precision == "auto" else c.train.precision, c.model.fused_ops, cal
+    )
 
 
 @dataclass
@@ -167,46 +171,84 @@ class RowResult:
 def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str] | None = None) -> RowResult:
     """The row as a user would plan it: its open knobs chosen with this calibration."""
     hw = _hardware(case, calibrations)
-    ev = evaluate(case.plan, hw, case.peak, memory_known=bool(case.memory_known),
-                  p2p_scatter_gather=case.p2p_scatter_gather)
+    ev = evaluate(
+        case.plan,
+        hw,
+        case.peak,
+        memory_known=bool(case.memory_known),
+        p2p_scatter_gather=case.p2p_scatter_gather,
+    )
     p, m = ev.cfg.parallelism, ev.cfg.model
-    given = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "global_batch_size": p.global_batch_size,
-             "seq_length": m.seq_length, "block": m.block, "window_size": m.window_size,
-             "optimizer": ev.cfg.optimizer.name, "tp_overlap": p.tp_overlap, "comm_overlap": p.comm_overlap,
-             "overlap_grad_reduce": p.overlap_grad_reduce, "use_distributed_optimizer": p.use_distributed_optimizer}
+    given = {
+        "tp": p.tp,
+        "pp": p.pp,
+        "dp": p.dp,
+        "global_batch_size": p.global_batch_size,
+        "seq_length": m.seq_length,
+        "block": m.block,
+        "window_size": m.window_size,
+        "optimizer": ev.cfg.optimizer.name,
+        "tp_overlap": p.tp_overlap,
+        "comm_overlap": p.comm_overlap,
+        "overlap_grad_reduce": p.overlap_grad_reduce,
+        "use_distributed_optimizer": p.use_distributed_optimizer,
+    }
     for knob in KNOBS:
         if knob not in ev.chosen and knob in ev.knobs:
             given[knob] = ev.knobs[knob]
     chosen = {k: ev.knobs[k] for k in ev.chosen if k in ev.knobs}
     step = ev.prediction.step_s
-    return RowResult(case.source, case.row["id"], case.row.get("row", case.row["id"]), case.device, case.gpus,
-                     case.published_mfu, case.flops / (step * case.gpus * case.peak), case.published_step_s, step,
-                     given, chosen, ev.prediction.fits, calibrated_on or [],
-                     None if ev.prediction.fits else case.memory_known,
-                     case.row.get("unexplained") or case.row.get("miss") or case.row.get("miss_held_out")
-                     or case.fixture.get("miss_held_out") or "no mechanism identified: the model misses this row",
-                     explained(case))
+    return RowResult(
+        case.source,
+        case.row["id"],
+        case.row.get("row", case.row["id"]),
+        case.device,
+        case.gpus,
+        case.published_mfu,
+        case.flops / (step * case.gpus * case.peak),
+        case.published_step_s,
+        step,
+        given,
+        chosen,
+        ev.prediction.fits,
+        calibrated_on or [],
+        None if ev.prediction.fits else case.memory_known,
+        case.row.get("unexplained")
+        or case.row.get("miss")
+        or case.row.get("miss_held_out")
+        or case.fixture.get("miss_held_out")
+        or "no mechanism identified: the model misses this row",
+        explained(case),
+    )
 
 
 # --- fitting --------------------------------------------------------------------------------
+
 
 def freeze_knobs(todo: list[Case]) -> None:
     """Choose each row's open knobs once, with the uncalibrated prior: the fit then varies only the
     calibration (choosing knobs inside the fit would make its loss discontinuous)."""
     for case in todo:
         if case.cfg is None:
-            hw = hardware.from_cluster(case.plan.cfg.cluster, "bf16", case.plan.cfg.model.fused_ops,
-                                       device.unfitted(case.device))
-            case.cfg = evaluate(case.plan, hw, case.peak, memory_known=bool(case.memory_known),
-                                p2p_scatter_gather=case.p2p_scatter_gather).cfg
+            hw = hardware.from_cluster(
+                case.plan.cfg.cluster, "bf16", case.plan.cfg.model.fused_ops, device.unfitted(case.device)
+            )
+            case.cfg = evaluate(
+                case.plan,
+                hw,
+                case.peak,
+                memory_known=bool(case.memory_known),
+                p2p_scatter_gather=case.p2p_scatter_gather,
+            ).cfg
 
 
 def _loss(todo: list[Case], calibrations: Calibrations) -> float:
     total = 0.0
     for case in todo:
         assert case.cfg is not None
-        step = predict(case.cfg, _hardware(case, calibrations), case.peak,
-                       p2p_scatter_gather=case.p2p_scatter_gather).step_s
+        step = predict(
+            case.cfg, _hardware(case, calibrations), case.peak, p2p_scatter_gather=case.p2p_scatter_gather
+        ).step_s
         total += (100 * (case.flops / (step * case.gpus * case.peak) - case.published_mfu)) ** 2
     return total
 
@@ -229,8 +271,11 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, tol: float) -> fl
 
 
 # (parameter, per device or shared, search range, tolerance)
-FIT_PARAMETERS = (("gemm_efficiency", True, (0.4, 1.0), 0.005), ("straggler_sigma", False, (0.0, 0.04), 0.001),
-                  ("step_overhead_s", False, (0.0, 1.0), 0.02))
+FIT_PARAMETERS = (
+    ("gemm_efficiency", True, (0.4, 1.0), 0.005),
+    ("straggler_sigma", False, (0.0, 0.04), 0.001),
+    ("step_overhead_s", False, (0.0, 1.0), 0.02),
+)
 
 
 def fit(todo: list[Case], rounds: int = 2) -> Calibrations:
@@ -240,7 +285,10 @@ def fit(todo: list[Case], rounds: int = 2) -> Calibrations:
     freeze_knobs(todo)
     devices = sorted({c.device for c in todo})
     sources = {d: sorted({c.source for c in todo if c.device == d}) for d in devices}
-    cals = {d: device.unfitted(d).replace(source="fit on " + "; ".join(sources[d]), validated=True) for d in devices}
+    cals = {
+        d: device.unfitted(d).replace(source="fit on " + "; ".join(sources[d]), validated=True)
+        for d in devices
+    }
     for _ in range(rounds):
         for name, per_device, (lo, hi), tol in FIT_PARAMETERS:
             groups = [[d] for d in devices] if per_device else [devices]
@@ -262,7 +310,9 @@ def explained(case: Case) -> bool:
     return not case.row.get("unexplained")
 
 
-def leave_one_source_out(todo: list[Case], rounds: int = 2) -> tuple[list[RowResult], dict[str, Calibrations]]:
+def leave_one_source_out(
+    todo: list[Case], rounds: int = 2
+) -> tuple[list[RowResult], dict[str, Calibrations]]:
     """Each source predicted with the calibration fitted on all the others' explained rows; a device
     type with no such rows elsewhere keeps its prior (``calibrated_on`` empty)."""
     results, fits = [], {}
@@ -273,11 +323,18 @@ def leave_one_source_out(todo: list[Case], rounds: int = 2) -> tuple[list[RowRes
         for case in (c for c in todo if c.source == source):
             on = sorted({c.source for c in train if c.device == case.device})
             use = cals if on else {case.device: device.unfitted(case.device)}
-            shared = {k: getattr(next(iter(cals.values())), k) for k in ("straggler_sigma", "step_overhead_s")} \
-                if cals else {}
+            shared = (
+                {k: getattr(next(iter(cals.values())), k) for k in ("straggler_sigma", "step_overhead_s")}
+                if cals
+                else {}
+            )
             if not on:
                 alone = use[case.device]
-                use = {case.device: alone.replace(**shared, source=f"{alone.source}, no other source on this device")}
+                use = {
+                    case.device: alone.replace(
+                        **shared, source=f"{alone.source}, no other source on this device"
+                    )
+                }
             results.append(predict_case(case, use, on))
     return results, fits
 
@@ -285,20 +342,28 @@ def leave_one_source_out(todo: list[Case], rounds: int = 2) -> tuple[list[RowRes
 def summary(results: list[RowResult]) -> dict[str, Any]:
     errs = [r.err_mfu_pts for r in results]
     out: dict[str, Any] = {
-        "rows": len(errs), "mae_mfu_pts": sum(abs(e) for e in errs) / len(errs),
-        "max_abs_err_mfu_pts": max(abs(e) for e in errs), "mean_err_mfu_pts": sum(errs) / len(errs),
+        "rows": len(errs),
+        "mae_mfu_pts": sum(abs(e) for e in errs) / len(errs),
+        "max_abs_err_mfu_pts": max(abs(e) for e in errs),
+        "mean_err_mfu_pts": sum(errs) / len(errs),
         "within_3_pts": sum(abs(e) <= TARGET_PTS for e in errs),
         "targets": {"every_row_within_pts": TARGET_PTS, "mae_pts": TARGET_MAE_PTS},
         "per_source": {},
     }
     out["targets_met"] = out["within_3_pts"] == len(errs) and out["mae_mfu_pts"] <= TARGET_MAE_PTS
     known = [r.err_mfu_pts for r in results if r.explained]
-    out["explained_rows"] = {"rows": len(known), "mae_mfu_pts": sum(abs(e) for e in known) / max(1, len(known)),
-                             "within_3_pts": sum(abs(e) <= TARGET_PTS for e in known)}
+    out["explained_rows"] = {
+        "rows": len(known),
+        "mae_mfu_pts": sum(abs(e) for e in known) / max(1, len(known)),
+        "within_3_pts": sum(abs(e) <= TARGET_PTS for e in known),
+    }
     for source in dict.fromkeys(r.source for r in results):
         e = [r.err_mfu_pts for r in results if r.source == source]
-        out["per_source"][source] = {"rows": len(e), "mae_mfu_pts": sum(abs(x) for x in e) / len(e),
-                                     "mean_err_mfu_pts": sum(e) / len(e)}
+        out["per_source"][source] = {
+            "rows": len(e),
+            "mae_mfu_pts": sum(abs(x) for x in e) / len(e),
+            "mean_err_mfu_pts": sum(e) / len(e),
+        }
     return out
 
 
@@ -320,8 +385,14 @@ def plot(results: list[RowResult], path: str | Path) -> Path:
     markers = "osD^vP*Xh"
     for i, source in enumerate(dict.fromkeys(r.source for r in results)):
         rows = [r for r in results if r.source == source]
-        ax.scatter([100 * r.published_mfu for r in rows], [100 * r.predicted_mfu for r in rows],
-                   marker=markers[i % len(markers)], s=36, label=f"{source} ({rows[0].device})", zorder=3)
+        ax.scatter(
+            [100 * r.published_mfu for r in rows],
+            [100 * r.predicted_mfu for r in rows],
+            marker=markers[i % len(markers)],
+            s=36,
+            label=f"{source} ({rows[0].device})",
+            zorder=3,
+        )
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("published MFU (%)")
@@ -335,14 +406,19 @@ def plot(results: list[RowResult], path: str | Path) -> Path:
     return path
 
 
-def validate(directory: Path = DEFAULT_DIR, plot_path: str | Path | None = None, rounds: int = 2) -> dict[str, Any]:
+def validate(
+    directory: Path = DEFAULT_DIR, plot_path: str | Path | None = None, rounds: int = 2
+) -> dict[str, Any]:
     todo = cases(load(directory))
     results, fits = leave_one_source_out(todo, rounds)
-    out = {"rows": [r.to_dict() for r in results], "summary": summary(results),
-           "calibrations": {s: {d: c.to_dict() for d, c in cals.items()} for s, cals in fits.items()},
-           "method": "leave-one-source-out: per-device GEMM efficiency, straggler spread and step overhead fitted "
-                     "on every other source (knobs frozen at the prior's choice), then the source predicted with "
-                     "its open knobs chosen again"}
+    out = {
+        "rows": [r.to_dict() for r in results],
+        "summary": summary(results),
+        "calibrations": {s: {d: c.to_dict() for d, c in cals.items()} for s, cals in fits.items()},
+        "method": "leave-one-source-out: per-device GEMM efficiency, straggler spread and step overhead fitted "
+        "on every other source (knobs frozen at the prior's choice), then the source predicted with "
+        "its open knobs chosen again",
+    }
     if plot_path:
         out["plot"] = str(plot(results, plot_path))
     return out

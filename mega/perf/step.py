@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from mega.config import MegaConfig
 from mega.flops import attention_layer_counts, model_flops_per_step, model_flops_per_token
-from mega.perf.hardware import Hardware
 from mega.overlap import pp_dp
+from mega.perf.hardware import Hardware
 from mega.perf.memory import Memory, buckets, kv_size, memory_per_gpu, stage_params
 from mega.perf.scale import straggler_s
 
@@ -83,8 +83,20 @@ class Pass:
         return self.gemm + self.attention + self.elementwise + self.tp_exposed + self.overhead
 
     def scaled(self, k: float) -> Pass:
-        return Pass(*(k * x for x in (self.gemm, self.attention, self.elementwise, self.tp_exposed,
-                                      self.tp_total, self.overhead, self.comm_cpu)))
+        return Pass(
+            *(
+                k * x
+                for x in (
+                    self.gemm,
+                    self.attention,
+                    self.elementwise,
+                    self.tp_exposed,
+                    self.tp_total,
+                    self.overhead,
+                    self.comm_cpu,
+                )
+            )
+        )
 
     def __add__(self, o: Pass) -> Pass:
         return Pass(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
@@ -130,8 +142,12 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     parallel = m.block == "parallel"
 
     # GEMMs: (rows, cols, inner) of the forward; the backward runs a dgrad and a wgrad GEMM each.
-    shapes = {"qkv": (tokens, (h + 2 * kv) // t, h), "proj": (tokens, h, h // t),
-              "fc1": (tokens, f // t, h), "fc2": (tokens, h, f // t)}
+    shapes = {
+        "qkv": (tokens, (h + 2 * kv) // t, h),
+        "proj": (tokens, h, h // t),
+        "fc1": (tokens, f // t, h),
+        "fc2": (tokens, h, f // t),
+    }
     fwd = {k: hw.gemm_s(*v, dtype_bytes=dtype) for k, v in shapes.items()}
     dgrad = {k: hw.gemm_s(r, i, c, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
     wgrad = {k: hw.gemm_s(i, c, r, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
@@ -150,12 +166,16 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
         hd = h // a
         scores = b * heads * s * s
         drop = m.attention_dropout > 0
-        attn_f = (hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
-                  + hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
-                  + hw.elementwise_s(scores * (2 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
-        attn_b = (2 * hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
-                  + 2 * hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
-                  + hw.elementwise_s(scores * (3 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1))
+        attn_f = (
+            hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
+            + hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
+            + hw.elementwise_s(scores * (2 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1)
+        )
+        attn_b = (
+            2 * hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
+            + 2 * hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
+            + hw.elementwise_s(scores * (3 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1)
+        )
 
     # Elementwise: LayerNorm(s), bias-dropout-add(s), bias-GeLU; h-sized tensors are split by SP.
     rows = tokens / t if sp else tokens
@@ -177,19 +197,28 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     if t > 1:
         if parallel:  # one column-parallel input (QKV | fc1) and one row-parallel output per layer
             col_f, row_f = fwd["qkv"] + fwd["fc1"], fwd["proj"] + fwd["fc2"]
-            col_d, col_w, row_d = dgrad["qkv"] + dgrad["fc1"], wgrad["qkv"] + wgrad["fc1"], dgrad["proj"] + dgrad["fc2"]
+            col_d, col_w, row_d = (
+                dgrad["qkv"] + dgrad["fc1"],
+                wgrad["qkv"] + wgrad["fc1"],
+                dgrad["proj"] + dgrad["fc2"],
+            )
             pairs = [("col", col_f, col_d, col_w, row_f, row_d)]
         else:
-            pairs = [("attn", fwd["qkv"], dgrad["qkv"], wgrad["qkv"], fwd["proj"], dgrad["proj"]),
-                     ("mlp", fwd["fc1"], dgrad["fc1"], wgrad["fc1"], fwd["fc2"], dgrad["fc2"])]
+            pairs = [
+                ("attn", fwd["qkv"], dgrad["qkv"], wgrad["qkv"], fwd["proj"], dgrad["proj"]),
+                ("mlp", fwd["fc1"], dgrad["fc1"], wgrad["fc1"], fwd["fc2"], dgrad["fc2"]),
+            ]
         for _, c_f, c_d, c_w, r_f, r_d in pairs:
             if sp:
                 # forward: all-gather before the column GEMM, reduce-scatter after the row GEMM
                 tp_f += _exposed(ag, c_f, t, chunked, False) + _exposed(rs, r_f, t, chunked, False)
                 # backward: all-gather of the output gradient (row), the input all-gather redone
                 # under the dgrad GEMM and the input-gradient reduce-scatter under the wgrad GEMM
-                tp_b += (_exposed(ag, r_d, t, chunked, False) + _exposed(ag, c_d, t, chunked, True)
-                         + _exposed(rs, c_w, t, chunked, True))
+                tp_b += (
+                    _exposed(ag, r_d, t, chunked, False)
+                    + _exposed(ag, c_d, t, chunked, True)
+                    + _exposed(rs, c_w, t, chunked, True)
+                )
                 total_f, total_b = total_f + ag + rs, total_b + 2 * ag + rs
                 cpu_f, cpu_b = cpu_f + agc + rsc, cpu_b + 2 * agc + rsc
             else:
@@ -216,8 +245,12 @@ def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     act = tokens * h * dtype
     kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
     comm = hw.collective_s(kind, act, t)
-    fwd = Pass(elementwise=hw.elementwise_s(3 * act, 2), tp_exposed=comm, tp_total=comm,
-               comm_cpu=hw.collective_cpu_s(kind, act, t))
+    fwd = Pass(
+        elementwise=hw.elementwise_s(3 * act, 2),
+        tp_exposed=comm,
+        tp_total=comm,
+        comm_cpu=hw.collective_cpu_s(kind, act, t),
+    )
     bwd = Pass(elementwise=hw.elementwise_s(3 * act, 2))
     return Unit(fwd, bwd, Pass())
 
@@ -228,7 +261,9 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     m, p = cfg.model, cfg.parallelism
     tokens, h, t, vocab = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp, m.padded_vocab_size
     gemm_f = hw.gemm_s(tokens, vocab // t, h, dtype_bytes=dtype)
-    gemm_b = hw.gemm_s(tokens, h, vocab // t, dtype_bytes=dtype) + hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
+    gemm_b = hw.gemm_s(tokens, h, vocab // t, dtype_bytes=dtype) + hw.gemm_s(
+        h, vocab // t, tokens, dtype_bytes=dtype
+    )
     logits = tokens * vocab / t * 4
     norm = tokens * h * 2 * dtype / (t if p.sequence_parallel else 1)
     act = tokens * h * dtype
@@ -236,16 +271,29 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     cpu_f = 3 * hw.collective_cpu_s("all_reduce", tokens * 4, t)
     if p.sequence_parallel:
         c_f, c_b = hw.collective_s("all_gather", act, t), hw.collective_s("reduce_scatter", act, t)
-        cpu_f, cpu_b = cpu_f + hw.collective_cpu_s("all_gather", act, t), hw.collective_cpu_s("reduce_scatter", act, t)
+        cpu_f, cpu_b = (
+            cpu_f + hw.collective_cpu_s("all_gather", act, t),
+            hw.collective_cpu_s("reduce_scatter", act, t),
+        )
     else:
         c_f, c_b = 0.0, hw.collective_s("all_reduce", act, t)
         cpu_b = hw.collective_cpu_s("all_reduce", act, t)
     wgrad = hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
     b_exposed = _exposed(c_b, wgrad, t, False, True)
-    fwd = Pass(gemm=gemm_f, elementwise=hw.elementwise_s(norm + 6 * logits, 6), tp_exposed=c_f + ce_reductions,
-               tp_total=c_f + ce_reductions, comm_cpu=cpu_f)
-    bwd = Pass(gemm=gemm_b, elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4), tp_exposed=b_exposed, tp_total=c_b,
-               comm_cpu=cpu_b)
+    fwd = Pass(
+        gemm=gemm_f,
+        elementwise=hw.elementwise_s(norm + 6 * logits, 6),
+        tp_exposed=c_f + ce_reductions,
+        tp_total=c_f + ce_reductions,
+        comm_cpu=cpu_f,
+    )
+    bwd = Pass(
+        gemm=gemm_b,
+        elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4),
+        tp_exposed=b_exposed,
+        tp_total=c_b,
+        comm_cpu=cpu_b,
+    )
     return Unit(fwd, bwd, Pass())
 
 
@@ -291,7 +339,7 @@ class Stage:
         """Seconds a core works: everything but waiting on collectives and pipeline messages, plus
         the core time the collectives themselves cost (CPU machines)."""
         parts = (self.layers, self.recompute, self.extra)
-        return (self.total - self.p2p - sum(x.tp_exposed for x in parts) + sum(x.comm_cpu for x in parts))
+        return self.total - self.p2p - sum(x.tp_exposed for x in parts) + sum(x.comm_cpu for x in parts)
 
 
 def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Stage]:
@@ -308,12 +356,22 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Sta
         if stage == pp - 1:
             extra = extra + head.forward + head.backward
         overhead = vpp * hw.microbatch_overhead_s + (hw.tp_microbatch_overhead_s if p.tp > 1 else 0.0)
-        out.append(Stage(layer.forward.scaled(n), layer.backward.scaled(n), layer.recompute.scaled(n), extra,
-                         overhead, blocking))
+        out.append(
+            Stage(
+                layer.forward.scaled(n),
+                layer.backward.scaled(n),
+                layer.recompute.scaled(n),
+                extra,
+                overhead,
+                blocking,
+            )
+        )
     return out
 
 
-def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: float, p2p_bytes: float) -> list[Term]:
+def pipeline_terms(
+    cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: float, p2p_bytes: float
+) -> list[Term]:
     """The microbatches through the slowest stage, term by term, then the bubble."""
     m, p = cfg.model, cfg.parallelism
     pp, vpp, mb = p.pp, p.vpp or 1, p.num_microbatches
@@ -323,29 +381,63 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: floa
     avg = sum(x.total for x in stages) / pp
     fill = 2 * (pp - 1) * p2p if (pp > 1 and p.overlap_p2p_comm) else 0.0
     return [
-        Term("gemm", mb * (lay.gemm + ext.gemm),
-             f"{mb} microbatches x stage {slowest}: {m.num_layers // pp} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
-             f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
-             f"{hw.peak_flops / 1e12:.1f} TFLOP/s, per-shape efficiency"),
-        Term("attention", mb * (lay.attention + ext.attention),
-             "attention core: " + ("fused flash kernels over the causal (and windowed) keys only" if hw.flash_attention else
-                                   "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic")),
-        Term("elementwise", mb * (lay.elementwise + ext.elementwise),
-             "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved memory bandwidth"),
-        Term("tp_comm", mb * (lay.tp_exposed + ext.tp_exposed),
-             f"TP{'+SP' if p.sequence_parallel else ''} collectives over {p.tp} ranks, exposed part "
-             f"(tp_overlap={p.tp_overlap}; megatron's async backward hides the column-parallel ones)",
-             total_s=mb * (lay.tp_total + ext.tp_total)),
-        Term("recompute", mb * st.recompute.total, f"model.recompute={m.recompute}: forward work redone in the backward"),
-        Term("host_overhead", mb * (lay.overhead + ext.overhead + st.overhead),
-             "host (Python) time the device does not hide: per layer and per microbatch/chunk"),
-        Term("pp_p2p", mb * st.p2p + fill,
-             f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
-             f"(overlap_p2p_comm={p.overlap_p2p_comm}"
-             + (": only the fill/drain is exposed)" if p.overlap_p2p_comm else ": blocking, on the critical path)"),
-             total_s=mb * 2 * vpp * p2p),
-        Term("pp_bubble", (pp - 1) / vpp * avg, f"(pp-1)/vpp = {pp - 1}/{vpp} microbatch-times of the average stage "
-                                                f"({avg * 1e3:.2f} ms) for pipeline fill and drain"),
+        Term(
+            "gemm",
+            mb * (lay.gemm + ext.gemm),
+            f"{mb} microbatches x stage {slowest}: {m.num_layers // pp} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
+            f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
+            f"{hw.peak_flops / 1e12:.1f} TFLOP/s, per-shape efficiency",
+        ),
+        Term(
+            "attention",
+            mb * (lay.attention + ext.attention),
+            "attention core: "
+            + (
+                "fused flash kernels over the causal (and windowed) keys only"
+                if hw.flash_attention
+                else "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic"
+            ),
+        ),
+        Term(
+            "elementwise",
+            mb * (lay.elementwise + ext.elementwise),
+            "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved memory bandwidth",
+        ),
+        Term(
+            "tp_comm",
+            mb * (lay.tp_exposed + ext.tp_exposed),
+            f"TP{'+SP' if p.sequence_parallel else ''} collectives over {p.tp} ranks, exposed part "
+            f"(tp_overlap={p.tp_overlap}; megatron's async backward hides the column-parallel ones)",
+            total_s=mb * (lay.tp_total + ext.tp_total),
+        ),
+        Term(
+            "recompute",
+            mb * st.recompute.total,
+            f"model.recompute={m.recompute}: forward work redone in the backward",
+        ),
+        Term(
+            "host_overhead",
+            mb * (lay.overhead + ext.overhead + st.overhead),
+            "host (Python) time the device does not hide: per layer and per microbatch/chunk",
+        ),
+        Term(
+            "pp_p2p",
+            mb * st.p2p + fill,
+            f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
+            f"(overlap_p2p_comm={p.overlap_p2p_comm}"
+            + (
+                ": only the fill/drain is exposed)"
+                if p.overlap_p2p_comm
+                else ": blocking, on the critical path)"
+            ),
+            total_s=mb * 2 * vpp * p2p,
+        ),
+        Term(
+            "pp_bubble",
+            (pp - 1) / vpp * avg,
+            f"(pp-1)/vpp = {pp - 1}/{vpp} microbatch-times of the average stage "
+            f"({avg * 1e3:.2f} ms) for pipeline fill and drain",
+        ),
     ]
 
 
@@ -359,14 +451,20 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
     per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4
     if cfg.optimizer.name == "lamb":
         per_param += 8  # the per-tensor trust ratio reads weights and update once more
-    seconds = (hw.stream_s(opt_params * per_param, 8) + 2 * hw.collective_s("all_reduce", 8, p.world_size)
-               + hw.layer_step_overhead_s * cfg.model.num_layers // p.pp)
-    return seconds, (f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters x {per_param} B of memory "
-                     "traffic + grad-norm all-reduces")
+    seconds = (
+        hw.stream_s(opt_params * per_param, 8)
+        + 2 * hw.collective_s("all_reduce", 8, p.world_size)
+        + hw.layer_step_overhead_s * cfg.model.num_layers // p.pp
+    )
+    return seconds, (
+        f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters x {per_param} B of memory "
+        "traffic + grad-norm all-reduces"
+    )
 
 
-def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage],
-                        bubble: float) -> tuple[list[Term], float, float]:
+def data_parallel_terms(
+    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float
+) -> tuple[list[Term], float, float]:
     """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
     optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
     m, p = cfg.model, cfg.parallelism
@@ -377,8 +475,10 @@ def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[
     if p.use_distributed_optimizer:
         rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
         ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
-        cpu = n_buckets * (hw.collective_cpu_s("reduce_scatter", grad_bytes / n_buckets, dp)
-                           + hw.collective_cpu_s("all_gather", params_rank * dtype / n_buckets, dp))
+        cpu = n_buckets * (
+            hw.collective_cpu_s("reduce_scatter", grad_bytes / n_buckets, dp)
+            + hw.collective_cpu_s("all_gather", params_rank * dtype / n_buckets, dp)
+        )
     else:
         rs_total = n_buckets * hw.collective_s("all_reduce", grad_bytes / n_buckets, dp, stride=tp)
         ag_total = 0.0
@@ -404,15 +504,22 @@ def data_parallel_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[
     else:
         ag_exposed = ag_total
     terms = [
-        Term("dp_grad_reduce", rs_exposed,
-             f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB fp32 "
-             f"gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
-             total_s=rs_total),
+        Term(
+            "dp_grad_reduce",
+            rs_exposed,
+            f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB fp32 "
+            f"gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
+            total_s=rs_total,
+        ),
         Term("optimizer", opt_s, opt_what),
-        Term("dp_param_gather", ag_exposed,
-             f"all-gather of updated {precision_of(cfg)} parameters over dp={dp} (overlap_param_gather="
-             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
-             f"{p.overlap_param_gather_with_optimizer_step})", total_s=ag_total),
+        Term(
+            "dp_param_gather",
+            ag_exposed,
+            f"all-gather of updated {precision_of(cfg)} parameters over dp={dp} (overlap_param_gather="
+            f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
+            f"{p.overlap_param_gather_with_optimizer_step})",
+            total_s=ag_total,
+        ),
     ]
     return terms, opt_s, cpu
 
@@ -422,8 +529,12 @@ def hardware_flops_per_step(cfg: MegaConfig) -> float:
     m, p = cfg.model, cfg.parallelism
     tokens = p.global_batch_size * m.seq_length
     if m.recompute == "full":
-        return model_flops_per_token(m, recompute=True, window=m.window_size,
-                                     full_attention_every=m.full_attention_every) * tokens
+        return (
+            model_flops_per_token(
+                m, recompute=True, window=m.window_size, full_attention_every=m.full_attention_every
+            )
+            * tokens
+        )
     flops = model_flops_per_step(cfg)
     if m.recompute == "selective":
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
@@ -437,15 +548,20 @@ def effective_overlap(cfg: MegaConfig) -> MegaConfig:
     resolved by the function mega.train uses (mega.overlap.pp_dp.resolve)."""
     p = cfg.parallelism
     eff = pp_dp.resolve(p)
-    par = dataclasses.replace(p, overlap_p2p_comm=eff.overlap_p2p_comm,
-                              overlap_p2p_comm_warmup_flush=eff.overlap_p2p_comm_warmup_flush,
-                              overlap_param_gather=eff.overlap_param_gather, align_param_gather=eff.align_param_gather,
-                              overlap_param_gather_with_optimizer_step=eff.overlap_param_gather_with_optimizer_step)
+    par = dataclasses.replace(
+        p,
+        overlap_p2p_comm=eff.overlap_p2p_comm,
+        overlap_p2p_comm_warmup_flush=eff.overlap_p2p_comm_warmup_flush,
+        overlap_param_gather=eff.overlap_param_gather,
+        align_param_gather=eff.align_param_gather,
+        overlap_param_gather_with_optimizer_step=eff.overlap_param_gather_with_optimizer_step,
+    )
     return dataclasses.replace(cfg, parallelism=par)
 
 
-def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
-            p2p_scatter_gather: bool = False) -> Prediction:
+def predict(
+    cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, p2p_scatter_gather: bool = False
+) -> Prediction:
     """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
     device (default the cluster's dense bf16 peak, or the calibrated GEMM rate on a CPU).
 
@@ -466,11 +582,16 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     terms += dp_terms
     emb_sync = 0.0
     if p.pp > 1 and m.tie_embeddings:
-        emb_sync = hw.collective_s("all_reduce", m.padded_vocab_size * m.hidden_size / tp * 4, 2,
-                                   stride=tp * dp * (p.pp - 1))
+        emb_sync = hw.collective_s(
+            "all_reduce", m.padded_vocab_size * m.hidden_size / tp * 4, 2, stride=tp * dp * (p.pp - 1)
+        )
     data = hw.data_s_per_token * mb * p.micro_batch_size * m.seq_length
     terms += [
-        Term("embedding_sync", emb_sync, "all-reduce of the tied word-embedding gradient between the first and last stage"),
+        Term(
+            "embedding_sync",
+            emb_sync,
+            "all-reduce of the tied word-embedding gradient between the first and last stage",
+        ),
         Term("data", data, "building the step's microbatches and copying them to the device"),
         Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
     ]
@@ -478,21 +599,33 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
     if hw.straggler_sigma > 0 and dp > 1:
         # The dp replicas meet once per step, at the gradient reduction; inside a replica the TP
         # ranks meet every layer and the stages every microbatch, so a replica's step is one draw.
-        terms.append(Term("stragglers", straggler_s(step_s, hw.straggler_sigma, dp),
-                          f"the slowest of {dp} data-parallel replicas sets the step: spread "
-                          f"{hw.straggler_sigma:.2%} x E[max of {dp} standard normals]"))
+        terms.append(
+            Term(
+                "stragglers",
+                straggler_s(step_s, hw.straggler_sigma, dp),
+                f"the slowest of {dp} data-parallel replicas sets the step: spread "
+                f"{hw.straggler_sigma:.2%} x E[max of {dp} standard normals]",
+            )
+        )
         step_s = sum(t.seconds for t in terms)
 
     # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
     # with the core time of the collectives (each pipeline message: a send and a receive each way).
     p2p_cpu = 4 * (p.vpp or 1) * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
-    busy_s = tp * dp * sum(mb * (x.busy + p2p_cpu) + opt_s + data + hw.step_overhead_s + dp_cpu for x in stages)
+    busy_s = (
+        tp * dp * sum(mb * (x.busy + p2p_cpu) + opt_s + data + hw.step_overhead_s + dp_cpu for x in stages)
+    )
     if hw.cores is not None and hw.cores < hw.procs_per_node:
         # Ranks share cores: all ranks' busy time must fit into cores x step time.
         floor = busy_s / max(1, world // hw.procs_per_node) / hw.cores
-        terms.append(Term("core_sharing", max(0.0, floor - step_s),
-                          f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
-                          f"= {floor:.3f} s bounds the step from below"))
+        terms.append(
+            Term(
+                "core_sharing",
+                max(0.0, floor - step_s),
+                f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
+                f"= {floor:.3f} s bounds the step from below",
+            )
+        )
         step_s = sum(t.seconds for t in terms)
 
     peak = mfu_peak_flops or hw.peak_flops
@@ -507,8 +640,11 @@ def predict(cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None,
         memory=memory,
         fits=memory.total <= hw.memory_bytes,
         terms=terms,
-        stages={"slowest": max(range(p.pp), key=lambda i: stages[i].total),
-                "microbatch_s": [x.total for x in stages], "pipeline_s": mb * max(x.total for x in stages),
-                "microbatches": mb},
+        stages={
+            "slowest": max(range(p.pp), key=lambda i: stages[i].total),
+            "microbatch_s": [x.total for x in stages],
+            "pipeline_s": mb * max(x.total for x in stages),
+            "microbatches": mb,
+        },
         busy_s=busy_s,
     )

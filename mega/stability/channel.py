@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from typing import Iterator
+from collections.abc import Iterator
 
 URL_ENV = "MEGA_HEARTBEAT_URL"  # redis:// URL without a password (logged nowhere anyway)
 PASSWORD_ENV = "MEGA_HEARTBEAT_PASSWORD"
@@ -21,7 +21,9 @@ PREFIX_ENV = "MEGA_HEARTBEAT_PREFIX"
 TIMEOUT_S = 0.5  # every Redis call of a heartbeat or the watcher: connect and read bounded by this
 
 
-RESTART_EXIT_CODE = 86  # a rank told by the watcher to end a hung attempt; the cluster relaunches from `latest`
+RESTART_EXIT_CODE = (
+    86  # a rank told by the watcher to end a hung attempt; the cluster relaunches from `latest`
+)
 
 
 def stop_key(prefix: str, attempt: int) -> str:
@@ -50,10 +52,18 @@ def client(url: str, password: str | None = None):
     from mega.store.redis_server import parse_redis_url
 
     p = parse_redis_url(url)
-    return redis.Redis(host=p["host"], port=p["port"], db=p["db"], username=p["username"],
-                       password=password if password is not None else p["password"], ssl=p["ssl"],
-                       socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S,
-                       retry=None, health_check_interval=0)
+    return redis.Redis(
+        host=p["host"],
+        port=p["port"],
+        db=p["db"],
+        username=p["username"],
+        password=password if password is not None else p["password"],
+        ssl=p["ssl"],
+        socket_connect_timeout=TIMEOUT_S,
+        socket_timeout=TIMEOUT_S,
+        retry=None,
+        health_check_interval=0,
+    )
 
 
 def client_from_env(env: dict[str, str] | None = None):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mega.stability import channel
 from mega.stability.incident import Incident
@@ -45,8 +45,9 @@ def hang_threshold_s(step_times: list[float], progress_factor: float, min_s: flo
     return min(max(k, min_s), max_s)
 
 
-def stragglers(compute: dict[int, dict[int, float]], factor: float, beats: int,
-               stage: dict[int, int] | None = None) -> dict[int, list[float]]:
+def stragglers(
+    compute: dict[int, dict[int, float]], factor: float, beats: int, stage: dict[int, int] | None = None
+) -> dict[int, list[float]]:
     """Ranks slow in each of the last ``beats`` steps seen: rank -> its ratio to the peers' median
     per step. ``compute``: step -> rank -> compute seconds of that step. ``stage``: rank -> pipeline
     stage; peers are the ranks of the same stage (same layers, same work) when any was seen."""
@@ -68,8 +69,14 @@ def stragglers(compute: dict[int, dict[int, float]], factor: float, beats: int,
 class Watcher:
     """One attempt's watcher. ``poll()`` each poll of the job: the reason to stop it, or None."""
 
-    def __init__(self, cfg, hb_env: dict[str, str], attempt: int, log: Callable[[str], None] = print,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        cfg,
+        hb_env: dict[str, str],
+        attempt: int,
+        log: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.time,
+    ):
         self.cfg, self.attempt, self.log, self.clock = cfg, attempt, log, clock
         self.s = cfg.stability
         self.world = cfg.parallelism.world_size
@@ -139,11 +146,17 @@ class Watcher:
             if self.failing_since is None:
                 self.failing_since, self.failing_errors = now, self.read_errors - 1
             if o is None and now - self.failing_since >= self.outage_after_s:
-                self.outage = {"started": self.failing_since, "answered": None, "ranks": sorted(self.beats),
-                               "errors0": self.failing_errors}
-                self.log(f"attempt {self.attempt}: heartbeat Redis {self._url()} not answering for "
-                         f"{now - self.failing_since:.1f} s: store outage; hang detection suspended, "
-                         "training goes on")
+                self.outage = {
+                    "started": self.failing_since,
+                    "answered": None,
+                    "ranks": sorted(self.beats),
+                    "errors0": self.failing_errors,
+                }
+                self.log(
+                    f"attempt {self.attempt}: heartbeat Redis {self._url()} not answering for "
+                    f"{now - self.failing_since:.1f} s: store outage; hang detection suspended, "
+                    "training goes on"
+                )
             elif o is not None:
                 o["answered"] = None  # failing again before the ranks were back: the same outage
             return
@@ -152,8 +165,10 @@ class Watcher:
             return
         if o["answered"] is None:
             o["answered"] = now
-            self.log(f"attempt {self.attempt}: heartbeat Redis answers again after "
-                     f"{now - o['started']:.1f} s; waiting for every rank's heartbeat")
+            self.log(
+                f"attempt {self.attempt}: heartbeat Redis answers again after "
+                f"{now - o['started']:.1f} s; waiting for every rank's heartbeat"
+            )
         if not self._stale(o):
             self._end_outage(now, resumed=True)
         elif now - o["answered"] > self.silent_after_s:  # those still quiet are silent: hang detection's
@@ -163,7 +178,9 @@ class Watcher:
         """Ranks with a heartbeat written after Redis answered again."""
         if o["answered"] is None:
             return []
-        return sorted(r for r in o["ranks"] if self.beats.get(r, {}).get("time", float("-inf")) >= o["answered"])
+        return sorted(
+            r for r in o["ranks"] if self.beats.get(r, {}).get("time", float("-inf")) >= o["answered"]
+        )
 
     def _stale(self, o: dict) -> list[int]:
         return sorted(set(o["ranks"]) - set(self._fresh(o)))
@@ -177,20 +194,37 @@ class Watcher:
         o, self.outage = self.outage, None
         outage_s = (o["answered"] if o["answered"] is not None else now) - o["started"]
         fresh, stale = self._fresh(o), self._stale(o)
-        evidence = {"outage_s": round(outage_s, 3), "read_errors": self.read_errors - o["errors0"],
-                    "resumed": resumed, "ranks_resumed": fresh, "ranks_not_resumed": stale,
-                    "answering": o["answered"] is not None,
-                    "dropped": {r: b.get("dropped") for r, b in sorted(self.beats.items())}}
+        evidence = {
+            "outage_s": round(outage_s, 3),
+            "read_errors": self.read_errors - o["errors0"],
+            "resumed": resumed,
+            "ranks_resumed": fresh,
+            "ranks_not_resumed": stale,
+            "answering": o["answered"] is not None,
+            "dropped": {r: b.get("dropped") for r, b in sorted(self.beats.items())},
+        }
         if resumed:
             how = f"heartbeats resumed from all {len(fresh)} rank(s)"
         elif o["answered"] is None:
             how = "still not answering when the attempt ended"
         else:
             how = f"no heartbeat since from rank(s) {stale}"
-        summary = (f"heartbeat Redis {self._url()} did not answer for {outage_s:.1f} s "
-                   f"({evidence['read_errors']} failed reads); {how}; training went on")
-        self.incidents.append(Incident("store", self.attempt, now, summary, {"store": self._url()}, evidence,
-                                       "reported", time_to_detect_s=self.outage_after_s))
+        summary = (
+            f"heartbeat Redis {self._url()} did not answer for {outage_s:.1f} s "
+            f"({evidence['read_errors']} failed reads); {how}; training went on"
+        )
+        self.incidents.append(
+            Incident(
+                "store",
+                self.attempt,
+                now,
+                summary,
+                {"store": self._url()},
+                evidence,
+                "reported",
+                time_to_detect_s=self.outage_after_s,
+            )
+        )
         self.log(f"attempt {self.attempt}: store: {summary}")
 
     # -- progress, hangs, stragglers -------------------------------------------------------------
@@ -208,8 +242,9 @@ class Watcher:
                 self.max_step, self.last_progress = step, now
 
     def threshold_s(self) -> float:
-        limit = hang_threshold_s(self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s,
-                                 self.cfg.cluster.hang_timeout_s)
+        limit = hang_threshold_s(
+            self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s, self.cfg.cluster.hang_timeout_s
+        )
         if any(b.get("phase") == "checkpoint" for b in self.beats.values()):
             # a save blocks the step for up to checkpoint.upload_timeout_s by design (synchronous
             # saves, the wait for the previous upload): not a hang until that is over too
@@ -240,38 +275,83 @@ class Watcher:
         ages = [now - b.get("time", now) for b in self.beats.values()]
         return len(ages) > 1 and max(ages) > self.silent_after_s and min(ages) <= self.s.heartbeat_s
 
-    def _declare_hang(self, now: float, stalled: float, limit: float, silence_ref: float | None = None) -> str:
+    def _declare_hang(
+        self, now: float, stalled: float, limit: float, silence_ref: float | None = None
+    ) -> str:
         culprit = localise(self.identities, self.beats, silence_ref or now, self.silent_after_s)
-        evidence = {"last_step": self.max_step, "stalled_s": round(stalled, 3), "threshold_s": round(limit, 3),
-                    "median_step_s": statistics.median(self.step_times) if self.step_times else None,
-                    "silent_after_s": self.silent_after_s, "read_errors": self.read_errors,
-                    "ranks": {r: {"age_s": round(now - b["time"], 3), "step": b.get("step"),
-                                  "phase": b.get("phase"), "doing": b.get("doing"), "seq": b.get("seq")}
-                              for r, b in sorted(self.beats.items())}}
-        summary = (f"no step for {stalled:.1f} s after step {self.max_step} (threshold {limit:.1f} s); "
-                   + (culprit.describe() if culprit else "culprit not found"))
-        self.incidents.append(Incident("hang", self.attempt, now, summary, culprit.to_dict() if culprit else None,
-                                       evidence, "relaunch from latest", time_to_detect_s=stalled))
+        evidence = {
+            "last_step": self.max_step,
+            "stalled_s": round(stalled, 3),
+            "threshold_s": round(limit, 3),
+            "median_step_s": statistics.median(self.step_times) if self.step_times else None,
+            "silent_after_s": self.silent_after_s,
+            "read_errors": self.read_errors,
+            "ranks": {
+                r: {
+                    "age_s": round(now - b["time"], 3),
+                    "step": b.get("step"),
+                    "phase": b.get("phase"),
+                    "doing": b.get("doing"),
+                    "seq": b.get("seq"),
+                }
+                for r, b in sorted(self.beats.items())
+            },
+        }
+        summary = f"no step for {stalled:.1f} s after step {self.max_step} (threshold {limit:.1f} s); " + (
+            culprit.describe() if culprit else "culprit not found"
+        )
+        self.incidents.append(
+            Incident(
+                "hang",
+                self.attempt,
+                now,
+                summary,
+                culprit.to_dict() if culprit else None,
+                evidence,
+                "relaunch from latest",
+                time_to_detect_s=stalled,
+            )
+        )
         self.log(f"attempt {self.attempt}: hang: {summary}")
         return f"hung: {summary}"
 
     def _stragglers(self, now: float) -> None:
-        slow = stragglers(self.compute, self.s.straggler_factor, self.s.straggler_beats,
-                          {r: i.get("pp") for r, i in self.identities.items()})
+        slow = stragglers(
+            self.compute,
+            self.s.straggler_factor,
+            self.s.straggler_beats,
+            {r: i.get("pp") for r, i in self.identities.items()},
+        )
         for r, ratios in sorted(slow.items()):
             if r in self.straggling or r not in self.identities:
                 continue
             self.straggling.add(r)
             ident = self.identities[r]
-            culprit = {"rank": r, "node": ident.get("node"), "host": ident.get("host"),
-                       "coords": {k: ident.get(k) for k in ("tp", "pp", "dp")}, "reason": "slow",
-                       "group": None, "group_ranks": []}
-            summary = (f"rank {r} (node {ident.get('node')}) computes {min(ratios):.1f}-{max(ratios):.1f}x "
-                       f"its peers' median over {len(ratios)} steps")
-            steps = sorted(self.compute)[-len(ratios):]
-            self.incidents.append(Incident("straggler", self.attempt, now, summary, culprit,
-                                           {"ratios": ratios, "steps": steps,
-                                            "compute_s": {s: self.compute[s] for s in steps}}, "reported"))
+            culprit = {
+                "rank": r,
+                "node": ident.get("node"),
+                "host": ident.get("host"),
+                "coords": {k: ident.get(k) for k in ("tp", "pp", "dp")},
+                "reason": "slow",
+                "group": None,
+                "group_ranks": [],
+            }
+            summary = (
+                f"rank {r} (node {ident.get('node')}) computes {min(ratios):.1f}-{max(ratios):.1f}x "
+                f"its peers' median over {len(ratios)} steps"
+            )
+            steps = sorted(self.compute)[-len(ratios) :]
+            self.incidents.append(
+                Incident(
+                    "straggler",
+                    self.attempt,
+                    now,
+                    summary,
+                    culprit,
+                    {"ratios": ratios, "steps": steps, "compute_s": {s: self.compute[s] for s in steps}},
+                    "reported",
+                )
+            )
             self.log(f"attempt {self.attempt}: straggler: {summary}")
 
     def close(self, run, final_step: int, reason: str, resumed_step: Callable[[], int | None]) -> list:
@@ -303,7 +383,7 @@ class Watcher:
                 keys = list(self.client.scan_iter(f"{self.prefix}:{self.attempt}:*", count=1000))
                 if keys:
                     self.client.delete(*keys)
-            except Exception:  # noqa: BLE001 - they expire anyway
+            except Exception:
                 pass
             self.client.close()
         return self.incidents
@@ -311,10 +391,20 @@ class Watcher:
     def summary(self) -> dict:
         """Per rank, from its last heartbeat read: beats sent and dropped, the heartbeat thread's
         CPU time and how long it ran (``cpu_s / wall_s``: the heartbeat's overhead)."""
-        return {"attempt": self.attempt, "heartbeat_s": float(self.s.heartbeat_s), "read_errors": self.read_errors,
-                "ranks": {str(r): {"sent": b.get("sent", 0), "dropped": b.get("dropped", 0),
-                                   "cpu_s": b.get("cpu_s", 0.0), "wall_s": b.get("up_s", 0.0)}
-                          for r, b in sorted(self.beats.items())}}
+        return {
+            "attempt": self.attempt,
+            "heartbeat_s": float(self.s.heartbeat_s),
+            "read_errors": self.read_errors,
+            "ranks": {
+                str(r): {
+                    "sent": b.get("sent", 0),
+                    "dropped": b.get("dropped", 0),
+                    "cpu_s": b.get("cpu_s", 0.0),
+                    "wall_s": b.get("up_s", 0.0),
+                }
+                for r, b in sorted(self.beats.items())
+            },
+        }
 
     def write_summary(self, run_dir) -> Path:
         path = Path(run_dir) / SUMMARY.format(attempt=self.attempt)

@@ -24,7 +24,7 @@ class ExitSignal:
         self.signum = signum
         signal.signal(signum, self._note)
 
-    def _note(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+    def _note(self, signum, frame) -> None:
         self.seen = True
 
     def agreed(self, group) -> bool:

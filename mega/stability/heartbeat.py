@@ -26,6 +26,7 @@ import time
 
 from mega.stability import channel
 
+
 def _groups():
     """name -> process group, from megatron's parallel_state (after initialize_model_parallel):
     every group training's collectives run on (DDP reduces over the DP x CP group, the distributed
@@ -33,15 +34,17 @@ def _groups():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    getters = {"tp": lambda: ps.get_tensor_model_parallel_group(),
-               "pp": lambda: ps.get_pipeline_model_parallel_group(),
-               "dp": lambda: ps.get_data_parallel_group(),
-               "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
-               "dp_opt": lambda: ps.get_intra_distributed_optimizer_instance_group(check_initialized=False),
-               "dp_gloo": lambda: ps.get_data_parallel_group_gloo(with_context_parallel=True),
-               "embd": lambda: ps.get_embedding_group(check_initialized=False),
-               "mp": lambda: ps.get_model_parallel_group(check_initialized=False),
-               "world": lambda: dist.group.WORLD}
+    getters = {
+        "tp": lambda: ps.get_tensor_model_parallel_group(),
+        "pp": lambda: ps.get_pipeline_model_parallel_group(),
+        "dp": lambda: ps.get_data_parallel_group(),
+        "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+        "dp_opt": lambda: ps.get_intra_distributed_optimizer_instance_group(check_initialized=False),
+        "dp_gloo": lambda: ps.get_data_parallel_group_gloo(with_context_parallel=True),
+        "embd": lambda: ps.get_embedding_group(check_initialized=False),
+        "mp": lambda: ps.get_model_parallel_group(check_initialized=False),
+        "world": lambda: dist.group.WORLD,
+    }
     groups: dict = {}
     for name, get in getters.items():
         try:
@@ -90,8 +93,16 @@ def _rss_mb() -> float | None:
 class Heartbeat:
     """One rank's heartbeat thread. ``step_done`` after each step; ``close`` at the end."""
 
-    def __init__(self, client, prefix: str, attempt: int, identity: dict, groups: dict, interval_s: float,
-                 device: int | None = None):
+    def __init__(
+        self,
+        client,
+        prefix: str,
+        attempt: int,
+        identity: dict,
+        groups: dict,
+        interval_s: float,
+        device: int | None = None,
+    ):
         self.client = client
         self.rank = identity["rank"]
         self.key = channel.beat_key(prefix, attempt, self.rank)
@@ -111,7 +122,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mega-heartbeat", daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         """Starts the thread; never touches Redis itself (a Redis down at start costs nothing)."""
         self.started, self._t0 = time.time(), time.monotonic()
         self._thread.start()
@@ -121,21 +132,36 @@ class Heartbeat:
         """After each step: its result, wall time and (``tokens``) the tokens it trained on."""
         from mega import obs
 
-        self.last = {"step": step, "loss": result.get("loss"), "grad_norm": result.get("grad_norm"),
-                     "step_s": step_s, "compute_s": obs.current().last_step.get("compute_s"),
-                     "tokens_per_s": tokens / step_s if tokens and step_s > 0 else None}
+        self.last = {
+            "step": step,
+            "loss": result.get("loss"),
+            "grad_norm": result.get("grad_norm"),
+            "step_s": step_s,
+            "compute_s": obs.current().last_step.get("compute_s"),
+            "tokens_per_s": tokens / step_s if tokens and step_s > 0 else None,
+        }
 
     def record(self) -> dict:
         from mega import obs
 
         snap = obs.current().snapshot()
-        return {"rank": self.rank, "time": time.time(), **self.last,
-                "phase": snap.get("phase"), "phase_s": snap.get("phase_s"), "doing": snap.get("doing"),
-                "rss_mb": _rss_mb(), "device_mb": _device_mb(self.device),
-                "seq": {name: _seq(g) for name, g in self.groups.items()},
-                "sent": self.sent, "dropped": self.dropped, "cpu_s": self.cpu_ns * 1e-9,
-                "started": self.started, "up_s": time.monotonic() - self._t0,
-                "closed": self._stop.is_set()}  # the training loop is over: silence from now on is no hang
+        return {
+            "rank": self.rank,
+            "time": time.time(),
+            **self.last,
+            "phase": snap.get("phase"),
+            "phase_s": snap.get("phase_s"),
+            "doing": snap.get("doing"),
+            "rss_mb": _rss_mb(),
+            "device_mb": _device_mb(self.device),
+            "seq": {name: _seq(g) for name, g in self.groups.items()},
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "cpu_s": self.cpu_ns * 1e-9,
+            "started": self.started,
+            "up_s": time.monotonic() - self._t0,
+            "closed": self._stop.is_set(),
+        }  # the training loop is over: silence from now on is no hang
 
     def beat(self) -> bool:
         """One heartbeat (and the identity while it is owed); False when Redis did not take it."""
@@ -169,8 +195,11 @@ class Heartbeat:
             return False
         if stop and replies[1]:
             order = json.loads(replies[1])
-            print(f"rank {self.rank}: the watcher ends this attempt ({order.get('reason')}); "
-                  f"exiting with {order['exit_code']}", flush=True)
+            print(
+                f"rank {self.rank}: the watcher ends this attempt ({order.get('reason')}); "
+                f"exiting with {order['exit_code']}",
+                flush=True,
+            )
             os._exit(int(order["exit_code"]))
         return True
 
@@ -201,5 +230,6 @@ def start(cfg) -> Heartbeat | None:
     groups = _groups()
     identity = {**rank_identity(), "groups": {n: dist.get_process_group_ranks(g) for n, g in groups.items()}}
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
-    return Heartbeat(client, prefix, attempt, identity, groups, cfg.stability.heartbeat_s,
-                     device=_cuda_device()).start()
+    return Heartbeat(
+        client, prefix, attempt, identity, groups, cfg.stability.heartbeat_s, device=_cuda_device()
+    ).start()

@@ -17,7 +17,9 @@ class Incident:
     attempt: int
     detected_at: float  # unix time
     summary: str  # one line for people
-    culprit: dict | None = None  # localise.Culprit.to_dict(): rank, node, coords, ...; {"store": url} for "store"
+    culprit: dict | None = (
+        None  # localise.Culprit.to_dict(): rank, node, coords, ...; {"store": url} for "store"
+    )
     evidence: dict = field(default_factory=dict)  # the numbers the verdict rests on
     action: str = "none"  # "relaunch from latest" | "reported" ...
     steps_lost: int | None = None  # steps done since the checkpoint the relaunch resumes from
@@ -33,19 +35,33 @@ class Incident:
     def markdown(self) -> str:
         c = self.culprit or {}
         coords = c.get("coords") or {}
-        rows = [("detected at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.detected_at))),
-                ("kind", self.kind), ("attempt", self.attempt), ("culprit", _who(c)),
-                ("coordinates", ", ".join(f"{k} {v}" for k, v in coords.items()) if coords else "-"),
-                ("group held up", f"{c.get('group')} {c.get('group_ranks')}, {c.get('behind')} behind"
-                 if c.get("group") else "-"),
-                ("why", c.get("reason", "-")), ("diagnosis", _cell(self.diagnosis or "-")), ("action", self.action),
-                ("steps lost", "-" if self.steps_lost is None else self.steps_lost),
-                ("time to detect", "-" if self.time_to_detect_s is None else f"{self.time_to_detect_s:.1f} s"),
-                ("time to recovery", "not recovered" if self.time_to_recover_s is None
-                 else f"{self.time_to_recover_s:.1f} s")]
+        rows = [
+            ("detected at", time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.detected_at))),
+            ("kind", self.kind),
+            ("attempt", self.attempt),
+            ("culprit", _who(c)),
+            ("coordinates", ", ".join(f"{k} {v}" for k, v in coords.items()) if coords else "-"),
+            (
+                "group held up",
+                f"{c.get('group')} {c.get('group_ranks')}, {c.get('behind')} behind"
+                if c.get("group")
+                else "-",
+            ),
+            ("why", c.get("reason", "-")),
+            ("diagnosis", _cell(self.diagnosis or "-")),
+            ("action", self.action),
+            ("steps lost", "-" if self.steps_lost is None else self.steps_lost),
+            ("time to detect", "-" if self.time_to_detect_s is None else f"{self.time_to_detect_s:.1f} s"),
+            (
+                "time to recovery",
+                "not recovered" if self.time_to_recover_s is None else f"{self.time_to_recover_s:.1f} s",
+            ),
+        ]
         table = "\n".join(f"| {k} | {v} |" for k, v in rows)
-        return (f"# Incident: {self.kind}\n\n{self.summary}\n\n| | |\n|---|---|\n{table}\n\n"
-                f"## Evidence\n\n```json\n{json.dumps(self.evidence, indent=2, default=str)}\n```\n")
+        return (
+            f"# Incident: {self.kind}\n\n{self.summary}\n\n| | |\n|---|---|\n{table}\n\n"
+            f"## Evidence\n\n```json\n{json.dumps(self.evidence, indent=2, default=str)}\n```\n"
+        )
 
     def write(self, run_dir: str | Path) -> Path:
         """``incidents/<nnn>-attempt<a>-<kind>.json`` and ``.md``; returns the JSON's path."""
@@ -62,18 +78,27 @@ class Incident:
         return path
 
     @classmethod
-    def read(cls, path: Path) -> "Incident":
+    def read(cls, path: Path) -> Incident:
         row = json.loads(Path(path).read_text())
         return cls(**{k: v for k, v in row.items() if k in cls.__dataclass_fields__})
 
     def brief(self, path: Path) -> dict:
         """What the run record keeps of it."""
         c = self.culprit or {}
-        return {"kind": self.kind, "attempt": self.attempt, "detected_at": self.detected_at,
-                "culprit_rank": c.get("rank"), "culprit_node": c.get("node"), "coords": c.get("coords"),
-                "group": c.get("group"), "action": self.action, "steps_lost": self.steps_lost,
-                "diagnosis": self.diagnosis, "time_to_recover_s": self.time_to_recover_s,
-                "file": str(path.relative_to(path.parent.parent))}
+        return {
+            "kind": self.kind,
+            "attempt": self.attempt,
+            "detected_at": self.detected_at,
+            "culprit_rank": c.get("rank"),
+            "culprit_node": c.get("node"),
+            "coords": c.get("coords"),
+            "group": c.get("group"),
+            "action": self.action,
+            "steps_lost": self.steps_lost,
+            "diagnosis": self.diagnosis,
+            "time_to_recover_s": self.time_to_recover_s,
+            "file": str(path.relative_to(path.parent.parent)),
+        }
 
 
 def _who(c: dict) -> str:

@@ -24,9 +24,10 @@ called with each incident when it is filed (``stage: detected``) and again when 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mega.metrics import METRICS_FILE
 from mega.stability import logscan
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 MAX_LOGS = 16  # agent logs scanned per failed attempt: the failed/suspected nodes first
 
 
-def narrow_to_culprits(outcome: "JobOutcome", logs: dict[int, Path]) -> "JobOutcome":
+def narrow_to_culprits(outcome: JobOutcome, logs: dict[int, Path]) -> JobOutcome:
     """Several agents seen failed in one poll of the driver are often one cause and its victims: a
     rank died, and its peers on the other nodes then failed in their collectives, all within the
     poll's half second. The failed nodes are then narrowed to the nodes of the culprit ranks that
@@ -61,7 +62,7 @@ def narrow_to_culprits(outcome: "JobOutcome", logs: dict[int, Path]) -> "JobOutc
     return replace(outcome, code=outcome.exit_codes.get(named[0], outcome.code), failed_nodes=named)
 
 
-def suspect_nodes(outcome: "JobOutcome", incidents: list[Incident]) -> list[int]:
+def suspect_nodes(outcome: JobOutcome, incidents: list[Incident]) -> list[int]:
     """The job's nodes to diagnose after a failed attempt: the nodes whose agents failed or, for a
     hang (every node is stopped, none failed), the culprit's node and the nodes gone silent."""
     if outcome.failed_nodes:
@@ -79,6 +80,7 @@ class Diagnosed:
     """What the driver's diagnosis of an attempt did: the suspects (job node ranks), the physical
     nodes and DP before, the evicted rows (mega.stability.membership), the nodes and DP after, or
     why the run cannot go on."""
+
     suspects: list[int]
     nodes_before: list[int]
     dp_before: int
@@ -88,14 +90,18 @@ class Diagnosed:
     error: str | None = None
 
     @classmethod
-    def before(cls, nodes: "Nodes", suspects: list[int]) -> "Diagnosed":
+    def before(cls, nodes: Nodes, suspects: list[int]) -> Diagnosed:
         return cls(list(suspects), list(nodes.members.nodes), nodes.cfg.parallelism.dp)
 
-    def after(self, nodes: "Nodes", evicted: list[dict]) -> "Diagnosed":
-        self.evicted, self.nodes_after, self.dp_after = evicted, list(nodes.members.nodes), nodes.cfg.parallelism.dp
+    def after(self, nodes: Nodes, evicted: list[dict]) -> Diagnosed:
+        self.evicted, self.nodes_after, self.dp_after = (
+            evicted,
+            list(nodes.members.nodes),
+            nodes.cfg.parallelism.dp,
+        )
         return self
 
-    def failed(self, error: Exception) -> "Diagnosed":
+    def failed(self, error: Exception) -> Diagnosed:
         self.error = str(error)
         return self
 
@@ -104,15 +110,21 @@ class Diagnosed:
             return f"run failed: {self.error}"
         if row.get("replaced_by") is not None:
             return f"evicted node {row['node']}, spare node {row['replaced_by']} in its place"
-        return (f"evicted node {row['node']}; continuing on {len(self.nodes_after)} nodes "
-                f"(dp {self.dp_before} -> {self.dp_after}, same global batch)")
+        return (
+            f"evicted node {row['node']}; continuing on {len(self.nodes_after)} nodes "
+            f"(dp {self.dp_before} -> {self.dp_after}, same global batch)"
+        )
 
 
 class Book:
     """The run's incidents as the driver files them: one per launch (``run_training``)."""
 
-    def __init__(self, run: "RunTracker", on_incident: Callable[[dict], None] | None = None,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        run: RunTracker,
+        on_incident: Callable[[dict], None] | None = None,
+        log: Callable[[str], None] = print,
+    ):
         self.run, self.on_incident, self.log = run, on_incident, log
         self.run_dir = Path(run.record.run_dir)
         self.published = {b.get("file") for b in run.record.incidents}
@@ -129,9 +141,16 @@ class Book:
         self.metrics_mtime: float | None = None
         self.attempt = 0
 
-    def begin(self, attempt: int, job: "JobSpec", cfg: "MegaConfig", watcher,
-              resumed_step: Callable[[], int | None]) -> None:
-        self.attempt, self.job, self.cfg, self.watcher, self.resumed_step = attempt, job, cfg, watcher, resumed_step
+    def begin(
+        self, attempt: int, job: JobSpec, cfg: MegaConfig, watcher, resumed_step: Callable[[], int | None]
+    ) -> None:
+        self.attempt, self.job, self.cfg, self.watcher, self.resumed_step = (
+            attempt,
+            job,
+            cfg,
+            watcher,
+            resumed_step,
+        )
         self.started = _now()
 
     # -- recovery ------------------------------------------------------------------------------
@@ -165,22 +184,38 @@ class Book:
                 inc.time_to_recover_s = round(min(later) - inc.detected_at, 3)
                 del self.pending[path]
                 self._save(path, inc, "recovered")
-                self.log(f"incident {path.stem}: recovered {inc.time_to_recover_s:.1f} s after it was detected")
+                self.log(
+                    f"incident {path.stem}: recovered {inc.time_to_recover_s:.1f} s after it was detected"
+                )
 
     # -- filing --------------------------------------------------------------------------------
 
-    def end(self, outcome: "JobOutcome", final_step: int, *, rollback: dict | None = None,
-            diagnosed: Diagnosed | None = None, restarts_left: bool = True) -> list[Incident]:
+    def end(
+        self,
+        outcome: JobOutcome,
+        final_step: int,
+        *,
+        rollback: dict | None = None,
+        diagnosed: Diagnosed | None = None,
+        restarts_left: bool = True,
+    ) -> list[Incident]:
         """After the attempt's outcome is handled: file the driver's incidents, give the watcher's
         the diagnosis, publish every new one. Returns the incidents filed or updated now."""
         if self.pending:  # an attempt too short for poll() to see its first step
             self._recover(_read(self.run_dir / METRICS_FILE))
-        watcher_new = [(self.run_dir / b["file"], b) for b in self.run.record.incidents
-                       if b.get("file") not in self.published]
+        watcher_new = [
+            (self.run_dir / b["file"], b)
+            for b in self.run.record.incidents
+            if b.get("file") not in self.published
+        ]
         filed: list[tuple[Path | None, Incident]] = [(p, Incident.read(p)) for p, _ in watcher_new]
         if not outcome.ok or final_step < self.cfg.train.steps:
-            filed += [(None, inc) for inc in self._faults(outcome, final_step, rollback, diagnosed,
-                                                          restarts_left, [i for _, i in filed])]
+            filed += [
+                (None, inc)
+                for inc in self._faults(
+                    outcome, final_step, rollback, diagnosed, restarts_left, [i for _, i in filed]
+                )
+            ]
         out = []
         for path, inc in filed:
             if path is None:
@@ -192,27 +227,45 @@ class Book:
             out.append(inc)
         return out
 
-    def _faults(self, outcome, final_step, rollback, diagnosed, restarts_left, watcher_incidents) -> list[Incident]:
+    def _faults(
+        self, outcome, final_step, rollback, diagnosed, restarts_left, watcher_incidents
+    ) -> list[Incident]:
         n, now = self.attempt, _now()
         resumed = self.resumed_step()
         lost = None if resumed is None else max(0, final_step - resumed)
-        relaunch = ("relaunch from latest" if restarts_left
-                    else f"none: no restart left (checkpoint.max_restarts={self.cfg.checkpoint.max_restarts}); run failed")
+        relaunch = (
+            "relaunch from latest"
+            if restarts_left
+            else f"none: no restart left (checkpoint.max_restarts={self.cfg.checkpoint.max_restarts}); run failed"
+        )
         selfcheck = self._selfcheck(diagnosed)
         out: list[Incident] = []
         if rollback is not None:
             checkpoint = f"iter_{resumed:07d}" if resumed else "the start (no checkpoint)"
             what, step = rollback["what"], rollback["step"]
             spike = "not finite" not in what  # a loss spike alone (mega.stability.rollback's LossWindow)
-            out.append(Incident("spike" if spike else "nan", n, rollback.get("time", now), f"step {step}: {what}",
-                                None, {"request": rollback, "final_step": final_step},
-                                f"rolled back to {checkpoint}, step {step} skipped" if restarts_left else relaunch,
-                                lost, diagnosis=(f"{what} at step {step}: the last stage's loss far above its recent "
-                                                 "median (robust z-score > stability.spike_z)" if spike else
-                                                 f"{what} at step {step} (one all-reduce of every rank's verdict)")))
+            out.append(
+                Incident(
+                    "spike" if spike else "nan",
+                    n,
+                    rollback.get("time", now),
+                    f"step {step}: {what}",
+                    None,
+                    {"request": rollback, "final_step": final_step},
+                    f"rolled back to {checkpoint}, step {step} skipped" if restarts_left else relaunch,
+                    lost,
+                    diagnosis=(
+                        f"{what} at step {step}: the last stage's loss far above its recent "
+                        "median (robust z-score > stability.spike_z)"
+                        if spike
+                        else f"{what} at step {step} (one all-reduce of every rank's verdict)"
+                    ),
+                )
+            )
         else:
-            scan = logscan.scan_logs(self._logs(outcome, watcher_incidents), device=self.cfg.cluster.device,
-                                     since=self.started)
+            scan = logscan.scan_logs(
+                self._logs(outcome, watcher_incidents), device=self.cfg.cluster.device, since=self.started
+            )
             diagnosis = "\n".join(x for x in (scan["summary"], selfcheck) if x) or None
             hang = next((i for i in watcher_incidents if i.kind == "hang"), None)
             if hang is not None:  # the watcher's verdict stands; it gains what the logs and checks say
@@ -221,23 +274,63 @@ class Book:
                 hang.action = hang.action if restarts_left else relaunch
             else:  # no failed node: the driver stopped it (a hang without heartbeats, a timeout)
                 culprit = self._exit_culprit(outcome, scan)
-                who = (f"; culprit {_ranks_text(culprit)} (node {culprit.get('node')})" if culprit else "")
+                who = f"; culprit {_ranks_text(culprit)} (node {culprit.get('node')})" if culprit else ""
                 seen_at = self.started + outcome.elapsed_s if outcome.elapsed_s else now  # before the stop
-                out.append(Incident("rank-exit" if outcome.failed_nodes else "hang", n, seen_at, f"{outcome.reason}{who}", culprit,
-                                    {"code": outcome.code, "failed_nodes": outcome.failed_nodes,
-                                     "exit_codes": outcome.exit_codes, "final_step": final_step,
-                                     "logs": _evidence(scan)}, relaunch, lost, diagnosis=diagnosis))
+                out.append(
+                    Incident(
+                        "rank-exit" if outcome.failed_nodes else "hang",
+                        n,
+                        seen_at,
+                        f"{outcome.reason}{who}",
+                        culprit,
+                        {
+                            "code": outcome.code,
+                            "failed_nodes": outcome.failed_nodes,
+                            "exit_codes": outcome.exit_codes,
+                            "final_step": final_step,
+                            "logs": _evidence(scan),
+                        },
+                        relaunch,
+                        lost,
+                        diagnosis=diagnosis,
+                    )
+                )
         if diagnosed is not None and diagnosed.error:
-            out.append(Incident("eviction", n, now, f"cannot continue: {diagnosed.error}", None,
-                                {"suspects": diagnosed.suspects, "nodes_before": diagnosed.nodes_before,
-                                 "selfcheck": self._selfcheck_path()}, diagnosed.action({}), diagnosis=selfcheck))
+            out.append(
+                Incident(
+                    "eviction",
+                    n,
+                    now,
+                    f"cannot continue: {diagnosed.error}",
+                    None,
+                    {
+                        "suspects": diagnosed.suspects,
+                        "nodes_before": diagnosed.nodes_before,
+                        "selfcheck": self._selfcheck_path(),
+                    },
+                    diagnosed.action({}),
+                    diagnosis=selfcheck,
+                )
+            )
         for row in diagnosed.evicted if diagnosed is not None else []:
             reasons = "; ".join(row.get("reasons") or []) or None
-            out.append(Incident("eviction", n, now, f"node {row['node']} failed its self-check",
-                                {"rank": None, "node": row["node"], "host": None, "reason": "self-check"},
-                                {"row": row, "nodes_before": diagnosed.nodes_before,
-                                 "nodes_after": diagnosed.nodes_after, "selfcheck": self._selfcheck_path()},
-                                diagnosed.action(row), diagnosis=reasons))
+            out.append(
+                Incident(
+                    "eviction",
+                    n,
+                    now,
+                    f"node {row['node']} failed its self-check",
+                    {"rank": None, "node": row["node"], "host": None, "reason": "self-check"},
+                    {
+                        "row": row,
+                        "nodes_before": diagnosed.nodes_before,
+                        "nodes_after": diagnosed.nodes_after,
+                        "selfcheck": self._selfcheck_path(),
+                    },
+                    diagnosed.action(row),
+                    diagnosis=reasons,
+                )
+            )
         return out
 
     def _exit_culprit(self, outcome, scan) -> dict | None:
@@ -248,8 +341,13 @@ class Book:
         if ranks and any(r not in idents for r in ranks):
             from mega.cluster import node
 
-            idents.update({p["rank"]: p for p in node.read_processes(self.run_dir, self.attempt)
-                           if p["rank"] not in idents})
+            idents.update(
+                {
+                    p["rank"]: p
+                    for p in node.read_processes(self.run_dir, self.attempt)
+                    if p["rank"] not in idents
+                }
+            )
         fails = {f["rank"]: f for f in scan["failures"]}
         if ranks:
             r = ranks[0]
@@ -257,11 +355,27 @@ class Book:
             k = ident.get("node", fails.get(r, {}).get("node"))
             coords = {c: ident[c] for c in ("tp", "pp", "dp") if c in ident}
             how = logscan.Failure(**fails[r]).describe() if r in fails else "failed"
-            return {"rank": r, "ranks": ranks, "node": k, "host": ident.get("host") or fails.get(r, {}).get("host"),
-                    "coords": coords, "reason": how, "group": None, "group_ranks": []}
+            return {
+                "rank": r,
+                "ranks": ranks,
+                "node": k,
+                "host": ident.get("host") or fails.get(r, {}).get("host"),
+                "coords": coords,
+                "reason": how,
+                "group": None,
+                "group_ranks": [],
+            }
         if outcome.failed_nodes:
-            return {"rank": None, "ranks": [], "node": outcome.failed_nodes[0], "host": None, "coords": {},
-                    "reason": "its torchrun agent failed", "group": None, "group_ranks": []}
+            return {
+                "rank": None,
+                "ranks": [],
+                "node": outcome.failed_nodes[0],
+                "host": None,
+                "coords": {},
+                "reason": "its torchrun agent failed",
+                "group": None,
+                "group_ranks": [],
+            }
         return None
 
     def _logs(self, outcome, watcher_incidents) -> dict[int, Path]:
@@ -284,10 +398,16 @@ class Book:
         parts = []
         for row in rows:
             if row.get("node") in diagnosed.suspects:
-                k = diagnosed.nodes_before[row["node"]] if row["node"] < len(diagnosed.nodes_before) else row["node"]
+                k = (
+                    diagnosed.nodes_before[row["node"]]
+                    if row["node"] < len(diagnosed.nodes_before)
+                    else row["node"]
+                )
                 verdict = {True: "healthy", False: "unhealthy", None: "not judged"}[row.get("healthy")]
-                parts.append(f"self-check of node {k}: {verdict}"
-                             + (f" ({'; '.join(row['reasons'])})" if row.get("reasons") else ""))
+                parts.append(
+                    f"self-check of node {k}: {verdict}"
+                    + (f" ({'; '.join(row['reasons'])})" if row.get("reasons") else "")
+                )
         return "\n".join(parts) or None
 
     def _save(self, path: Path, inc: Incident, stage: str) -> None:
@@ -307,9 +427,17 @@ class Book:
         if self.on_incident is None:
             return
         try:
-            self.on_incident({**asdict(inc), "stage": stage, "file": brief["file"], "run_dir": str(self.run_dir),
-                              "markdown": inc.markdown(), "brief": brief})
-        except Exception as e:  # noqa: BLE001 - a listener (Prefect) never stops training
+            self.on_incident(
+                {
+                    **asdict(inc),
+                    "stage": stage,
+                    "file": brief["file"],
+                    "run_dir": str(self.run_dir),
+                    "markdown": inc.markdown(),
+                    "brief": brief,
+                }
+            )
+        except Exception as e:
             self.log(f"incident {path.stem}: on_incident failed: {type(e).__name__}: {e}")
 
 

@@ -37,8 +37,14 @@ class Culprit:
         c = self.coords
         where = f"rank {self.rank} (node {self.node}, tp {c.get('tp')}, pp {c.get('pp')}, dp {c.get('dp')})"
         what = "stopped sending heartbeats" if self.reason == "silent" else "never reached a collective"
-        group = (f"; holds up its {self.group} group {self.group_ranks}"
-                 + (f", {self.behind} collective(s) behind" if self.behind is not None else "")) if self.group else ""
+        group = (
+            (
+                f"; holds up its {self.group} group {self.group_ranks}"
+                + (f", {self.behind} collective(s) behind" if self.behind is not None else "")
+            )
+            if self.group
+            else ""
+        )
         return f"{where} {what}{group}"
 
     def to_dict(self) -> dict:
@@ -68,8 +74,9 @@ def _worst(lags: dict[str, int]) -> tuple[str | None, int | None]:
     return name, lags[name]
 
 
-def localise(identities: dict[int, dict], beats: dict[int, dict | None], now: float,
-             silent_after_s: float) -> Culprit | None:
+def localise(
+    identities: dict[int, dict], beats: dict[int, dict | None], now: float, silent_after_s: float
+) -> Culprit | None:
     """The culprit of a hang, or None when every rank beats and no group has one behind.
 
     ``identities``: rank -> what the rank published at start (node, host, tp/pp/dp, groups: name ->
@@ -87,10 +94,18 @@ def localise(identities: dict[int, dict], beats: dict[int, dict | None], now: fl
     def culprit(rank: int, reason: str) -> Culprit:
         ident = identities[rank]
         group, behind = _worst(_lags(rank, ident, beats))
-        return Culprit(rank, ident.get("node"), ident.get("host"),
-                       {k: ident.get(k) for k in ("tp", "pp", "dp")}, reason, group,
-                       list((ident.get("groups") or {}).get(group, [])) if group else [], behind,
-                       silent, silent_nodes)
+        return Culprit(
+            rank,
+            ident.get("node"),
+            ident.get("host"),
+            {k: ident.get(k) for k in ("tp", "pp", "dp")},
+            reason,
+            group,
+            list((ident.get("groups") or {}).get(group, [])) if group else [],
+            behind,
+            silent,
+            silent_nodes,
+        )
 
     if silent:
         # the silent rank its peers are furthest ahead of (it stopped first), then the lowest rank

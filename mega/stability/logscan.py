@@ -24,26 +24,34 @@ MAX_LINE = 300
 DMESG_TIMEOUT_S = 2.0
 
 # (name, pattern): the first that matches names a line. Order: the specific before the generic.
-PATTERNS: list[tuple[str, re.Pattern]] = [(name, re.compile(rx)) for name, rx in [
-    ("injected-fault", r"^\[fault\] "),  # the drills' own marker (mega.train, mega.stability.rollback)
-    ("gloo-peer-closed", r"Connection closed by peer"),
-    ("connection-reset", r"Connection reset( by peer)?"),
-    ("nccl-watchdog-timeout", r"Watchdog caught collective operation timeout"),
-    ("nccl-error", r"NCCL error|nccl(System|Internal|Remote|UnhandledCuda|InvalidUsage|InvalidArgument)Error"),
-    ("collective-timeout", r"Timed out|timed out after|DistStoreError|Socket Timeout"),
-    ("out-of-memory", r"out of memory|OutOfMemoryError|MemoryError"),
-    ("cuda-error", r"CUDA error|cudaError|Cuda failure|CUBLAS_STATUS_\w+|illegal memory access"),
-    ("xid", r"NVRM: Xid"),
-    ("ecc", r"ECC error|[Uu]ncorrectable ECC"),
-    ("process-group", r"ProcessGroup(Gloo|NCCL)"),
-    ("oom-killed", r"^Killed$"),  # the shell's word for a SIGKILLed child (the kernel's OOM killer)
-    # a traceback's last line: the exception (torchrun's ChildFailedError is the table below)
-    ("exception", r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)(?<!ChildFailedError): \S"),
-]]
+PATTERNS: list[tuple[str, re.Pattern]] = [
+    (name, re.compile(rx))
+    for name, rx in [
+        ("injected-fault", r"^\[fault\] "),  # the drills' own marker (mega.train, mega.stability.rollback)
+        ("gloo-peer-closed", r"Connection closed by peer"),
+        ("connection-reset", r"Connection reset( by peer)?"),
+        ("nccl-watchdog-timeout", r"Watchdog caught collective operation timeout"),
+        (
+            "nccl-error",
+            r"NCCL error|nccl(System|Internal|Remote|UnhandledCuda|InvalidUsage|InvalidArgument)Error",
+        ),
+        ("collective-timeout", r"Timed out|timed out after|DistStoreError|Socket Timeout"),
+        ("out-of-memory", r"out of memory|OutOfMemoryError|MemoryError"),
+        ("cuda-error", r"CUDA error|cudaError|Cuda failure|CUBLAS_STATUS_\w+|illegal memory access"),
+        ("xid", r"NVRM: Xid"),
+        ("ecc", r"ECC error|[Uu]ncorrectable ECC"),
+        ("process-group", r"ProcessGroup(Gloo|NCCL)"),
+        ("oom-killed", r"^Killed$"),  # the shell's word for a SIGKILLed child (the kernel's OOM killer)
+        # a traceback's last line: the exception (torchrun's ChildFailedError is the table below)
+        ("exception", r"^(?:\w+\.)*\w*(?:Error|Exception|Interrupt)(?<!ChildFailedError): \S"),
+    ]
+]
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank(\d+)\]:\s?")  # torchrun --tee/--log-lines-prefix
 # torchrun's ChildFailedError table: one entry per failed worker, the "Root Cause" one last
-_FAILURE = re.compile(r"host\s*:\s*(?P<host>\S+)\s*\n\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)"
-                      r"\s*\n\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)")
+_FAILURE = re.compile(
+    r"host\s*:\s*(?P<host>\S+)\s*\n\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)"
+    r"\s*\n\s*exitcode\s*:\s*(?P<code>-?\d+)\s*\(pid:\s*(?P<pid>\d+)\)"
+)
 _ROOT_CAUSE = "Root Cause (first observed failure)"
 
 
@@ -59,6 +67,7 @@ class Match:
 @dataclass
 class Failure:
     """One row of torchrun's failure table: a worker that exited non-zero."""
+
     rank: int
     local_rank: int
     exitcode: int
@@ -101,7 +110,7 @@ def scan_text(text: str, file: str | None = None) -> list[Match]:
     for raw in text.splitlines():
         m = _RANK_PREFIX.match(raw)
         rank = int(m.group(1)) if m else None
-        line = (raw[m.end():] if m else raw).strip()
+        line = (raw[m.end() :] if m else raw).strip()
         if not line:
             continue
         for name, rx in PATTERNS:
@@ -122,9 +131,18 @@ def failures(text: str, node: int | None = None) -> list[Failure]:
         return []
     table = text[start:]
     root_at = table.find(_ROOT_CAUSE)
-    return [Failure(int(m["rank"]), int(m["local"]), int(m["code"]), int(m["pid"]), m["host"],
-                    root_at >= 0 and m.start() > root_at, node)
-            for m in _FAILURE.finditer(table)]
+    return [
+        Failure(
+            int(m["rank"]),
+            int(m["local"]),
+            int(m["code"]),
+            int(m["pid"]),
+            m["host"],
+            root_at >= 0 and m.start() > root_at,
+            node,
+        )
+        for m in _FAILURE.finditer(table)
+    ]
 
 
 def culprit_ranks(fails: list[Failure], matches: list[Match], *, every_root: bool = True) -> list[int]:
@@ -169,8 +187,9 @@ def xid_lines(dmesg: str, after_s: float | None = None) -> list[str]:
     return keep[-MAX_MATCHES:]
 
 
-def scan_logs(logs: dict[int, Path], *, device: str = "cpu", since: float | None = None,
-              every_root: bool = True) -> dict:
+def scan_logs(
+    logs: dict[int, Path], *, device: str = "cpu", since: float | None = None, every_root: bool = True
+) -> dict:
     """An attempt's agent logs (node -> path): the matches, torchrun's failures, the culprit ranks
     they point at (``culprit_ranks``' ``every_root``) and, when ``device`` is cuda, the kernel's
     Xid lines since ``since``."""
@@ -181,9 +200,13 @@ def scan_logs(logs: dict[int, Path], *, device: str = "cpu", since: float | None
         matches += scan_text(text, str(path))
         fails += failures(text, node)
     xids = dmesg_xid(since) if device == "cuda" else []
-    return {"matches": [asdict(m) for m in matches][:MAX_MATCHES], "failures": [asdict(f) for f in fails],
-            "culprit_ranks": culprit_ranks(fails, matches, every_root=every_root), "xid": xids,
-            "summary": summarise(matches, fails, xids)}
+    return {
+        "matches": [asdict(m) for m in matches][:MAX_MATCHES],
+        "failures": [asdict(f) for f in fails],
+        "culprit_ranks": culprit_ranks(fails, matches, every_root=every_root),
+        "xid": xids,
+        "summary": summarise(matches, fails, xids),
+    }
 
 
 def summarise(matches: list[Match], fails: list[Failure], xids: list[str]) -> str | None:

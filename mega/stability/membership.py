@@ -22,9 +22,10 @@ Under ``launcher=local-nodes`` a spare is one more agent slot on this machine.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mega.config import ConfigError, FaultConfig, validate
 
@@ -44,7 +45,7 @@ class Membership:
     evicted: list[int] = field(default_factory=list)
 
     @classmethod
-    def initial(cls, cfg: "MegaConfig") -> "Membership":
+    def initial(cls, cfg: MegaConfig) -> Membership:
         n = cfg.cluster.nodes
         return cls(list(range(n)), list(range(n, n + cfg.cluster.spare_nodes)))
 
@@ -53,12 +54,12 @@ class Membership:
         return self.nodes.index(physical) if physical in self.nodes else None
 
 
-def diagnosis_enabled(cfg: "MegaConfig") -> bool:
+def diagnosis_enabled(cfg: MegaConfig) -> bool:
     """Whether a node failure is diagnosed: only where a verdict can change who runs next."""
     return cfg.cluster.spare_nodes > 0 or cfg.cluster.min_nodes is not None
 
 
-def resize(cfg: "MegaConfig", nodes: int) -> "MegaConfig":
+def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
     """``cfg`` on ``nodes`` nodes of the same size: TP and PP kept, DP = world / (TP x PP), the
     global batch kept (more microbatches per step). Injected faults end here (they were aimed at
     the old layout). CannotContinue names the setting that rules the size out."""
@@ -66,8 +67,10 @@ def resize(cfg: "MegaConfig", nodes: int) -> "MegaConfig":
     world = nodes * c.procs_per_node
     mp = p.tp * p.pp
     if world % mp:
-        raise CannotContinue(f"{nodes} nodes x {c.procs_per_node} ranks = {world} is not a multiple of "
-                             f"tp*pp={p.tp}*{p.pp} (cluster.min_nodes={c.min_nodes})")
+        raise CannotContinue(
+            f"{nodes} nodes x {c.procs_per_node} ranks = {world} is not a multiple of "
+            f"tp*pp={p.tp}*{p.pp} (cluster.min_nodes={c.min_nodes})"
+        )
     new = copy.deepcopy(cfg)
     new.cluster.nodes = nodes
     new.parallelism.dp = world // mp
@@ -81,13 +84,13 @@ def resize(cfg: "MegaConfig", nodes: int) -> "MegaConfig":
 @dataclass
 class Decision:
     membership: Membership
-    cfg: "MegaConfig"
+    cfg: MegaConfig
     evicted: list[int]  # physical nodes evicted now
     replaced: dict[int, int]  # evicted node -> the spare in its place
     note: str  # for people: what changed
 
 
-def decide(cfg: "MegaConfig", members: Membership, bad: list[int]) -> Decision:
+def decide(cfg: MegaConfig, members: Membership, bad: list[int]) -> Decision:
     """Who runs next when the physical nodes ``bad`` failed their self-check (pure: no processes)."""
     bad = [k for k in members.nodes if k in bad]
     if not bad:
@@ -101,36 +104,50 @@ def decide(cfg: "MegaConfig", members: Membership, bad: list[int]) -> Decision:
             nodes.remove(k)
     floor = cfg.cluster.min_nodes if cfg.cluster.min_nodes is not None else cfg.cluster.nodes
     if len(nodes) < floor:
-        floor_text = (f"cluster.min_nodes={cfg.cluster.min_nodes}" if cfg.cluster.min_nodes is not None
-                      else "cluster.min_nodes=null (never shrink)")
+        floor_text = (
+            f"cluster.min_nodes={cfg.cluster.min_nodes}"
+            if cfg.cluster.min_nodes is not None
+            else "cluster.min_nodes=null (never shrink)"
+        )
         raise CannotContinue(
             f"node(s) {bad} failed the self-check; {len(nodes)} healthy node(s) left, no spare "
-            f"(cluster.spare_nodes={cfg.cluster.spare_nodes}), and {floor_text} does not allow {len(nodes)}")
+            f"(cluster.spare_nodes={cfg.cluster.spare_nodes}), and {floor_text} does not allow {len(nodes)}"
+        )
     new_cfg = cfg if len(nodes) == len(members.nodes) else resize(cfg, len(nodes))
     if new_cfg is cfg:  # same layout on other nodes: the drills of the old nodes end too
         new_cfg = copy.deepcopy(cfg)
         new_cfg.fault = FaultConfig()
-    parts = [f"node {k} evicted" + (f", spare node {replaced[k]} in its place" if k in replaced else "") for k in bad]
+    parts = [
+        f"node {k} evicted" + (f", spare node {replaced[k]} in its place" if k in replaced else "")
+        for k in bad
+    ]
     if len(nodes) != len(members.nodes):
         p = new_cfg.parallelism
-        parts.append(f"continuing on {len(nodes)} nodes: dp {cfg.parallelism.dp} -> {p.dp}, "
-                     f"{cfg.parallelism.num_microbatches} -> {p.num_microbatches} microbatches per step, "
-                     f"global batch {p.global_batch_size}")
-    return Decision(Membership(nodes, spares, members.evicted + bad), new_cfg, bad, replaced, "; ".join(parts))
+        parts.append(
+            f"continuing on {len(nodes)} nodes: dp {cfg.parallelism.dp} -> {p.dp}, "
+            f"{cfg.parallelism.num_microbatches} -> {p.num_microbatches} microbatches per step, "
+            f"global batch {p.global_batch_size}"
+        )
+    return Decision(
+        Membership(nodes, spares, members.evicted + bad), new_cfg, bad, replaced, "; ".join(parts)
+    )
 
 
 def selfcheck_verdicts(result: dict, members: Membership) -> dict[int, dict]:
     """The self-check's per-node verdicts keyed by physical node: healthy True/False/None (None:
     not judged, e.g. the job died before a verdict) and the reasons."""
-    return {members.nodes[row["node"]]: {"healthy": row["healthy"], "reasons": row["reasons"]}
-            for row in result["nodes"] if row["node"] < len(members.nodes)}
+    return {
+        members.nodes[row["node"]]: {"healthy": row["healthy"], "reasons": row["reasons"]}
+        for row in result["nodes"]
+        if row["node"] < len(members.nodes)
+    }
 
 
 class Nodes:
     """The run's nodes as the driver sees them: the membership, the config it implies, and the
     launch backend that starts them (rebuilt when the node count changes)."""
 
-    def __init__(self, cfg: "MegaConfig", run_dir: str | Path):
+    def __init__(self, cfg: MegaConfig, run_dir: str | Path):
         from mega.launch.backend import backend_for
 
         self.cfg = cfg
@@ -148,17 +165,32 @@ class Nodes:
         bad_node = self.cfg.fault.bad_node
         out = self.run_dir / "diagnosis" / f"attempt{attempt}"
         who = ", ".join(str(self.members.nodes[k]) for k in suspects)
-        log(f"attempt {attempt}: node(s) {who} failed; self-check of nodes {self.members.nodes} before the restart")
-        result = run_selfcheck(self.cfg, out, backend=self.backend,
-                               bad_node=None if bad_node is None else self.members.job_rank(bad_node))
+        log(
+            f"attempt {attempt}: node(s) {who} failed; self-check of nodes {self.members.nodes} before the restart"
+        )
+        result = run_selfcheck(
+            self.cfg,
+            out,
+            backend=self.backend,
+            bad_node=None if bad_node is None else self.members.job_rank(bad_node),
+        )
         verdicts = selfcheck_verdicts(result, self.members)
         bad = [k for k, v in verdicts.items() if v["healthy"] is False]
         decision = decide(self.cfg, self.members, bad)
-        log(f"attempt {attempt}: self-check {'passed' if result['healthy'] else 'failed'} in "
-            f"{result['elapsed_s']:.1f}s; {decision.note}")
-        rows = [{"node": k, "attempt": attempt, "reasons": verdicts[k]["reasons"],
-                 "replaced_by": decision.replaced.get(k), "selfcheck": str(out / "result.json")}
-                for k in decision.evicted]
+        log(
+            f"attempt {attempt}: self-check {'passed' if result['healthy'] else 'failed'} in "
+            f"{result['elapsed_s']:.1f}s; {decision.note}"
+        )
+        rows = [
+            {
+                "node": k,
+                "attempt": attempt,
+                "reasons": verdicts[k]["reasons"],
+                "replaced_by": decision.replaced.get(k),
+                "selfcheck": str(out / "result.json"),
+            }
+            for k in decision.evicted
+        ]
         if decision.cfg.cluster.nodes != self.cfg.cluster.nodes:
             self.backend.close()
             self.backend = backend_for(decision.cfg, self.run_dir)

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
-from collections import deque
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ ROLLBACK_EXIT = 75  # a rank's exit status after a rollback request (its agent r
 # Rank side
 
 
-def steps_to_skip(cfg: "MegaConfig") -> set[int]:
+def steps_to_skip(cfg: MegaConfig) -> set[int]:
     """1-based steps whose batch this attempt must not train on: ``train.skip_steps`` and the
     driver's ``$MEGA_SKIP_STEPS``."""
     env = os.environ.get(SKIP_ENV, "")
@@ -59,11 +59,16 @@ def steps_to_skip(cfg: "MegaConfig") -> set[int]:
 def skipped_step(trainer: Any) -> dict:
     """A step that trains on nothing: no forward, no update; the schedule advances one step."""
     trainer.scheduler.step(increment=1)
-    return {"loss": float("nan"), "grad_norm": float("nan"), "lr": trainer.optimizer.param_groups[0]["lr"],
-            "skipped": True, "data_skipped": True}
+    return {
+        "loss": float("nan"),
+        "grad_norm": float("nan"),
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+        "skipped": True,
+        "data_skipped": True,
+    }
 
 
-def maybe_poison(cfg: "MegaConfig", trainer: Any, step: int, skips: set[int]) -> None:
+def maybe_poison(cfg: MegaConfig, trainer: Any, step: int, skips: set[int]) -> None:
     """Drills, each on the first attempt that trains step ``step`` (1-based; once rolled back, the
     step is skipped): ``fault.nan_at_step`` makes one weight of every rank NaN, so the loss and the
     gradients turn NaN through real arithmetic; ``fault.spike_at_step`` scales the final layer
@@ -92,7 +97,7 @@ def maybe_poison(cfg: "MegaConfig", trainer: Any, step: int, skips: set[int]) ->
 class LossWindow:
     """The last stage's recent losses, and the spike rule (see the module's docstring)."""
 
-    def __init__(self, cfg: "MegaConfig"):
+    def __init__(self, cfg: MegaConfig):
         s = cfg.stability
         self.z_max, self.min_increase, self.min_steps = s.spike_z, s.spike_min_increase, s.spike_min_steps
         self.losses: deque[float] = deque(maxlen=s.spike_window)
@@ -109,7 +114,11 @@ class LossWindow:
         if self.z_max <= 0 or not math.isfinite(loss):  # spike_z=0: off; not finite: not a spike
             return False
         z = self.z_score(loss)
-        return z is not None and z > self.z_max and loss > (1 + self.min_increase) * statistics.median(self.losses)
+        return (
+            z is not None
+            and z > self.z_max
+            and loss > (1 + self.min_increase) * statistics.median(self.losses)
+        )
 
     def add(self, loss: float) -> None:
         self.losses.append(loss)
@@ -147,16 +156,21 @@ def check_step(result: dict, window: LossWindow, group) -> dict[str, bool] | Non
     return {"loss": bool(flags[0]), "grad_norm": bool(flags[1]), "spike": bool(flags[2])}
 
 
-def request_rollback(cfg: "MegaConfig", step: int, bad: dict[str, bool], checkpointer: Any) -> None:
+def request_rollback(cfg: MegaConfig, step: int, bad: dict[str, bool], checkpointer: Any) -> None:
     """Every rank: record the bad step (rank 0), commit the save in flight (collective), exit."""
     import torch.distributed as dist
 
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
     if dist.get_rank() == 0:
         what = " and ".join("loss spike" if k == "spike" else f"{k} not finite" for k, v in bad.items() if v)
-        write_request(cfg.train.run_dir, {"step": step, "attempt": attempt, "what": what, "time": time.time()})
-        print(f"[mega] step {step}: {what}; rolling back to the last durable checkpoint and skipping its batch",
-              file=sys.stderr, flush=True)
+        write_request(
+            cfg.train.run_dir, {"step": step, "attempt": attempt, "what": what, "time": time.time()}
+        )
+        print(
+            f"[mega] step {step}: {what}; rolling back to the last durable checkpoint and skipping its batch",
+            file=sys.stderr,
+            flush=True,
+        )
     checkpointer.close()  # the save in flight, if any, was taken before the bad step
     raise SystemExit(ROLLBACK_EXIT)
 

@@ -7,8 +7,8 @@ import logging
 import re
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mega.storage.manifest import FileEntry, Manifest
 
@@ -86,8 +86,16 @@ def entry_of(manifest: Manifest, relpath: str) -> FileEntry:
 
 def log_transfer(verb: str, manifest: Manifest, uri: str, seconds: float) -> None:
     mb = manifest.total_bytes / 1e6
-    log.info("%s %s: %d files, %.1f MB in %.2fs (%.0f MB/s) %s", verb, manifest.name, len(manifest.files),
-             mb, seconds, mb / max(seconds, 1e-9), uri)
+    log.info(
+        "%s %s: %d files, %.1f MB in %.2fs (%.0f MB/s) %s",
+        verb,
+        manifest.name,
+        len(manifest.files),
+        mb,
+        seconds,
+        mb / max(seconds, 1e-9),
+        uri,
+    )
 
 
 def step_of(name: str) -> int:
@@ -148,9 +156,14 @@ class CheckpointStorage(ABC):
         """Store every file under ``local_dir`` as checkpoint ``name``; the manifest goes last."""
 
     @abstractmethod
-    def upload_files(self, local_dir: str | Path, name: str, relpaths: list[str],
-                     on_progress: ProgressFn | None = None,
-                     ranges: dict[str, list[tuple[int, int]]] | None = None) -> list[FileEntry]:
+    def upload_files(
+        self,
+        local_dir: str | Path,
+        name: str,
+        relpaths: list[str],
+        on_progress: ProgressFn | None = None,
+        ranges: dict[str, list[tuple[int, int]]] | None = None,
+    ) -> list[FileEntry]:
         """Store some files of a checkpoint that several uploaders write (one per rank), without
         a manifest; returns their entries (size, sha256 of the bytes sent) for ``commit``.
         ``ranges[relpath]``: pieces (offset, length) of that file hashed on their own too, so a
@@ -166,8 +179,9 @@ class CheckpointStorage(ABC):
         """Fetch checkpoint ``name`` into ``local_dir``; CorruptCheckpoint on any mismatch."""
 
     @abstractmethod
-    def download_files(self, name: str, relpaths: list[str], local_dir: str | Path,
-                       verify: bool = True) -> list[FileEntry]:
+    def download_files(
+        self, name: str, relpaths: list[str], local_dir: str | Path, verify: bool = True
+    ) -> list[FileEntry]:
         """Fetch some files of complete checkpoint ``name``, checked against its manifest like
         ``download_dir`` (a restore where each rank fetches its share)."""
 
@@ -179,7 +193,9 @@ class CheckpointStorage(ABC):
     def read_bytes(self, name: str, relpath: str, offset: int = 0, length: int | None = None) -> bytes:
         """Bytes [offset, offset+length) of one file of a checkpoint (to its end if no length)."""
 
-    def read_pieces(self, manifest: Manifest, relpath: str, pieces: list[tuple[int, int]]) -> list[memoryview]:
+    def read_pieces(
+        self, manifest: Manifest, relpath: str, pieces: list[tuple[int, int]]
+    ) -> list[memoryview]:
         """Pieces (offset, length) of one file of the complete checkpoint ``manifest`` names,
         each verified against the manifest: a piece is the whole file or a range it hashed
         (``FileEntry.range_hash``). Adjacent pieces are fetched in one ranged read of at most
@@ -190,21 +206,29 @@ class CheckpointStorage(ABC):
         for offset, length in pieces:
             digest = entry.range_hash(offset, length)
             if digest is None:
-                raise ValueError(f"{manifest.name}/{relpath}: bytes [{offset}, {offset + length}) were not hashed "
-                                 f"on their own: read the whole file")
+                raise ValueError(
+                    f"{manifest.name}/{relpath}: bytes [{offset}, {offset + length}) were not hashed "
+                    f"on their own: read the whole file"
+                )
             wanted[(offset, length)] = digest
         got: dict[tuple[int, int], memoryview] = {}
         for start, group in _spans(sorted(wanted)):
             size = sum(n for _, n in group)
             data = memoryview(self.read_bytes(manifest.name, relpath, start, size))
             if len(data) < size:
-                raise CorruptCheckpoint(manifest.name, relpath, f"size: the store holds {start + len(data)} bytes, "
-                                                                f"the manifest {entry.size}")
+                raise CorruptCheckpoint(
+                    manifest.name,
+                    relpath,
+                    f"size: the store holds {start + len(data)} bytes, the manifest {entry.size}",
+                )
             for offset, length in group:
                 piece = data[offset - start : offset - start + length]
                 if hashlib.sha256(piece).hexdigest() != wanted[(offset, length)]:
-                    raise CorruptCheckpoint(manifest.name, relpath, f"sha256 of bytes [{offset}, {offset + length}) "
-                                                                    f"differs from the manifest")
+                    raise CorruptCheckpoint(
+                        manifest.name,
+                        relpath,
+                        f"sha256 of bytes [{offset}, {offset + length}) differs from the manifest",
+                    )
                 got[(offset, length)] = piece
         return [got[p] for p in pieces]
 

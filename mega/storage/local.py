@@ -21,10 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mega.storage.base import (
-    ProgressCounter,
     LATEST,
     CheckpointStorage,
     CorruptCheckpoint,
+    ProgressCounter,
     ProgressFn,
     StorageError,
     StorageUnavailable,
@@ -146,8 +146,14 @@ class FileStorage(CheckpointStorage):
                 os.fsync(fo.fileno())
         return h.finish(rel, h.pos)
 
-    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None,
-                     ranges: dict[str, list[tuple[int, int]]] | None = None) -> list[FileEntry]:
+    def upload_files(
+        self,
+        local_dir,
+        name,
+        relpaths,
+        on_progress: ProgressFn | None = None,
+        ranges: dict[str, list[tuple[int, int]]] | None = None,
+    ) -> list[FileEntry]:
         local_dir = Path(local_dir)
         ranges = ranges or {}
         dest = self._dir(name)
@@ -274,4 +280,3 @@ class FileStorage(CheckpointStorage):
                 if p.is_dir() and is_valid_name(p.name):
                     (complete if (p / MANIFEST).is_file() else incomplete).append(p.name)
         return complete, incomplete
-

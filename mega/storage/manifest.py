@@ -71,15 +71,21 @@ class Manifest:
         return json.dumps(doc, indent=1).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Manifest":
+    def from_bytes(cls, data: bytes) -> Manifest:
         """Raises ValueError on anything that is not a manifest this code wrote."""
         try:
             doc = json.loads(data)
             if doc.get("format") != FORMAT:
                 raise ValueError(f"unknown manifest format {doc.get('format')!r}")
-            files = [FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"]),
-                               tuple((int(o), int(n), str(h)) for o, n, h in f.get("ranges", ())))
-                     for f in doc["files"]]
+            files = [
+                FileEntry(
+                    str(f["path"]),
+                    int(f["size"]),
+                    str(f["sha256"]),
+                    tuple((int(o), int(n), str(h)) for o, n, h in f.get("ranges", ())),
+                )
+                for f in doc["files"]
+            ]
             return cls(name=str(doc["name"]), files=files, created=float(doc["created"]))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed manifest: {e}") from None
@@ -115,7 +121,7 @@ def local_files(root: str | Path, skip_manifest: bool = False) -> list[tuple[str
     return out
 
 
-def sha256_file(path: Path, start: int = 0, h=None) -> tuple[int, "hashlib._Hash"]:
+def sha256_file(path: Path, start: int = 0, h=None) -> tuple[int, hashlib._Hash]:
     """Hash ``path`` from ``start`` to its end into ``h``; returns (bytes hashed, h)."""
     h = h or hashlib.sha256()
     n = 0

@@ -25,11 +25,13 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionError as BotoConnectionError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 from s3transfer.exceptions import RetriesExceededError
 from s3transfer.subscribers import BaseSubscriber
@@ -55,8 +57,17 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # Error codes that say "the service is struggling", not "your request is wrong".
-_TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout", "Throttling",
-                    "500", "502", "503", "504"}
+_TRANSIENT_CODES = {
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "500",
+    "502",
+    "503",
+    "504",
+}
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 
@@ -112,12 +123,17 @@ class S3Storage(CheckpointStorage):
             # CPU per byte of an upload: botocore would sha256 every payload for its signature
             # (always over http) and CRC32 every part; the sha256 the uploads compute for the
             # manifest (HashingReader) is the integrity check, verified by every restore.
-            s3={"addressing_style": addressing_style or ("path" if custom else "auto"),
-                "payload_signing_enabled": False},
+            s3={
+                "addressing_style": addressing_style or ("path" if custom else "auto"),
+                "payload_signing_enabled": False,
+            },
             request_checksum_calculation="when_required",
         )
         self._client = session.client(
-            "s3", endpoint_url=endpoint_url, region_name=region or session.region_name or "us-east-1", config=config
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region or session.region_name or "us-east-1",
+            config=config,
         )
         self.endpoint = self._client.meta.endpoint_url
         self._transfer = TransferConfig(
@@ -187,7 +203,10 @@ class S3Storage(CheckpointStorage):
         if delimiter:
             kw["Delimiter"] = delimiter
         for page in self._client.get_paginator("list_objects_v2").paginate(**kw):
-            yield [o["Key"] for o in page.get("Contents", [])], [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+            yield (
+                [o["Key"] for o in page.get("Contents", [])],
+                [p["Prefix"] for p in page.get("CommonPrefixes", [])],
+            )
 
     # -- write side
     def upload_dir(self, local_dir, name, on_progress: ProgressFn | None = None) -> Manifest:
@@ -205,19 +224,29 @@ class S3Storage(CheckpointStorage):
             except ValueError as e:
                 raise StorageError(f"upload {name}: {e}") from None
             manifest = Manifest(name=name, files=entries)
-            self._client.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest.to_bytes())
+            self._client.put_object(
+                Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest.to_bytes()
+            )
         log_transfer("uploaded", manifest, self.uri, time.monotonic() - t0)
         return manifest
 
-    def upload_files(self, local_dir, name, relpaths, on_progress: ProgressFn | None = None,
-                     ranges: dict[str, list[tuple[int, int]]] | None = None) -> list[FileEntry]:
+    def upload_files(
+        self,
+        local_dir,
+        name,
+        relpaths,
+        on_progress: ProgressFn | None = None,
+        ranges: dict[str, list[tuple[int, int]]] | None = None,
+    ) -> list[FileEntry]:
         check_name(name)
         local_dir = Path(local_dir)
         ranges = ranges or {}
         with self._errors(f"upload {name}"):
             if self.read_latest() == name:
                 raise StorageError(f"refusing to overwrite {name}, which {LATEST} names")
-            readers = [(check_relpath(rel), HashingReader(local_dir / rel, ranges.get(rel))) for rel in relpaths]
+            readers = [
+                (check_relpath(rel), HashingReader(local_dir / rel, ranges.get(rel))) for rel in relpaths
+            ]
             self._send(name, readers, on_progress)
             try:
                 return [r.finish(rel) for rel, r in readers]
@@ -229,8 +258,9 @@ class S3Storage(CheckpointStorage):
         # One transfer manager for the whole set: small files (per-rank RNG states, metadata)
         # go in parallel, and large ones in parallel parts, within max_concurrency.
         with create_transfer_manager(self._client, self._transfer) as tm:
-            futures = [tm.upload(r, self.bucket, self._key(name, rel), subscribers=[progress])
-                       for rel, r in readers]
+            futures = [
+                tm.upload(r, self.bucket, self._key(name, rel), subscribers=[progress]) for rel, r in readers
+            ]
             for f in futures:
                 f.result()
 
@@ -239,22 +269,28 @@ class S3Storage(CheckpointStorage):
         with self._errors(f"commit {name}"):
             stored = {}
             base = self._key(name) + "/"
-            for page in self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
-                stored.update({o["Key"][len(base):]: o["Size"] for o in page.get("Contents", [])})
+            for page in self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base
+            ):
+                stored.update({o["Key"][len(base) :]: o["Size"] for o in page.get("Contents", [])})
             for e in entries:
                 if e.path not in stored:
                     raise CorruptCheckpoint(name, e.path, "missing from the store at commit")
                 if stored[e.path] != e.size:
                     raise CorruptCheckpoint(name, e.path, f"size {stored[e.path]} != {e.size} uploaded")
             manifest = Manifest(name=name, files=sorted(entries, key=lambda e: e.path))
-            self._client.put_object(Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest.to_bytes())
+            self._client.put_object(
+                Bucket=self.bucket, Key=self._key(name, MANIFEST), Body=manifest.to_bytes()
+            )
         return manifest
 
     def write_latest(self, name: str) -> None:
         check_name(name)
         with self._errors(f"write {LATEST}"):
             if not self._exists(self._key(name, MANIFEST)):
-                raise CorruptCheckpoint(name, None, f"no manifest: {LATEST} may only name a complete checkpoint")
+                raise CorruptCheckpoint(
+                    name, None, f"no manifest: {LATEST} may only name a complete checkpoint"
+                )
             self._client.put_object(Bucket=self.bucket, Key=self._key(LATEST), Body=name.encode())
 
     def delete(self, name: str) -> None:
@@ -265,20 +301,28 @@ class S3Storage(CheckpointStorage):
             keys = [k for page, _ in self._list(self._key(name) + "/") for k in page]
             for i in range(0, len(keys), _DELETE_BATCH):
                 batch = [{"Key": k} for k in keys[i : i + _DELETE_BATCH]]
-                out = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                out = self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
                 if out.get("Errors"):
                     err = out["Errors"][0]
                     n = len(out["Errors"])
-                    raise StorageError(f"delete {name}: {err.get('Key')}: {err.get('Code')} ({n} keys failed)")
+                    raise StorageError(
+                        f"delete {name}: {err.get('Key')}: {err.get('Code')} ({n} keys failed)"
+                    )
             self._abort_multipart(self._key(name) + "/")
 
     def _abort_multipart(self, prefix: str) -> None:
         # Parts of a multipart upload whose uploader died (SIGKILL: no chance to abort) are
         # invisible to listings but billed until aborted; a bucket lifecycle rule is the backstop.
-        for page in self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
+        for page in self._client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=prefix
+        ):
             for u in page.get("Uploads", []):
                 try:
-                    self._client.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                    self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    )
                 except ClientError as e:
                     if not self._is_missing(e) and e.response.get("Error", {}).get("Code") != "NoSuchUpload":
                         raise
@@ -313,8 +357,10 @@ class S3Storage(CheckpointStorage):
             for e in entries:
                 (local_dir / e.path).parent.mkdir(parents=True, exist_ok=True)
             with create_transfer_manager(self._client, self._transfer) as tm:
-                futures = [(e, tm.download(self.bucket, self._key(name, e.path), str(local_dir / e.path)))
-                           for e in entries]
+                futures = [
+                    (e, tm.download(self.bucket, self._key(name, e.path), str(local_dir / e.path)))
+                    for e in entries
+                ]
                 for e, f in futures:
                     try:
                         f.result()

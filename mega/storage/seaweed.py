@@ -72,7 +72,9 @@ def _free_ports(n: int, host: str) -> list[int]:
                 continue
             socks.append(s)  # held open together so the n ports are distinct
         if len(socks) < n:
-            raise RuntimeError(f"no {n} free ports outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}")
+            raise RuntimeError(
+                f"no {n} free ports outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}"
+            )
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -125,22 +127,30 @@ class SeaweedS3:
     def _command(self) -> list[str]:
         p = self.ports
         args = [
-            self.weed, "-logtostderr=true",  # glog would otherwise drop files into /tmp
-            "server", f"-dir={self.data_dir}", f"-ip={self.host}", f"-ip.bind={self.host}",
-            "-filer", "-s3", f"-s3.config={self.root / 's3.json'}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",  # extra listeners nobody here needs
+            self.weed,
+            "-logtostderr=true",  # glog would otherwise drop files into /tmp
+            "server",
+            f"-dir={self.data_dir}",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
+            "-filer",
+            "-s3",
+            f"-s3.config={self.root / 's3.json'}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",  # extra listeners nobody here needs
             "-master.telemetry=false",
             # A single master still holds a raft election on restart: 10 s by default.
             "-master.electionTimeout=1s",
             # Volumes are sparse files grown on demand; small ones keep a test's disk use small.
-            "-master.volumeSizeLimitMB=256", "-volume.max=100",
+            "-master.volumeSizeLimitMB=256",
+            "-volume.max=100",
             "-volume.preStopSeconds=0",
         ]
         for c in _COMPONENTS:
             args += [f"-{c}.port={p[c]}", f"-{c}.port.grpc={p[c + '.grpc']}"]
         return args
 
-    def start(self, timeout: float = 60.0) -> "SeaweedS3":
+    def start(self, timeout: float = 60.0) -> SeaweedS3:
         """Start (or restart over the same data and ports) and return once the bucket works."""
         if self.running:
             return self
@@ -149,11 +159,15 @@ class SeaweedS3:
             ports = _free_ports(2 * len(_COMPONENTS), self.host)
             for i, c in enumerate(_COMPONENTS):
                 self.ports[c], self.ports[c + ".grpc"] = ports[2 * i], ports[2 * i + 1]
-        identity = {"identities": [{
-            "name": "mega",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self._secret_key}],
-            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-        }]}
+        identity = {
+            "identities": [
+                {
+                    "name": "mega",
+                    "credentials": [{"accessKey": self.access_key, "secretKey": self._secret_key}],
+                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                }
+            ]
+        }
         cfg = self.root / "s3.json"
         fd = os.open(cfg, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -164,8 +178,14 @@ class SeaweedS3:
         log = open(self.log_path, "ab")
         try:
             # Its own session (process group), so stop() reaches every child it may spawn.
-            self._proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
         try:
@@ -180,10 +200,17 @@ class SeaweedS3:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name="us-east-1",
-            aws_access_key_id=self.access_key, aws_secret_access_key=self._secret_key,
-            config=Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=5,
-                          s3={"addressing_style": "path"}),
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self._secret_key,
+            config=Config(
+                retries={"max_attempts": 1},
+                connect_timeout=1,
+                read_timeout=5,
+                s3={"addressing_style": "path"},
+            ),
         )
 
     def _wait_ready(self, timeout: float) -> None:
@@ -194,7 +221,9 @@ class SeaweedS3:
         last = "no answer"
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self._proc.returncode}; see {self.log_path}:\n{self._tail()}")
+                raise RuntimeError(
+                    f"weed exited with {self._proc.returncode}; see {self.log_path}:\n{self._tail()}"
+                )
             try:
                 try:
                     client.create_bucket(Bucket=self.bucket)
@@ -213,8 +242,10 @@ class SeaweedS3:
             except Exception as e:  # anything while it boots; the deadline bounds it
                 last = type(e).__name__
             time.sleep(0.2)
-        raise TimeoutError(f"SeaweedFS S3 at {self.endpoint_url} not ready in {timeout:.0f}s ({last}); "
-                           f"see {self.log_path}:\n{self._tail()}")
+        raise TimeoutError(
+            f"SeaweedFS S3 at {self.endpoint_url} not ready in {timeout:.0f}s ({last}); "
+            f"see {self.log_path}:\n{self._tail()}"
+        )
 
     def _tail(self, n: int = 20) -> str:
         try:
@@ -246,14 +277,17 @@ class SeaweedS3:
             proc.wait()
         # Unix sockets the components create next to their ports in /tmp (not configurable).
         for c in _COMPONENTS:
-            for name in (f"seaweedfs-{c}-grpc-{self.ports[c + '.grpc']}.sock", f"seaweedfs-{c}-{self.ports[c]}.sock"):
+            for name in (
+                f"seaweedfs-{c}-grpc-{self.ports[c + '.grpc']}.sock",
+                f"seaweedfs-{c}-{self.ports[c]}.sock",
+            ):
                 Path("/tmp", name).unlink(missing_ok=True)
 
-    def restart(self, timeout: float = 60.0) -> "SeaweedS3":
+    def restart(self, timeout: float = 60.0) -> SeaweedS3:
         self.stop()
         return self.start(timeout)
 
-    def __enter__(self) -> "SeaweedS3":
+    def __enter__(self) -> SeaweedS3:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -261,4 +295,6 @@ class SeaweedS3:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"SeaweedS3({self.endpoint_url if self.ports else 'unstarted'}, bucket={self.bucket!r}, {state})"
+        return (
+            f"SeaweedS3({self.endpoint_url if self.ports else 'unstarted'}, bucket={self.bucket!r}, {state})"
+        )

@@ -23,7 +23,7 @@ _EXPORTS = {
     "RecordingStore": "recording",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

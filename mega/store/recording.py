@@ -23,8 +23,8 @@ the store part of a start-up, as the bootstrap timing job reports it.
 
 from __future__ import annotations
 
-import json
 import contextlib
+import json
 import os
 import threading
 import time
@@ -38,11 +38,25 @@ import torch.distributed as dist
 __all__ = ["RecordingStore", "load_recordings"]
 
 # every keyed operation of the c10d Store interface that torch's C++ side can forward to Python
-OP_KINDS = ("set", "get", "add", "compare_set", "wait", "check", "delete_key", "num_keys",
-            "multi_get", "multi_set", "append", "queue_push", "queue_pop", "queue_len")
+OP_KINDS = (
+    "set",
+    "get",
+    "add",
+    "compare_set",
+    "wait",
+    "check",
+    "delete_key",
+    "num_keys",
+    "multi_get",
+    "multi_set",
+    "append",
+    "queue_push",
+    "queue_pop",
+    "queue_len",
+)
 
 
-_ALIVE: list["RecordingStore"] = []
+_ALIVE: list[RecordingStore] = []
 
 
 class RecordingStore(dist.Store):
@@ -134,7 +148,7 @@ class RecordingStore(dist.Store):
     getNumKeys = num_keys
     deleteKey = delete_key
 
-    def clone(self) -> "RecordingStore":
+    def clone(self) -> RecordingStore:
         """A clone of the inner store whose operations land in this recording (gloo clones the
         store it is given, one connection per process group)."""
         twin = RecordingStore(self.inner.clone(), self.rank)

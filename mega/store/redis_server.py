@@ -101,8 +101,16 @@ class RedisServer:
     when another process takes it between the probe and the bind).
     """
 
-    def __init__(self, port: int = 0, *, host: str = "127.0.0.1", password: str | None = None,
-                 maxclients: int = 10000, startup_timeout_s: float = 10.0, extra_config: dict | None = None):
+    def __init__(
+        self,
+        port: int = 0,
+        *,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        maxclients: int = 10000,
+        startup_timeout_s: float = 10.0,
+        extra_config: dict | None = None,
+    ):
         self.host = host
         self.port = port
         self._password = password
@@ -140,7 +148,7 @@ class RedisServer:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         if self.running:
             return self
         binary = find_redis_server()
@@ -152,8 +160,12 @@ class RedisServer:
             conf = self._dir / "redis.conf"
             conf.touch(mode=0o600)
             conf.write_text(self._config(port))
-            self._proc = subprocess.Popen([binary, str(conf)], stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(
+                [binary, str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             # (same process group: a Ctrl-C or a kill of our group stops it too, nothing leaks)
             self.port = port
             try:
@@ -200,21 +212,30 @@ class RedisServer:
         import redis
 
         deadline = time.monotonic() + self._startup_timeout_s
-        client = redis.Redis(host=self.host, port=self.port, password=self._password,
-                             socket_connect_timeout=0.5, socket_timeout=1.0)
+        client = redis.Redis(
+            host=self.host,
+            port=self.port,
+            password=self._password,
+            socket_connect_timeout=0.5,
+            socket_timeout=1.0,
+        )
         try:
             while True:
                 if self._proc.poll() is not None:
-                    raise RedisServerError(f"redis-server on {self.address} exited with code "
-                                           f"{self._proc.returncode}: {self._log_tail()}")
+                    raise RedisServerError(
+                        f"redis-server on {self.address} exited with code "
+                        f"{self._proc.returncode}: {self._log_tail()}"
+                    )
                 try:
                     if client.ping():
                         return
                 except (redis.ConnectionError, redis.TimeoutError):
                     pass
                 if time.monotonic() > deadline:
-                    raise RedisServerError(f"redis-server on {self.address} did not answer PING within "
-                                           f"{self._startup_timeout_s:g} s: {self._log_tail()}")
+                    raise RedisServerError(
+                        f"redis-server on {self.address} did not answer PING within "
+                        f"{self._startup_timeout_s:g} s: {self._log_tail()}"
+                    )
                 time.sleep(0.02)
         finally:
             client.close()
@@ -233,7 +254,7 @@ class RedisServer:
             self._dir = None
         _LIVE.discard(self)
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -30,8 +30,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 import redis
 import torch.distributed as dist
@@ -40,8 +41,15 @@ from redis.retry import Retry
 
 from mega.store.redis_server import parse_redis_url, redact_url
 
-__all__ = ["RedisStore", "RedisStoreError", "RedisUnreachableError", "RedisAuthError", "drop_attempts",
-           "parse_redis_url", "redact_url"]
+__all__ = [
+    "RedisStore",
+    "RedisStoreError",
+    "RedisUnreachableError",
+    "RedisAuthError",
+    "drop_attempts",
+    "parse_redis_url",
+    "redact_url",
+]
 
 T = TypeVar("T")
 
@@ -81,16 +89,21 @@ end
 local function touch() redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 """
 
-_LUA_SET = _LUA_COMMON + """
+_LUA_SET = (
+    _LUA_COMMON
+    + """
 for i = 3, #ARGV, 2 do
   if redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) == 1 then signal(ARGV[i], ARGV[i + 1]) end
 end
 touch()
 return 1
 """
+)
 
 # HINCRBY's reply becomes a Lua double; return the stored decimal string to keep all 64 bits
-_LUA_ADD = _LUA_COMMON + """
+_LUA_ADD = (
+    _LUA_COMMON
+    + """
 local new = redis.call('HEXISTS', KEYS[1], ARGV[3]) == 0
 redis.call('HINCRBY', KEYS[1], ARGV[3], ARGV[4])
 local v = redis.call('HGET', KEYS[1], ARGV[3])
@@ -98,10 +111,13 @@ if new then signal(ARGV[3], v) end
 touch()
 return v
 """
+)
 
 # TCPStore: missing key -> create only when expected is empty (else return expected);
 # present key -> replace when equal to expected; always return the value now stored (or expected)
-_LUA_COMPARE_SET = _LUA_COMMON + """
+_LUA_COMPARE_SET = (
+    _LUA_COMMON
+    + """
 local cur = redis.call('HGET', KEYS[1], ARGV[3])
 if not cur then
   if ARGV[4] == '' then
@@ -116,8 +132,11 @@ if cur == ARGV[4] then
 end
 return cur
 """
+)
 
-_LUA_APPEND = _LUA_COMMON + """
+_LUA_APPEND = (
+    _LUA_COMMON
+    + """
 local cur = redis.call('HGET', KEYS[1], ARGV[3])
 if cur then
   redis.call('HSET', KEYS[1], ARGV[3], cur .. ARGV[4])
@@ -127,6 +146,7 @@ end
 touch()
 return 1
 """
+)
 
 # The read side of every blocking call (get, multi_get, wait), one atomic script: when all keys
 # exist, return {1, values...} (values only when ARGV[3] == '1'); otherwise join the waiters set
@@ -172,7 +192,7 @@ return 1
 # ---------------------------------------------------------------------------------------------
 
 
-_LIVE: set["RedisStore"] = set()  # see the module docstring: pybind trampoline lifetime
+_LIVE: set[RedisStore] = set()  # see the module docstring: pybind trampoline lifetime
 _LIVE_LOCK = threading.Lock()
 
 
@@ -189,10 +209,19 @@ class RedisStore(dist.Store):
         ssl_*: passed to redis-py (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_cert_reqs``...).
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, job_id: str = "default", attempt: int = 0,
-                 timeout: timedelta = DEFAULT_TIMEOUT, ttl_s: int = DEFAULT_TTL_S,
-                 connect_timeout_s: float = 2.0, username: str | None = None, password: str | None = None,
-                 **ssl_kwargs: Any):
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        job_id: str = "default",
+        attempt: int = 0,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        ttl_s: int = DEFAULT_TTL_S,
+        connect_timeout_s: float = 2.0,
+        username: str | None = None,
+        password: str | None = None,
+        **ssl_kwargs: Any,
+    ):
         super().__init__()
         if not _JOB_ID.match(job_id):
             raise ValueError(f"job_id must match {_JOB_ID.pattern}, got {job_id!r}")
@@ -227,14 +256,31 @@ class RedisStore(dist.Store):
         # retries: none inside redis-py (a retried HINCRBY could count twice); idempotent
         # operations retry in _call instead
         self._r = redis.Redis(
-            host=fields["host"], port=fields["port"], db=fields["db"], username=fields["username"],
-            password=fields["password"], ssl=fields["ssl"], socket_connect_timeout=connect_timeout_s,
-            socket_timeout=SOCKET_TIMEOUT_S, socket_keepalive=True, retry=Retry(NoBackoff(), 0),
-            client_name=f"mega-store:{job_id}:{attempt}", **ssl_kwargs)
-        self._scripts = {name: self._r.register_script(src) for name, src in [
-            ("set", _LUA_SET), ("add", _LUA_ADD), ("compare_set", _LUA_COMPARE_SET),
-            ("append", _LUA_APPEND), ("read", _LUA_READ_OR_REGISTER), ("check", _LUA_CHECK),
-            ("queue_push", _LUA_QUEUE_PUSH)]}
+            host=fields["host"],
+            port=fields["port"],
+            db=fields["db"],
+            username=fields["username"],
+            password=fields["password"],
+            ssl=fields["ssl"],
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_keepalive=True,
+            retry=Retry(NoBackoff(), 0),
+            client_name=f"mega-store:{job_id}:{attempt}",
+            **ssl_kwargs,
+        )
+        self._scripts = {
+            name: self._r.register_script(src)
+            for name, src in [
+                ("set", _LUA_SET),
+                ("add", _LUA_ADD),
+                ("compare_set", _LUA_COMPARE_SET),
+                ("append", _LUA_APPEND),
+                ("read", _LUA_READ_OR_REGISTER),
+                ("check", _LUA_CHECK),
+                ("queue_push", _LUA_QUEUE_PUSH),
+            ]
+        }
         self._connect()
         with _LIVE_LOCK:
             _LIVE.add(self)
@@ -283,7 +329,8 @@ class RedisStore(dist.Store):
                     self._r.close()
                     raise RedisUnreachableError(
                         f"cannot reach Redis at {self.address} within {self._connect_timeout_s:g} s: "
-                        f"{type(err).__name__}: {self._scrub(err)}") from None
+                        f"{type(err).__name__}: {self._scrub(err)}"
+                    ) from None
                 time.sleep(0.1)
             except redis.ResponseError as err:
                 self._r.close()
@@ -294,8 +341,10 @@ class RedisStore(dist.Store):
     def _auth_error(self, err: Exception) -> RedisAuthError:
         who = f"user {self._fields['username']!r}" if self._fields["username"] else "the default user"
         how = "with a password" if self._fields["password"] else "without a password"
-        return RedisAuthError(f"Redis at {self.address} refused {who} {how}: {self._scrub(err)} "
-                              "(check cluster.redis_url or $MEGA_REDIS_PASSWORD)")
+        return RedisAuthError(
+            f"Redis at {self.address} refused {who} {how}: {self._scrub(err)} "
+            "(check cluster.redis_url or $MEGA_REDIS_PASSWORD)"
+        )
 
     def _scrub(self, err: Exception) -> str:
         text = str(err)
@@ -312,10 +361,11 @@ class RedisStore(dist.Store):
                 raise self._auth_error(err) from None
             except (redis.ConnectionError, redis.TimeoutError) as err:
                 if i + 1 < attempts:
-                    time.sleep(0.05 * 4 ** i)
+                    time.sleep(0.05 * 4**i)
                     continue
-                raise RedisUnreachableError(f"Redis at {self.address} failed during {what}: "
-                                            f"{type(err).__name__}: {self._scrub(err)}") from None
+                raise RedisUnreachableError(
+                    f"Redis at {self.address} failed during {what}: {type(err).__name__}: {self._scrub(err)}"
+                ) from None
             except redis.ResponseError as err:
                 if "NOAUTH" in str(err) or "WRONGPASS" in str(err):
                     raise self._auth_error(err) from None
@@ -410,7 +460,8 @@ class RedisStore(dist.Store):
                     missing = [pending[i].decode() for i in range(0, len(pending), 2)]
                     raise dist.DistStoreError(
                         f"wait timeout after {int(limit_ms)}ms, keys: {', '.join(missing)} "
-                        f"(Redis {self.address}, namespace {self.prefix})")
+                        f"(Redis {self.address}, namespace {self.prefix})"
+                    )
                 block_ms = max(1, min(BLOCK_SLICE_MS, int(left_ms) + 1))
             woke = self._call("wait", lambda: self._r.xread(streams, count=1, block=block_ms))
             if woke and len(pending) == 2 and not values:
@@ -442,33 +493,45 @@ class RedisStore(dist.Store):
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise dist.DistStoreError(f"wait timeout after {int(limit_ms)}ms, keys: {key} "
-                                              f"(Redis {self.address}, namespace {self.prefix})")
+                    raise dist.DistStoreError(
+                        f"wait timeout after {int(limit_ms)}ms, keys: {key} "
+                        f"(Redis {self.address}, namespace {self.prefix})"
+                    )
                 block_s = min(block_s, max(left, 0.001))
-            got = self._call("queue_pop", lambda: self._r.blpop([self._q + key], timeout=block_s),
-                             idempotent=False)
+            got = self._call(
+                "queue_pop", lambda: self._r.blpop([self._q + key], timeout=block_s), idempotent=False
+            )
             if got is not None:
                 return got[1]
 
     def queue_len(self, key: str) -> int:
         return int(self._call("queue_len", lambda: self._r.llen(self._q + key)))
 
-    def clone(self) -> "RedisStore":
+    def clone(self) -> RedisStore:
         """A new connection to the same namespace (process groups clone stores, e.g. on shrink)."""
-        return RedisStore(self._url, job_id=self._job_id, attempt=self._attempt, timeout=self.timeout,
-                          ttl_s=self._ttl_s, connect_timeout_s=self._connect_timeout_s,
-                          username=self._fields["username"], password=self._fields["password"],
-                          **self._ssl_kwargs)
+        return RedisStore(
+            self._url,
+            job_id=self._job_id,
+            attempt=self._attempt,
+            timeout=self.timeout,
+            ttl_s=self._ttl_s,
+            connect_timeout_s=self._connect_timeout_s,
+            username=self._fields["username"],
+            password=self._fields["password"],
+            **self._ssl_kwargs,
+        )
 
     # -- beyond c10d --------------------------------------------------------------------------
 
     def touch(self) -> None:
         """Restart the namespace TTL (writes do this already; for a long quiet job)."""
+
         def run():
             with self._r.pipeline(transaction=False) as pipe:
                 pipe.expire(self._kv, self._ttl_s)
                 pipe.expire(self._waiters, self._ttl_s)
                 pipe.execute()
+
         self._call("touch", run)
 
     def ttl(self) -> int:
@@ -477,12 +540,17 @@ class RedisStore(dist.Store):
 
     def drop_namespace(self) -> int:
         """Delete every key of this job attempt now; returns how many Redis keys went."""
+
         def run() -> int:
             names = [self._kv, self._waiters]
             pattern = _glob_escape(self.prefix) + "*"
-            names += [k for k in self._r.scan_iter(match=pattern, count=1000)
-                      if k not in (self._kv.encode(), self._waiters.encode())]
+            names += [
+                k
+                for k in self._r.scan_iter(match=pattern, count=1000)
+                if k not in (self._kv.encode(), self._waiters.encode())
+            ]
             return int(self._r.unlink(*names)) if names else 0
+
         return self._call("drop_namespace", run)
 
     def ping_ms(self) -> float:
@@ -527,9 +595,16 @@ def drop_attempts(store: RedisStore, attempts: Iterable[int]) -> int:
     for attempt in attempts:
         if attempt == store.attempt:
             continue
-        other = RedisStore(store._url, job_id=store.job_id, attempt=attempt, ttl_s=store._ttl_s,
-                           connect_timeout_s=store._connect_timeout_s, username=store._fields["username"],
-                           password=store._fields["password"], **store._ssl_kwargs)
+        other = RedisStore(
+            store._url,
+            job_id=store.job_id,
+            attempt=attempt,
+            ttl_s=store._ttl_s,
+            connect_timeout_s=store._connect_timeout_s,
+            username=store._fields["username"],
+            password=store._fields["password"],
+            **store._ssl_kwargs,
+        )
         try:
             removed += other.drop_namespace()
         finally:

@@ -65,14 +65,31 @@ from mega.warm.client import MAX_MESSAGE, failed_path, send
 
 # What every agent and rank imports, eagerly or in its set-up (mega/train.py imports most lazily).
 PRELOAD = (
-    "mega.train", "torch.distributed.run", "numpy",
-    "megatron.core", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
-    "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.optimizer_param_scheduler",
-    "megatron.core.pipeline_parallel", "megatron.core.transformer", "megatron.core.models.gpt",
+    "mega.train",
+    "torch.distributed.run",
+    "numpy",
+    "megatron.core",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.transformer",
+    "megatron.core.models.gpt",
     "megatron.core.dist_checkpointing",
-    "mega.model", "mega.optim", "mega.checkpoint", "mega.data.loader", "mega.metrics",
-    "mega.obs.session", "mega.stability.heartbeat", "mega.cluster.parallel_groups", "mega.cluster.rendezvous",
-    "mega.cluster.selfcheck", "mega.flops", "mega.validation",
+    "mega.model",
+    "mega.optim",
+    "mega.checkpoint",
+    "mega.data.loader",
+    "mega.metrics",
+    "mega.obs.session",
+    "mega.stability.heartbeat",
+    "mega.cluster.parallel_groups",
+    "mega.cluster.rendezvous",
+    "mega.cluster.selfcheck",
+    "mega.flops",
+    "mega.validation",
 )
 PR_SET_PDEATHSIG = 1
 # Read once, when OpenMP/MKL load: the zygote imports with the libraries' defaults and each fork
@@ -208,7 +225,10 @@ class Zygote:
         self.selector.unregister(conn)
         conn.close()
         self.children[pid] = None
-        for kill in (os.killpg, os.kill):  # before its setsid the child is in the zygote's group: kill it alone
+        for kill in (
+            os.killpg,
+            os.kill,
+        ):  # before its setsid the child is in the zygote's group: kill it alone
             try:
                 kill(pid, signal.SIGKILL)
                 break
@@ -287,7 +307,7 @@ def run_request(request: Request) -> None:
         code = _exit_code(e.code)
     except KeyboardInterrupt:
         code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would, exit status 1
+    except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
     _exit(code)
@@ -296,6 +316,7 @@ def run_request(request: Request) -> None:
 def _sys_path(cwd: str, zygote_pythonpath: str, pythonpath: str) -> list[str]:
     """``sys.path`` as a cold ``python -m`` with ``pythonpath`` in ``cwd`` would have it: the
     zygote's, with its PYTHONPATH entries replaced (modules it imported from them stay imported)."""
+
     def entries(value: str) -> list[str]:
         return [os.path.abspath(p) for p in value.split(os.pathsep) if p]
 
@@ -330,19 +351,23 @@ def _exit(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="A node's fork server for warm agents and ranks.")
-    parser.add_argument("--socket", required=True, help="the unix socket to serve on (the clients' MEGA_ZYGOTE_SOCKET)")
+    parser.add_argument(
+        "--socket", required=True, help="the unix socket to serve on (the clients' MEGA_ZYGOTE_SOCKET)"
+    )
     parser.add_argument("--preload", help="comma-separated modules to import instead of the default set")
     args = parser.parse_args(argv)
     try:
         took = preload(tuple(args.preload.split(",")) if args.preload else PRELOAD)
-    except Exception as e:  # noqa: BLE001 - whatever failed, the waiting clients are told why
+    except Exception as e:
         traceback.print_exc()
         with open(failed_path(args.socket), "w") as f:
             f.write(f"{type(e).__name__}: {e}\n")
         sys.exit(1)
     gc.freeze()  # the imports' objects: never traversed by a fork's collector, so never copied by it
     zygote = Zygote(args.socket)
-    print(f"zygote: imported {len(sys.modules)} modules in {took:.2f} s; serving on {args.socket}", flush=True)
+    print(
+        f"zygote: imported {len(sys.modules)} modules in {took:.2f} s; serving on {args.socket}", flush=True
+    )
     request = zygote.serve()
     if request is None:
         return

@@ -72,13 +72,17 @@ def main() -> int:
             rec.end_step()
             device = rec.device
             host = rec.spans[0]
-            results.append({
-                "pending_step_used_device_times": pending_device,
-                "pending_compute_s": pending["compute_s"],
-                "device_times": rec.summary["device_times"],
-                "device_span_s": (device["spans"][0][3] - device["spans"][0][2]) * 1e-9 if device else None,
-                "host_span_s": (host[3] - host[2]) * 1e-9,
-            })
+            results.append(
+                {
+                    "pending_step_used_device_times": pending_device,
+                    "pending_compute_s": pending["compute_s"],
+                    "device_times": rec.summary["device_times"],
+                    "device_span_s": (device["spans"][0][3] - device["spans"][0][2]) * 1e-9
+                    if device
+                    else None,
+                    "host_span_s": (host[3] - host[2]) * 1e-9,
+                }
+            )
     finally:
         torch.cuda.synchronize = original
     last = results[-1]
@@ -89,8 +93,17 @@ def main() -> int:
         "host_is_only_the_launch": last["host_span_s"] < 0.5 * last["device_span_s"],
         "no_synchronize_in_the_loop": not syncs,
     }
-    print(json.dumps({"ok": all(checks.values()), "checks": checks, "reference_s": reference_s,
-                      "steps": results, "device": torch.cuda.get_device_name()}))
+    print(
+        json.dumps(
+            {
+                "ok": all(checks.values()),
+                "checks": checks,
+                "reference_s": reference_s,
+                "steps": results,
+                "device": torch.cuda.get_device_name(),
+            }
+        )
+    )
     return 0 if all(checks.values()) else 1
 
 
