@@ -133,108 +133,120 @@ def _exposed(comm: float, gemm: float, tp: int, chunked: bool, async_overlap: bo
     return comm
 
 
-def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
-    """One transformer layer, one microbatch, one tensor-parallel rank."""
-    m, p = cfg.model, cfg.parallelism
-    t, b, s, h, a, f = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn
-    kv, sp, tokens = kv_size(m), p.sequence_parallel, b * m.seq_length
-    chunked = p.tp_overlap != "none" and t > 1
-    parallel = m.block == "parallel"
+@dataclass
+class LayerGemms:
+    """Seconds of a layer's four GEMMs (QKV, projection, fc1, fc2) on one rank, one microbatch."""
 
-    # GEMMs: (rows, cols, inner) of the forward; the backward runs a dgrad and a wgrad GEMM each.
+    fwd: dict[str, float]
+    dgrad: dict[str, float]
+    wgrad: dict[str, float]
+
+
+def layer_gemms(cfg: MegaConfig, hw: Hardware, dtype: int) -> LayerGemms:
+    """(rows, cols, inner) of each forward GEMM; the backward runs a dgrad and a wgrad GEMM each."""
+    m, p = cfg.model, cfg.parallelism
+    t, h, f, tokens = p.tp, m.hidden_size, m.ffn, p.micro_batch_size * m.seq_length
+    kv = kv_size(m)
     shapes = {
         "qkv": (tokens, (h + 2 * kv) // t, h),
         "proj": (tokens, h, h // t),
         "fc1": (tokens, f // t, h),
         "fc2": (tokens, h, f // t),
     }
-    fwd = {k: hw.gemm_s(*v, dtype_bytes=dtype) for k, v in shapes.items()}
-    dgrad = {k: hw.gemm_s(r, i, c, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
-    wgrad = {k: hw.gemm_s(i, c, r, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()}
-    gemm_f, gemm_b = sum(fwd.values()), sum(dgrad.values()) + sum(wgrad.values())
+    return LayerGemms(
+        {k: hw.gemm_s(*v, dtype_bytes=dtype) for k, v in shapes.items()},
+        {k: hw.gemm_s(r, i, c, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()},
+        {k: hw.gemm_s(i, c, r, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()},
+    )
 
-    # Attention core. Fused (flash) kernels skip the blocks above the causal diagonal and outside
-    # a sliding window; the unfused path (megatron's masked softmax) computes the whole s x s score
-    # matrix whatever the mask.
-    heads = a // t
+
+def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the attention core. Fused (flash) kernels skip the blocks
+    above the causal diagonal and outside a sliding window; the unfused path (megatron's masked
+    softmax) computes the whole s x s score matrix whatever the mask."""
+    m, p = cfg.model, cfg.parallelism
+    t, b, s, h, a = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads
+    tokens, heads = b * s, a // t
     if hw.flash_attention:
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
         keys = (windowed * causal_keys(s, m.window_size) + full * causal_keys(s, None)) / m.num_layers
         flops = 2 * 2 * tokens * keys * h / t
-        attn_f, attn_b = hw.attention_s(flops), hw.attention_s(2.5 * flops, kernels=2)  # bwd recomputes S
-    else:
-        hd = h // a
-        scores = b * heads * s * s
-        drop = m.attention_dropout > 0
-        attn_f = (
-            hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
-            + hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
-            + hw.elementwise_s(scores * (2 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1)
-        )
-        attn_b = (
-            2 * hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
-            + 2 * hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
-            + hw.elementwise_s(scores * (3 * dtype + (2 * dtype + 1 if drop else 0)), 2 if drop else 1)
-        )
+        return hw.attention_s(flops), hw.attention_s(2.5 * flops, kernels=2)  # bwd recomputes S
+    hd = h // a
+    scores = b * heads * s * s
+    drop = m.attention_dropout > 0
+    qk = hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
+    av = hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
+    dropout_bytes, kernels = (2 * dtype + 1, 2) if drop else (0, 1)
+    attn_f = qk + av + hw.elementwise_s(scores * (2 * dtype + dropout_bytes), kernels)
+    attn_b = 2 * av + 2 * qk + hw.elementwise_s(scores * (3 * dtype + dropout_bytes), kernels)
+    return attn_f, attn_b
 
-    # Elementwise: LayerNorm(s), bias-dropout-add(s), bias-GeLU; h-sized tensors are split by SP.
-    rows = tokens / t if sp else tokens
+
+def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
+    """(forward, backward) seconds of LayerNorm(s), bias-dropout-add(s) and bias-GeLU; the
+    h-sized tensors are split by SP, the parallel block has one LayerNorm and one residual add."""
+    m, p = cfg.model, cfg.parallelism
+    t, h, f, tokens = p.tp, m.hidden_size, m.ffn, p.micro_batch_size * m.seq_length
+    rows = tokens / t if p.sequence_parallel else tokens
     mask = 1 if m.hidden_dropout > 0 else 0
-    if parallel:
-        h_bytes = rows * h * (2 * dtype + 4 * dtype + 2 * mask)
-        kernels = 3
+    if m.block == "parallel":
+        h_bytes, kernels = rows * h * (2 * dtype + 4 * dtype + 2 * mask), 3
     else:
-        h_bytes = rows * h * (2 * 2 * dtype + 2 * (3 * dtype + mask))
-        kernels = 5
+        h_bytes, kernels = rows * h * (2 * 2 * dtype + 2 * (3 * dtype + mask)), 5
     elem_bytes = h_bytes + tokens * f / t * 2 * dtype
-    elem_f, elem_b = hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
+    return hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
 
-    # Tensor-parallel collectives over the full activation of the microbatch.
-    act = tokens * h * dtype
+
+def tp_collective_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, g: LayerGemms) -> tuple[Pass, Pass]:
+    """Tensor-parallel collectives of a layer over the microbatch's activation: (forward, backward)
+    passes holding only their exposed, total and core seconds."""
+    m, p = cfg.model, cfg.parallelism
+    t = p.tp
+    if t == 1:
+        return Pass(), Pass()
+    chunked = p.tp_overlap != "none"
+    act = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
     ag, rs, ar = (hw.collective_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     agc, rsc, arc = (hw.collective_cpu_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
-    tp_f = tp_b = total_f = total_b = cpu_f = cpu_b = 0.0
-    if t > 1:
-        if parallel:  # one column-parallel input (QKV | fc1) and one row-parallel output per layer
-            col_f, row_f = fwd["qkv"] + fwd["fc1"], fwd["proj"] + fwd["fc2"]
-            col_d, col_w, row_d = (
-                dgrad["qkv"] + dgrad["fc1"],
-                wgrad["qkv"] + wgrad["fc1"],
-                dgrad["proj"] + dgrad["fc2"],
-            )
-            pairs = [("col", col_f, col_d, col_w, row_f, row_d)]
-        else:
-            pairs = [
-                ("attn", fwd["qkv"], dgrad["qkv"], wgrad["qkv"], fwd["proj"], dgrad["proj"]),
-                ("mlp", fwd["fc1"], dgrad["fc1"], wgrad["fc1"], fwd["fc2"], dgrad["fc2"]),
-            ]
-        for _, c_f, c_d, c_w, r_f, r_d in pairs:
-            if sp:
-                # forward: all-gather before the column GEMM, reduce-scatter after the row GEMM
-                tp_f += _exposed(ag, c_f, t, chunked, False) + _exposed(rs, r_f, t, chunked, False)
-                # backward: all-gather of the output gradient (row), the input all-gather redone
-                # under the dgrad GEMM and the input-gradient reduce-scatter under the wgrad GEMM
-                tp_b += (
-                    _exposed(ag, r_d, t, chunked, False)
-                    + _exposed(ag, c_d, t, chunked, True)
-                    + _exposed(rs, c_w, t, chunked, True)
-                )
-                total_f, total_b = total_f + ag + rs, total_b + 2 * ag + rs
-                cpu_f, cpu_b = cpu_f + agc + rsc, cpu_b + 2 * agc + rsc
-            else:
-                tp_f += _exposed(ar, r_f, t, chunked, False)
-                tp_b += _exposed(ar, c_w, t, chunked, True)
-                total_f, total_b = total_f + ar, total_b + ar
-                cpu_f, cpu_b = cpu_f + arc, cpu_b + arc
-    ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if t > 1 else 0.0)
-    forward = Pass(gemm_f, attn_f, elem_f, tp_f, total_f, ovh, cpu_f)
-    backward = Pass(gemm_b, attn_b, elem_b, tp_b, total_b, 2 * ovh, cpu_b)
-    if m.recompute == "full":
-        recompute = forward
-    elif m.recompute == "selective":
-        recompute = Pass(attention=attn_f)
+    if m.block == "parallel":  # one column-parallel input (QKV | fc1) and one row-parallel output
+        col, row = ("qkv", "fc1"), ("proj", "fc2")
+        pairs = [(col, row)]
     else:
-        recompute = Pass()
+        pairs = [(("qkv",), ("proj",)), (("fc1",), ("fc2",))]
+    fwd, bwd = Pass(), Pass()
+    for col, row in pairs:
+        c_f, c_d, c_w = (sum(x[k] for k in col) for x in (g.fwd, g.dgrad, g.wgrad))
+        r_f, r_d = (sum(x[k] for k in row) for x in (g.fwd, g.dgrad))
+        if p.sequence_parallel:
+            # forward: all-gather before the column GEMM, reduce-scatter after the row GEMM;
+            # backward: all-gather of the output gradient (row), the input all-gather redone under
+            # the dgrad GEMM and the input-gradient reduce-scatter under the wgrad GEMM
+            f_exp = _exposed(ag, c_f, t, chunked, False) + _exposed(rs, r_f, t, chunked, False)
+            b_exp = (
+                _exposed(ag, r_d, t, chunked, False)
+                + _exposed(ag, c_d, t, chunked, True)
+                + _exposed(rs, c_w, t, chunked, True)
+            )
+            fwd = fwd + Pass(tp_exposed=f_exp, tp_total=ag + rs, comm_cpu=agc + rsc)
+            bwd = bwd + Pass(tp_exposed=b_exp, tp_total=2 * ag + rs, comm_cpu=2 * agc + rsc)
+        else:
+            fwd = fwd + Pass(tp_exposed=_exposed(ar, r_f, t, chunked, False), tp_total=ar, comm_cpu=arc)
+            bwd = bwd + Pass(tp_exposed=_exposed(ar, c_w, t, chunked, True), tp_total=ar, comm_cpu=arc)
+    return fwd, bwd
+
+
+def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
+    """One transformer layer, one microbatch, one tensor-parallel rank."""
+    g = layer_gemms(cfg, hw, dtype)
+    attn_f, attn_b = attention_seconds(cfg, hw, dtype)
+    elem_f, elem_b = elementwise_seconds(cfg, hw, dtype)
+    tp_f, tp_b = tp_collective_seconds(cfg, hw, dtype, g)
+    ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if cfg.parallelism.tp > 1 else 0.0)
+    gemm_f, gemm_b = sum(g.fwd.values()), sum(g.dgrad.values()) + sum(g.wgrad.values())
+    forward = Pass(gemm_f, attn_f, elem_f, overhead=ovh) + tp_f
+    backward = Pass(gemm_b, attn_b, elem_b, overhead=2 * ovh) + tp_b
+    recompute = {"full": forward, "selective": Pass(attention=attn_f)}.get(cfg.model.recompute, Pass())
     return Unit(forward, backward, recompute)
 
 
@@ -559,6 +571,68 @@ def effective_overlap(cfg: MegaConfig) -> MegaConfig:
     return dataclasses.replace(cfg, parallelism=par)
 
 
+def per_step_terms(cfg: MegaConfig, hw: Hardware) -> list[Term]:
+    """The once-per-step costs outside the pipeline and the data-parallel collectives."""
+    m, p = cfg.model, cfg.parallelism
+    emb_sync = 0.0
+    if p.pp > 1 and m.tie_embeddings:
+        emb_sync = hw.collective_s(
+            "all_reduce", m.padded_vocab_size * m.hidden_size / p.tp * 4, 2, stride=p.tp * p.dp * (p.pp - 1)
+        )
+    data = hw.data_s_per_token * p.num_microbatches * p.micro_batch_size * m.seq_length
+    return [
+        Term(
+            "embedding_sync",
+            emb_sync,
+            "all-reduce of the tied word-embedding gradient between the first and last stage",
+        ),
+        Term("data", data, "building the step's microbatches and copying them to the device"),
+        Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
+    ]
+
+
+def stragglers_term(hw: Hardware, dp: int, step_s: float) -> list[Term]:
+    """The dp replicas meet once per step, at the gradient reduction; inside a replica the TP ranks
+    meet every layer and the stages every microbatch, so a replica's step is one draw."""
+    if hw.straggler_sigma <= 0 or dp <= 1:
+        return []
+    return [
+        Term(
+            "stragglers",
+            straggler_s(step_s, hw.straggler_sigma, dp),
+            f"the slowest of {dp} data-parallel replicas sets the step: spread "
+            f"{hw.straggler_sigma:.2%} x E[max of {dp} standard normals]",
+        )
+    ]
+
+
+def busy_seconds(
+    cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p_bytes: float, per_rank_s: float
+) -> float:
+    """All ranks' busy (non-waiting) seconds in one step, CPU seconds on a CPU machine: the
+    stages' work with the core time of their collectives (each pipeline message: a send and a
+    receive each way) and ``per_rank_s`` of once-per-step work on every rank."""
+    p = cfg.parallelism
+    p2p_cpu = 4 * (p.vpp or 1) * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
+    mb = p.num_microbatches
+    return p.tp * p.dp * sum(mb * (x.busy + p2p_cpu) + per_rank_s for x in stages)
+
+
+def core_sharing_term(hw: Hardware, world: int, busy_s: float, step_s: float) -> list[Term]:
+    """Ranks sharing cores (CPU machines): all ranks' busy time must fit into cores x step time."""
+    if hw.cores is None or hw.cores >= hw.procs_per_node:
+        return []
+    floor = busy_s / max(1, world // hw.procs_per_node) / hw.cores
+    return [
+        Term(
+            "core_sharing",
+            max(0.0, floor - step_s),
+            f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
+            f"= {floor:.3f} s bounds the step from below",
+        )
+    ]
+
+
 def predict(
     cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, p2p_scatter_gather: bool = False
 ) -> Prediction:
@@ -572,69 +646,25 @@ def predict(
     cfg = effective_overlap(cfg)
     m, p = cfg.model, cfg.parallelism
     dtype = DTYPE_BYTES[precision_of(cfg)]
-    tp, dp, mb, world = p.tp, p.dp, p.num_microbatches, p.world_size
-
     p2p, p2p_bytes = p2p_seconds(cfg, hw, dtype, p2p_scatter_gather)
     stages = stages_of(cfg, hw, dtype, p2p)
     terms = pipeline_terms(cfg, hw, stages, p2p, p2p_bytes)
-    bubble = terms[-1].seconds
-    dp_terms, opt_s, dp_cpu = data_parallel_terms(cfg, hw, dtype, stages, bubble)
-    terms += dp_terms
-    emb_sync = 0.0
-    if p.pp > 1 and m.tie_embeddings:
-        emb_sync = hw.collective_s(
-            "all_reduce", m.padded_vocab_size * m.hidden_size / tp * 4, 2, stride=tp * dp * (p.pp - 1)
-        )
-    data = hw.data_s_per_token * mb * p.micro_batch_size * m.seq_length
-    terms += [
-        Term(
-            "embedding_sync",
-            emb_sync,
-            "all-reduce of the tied word-embedding gradient between the first and last stage",
-        ),
-        Term("data", data, "building the step's microbatches and copying them to the device"),
-        Term("step_overhead", hw.step_overhead_s, "per-step host work: zero_grad, scheduler, logging"),
-    ]
+    dp_terms, opt_s, dp_cpu = data_parallel_terms(cfg, hw, dtype, stages, bubble=terms[-1].seconds)
+    once = per_step_terms(cfg, hw)
+    terms += dp_terms + once
+    terms += stragglers_term(hw, p.dp, sum(t.seconds for t in terms))
+    once_s = sum(t.seconds for t in once if t.name != "embedding_sync")
+    busy_s = busy_seconds(cfg, hw, stages, p2p_bytes, opt_s + once_s + dp_cpu)
+    terms += core_sharing_term(hw, p.world_size, busy_s, sum(t.seconds for t in terms))
     step_s = sum(t.seconds for t in terms)
-    if hw.straggler_sigma > 0 and dp > 1:
-        # The dp replicas meet once per step, at the gradient reduction; inside a replica the TP
-        # ranks meet every layer and the stages every microbatch, so a replica's step is one draw.
-        terms.append(
-            Term(
-                "stragglers",
-                straggler_s(step_s, hw.straggler_sigma, dp),
-                f"the slowest of {dp} data-parallel replicas sets the step: spread "
-                f"{hw.straggler_sigma:.2%} x E[max of {dp} standard normals]",
-            )
-        )
-        step_s = sum(t.seconds for t in terms)
-
-    # Busy time of all ranks in one step (CPU seconds on a CPU machine): everything but waiting,
-    # with the core time of the collectives (each pipeline message: a send and a receive each way).
-    p2p_cpu = 4 * (p.vpp or 1) * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
-    busy_s = (
-        tp * dp * sum(mb * (x.busy + p2p_cpu) + opt_s + data + hw.step_overhead_s + dp_cpu for x in stages)
-    )
-    if hw.cores is not None and hw.cores < hw.procs_per_node:
-        # Ranks share cores: all ranks' busy time must fit into cores x step time.
-        floor = busy_s / max(1, world // hw.procs_per_node) / hw.cores
-        terms.append(
-            Term(
-                "core_sharing",
-                max(0.0, floor - step_s),
-                f"{hw.procs_per_node} ranks share {hw.cores} cores: all ranks' busy time / cores "
-                f"= {floor:.3f} s bounds the step from below",
-            )
-        )
-        step_s = sum(t.seconds for t in terms)
 
     peak = mfu_peak_flops or hw.peak_flops
-    memory = memory_per_gpu(cfg, dtype, hw.flash_attention)
     flops = model_flops_per_step(cfg)
+    memory = memory_per_gpu(cfg, dtype, hw.flash_attention)
     return Prediction(
         step_s=step_s,
-        mfu=flops / (step_s * world * peak),
-        hfu=hardware_flops_per_step(cfg) / (step_s * world * peak),
+        mfu=flops / (step_s * p.world_size * peak),
+        hfu=hardware_flops_per_step(cfg) / (step_s * p.world_size * peak),
         tokens_per_s=p.global_batch_size * m.seq_length / step_s,
         model_flops_per_step=flops,
         memory=memory,
@@ -643,8 +673,8 @@ def predict(
         stages={
             "slowest": max(range(p.pp), key=lambda i: stages[i].total),
             "microbatch_s": [x.total for x in stages],
-            "pipeline_s": mb * max(x.total for x in stages),
-            "microbatches": mb,
+            "pipeline_s": p.num_microbatches * max(x.total for x in stages),
+            "microbatches": p.num_microbatches,
         },
         busy_s=busy_s,
     )
