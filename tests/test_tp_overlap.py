@@ -66,7 +66,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         results[f"tp{tp}"] = {"linears": _linear_checks(tp), "decoder": _decoder_checks(tp)}
     # the GPU comparison script's logic, at TP=4 on CPU (te cannot run here: skipped by its config check)
-    from mega.overlap.compare import compare, parse_args
+    from mega.bench.tp_overlap import compare, parse_args
 
     args = parse_args(
         [
