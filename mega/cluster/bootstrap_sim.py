@@ -787,18 +787,7 @@ def _worker(strategy, store, layout, ranks, host, port, ns, start_barrier, max_s
             )
         )
     except BaseException as err:
-        out.put(
-            {
-                "completed": False,
-                "error": f"{type(err).__name__}: {err}",
-                "ops_done": 0,
-                "ops_by_kind": {},
-                "start": None,
-                "end": None,
-                "connect_s": 0.0,
-                "client_cpu_s": 0.0,
-            }
-        )
+        out.put(_failed_report(f"{type(err).__name__}: {err}"))
         try:
             start_barrier.abort()
         except Exception:
@@ -903,19 +892,22 @@ def _collect(procs: list, out, max_seconds: float) -> list[dict]:
         try:
             rows.append(out.get(timeout=max(0.0, deadline - time.monotonic())))
         except queue.Empty:  # a worker still connecting or replaying: the point did not complete
-            rows.append(
-                {
-                    "completed": False,
-                    "error": f"no report within {max_seconds + 300:g} s",
-                    "ops_done": 0,
-                    "ops_by_kind": {},
-                    "start": None,
-                    "end": None,
-                    "connect_s": 0.0,
-                    "client_cpu_s": 0.0,
-                }
-            )
+            rows.append(_failed_report(f"no report within {max_seconds + 300:g} s"))
     return rows
+
+
+def _failed_report(error: str) -> dict:
+    """A worker's report of a point it did not complete."""
+    return {
+        "completed": False,
+        "error": error,
+        "ops_done": 0,
+        "ops_by_kind": {},
+        "start": None,
+        "end": None,
+        "connect_s": 0.0,
+        "client_cpu_s": 0.0,
+    }
 
 
 def _result(
