@@ -1,14 +1,15 @@
 """``python -m flows.pretrain [hydra overrides]``: Hydra composes ``conf/``, the config is validated
 before anything launches (exit 2 naming the key), and each job calls the ``pretrain`` flow with the
 resolved dict. ``--cfg job``, ``--help`` and ``--info`` only compose and print: nothing here imports
-Prefect, torch or megatron-core until a job runs (flows/pretrain.py hands its ``__main__`` here
-before its own imports).
+Prefect, torch or megatron-core until a job runs (flows/pretrain.py hands its ``__main__`` here,
+with the flow to run, before its own imports).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import hydra
@@ -26,21 +27,19 @@ from mega.config import (
 )
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _hydra_job(dcfg: DictConfig) -> dict[str, Any]:
+def _resolved(dcfg: DictConfig) -> dict[str, Any]:
+    """The job's config as a resolved dict; a bad one exits 2 with one line naming the key, before
+    any process is launched."""
     try:
         cfg = from_container(dcfg)
     except ConfigError as err:
-        # one line naming the key, before any process is launched
         print(f"pretrain: invalid config: {err}", file=sys.stderr)
         sys.exit(2)
     # Hydra's job logging puts the root logger at INFO: every HTTP call to the Prefect server and
     # megatron-core's import notes would flood the console. Prefect's own loggers keep INFO.
     for chatty in ("httpx", "httpcore", "megatron"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
-    from flows.pretrain import pretrain  # Prefect and the tasks: only now that a job runs
-
-    return pretrain(config=to_dict(cfg))
+    return to_dict(cfg)
 
 
 def check_args(argv: list[str]) -> list[MegaConfig]:
@@ -56,6 +55,13 @@ def check_args(argv: list[str]) -> list[MegaConfig]:
     return [compose(job) for job in jobs]
 
 
-def main() -> None:
+def main(run_job: Callable[[dict[str, Any]], Any]) -> None:
+    """Run Hydra over ``sys.argv``; each job calls ``run_job`` with its resolved config (the caller
+    passes the flow, so that this module imports neither it nor Prefect)."""
     register_schema()  # typed conf/ and the ${mega.mul:...} resolver, before Hydra composes
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+    def _hydra_job(dcfg: DictConfig) -> Any:
+        return run_job(_resolved(dcfg))
+
     _hydra_job()

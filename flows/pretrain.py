@@ -18,7 +18,13 @@ from __future__ import annotations
 if __name__ == "__main__":  # the CLI, before this module's imports: showing a config needs none of them
     from flows.cli import main
 
-    main()
+    def _cli_job(config: dict) -> dict:
+        """One job: the flow, imported (with Prefect and the tasks) only now that a job runs."""
+        from flows.pretrain import pretrain
+
+        return pretrain(config=config)
+
+    main(_cli_job)
     raise SystemExit(0)
 
 from pathlib import Path

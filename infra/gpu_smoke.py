@@ -371,7 +371,7 @@ def check_tp_overlap(runs: Runs, python: str) -> None:
                 "--standalone",
                 f"--nproc-per-node={tp}",
                 "-m",
-                "mega.overlap.compare",
+                "mega.bench.tp_overlap",
                 "--backends",
                 "none,ring,symm_mem,te",
                 "--block",

@@ -10,7 +10,6 @@ import atexit
 import json
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -60,9 +59,8 @@ def single_process_reference(tmp_path_factory, data_index, data_cache):
     from types import SimpleNamespace
 
     from filelock import FileLock
+    from helpers import tiny_run
 
-    from mega.config import compose
-    from mega.launch import run_training
     from mega.metrics import read_metrics
 
     base = tmp_path_factory.getbasetemp()
@@ -70,22 +68,9 @@ def single_process_reference(tmp_path_factory, data_index, data_cache):
     run_dir = shared / "single-process-reference"
     with FileLock(str(shared / "single-process-reference.lock")):
         if not (run_dir / "done").exists():
-            run_training(
-                compose(
-                    [
-                        "model=tiny",
-                        "parallelism=single",
-                        f"train.steps={REFERENCE_STEPS}",
-                        f"train.run_dir={run_dir}",
-                        f"data.cache_dir={data_cache}",
-                        f"checkpoint.dir={run_dir / 'checkpoints'}",
-                        "train.tensorboard=false",
-                        "optimizer.warmup_steps=1",
-                        "checkpoint.interval=0",
-                    ]
-                ),
-                data_index,
-                log=lambda message: None,
+            overrides = ["parallelism=single", "checkpoint.interval=0"]
+            tiny_run(
+                run_dir, data_index, data_cache, overrides, steps=REFERENCE_STEPS, log=lambda message: None
             )
             (run_dir / "done").touch()
     return SimpleNamespace(run_dir=run_dir, metrics=read_metrics(run_dir))
@@ -94,13 +79,18 @@ def single_process_reference(tmp_path_factory, data_index, data_cache):
 @pytest.fixture
 def free_port():
     """A function returning a TCP port that was free a moment ago (for MASTER_PORT and stores)."""
-
-    def pick() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from helpers import free_port as pick
 
     return pick
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    """The URL of a real redis-server (mega.store.RedisServer) shared by a module's tests."""
+    from mega.store import RedisServer
+
+    with RedisServer() as server:
+        yield server.url
 
 
 @pytest.fixture(scope="session")

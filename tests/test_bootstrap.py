@@ -148,3 +148,22 @@ def test_training_over_a_password_protected_redis_store(tmp_path, data_index, da
     for path in tmp_path.rglob("*"):
         if path.is_file():
             assert password not in path.read_text(errors="replace"), path
+
+
+@pytest.mark.slow
+def test_bootstrap_timing_reports_per_node(tmp_path):
+    from mega.cluster.bootstrap import time_process_groups
+
+    cfg = from_dict(
+        {
+            "parallelism": {"dp": 2},
+            "cluster": {"nodes": 2, "procs_per_node": 1},
+            "launcher": {"name": "local-nodes"},
+            "train": {"run_dir": str(tmp_path)},
+        }
+    )
+    result = time_process_groups(cfg)
+    assert result["world_size"] == 2 and [r["node"] for r in result["ranks"]] == [0, 1]
+    assert [n["node"] for n in result["nodes"]] == [0, 1]
+    assert result["pg_init_s"] == max(n["pg_init_s"] for n in result["nodes"]) > 0
+    assert (tmp_path / "bootstrap" / "nodes" / "1" / "bootstrap.log").exists()

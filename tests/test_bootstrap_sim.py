@@ -10,7 +10,6 @@ import pytest
 import torch.distributed as dist
 
 from mega.cluster import bootstrap_sim as bs
-from mega.store import RedisServer
 from mega.store.recording import RecordingStore, load_recordings
 
 LAST_WORKER = ":last_worker"
@@ -130,12 +129,6 @@ def test_simulator_matches_recorded_real_ranks(world):
         assert ready == ({"0//mega_groups_ready:1:done": 1} if strategy == "light" else {}), ready
         if strategy == "light":  # one barrier after the groups: one add per rank beyond init's two
             assert plan["add"] == 3 * world < bs.plan_counts("default", layout)["add"]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with RedisServer() as server:
-        yield server.url
 
 
 @pytest.mark.parametrize("store", bs.STORES)

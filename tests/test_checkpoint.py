@@ -26,11 +26,11 @@ import uuid
 import boto3
 import pytest
 from botocore.config import Config
+from helpers import tiny_run
 from s3_env import hermetic_s3_env
 
 from mega.checkpoint import read_save_log
 from mega.config import compose
-from mega.launch import run_training
 from mega.storage import open_storage
 from mega.storage.seaweed import SeaweedS3
 
@@ -44,22 +44,8 @@ def s3(seaweed):
 
 
 def train(run_dir, data_index, data_cache, uri, overrides=(), steps=STEPS, log=print):
-    cfg = compose(
-        [
-            "model=tiny",
-            "parallelism=dp2",
-            f"train.steps={steps}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            "checkpoint.interval=2",
-            f"checkpoint.storage_uri={uri}",
-            *overrides,
-        ]
-    )
-    return run_training(cfg, data_index, log=log)
+    extra = ["parallelism=dp2", "checkpoint.interval=2", f"checkpoint.storage_uri={uri}", *overrides]
+    return tiny_run(run_dir, data_index, data_cache, extra, steps=steps, log=log)
 
 
 def _raw_client(server: SeaweedS3):

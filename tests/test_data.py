@@ -406,11 +406,6 @@ def test_split_too_small_for_a_sample(tmp_path):
         TokenDataset(index_path, seq_length=64, seed=0, split="val")
 
 
-def test_library_does_not_import_prefect():
-    code = "import sys, mega.data; assert 'prefect' not in sys.modules, 'mega.data imported prefect'"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Linear whatever the documents look like: pathological runs, exact chunked encoding
 

@@ -45,7 +45,7 @@ ENTRY_POINTS: dict[str, Callable[[list[str]], object]] = {
     "mega.launch.kubernetes": _check("mega.launch.kubernetes"),
     "mega.trace": _check("mega.obs.trace"),
     "mega.goodput": _check("mega.goodput.__main__"),
-    "mega.overlap.compare": _check("mega.overlap.compare", "parse_args"),
+    "mega.bench.tp_overlap": _check("mega.bench.tp_overlap", "parse_args"),
 }
 # Started by mega itself with a JSON spec (docs name it to say what runs): it must exist.
 # mega.train: the rank program torchrun agents start with a resolved config.
@@ -55,7 +55,7 @@ EXTERNAL_MODULES = {"pip", "pytest"}
 # (shell builtins that docs show setting up a session count too)
 EXTERNAL_PROGRAMS = {"sbatch", "sinfo", "squeue", "scontrol", "kubectl", "prefect", "export"}
 # Scripts whose extra arguments go to an entry point.
-SCRIPT_ARGS = {"infra/gpu-tp-overlap.sh": "mega.overlap.compare"}
+SCRIPT_ARGS = {"infra/gpu-tp-overlap.sh": "mega.bench.tp_overlap"}
 # <placeholders> docs use, and a value of the kind each stands for
 PLACEHOLDERS = {
     "<uuid>": "00000000-0000-0000-0000-000000000000",

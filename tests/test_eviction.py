@@ -9,9 +9,9 @@ batch unchanged: both losses match an independent one-process reference within 2
 import json
 
 import pytest
+from helpers import assert_same_curve, tiny_run_logged
 
 from mega.config import compose
-from mega.launch import run_training
 from mega.launch.runs import read_record
 from mega.stability import membership
 from mega.stability.incident import read_incidents
@@ -139,26 +139,16 @@ def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
 # Drills: real processes
 
 
+SAVED_EVERY_2 = [
+    "parallelism=dp2",
+    "train.eval_batches=0",
+    "checkpoint.async_save=false",
+    "checkpoint.interval=2",
+]
+
+
 def train(run_dir, data_index, data_cache, overrides):
-    cfg = compose(
-        [
-            "model=tiny",
-            "parallelism=dp2",
-            f"train.steps={STEPS}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "train.eval_batches=0",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            "checkpoint.async_save=false",
-            f"checkpoint.dir={run_dir}/checkpoints",
-            "checkpoint.interval=2",
-            *overrides,
-        ]
-    )
-    logs = []
-    return run_training(cfg, data_index, log=logs.append), logs
+    return tiny_run_logged(run_dir, data_index, data_cache, [*SAVED_EVERY_2, *overrides], steps=STEPS)
 
 
 NODE_1_DIES_AND_IS_BAD = [
@@ -176,12 +166,6 @@ def reference(single_process_reference):
     """One process, the same global batch: the curve every membership must continue (conftest)."""
     assert len(single_process_reference.metrics) == STEPS
     return single_process_reference.metrics
-
-
-def assert_same_curve(metrics, reference):
-    assert [m["step"] for m in metrics] == [r["step"] for r in reference]
-    for got, want in zip(metrics, reference):
-        assert got["loss"] == pytest.approx(want["loss"], rel=RTOL), (got, want)
 
 
 def assert_evicted(run_dir, result, replaced_by):
@@ -219,7 +203,7 @@ def test_bad_node_is_evicted_and_a_spare_keeps_full_size(tmp_path, data_index, d
     assert record.membership == {"nodes": [0, 2], "spares": [], "evicted": [1]}
     assert json.loads((tmp_path / "config.json").read_text())["parallelism"]["dp"] == 2  # full size
     assert any("node 1 evicted, spare node 2 in its place" in line for line in logs), logs
-    assert_same_curve(result.metrics, reference)
+    assert_same_curve(result.metrics, reference, RTOL)
 
 
 @pytest.mark.slow
@@ -235,4 +219,4 @@ def test_without_a_spare_the_run_shrinks_and_matches(tmp_path, data_index, data_
     ) == (1, 1, 16)
     assert result.init["world_size"] == 1  # the last attempt ran on the one node left
     assert any("dp 2 -> 1, 4 -> 8 microbatches per step, global batch 16" in line for line in logs), logs
-    assert_same_curve(result.metrics, reference)
+    assert_same_curve(result.metrics, reference, RTOL)

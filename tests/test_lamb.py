@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import assert_same_curve, tiny_run
 
 from mega.checkpoint import iteration_dir
 from mega.config import ConfigError, compose
-from mega.launch import run_training
 from mega.optim import lamb as lamb_module
 from mega.optim.lamb import Lamb
 
@@ -209,21 +209,9 @@ RTOL = 2e-5  # fp32 sums in another order (DP splits the batch and the norms): ~
 
 
 def train(tmp_path, data_index, data_cache, overrides):
-    cfg = compose(
-        [
-            "model=tiny",
-            f"train.steps={STEPS}",
-            f"train.run_dir={tmp_path}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            *LAMB,
-            *overrides,
-        ]
-    )
-    assert cfg.optimizer.name == "lamb"
-    return run_training(cfg, data_index)
+    result = tiny_run(tmp_path, data_index, data_cache, [*LAMB, *overrides], steps=STEPS)
+    assert json.loads((tmp_path / "config.json").read_text())["optimizer"]["name"] == "lamb"
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +226,6 @@ def dp2(tmp_path_factory, data_index, data_cache):
     """DP=2 with the distributed optimizer, checkpointing every 2 steps (used twice below)."""
     tmp = tmp_path_factory.mktemp("lamb-dp2")
     return tmp, train(tmp, data_index, data_cache, ["parallelism=dp2", "checkpoint.interval=2"])
-
-
-def _assert_same_curve(metrics, reference, rtol=RTOL):
-    assert [m["step"] for m in metrics] == [r["step"] for r in reference]
-    for got, want in zip(metrics, reference):
-        assert got["loss"] == pytest.approx(want["loss"], rel=rtol), (got, want)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (got, want)
 
 
 def _final_state(run_dir) -> dict:
@@ -276,7 +257,7 @@ def test_lamb_learns_in_one_process(single):
 
 def test_dp2_distributed_optimizer_matches_one_process(dp2, single):
     assert compose(["parallelism=dp2"]).parallelism.use_distributed_optimizer
-    _assert_same_curve(dp2[1].metrics, single[1].metrics)
+    assert_same_curve(dp2[1].metrics, single[1].metrics, RTOL, grad_norm_rtol=1e-4)
     _assert_same_state(dp2[0], single[0])
 
 
@@ -290,7 +271,7 @@ def test_tp2_dp2_matches_one_process(tmp_path, data_index, data_cache, single):
         data_cache,
         ["parallelism=dp2", "parallelism.tp=2", f"checkpoint.interval={STEPS}"],
     )
-    _assert_same_curve(result.metrics, single[1].metrics)
+    assert_same_curve(result.metrics, single[1].metrics, RTOL, grad_norm_rtol=1e-4)
     _assert_same_state(tmp_path, single[0])
 
 

@@ -1,8 +1,7 @@
 """A run is a set of nodes and the driver owns membership (mega/launch): torchrun agents per node
 on this machine, optionally in network namespaces; stopping a node kills every rank of it; a
 2-node TP2xPP2xDP2 run over namespace nodes gives the one-node losses bit for bit, through a
-whole node's ranks being killed; a killed agent is noticed and none of its ranks survive; the
-self-check and bootstrap timing per node.
+whole node's ranks being killed; a killed agent is noticed and none of its ranks survive.
 
 The namespace tests need root (CI is root); they are skipped with the reason otherwise."""
 
@@ -11,50 +10,28 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import random
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, free_subnet, tiny_run
 from waiting import wait_for
 
 from mega.cluster.node import read_processes
-from mega.cluster.selfcheck import (
-    cluster_verdict,
-    pair_bandwidths,
-    pair_rounds,
-    run_selfcheck,
-    selfcheck_floors,
-)
-from mega.config import ConfigError, compose, from_dict
-from mega.launch import run_training
+from mega.config import compose, from_dict
 from mega.launch.backend import JobSpec, agent_argv, backend_for
 from mega.launch.runs import pid_alive
 from mega.launch.watch import run_job
 from mega.stability.incident import read_incidents
 
-ROOT = os.geteuid() == 0
-needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces need root (CI runs as root)")
 STEPS = 4
 
 
-def free_subnet() -> str:
-    """A /24 no interface here uses (runs of other test sessions may hold theirs)."""
-    from mega.launch.netns import addresses_in_use
-
-    for _ in range(50):
-        net = f"10.{random.randint(200, 250)}.{random.randint(0, 255)}.0/24"
-        if not addresses_in_use(net):
-            return net
-    raise RuntimeError("no free 10.x.y.0/24 subnet")
-
-
 # ---------------------------------------------------------------------------------------------
-# Argument building, planning, config (no processes)
+# Argument building (no processes)
 
 
 def test_agent_argv_one_local_node_is_standalone():
@@ -132,199 +109,7 @@ def test_a_node_killed_outright_is_the_cause_not_the_peers_it_took_down(codes, c
     assert backend.stopped
 
 
-def test_netns_plan_addresses_and_names():
-    from mega.launch.netns import plan
-
-    p = plan("10.213.7.0/24", 4, net_id="abc123")
-    assert (p.bridge, p.bridge_address, p.prefixlen) == ("mgb-abc123", "10.213.7.1", 24)
-    assert [n.address for n in p.nodes] == ["10.213.7.2", "10.213.7.3", "10.213.7.4", "10.213.7.5"]
-    assert [n.namespace for n in p.nodes] == [f"mega-abc123-n{k}" for k in range(4)]
-    assert all(len(n.host_veth) <= 15 for n in p.nodes) and len({n.host_veth for n in p.nodes}) == 4
-    assert plan("10.213.7.0/24", 4).net_id != plan("10.213.7.0/24", 4).net_id  # unique per network
-    with pytest.raises(ConfigError, match="launcher.local_nodes.subnet: 10.0.0.0/30 has 2 host addresses"):
-        plan("10.0.0.0/30", 2)
-    with pytest.raises(ConfigError, match="private IPv4"):
-        plan("8.8.8.0/24", 2)
-
-
-def test_kubernetes_is_rendered_not_driven(tmp_path):
-    cfg = compose(["cluster=a100-8x", "launcher=kubernetes"])
-    with pytest.raises(ConfigError, match="python -m mega.launch.kubernetes"):
-        backend_for(cfg, tmp_path)
-
-
 NODES2 = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4"]
-TWO_NODES = {
-    "launcher": {"name": "local-nodes"},
-    "cluster": {"nodes": 2, "procs_per_node": 4},
-    "parallelism": {"tp": 2, "pp": 2, "dp": 2},
-    "model": {"num_layers": 4},
-}
-NETNS = {"launcher": {"name": "local-nodes", "local_nodes": {"netns": True}}}
-
-
-def merged(*parts: dict) -> dict:
-    out: dict = {}
-    for part in parts:
-        for key, value in part.items():
-            out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out
-
-
-@pytest.mark.parametrize(
-    "data, key, fragment",
-    [
-        ({"fault": {"kill_node": 2, "kill_at_step": 1}}, "fault.kill_node", "no node 2 in cluster.nodes=2"),
-        ({"fault": {"kill_node": 1}}, "fault.kill_at_step", "needed with fault.kill_node"),
-        ({"fault": {"kill_node": 1, "kill_rank": 0, "kill_at_step": 1}}, "fault.kill_node", "not both"),
-        (
-            {"fault": {"mode": "kill_agent", "kill_rank": 0, "kill_at_step": 1}},
-            "fault.mode",
-            "set fault.kill_node",
-        ),
-        (
-            {"fault": {"mode": "kill_in_upload", "kill_node": 1, "kill_at_step": 1}},
-            "fault.mode",
-            "use fault.kill_rank",
-        ),
-        (
-            {
-                "launcher": {"name": "local", "local_nodes": {"netns": True}},
-                "cluster": {"nodes": 1, "procs_per_node": 8},
-            },
-            "launcher.local_nodes.netns",
-            "not launcher=local",
-        ),
-        (
-            {**NETNS, "cluster": {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}},
-            "cluster.redis_url",
-            "unreachable from network-namespace nodes",
-        ),
-        (
-            {**NETNS, "checkpoint": {"s3_endpoint_url": "http://localhost:8333"}},
-            "checkpoint.s3_endpoint_url",
-            "bridge address",
-        ),
-        (
-            {"cluster": {"selfcheck_gemm_fraction": 1.5}},
-            "cluster.selfcheck_gemm_fraction",
-            "must be in (0, 1]",
-        ),
-        ({"cluster": {"selfcheck_nic_fraction": 0}}, "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
-        (
-            {"cluster": {"selfcheck_min_inter_node_mb_per_s": -1}},
-            "cluster.selfcheck_min_inter_node_mb_per_s",
-            ">= 0",
-        ),
-    ],
-)
-def test_config_rejections(data, key, fragment):
-    with pytest.raises(ConfigError) as info:
-        from_dict(merged(TWO_NODES, data))
-    assert info.value.key == key and fragment in str(info.value), str(info.value)
-
-
-def test_netns_nodes_with_non_loopback_servers_are_accepted():
-    cfg = from_dict(
-        merged(
-            TWO_NODES,
-            NETNS,
-            {
-                "cluster": {"store": "redis", "redis_url": "redis://10.213.0.1:6379/0"},
-                "checkpoint": {"s3_endpoint_url": "http://10.213.0.1:8333"},
-            },
-        )
-    )
-    assert cfg.launcher.local_nodes.netns
-
-
-# ---------------------------------------------------------------------------------------------
-# Self-check verdicts and floors (no processes)
-
-
-@pytest.mark.parametrize("nodes", range(1, 10))
-def test_pair_rounds_meet_every_pair_once_in_disjoint_rounds(nodes):
-    rounds = pair_rounds(nodes)
-    pairs = [p for r in rounds for p in r]
-    assert sorted(pairs) == [(a, b) for a in range(nodes) for b in range(a + 1, nodes)]
-    for r in rounds:
-        busy = [k for p in r for k in p]
-        assert len(busy) == len(set(busy))  # a node is in at most one pair per round
-    assert len(rounds) == (0 if nodes == 1 else nodes - 1 + nodes % 2)
-
-
-def test_pair_rounds_are_capped_for_many_nodes():
-    rounds = pair_rounds(100, max_rounds=16)
-    assert len(rounds) == 16 and all(len(r) == 50 for r in rounds)
-
-
-def _rank(node: int, rank: int) -> dict:
-    return {
-        "rank": rank,
-        "node": node,
-        "local_rank": 0,
-        "host": "h",
-        "address": f"10.0.0.{node + 2}",
-        "device": "cpu",
-        "error": None,
-        "gemm_max_rel_err": 1e-7,
-        "gemm_gflops": 10.0,
-        "alltoall_ok": True,
-        "alltoall_mb_per_s": None,
-    }
-
-
-def _pair(a: int, b: int, seconds: float) -> list[dict]:
-    """The exchange rows of node pair (a, b): 1 MB each way per rank, taking ``seconds``."""
-    return [
-        {
-            "round": 0,
-            "node": x,
-            "partner": y,
-            "local_rank": 0,
-            "ok": True,
-            "bytes": 1_000_000,
-            "elapsed_s": seconds,
-            "error": None,
-        }
-        for x, y in ((a, b), (b, a))
-    ]
-
-
-def test_a_node_with_slow_links_is_blamed_not_its_peers():
-    floors = selfcheck_floors(from_dict({"cluster": {"selfcheck_min_inter_node_mb_per_s": 10.0}}).cluster)
-    # node 2's links run at 1 MB/s, the others' at 100 MB/s
-    pairs = pair_bandwidths(_pair(0, 1, 0.01) + _pair(0, 2, 1.0) + _pair(1, 2, 1.0), floors)
-    assert [(p["nodes"], round(p["mb_per_s"])) for p in pairs] == [([0, 1], 100), ([0, 2], 1), ([1, 2], 1)]
-    verdict = cluster_verdict(
-        [_rank(k, k) for k in range(3)], pairs, nodes=3, procs_per_node=1, floors=floors
-    )
-    assert [n["healthy"] for n in verdict["nodes"]] == [True, True, False]
-    assert verdict["reasons"] == [
-        "node 2: link to node 0: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)",
-        "node 2: link to node 1: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)",
-    ]
-    # two nodes alone cannot tell whose link is slow: both fail
-    two = cluster_verdict(
-        [_rank(0, 0), _rank(1, 1)],
-        pair_bandwidths(_pair(0, 1, 1.0), floors),
-        nodes=2,
-        procs_per_node=1,
-        floors=floors,
-    )
-    assert [n["healthy"] for n in two["nodes"]] == [False, False]
-
-
-def test_floors_are_fractions_of_the_presets_hardware():
-    h100 = selfcheck_floors(compose(["cluster=h100-8x", "cluster.selfcheck_gemm_fraction=0.6"]).cluster)
-    assert h100["min_gemm_gflops"] == pytest.approx(0.6 * 989e3)  # bf16 dense TFLOP/s -> GFLOP/s
-    assert h100["min_alltoall_mb_per_s"] == pytest.approx(0.3 * 450e3)  # 900 GB/s counts both directions
-    assert h100["min_inter_node_mb_per_s"] == pytest.approx(0.3 * 8 * 400 / 8 * 1e3)  # 8 x 400 Gbit/s NICs
-    assert "cluster.peak_tflops=989" in h100["gemm_from"]
-    cpu = selfcheck_floors(compose().cluster)  # no hardware facts: the measured absolute floors
-    assert cpu["gemm_from"].startswith("cluster.selfcheck_min_gemm_gflops=")
-    assert cpu["inter_node_from"].startswith("cluster.selfcheck_min_inter_node_mb_per_s=")
-
 
 # ---------------------------------------------------------------------------------------------
 # Stopping a node: no rank outlives it
@@ -392,93 +177,6 @@ def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Network-namespace nodes: links, drills, cleanup (no torch)
-
-
-def _serve_once(namespace: str, port: int) -> subprocess.Popen:
-    code = (
-        "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        f"s.bind(('0.0.0.0', {port})); s.listen(8); print('ready', flush=True)\n"
-        "while True:\n    c, _ = s.accept(); c.sendall(b'pong'); c.close()"
-    )
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", namespace, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def _connect(namespace: str, address: str, port: int, timeout_s: float = 2.0) -> str:
-    code = (
-        f"import socket\ntry:\n    s = socket.create_connection(('{address}', {port}), timeout={timeout_s}); "
-        "print(s.recv(4).decode())\nexcept OSError as e:\n    print(type(e).__name__)"
-    )
-    return subprocess.run(
-        ["ip", "netns", "exec", namespace, sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout.strip()
-
-
-def _links() -> str:
-    return (
-        subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
-        + subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    )
-
-
-@needs_root
-def test_netns_nodes_reach_each_other_and_links_can_be_cut(tmp_path):
-    from mega.launch.netns import NetnsNetwork, plan
-
-    net = NetnsNetwork(plan(free_subnet(), 2)).create()
-    server = None
-    try:
-        n0, n1 = net.plan.nodes
-        assert n0.address != n1.address and ipaddress.ip_address(n1.address) in ipaddress.ip_network(
-            net.plan.subnet
-        )
-        server = _serve_once(n1.namespace, 7777)
-        assert _connect(n0.namespace, n1.address, 7777) == "pong"  # across the bridge
-        assert _connect(n0.namespace, "127.0.0.1", 7777) == "ConnectionRefusedError"  # its own loopback
-        net.cut(1)
-        assert _connect(n0.namespace, n1.address, 7777, timeout_s=1.0) in ("TimeoutError", "OSError")
-        net.restore(1)
-        assert _connect(n0.namespace, n1.address, 7777) == "pong"
-        # a second network on the same subnet is refused, naming the key
-        with pytest.raises(ConfigError, match="launcher.local_nodes.subnet: .* already in use"):
-            NetnsNetwork(plan(net.plan.subnet, 2)).create()
-    finally:
-        if server:
-            server.kill()
-            server.wait()
-        net.close()
-    assert net.plan.bridge not in _links() and n0.namespace not in _links() and n1.host_veth not in _links()
-
-
-@needs_root
-def test_a_killed_owners_network_is_cleaned_on_the_next_start(tmp_path):
-    """A network whose creator was SIGKILLed (a killed test or driver) is deleted by the next create()."""
-    code = textwrap.dedent(f"""
-        import os, signal
-        from mega.launch.netns import NetnsNetwork, plan
-        net = NetnsNetwork(plan("{free_subnet()}", 2)).create()
-        print(net.plan.net_id, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    net_id = out.stdout.strip()
-    assert out.returncode == -signal.SIGKILL and net_id, out.stderr
-    assert f"mgb-{net_id}" in _links()  # left behind
-
-    from mega.launch.netns import NetnsNetwork, plan
-
-    NetnsNetwork(plan(free_subnet(), 1)).create().close()
-    assert net_id not in _links()
-
-
-# ---------------------------------------------------------------------------------------------
 # Training on nodes (one shared multi-node run, checked many ways)
 
 
@@ -489,21 +187,9 @@ def expected_addresses(run_dir: Path, nodes: int) -> list[str]:
 
 
 def train(run_dir, data_index, data_cache, overrides, log=print, steps=STEPS):
-    cfg = compose(
-        [
-            "model=tiny",
-            f"train.steps={steps}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            "checkpoint.async_save=false",
-            f"checkpoint.dir={run_dir}/checkpoints",
-            *overrides,
-        ]
+    return tiny_run(
+        run_dir, data_index, data_cache, ["checkpoint.async_save=false", *overrides], steps=steps, log=log
     )
-    return run_training(cfg, data_index, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -689,61 +375,3 @@ def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, 
     )  # Redis keys
     if ROOT:
         assert [n["address"] for n in result.init["nodes"]] == expected_addresses(tmp_path, 2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Self-check and bootstrap timing on every node
-
-
-@pytest.mark.slow
-@needs_root
-def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_path):
-    """3 nodes x 2 ranks; node 2's link is slowed to 8 Mbit/s (tc tbf): the pair exchanges name
-    node 2, nodes 0 and 1 stay healthy, the intra-node all-to-all runs per node."""
-    from mega.launch.local_nodes import LocalNodesBackend
-
-    cfg = from_dict(
-        {
-            "parallelism": {"dp": 6, "global_batch_size": 12},
-            "cluster": {"nodes": 3, "procs_per_node": 2, "selfcheck_min_inter_node_mb_per_s": 20.0},
-            "launcher": {"name": "local-nodes", "local_nodes": {"netns": True, "subnet": free_subnet()}},
-        }
-    )
-    backend = LocalNodesBackend(cfg, tmp_path)
-    try:
-        backend.network.shape(2, 8)  # 1 MB/s each way
-        result = run_selfcheck(cfg, tmp_path, backend=backend)
-    finally:
-        backend.close()
-    assert [n["healthy"] for n in result["nodes"]] == [True, True, False], result["reasons"]
-    subnet = ipaddress.ip_network(cfg.launcher.local_nodes.subnet)
-    assert [n["address"] for n in result["nodes"]] == [str(subnet.network_address + k + 2) for k in range(3)]
-    assert all(
-        "link to node" in r and "cluster.selfcheck_min_inter_node_mb_per_s=20" in r
-        for r in result["nodes"][2]["reasons"]
-    )
-    pairs = {tuple(p["nodes"]): p for p in result["pairs"]}
-    assert set(pairs) == {(0, 1), (0, 2), (1, 2)} and all(p["data_ok"] for p in pairs.values())
-    assert pairs[(0, 1)]["mb_per_s"] > 20 and pairs[(0, 2)]["mb_per_s"] < 2 and pairs[(1, 2)]["mb_per_s"] < 2
-    assert sorted((r["node"], r["rank"]) for r in result["ranks"]) == [(k // 2, k) for k in range(6)]
-    assert all(r["alltoall_ok"] and r["alltoall_mb_per_s"] > 0 for r in result["ranks"])  # within each node
-    assert (tmp_path / "nodes" / "2" / "selfcheck.log").exists()
-
-
-@pytest.mark.slow
-def test_bootstrap_timing_reports_per_node(tmp_path):
-    from mega.cluster.bootstrap import time_process_groups
-
-    cfg = from_dict(
-        {
-            "parallelism": {"dp": 2},
-            "cluster": {"nodes": 2, "procs_per_node": 1},
-            "launcher": {"name": "local-nodes"},
-            "train": {"run_dir": str(tmp_path)},
-        }
-    )
-    result = time_process_groups(cfg)
-    assert result["world_size"] == 2 and [r["node"] for r in result["ranks"]] == [0, 1]
-    assert [n["node"] for n in result["nodes"]] == [0, 1]
-    assert result["pg_init_s"] == max(n["pg_init_s"] for n in result["nodes"]) > 0
-    assert (tmp_path / "bootstrap" / "nodes" / "1" / "bootstrap.log").exists()

@@ -24,9 +24,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import tiny_config
 
 from mega.checkpoint.memory import run_dir_id
-from mega.config import compose
 from mega.launch import run_training
 
 STEPS = 6
@@ -34,27 +34,23 @@ KILL_AT = 5  # steps done when the fault strikes
 
 
 def _cfg(run_dir: Path, data_cache: Path, memory_dir: Path, extra=()):
-    return compose(
+    return tiny_config(
+        run_dir,
+        data_cache,
         [
-            "model=tiny",
             "parallelism=dp2",
             "launcher=local-nodes",
             "cluster.nodes=2",
             "cluster.procs_per_node=1",
-            f"train.steps={STEPS}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
             "train.eval_batches=0",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
             "checkpoint.async_save=false",
             f"checkpoint.dir={run_dir}/checkpoints",
             "checkpoint.interval=3",
             "checkpoint.memory_interval=1",
             f"checkpoint.memory_dir={memory_dir}",
             *extra,
-        ]
+        ],
+        steps=STEPS,
     )
 
 

@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 from comm_count import counting_communication
+from helpers import free_port, tiny_run
 
 from mega.config import ConfigError, compose, from_dict
-from mega.launch import run_training
 
 # A small model whose every TP split is even: 2 layers, 4 heads of 8, ffn 128, seq 16.
 MODEL = {
@@ -30,12 +29,6 @@ MODEL = {
     "block": "parallel",
 }
 MICRO_BATCH = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_world(rank: int, world_size: int, port: int) -> None:
@@ -223,7 +216,7 @@ def worker_results(tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("parallel-block")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
     return json.loads((out / "results.json").read_text())
 
 
@@ -348,21 +341,8 @@ STEPS = 3
 
 
 def _train(tmp_path, data_index, data_cache, overrides):
-    cfg = compose(
-        [
-            "model=tiny",
-            "features=ptb-swa",
-            "model.window_size=16",
-            f"train.steps={STEPS}",
-            f"train.run_dir={tmp_path}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "optimizer.warmup_steps=1",
-            "checkpoint.interval=0",
-            *overrides,
-        ]
-    )
-    return run_training(cfg, data_index, log=print).metrics
+    extra = ["features=ptb-swa", "model.window_size=16", "checkpoint.interval=0", *overrides]
+    return tiny_run(tmp_path, data_index, data_cache, extra, steps=STEPS).metrics
 
 
 @pytest.fixture(scope="module")

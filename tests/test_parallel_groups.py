@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 from datetime import timedelta
 
 import pytest
+from helpers import free_port
 
 from mega.cluster import bootstrap_sim as bs
 from mega.cluster import parallel_groups
@@ -95,12 +95,6 @@ GETTERS = [
     ("inter-distopt", "get_inter_distributed_optimizer_instance_group", {"check_initialized": False}),
     ("amax", "get_amax_reduction_group", {}),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +312,7 @@ def _check_layouts(rows: dict, layouts, world: int) -> None:
 
 @pytest.mark.slow  # one 4-process job, all layouts in it: ~15 s on two idle cores
 def test_light_groups_equal_default_groups_world4():
-    port = _free_port()
+    port = free_port()
     rows = _run_world(4, _groups_rank, lambda rank: (rank, 4, port, LAYOUTS_4))
     _check_layouts(rows, LAYOUTS_4, 4)
     # the layouts really exercise non-trivial groups: pipeline stages, experts, context parallel
@@ -330,7 +324,7 @@ def test_light_groups_equal_default_groups_world4():
 
 @pytest.mark.slow  # one 8-process job: ~25 s on two idle cores
 def test_light_groups_equal_default_groups_world8():
-    port = _free_port()
+    port = free_port()
     rows = _run_world(8, _groups_rank, lambda rank: (rank, 8, port, LAYOUTS_8))
     _check_layouts(rows, LAYOUTS_8, 8)
     assert rows[5]["tp2-pp2-dp2/light"]["getters"]["dp"]["ranks"] == [5, 7]
@@ -405,7 +399,7 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
         assert cfg.parallelism.world_size == 4
         run_dir.mkdir()
         save(cfg, run_dir / "config.json")
-        port = _free_port()
+        port = free_port()
         _run_world(
             4, _train_rank, lambda rank: (rank, 4, port, str(run_dir / "config.json"), str(data_index))
         )

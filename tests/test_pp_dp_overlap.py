@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import tiny_run
 
-from mega.config import compose
-from mega.launch import run_training
 from mega.metrics import read_metrics
 
 STEPS = 3
@@ -22,22 +21,8 @@ DP2 = ["parallelism=dp2", "parallelism.ddp_bucket_size=20000"]  # the tiny model
 
 
 def _train(run_dir, data_index, data_cache, overrides, layout=LAYOUT):
-    cfg = compose(
-        [
-            "model=tiny",
-            f"train.steps={STEPS}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "optimizer.warmup_steps=1",
-            "checkpoint.interval=0",
-            "checkpoint.max_restarts=0",
-            "train.eval_batches=0",
-            *layout,
-            *overrides,
-        ]
-    )
-    run_training(cfg, data_index, log=print)
+    once = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.eval_batches=0"]
+    tiny_run(run_dir, data_index, data_cache, [*once, *layout, *overrides], steps=STEPS)
     return run_dir
 
 

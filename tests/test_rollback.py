@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import tiny_run_logged
 
 from mega.config import compose
-from mega.launch import run_training
 from mega.launch.runs import read_record
 from mega.stability import rollback
 from mega.stability.incident import read_incidents
@@ -22,27 +22,12 @@ from mega.stability.incident import read_incidents
 STEPS, NAN_AT, SPIKE_AT = 8, 4, 7
 
 
+PP2_SAVED_EVERY_2 = ["parallelism=pp2", "train.eval_batches=0", "checkpoint.async_save=false"]
+PP2_SAVED_EVERY_2 += ["checkpoint.interval=2", "stability.spike_min_steps=3"]
+
+
 def train(run_dir, data_index, data_cache, overrides):
-    cfg = compose(
-        [
-            "model=tiny",
-            "parallelism=pp2",
-            f"train.steps={STEPS}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "train.eval_batches=0",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            "checkpoint.async_save=false",
-            f"checkpoint.dir={run_dir}/checkpoints",
-            "checkpoint.interval=2",
-            "stability.spike_min_steps=3",
-            *overrides,
-        ]
-    )
-    logs = []
-    return run_training(cfg, data_index, log=logs.append), logs
+    return tiny_run_logged(run_dir, data_index, data_cache, [*PP2_SAVED_EVERY_2, *overrides], steps=STEPS)
 
 
 @pytest.fixture(scope="module")

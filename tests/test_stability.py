@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from helpers import tiny_config
 
 from mega.bench.faults import stop_process_when
 from mega.metrics import read_metrics
@@ -111,14 +112,6 @@ def test_straggler_needs_every_one_of_the_last_steps_slow():
     # its stage it is no straggler; rank 2 is, against its stage peer rank 0
     rows = {s: {0: 1.0, 1: 2.0, 2: 1.8, 3: 2.1} for s in range(1, 4)}
     assert list(stragglers(rows, factor=1.5, beats=3, stage={0: 0, 1: 1, 2: 0, 3: 1})) == [2]
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    from mega.store import RedisServer
-
-    with RedisServer() as server:
-        yield server.url
 
 
 def _cfg(**stability):
@@ -478,7 +471,6 @@ def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
     """One DP2 run checked two ways: rank 1 computes fault.slow_s more in every forward (a
     straggler; and steps of ~1 s, so that the outage falls mid-run), and the heartbeat Redis
     (owned by the test, given as cluster.redis_url) is SIGSTOPped for PAUSE_S after step 2."""
-    from mega.config import compose
     from mega.launch import run_training
     from mega.store import RedisServer
 
@@ -486,15 +478,11 @@ def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
     with RedisServer() as server:
         # A hang from stale heartbeats would be declared 8 s (min_hang_s) after the last step
         # seen: within the outage, were hang detection not suspended.
-        cfg = compose(
+        cfg = tiny_config(
+            run_dir,
+            data_cache,
             [
-                "model=tiny",
                 "parallelism=dp2",
-                f"train.steps={STEPS}",
-                f"train.run_dir={run_dir}",
-                f"data.cache_dir={data_cache}",
-                "train.tensorboard=false",
-                "optimizer.warmup_steps=1",
                 "checkpoint.interval=0",
                 f"cluster.redis_url={server.url}",
                 "fault.slow_rank=1",
@@ -503,7 +491,8 @@ def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
                 "stability.min_hang_s=8",
                 "stability.progress_factor=4",
                 "stability.straggler_beats=2",
-            ]
+            ],
+            steps=STEPS,
         )
         paused: dict = {}
         thread = threading.Thread(

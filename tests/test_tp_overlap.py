@@ -14,27 +14,20 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import socket
 from enum import Enum
 from pathlib import Path
 
 import pytest
 import torch
 from comm_count import counting_communication
+from helpers import assert_same_curve, free_port, tiny_run
 
-from mega.config import ConfigError, compose, from_dict
-from mega.launch import run_training
+from mega.config import ConfigError, from_dict
 
 WORLD = 4  # TP=2 (x DP=2) and TP=4 in the same processes
 SEQ, BATCH, HIDDEN, FFN = 8, 2, 16, 24
 REL_TOL = 1e-5
 MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 128}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -66,7 +59,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         results[f"tp{tp}"] = {"linears": _linear_checks(tp), "decoder": _decoder_checks(tp)}
     # the GPU comparison script's logic, at TP=4 on CPU (te cannot run here: skipped by its config check)
-    from mega.overlap.compare import compare, parse_args
+    from mega.bench.tp_overlap import compare, parse_args
 
     args = parse_args(
         [
@@ -287,7 +280,7 @@ def worker_results(tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("tp-overlap")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return json.loads((out / "results.json").read_text())
 
 
@@ -367,22 +360,9 @@ def training_runs(tmp_path_factory, data_index, data_cache, single_process_refer
     runs = {("sequential", "none"): single_process_reference.metrics}
     for block, mode in (("sequential", "ring"), ("parallel", "none"), ("parallel", "ring")):
         run_dir = tmp_path_factory.mktemp(f"train-{block}-{mode}")
-        cfg = compose(
-            [
-                "model=tiny",
-                f"model.block={block}",
-                f"train.steps={STEPS}",
-                f"train.run_dir={run_dir}",
-                f"data.cache_dir={data_cache}",
-                "train.tensorboard=false",
-                "optimizer.warmup_steps=1",
-                "checkpoint.interval=0",
-                "parallelism=tp2",
-                "parallelism.sequence_parallel=true",
-                f"parallelism.tp_overlap={mode}",
-            ]
-        )
-        runs[block, mode] = run_training(cfg, data_index, log=print).metrics
+        overrides = [f"model.block={block}", "checkpoint.interval=0", "parallelism=tp2"]
+        overrides += ["parallelism.sequence_parallel=true", f"parallelism.tp_overlap={mode}"]
+        runs[block, mode] = tiny_run(run_dir, data_index, data_cache, overrides, steps=STEPS).metrics
     return runs
 
 
@@ -391,9 +371,7 @@ def training_runs(tmp_path_factory, data_index, data_cache, single_process_refer
 def test_ring_training_follows_the_none_curve(training_runs, block):
     ring, none = training_runs[block, "ring"], training_runs[block, "none"]
     assert len(ring) == len(none) == STEPS
-    for got, want in zip(ring, none):
-        assert got["loss"] == pytest.approx(want["loss"], rel=2e-5), (got, want)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (got, want)
+    assert_same_curve(ring, none, 2e-5, grad_norm_rtol=1e-4)
     assert ring[-1]["loss"] < ring[0]["loss"]
 
 

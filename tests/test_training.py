@@ -6,10 +6,11 @@ test_recovery.py.)"""
 import json
 
 import pytest
+from helpers import assert_same_curve, tiny_run
 
 from mega.checkpoint import read_latest
 from mega.config import compose
-from mega.launch import TrainingFailed, run_training
+from mega.launch import TrainingFailed
 from mega.metrics import read_metrics
 
 STEPS = 4
@@ -18,22 +19,10 @@ RTOL = 2e-5
 
 
 def train(tmp_path, data_index, data_cache, overrides, steps=STEPS, log=print):
-    cfg = compose(
-        [
-            "model=tiny",
-            f"train.steps={steps}",
-            f"train.run_dir={tmp_path}",
-            f"data.cache_dir={data_cache}",
-            "train.tensorboard=false",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            # The fault drills here kill a rank right after a save and expect that save to be
-            # `latest`: synchronous saves (the asynchronous ones: tests/test_checkpoint.py).
-            "checkpoint.async_save=false",
-            *overrides,
-        ]
-    )
-    return run_training(cfg, data_index, log=log)
+    # The fault drills here kill a rank right after a save and expect that save to be `latest`:
+    # synchronous saves (the asynchronous ones: tests/test_checkpoint.py).
+    extra = ["checkpoint.async_save=false", *overrides]
+    return tiny_run(tmp_path, data_index, data_cache, extra, steps=steps, log=log)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +38,8 @@ def reference(reference_run):
 
 
 def _assert_same_curve(metrics, reference, rtol=RTOL):
-    assert [m["step"] for m in metrics] == [r["step"] for r in reference]
-    for got, want in zip(metrics, reference):
-        assert got["loss"] == pytest.approx(want["loss"], rel=rtol), (got, want)
-        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (got, want)
-        # the held-out evaluation after the last step (forward only through the same schedule)
-        assert ("val_loss" in got) == ("val_loss" in want), (got, want)
-        if "val_loss" in want:
-            assert got["val_loss"] == pytest.approx(want["val_loss"], rel=rtol), (got, want)
+    # with the held-out evaluation after the last step (forward only through the same schedule)
+    assert_same_curve(metrics, reference, rtol, grad_norm_rtol=1e-4, val_loss=True)
 
 
 def test_clean_run_ledger_sums_to_its_wall_clock(reference_run):

@@ -13,11 +13,10 @@ import textwrap
 
 import pytest
 import torch
+from helpers import tiny_run
 from waiting import wait_for
 
 from mega.checkpoint import iteration_dir
-from mega.config import compose
-from mega.launch import run_training
 from mega.warm import client
 
 STEPS = 4
@@ -156,24 +155,13 @@ def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):
 
 
 def _train(run_dir, data_index, data_cache, overrides):
-    cfg = compose(
-        [
-            "model=tiny",
-            f"train.steps={STEPS}",
-            f"train.run_dir={run_dir}",
-            f"data.cache_dir={data_cache}",
-            f"checkpoint.dir={run_dir}/checkpoints",
-            "train.tensorboard=false",
-            "train.eval_batches=0",
-            "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            "checkpoint.async_save=false",
-            "checkpoint.interval=2",
-            "parallelism=dp2",
-            *overrides,
-        ]
-    )
-    return run_training(cfg, data_index, log=print)
+    extra = [
+        "train.eval_batches=0",
+        "checkpoint.async_save=false",
+        "checkpoint.interval=2",
+        "parallelism=dp2",
+    ]
+    return tiny_run(run_dir, data_index, data_cache, [*extra, *overrides], steps=STEPS)
 
 
 def _final_state(run_dir) -> dict:

@@ -109,21 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "benchmark",
-        choices=[
-            "step",
-            "ablation",
-            "checkpoint",
-            "bootstrap",
-            "observability",
-            "data",
-            "nodes",
-            "overlap",
-            "faults",
-            "soak",
-        ],
+        choices=list(_RUNS),
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallelism=dp2")
     parser.add_argument("--json", action="store_true", help="print only the JSON result line on stdout")
+    _add_step_and_ablation_args(parser)
+    _add_checkpoint_and_bootstrap_args(parser)
+    _add_other_args(parser)
+    return parser
+
+
+def _add_step_and_ablation_args(parser: argparse.ArgumentParser) -> None:
     step = parser.add_argument_group("step")
     step.add_argument(
         "--steps", type=int, default=None, help="step: 8; checkpoint: 30; observability: 20; nodes: 6"
@@ -176,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="held-out sequences every run evaluates (default: the whole split, whole batches)",
     )
+
+
+def _add_checkpoint_and_bootstrap_args(parser: argparse.ArgumentParser) -> None:
     ckpt = parser.add_argument_group("checkpoint")
     ckpt.add_argument("--interval", type=int, default=10, help="steps between saves")
     ckpt.add_argument(
@@ -208,6 +207,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument("--tp", type=int, default=8, help="layout of the simulated job: TP x PP x DP=N/(TP*PP)")
     boot.add_argument("--pp", type=int, default=8)
+
+
+def _add_other_args(parser: argparse.ArgumentParser) -> None:
     obs = parser.add_argument_group("observability")
     obs.add_argument(
         "--slow-s", type=float, default=0.1, help="the straggler run's extra CPU seconds per forward"
@@ -250,7 +252,64 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--link-mbit", type=float, default=1000.0, help="overlap: tc tbf rate of the veth link"
     )
-    return parser
+
+
+def _bootstrap(a: argparse.Namespace) -> dict:
+    return bench_bootstrap(
+        _ints(a.ranks),
+        _ints(a.probe_ranks),
+        a.max_seconds,
+        a.out or "runs/bench-bootstrap",
+        strategies=a.strategies.split(",") if a.strategies else None,
+        tp=a.tp,
+        pp=a.pp,
+        real_layouts=_names(a.real),
+        real_group_inits=_names(a.real_group_init),
+        real_repeats=a.real_repeats,
+    )
+
+
+def _ablation(a: argparse.Namespace) -> dict:
+    if a.throughput:
+        return bench_ablation_throughput(a.overrides, a.window, a.steps or 8)
+    return bench_ablation(
+        a.overrides,
+        a.tokens,
+        a.window,
+        a.out or "runs/bench-ablation",
+        a.lamb_lr,
+        seeds=_ints(a.seeds),
+        tune_lamb_lr=[float(x) for x in _names(a.tune_lamb_lr)],
+        tuning_seed=a.tuning_seed,
+        n_eval_sequences=a.eval_sequences,
+    )
+
+
+def _soak(a: argparse.Namespace) -> dict:
+    if a.simulate:
+        return simulate(a.gpus, a.mttf_h)
+    return bench_soak(a.minutes, a.mtbf_s, a.seed, a.out or "runs/bench-soak", a.overrides)
+
+
+# each benchmark from the parsed arguments (the defaults of --steps differ per benchmark)
+_RUNS = {
+    "step": lambda a: bench_step(a.overrides, a.steps or 8, a.warmup),
+    "ablation": _ablation,
+    "checkpoint": lambda a: bench_checkpoint(a.overrides, a.steps or 30, a.interval, a.storage, a.repeats),
+    "bootstrap": _bootstrap,
+    "observability": lambda a: bench_observability(
+        a.overrides, a.steps or 20, a.warmup, a.out or "runs/bench-observability", a.slow_s
+    ),
+    "data": lambda a: bench_data(
+        _ints(a.corpus_mb), a.workers, a.vocab, a.steps or 12, a.out or "runs/bench-data", a.overrides
+    ),
+    "nodes": lambda a: bench_nodes(
+        a.overrides, a.steps or 6, a.warmup, tuple(_ints(a.nodes)), a.netns, a.launcher
+    ),
+    "overlap": lambda a: bench_overlap(a.overrides, a.steps or 8, max(a.warmup, 3), a.link_mbit),
+    "faults": lambda a: bench_faults(_names(a.only) if a.only else None, a.out, a.overrides),
+    "soak": _soak,
+}
 
 
 def check_args(argv: list[str]) -> mega_config.MegaConfig:
@@ -270,75 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.benchmark != "bootstrap" and optional_packages.notice("cpu"):
         print(optional_packages.notice("cpu"), file=sys.stderr)
     try:
-        if args.benchmark == "step":
-            result = bench_step(args.overrides, args.steps or 8, args.warmup)
-        elif args.benchmark == "checkpoint":
-            result = bench_checkpoint(
-                args.overrides, args.steps or 30, args.interval, args.storage, args.repeats
-            )
-        elif args.benchmark == "observability":
-            result = bench_observability(
-                args.overrides,
-                args.steps or 20,
-                args.warmup,
-                args.out or "runs/bench-observability",
-                args.slow_s,
-            )
-        elif args.benchmark == "data":
-            result = bench_data(
-                _ints(args.corpus_mb),
-                args.workers,
-                args.vocab,
-                args.steps or 12,
-                args.out or "runs/bench-data",
-                args.overrides,
-            )
-        elif args.benchmark == "nodes":
-            result = bench_nodes(
-                args.overrides,
-                args.steps or 6,
-                args.warmup,
-                tuple(_ints(args.nodes)),
-                args.netns,
-                args.launcher,
-            )
-        elif args.benchmark == "overlap":
-            result = bench_overlap(args.overrides, args.steps or 8, max(args.warmup, 3), args.link_mbit)
-        elif args.benchmark == "soak" and args.simulate:
-            result = simulate(args.gpus, args.mttf_h)
-        elif args.benchmark == "soak":
-            result = bench_soak(
-                args.minutes, args.mtbf_s, args.seed, args.out or "runs/bench-soak", args.overrides
-            )
-        elif args.benchmark == "faults":
-            result = bench_faults(_names(args.only) if args.only else None, args.out, args.overrides)
-        elif args.benchmark == "bootstrap":
-            result = bench_bootstrap(
-                _ints(args.ranks),
-                _ints(args.probe_ranks),
-                args.max_seconds,
-                args.out or "runs/bench-bootstrap",
-                strategies=args.strategies.split(",") if args.strategies else None,
-                tp=args.tp,
-                pp=args.pp,
-                real_layouts=_names(args.real),
-                real_group_inits=_names(args.real_group_init),
-                real_repeats=args.real_repeats,
-            )
-        elif args.throughput:
-            result = bench_ablation_throughput(args.overrides, args.window, args.steps or 8)
-        else:
-            result = bench_ablation(
-                args.overrides,
-                args.tokens,
-                args.window,
-                args.out or "runs/bench-ablation",
-                args.lamb_lr,
-                seeds=_ints(args.seeds),
-                tune_lamb_lr=[float(x) for x in _names(args.tune_lamb_lr)],
-                tuning_seed=args.tuning_seed,
-                n_eval_sequences=args.eval_sequences,
-            )
+        result = _RUNS[args.benchmark](args)
     except mega_config.ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

@@ -309,50 +309,19 @@ def bench_ablation(
     index = common.prepare_data(base)
     n_eval = eval_sequences(base, index, base.parallelism.global_batch_size * multiplier, n_eval_sequences)
 
-    tuning: list[dict] = []
-    by_row: dict[str, list[RowResult]] = {row.name: [] for row in table}
+    def train(row: Row, seed: int, lr: float, run_dir: str) -> RowResult:
+        return _train_run(row, seed, overrides, base, baseline_steps, lr, n_eval, index, run_dir)
+
     with tempfile.TemporaryDirectory(prefix="mega-ablation-") as tmp:
         lamb_rows = [row for row in table if "optimizer=lamb" in row.overrides]
-        for lr in tune_lamb_lr or []:
-            for row in lamb_rows:
-                run = _train_run(
-                    row,
-                    tuning_seed,
-                    overrides,
-                    base,
-                    baseline_steps,
-                    lr,
-                    n_eval,
-                    index,
-                    f"{tmp}/tune-{row.name}-{lr:g}",
-                )
-                tuning.append(
-                    {
-                        "row": row.name,
-                        "lr": lr,
-                        "seed": tuning_seed,
-                        "val_loss": run.val_loss,
-                        "final_loss": final_loss(run.curve, tokens, tail),
-                    }
-                )
+        tuning = _tune(train, lamb_rows, tune_lamb_lr or [], tuning_seed, tokens, tail, tmp)
         if tuning:
             lamb_lr = pick_lamb_lr(tuning)
             common.log(f"LAMB peak LR {lamb_lr:g}: the lowest validation loss on seed {tuning_seed}")
-        for row in table:
-            for seed in seeds:
-                by_row[row.name].append(
-                    _train_run(
-                        row,
-                        seed,
-                        overrides,
-                        base,
-                        baseline_steps,
-                        lamb_lr,
-                        n_eval,
-                        index,
-                        f"{tmp}/{row.name}-{seed}",
-                    )
-                )
+        by_row = {
+            row.name: [train(row, seed, lamb_lr, f"{tmp}/{row.name}-{seed}") for seed in seeds]
+            for row in table
+        }
 
     out_dir = Path(out_dir)
     title = (
@@ -361,12 +330,7 @@ def bench_ablation(
     )
     png = plot_curves(by_row, tokens, tail, out_dir / "loss_curves.png", title).resolve()
     common.log(f"loss curves: {png}")
-    summary_rows = [summarise(runs, tokens, tail) for runs in by_row.values()]
-    baseline = summary_rows[0]
-    for row in summary_rows:
-        row["val_loss_vs_baseline"] = row["val_loss"] / baseline["val_loss"] - 1
-        row["loss_vs_baseline"] = row["final_loss"] / baseline["final_loss"] - 1
-        row["within_target"] = row["val_loss_vs_baseline"] <= TARGET_LOSS_VS_BASELINE
+    summary_rows = _against_baseline([summarise(runs, tokens, tail) for runs in by_row.values()])
     result = {
         "rows": summary_rows,
         "plot": str(png),
@@ -395,6 +359,36 @@ def bench_ablation(
     }
     (out_dir / "ablation.json").write_text(json.dumps(details, indent=1))
     return result
+
+
+def _tune(
+    train, lamb_rows: list[Row], lrs: list[float], seed: int, tokens: int, tail: int, tmp: str
+) -> list[dict]:
+    """One run per candidate peak LR of each lamb row, on the tuning seed."""
+    tuning = []
+    for lr in lrs:
+        for row in lamb_rows:
+            run = train(row, seed, lr, f"{tmp}/tune-{row.name}-{lr:g}")
+            tuning.append(
+                {
+                    "row": row.name,
+                    "lr": lr,
+                    "seed": seed,
+                    "val_loss": run.val_loss,
+                    "final_loss": final_loss(run.curve, tokens, tail),
+                }
+            )
+    return tuning
+
+
+def _against_baseline(summary_rows: list[dict]) -> list[dict]:
+    """Each row's losses relative to the first row's (the baseline), and whether within the target."""
+    baseline = summary_rows[0]
+    for row in summary_rows:
+        row["val_loss_vs_baseline"] = row["val_loss"] / baseline["val_loss"] - 1
+        row["loss_vs_baseline"] = row["final_loss"] / baseline["final_loss"] - 1
+        row["within_target"] = row["val_loss_vs_baseline"] <= TARGET_LOSS_VS_BASELINE
+    return summary_rows
 
 
 def summarise(runs: list[RowResult], tokens: int, tail: int) -> dict:

@@ -276,72 +276,10 @@ def bench_bootstrap(
         layout_for(n, tp, pp)  # refuse a bad N before anything runs
     out_dir = Path(out_dir)
 
-    real: list[dict] = []
-    for layout in real_layouts:
-        for group_init in real_group_inits:
-            console.print(f"[bold]real[/] {layout}, {group_init} groups: timing job ...", highlight=False)
-            row = run_real(layout, group_init, out_dir / f"real-{layout}-{group_init}", repeats=real_repeats)
-            real.append(row)
-            if row["measured"]:
-                ph = row["phases"]
-                console.print(
-                    f"  group creation {row['seconds']:.3f} s (median of "
-                    f"{', '.join(f'{s:.3f}' for s in row['seconds_per_repeat'])}; slowest rank: store {ph['mp_store_s']:.3f}, connections "
-                    f"{ph['mp_connect_s']:.3f}, megatron {ph['mp_megatron_s']:.3f}, barrier "
-                    f"{ph['mp_barrier_s']:.3f}); init_process_group {row['pg_init_s']:.3f} s; imports "
-                    f"{ph['import_s']:.1f} s; job {row['job_s']:.1f} s; load {row['load_avg_1m']}",
-                    highlight=False,
-                )
-            else:
-                console.print(f"  failed: {row['error']}", highlight=False)
+    real = _real_rows(real_layouts, real_group_inits, real_repeats, out_dir, console)
 
-    results: list[dict] = []
-    probes: list[dict] = []
-    for name in names:
-        failed = False
-        for n in [*probe_ranks, *ranks]:
-            if failed:
-                row = _skipped(name, n, tp, pp)
-            else:
-                console.print(f"[bold]{name}[/] N={n:,}: replaying ...", highlight=False)
-                row = _run_point(name, n, max_seconds, workers, tp, pp)
-                failed = not row["completed"]
-                took = (
-                    f"{row['seconds']:.2f} s"
-                    if row["completed"]
-                    else f"not finished within {max_seconds:g} s"
-                )
-                console.print(
-                    f"  {name} N={n:,}: {took}, {row['store_ops']:,} store ops planned, "
-                    f"{row['ops_done']:,} issued, load {row['load_avg_1m']}",
-                    highlight=False,
-                )
-            (probes if n in probe_ranks else results).append(row)
-
-    fits: dict[str, Any] = {}
-    for name in names:
-        rows = [r for r in [*probes, *results] if r["strategy"] == name]
-        pts = sorted((r["ranks"], r["seconds"]) for r in rows if r["measured"])
-        k = growth(pts)
-        k_ops = growth(sorted((r["ranks"], r["store_ops"]) for r in rows))  # the plan is exact for every N
-        todo = [r for r in results if r["strategy"] == name and not r["measured"]]
-        fit = {
-            "exponent": None if k is None else round(k, 3),
-            "ops_exponent": None if k_ops is None else round(k_ops, 3),
-            "points": len(pts),
-            "largest_completed": pts[-1][0] if pts else None,
-            "measured": False,  # what follows is a fit, never a measurement
-            "extrapolated_s": {
-                str(r["ranks"]): round(extrapolate(pts, k, r["ranks"]), 2) for r in todo if k is not None
-            },
-        }
-        if pts:  # at the largest completed point's seconds per planned operation
-            n0, t0 = pts[-1]
-            ops0 = next(r["store_ops"] for r in rows if r["ranks"] == n0)
-            fit["extrapolated_by_ops_s"] = {
-                str(r["ranks"]): round(t0 * r["store_ops"] / ops0, 1) for r in todo
-            }
-        fits[name] = fit
+    results, probes = _simulated_rows(names, ranks, probe_ranks, max_seconds, workers, tp, pp, console)
+    fits = {name: _growth_fit(name, probes, results) for name in names}
 
     title = f"bootstrap store traffic: TP={tp} x PP={pp} x DP=N/{tp * pp}, {common_device()}"
     png = plot([*probes, *results], fits, out_dir / "bootstrap_time_vs_ranks.png", title).resolve()
@@ -373,6 +311,93 @@ def bench_bootstrap(
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bootstrap.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _real_rows(
+    real_layouts: list[str], real_group_inits: list[str], real_repeats: int, out_dir: Path, console
+) -> list[dict]:
+    """Group creation timed with real ranks on this machine, one row per layout and group_init."""
+    real: list[dict] = []
+    for layout in real_layouts:
+        for group_init in real_group_inits:
+            console.print(f"[bold]real[/] {layout}, {group_init} groups: timing job ...", highlight=False)
+            row = run_real(layout, group_init, out_dir / f"real-{layout}-{group_init}", repeats=real_repeats)
+            real.append(row)
+            if row["measured"]:
+                ph = row["phases"]
+                console.print(
+                    f"  group creation {row['seconds']:.3f} s (median of "
+                    f"{', '.join(f'{s:.3f}' for s in row['seconds_per_repeat'])}; slowest rank: store {ph['mp_store_s']:.3f}, connections "
+                    f"{ph['mp_connect_s']:.3f}, megatron {ph['mp_megatron_s']:.3f}, barrier "
+                    f"{ph['mp_barrier_s']:.3f}); init_process_group {row['pg_init_s']:.3f} s; imports "
+                    f"{ph['import_s']:.1f} s; job {row['job_s']:.1f} s; load {row['load_avg_1m']}",
+                    highlight=False,
+                )
+            else:
+                console.print(f"  failed: {row['error']}", highlight=False)
+    return real
+
+
+def _simulated_rows(
+    names: list[str],
+    ranks: list[int],
+    probe_ranks: list[int],
+    max_seconds: float,
+    workers: int,
+    tp: int,
+    pp: int,
+    console,
+) -> tuple[list[dict], list[dict]]:
+    """The replayed store traffic of each strategy at every N (probes first); after a point that
+    does not finish in ``max_seconds`` the larger ones of that strategy are skipped."""
+    results: list[dict] = []
+    probes: list[dict] = []
+    for name in names:
+        failed = False
+        for n in [*probe_ranks, *ranks]:
+            if failed:
+                row = _skipped(name, n, tp, pp)
+            else:
+                console.print(f"[bold]{name}[/] N={n:,}: replaying ...", highlight=False)
+                row = _run_point(name, n, max_seconds, workers, tp, pp)
+                failed = not row["completed"]
+                took = (
+                    f"{row['seconds']:.2f} s"
+                    if row["completed"]
+                    else f"not finished within {max_seconds:g} s"
+                )
+                console.print(
+                    f"  {name} N={n:,}: {took}, {row['store_ops']:,} store ops planned, "
+                    f"{row['ops_done']:,} issued, load {row['load_avg_1m']}",
+                    highlight=False,
+                )
+            (probes if n in probe_ranks else results).append(row)
+    return results, probes
+
+
+def _growth_fit(name: str, probes: list[dict], results: list[dict]) -> dict[str, Any]:
+    """The growth exponent of a strategy's time (and planned store operations) with N, and the
+    points it did not finish extrapolated from it: a fit, never a measurement."""
+    rows = [r for r in [*probes, *results] if r["strategy"] == name]
+    pts = sorted((r["ranks"], r["seconds"]) for r in rows if r["measured"])
+    k = growth(pts)
+    k_ops = growth(sorted((r["ranks"], r["store_ops"]) for r in rows))  # the plan is exact for every N
+    todo = [r for r in results if r["strategy"] == name and not r["measured"]]
+    fit = {
+        "exponent": None if k is None else round(k, 3),
+        "ops_exponent": None if k_ops is None else round(k_ops, 3),
+        "points": len(pts),
+        "largest_completed": pts[-1][0] if pts else None,
+        "measured": False,  # what follows is a fit, never a measurement
+        "extrapolated_s": {
+            str(r["ranks"]): round(extrapolate(pts, k, r["ranks"]), 2) for r in todo if k is not None
+        },
+    }
+    if pts:  # at the largest completed point's seconds per planned operation
+        n0, t0 = pts[-1]
+        ops0 = next(r["store_ops"] for r in rows if r["ranks"] == n0)
+        fit["extrapolated_by_ops_s"] = {str(r["ranks"]): round(t0 * r["store_ops"] / ops0, 1) for r in todo}
+    return fit
 
 
 def measured_speedups(rows: list[dict]) -> list[dict[str, Any]]:

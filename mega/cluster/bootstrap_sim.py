@@ -787,18 +787,7 @@ def _worker(strategy, store, layout, ranks, host, port, ns, start_barrier, max_s
             )
         )
     except BaseException as err:
-        out.put(
-            {
-                "completed": False,
-                "error": f"{type(err).__name__}: {err}",
-                "ops_done": 0,
-                "ops_by_kind": {},
-                "start": None,
-                "end": None,
-                "connect_s": 0.0,
-                "client_cpu_s": 0.0,
-            }
-        )
+        out.put(_failed_report(f"{type(err).__name__}: {err}"))
         try:
             start_barrier.abort()
         except Exception:
@@ -827,22 +816,7 @@ def simulate(
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     planned = sum(plan_counts(strategy, layout).values())
     _memberships_cached(layout)  # computed once, inherited by the forked workers
-    ns = None
-    server = None
-    if store == "redis":
-        from mega.store.redis_server import parse_redis_url
-
-        if redis_url is None:
-            raise ValueError("store=redis needs redis_url")
-        fields = parse_redis_url(redis_url)
-        host, port = fields["host"], fields["port"]
-        ns = _redis_namespace(redis_url, f"sim-{strategy}-{layout.world}-{os.getpid()}-{time.monotonic_ns()}")
-    else:
-        host = "127.0.0.1"
-        if tcp_port is None:
-            server = TCPStoreServer().start()
-            tcp_port = server.port
-        port = tcp_port
+    host, port, ns, server = _server(strategy, store, layout, redis_url, tcp_port)
     workers = max(1, min(workers, layout.world))
     ctx = mp.get_context("fork")  # the workers inherit the plan; nothing is imported again
     start_barrier = ctx.Barrier(workers)
@@ -871,24 +845,7 @@ def simulate(
     try:
         for proc in procs:
             proc.start()
-        rows = []
-        deadline = time.monotonic() + max_seconds + 300  # connecting thousands of clients comes first
-        for _ in procs:
-            try:
-                rows.append(out.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty:  # a worker still connecting or replaying: the point did not complete
-                rows.append(
-                    {
-                        "completed": False,
-                        "error": f"no report within {max_seconds + 300:g} s",
-                        "ops_done": 0,
-                        "ops_by_kind": {},
-                        "start": None,
-                        "end": None,
-                        "connect_s": 0.0,
-                        "client_cpu_s": 0.0,
-                    }
-                )
+        rows = _collect(procs, out, max_seconds)
         cpu_after = _server_cpu(redis_url, server)
     finally:
         for proc in procs:
@@ -902,6 +859,61 @@ def simulate(
                 _drop_namespace(redis_url, ns)
             except RedisError:  # a server still busy with a timed-out replay; the keys carry a TTL
                 pass
+    cpu_s = None if cpu_before is None or cpu_after is None else round(cpu_after - cpu_before, 3)
+    return _result(strategy, store, layout.world, planned, rows, cpu_s, max_seconds)
+
+
+def _server(strategy: str, store: str, layout: Layout, redis_url: str | None, tcp_port: int | None):
+    """(host, port, redis namespace or None, the TCPStore server started here or None)."""
+    from mega.store.redis_server import parse_redis_url
+
+    ns = None
+    server = None
+    if store == "redis":
+        if redis_url is None:
+            raise ValueError("store=redis needs redis_url")
+        fields = parse_redis_url(redis_url)
+        host, port = fields["host"], fields["port"]
+        ns = _redis_namespace(redis_url, f"sim-{strategy}-{layout.world}-{os.getpid()}-{time.monotonic_ns()}")
+    else:
+        host = "127.0.0.1"
+        if tcp_port is None:
+            server = TCPStoreServer().start()
+            tcp_port = server.port
+        port = tcp_port
+    return host, port, ns, server
+
+
+def _collect(procs: list, out, max_seconds: float) -> list[dict]:
+    """Every worker's report; a worker silent past the deadline counts as not completed."""
+    rows = []
+    deadline = time.monotonic() + max_seconds + 300  # connecting thousands of clients comes first
+    for _ in procs:
+        try:
+            rows.append(out.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue.Empty:  # a worker still connecting or replaying: the point did not complete
+            rows.append(_failed_report(f"no report within {max_seconds + 300:g} s"))
+    return rows
+
+
+def _failed_report(error: str) -> dict:
+    """A worker's report of a point it did not complete."""
+    return {
+        "completed": False,
+        "error": error,
+        "ops_done": 0,
+        "ops_by_kind": {},
+        "start": None,
+        "end": None,
+        "connect_s": 0.0,
+        "client_cpu_s": 0.0,
+    }
+
+
+def _result(
+    strategy: str, store: str, world: int, planned: int, rows: list[dict], server_cpu_s, max_seconds: float
+) -> SimResult:
+    """The point's result from the workers' reports: timed from the first start to the last end."""
     errors = [r["error"] for r in rows if r.get("error")]
     completed = all(r["completed"] for r in rows)
     seconds = None
@@ -912,7 +924,7 @@ def simulate(
     return SimResult(
         strategy,
         store,
-        layout.world,
+        world,
         completed,
         round(seconds, 4) if completed else None,
         planned,
@@ -920,7 +932,7 @@ def simulate(
         dict(sorted(kinds.items())),
         round(max(r["connect_s"] for r in rows), 3),
         round(sum(r["client_cpu_s"] for r in rows), 3),
-        None if cpu_before is None or cpu_after is None else round(cpu_after - cpu_before, 3),
+        server_cpu_s,
         errors[0] if errors else None,
     )
 

@@ -1,8 +1,5 @@
-"""Data blends: several sources with weights (``data.blend``).
-
-Preparation: one tokenizer for all sources (``data.tokenizer_file``, or a BPE trained on a sample
-drawn from the text sources in proportion to their weights), each source prepared as on its own,
-and ``<cache_dir>/blend-<hash16>.json`` naming their indexes and weights.
+"""Data blends: several sources with weights (``data.blend``); prepared by
+``mega.data.prepare.prepare_blend``.
 
 Sampling: the global walk position ``p`` (step ``s`` takes ``[s*G, (s+1)*G)``, cut rank-major
 across DP ranks as for one source) maps to a source and to that source's k-th sample, as a pure
@@ -14,16 +11,9 @@ window of n positions holds ``n * counts[j] / PERIOD`` of source j give or take 
 
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
-
 import numpy as np
 
-from mega.config import DataConfig
-from mega.data import tokenizer as bpe
-from mega.data.corpus import DataError, open_corpus
-from mega.data.shards import FORMAT_VERSION, write_json
+from mega.data.corpus import DataError
 
 PERIOD = 1 << 16
 
@@ -57,54 +47,3 @@ def _apportion(shares: np.ndarray, total: int) -> np.ndarray:
     while counts.sum() > total:
         counts[np.argmax(np.where(counts > 1, counts - raw, -np.inf))] -= 1
     return counts
-
-
-def prepare_blend(data: DataConfig, vocab_size: int, cache_dir: Path, progress: bool) -> Path:
-    from mega.data.indexed import is_megatron_prefix
-    from mega.data.prepare import _digest, prepare_source, sample_documents
-
-    sources = list(data.blend)
-    tokenizer_file = data.tokenizer_file
-    text = [s for s in sources if not is_megatron_prefix(s.source)]
-    if text and not tokenizer_file:
-        corpora = [
-            open_corpus(s.source, s.text_field, cache_dir, data.s3_endpoint_url, progress) for s in text
-        ]
-        key = _digest(
-            {
-                "tokenizer": bpe.settings(vocab_size, data.max_run_chars, data.tokenizer_sample_mb),
-                "val_fraction": data.val_fraction,
-                "sources": [[s.source, s.weight, s.text_field, c.listing()] for s, c in zip(text, corpora)],
-            }
-        )
-        path = cache_dir / f"tokenizer-{key[:16]}.json"
-        if not path.is_file():
-            docs = sample_documents(
-                corpora, [s.weight for s in text], data.tokenizer_sample_mb << 20, data.val_fraction
-            )
-            tokenizer = bpe.train_tokenizer(docs, vocab_size, data.max_run_chars)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tokenizer.save(str(tmp))
-            tmp.replace(path)
-        tokenizer_file = str(path)
-    indexes = [
-        prepare_source(data, s.source, s.text_field, vocab_size, cache_dir, progress, tokenizer_file)
-        for s in sources
-    ]
-    entries = [
-        {"source": s.source, "weight": s.weight, "index": str(p.relative_to(cache_dir))}
-        for s, p in zip(sources, indexes)
-    ]
-    metas = [json.loads(p.read_text()) for p in indexes]
-    blend = {
-        "version": FORMAT_VERSION,
-        "kind": "blend",
-        "sources": entries,
-        "vocab_size": max(m["vocab_size"] for m in metas),
-        "eos_id": next((m["eos_id"] for m in metas if m.get("eos_id") is not None), None),
-        "tokenizer": str(Path(tokenizer_file).resolve()) if tokenizer_file else None,
-    }
-    name = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir / f"blend-{name}.json"
-    write_json(path, blend)
-    return path

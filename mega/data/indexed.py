@@ -62,6 +62,41 @@ def prepare_megatron_source(
     if (final / INDEX_FILE).is_file():
         return final / INDEX_FILE
 
+    dtype, starts, doc_index = _sequences(prefix, bin_path, idx_path)
+    num_docs = len(doc_index) - 1
+    if num_docs < 1 or starts[-1] == 0:
+        raise DataError(f"{prefix}: no documents")
+    val_docs = 0
+    if data.val_fraction > 0 and num_docs >= 2:
+        val_docs = min(max(1, round(num_docs * data.val_fraction)), num_docs - 1)
+    split_token = int(starts[doc_index[num_docs - val_docs]])
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
+    vocab_size, eos = _vocabulary(tokens, tokenizer_file, data.eos_token)
+    shards = _shards(bin_path, split_token, int(starts[-1]), val_docs > 0)
+    index = {
+        "version": FORMAT_VERSION,
+        "kind": "megatron",
+        "key": key,
+        "content_hash": None,
+        "vocab_size": vocab_size,
+        "requested_vocab_size": None,
+        "eos_id": eos,
+        "tokenizer": str(Path(tokenizer_file).resolve()) if tokenizer_file else None,
+        "dtype": dtype.name,
+        "shards": shards,
+        "num_tokens": {"train": split_token, "val": int(starts[-1]) - split_token},
+        "num_documents": {"train": num_docs - val_docs, "val": val_docs},
+        "settings": {"val_fraction": data.val_fraction},
+        "source": {"source": str(prefix)},
+    }
+    final.mkdir(parents=True, exist_ok=True)
+    write_json(final / INDEX_FILE, index)
+    return final / INDEX_FILE
+
+
+def _sequences(prefix: Path, bin_path: Path, idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
+    """(token dtype, token offset of each sequence and of the end, document indices) of a megatron
+    IndexedDataset whose .bin holds the .idx's sequences back to back, in order."""
     IndexedDataset = import_megatron_datasets().IndexedDataset
 
     try:
@@ -82,15 +117,12 @@ def prepare_megatron_source(
             f"{prefix}: the .bin does not hold the .idx's sequences back to back "
             "(rewrite it with IndexedDatasetBuilder)"
         )
-    num_docs = len(doc_index) - 1
-    if num_docs < 1 or starts[-1] == 0:
-        raise DataError(f"{prefix}: no documents")
-    val_docs = 0
-    if data.val_fraction > 0 and num_docs >= 2:
-        val_docs = min(max(1, round(num_docs * data.val_fraction)), num_docs - 1)
-    split_token = int(starts[doc_index[num_docs - val_docs]])
-    tokens = np.memmap(bin_path, dtype=dtype, mode="r")
-    vocab_size, eos = _vocabulary(tokens, tokenizer_file, data.eos_token)
+    return dtype, starts, doc_index
+
+
+def _shards(bin_path: Path, split_token: int, total: int, with_val: bool) -> list[dict]:
+    """The train shard (tokens before ``split_token``) and the val shard (the rest): ranges of the
+    megatron .bin itself, which stays where it is."""
     shards = [
         {
             "split": "train",
@@ -101,36 +133,18 @@ def prepare_megatron_source(
             "bytes": bin_path.stat().st_size,
         }
     ]
-    if val_docs:
+    if with_val:
         shards.append(
             {
                 "split": "val",
                 "path": str(bin_path),
                 "external": True,
-                "token_range": [split_token, int(starts[-1])],
-                "num_tokens": int(starts[-1]) - split_token,
+                "token_range": [split_token, total],
+                "num_tokens": total - split_token,
                 "bytes": bin_path.stat().st_size,
             }
         )
-    index = {
-        "version": FORMAT_VERSION,
-        "kind": "megatron",
-        "key": key,
-        "content_hash": None,
-        "vocab_size": vocab_size,
-        "requested_vocab_size": None,
-        "eos_id": eos,
-        "tokenizer": str(Path(tokenizer_file).resolve()) if tokenizer_file else None,
-        "dtype": dtype.name,
-        "shards": shards,
-        "num_tokens": {"train": split_token, "val": int(starts[-1]) - split_token},
-        "num_documents": {"train": num_docs - val_docs, "val": val_docs},
-        "settings": {"val_fraction": data.val_fraction},
-        "source": {"source": str(prefix)},
-    }
-    final.mkdir(parents=True, exist_ok=True)
-    write_json(final / INDEX_FILE, index)
-    return final / INDEX_FILE
+    return shards
 
 
 def _vocabulary(tokens: np.ndarray, tokenizer_file: str | None, eos_token: str) -> tuple[int, int | None]:

@@ -63,8 +63,6 @@ def prepare_dataset(data: DataConfig, vocab_size: int, progress: bool = True) ->
     cache_dir = Path(data.cache_dir).expanduser().resolve()
     cache_dir.mkdir(parents=True, exist_ok=True)
     if data.blend:
-        from mega.data.blend import prepare_blend
-
         return prepare_blend(data, vocab_size, cache_dir, progress)
     return prepare_source(data, data.source, data.text_field, vocab_size, cache_dir, progress)
 
@@ -147,6 +145,59 @@ def prepare_source(
         (work / JOURNAL).unlink(missing_ok=True)
         os.rename(work, final)
     return final / INDEX_FILE
+
+
+def prepare_blend(data: DataConfig, vocab_size: int, cache_dir: Path, progress: bool) -> Path:
+    """Prepare every source of ``data.blend`` with one tokenizer (``data.tokenizer_file``, or a BPE
+    trained on a sample drawn from the text sources in proportion to their weights), each as on its
+    own; return ``<cache_dir>/blend-<hash16>.json``, which names their indexes and weights."""
+    from mega.data.indexed import is_megatron_prefix
+
+    sources = list(data.blend)
+    tokenizer_file = data.tokenizer_file
+    text = [s for s in sources if not is_megatron_prefix(s.source)]
+    if text and not tokenizer_file:
+        corpora = [
+            open_corpus(s.source, s.text_field, cache_dir, data.s3_endpoint_url, progress) for s in text
+        ]
+        key = _digest(
+            {
+                "tokenizer": bpe.settings(vocab_size, data.max_run_chars, data.tokenizer_sample_mb),
+                "val_fraction": data.val_fraction,
+                "sources": [[s.source, s.weight, s.text_field, c.listing()] for s, c in zip(text, corpora)],
+            }
+        )
+        path = cache_dir / f"tokenizer-{key[:16]}.json"
+        if not path.is_file():
+            docs = sample_documents(
+                corpora, [s.weight for s in text], data.tokenizer_sample_mb << 20, data.val_fraction
+            )
+            tokenizer = bpe.train_tokenizer(docs, vocab_size, data.max_run_chars)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tokenizer.save(str(tmp))
+            tmp.replace(path)
+        tokenizer_file = str(path)
+    indexes = [
+        prepare_source(data, s.source, s.text_field, vocab_size, cache_dir, progress, tokenizer_file)
+        for s in sources
+    ]
+    entries = [
+        {"source": s.source, "weight": s.weight, "index": str(p.relative_to(cache_dir))}
+        for s, p in zip(sources, indexes)
+    ]
+    metas = [json.loads(p.read_text()) for p in indexes]
+    blend = {
+        "version": FORMAT_VERSION,
+        "kind": "blend",
+        "sources": entries,
+        "vocab_size": max(m["vocab_size"] for m in metas),
+        "eos_id": next((m["eos_id"] for m in metas if m.get("eos_id") is not None), None),
+        "tokenizer": str(Path(tokenizer_file).resolve()) if tokenizer_file else None,
+    }
+    name = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir / f"blend-{name}.json"
+    write_json(path, blend)
+    return path
 
 
 def _digest(obj) -> str:

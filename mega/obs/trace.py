@@ -18,6 +18,7 @@ the earliest step start in the trace.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -49,133 +50,12 @@ def build(tl: analysis.RunTimeline) -> dict:
     if not starts:
         raise ValueError(f"no steps recorded under {tl.run_dir}")
     origin = min(starts)
-    sends = {}  # (attempt, sender, receiver, seq) -> (pid, ts) of the send's post
-    for rank in tl.ranks:
-        for rec in tl.steps.get(rank, {}).values():
-            for op, peer, seq, post, *_ in rec["p2p"]:
-                if op == "send":
-                    sends[(rec["_attempt"], rank, peer, seq)] = _us(post + rec["_offset"], origin)
-    flow = 0
+    sends = _send_posts(tl, origin)
+    flow_ids = itertools.count(1)
     for index, rank in enumerate(tl.ordered_ranks()):
-        h = tl.headers[rank]
-        meta += [
-            {
-                "ph": "M",
-                "name": "process_name",
-                "pid": rank,
-                "tid": 0,
-                "args": {"name": h.get("label", f"rank {rank}")},
-            },
-            {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": index}},
-            {"ph": "M", "name": "thread_name", "pid": rank, "tid": MAIN_TID, "args": {"name": "main thread"}},
-            *(
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": rank,
-                    "tid": tid,
-                    "args": {"name": f"in flight {kind}"},
-                }
-                for kind, tid in TRACKS.items()
-            ),
-        ]
+        meta += _rank_metadata(rank, index, tl.headers[rank].get("label", f"rank {rank}"))
         for step, rec in sorted(tl.steps.get(rank, {}).items()):
-            off = rec["_offset"]
-
-            def us(t: int) -> float:
-                return _us(t + off, origin)
-
-            summary = rec.get("summary") or {}
-            events.append(
-                _complete(
-                    f"step {step}",
-                    "step",
-                    us(rec["t0"]),
-                    us(rec["t1"]),
-                    rank,
-                    MAIN_TID,
-                    {k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()},
-                )
-            )
-            for name, cat, t0, t1, _depth, blocked, args in rec["spans"]:
-                a = dict(args) if isinstance(args, dict) else {}
-                if blocked:
-                    a["blocked"] = True
-                events.append(_complete(name, cat, us(t0), us(t1), rank, MAIN_TID, a))
-            for i, (op, peer, seq, post, _w0, w1, nbytes) in enumerate(rec["p2p"]):
-                end = us(w1) if w1 is not None else us(rec["t1"])
-                name = f"{op} {'->' if op == 'send' else '<-'} {peer}"
-                events += _async(
-                    name,
-                    "pp",
-                    us(post),
-                    end,
-                    rank,
-                    TRACKS["pp"],
-                    f"{rank}.{step}.p{i}",
-                    {"seq": seq, "bytes": nbytes},
-                )
-                if op == "recv" and w1 is not None:
-                    src = sends.get((rec["_attempt"], peer, rank, seq))
-                    if src is not None:
-                        flow += 1
-                        events.append(
-                            {
-                                "ph": "s",
-                                "name": "p2p",
-                                "cat": "p2p",
-                                "id": flow,
-                                "pid": peer,
-                                "tid": MAIN_TID,
-                                "ts": src,
-                            }
-                        )
-                        events.append(
-                            {
-                                "ph": "f",
-                                "bp": "e",
-                                "name": "p2p",
-                                "cat": "p2p",
-                                "id": flow,
-                                "pid": rank,
-                                "tid": MAIN_TID,
-                                "ts": end,
-                            }
-                        )
-            for i, (kind, name, post, _w0, w1) in enumerate(rec["async"]):
-                if w1 is not None:
-                    events += _async(
-                        name,
-                        kind,
-                        us(post),
-                        us(w1),
-                        rank,
-                        TRACKS.get(kind, TRACKS["other"]),
-                        f"{rank}.{step}.a{i}",
-                        {},
-                    )
-            if summary:
-                ts = us(rec["t1"])
-                events.append(
-                    {
-                        "ph": "C",
-                        "name": "exposed communication (ms)",
-                        "pid": rank,
-                        "tid": MAIN_TID,
-                        "ts": ts,
-                        "args": {k: round(1e3 * summary[f"exposed_{k}_s"], 3) for k in timeline.COMM_KINDS},
-                    }
-                )
-                events.append(
-                    {
-                        "ph": "C",
-                        "name": "compute (ms)",
-                        "pid": rank,
-                        "tid": MAIN_TID,
-                        "ts": ts,
-                        "args": {"compute": round(1e3 * summary["compute_s"], 3)},
-                    }
-                )
+            events += _step_events(rec, step, rank, origin, sends, flow_ids)
     # by time, parents before their children at equal start (longer first), so viewers nest them
     events.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
     return {
@@ -188,6 +68,105 @@ def build(tl: analysis.RunTimeline) -> dict:
             "clock": "rank 0's perf_counter; other nodes aligned by store round trips",
         },
     }
+
+
+def _send_posts(tl: analysis.RunTimeline, origin: int) -> dict:
+    """(attempt, sender, receiver, seq) -> the trace time of the send's post."""
+    sends = {}
+    for rank in tl.ranks:
+        for rec in tl.steps.get(rank, {}).values():
+            for op, peer, seq, post, *_ in rec["p2p"]:
+                if op == "send":
+                    sends[(rec["_attempt"], rank, peer, seq)] = _us(post + rec["_offset"], origin)
+    return sends
+
+
+def _rank_metadata(rank: int, index: int, label: str) -> list[dict]:
+    """A rank's process (name, place in the list) and its threads: the main one and one per
+    in-flight kind."""
+    return [
+        {"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": label}},
+        {"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": index}},
+        {"ph": "M", "name": "thread_name", "pid": rank, "tid": MAIN_TID, "args": {"name": "main thread"}},
+        *(
+            {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": f"in flight {kind}"}}
+            for kind, tid in TRACKS.items()
+        ),
+    ]
+
+
+def _step_events(rec: dict, step: int, rank: int, origin: int, sends: dict, flow_ids) -> list[dict]:
+    """One step of one rank: the step, its spans, its p2p and other in-flight operations, its
+    counters."""
+    off = rec["_offset"]
+
+    def us(t: int) -> float:
+        return _us(t + off, origin)
+
+    summary = rec.get("summary") or {}
+    rounded = {k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()}
+    events = [_complete(f"step {step}", "step", us(rec["t0"]), us(rec["t1"]), rank, MAIN_TID, rounded)]
+    for name, cat, t0, t1, _depth, blocked, args in rec["spans"]:
+        a = dict(args) if isinstance(args, dict) else {}
+        if blocked:
+            a["blocked"] = True
+        events.append(_complete(name, cat, us(t0), us(t1), rank, MAIN_TID, a))
+    for i, (op, peer, seq, post, _w0, w1, nbytes) in enumerate(rec["p2p"]):
+        end = us(w1) if w1 is not None else us(rec["t1"])
+        name = f"{op} {'->' if op == 'send' else '<-'} {peer}"
+        pp_id = f"{rank}.{step}.p{i}"
+        events += _async(name, "pp", us(post), end, rank, TRACKS["pp"], pp_id, {"seq": seq, "bytes": nbytes})
+        if op == "recv" and w1 is not None:
+            src = sends.get((rec["_attempt"], peer, rank, seq))
+            if src is not None:
+                events += _flow_arrow(next(flow_ids), peer, src, rank, end)
+    for i, (kind, name, post, _w0, w1) in enumerate(rec["async"]):
+        if w1 is not None:
+            track = TRACKS.get(kind, TRACKS["other"])
+            events += _async(name, kind, us(post), us(w1), rank, track, f"{rank}.{step}.a{i}", {})
+    if summary:
+        events += _counters(summary, rank, us(rec["t1"]))
+    return events
+
+
+def _flow_arrow(flow: int, sender: int, sent: float, receiver: int, received: float) -> list[dict]:
+    """An arrow from a send's post to the end of the receive that matched it."""
+    return [
+        {"ph": "s", "name": "p2p", "cat": "p2p", "id": flow, "pid": sender, "tid": MAIN_TID, "ts": sent},
+        {
+            "ph": "f",
+            "bp": "e",
+            "name": "p2p",
+            "cat": "p2p",
+            "id": flow,
+            "pid": receiver,
+            "tid": MAIN_TID,
+            "ts": received,
+        },
+    ]
+
+
+def _counters(summary: dict, rank: int, ts: float) -> list[dict]:
+    """The step's exposed communication by kind and its compute, as counter tracks."""
+    exposed = {k: round(1e3 * summary[f"exposed_{k}_s"], 3) for k in timeline.COMM_KINDS}
+    return [
+        {
+            "ph": "C",
+            "name": "exposed communication (ms)",
+            "pid": rank,
+            "tid": MAIN_TID,
+            "ts": ts,
+            "args": exposed,
+        },
+        {
+            "ph": "C",
+            "name": "compute (ms)",
+            "pid": rank,
+            "tid": MAIN_TID,
+            "ts": ts,
+            "args": {"compute": round(1e3 * summary["compute_s"], 3)},
+        },
+    ]
 
 
 def _us(ns: int, origin: int) -> float:

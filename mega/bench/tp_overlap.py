@@ -2,7 +2,7 @@
 the difference of outputs and gradients from ``none``. For GPU nodes (``infra/gpu-tp-overlap.sh``);
 on CPU it runs ``none`` and ``ring`` over gloo.
 
-    torchrun --standalone --nproc-per-node 8 -m mega.overlap.compare --backends none,ring,symm_mem,te
+    torchrun --standalone --nproc-per-node 8 -m mega.bench.tp_overlap --backends none,ring,symm_mem,te
 
 Prints one JSON line last. The GPU path (NCCL streams, symm_mem kernels, Transformer Engine
 userbuffers) was written on a CPU-only machine and has not been run: the JSON says so in
