@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mega.cluster.rendezvous import (
-    ATTEMPT_ENV,
     drop_attempt_keys,
     dump_store_traffic,
     init_process_group,
@@ -41,6 +40,7 @@ from mega.cluster.rendezvous import (
     rendezvous_env,
     without_secrets,
 )
+from mega.rank_env import ATTEMPT_ENV
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
