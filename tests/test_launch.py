@@ -32,7 +32,8 @@ from mega.cluster.selfcheck import (
 )
 from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
-from mega.launch.backend import JobSpec, agent_argv, backend_for
+from mega.launch.backend import JobSpec, agent_argv
+from mega.launch.backends import backend_for
 from mega.launch.runs import pid_alive
 from mega.launch.watch import run_job
 from mega.stability.incident import read_incidents

@@ -207,7 +207,8 @@ def time_process_groups(
     from contextlib import closing
 
     from mega.config import save
-    from mega.launch.backend import JobSpec, backend_for, server_host
+    from mega.launch.backend import JobSpec, server_host
+    from mega.launch.backends import backend_for
     from mega.launch.watch import TIMEOUT_EXIT, run_job
 
     c = cfg.cluster

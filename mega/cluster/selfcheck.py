@@ -514,7 +514,8 @@ def run_selfcheck(
     A job that crashes or times out yields ``healthy: False`` with the reason (the nodes whose
     agent failed are named), never an exception or a hang.
     """
-    from mega.launch.backend import JobSpec, backend_for
+    from mega.launch.backend import JobSpec
+    from mega.launch.backends import backend_for
     from mega.launch.watch import TIMEOUT_EXIT, describe_exit, run_job
 
     c = cfg.cluster
