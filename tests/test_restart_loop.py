@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from mega.config import compose
-from mega.launch import driver, runs
+from mega.launch import driver, incidents, runs
 from mega.launch.driver import REQUEUE, RESTART, Ended, Launch, LoopState, TrainingFailed
 from mega.launch.nodes import Nodes
 from mega.launch.slurm import PREEMPTED
 from mega.launch.watch import JobOutcome
 from mega.rank_env import ATTEMPT_ENV
-from mega.stability import incidents_of_attempt, rollback
+from mega.stability import rollback
 
 STEPS = 4
 
@@ -112,7 +112,7 @@ def loop(base_cfgs, tmp_path):
         run = stack.enter_context(
             runs.track(tmp_path, config=tmp_path / "config.json", data_index="index.json", target_steps=STEPS)
         )
-        book = incidents_of_attempt.Book(run, None, said.append)
+        book = incidents.Book(run, None, said.append)
         launch = Launch(
             tmp_path, Path("index.json"), said.append, run, Nodes(cfg, tmp_path, backend), {}, book
         )

@@ -29,14 +29,14 @@ from mega.checkpoint import latest_durable
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.goodput.marks import driver_mark
-from mega.launch import runs
+from mega.launch import incidents, runs
 from mega.launch.backend import JobSpec, server_host, training_job
 from mega.launch.nodes import Nodes
 from mega.launch.slurm import PREEMPTED
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
 from mega.stability import channel as heartbeats
-from mega.stability import incidents_of_attempt, membership, rollback
+from mega.stability import membership, rollback
 from mega.stability.detect import Watcher
 from mega.storage import StorageError
 
@@ -77,7 +77,7 @@ def run_training(
     heartbeat; after, completed or failed. ``flow_run_id`` names the flow run driving it and
     ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
     (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
-    ``on_incident``: called with each incident (mega.stability.incidents_of_attempt) when it is
+    ``on_incident``: called with each incident (mega.launch.incidents) when it is
     filed and again when the next attempt's first step recovers it (``stage``).
     """
     from mega import validation
@@ -104,7 +104,7 @@ def run_training(
         if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
             if cancelled := nodes.backend.cancel_run_jobs():
                 log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
-        book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
+        book = incidents.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
         driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
         launch = Launch(run_dir, index_path, log, run, nodes, {**store_env, **hb_env}, book)
         try:
@@ -126,7 +126,7 @@ class Launch:
     run: runs.RunTracker
     nodes: Nodes  # the membership and the backend that starts it
     store_env: dict[str, str]  # rendezvous and heartbeat servers (mega.cluster.rendezvous, channel)
-    book: incidents_of_attempt.Book
+    book: incidents.Book
 
     @property
     def config_path(self) -> Path:
@@ -240,7 +240,7 @@ def collect_outcome(launch: Launch, attempt: Attempt, outcome: JobOutcome) -> En
     n, nodes, log = attempt.number, attempt.cfg.cluster.nodes, launch.log
     # agents of a dead rank's peers may fail in the same poll: blame the culprit's node
     logs = {k: attempt.job.log_path(k, nodes) for k in range(nodes)}
-    outcome = incidents_of_attempt.narrow_to_culprits(outcome, logs)
+    outcome = incidents.narrow_to_culprits(outcome, logs)
     driver_mark(
         launch.run_dir, "stopped", attempt=n, ok=outcome.ok, reason=outcome.reason, stop_s=outcome.stop_s
     )
@@ -342,7 +342,7 @@ def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: E
             "and skipping the step's batch"
         )
     elif not lost and restarts_left:  # lost hosts: Slurm gives other nodes (spares) or fewer, no check
-        suspects = incidents_of_attempt.suspect_nodes(outcome, attempt.watcher.incidents)  # failed, hung
+        suspects = incidents.suspect_nodes(outcome, attempt.watcher.incidents)  # failed, hung
         if suspects and membership.diagnosis_enabled(cfg):
             state, diagnosed = diagnose(launch, state, n, suspects, outcome, final_step)
     launch.book.end(
@@ -362,13 +362,11 @@ def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: E
 
 def diagnose(
     launch: Launch, state: LoopState, n: int, suspects: list[int], outcome: JobOutcome, final_step: int
-) -> tuple[LoopState, incidents_of_attempt.Diagnosed]:
+) -> tuple[LoopState, incidents.Diagnosed]:
     """Self-check the suspected nodes and evict the unhealthy (mega.launch.nodes); raises
     TrainingFailed when the run cannot go on without them."""
     nodes, run = launch.nodes, launch.run
-    diagnosed = incidents_of_attempt.Diagnosed(
-        list(suspects), list(nodes.members.nodes), nodes.cfg.parallelism.dp
-    )
+    diagnosed = incidents.Diagnosed(list(suspects), list(nodes.members.nodes), nodes.cfg.parallelism.dp)
     try:
         t_diagnose = time.time()
         evicted = nodes.diagnose(n, suspects, launch.log)

@@ -29,15 +29,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mega.launch.backend import JobSpec
+from mega.launch.runs import RunTracker
+from mega.launch.watch import JobOutcome
 from mega.metrics import METRICS_FILE
 from mega.stability import logscan
 from mega.stability.incident import INCIDENTS_DIR, Incident
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
-    from mega.launch.backend import JobSpec
-    from mega.launch.runs import RunTracker
-    from mega.launch.watch import JobOutcome
 
 MAX_LOGS = 16  # agent logs scanned per failed attempt: the failed/suspected nodes first
 
