@@ -27,13 +27,13 @@ from mega.cluster.selfcheck import (
     cluster_verdict,
     pair_bandwidths,
     pair_rounds,
-    run_selfcheck,
     selfcheck_floors,
 )
 from mega.config import ConfigError, compose, from_dict
 from mega.launch import run_training
 from mega.launch.backend import JobSpec, agent_argv
 from mega.launch.backends import backend_for
+from mega.launch.node_jobs import run_selfcheck
 from mega.launch.runs import pid_alive
 from mega.launch.watch import run_job
 from mega.stability.incident import read_incidents
@@ -733,7 +733,7 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
 
 @pytest.mark.slow
 def test_bootstrap_timing_reports_per_node(tmp_path):
-    from mega.cluster.bootstrap import time_process_groups
+    from mega.launch.node_jobs import time_process_groups
 
     cfg = from_dict(
         {

@@ -8,8 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mega.cluster.selfcheck import run_selfcheck
 from mega.launch.backends import backend_for
+from mega.launch.node_jobs import run_selfcheck
 from mega.stability.membership import Membership, decide, selfcheck_verdicts
 
 if TYPE_CHECKING:
