@@ -294,6 +294,8 @@ def verdict(ended: Ended, cfg: MegaConfig) -> str:
 
 
 def finish(launch: Launch, state: LoopState, ended: Ended) -> TrainingResult:
+    """``train.steps`` reached: file what is left (an incident the attempt recovered) and report;
+    ``attempts`` counts every attempt but those Slurm's signal ended."""
     launch.book.end(ended.outcome, ended.final_step)
     return TrainingResult(
         launch.run_dir, state.failures + 1, ended.final_step, ended.metrics, ended.init, list(state.history)

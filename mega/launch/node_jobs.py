@@ -20,7 +20,7 @@ from mega.cluster.selfcheck import DEFAULT_TIMEOUT_S, selfcheck_floors
 from mega.config import save
 from mega.launch.backend import Backend, JobSpec, server_host
 from mega.launch.backends import backend_for
-from mega.launch.watch import TIMEOUT_EXIT, describe_exit, run_job
+from mega.launch.watch import TIMEOUT_EXIT, JobOutcome, describe_exit, run_job
 from mega.rank_env import ATTEMPT_ENV
 
 if TYPE_CHECKING:
@@ -81,46 +81,56 @@ def run_selfcheck(
     if outcome.ok and result_path.exists():
         result = json.loads(result_path.read_text())
     else:
-        logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
-        if outcome.code == TIMEOUT_EXIT:
-            why, blamed = f"timed out after {timeout_s:g} s", []
-        elif outcome.failed_nodes:
-            blamed = outcome.failed_nodes
-            why = (
-                "; ".join(
-                    f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
-                    for k in blamed
-                )
-                if c.nodes > 1
-                else f"exited with code {outcome.code}"
-            )
-        else:
-            why, blamed = f"exited with code {outcome.code}", []
-        reason = f"selfcheck job {why} without a verdict (see {logs})"
-        result = {
-            "node": socket.gethostname(),
-            "device": c.device,
-            "world_size": c.world_size,
-            "nodes_count": c.nodes,
-            "procs_per_node": c.procs_per_node,
-            "floors": floors,
-            "ranks": [],
-            "pairs": [],
-            "healthy": False,
-            "reasons": [reason],
-            # a node whose agent failed is unhealthy; the others could not be judged (None)
-            "nodes": [
-                {
-                    "node": k,
-                    "host": None,
-                    "address": None,
-                    "healthy": False if k in blamed else None,
-                    "reasons": [reason] if k in blamed or not blamed else [],
-                }
-                for k in range(c.nodes)
-            ],
-        }
+        result = _no_verdict(cfg, job, outcome, floors, timeout_s)
     result.update(exit_code=outcome.code, elapsed_s=round(elapsed, 3), result_path=str(result_path))
+    return result
+
+
+def _no_verdict(
+    cfg: MegaConfig, job: JobSpec, outcome: JobOutcome, floors: dict, timeout_s: float
+) -> dict[str, Any]:
+    """The verdict of a self-check job that wrote none (it crashed or timed out): unhealthy, the
+    nodes whose agents failed blamed, the others not judged (None)."""
+    c = cfg.cluster
+    logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
+    if outcome.code == TIMEOUT_EXIT:
+        why, blamed = f"timed out after {timeout_s:g} s", []
+    elif outcome.failed_nodes:
+        blamed = outcome.failed_nodes
+        why = (
+            "; ".join(
+                f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
+                for k in blamed
+            )
+            if c.nodes > 1
+            else f"exited with code {outcome.code}"
+        )
+    else:
+        why, blamed = f"exited with code {outcome.code}", []
+    reason = f"selfcheck job {why} without a verdict (see {logs})"
+    result = {
+        "node": socket.gethostname(),
+        "device": c.device,
+        "world_size": c.world_size,
+        "nodes_count": c.nodes,
+        "procs_per_node": c.procs_per_node,
+        "floors": floors,
+        "ranks": [],
+        "pairs": [],
+        "healthy": False,
+        "reasons": [reason],
+        # a node whose agent failed is unhealthy; the others could not be judged (None)
+        "nodes": [
+            {
+                "node": k,
+                "host": None,
+                "address": None,
+                "healthy": False if k in blamed else None,
+                "reasons": [reason] if k in blamed or not blamed else [],
+            }
+            for k in range(c.nodes)
+        ],
+    }
     return result
 
 
