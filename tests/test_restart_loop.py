@@ -238,6 +238,20 @@ def test_prepare_restart_continues_on_fewer_nodes_when_slurm_loses_a_host(loop, 
     assert (state.cfg.cluster.nodes, attempt.cfg.cluster.nodes) == (2, 2)  # the earlier values stand
 
 
+def test_diagnose_evicts_the_node_the_self_check_blames_and_the_next_attempt_runs_without_it(loop, tmp_path):
+    # attempt 0: node 1's agent fails; the self-check job on the same backend: node 1's agent fails
+    launch, state, backend = loop([([1, 2], {0: None, 1: 1}), ([], {0: None, 1: 1})], nodes=2)
+    attempt = driver.launch_attempt(launch, state)
+    ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+    after = driver.prepare_restart(launch, driver.counted(state, attempt, ended), attempt, ended)
+    assert backend.jobs[1].module == "mega.cluster.selfcheck"
+    assert after.history[-1]["evicted"] == [1]
+    assert (after.cfg.cluster.nodes, after.cfg.parallelism.dp) == (1, 1)  # cluster.min_nodes=1: DP shrinks
+    record = runs.read_record(tmp_path)
+    assert [e["node"] for e in record.evicted_nodes] == [1] and record.membership["nodes"] == [0]
+    assert [i["kind"] for i in record.incidents] == ["rank-exit", "eviction"]
+
+
 # -- the loop -----------------------------------------------------------------------------------
 
 
