@@ -497,8 +497,8 @@ def sliding_window_errors() -> dict:
 @guarded("selfcheck")
 def check_selfcheck(runs: Runs, python: str) -> None:
     """(7) the self-check on h100-8x is healthy; its pair exchange as 2 nodes x 4 ranks within 60 s."""
-    from mega.cluster.selfcheck import run_selfcheck
     from mega.config import compose
+    from mega.launch.node_jobs import run_selfcheck
 
     if runs.ngpu >= 8:
         node = compose(["cluster=h100-8x", "parallelism=single", "parallelism.dp=8"])

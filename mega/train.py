@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu, megatron_fixes, obs, optional_packages, validation
+from mega import megatron_cpu, megatron_fixes, obs, optional_packages, rank_env, validation
 from mega.cluster.backend_flags import backend_flags, launch_env_problems
 from mega.config import MegaConfig
 from mega.goodput import marks as goodput_marks
@@ -257,7 +257,7 @@ def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
     from mega.cluster import node
 
     f = cfg.fault
-    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    attempt = rank_env.attempt()
     struck = f.kill_rank == dist.get_rank() or (f.kill_node is not None and f.kill_node == node.node_rank())
     # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint/save.py), not here.
     if attempt == 0 and f.mode != "kill_in_upload" and struck and f.kill_at_step == step:
@@ -308,7 +308,7 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
     # phase timestamps on the ledger's one clock (docs/goodput.md)
     marks = goodput_marks.RankMarks(
         cfg.train.run_dir,
-        int(os.environ.get("MEGA_ATTEMPT", "0")),
+        rank_env.attempt(),
         int(os.environ.get("RANK", "0")),
         main_t or time.time(),
     )
@@ -323,7 +323,7 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
     )
     held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     run_dir = Path(cfg.train.run_dir)
-    node.record_process(run_dir, int(os.environ.get("MEGA_ATTEMPT", "0")))  # which pid ran where
+    node.record_process(run_dir, rank_env.attempt())  # which pid ran where
     trainer.init_times["nodes"] = node.gather_table()
     trainer.init_times["comm_overlap"] = pp_dp.record(cfg.parallelism)  # PP/DP overlap on/left off
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
@@ -340,7 +340,7 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
             )
     flops_per_step = flops.model_flops_per_step(cfg)
     tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
-    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    attempt = rank_env.attempt()
 
     logger = MetricsLogger(run_dir, enabled=is_logging_rank(), tensorboard=cfg.train.tensorboard)
     if dist.get_rank() == 0:

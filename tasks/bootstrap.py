@@ -9,8 +9,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mega.cluster.bootstrap import StoreNotAvailable, time_process_groups, verify_store
+from mega.cluster.bootstrap import StoreNotAvailable, verify_store
 from mega.config import MegaConfig
+from mega.launch.node_jobs import time_process_groups
 
 
 def _transient(task, task_run, state) -> bool:

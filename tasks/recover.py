@@ -1,5 +1,6 @@
 """Prefect tasks of the recovery flow: find runs that should be training but are not, restart one
-from its latest durable checkpoint, and report what was found and done (mega.launch.runs does the work)."""
+from its latest durable checkpoint, and report what was found and done (mega.launch.recovery does
+the work; Prefect's flow runs are looked up here)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ from prefect import get_run_logger, runtime, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mega.data import prepare_dataset
-from mega.launch import TrainingFailed, run_training, runs
+from mega.launch import recovery, runs
 from tasks.incidents import publish_incident
 
 
@@ -64,18 +64,7 @@ def find_runs(
     opts = dict(include_failed=include_failed, max_recoveries=max_recoveries)
     if flow_run_id is not None and run_dir is None:
         flow_run_id = flow_run_id.removeprefix("prefect.flow-run.")  # a raw event resource id works too
-        # The flow run's own config names its run directory; its record must name the flow run
-        # (else a later run took the directory over, or this one ended before training).
-        try:
-            found = _run_dir_of_flow_run(flow_run_id)
-        except Exception as e:  # parameters of another shape: fall back to the records under runs_root
-            logger.info("flow run %s: no run directory from its parameters (%s)", flow_run_id, e)
-            found = None
-        try:
-            if found is None or flow_run_id not in runs.read_record(found).flow_run_ids:
-                found = runs.find_run_of_flow_run(runs_root, flow_run_id)
-        except runs.RunRecordError:
-            found = runs.find_run_of_flow_run(runs_root, flow_run_id)
+        found = recovery.run_dir_of_flow_run(runs_root, flow_run_id, _run_dir_of_flow_run, logger.info)
         if found is None:
             logger.info(
                 "no run record under %s names flow run %s (it ended before training started)",
@@ -90,17 +79,8 @@ def find_runs(
                 )
             ]
         run_dir = str(found)
-    statuses = (
-        [runs.inspect_run(run_dir, stale_after_s, **opts)]
-        if run_dir is not None
-        else runs.scan_runs(runs_root, stale_after_s, **opts)
-    )
-    # An operator who cancelled the flow run driving a run wants it stopped, not restarted.
-    last_drivers = {s.record.flow_run_ids[-1] for s in statuses if s.recover and s.record.flow_run_ids}
-    cancelled = _cancelled_flow_runs(sorted(last_drivers))
+    statuses = recovery.statuses(runs_root, run_dir, stale_after_s, _cancelled_flow_runs, **opts)
     for s in statuses:
-        if s.recover and s.record.flow_run_ids and s.record.flow_run_ids[-1] in cancelled:
-            s.verdict, s.reason = "cancelled", f"flow run {s.record.flow_run_ids[-1]} was cancelled"
         logger.info("%s: %s (%s)", s.run_dir, s.verdict, s.reason)
     return statuses
 
@@ -111,59 +91,17 @@ def find_runs(
 def restart_run(
     status: runs.RunStatus, stale_after_s: float, include_failed: bool, max_recoveries: int
 ) -> dict[str, Any]:
-    """Claim the run, check again under the claim, stop ranks its dead launcher left, and train on
-    from the latest durable checkpoint. Returns one row of the recovery table."""
-    logger = get_run_logger()
-    flow_run_id = runtime.flow_run.id and str(runtime.flow_run.id)
-    row = {
-        "run_dir": status.run_dir,
-        "found": status.verdict,
-        "reason": status.reason,
-        "checkpoint": status.checkpoint or "none (from step 0)",
-    }
-    try:
-        with runs.hold(status.run_dir, f"recovery (flow run {flow_run_id})"):
-            # Another recovery may have restarted it between the scan and this claim.
-            now = runs.inspect_run(
-                status.run_dir, stale_after_s, include_failed=include_failed, max_recoveries=max_recoveries
-            )
-            if now.verdict == "finished":
-                runs.mark_finished(status.run_dir)
-                return {**row, "action": "marked completed", "result": now.reason}
-            if not now.recover:
-                return {**row, "action": "skipped", "result": f"{now.verdict}: {now.reason}"}
-            if now.orphans:
-                logger.info(
-                    "%s: stopping rank processes %s left by the dead launcher", status.run_dir, now.orphans
-                )
-                runs.stop_processes(now.orphans)
-            cfg = runs.run_config(now.record)
-            index = Path(now.record.data_index)
-            if not index.exists():  # a cleaned data cache: rebuild it (content-addressed, same tokens)
-                index = prepare_dataset(cfg.data, cfg.model.vocab_size, progress=False)
-            row["checkpoint"] = now.checkpoint or "none (from step 0)"
-            logger.info("%s: restarting from %s", status.run_dir, row["checkpoint"])
-            result = run_training(
-                cfg,
-                index,
-                log=logger.info,
-                flow_run_id=flow_run_id,
-                recovery=True,
-                on_incident=publish_incident,
-            )  # and the recoveries
-    except runs.RunBusy as e:
-        return {**row, "action": "skipped", "result": str(e)}
-    except TrainingFailed as e:
-        return {**row, "action": "restarted", "result": f"failed again: {e}", "failed": True}
-    final = result.metrics[-1] if result.metrics else {}
-    return {
-        **row,
-        "action": "restarted",
-        "result": f"completed step {result.final_step} in {result.attempts} attempt(s), "
-        f"final loss {final.get('loss', float('nan')):.5f}",
-        "final_step": result.final_step,
-        "final_loss": final.get("loss"),
-    }
+    """Train the run on from its latest durable checkpoint (mega.launch.recovery.restart). Returns
+    one row of the recovery table."""
+    return recovery.restart(
+        status,
+        stale_after_s,
+        flow_run_id=runtime.flow_run.id and str(runtime.flow_run.id),
+        log=get_run_logger().info,
+        on_incident=publish_incident,
+        include_failed=include_failed,
+        max_recoveries=max_recoveries,
+    )
 
 
 @task(name="recovery-report", cache_policy=NO_CACHE)

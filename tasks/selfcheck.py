@@ -9,8 +9,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mega.cluster.selfcheck import pair_table, run_selfcheck, verdict_table
+from mega.cluster.selfcheck import pair_table, verdict_table
 from mega.config import MegaConfig
+from mega.launch.node_jobs import run_selfcheck
 
 
 class NodeUnhealthy(RuntimeError):

@@ -7,9 +7,10 @@ from datetime import timedelta
 
 import pytest
 
-from mega.cluster.bootstrap import connect_tcp_store, start_tcp_store, time_process_groups, verify_store
+from mega.cluster.bootstrap import connect_tcp_store, start_tcp_store, verify_store
 from mega.cluster.rendezvous import new_job_id, rendezvous_env, split_redis_password, without_secrets
 from mega.config import compose, from_dict
+from mega.launch.node_jobs import time_process_groups
 
 
 def test_tcp_store_serves_real_operations():
@@ -152,7 +153,7 @@ def test_training_over_a_password_protected_redis_store(tmp_path, data_index, da
 
 @pytest.mark.slow
 def test_bootstrap_timing_reports_per_node(tmp_path):
-    from mega.cluster.bootstrap import time_process_groups
+    from mega.launch.node_jobs import time_process_groups
 
     cfg = from_dict(
         {

@@ -1,4 +1,4 @@
-"""Every fault an incident (mega/stability/incidents_of_attempt.py), the error patterns of rank logs
+"""Every fault an incident (mega/launch/incidents.py), the error patterns of rank logs
 (mega/stability/logscan.py) and the Prefect side's names (tasks/incidents.py). The logs are real
 agent logs of mega's drills (tests/fixtures/logs/README.md); the drills themselves check their
 incidents in tests/test_launch.py, test_rollback.py, test_eviction.py and test_recovery.py."""
@@ -15,11 +15,11 @@ import pytest
 
 from mega.config import compose
 from mega.launch.backend import JobSpec
+from mega.launch.incidents import Book, Diagnosed, narrow_to_culprits, suspect_nodes
 from mega.launch.runs import read_record, track
 from mega.launch.watch import JobOutcome
 from mega.stability import logscan
 from mega.stability.incident import Incident, read_incidents
-from mega.stability.incidents_of_attempt import Book, Diagnosed, narrow_to_culprits, suspect_nodes
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 

@@ -22,7 +22,8 @@ from waiting import wait_for
 
 from mega.cluster.node import read_processes
 from mega.config import compose, from_dict
-from mega.launch.backend import JobSpec, agent_argv, backend_for
+from mega.launch.backend import JobSpec, agent_argv
+from mega.launch.backends import backend_for
 from mega.launch.runs import pid_alive
 from mega.launch.watch import run_job
 from mega.stability.incident import read_incidents

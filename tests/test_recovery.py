@@ -523,3 +523,57 @@ def incident_events(run_dir, name):
             limit=50,
         )  # the server's maximum (the client's default, 100, is refused)
     return [e for e in page.events if e.resource.get("mega.run-dir") == str(run_dir)]
+
+
+# -- the policy (mega.launch.recovery), with the orchestrator's answers given ------------------------
+
+
+def test_the_run_a_flow_run_drove_is_the_one_whose_record_names_it(tmp_path):
+    from mega.launch import recovery
+
+    a = make_run(tmp_path, "a", pid=dead_pid(), flow_run_ids=["fr-a"])
+    b = make_run(tmp_path, "b", pid=dead_pid(), flow_run_ids=["fr-b"])
+    said = []
+
+    def from_parameters(flow_run_id):
+        if flow_run_id == "fr-odd":
+            raise KeyError("config")
+        return a  # every flow run's parameters name directory a
+
+    assert recovery.run_dir_of_flow_run(tmp_path, "fr-a", from_parameters, said.append) == a
+    # a's record does not name fr-b (another run took the directory over): the records decide
+    assert recovery.run_dir_of_flow_run(tmp_path, "fr-b", from_parameters, said.append) == b
+    assert recovery.run_dir_of_flow_run(tmp_path, "fr-odd", from_parameters, said.append) is None
+    assert said == ["flow run fr-odd: no run directory from its parameters ('config')"]
+
+
+def test_a_run_whose_flow_run_was_cancelled_stays_stopped(tmp_path):
+    from mega.launch import recovery
+
+    make_run(tmp_path, "cancelled", pid=dead_pid(), flow_run_ids=["fr-1", "fr-2"])
+    make_run(tmp_path, "orphaned", pid=dead_pid(), flow_run_ids=["fr-3"])
+    make_run(tmp_path, "completed", state="completed", pid=dead_pid(), flow_run_ids=["fr-4"])
+    asked = []
+    found = recovery.statuses(tmp_path, None, 60, lambda ids: asked.append(ids) or {"fr-2", "fr-4"})
+    verdicts = {Path(s.run_dir).name: (s.verdict, s.reason) for s in found}
+    assert verdicts["cancelled"] == ("cancelled", "flow run fr-2 was cancelled")
+    assert verdicts["orphaned"][0] == "recover" and verdicts["completed"][0] == "completed"
+    assert asked == [["fr-2", "fr-3"]]  # only the last drivers of runs to recover are asked about
+
+
+def test_restart_looks_again_under_the_claim(tmp_path):
+    from mega.launch import recovery
+
+    done = make_run(tmp_path, "done", pid=dead_pid(), latest=f"iter_{STEPS:07d}")
+    live = make_run(tmp_path, "live", pid=dead_pid())
+    (finished,) = recovery.statuses(done, done, 60, lambda ids: set())
+    row = recovery.restart(finished, 60, flow_run_id="fr-1", log=lambda _: None)
+    assert row["action"] == "marked completed" and runs.read_record(done).state == "completed"
+
+    (scanned,) = recovery.statuses(live, live, 60, lambda ids: set())
+    assert scanned.verdict == "recover"
+    record = runs.read_record(live)  # another launcher took it up since the scan
+    record.pid, record.heartbeat = os.getpid(), time.time()
+    runs.write_record(record)
+    row = recovery.restart(scanned, 60, flow_run_id="fr-1", log=lambda _: None)
+    assert row["action"] == "skipped" and row["result"].startswith("alive: ")

@@ -71,7 +71,7 @@ def test_nan_step_and_spike_roll_back_and_are_skipped(runs):
         assert skipped["data_skipped"] and skipped["skipped"] and math.isnan(skipped["loss"])
     assert all(math.isfinite(m["loss"]) for m in drill.metrics if not m.get("data_skipped"))
     assert not (root / "drill" / rollback.ROLLBACK_FILE).exists()  # taken by the driver
-    # incidents (mega/stability/incidents_of_attempt.py), each recovered by the next attempt's first step
+    # incidents (mega/launch/incidents.py), each recovered by the next attempt's first step
     nan, spike = [i for i in read_incidents(root / "drill") if i["kind"] != "straggler"]
     assert (nan["kind"], nan["action"]) == ("nan", f"rolled back to iter_0000002, step {NAN_AT} skipped")
     assert (

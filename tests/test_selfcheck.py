@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from mega.cluster.selfcheck import node_verdict, run_selfcheck, selfcheck_floors, verdict_table
+from mega.cluster.selfcheck import node_verdict, selfcheck_floors, verdict_table
 from mega.config import from_dict
+from mega.launch.node_jobs import run_selfcheck
 
 
 def node_config(**cluster):

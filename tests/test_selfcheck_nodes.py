@@ -13,10 +13,10 @@ from mega.cluster.selfcheck import (
     cluster_verdict,
     pair_bandwidths,
     pair_rounds,
-    run_selfcheck,
     selfcheck_floors,
 )
 from mega.config import compose, from_dict
+from mega.launch.node_jobs import run_selfcheck
 
 
 @pytest.mark.parametrize("nodes", range(1, 10))

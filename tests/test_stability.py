@@ -331,9 +331,7 @@ def test_no_hang_once_a_rank_closed_its_heartbeat(redis_url):
 def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_path):
     """Redis still down when the attempt ends: the store incident says not resumed; the heartbeat
     summary file holds the last beats the watcher saw."""
-    from types import SimpleNamespace
-
-    from mega.launch.runs import RunRecord, read_record
+    from mega.launch.runs import RunRecord, RunTracker, read_record
     from mega.store import RedisServer
 
     server = RedisServer().start()
@@ -357,7 +355,7 @@ def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_p
         heartbeat=NOW,
         started=NOW,
     )
-    w.close(SimpleNamespace(record=record), 2, "failed: ranks exited", lambda: None)
+    w.close(RunTracker(record), 2, "failed: ranks exited", lambda: None)
     [inc] = read_incidents(tmp_path)
     assert inc["kind"] == "store" and inc["evidence"]["resumed"] is False
     # from the first failed read (NOW + 1) to the close (NOW + 4)

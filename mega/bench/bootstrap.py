@@ -1,7 +1,7 @@
 """``python -m mega.bench bootstrap --ranks 256,1024,2048,4096,12288 [--max-seconds S] [--real LAYOUTS] [--out DIR]``
 Start-up of megatron-core's group creation, two ways, side by side in one run:
 
-* **real ranks** (``real``): the flow's own timing job (``mega.cluster.bootstrap.time_process_groups``)
+* **real ranks** (``real``): the flow's own timing job (``mega.launch.node_jobs.time_process_groups``)
   for each ``--real`` layout (default ``tp2-pp2-dp2``: 8 gloo processes on this machine), with
   ``cluster.group_init`` light and default on torchrun's TCPStore, ``--real-repeats`` (3) times
   each (the median counts); start-up broken down by phase
@@ -198,8 +198,8 @@ def run_real(
     torchrun process per rank, torchrun's TCPStore), ``repeats`` times, as a row: ``seconds`` is
     megatron-core's group creation (max over ranks, imports excluded; the median over the repeats,
     each in ``seconds_per_repeat``), ``phases`` the start-up of the median repeat's slowest rank."""
-    from mega.cluster.bootstrap import time_process_groups
     from mega.config import compose
+    from mega.launch.node_jobs import time_process_groups
 
     cfg = compose(
         [

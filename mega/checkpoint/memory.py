@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mega import rank_env
 from mega.checkpoint.common import iteration_name, layout, rng_state, set_rng_state, threads, threads_cpu_s
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (a typed view of the slot needs alignment)
@@ -146,7 +147,7 @@ class MemoryCheckpoints:
         if not cfg.checkpoint.memory_interval or not optimizer_snapshot.supported(optimizer):
             return None
         memory = cls(cfg, model_chunks, optimizer, scheduler)
-        if os.environ.get("MEGA_ATTEMPT", "0") == "0" and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if rank_env.attempt() == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(memory.dir, ignore_errors=True)  # a new run: nothing there is of it
         dist.barrier(group=memory.group)
         return memory

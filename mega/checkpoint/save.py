@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mega import optimizer_snapshot
+from mega import optimizer_snapshot, rank_env
 from mega.checkpoint import megatron_io, save_group
 from mega.checkpoint.common import (
     META_FILE,
@@ -533,7 +533,7 @@ class Checkpointer:
             f.mode == "kill_in_upload"
             and f.kill_rank == self.rank
             and f.kill_at_step == step
-            and int(os.environ.get("MEGA_ATTEMPT", "0")) == 0
+            and rank_env.attempt() == 0
         ):
             return None
 

@@ -5,7 +5,7 @@ building the many communicator groups of 3D parallelism; both are measured here 
 
 * ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``cluster.redis_url`` / a local
   redis-server), connect a client, time set/get/add/wait round trips.
-* ``time_process_groups(cfg)``: a job on every node (``python -m mega.cluster.bootstrap``, one
+* ``time_process_groups(cfg)`` (started by mega/launch/node_jobs.py): a job on every node (``python -m mega.cluster.bootstrap``, one
   torchrun agent per node) over the config's world that times ``init_process_group`` (over
   ``cluster.store``) and megatron-core's model-parallel groups (built the ``cluster.group_init``
   way, mega/cluster/parallel_groups.py) and reports the slowest rank, overall and per node:
@@ -33,13 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mega.cluster.rendezvous import (
-    ATTEMPT_ENV,
-    drop_attempt_keys,
     dump_store_traffic,
     init_process_group,
     redis_server_url,
-    rendezvous_env,
-    without_secrets,
 )
 
 if TYPE_CHECKING:
@@ -186,66 +182,6 @@ PHASES = (
     "mp_megatron_s",  # ... outside new_group: megatron's rank lists and module state
     "mp_barrier_s",  # ... the world barrier after it (the slowest rank's groups)
 )
-
-
-def time_process_groups(
-    cfg: MegaConfig, out_dir: str | Path | None = None, *, timeout_s: float | None = None
-) -> dict[str, Any]:
-    """Launch cfg's world on every node (the launch backend of ``launcher``); the slowest rank's
-    init times, overall and per node.
-
-    Returns {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "ranks":
-    per-rank rows (with their node), "nodes": per-node maxima, "phases": {phase: seconds} of the
-    rank slowest to create its groups (``PHASES``), "phases_max": each phase's max over ranks,
-    "job_s": the launcher's wall time, "exit_s": the part of it after the result was written
-    (teardown)}. ``model_parallel_init_s`` is megatron-core's group creation only: every import
-    happens before the ranks line up, and it is the sum of the ``mp_*`` phases. Files (config
-    without secrets, result, logs) go to out_dir, by default ``<train.run_dir>/bootstrap``. The job
-    rendezvouses over ``cluster.store`` (its own job id). Raises RuntimeError when the job fails or
-    times out.
-    """
-    from contextlib import closing
-
-    from mega.config import save
-    from mega.launch.backend import JobSpec, backend_for, server_host
-    from mega.launch.watch import TIMEOUT_EXIT, run_job
-
-    c = cfg.cluster
-    out_dir = Path(out_dir or Path(cfg.train.run_dir) / "bootstrap")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config_path, result_path = out_dir / "config.json", out_dir / "result.json"
-    save(without_secrets(cfg), config_path)
-    result_path.unlink(missing_ok=True)
-    # imports (~10 s per rank on small CPUs) plus one pg timeout bound a job that cannot finish
-    timeout_s = timeout_s or c.pg_timeout_s + 120.0
-    job = JobSpec(
-        "mega.cluster.bootstrap",
-        ["--config", str(config_path), "--out", str(result_path)],
-        log_dir=out_dir,
-        name="bootstrap",
-    )
-    with (
-        closing(backend_for(cfg, out_dir)) as backend,
-        rendezvous_env(cfg, host=server_host(backend)) as store_env,
-    ):
-        launched = time.time()
-        job.env = {**c.env, **store_env, ATTEMPT_ENV: "0", LAUNCH_TIME_ENV: repr(launched)}
-        outcome = run_job(backend, job, timeout_s=timeout_s)
-        job_s = time.time() - launched
-        try:
-            drop_attempt_keys(store_env, 0)
-        except Exception:
-            pass
-    if not outcome.ok or not result_path.exists():
-        why = f"timed out after {timeout_s:g} s" if outcome.code == TIMEOUT_EXIT else outcome.reason
-        logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
-        raise RuntimeError(f"process-group timing job {why} (see {logs})")
-    result = json.loads(result_path.read_text())
-    result["job_s"] = job_s
-    # after the result: gathering it, destroying the groups, interpreter exit, the agents' shutdown
-    result["exit_s"] = launched + job_s - result.pop("written_at")
-    result_path.write_text(json.dumps(result, indent=2))
-    return result
 
 
 def _rank_main(argv: list[str] | None = None) -> int:

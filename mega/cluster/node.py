@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mega import rank_env
+
 NODE_ADDR_ENV = "MEGA_NODE_ADDR"
 RANKS_ON_HOST_ENV = "MEGA_RANKS_ON_HOST"
 
@@ -41,7 +43,7 @@ def local_rank() -> int:
 def agent_pid() -> int:
     """This rank's torchrun agent: its parent, or, for a warm rank (a fork of the node's zygote,
     mega/warm), the agent its client named."""
-    return int(os.environ.get("MEGA_AGENT_PID") or os.getppid())
+    return int(os.environ.get(rank_env.AGENT_PID_ENV) or os.getppid())
 
 
 def ranks_on_host() -> int:
@@ -119,7 +121,7 @@ def record_fault(run_dir: str | Path, kind: str, step: int, target_pid: int) -> 
         "step": step,
         "target_pid": target_pid,
         "time": time.time(),
-        "attempt": int(os.environ.get("MEGA_ATTEMPT", "0")),
+        "attempt": rank_env.attempt(),
     }
     with open(Path(run_dir) / "faults.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
+from mega import rank_env
+from mega.rank_env import REDIS_PASSWORD_ENV
+
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 # What a launcher hands its ranks for cluster.store=redis (never the config: it is saved to disk)
 REDIS_URL_ENV = "MEGA_REDIS_URL"  # the server's URL, without a password
-REDIS_PASSWORD_ENV = "MEGA_REDIS_PASSWORD"  # RedisStore's fallback when the URL has no password
 JOB_ID_ENV = "MEGA_JOB_ID"  # one per launch: the store namespace of this job
-ATTEMPT_ENV = "MEGA_ATTEMPT"  # the restart count: a restarted job never reads a dead attempt's keys
 
 
 def new_job_id(cfg: MegaConfig) -> str:
@@ -156,7 +157,7 @@ def init_process_group(cfg: MegaConfig, record: bool | None = None):
                 f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
                 "launch ranks through mega.launch (run_training) or mega.cluster.bootstrap"
             )
-        store = RedisStore(url, job_id=job_id, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), timeout=timeout)
+        store = RedisStore(url, job_id=job_id, attempt=rank_env.attempt(), timeout=timeout)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     else:
         # what init_process_group(init_method="env://") does inside (torchrun's agent store or

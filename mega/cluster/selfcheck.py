@@ -13,7 +13,7 @@ This module is both:
   disjoint pairs at the same time), local rank i of one node with local rank i of the other, so
   each node pair gets a bandwidth of its own. Rank 0 gathers everything and writes a verdict per
   node;
-* the library function ``run_selfcheck(cfg, out_dir)``, which launches that job and turns any
+* ``run_selfcheck(cfg, out_dir)`` (mega/launch/node_jobs.py), which launches that job and turns any
   failure of the job itself (a dead rank, a timeout, no result file) into an unhealthy verdict.
 
 Floors (``selfcheck_floors``) come from the cluster preset's hardware facts, so that a degraded
@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from mega.config import ClusterConfig, MegaConfig
-    from mega.launch.backend import Backend
+    from mega.config import ClusterConfig
 
 # float32 GEMM error relative to the float64 reference, normalized by the largest output entry:
 # correct hardware stays near 1e-6; silent data corruption is orders of magnitude above this.
@@ -495,106 +494,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------------
 # Library side: launch the job on every node and read its verdict
-
-
-def run_selfcheck(
-    cfg: MegaConfig,
-    out_dir: str | Path,
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    fail_rank: int | None = None,
-    backend: Backend | None = None,
-    bad_node: int | None = None,
-) -> dict[str, Any]:
-    """Check every node of cfg's cluster (``cluster.procs_per_node`` ranks each) on the launch
-    backend of ``launcher`` (or ``backend``, left open); always returns a verdict dict.
-
-    The dict is rank 0's result (``ranks`` rows, ``nodes`` verdicts, ``pairs`` bandwidths,
-    ``healthy``, ``reasons``, ``floors``) plus ``exit_code``, ``elapsed_s`` and ``result_path``.
-    A job that crashes or times out yields ``healthy: False`` with the reason (the nodes whose
-    agent failed are named), never an exception or a hang.
-    """
-    from mega.launch.backend import JobSpec, backend_for
-    from mega.launch.watch import TIMEOUT_EXIT, describe_exit, run_job
-
-    c = cfg.cluster
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result_path = out_dir / "result.json"
-    result_path.unlink(missing_ok=True)  # a stale verdict must never pass for this run's
-    floors = selfcheck_floors(c)
-    # collectives give up a little before the job does, so a dead peer shows as a rank error
-    pg_timeout = max(10.0, min(float(c.pg_timeout_s), timeout_s - 10.0))
-    args = [
-        "--out",
-        str(result_path),
-        "--floors",
-        json.dumps(floors),
-        "--device",
-        c.device,
-        "--timeout-s",
-        str(pg_timeout),
-    ]
-    if fail_rank is not None:
-        args += ["--fail-rank", str(fail_rank)]
-    if bad_node is not None:
-        args += ["--bad-node", str(bad_node)]
-    job = JobSpec("mega.cluster.selfcheck", args, dict(c.env), out_dir, "selfcheck")
-
-    start = time.perf_counter()
-    own = backend is None
-    backend = backend_for(cfg, out_dir) if own else backend
-    try:
-        outcome = run_job(backend, job, timeout_s=timeout_s)
-    finally:
-        if own:
-            backend.close()
-    elapsed = time.perf_counter() - start
-
-    if outcome.ok and result_path.exists():
-        result = json.loads(result_path.read_text())
-    else:
-        logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
-        if outcome.code == TIMEOUT_EXIT:
-            why, blamed = f"timed out after {timeout_s:g} s", []
-        elif outcome.failed_nodes:
-            blamed = outcome.failed_nodes
-            why = (
-                "; ".join(
-                    f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
-                    for k in blamed
-                )
-                if c.nodes > 1
-                else f"exited with code {outcome.code}"
-            )
-        else:
-            why, blamed = f"exited with code {outcome.code}", []
-        reason = f"selfcheck job {why} without a verdict (see {logs})"
-        result = {
-            "node": socket.gethostname(),
-            "device": c.device,
-            "world_size": c.world_size,
-            "nodes_count": c.nodes,
-            "procs_per_node": c.procs_per_node,
-            "floors": floors,
-            "ranks": [],
-            "pairs": [],
-            "healthy": False,
-            "reasons": [reason],
-            # a node whose agent failed is unhealthy; the others could not be judged (None)
-            "nodes": [
-                {
-                    "node": k,
-                    "host": None,
-                    "address": None,
-                    "healthy": False if k in blamed else None,
-                    "reasons": [reason] if k in blamed or not blamed else [],
-                }
-                for k in range(c.nodes)
-            ],
-        }
-    result.update(exit_code=outcome.code, elapsed_s=round(elapsed, 3), result_path=str(result_path))
-    return result
 
 
 def verdict_table(result: dict[str, Any]) -> list[dict[str, Any]]:

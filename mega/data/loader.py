@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mega import rank_env
 from mega.data.corpus import DataError
 from mega.data.encode import die_with_parent
 
@@ -48,7 +49,7 @@ class WaitStats:
     """Time this rank waits for its batches, written to the run dir."""
 
     def __init__(self, run_dir: str, mode: str, rank: int):
-        attempt = os.environ.get("MEGA_ATTEMPT", "0")
+        attempt = os.environ.get(rank_env.ATTEMPT_ENV, "0")
         self.path = Path(run_dir) / "data-wait" / f"attempt{attempt}-rank{rank}.json"
         self.mode = mode
         self.steps, self.wait_s, self.step_s, self.first_wait_s = 0, 0.0, 0.0, None
@@ -132,7 +133,7 @@ def _node_names(run_dir: str) -> tuple[str, str, int]:
     job = "|".join(
         [
             str(Path(run_dir).resolve()),
-            os.environ.get("MEGA_ATTEMPT", "0"),
+            os.environ.get(rank_env.ATTEMPT_ENV, "0"),
             os.environ.get("TORCHELASTIC_RUN_ID", ""),
             os.environ.get("MASTER_PORT", ""),
         ]

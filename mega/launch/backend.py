@@ -15,6 +15,8 @@ Backends:
 * ``kubernetes``: not driven from here; ``python -m mega.launch.kubernetes`` renders a JobSet whose
   pods start the agents, restarted by the cluster (mega/launch/incluster_watch.py ends a hang).
 
+``backend_for`` (mega/launch/backends.py) picks the backend of ``launcher.name``; this module is what
+every backend and the driver share (the job, the agent's command line), and imports none of them.
 A backend may also have ``server_host``: the address that servers the driver starts for the nodes
 (a local redis-server) must listen on so every node reaches them (``server_host(backend)``).
 """
@@ -25,6 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from mega.rank_env import ATTEMPT_ENV
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -49,6 +53,27 @@ class JobSpec:
         if nodes == 1:
             return Path(self.log_dir) / f"{self.name}.log"
         return Path(self.log_dir) / "nodes" / str(node) / f"{self.name}.log"
+
+
+def training_job(
+    cfg: MegaConfig,
+    config_path: str | Path,
+    data_index: str | Path,
+    attempt: int,
+    env: dict[str, str],
+    log_dir: str | Path | None = None,
+) -> JobSpec:
+    """Training attempt ``attempt``: every rank runs ``mega.train`` on the saved config, with
+    ``cluster.env``, ``env`` (the store's, the rollback's) and its attempt number. ``log_dir``:
+    ``train.run_dir`` unless given. The driver hands it to a backend; ``render`` writes it for a
+    scheduler."""
+    return JobSpec(
+        "mega.train",
+        ["--config", str(config_path), "--data-index", str(data_index)],
+        {**cfg.cluster.env, **env, "PYTHONUNBUFFERED": "1", ATTEMPT_ENV: str(attempt)},
+        Path(cfg.train.run_dir if log_dir is None else log_dir),
+        f"train-attempt{attempt}",
+    )
 
 
 class Backend(Protocol):
@@ -102,31 +127,6 @@ def agent_argv(
         job.module,
         *job.args,
     ]
-
-
-def backend_for(cfg: MegaConfig, run_dir: str | Path) -> Backend:
-    """The backend of ``launcher.name``; ``run_dir`` is where it may keep files of its own."""
-    name = cfg.launcher.name
-    if name in ("local", "local-nodes"):
-        from mega.launch.local_nodes import LocalNodesBackend
-
-        return LocalNodesBackend(cfg, Path(run_dir))
-    if name == "slurm":
-        from mega.launch.slurm import SlurmBackend
-
-        return SlurmBackend(cfg, Path(run_dir))
-    if name == "kubernetes":
-        from mega.config import ConfigError
-
-        raise ConfigError(
-            "launcher.name",
-            "launcher=kubernetes is not driven from this process: render the "
-            "JobSet with `python -m mega.launch.kubernetes render` and apply "
-            "it; the cluster's controllers restart its pods (docs/cluster.md)",
-        )
-    from mega.config import ConfigError
-
-    raise ConfigError("launcher.name", f"no launch backend {name!r}")
 
 
 def server_host(backend: Backend) -> str:

@@ -6,6 +6,13 @@ ranks are processes, never in-process work. The driver owns membership: it start
 agent for an attempt, watches them (a node's agent exiting, a stall of ``metrics.jsonl`` for
 ``cluster.hang_timeout_s``), and on any failure stops every node's agent and ranks and relaunches
 all nodes from the durable ``latest``, with bounded attempts and exponential backoff.
+
+The restart loop is a recipe of four steps, each a function of its own: ``launch_attempt`` (save
+the attempt's config, start its job), ``watch_attempt`` (until it ends), ``collect_outcome`` (what
+it reached, what its ranks restored) and then, by ``verdict``, ``finish``, ``requeue`` or
+``prepare_restart`` (the next membership: lost hosts, a rollback, a diagnosis). ``LoopState`` is
+what one attempt hands the next: its number, the config it runs, the failure and requeue budgets
+spent and the history; ``Launch`` is what stays the same over a launch's attempts.
 """
 
 from __future__ import annotations
@@ -14,20 +21,24 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mega import config as mega_config
+from mega.checkpoint import latest_durable
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.goodput.marks import driver_mark
-from mega.launch import runs
-from mega.launch.backend import JobSpec, server_host
+from mega.launch import incidents, runs
+from mega.launch.backend import JobSpec, server_host, training_job
+from mega.launch.nodes import Nodes
+from mega.launch.slurm import PREEMPTED
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
 from mega.stability import channel as heartbeats
-from mega.stability import incidents_of_attempt, membership, rollback
+from mega.stability import membership, rollback
 from mega.stability.detect import Watcher
+from mega.storage import StorageError
 
 
 class TrainingFailed(RuntimeError):
@@ -66,7 +77,7 @@ def run_training(
     heartbeat; after, completed or failed. ``flow_run_id`` names the flow run driving it and
     ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
     (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
-    ``on_incident``: called with each incident (mega.stability.incidents_of_attempt) when it is
+    ``on_incident``: called with each incident (mega.launch.incidents) when it is
     filed and again when the next attempt's first step recovers it (``stage``).
     """
     from mega import validation
@@ -86,212 +97,313 @@ def run_training(
             flow_run_id=flow_run_id,
             recovery=recovery,
         ) as run,
-        contextlib.closing(membership.Nodes(cfg, run_dir)) as nodes,
+        contextlib.closing(Nodes(cfg, run_dir)) as nodes,
         rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env,
         heartbeats.heartbeat_env(cfg, store_env, host=server_host(nodes.backend)) as hb_env,
     ):  # docs/stability.md
         if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
             if cancelled := nodes.backend.cancel_run_jobs():
                 log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
-        book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
+        book = incidents.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
         driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
+        launch = Launch(run_dir, index_path, log, run, nodes, {**store_env, **hb_env}, book)
         try:
-            result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env}, book)
+            result = train_with_restarts(launch, LoopState(cfg, attempt=run.record.attempts))
         finally:
             driver_mark(run_dir, "end")
         run.finish("completed", result.final_step)
         return result
 
 
-def _train_with_restarts(
-    cfg: MegaConfig,
-    index_path: Path,
-    log: Callable[[str], None],
-    run: runs.RunTracker,
-    nodes: membership.Nodes,
-    store_env: dict[str, str],
-    book: incidents_of_attempt.Book,
-) -> TrainingResult:
-    from mega.checkpoint import latest_durable
-    from mega.storage import StorageError
+@dataclass(frozen=True)
+class Launch:
+    """What stays the same over one launch's attempts: the run, its nodes, the store's environment
+    for the ranks, the incident book and where messages go."""
 
-    run_dir = Path(cfg.train.run_dir)
-    config_path = run_dir / "config.json"
-    args = ["--config", str(config_path), "--data-index", str(index_path)]
-    env = {**cfg.cluster.env, **store_env, "PYTHONUNBUFFERED": "1"}
+    run_dir: Path
+    index_path: Path
+    log: Callable[[str], None]
+    run: runs.RunTracker
+    nodes: Nodes  # the membership and the backend that starts it
+    store_env: dict[str, str]  # rendezvous and heartbeat servers (mega.cluster.rendezvous, channel)
+    book: incidents.Book
 
-    first = run.record.attempts
-    attempts = 0  # attempts launched; those ended by Slurm's signal (requeues) do not count as failures
-    requeues = 0
-    history: list[dict] = []
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.json"
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """Where the restart loop stands before its next attempt: what each step hands the next."""
+
+    cfg: MegaConfig  # the next attempt's config (after an eviction or a lost host: other or fewer nodes)
+    attempt: int  # the next attempt's number over the run's life (its logs, store keys, MEGA_ATTEMPT)
+    failures: int = 0  # attempts that ended short of train.steps: checkpoint.max_restarts bounds them
+    requeues: int = 0  # attempts ended by Slurm's signal: launcher.slurm.max_requeues bounds them
+    history: tuple[dict, ...] = ()  # one row per attempt of this launch (TrainingResult.history)
+
+    def noted(self, **fields) -> LoopState:
+        """This state with ``fields`` added to the last attempt's history row."""
+        return replace(self, history=(*self.history[:-1], {**self.history[-1], **fields}))
+
+
+@dataclass
+class Attempt:
+    """One launched attempt: its number, config, job and heartbeat watcher."""
+
+    number: int
+    cfg: MegaConfig
+    job: JobSpec
+    watcher: Watcher
+
+
+@dataclass
+class Ended:
+    """How an attempt ended: its outcome (narrowed to the culprits' nodes), the step it reached,
+    the run's metrics and what its ranks restored (``init.json``)."""
+
+    outcome: JobOutcome
+    final_step: int
+    metrics: list[dict]
+    init: dict
+
+    @property
+    def restored(self) -> str | None:
+        return self.init.get("restore", {}).get("checkpoint")
+
+
+DONE, REQUEUE, RESTART = "done", "requeue", "restart"
+
+
+def train_with_restarts(launch: Launch, state: LoopState) -> TrainingResult:
+    """The restart loop: launch, watch, collect, then finish, requeue or restart (backoff first).
+    Raises TrainingFailed when a budget is spent or the nodes cannot go on."""
     while True:
-        n = first + attempts  # this attempt's number over the run's life
-        run.beat(attempts=n + 1)
-        env["MEGA_ATTEMPT"] = str(n)
-        # the nodes (after an eviction: other or fewer) and the steps rolled back from (mega/stability)
-        cfg, backend, c = nodes.cfg, nodes.backend, nodes.cfg.cluster
-        mega_config.save(rendezvous.without_secrets(cfg), config_path)  # ranks get the password by env
-        env[rollback.SKIP_ENV] = rollback.skip_env(run.record.skipped_steps)
-        where = f" on {c.nodes} nodes ({c.procs_per_node} per node)" if c.nodes > 1 else ""
-        # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
-        # falling back past a corrupt one) and write what they restored into init.json.
-        try:
-            latest = latest_durable(cfg) if cfg.checkpoint.load else None
-        except StorageError as e:
-            latest = None
-            log(f"attempt {n}: checkpoint store: {e}")
-        log(
-            f"attempt {n}: launching {cfg.parallelism.world_size} ranks{where}"
-            + (f"; `latest` is {latest}" if latest else "")
-        )
-        init_file = run_dir / "init.json"
-        init_file.unlink(missing_ok=True)  # written anew by this attempt's rank 0
-        job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
-        watcher = Watcher(cfg, env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
-        driver_mark(run_dir, "launch", attempt=n)
-        book.begin(n, job, cfg, watcher, lambda cfg=cfg: _durable_step(cfg))
-        outcome = run_job(
-            backend,
-            job,
-            progress_file=run_dir / METRICS_FILE,
-            stall_timeout_s=c.hang_timeout_s,
-            on_poll=lambda: run.beat() or book.poll() or watcher.poll(),
-            on_failure=lambda o, n=n: log(f"attempt {n}: {o.reason}; stopping every node"),
-        )
-        # agents of a dead rank's peers may fail in the same poll: blame the culprit's node
-        logs = {k: job.log_path(k, c.nodes) for k in range(c.nodes)}
-        outcome = incidents_of_attempt.narrow_to_culprits(outcome, logs)
-        driver_mark(
-            run_dir, "stopped", attempt=n, ok=outcome.ok, reason=outcome.reason, stop_s=outcome.stop_s
-        )
-        attempts += 1
-        try:
-            dropped = rendezvous.drop_attempt_keys(store_env, n)
-        except Exception as e:
-            log(f"attempt {n}: could not drop its store keys ({type(e).__name__}); they expire by TTL")
-        else:
-            if dropped is not None:
-                log(f"attempt {n}: dropped its {dropped} store keys")
-        try:
-            init = json.loads(init_file.read_text()) if init_file.exists() else {}
-        except ValueError:  # rank 0 died while writing it
-            init = {}
-        if init.get("restore", {}).get("checkpoint"):
-            r = init["restore"]
-            log(
-                f"attempt {n}: resumed from {r['checkpoint']}"
-                + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else "")
-            )
-        metrics = read_metrics(run_dir)
-        final_step = metrics[-1]["step"] if metrics else 0
-        run.beat(final_step=final_step)
-        watcher.close(run, final_step, outcome.reason, lambda: _durable_step(cfg))  # incidents/, run.json
-        history.append(
-            {
-                "attempt": n,
-                "code": outcome.code,
-                "reason": outcome.reason,
-                "failed_nodes": outcome.failed_nodes,
-                "final_step": final_step,
-                "restored": init.get("restore", {}).get("checkpoint"),
-                "elapsed_s": round(outcome.elapsed_s, 3),
-                "stop_s": round(outcome.stop_s, 3),
-            }
-        )
-        if (
-            outcome.ok or _preempted(outcome)
-        ) and final_step >= cfg.train.steps:  # a late signal: done anyway
-            book.end(outcome, final_step)
-            return TrainingResult(run_dir, attempts, final_step, metrics, init, history)
-        if (
-            _preempted(outcome) and final_step < cfg.train.steps
-        ):  # Slurm's signal: saved at final_step; resubmit
-            requeues += 1
-            attempts -= 1
-            history[-1]["requeued"] = True  # no incident: a scheduled end, not a fault
-            runs.write_record(run.record)
-            limit = cfg.launcher.slurm.max_requeues
-            log(
-                f"attempt {n}: signalled by Slurm (time limit or preemption); the ranks saved step {final_step}; "
-                f"requeue {requeues} of at most {limit}"
-            )
-            if requeues > limit:
-                failed = TrainingFailed(f"requeued {requeues} times (launcher.slurm.max_requeues={limit})")
-                run.finish("failed", final_step, error=str(failed))
-                raise failed
-            first += 1  # the next attempt still gets a number (and a store namespace) of its own
+        attempt = launch_attempt(launch, state)
+        ended = collect_outcome(launch, attempt, watch_attempt(launch, attempt))
+        state = counted(state, attempt, ended)
+        step = verdict(ended, attempt.cfg)
+        if step == DONE:
+            return finish(launch, state, ended)
+        if step == REQUEUE:
+            state = requeue(launch, state, attempt, ended)
             continue
-        if outcome.ok:  # every agent exited 0 short of train.steps: not a success
-            outcome = JobOutcome(
-                1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes
-            )
+        state = prepare_restart(launch, state, attempt, ended)
+        backoff(launch, state, attempt.number)
+
+
+def launch_attempt(launch: Launch, state: LoopState) -> Attempt:
+    """Save the attempt's config (without secrets: the ranks get them by environment), note what
+    they will restore, and build its job and watcher. The ranks restore ``latest`` of the durable
+    store themselves (mega.checkpoint.restore) and write what they restored into init.json."""
+    n, cfg, run, log = state.attempt, state.cfg, launch.run, launch.log
+    c = cfg.cluster
+    run.beat(attempts=n + 1)
+    mega_config.save(rendezvous.without_secrets(cfg), launch.config_path)
+    where = f" on {c.nodes} nodes ({c.procs_per_node} per node)" if c.nodes > 1 else ""
+    try:
+        latest = latest_durable(cfg) if cfg.checkpoint.load else None
+    except StorageError as e:
+        latest = None
+        log(f"attempt {n}: checkpoint store: {e}")
+    log(
+        f"attempt {n}: launching {cfg.parallelism.world_size} ranks{where}"
+        + (f"; `latest` is {latest}" if latest else "")
+    )
+    (launch.run_dir / "init.json").unlink(missing_ok=True)  # written anew by this attempt's rank 0
+    env = {**launch.store_env, rollback.SKIP_ENV: rollback.skip_env(run.record.skipped_steps)}
+    job = training_job(cfg, launch.config_path, launch.index_path, n, env)
+    watcher = Watcher(cfg, job.env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
+    driver_mark(launch.run_dir, "launch", attempt=n)
+    launch.book.begin(n, job, cfg, watcher, lambda: _durable_step(cfg))
+    return Attempt(n, cfg, job, watcher)
+
+
+def watch_attempt(launch: Launch, attempt: Attempt) -> JobOutcome:
+    """Run the attempt's job on the nodes until it ends (mega.launch.watch.run_job): a node's agent
+    exits, the metrics stall for ``cluster.hang_timeout_s``, or the watcher sees a hang."""
+    n = attempt.number
+    return run_job(
+        launch.nodes.backend,
+        attempt.job,
+        progress_file=launch.run_dir / METRICS_FILE,
+        stall_timeout_s=attempt.cfg.cluster.hang_timeout_s,
+        on_poll=lambda: launch.run.beat() or launch.book.poll() or attempt.watcher.poll(),
+        on_failure=lambda o: launch.log(f"attempt {n}: {o.reason}; stopping every node"),
+    )
+
+
+def collect_outcome(launch: Launch, attempt: Attempt, outcome: JobOutcome) -> Ended:
+    """After the nodes stopped: blame the culprit's node, drop the attempt's store keys, read what
+    the ranks restored and reached, and close the watcher (its incidents go to the run record)."""
+    n, nodes, log = attempt.number, attempt.cfg.cluster.nodes, launch.log
+    # agents of a dead rank's peers may fail in the same poll: blame the culprit's node
+    logs = {k: attempt.job.log_path(k, nodes) for k in range(nodes)}
+    outcome = incidents.narrow_to_culprits(outcome, logs)
+    driver_mark(
+        launch.run_dir, "stopped", attempt=n, ok=outcome.ok, reason=outcome.reason, stop_s=outcome.stop_s
+    )
+    try:
+        dropped = rendezvous.drop_attempt_keys(launch.store_env, n)
+    except Exception as e:
+        log(f"attempt {n}: could not drop its store keys ({type(e).__name__}); they expire by TTL")
+    else:
+        if dropped is not None:
+            log(f"attempt {n}: dropped its {dropped} store keys")
+    init = _read_init(launch.run_dir / "init.json")
+    if (r := init.get("restore", {})).get("checkpoint"):
+        refused = f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""
+        log(f"attempt {n}: resumed from {r['checkpoint']}{refused}")
+    metrics = read_metrics(launch.run_dir)
+    final_step = metrics[-1]["step"] if metrics else 0
+    launch.run.beat(final_step=final_step)
+    attempt.watcher.close(launch.run, final_step, outcome.reason, lambda: _durable_step(attempt.cfg))
+    return Ended(outcome, final_step, metrics, init)
+
+
+def counted(state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
+    """The state after ``attempt``: the next number, its history row, and the attempt counted
+    against the failure budget unless Slurm's signal ended it (a requeue has a budget of its own)."""
+    o = ended.outcome
+    row = {
+        "attempt": attempt.number,
+        "code": o.code,
+        "reason": o.reason,
+        "failed_nodes": o.failed_nodes,
+        "final_step": ended.final_step,
+        "restored": ended.restored,
+        "elapsed_s": round(o.elapsed_s, 3),
+        "stop_s": round(o.stop_s, 3),
+    }
+    done = ended.final_step >= attempt.cfg.train.steps
+    failed = not (_preempted(o) or (o.ok and done))
+    return replace(
+        state, attempt=attempt.number + 1, failures=state.failures + failed, history=(*state.history, row)
+    )
+
+
+def verdict(ended: Ended, cfg: MegaConfig) -> str:
+    """DONE: ``train.steps`` reached (also when Slurm's signal came late); REQUEUE: Slurm's signal
+    ended it short (the ranks saved on the way out); RESTART: anything else."""
+    if (ended.outcome.ok or _preempted(ended.outcome)) and ended.final_step >= cfg.train.steps:
+        return DONE
+    if _preempted(ended.outcome):
+        return REQUEUE
+    return RESTART
+
+
+def finish(launch: Launch, state: LoopState, ended: Ended) -> TrainingResult:
+    """``train.steps`` reached: file what is left (an incident the attempt recovered) and report;
+    ``attempts`` counts every attempt but those Slurm's signal ended."""
+    launch.book.end(ended.outcome, ended.final_step)
+    return TrainingResult(
+        launch.run_dir, state.failures + 1, ended.final_step, ended.metrics, ended.init, list(state.history)
+    )
+
+
+def requeue(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
+    """Slurm ended the attempt (time limit or preemption) after its ranks saved: resubmit, up to
+    ``launcher.slurm.max_requeues`` times. No incident: a scheduled end, not a fault."""
+    state = replace(state, requeues=state.requeues + 1).noted(requeued=True)
+    launch.run.save()
+    limit = attempt.cfg.launcher.slurm.max_requeues
+    launch.log(
+        f"attempt {attempt.number}: signalled by Slurm (time limit or preemption); the ranks saved step "
+        f"{ended.final_step}; requeue {state.requeues} of at most {limit}"
+    )
+    if state.requeues > limit:
+        failed = TrainingFailed(f"requeued {state.requeues} times (launcher.slurm.max_requeues={limit})")
+        launch.run.finish("failed", ended.final_step, error=str(failed))
+        raise failed
+    return state
+
+
+def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
+    """After a failed attempt: the next membership (hosts Slurm lost, else a rollback's skipped
+    batch, else a diagnosis that may evict nodes), the incidents filed, the run record written.
+    Raises TrainingFailed once ``checkpoint.max_restarts`` restarts are spent."""
+    n, cfg, nodes, run, log = attempt.number, attempt.cfg, launch.nodes, launch.run, launch.log
+    outcome, final_step = ended.outcome, ended.final_step
+    if outcome.ok:  # every agent exited 0 short of train.steps: not a success
+        outcome = JobOutcome(1, f"ended at step {final_step} of {cfg.train.steps}", [], outcome.exit_codes)
+    log(
+        f"attempt {n}: training {_short(outcome)} at step {final_step}; "
+        f"logs: {_logs(attempt.job, cfg.cluster.nodes, outcome)}"
+    )
+    restarts_left = state.failures <= cfg.checkpoint.max_restarts
+    diagnosed = None
+    lost = _exclude_lost_hosts(nodes, log, n)  # Slurm: hosts it holds down never come back in this run
+    if lost:
+        state = state.noted(excluded_hosts=lost)
+    if (request := rollback.take(launch.run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
+        run.record.skipped_steps.append(request)
+        state = state.noted(skipped_step=request["step"])
         log(
-            f"attempt {n}: training {_short(outcome)} at step {final_step}; "
-            f"logs: {_logs(job, c.nodes, outcome)}"
+            f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
+            "and skipping the step's batch"
         )
-        diagnosed = None
-        lost = _exclude_lost_hosts(nodes, log, n)  # Slurm: hosts it holds down never come back in this run
-        if lost:
-            history[-1]["excluded_hosts"] = lost
-        if (request := rollback.take(run_dir, n)) is not None:  # a NaN/Inf step: skip its batch
-            run.record.skipped_steps.append(request)
-            history[-1]["skipped_step"] = request["step"]
-            log(
-                f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
-                "and skipping the step's batch"
-            )
-        elif lost:
-            pass  # Slurm gives the next attempt other nodes (spares) or fewer (min_nodes): no self-check
-        elif (
-            (
-                suspects := incidents_of_attempt.suspect_nodes(outcome, watcher.incidents)
-            )  # failed or hung nodes
-            and membership.diagnosis_enabled(cfg)
-            and attempts <= cfg.checkpoint.max_restarts
-        ):
-            diagnosed = incidents_of_attempt.Diagnosed.before(nodes, suspects)
-            try:
-                t_diagnose = time.time()
-                evicted = nodes.diagnose(n, suspects, log)
-                driver_mark(run_dir, "diagnose", attempt=n, seconds=time.time() - t_diagnose)
-            except membership.CannotContinue as e:
-                book.end(outcome, final_step, diagnosed=diagnosed.failed(e), restarts_left=False)
-                run.finish("failed", final_step, error=str(e))
-                raise TrainingFailed(f"attempt {n}: {e}") from None
-            run.record.evicted_nodes += evicted
-            history[-1]["evicted"] = [e["node"] for e in evicted]
-            diagnosed.after(nodes, evicted)
-        book.end(
-            outcome,
-            final_step,
-            rollback=request,
-            diagnosed=diagnosed,
-            restarts_left=attempts <= cfg.checkpoint.max_restarts,
-        )  # incidents/, run.json, on_incident
-        run.record.membership = nodes.as_record()
-        runs.write_record(run.record)
-        if attempts > cfg.checkpoint.max_restarts:
-            failed = TrainingFailed(
-                f"training failed {attempts} times (last: {outcome.reason}); "
-                f"see {run_dir}/{'nodes/*/' if c.nodes > 1 else ''}train-attempt*.log"
-            )
-            run.finish("failed", final_step, error=str(failed))
-            raise failed
-        driver_mark(
-            run_dir, "backoff", attempt=n, seconds=cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1)
+    elif not lost and restarts_left:  # lost hosts: Slurm gives other nodes (spares) or fewer, no check
+        suspects = incidents.suspect_nodes(outcome, attempt.watcher.incidents)  # failed, hung
+        if suspects and membership.diagnosis_enabled(cfg):
+            state, diagnosed = diagnose(launch, state, n, suspects, outcome, final_step)
+    launch.book.end(
+        outcome, final_step, rollback=request, diagnosed=diagnosed, restarts_left=restarts_left
+    )  # incidents/, run.json, on_incident
+    run.record.membership = nodes.as_record()
+    run.save()
+    if not restarts_left:
+        where = f"{launch.run_dir}/{'nodes/*/' if cfg.cluster.nodes > 1 else ''}train-attempt*.log"
+        failed = TrainingFailed(
+            f"training failed {state.failures} times (last: {outcome.reason}); see {where}"
         )
-        time.sleep(cfg.checkpoint.restart_backoff_s * 2 ** (attempts - 1))
+        run.finish("failed", final_step, error=str(failed))
+        raise failed
+    return replace(state, cfg=nodes.cfg)
+
+
+def diagnose(
+    launch: Launch, state: LoopState, n: int, suspects: list[int], outcome: JobOutcome, final_step: int
+) -> tuple[LoopState, incidents.Diagnosed]:
+    """Self-check the suspected nodes and evict the unhealthy (mega.launch.nodes); raises
+    TrainingFailed when the run cannot go on without them."""
+    nodes, run = launch.nodes, launch.run
+    diagnosed = incidents.Diagnosed(list(suspects), list(nodes.members.nodes), nodes.cfg.parallelism.dp)
+    try:
+        t_diagnose = time.time()
+        evicted = nodes.diagnose(n, suspects, launch.log)
+        driver_mark(launch.run_dir, "diagnose", attempt=n, seconds=time.time() - t_diagnose)
+    except membership.CannotContinue as e:
+        launch.book.end(outcome, final_step, diagnosed=diagnosed.failed(e), restarts_left=False)
+        run.finish("failed", final_step, error=str(e))
+        raise TrainingFailed(f"attempt {n}: {e}") from None
+    run.record.evicted_nodes += evicted
+    diagnosed.after(evicted, nodes.members.nodes, nodes.cfg.parallelism.dp)
+    return state.noted(evicted=[e["node"] for e in evicted]), diagnosed
+
+
+def backoff(launch: Launch, state: LoopState, attempt: int) -> None:
+    """Wait before the next attempt: ``checkpoint.restart_backoff_s``, doubling per failure."""
+    seconds = state.cfg.checkpoint.restart_backoff_s * 2 ** (state.failures - 1)
+    driver_mark(launch.run_dir, "backoff", attempt=attempt, seconds=seconds)
+    time.sleep(seconds)
+
+
+def _read_init(path: Path) -> dict:
+    """What the attempt's rank 0 restored ({} before it wrote it, or when it died writing it)."""
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        return {}
 
 
 def _preempted(outcome: JobOutcome) -> bool:
     """Every node's ranks saved and exited on Slurm's signal (mega.launch.slurm.PREEMPTED)."""
-    from mega.launch.slurm import PREEMPTED
-
     codes = outcome.exit_codes.values()
     return bool(codes) and all(c == PREEMPTED for c in codes)
 
 
-def _exclude_lost_hosts(nodes: membership.Nodes, log: Callable[[str], None], attempt: int) -> list[str]:
+def _exclude_lost_hosts(nodes: Nodes, log: Callable[[str], None], attempt: int) -> list[str]:
     """On Slurm: the attempt's hosts Slurm holds down go into ``--exclude`` of every later attempt;
     with fewer usable nodes than the run needs it shrinks to ``cluster.min_nodes`` or more (DP
     shrinks), else the same size lands on a spare. Other backends: nothing ([])."""
@@ -318,9 +430,6 @@ def _exclude_lost_hosts(nodes: membership.Nodes, log: Callable[[str], None], att
 
 def _durable_step(cfg: MegaConfig) -> int | None:
     """The step of the durable ``latest`` (what a relaunch resumes from), None when unknown."""
-    from mega.checkpoint import latest_durable
-    from mega.storage import StorageError
-
     try:
         latest = latest_durable(cfg) if cfg.checkpoint.load else None
     except StorageError:

@@ -36,9 +36,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mega import rank_env
 from mega.cluster import rendezvous
 from mega.config import ConfigError
 from mega.launch.backend import JobSpec, agent_argv
+from mega.launch.pod import NODE_NAME_ENV
 from mega.stability import channel, exit_signal
 
 if TYPE_CHECKING:
@@ -172,7 +174,7 @@ def _check_secrets(cfg: MegaConfig, job: JobSpec | None) -> None:
                 "Secrets (launcher.kubernetes.s3_secret, redis_secret)",
             )
     for name in sorted(job.env if job else {}):
-        if _SECRET.search(name) and name != rendezvous.REDIS_PASSWORD_ENV and name != channel.PASSWORD_ENV:
+        if _SECRET.search(name) and name != rank_env.REDIS_PASSWORD_ENV and name != channel.PASSWORD_ENV:
             raise ConfigError(f"env.{name}", "a secret in plain text: it would be written into the manifest")
     if _durable(cfg).startswith("s3://") and not k.s3_secret:
         raise ConfigError(
@@ -240,14 +242,14 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
     field = lambda name, path: {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env = [
         field("NODE_RANK", f"metadata.annotations['{_INDEX_ANNOTATION}']"),
-        field("MEGA_NODE_NAME", "spec.nodeName"),
+        field(NODE_NAME_ENV, "spec.nodeName"),
     ]
     if k.workload == "jobset":  # the attempt number is the JobSet's restart count
-        env.append(field("MEGA_ATTEMPT", f"metadata.labels['{RESTART_ATTEMPT_LABEL}']"))
+        env.append(field(rank_env.ATTEMPT_ENV, f"metadata.labels['{RESTART_ATTEMPT_LABEL}']"))
     plain = {**c.env, **rendezvous.public_env(job.env)}
     plain.pop(channel.PASSWORD_ENV, None)
     if k.workload == "jobset":
-        plain.pop("MEGA_ATTEMPT", None)
+        plain.pop(rank_env.ATTEMPT_ENV, None)
     if k.rdma.enabled:
         r = k.rdma
         plain.update(
@@ -270,7 +272,7 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
     env += [{"name": name, "value": value} for name, value in sorted(plain.items())]
     if k.redis_secret:
         if c.store == "redis":
-            env.append(_secret_env(rendezvous.REDIS_PASSWORD_ENV, k.redis_secret, "password"))
+            env.append(_secret_env(rank_env.REDIS_PASSWORD_ENV, k.redis_secret, "password"))
         if cfg.stability.enabled and c.redis_url is not None:
             env.append(_secret_env(channel.PASSWORD_ENV, k.redis_secret, "password"))
     if k.s3_secret:

@@ -30,6 +30,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mega.cluster.node import NODE_ADDR_ENV
 from mega.config import ConfigError
 
 NODE_IFNAME = "mega0"  # the node's interface inside its namespace (same name in every namespace)
@@ -149,7 +150,7 @@ class NetnsNetwork:
         return {
             "GLOO_SOCKET_IFNAME": NODE_IFNAME,
             "NCCL_SOCKET_IFNAME": NODE_IFNAME,
-            "MEGA_NODE_ADDR": self.address(node),
+            NODE_ADDR_ENV: self.address(node),
         }
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mega import rank_env
 from mega.stability import channel
 
 NODE_NAME_ENV = "MEGA_NODE_NAME"
@@ -54,7 +55,7 @@ def _attempt(client, prefix: str | None) -> int:
 
     from mega.launch.incluster_watch import generation
 
-    own = int(os.environ.get("MEGA_ATTEMPT") or 0)
+    own = int(os.environ.get(rank_env.ATTEMPT_ENV) or 0)
     try:
         return max(own, generation(client, prefix)) if client is not None else own
     except (redis.RedisError, OSError):  # heartbeats are never required to train
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     node = int(_flag(agent, "--node-rank") or 0)
     client, prefix = channel.client_from_env()
     attempt = _attempt(client, prefix)
-    os.environ["MEGA_ATTEMPT"] = str(attempt)
+    os.environ[rank_env.ATTEMPT_ENV] = str(attempt)
     if client is not None:
         with contextlib.suppress(Exception):
             client.set(

@@ -14,24 +14,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mega.cluster import rendezvous
-from mega.launch.backend import JobSpec
+from mega.launch.backend import JobSpec, training_job
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 
 def hand_job(cfg: MegaConfig, data_index: str, config_path: str, attempt: int = 0) -> JobSpec:
-    """The JobSpec of attempt ``attempt`` as the driver would hand it to a backend."""
-    env = {**cfg.cluster.env, "PYTHONUNBUFFERED": "1", rendezvous.ATTEMPT_ENV: str(attempt)}
+    """The JobSpec of attempt ``attempt`` as the driver would hand it to a backend; the store's
+    namespace is this job's own (no driver hands one out)."""
+    env = {}
     if cfg.cluster.store == "redis" and cfg.cluster.redis_url:
         public, _ = rendezvous.split_redis_password(cfg.cluster.redis_url)
-        env.update({rendezvous.REDIS_URL_ENV: public, rendezvous.JOB_ID_ENV: rendezvous.new_job_id(cfg)})
-    return JobSpec(
-        module="mega.train",
-        args=["--config", config_path, "--data-index", data_index],
-        env=env,
-        log_dir=Path(cfg.train.run_dir).absolute(),
-        name=f"train-attempt{attempt}",
+        env = {rendezvous.REDIS_URL_ENV: public, rendezvous.JOB_ID_ENV: rendezvous.new_job_id(cfg)}
+    return training_job(
+        cfg, config_path, data_index, attempt, env, log_dir=Path(cfg.train.run_dir).absolute()
     )
 
 

@@ -219,6 +219,10 @@ class RunTracker:
         self.record.heartbeat = now
         write_record(self.record)
 
+    def save(self) -> None:
+        """Write the record as it stands (after a change to its incidents, membership, ...)."""
+        write_record(self.record)
+
     def finish(self, state: str, final_step: int | None = None, error: str | None = None) -> None:
         self.record.state = state
         self.record.error = error

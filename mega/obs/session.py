@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from mega import rank_env
 from mega.obs import clock as obs_clock
 from mega.obs import gc_control
 from mega.obs.recorder import Recorder
@@ -139,7 +140,7 @@ class Session:
         identity = rank_identity()
         rank, run_dir = identity["rank"], Path(cfg.train.run_dir)
         cuda = cfg.cluster.device == "cuda"
-        attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+        attempt = rank_env.attempt()
         f = cfg.fault
         skew_ns = int(f.clock_skew_s * 1e9) if f.clock_skew_rank == rank else 0
         clock = time.perf_counter_ns if not skew_ns else (lambda: time.perf_counter_ns() + skew_ns)

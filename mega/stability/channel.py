@@ -83,6 +83,7 @@ def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> It
     (mega.cluster.rendezvous.redis_server_url). Empty when ``stability.enabled`` is off or no
     Redis may be started (``cluster.start_local_redis=false`` without a URL).
     """
+    from mega import rank_env
     from mega.cluster import rendezvous
 
     c = cfg.cluster
@@ -92,8 +93,8 @@ def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> It
         return
     if store_env.get(rendezvous.REDIS_URL_ENV):
         env = {URL_ENV: store_env[rendezvous.REDIS_URL_ENV], PREFIX_ENV: prefix}
-        if store_env.get(rendezvous.REDIS_PASSWORD_ENV):
-            env[PASSWORD_ENV] = store_env[rendezvous.REDIS_PASSWORD_ENV]
+        if store_env.get(rank_env.REDIS_PASSWORD_ENV):
+            env[PASSWORD_ENV] = store_env[rank_env.REDIS_PASSWORD_ENV]
         yield env
         return
     with rendezvous.redis_server_url(cfg, host=host) as url:

@@ -358,8 +358,6 @@ class Watcher:
         """Write this attempt's incidents to the run directory and the run record; drop the
         attempt's keys. ``reason``: how the attempt ended (a hang seen by the launcher's own stall
         check is localised here); ``resumed_step()``: the step a relaunch resumes from (steps lost)."""
-        from mega.launch import runs
-
         now = self.clock()
         if self.enabled:  # the ranks are stopped by now: their last beats (heartbeat.close sends one)
             self._store(now, self._read())
@@ -376,7 +374,7 @@ class Watcher:
             path = inc.write(run.record.run_dir)
             run.record.incidents.append(inc.brief(path))
         if self.incidents:
-            runs.write_record(run.record)
+            run.save()
         if self.enabled:
             self.write_summary(run.record.run_dir)
             try:

@@ -24,6 +24,7 @@ import os
 import threading
 import time
 
+from mega import rank_env
 from mega.stability import channel
 
 
@@ -229,7 +230,7 @@ def start(cfg) -> Heartbeat | None:
         return None
     groups = _groups()
     identity = {**rank_identity(), "groups": {n: dist.get_process_group_ranks(g) for n, g in groups.items()}}
-    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    attempt = rank_env.attempt()
     return Heartbeat(
         client, prefix, attempt, identity, groups, cfg.stability.heartbeat_s, device=_cuda_device()
     ).start()

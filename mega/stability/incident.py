@@ -13,7 +13,7 @@ INCIDENTS_DIR = "incidents"
 
 @dataclass
 class Incident:
-    kind: str  # "hang" | "straggler" | "store" (the watcher); "rank-exit" | "nan" | "spike" | "eviction" (incidents_of_attempt)
+    kind: str  # "hang" | "straggler" | "store" (the watcher); "rank-exit" | "nan" | "spike" | "eviction" (mega.launch.incidents)
     attempt: int
     detected_at: float  # unix time
     summary: str  # one line for people

@@ -37,6 +37,8 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mega import rank_env
+
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
@@ -160,7 +162,7 @@ def request_rollback(cfg: MegaConfig, step: int, bad: dict[str, bool], checkpoin
     """Every rank: record the bad step (rank 0), commit the save in flight (collective), exit."""
     import torch.distributed as dist
 
-    attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
+    attempt = rank_env.attempt()
     if dist.get_rank() == 0:
         what = " and ".join("loss spike" if k == "spike" else f"{k} not finite" for k, v in bad.items() if v)
         write_request(

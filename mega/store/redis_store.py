@@ -39,6 +39,7 @@ import torch.distributed as dist
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from mega import rank_env
 from mega.store.redis_server import parse_redis_url, redact_url
 
 __all__ = [
@@ -237,8 +238,8 @@ class RedisStore(dist.Store):
             fields["username"] = username
         if password is not None:
             fields["password"] = password
-        elif fields["password"] is None and os.environ.get("MEGA_REDIS_PASSWORD"):
-            fields["password"] = os.environ["MEGA_REDIS_PASSWORD"]
+        elif fields["password"] is None and os.environ.get(rank_env.REDIS_PASSWORD_ENV):
+            fields["password"] = os.environ[rank_env.REDIS_PASSWORD_ENV]
 
         self._url = url
         self._fields = fields

@@ -27,10 +27,12 @@ import socket
 import sys
 import time
 
+from mega import rank_env
+
 SOCKET_ENV = "MEGA_ZYGOTE_SOCKET"  # the node's zygote's unix socket (set by the launch backend)
 PID_ENV = "MEGA_ZYGOTE_PID"  # its pid: a client stops waiting for a zygote that died
 WAIT_ENV = "MEGA_ZYGOTE_WAIT_S"  # how long to wait for the zygote to finish its imports
-AGENT_PID_ENV = "MEGA_AGENT_PID"
+AGENT_PID_ENV = rank_env.AGENT_PID_ENV
 DEFAULT_WAIT_S = 300.0
 MAX_MESSAGE = 1 << 20
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)

@@ -29,16 +29,15 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mega.launch.backend import JobSpec
+from mega.launch.runs import RunTracker
+from mega.launch.watch import JobOutcome
 from mega.metrics import METRICS_FILE
 from mega.stability import logscan
 from mega.stability.incident import INCIDENTS_DIR, Incident
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
-    from mega.launch.backend import JobSpec
-    from mega.launch.runs import RunTracker
-    from mega.launch.watch import JobOutcome
-    from mega.stability.membership import Nodes
 
 MAX_LOGS = 16  # agent logs scanned per failed attempt: the failed/suspected nodes first
 
@@ -89,16 +88,8 @@ class Diagnosed:
     dp_after: int | None = None
     error: str | None = None
 
-    @classmethod
-    def before(cls, nodes: Nodes, suspects: list[int]) -> Diagnosed:
-        return cls(list(suspects), list(nodes.members.nodes), nodes.cfg.parallelism.dp)
-
-    def after(self, nodes: Nodes, evicted: list[dict]) -> Diagnosed:
-        self.evicted, self.nodes_after, self.dp_after = (
-            evicted,
-            list(nodes.members.nodes),
-            nodes.cfg.parallelism.dp,
-        )
+    def after(self, evicted: list[dict], nodes: list[int], dp: int) -> Diagnosed:
+        self.evicted, self.nodes_after, self.dp_after = evicted, list(nodes), dp
         return self
 
     def failed(self, error: Exception) -> Diagnosed:
@@ -420,9 +411,7 @@ class Book:
                 break
         else:
             records.append(brief)
-        from mega.launch import runs
-
-        runs.write_record(self.run.record)
+        self.run.save()
         self.published.add(brief["file"])
         if self.on_incident is None:
             return

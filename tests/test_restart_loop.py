@@ -1,0 +1,270 @@
+"""The driver's restart loop step by step (mega/launch/driver.py), on a scripted backend: each
+attempt ends as its script says (the steps rank 0 logs, every node's exit code); no processes.
+The loop on real ranks is tests/test_launch.py's, test_recovery.py's, test_eviction.py's."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mega.config import compose
+from mega.launch import driver, incidents, runs
+from mega.launch.driver import REQUEUE, RESTART, Ended, Launch, LoopState, TrainingFailed
+from mega.launch.nodes import Nodes
+from mega.launch.slurm import PREEMPTED
+from mega.launch.watch import JobOutcome
+from mega.rank_env import ATTEMPT_ENV
+from mega.stability import rollback
+
+STEPS = 4
+
+
+class ScriptedBackend:
+    """A launch backend whose attempts end as scripted: ``(steps, codes)`` per attempt. ``start``
+    appends the steps to metrics.jsonl as rank 0 would (with the job's attempt), ``poll`` answers
+    the exit codes, every node's at once."""
+
+    def __init__(self, run_dir: Path, script: list[tuple[list[int], dict[int, int | None]]]):
+        self.run_dir, self.script = run_dir, list(script)
+        self.jobs, self.stops, self.codes = [], 0, {}
+
+    def start(self, job) -> None:
+        self.jobs.append(job)
+        steps, self.codes = self.script.pop(0)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            for s in steps:
+                f.write(json.dumps({"step": s, "loss": 1.0, "attempt": int(job.env[ATTEMPT_ENV]), "time": 0}))
+                f.write("\n")
+
+    def wait_exit(self, seconds: float) -> None:  # the scripted agents have exited already
+        pass
+
+    def poll(self) -> dict[int, int | None]:
+        return dict(self.codes)
+
+    def stop(self) -> None:
+        self.stops += 1
+
+    def close(self) -> None:
+        pass
+
+
+class SlurmLike(ScriptedBackend):
+    """Slurm's extras: hosts it holds down, how many nodes stay usable, a resized allocation."""
+
+    def __init__(self, run_dir, script, lost: list[str], usable: int):
+        super().__init__(run_dir, script)
+        self.lost, self.usable, self.excluded, self.resized = lost, usable, [], None
+
+    def lost_hosts(self) -> list[str]:
+        return list(self.lost)
+
+    def exclude(self, host: str) -> None:
+        self.excluded.append(host)
+
+    def usable_nodes(self) -> int:
+        return self.usable
+
+    def resize(self, cfg) -> None:
+        self.resized = cfg.cluster.nodes
+
+
+@pytest.fixture(scope="module")
+def base_cfgs():
+    common = [
+        "model=tiny",
+        f"train.steps={STEPS}",
+        "checkpoint.restart_backoff_s=0",
+        "checkpoint.max_restarts=1",
+        "launcher.slurm.max_requeues=1",
+    ]
+    one = compose([*common, "parallelism=single"])
+    two = compose(
+        [
+            *common,
+            "parallelism=tp2-pp2-dp2",
+            "launcher=local-nodes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=4",
+            "cluster.min_nodes=1",
+        ]
+    )
+    return {1: one, 2: two}
+
+
+@pytest.fixture
+def loop(base_cfgs, tmp_path):
+    """``make(script, nodes=1, backend=None)``: a Launch on a scripted backend and the first state."""
+    stack = contextlib.ExitStack()
+    said: list[str] = []
+
+    def make(script=(), nodes=1, backend=None):
+        cfg = copy.deepcopy(base_cfgs[nodes])
+        cfg.train.run_dir = str(tmp_path)
+        cfg.checkpoint.dir = str(tmp_path / "checkpoints")
+        backend = backend or ScriptedBackend(tmp_path, script)
+        run = stack.enter_context(
+            runs.track(tmp_path, config=tmp_path / "config.json", data_index="index.json", target_steps=STEPS)
+        )
+        book = incidents.Book(run, None, said.append)
+        launch = Launch(
+            tmp_path, Path("index.json"), said.append, run, Nodes(cfg, tmp_path, backend), {}, book
+        )
+        return launch, LoopState(cfg, attempt=run.record.attempts), backend
+
+    make.said = said
+    with stack:
+        yield make
+
+
+def outcome(code: int, codes: dict, failed=()) -> JobOutcome:
+    return JobOutcome(code, "completed" if code == 0 else f"exit {code}", list(failed), codes)
+
+
+# -- the steps ----------------------------------------------------------------------------------
+
+
+def test_launch_attempt_saves_the_config_and_hands_the_attempt_its_number_and_skipped_steps(loop, tmp_path):
+    launch, state, _ = loop()
+    launch.run.record.skipped_steps.append({"step": 3, "what": "loss is nan"})
+    (tmp_path / "init.json").write_text("{}")  # the previous attempt's
+    attempt = driver.launch_attempt(launch, replace(state, attempt=5))
+    assert attempt.number == 5 and attempt.job.name == "train-attempt5"
+    assert attempt.job.env[ATTEMPT_ENV] == "5" and attempt.job.env[rollback.SKIP_ENV] == "3"
+    assert attempt.job.args == ["--config", str(tmp_path / "config.json"), "--data-index", "index.json"]
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == STEPS
+    assert not (tmp_path / "init.json").exists()
+    assert runs.read_record(tmp_path).attempts == 6  # the record counts the attempt as it starts
+
+
+def test_watch_attempt_ends_on_a_failed_node_and_stops_every_node(loop):
+    launch, state, backend = loop([([1, 2], {0: 1, 1: -9})], nodes=2)
+    attempt = driver.launch_attempt(launch, state)
+    o = driver.watch_attempt(launch, attempt)
+    assert o.failed_nodes == [1] and o.code == -9 and "SIGKILL" in o.reason  # the killed one is the cause
+    assert backend.stops == 1 and backend.jobs == [attempt.job]
+    assert any("stopping every node" in m for m in loop.said)
+
+
+def test_collect_outcome_reads_the_step_reached_and_what_the_ranks_restored(loop, tmp_path):
+    launch, state, _ = loop([([1, 2, 3], {0: 1})])
+    attempt = driver.launch_attempt(launch, state)
+    o = driver.watch_attempt(launch, attempt)
+    restore = {"checkpoint": "iter_0000002", "refused": [{"name": "iter_0000003"}]}
+    (tmp_path / "init.json").write_text(json.dumps({"restore": restore}))
+    ended = driver.collect_outcome(launch, attempt, o)
+    assert ended.final_step == 3 and ended.restored == "iter_0000002" and not ended.outcome.ok
+    assert runs.read_record(tmp_path).final_step == 3
+    assert "attempt 0: resumed from iter_0000002 (refused iter_0000003)" in loop.said
+    (tmp_path / "init.json").write_text('{"restore": ')  # rank 0 died writing it
+    assert driver.collect_outcome(launch, attempt, o).init == {}
+
+
+@pytest.mark.parametrize(
+    "code, codes, final_step, step, failure",
+    [
+        (0, {0: 0}, STEPS, driver.DONE, 0),
+        (PREEMPTED, {0: PREEMPTED, 1: PREEMPTED}, STEPS, driver.DONE, 0),  # the signal came late
+        (PREEMPTED, {0: PREEMPTED, 1: PREEMPTED}, 2, REQUEUE, 0),  # a requeue is no failure
+        (PREEMPTED, {0: PREEMPTED, 1: 1}, 2, RESTART, 1),  # a node failed on its way out
+        (0, {0: 0}, 2, RESTART, 1),  # every agent exited 0 short of train.steps
+        (1, {0: 1}, STEPS, RESTART, 1),
+    ],
+)
+def test_verdict_and_the_failure_budget(base_cfgs, code, codes, final_step, step, failure):
+    cfg = base_cfgs[1]
+    ended = Ended(outcome(code, codes), final_step, [], {})
+    assert driver.verdict(ended, cfg) == step
+    attempt = driver.Attempt(7, cfg, None, None)
+    state = driver.counted(LoopState(cfg, attempt=7, failures=1), attempt, ended)
+    assert (state.attempt, state.failures) == (8, 1 + failure)
+    assert state.history[-1]["attempt"] == 7 and state.history[-1]["final_step"] == final_step
+
+
+def test_requeue_is_bounded_by_its_own_budget(loop, tmp_path):
+    launch, state, _ = loop()
+    attempt = driver.Attempt(0, state.cfg, None, None)
+    ended = Ended(outcome(PREEMPTED, {0: PREEMPTED}), 2, [], {})
+    state = replace(state, history=({"attempt": 0},))
+    state = driver.requeue(launch, state, attempt, ended)  # 1 of at most 1
+    assert state.requeues == 1 and state.failures == 0 and state.history[-1]["requeued"] is True
+    with pytest.raises(TrainingFailed, match="requeued 2 times"):
+        driver.requeue(launch, state, attempt, ended)
+    assert runs.read_record(tmp_path).state == "failed"
+
+
+def test_prepare_restart_spends_the_failure_budget_then_fails(loop, tmp_path):
+    launch, state, _ = loop([([1, 2], {0: 1}), ([3], {0: 1})])
+    for failures in (1, 2):
+        attempt = driver.launch_attempt(launch, state)
+        ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+        state = driver.counted(state, attempt, ended)
+        assert state.failures == failures
+        if failures == 1:  # checkpoint.max_restarts=1: one restart
+            state = driver.prepare_restart(launch, state, attempt, ended)
+    with pytest.raises(TrainingFailed, match="training failed 2 times"):
+        driver.prepare_restart(launch, state, attempt, ended)
+    record = runs.read_record(tmp_path)
+    assert record.state == "failed" and [i["kind"] for i in record.incidents] == ["rank-exit", "rank-exit"]
+
+
+def test_prepare_restart_takes_a_rollback_request_into_the_record(loop, tmp_path):
+    launch, state, _ = loop([([1, 2], {0: 1})])
+    attempt = driver.launch_attempt(launch, state)
+    ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+    request = {"attempt": 0, "step": 3, "what": "loss is nan", "kind": "nan", "time": time.time()}
+    (tmp_path / rollback.ROLLBACK_FILE).write_text(json.dumps(request))
+    state = driver.prepare_restart(launch, driver.counted(state, attempt, ended), attempt, ended)
+    assert state.history[-1]["skipped_step"] == 3
+    assert [s["step"] for s in runs.read_record(tmp_path).skipped_steps] == [3]
+    assert driver.launch_attempt(launch, state).job.env[rollback.SKIP_ENV] == "3"  # the next attempt skips it
+
+
+def test_prepare_restart_continues_on_fewer_nodes_when_slurm_loses_a_host(loop, tmp_path):
+    backend = SlurmLike(tmp_path, [([1], {0: 0, 1: -9})], lost=["n2"], usable=1)
+    launch, state, _ = loop(nodes=2, backend=backend)
+    attempt = driver.launch_attempt(launch, state)
+    ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+    after = driver.prepare_restart(launch, driver.counted(state, attempt, ended), attempt, ended)
+    assert backend.excluded == ["n2"] and backend.resized == 1
+    assert after.history[-1]["excluded_hosts"] == ["n2"]
+    assert (after.cfg.cluster.nodes, after.cfg.parallelism.dp) == (1, 1)  # the next attempt's config
+    assert (state.cfg.cluster.nodes, attempt.cfg.cluster.nodes) == (2, 2)  # the earlier values stand
+
+
+def test_diagnose_evicts_the_node_the_self_check_blames_and_the_next_attempt_runs_without_it(loop, tmp_path):
+    # attempt 0: node 1's agent fails; the self-check job on the same backend: node 1's agent fails
+    launch, state, backend = loop([([1, 2], {0: None, 1: 1}), ([], {0: None, 1: 1})], nodes=2)
+    attempt = driver.launch_attempt(launch, state)
+    ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+    after = driver.prepare_restart(launch, driver.counted(state, attempt, ended), attempt, ended)
+    assert backend.jobs[1].module == "mega.cluster.selfcheck"
+    assert after.history[-1]["evicted"] == [1]
+    assert (after.cfg.cluster.nodes, after.cfg.parallelism.dp) == (1, 1)  # cluster.min_nodes=1: DP shrinks
+    record = runs.read_record(tmp_path)
+    assert [e["node"] for e in record.evicted_nodes] == [1] and record.membership["nodes"] == [0]
+    assert [i["kind"] for i in record.incidents] == ["rank-exit", "eviction"]
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+def test_the_loop_restarts_a_failure_and_requeues_a_signal_until_done(loop, tmp_path):
+    script = [
+        ([1, 2], {0: 1}),  # a rank failed: restart (backoff 0 s)
+        ([3], {0: PREEMPTED}),  # Slurm's signal short of the end: requeue, not counted
+        ([4], {0: 0}),
+    ]
+    launch, state, backend = loop(script)
+    result = driver.train_with_restarts(launch, state)
+    assert (result.attempts, result.final_step) == (2, STEPS)
+    assert [h["attempt"] for h in result.history] == [0, 1, 2]
+    assert [h.get("requeued", False) for h in result.history] == [False, True, False]
+    assert [j.env[ATTEMPT_ENV] for j in backend.jobs] == ["0", "1", "2"]
+    assert runs.read_record(tmp_path).attempts == 3
