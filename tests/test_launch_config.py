@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mega.config import ConfigError, compose, from_dict
-from mega.launch.backend import backend_for
+from mega.launch.backends import backend_for
 
 TWO_NODES = {
     "launcher": {"name": "local-nodes"},
