@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mega import faults
 from mega.config import DataConfig
 from mega.data import tokenizer as bpe
 from mega.data.corpus import DataError, open_corpus, read_units, unit_documents
@@ -38,8 +38,6 @@ JOURNAL = "journal.json"
 COMMIT_EVERY_S = 5.0  # journal commits at most this often (and only after a shard is finished)
 LOCK_STALL_S = 600.0  # a preparation holding the lock whose files do not change for this long is stuck
 RESULT_TIMEOUT_S = 900.0  # one unit (a few MB) taking longer than this means a stuck worker
-# Fault injection for tests: SIGKILL this process after that many journal commits.
-KILL_AFTER_COMMITS = "MEGA_DATA_KILL_AFTER_COMMITS"
 
 
 # Set while the tokenizer workers run ("PID:PATH"): the file a worker of process PID writes if it
@@ -236,7 +234,7 @@ def _stream(
     workers = data.workers or len(os.sched_getaffinity(0))
     started, last_commit, finished_since_commit = time.monotonic(), time.monotonic(), 0
     counts = {"bytes": 0, "tokens": 0, "documents": 0}
-    kill_after = int(os.environ.get(KILL_AFTER_COMMITS, "0"))
+    eager = faults.data_commit_eager()  # a drill counts commits: one per finished shard
 
     def consume(unit, encoded) -> None:
         nonlocal chain, finished_since_commit
@@ -266,8 +264,7 @@ def _stream(
         state["commits"] += 1
         _write_journal(work, key, state, writers)
         last_commit, finished_since_commit = time.monotonic(), 0
-        if kill_after and state["commits"] >= kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.after_data_commit(state["commits"])
 
     tokenizer_path = str(work / bpe.TOKENIZER_FILE)
     rerun_mark = work / "worker-rerun-script"
@@ -305,7 +302,7 @@ def _stream(
                     f"at offset {unit.start}"
                 ) from None
             show(unit, counts, time.monotonic() - started)
-            if finished_since_commit and (kill_after or time.monotonic() - last_commit >= COMMIT_EVERY_S):
+            if finished_since_commit and (eager or time.monotonic() - last_commit >= COMMIT_EVERY_S):
                 commit()
 
         for unit in read_units(corpus, file, offset, line):

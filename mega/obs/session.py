@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from mega import faults
 from mega.obs import clock as obs_clock
 from mega.obs import gc_control
 from mega.obs.recorder import Recorder
@@ -140,8 +141,7 @@ class Session:
         rank, run_dir = identity["rank"], Path(cfg.train.run_dir)
         cuda = cfg.cluster.device == "cuda"
         attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
-        f = cfg.fault
-        skew_ns = int(f.clock_skew_s * 1e9) if f.clock_skew_rank == rank else 0
+        skew_ns = faults.clock_skew_ns(cfg, rank)  # a drill's skewed clock (0: none)
         clock = time.perf_counter_ns if not skew_ns else (lambda: time.perf_counter_ns() + skew_ns)
         if not cfg.obs.enabled:
             rec = Recorder(None, identity, enabled=False)
@@ -177,7 +177,7 @@ class Session:
             )
             from mega.obs import megatron_hooks
 
-            megatron_hooks.install(rec, slow_s=f.slow_s if f.slow_rank == rank else 0.0)
+            megatron_hooks.install(rec, in_forward=faults.slow_forward(cfg, rank))
         rec.setup_cpu_ns = time.thread_time_ns() - cpu0
         # not the recorder's cost: the GC policy's (its first full collection and freeze)
         gc = gc_control.GarbageCollection(cfg.train.gc_interval, rec)

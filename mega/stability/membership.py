@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mega.config import ConfigError, FaultConfig, validate
+from mega import faults
+from mega.config import ConfigError, validate
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -74,7 +75,7 @@ def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
     new = copy.deepcopy(cfg)
     new.cluster.nodes = nodes
     new.parallelism.dp = world // mp
-    new.fault = FaultConfig()
+    faults.disarm(new)
     try:
         return validate(new)
     except ConfigError as e:  # e.g. the global batch does not split over the smaller DP
@@ -116,7 +117,7 @@ def decide(cfg: MegaConfig, members: Membership, bad: list[int]) -> Decision:
     new_cfg = cfg if len(nodes) == len(members.nodes) else resize(cfg, len(nodes))
     if new_cfg is cfg:  # same layout on other nodes: the drills of the old nodes end too
         new_cfg = copy.deepcopy(cfg)
-        new_cfg.fault = FaultConfig()
+        faults.disarm(new_cfg)
     parts = [
         f"node {k} evicted" + (f", spare node {replaced[k]} in its place" if k in replaced else "")
         for k in bad
@@ -162,7 +163,6 @@ class Nodes:
         from mega.cluster.selfcheck import run_selfcheck
         from mega.launch.backend import backend_for
 
-        bad_node = self.cfg.fault.bad_node
         out = self.run_dir / "diagnosis" / f"attempt{attempt}"
         who = ", ".join(str(self.members.nodes[k]) for k in suspects)
         log(
@@ -172,7 +172,7 @@ class Nodes:
             self.cfg,
             out,
             backend=self.backend,
-            bad_node=None if bad_node is None else self.members.job_rank(bad_node),
+            bad_node=faults.selfcheck_bad_node(self.cfg, self.members.job_rank),
         )
         verdicts = selfcheck_verdicts(result, self.members)
         bad = [k for k, v in verdicts.items() if v["healthy"] is False]
