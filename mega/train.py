@@ -65,7 +65,7 @@ def setup_distributed(cfg: MegaConfig) -> dict:
         cfg.cluster.group_init,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size,
         # on every backend: the distributed optimizer's checkpoint gathers over the gloo DP group
         create_gloo_process_groups=flags.create_gloo_process_groups,
     )

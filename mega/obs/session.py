@@ -158,7 +158,7 @@ class Session:
 
                 group = ps.get_pipeline_model_parallel_group()
                 p = cfg.parallelism
-                capacity = 4 * p.num_microbatches * max(1, p.vpp or 1) + 8
+                capacity = 4 * p.num_microbatches * p.chunks_per_stage + 8
                 device = "cuda" if "nccl" in dist.get_backend(group) else "cpu"  # also "cpu:gloo,cuda:nccl"
                 exchange = PostExchange(group, capacity, device)
             device_timer = None
