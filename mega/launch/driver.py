@@ -93,7 +93,8 @@ def run_training(
         if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
             if cancelled := nodes.backend.cancel_run_jobs():
                 log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
-        book = incidents_of_attempt.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
+        # every fault an incident, docs/stability.md
+        book = incidents_of_attempt.IncidentFiler(run, on_incident, log)
         driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
         try:
             result = _train_with_restarts(cfg, index_path, log, run, nodes, {**store_env, **hb_env}, book)
@@ -110,7 +111,7 @@ def _train_with_restarts(
     run: runs.RunTracker,
     nodes: membership.Nodes,
     store_env: dict[str, str],
-    book: incidents_of_attempt.Book,
+    book: incidents_of_attempt.IncidentFiler,
 ) -> TrainingResult:
     from mega.checkpoint import latest_durable
     from mega.storage import StorageError
