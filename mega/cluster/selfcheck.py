@@ -511,7 +511,7 @@ def run_selfcheck(
     agent failed are named), never an exception or a hang.
     """
     from mega.launch.backend import JobSpec, backend_for
-    from mega.launch.watch import TIMEOUT_EXIT, describe_exit, run_job
+    from mega.launch.watch import run_job
 
     c = cfg.cluster
     out_dir = Path(out_dir)
@@ -547,47 +547,55 @@ def run_selfcheck(
     if outcome.ok and result_path.exists():
         result = json.loads(result_path.read_text())
     else:
-        logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
-        if outcome.code == TIMEOUT_EXIT:
-            why, blamed = f"timed out after {timeout_s:g} s", []
-        elif outcome.failed_nodes:
-            blamed = outcome.failed_nodes
-            why = (
-                "; ".join(
-                    f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
-                    for k in blamed
-                )
-                if c.nodes > 1
-                else f"exited with code {outcome.code}"
-            )
-        else:
-            why, blamed = f"exited with code {outcome.code}", []
-        reason = f"selfcheck job {why} without a verdict (see {logs})"
-        result = {
-            "node": socket.gethostname(),
-            "device": c.device,
-            "world_size": c.world_size,
-            "nodes_count": c.nodes,
-            "procs_per_node": c.procs_per_node,
-            "floors": floors,
-            "ranks": [],
-            "pairs": [],
-            "healthy": False,
-            "reasons": [reason],
-            # a node whose agent failed is unhealthy; the others could not be judged (None)
-            "nodes": [
-                {
-                    "node": k,
-                    "host": None,
-                    "address": None,
-                    "healthy": False if k in blamed else None,
-                    "reasons": [reason] if k in blamed or not blamed else [],
-                }
-                for k in range(c.nodes)
-            ],
-        }
+        result = _no_verdict(c, job, outcome, timeout_s, floors)
     result.update(exit_code=outcome.code, elapsed_s=round(elapsed, 3), result_path=str(result_path))
     return result
+
+
+def _no_verdict(c: ClusterConfig, job, outcome, timeout_s: float, floors: dict) -> dict[str, Any]:
+    """The verdict of a self-check job that crashed or timed out: unhealthy, the reason naming the
+    nodes whose agent failed and their logs."""
+    from mega.launch.watch import TIMEOUT_EXIT, describe_exit
+
+    logs = ", ".join(str(job.log_path(k, c.nodes)) for k in (outcome.failed_nodes or range(c.nodes)))
+    if outcome.code == TIMEOUT_EXIT:
+        why, blamed = f"timed out after {timeout_s:g} s", []
+    elif outcome.failed_nodes:
+        blamed = outcome.failed_nodes
+        why = (
+            "; ".join(
+                f"node {k} {describe_exit(outcome.exit_codes[k]).replace('torchrun agent ', '')}"
+                for k in blamed
+            )
+            if c.nodes > 1
+            else f"exited with code {outcome.code}"
+        )
+    else:
+        why, blamed = f"exited with code {outcome.code}", []
+    reason = f"selfcheck job {why} without a verdict (see {logs})"
+    return {
+        "node": socket.gethostname(),
+        "device": c.device,
+        "world_size": c.world_size,
+        "nodes_count": c.nodes,
+        "procs_per_node": c.procs_per_node,
+        "floors": floors,
+        "ranks": [],
+        "pairs": [],
+        "healthy": False,
+        "reasons": [reason],
+        # a node whose agent failed is unhealthy; the others could not be judged (None)
+        "nodes": [
+            {
+                "node": k,
+                "host": None,
+                "address": None,
+                "healthy": False if k in blamed else None,
+                "reasons": [reason] if k in blamed or not blamed else [],
+            }
+            for k in range(c.nodes)
+        ],
+    }
 
 
 def verdict_table(result: dict[str, Any]) -> list[dict[str, Any]]:
