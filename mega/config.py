@@ -404,7 +404,7 @@ class TrainConfig:
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
-    # Validation loss on the held-out split (mega/validation.py), logged as val_loss: over this many
+    # Validation loss on the held-out split (mega/heldout.py), logged as val_loss: over this many
     # global batches of a fixed set of held-out sequences (0: no evaluation) ...
     eval_batches: int = 4
     # ... after every eval_interval steps and after the last one (0: after the last step only)

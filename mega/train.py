@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import faults, megatron_cpu, megatron_fixes, obs, optional_packages, validation
+from mega import faults, heldout, megatron_cpu, megatron_fixes, obs, optional_packages
 from mega.cluster.backend_flags import backend_flags, launch_env_problems
 from mega.config import MegaConfig
 from mega.goodput import marks as goodput_marks
@@ -316,7 +316,7 @@ def build_and_restore(cfg: MegaConfig, data_index: str, marks, launch_env: dict,
         t_build,
         t_build + trainer.init_times["pg_init_s"] + trainer.init_times["model_parallel_init_s"],
     )
-    held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
+    held_out = heldout.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     node.record_process(
         Path(cfg.train.run_dir), int(os.environ.get("MEGA_ATTEMPT", "0"))
     )  # which pid ran where
@@ -416,10 +416,10 @@ def run_step(r: RankRun, step: int) -> None:
         if r.memory is not None:
             r.memory.discard()  # the rollback goes back to `latest`, past the in-memory copies
         rollback.request_rollback(cfg, done, bad, r.checkpointer)
-    if validation.due(cfg, done):
+    if heldout.due(cfg, done):
         # evaluation is not training: out of the step's timeline
         with obs.paused(), marks.span("validation"):
-            result["val_loss"] = validation.validation_loss(trainer, r.held_out, _forward_step)
+            result["val_loss"] = heldout.validation_loss(trainer, r.held_out, _forward_step)
     r.logger.log(
         {
             "step": done,

@@ -19,7 +19,7 @@ from mega.launch.runs import read_record, track
 from mega.launch.watch import JobOutcome
 from mega.stability import logscan
 from mega.stability.incident import Incident, read_incidents
-from mega.stability.incidents_of_attempt import IncidentFiler, Diagnosed, narrow_to_culprits, suspect_nodes
+from mega.stability.incidents_of_attempt import Diagnosed, IncidentFiler, narrow_to_culprits, suspect_nodes
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 

@@ -25,7 +25,7 @@ from mega.launch import runs
 from mega.launch.backend import JobSpec, server_host
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
-from mega.stability import channel as heartbeats
+from mega.stability import heartbeat_redis as heartbeats
 from mega.stability import incidents_of_attempt, membership, rollback
 from mega.stability.detect import Watcher
 
@@ -69,12 +69,10 @@ def run_training(
     ``on_incident``: called with each incident (mega.stability.incidents_of_attempt) when it is
     filed and again when the next attempt's first step recovers it (``stage``).
     """
-    from mega import validation
+    from mega import heldout
 
     entered = time.time()
-    validation.check_held_out(
-        cfg, index_path
-    )  # a dataset without held-out text fails here, not in every rank
+    heldout.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with (

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from mega.cluster import rendezvous
 from mega.config import ConfigError
 from mega.launch.backend import JobSpec, agent_argv
-from mega.stability import channel, exit_signal
+from mega.stability import exit_signal, heartbeat_redis
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -64,7 +64,7 @@ _SECRET = re.compile(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|PRIVATE_KEY|^AWS_ACCESS_
 POD_FAILURE_RULES = [
     ("disrupted: preempted, drained, evicted (DisruptionTarget)", "FailJob", "Ignore"),
     (f"saved and exited on a signal (exit {exit_signal.EXIT_CODE})", "FailJob", "Ignore"),
-    (f"hung, ended by the watcher (exit {channel.RESTART_EXIT_CODE})", "Count", "Count"),
+    (f"hung, ended by the watcher (exit {heartbeat_redis.RESTART_EXIT_CODE})", "Count", "Count"),
 ]
 
 
@@ -172,7 +172,11 @@ def _check_secrets(cfg: MegaConfig, job: JobSpec | None) -> None:
                 "Secrets (launcher.kubernetes.s3_secret, redis_secret)",
             )
     for name in sorted(job.env if job else {}):
-        if _SECRET.search(name) and name != rendezvous.REDIS_PASSWORD_ENV and name != channel.PASSWORD_ENV:
+        if (
+            _SECRET.search(name)
+            and name != rendezvous.REDIS_PASSWORD_ENV
+            and name != heartbeat_redis.PASSWORD_ENV
+        ):
             raise ConfigError(f"env.{name}", "a secret in plain text: it would be written into the manifest")
     if _durable(cfg).startswith("s3://") and not k.s3_secret:
         raise ConfigError(
@@ -245,7 +249,7 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
     if k.workload == "jobset":  # the attempt number is the JobSet's restart count
         env.append(field("MEGA_ATTEMPT", f"metadata.labels['{RESTART_ATTEMPT_LABEL}']"))
     plain = {**c.env, **rendezvous.public_env(job.env)}
-    plain.pop(channel.PASSWORD_ENV, None)
+    plain.pop(heartbeat_redis.PASSWORD_ENV, None)
     if k.workload == "jobset":
         plain.pop("MEGA_ATTEMPT", None)
     if k.rdma.enabled:
@@ -266,13 +270,13 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
         if c.store == "redis":
             plain.setdefault(rendezvous.REDIS_URL_ENV, public)
         if cfg.stability.enabled:  # the heartbeat channel: one prefix for the run, over every restart
-            plain.update({channel.URL_ENV: public, channel.PREFIX_ENV: f"mega:hb:{n['run']}"})
+            plain.update({heartbeat_redis.URL_ENV: public, heartbeat_redis.PREFIX_ENV: f"mega:hb:{n['run']}"})
     env += [{"name": name, "value": value} for name, value in sorted(plain.items())]
     if k.redis_secret:
         if c.store == "redis":
             env.append(_secret_env(rendezvous.REDIS_PASSWORD_ENV, k.redis_secret, "password"))
         if cfg.stability.enabled and c.redis_url is not None:
-            env.append(_secret_env(channel.PASSWORD_ENV, k.redis_secret, "password"))
+            env.append(_secret_env(heartbeat_redis.PASSWORD_ENV, k.redis_secret, "password"))
     if k.s3_secret:
         env += [
             _secret_env(name, k.s3_secret, name) for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -418,7 +422,11 @@ def pod_failure_policy(workload: str) -> dict:
         },
         {
             "action": POD_FAILURE_RULES[2][1 + action],
-            "onExitCodes": {"containerName": "node", "operator": "In", "values": [channel.RESTART_EXIT_CODE]},
+            "onExitCodes": {
+                "containerName": "node",
+                "operator": "In",
+                "values": [heartbeat_redis.RESTART_EXIT_CODE],
+            },
         },
     ]
     return {"rules": rules}
