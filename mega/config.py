@@ -104,6 +104,16 @@ class ParallelismConfig:
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
+    @property
+    def chunks_per_stage(self) -> int:
+        """Model chunks per pipeline stage: ``vpp``, or 1 without interleaving (vpp null or 1)."""
+        return self.vpp or 1
+
+    @property
+    def virtual_pipeline_size(self) -> int | None:
+        """megatron-core's ``virtual_pipeline_model_parallel_size``: None without interleaving."""
+        return self.chunks_per_stage if self.chunks_per_stage > 1 else None
+
 
 @dataclass
 class ClusterConfig:
@@ -394,7 +404,7 @@ class TrainConfig:
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
-    # Validation loss on the held-out split (mega/validation.py), logged as val_loss: over this many
+    # Validation loss on the held-out split (mega/heldout.py), logged as val_loss: over this many
     # global batches of a fixed set of held-out sequences (0: no evaluation) ...
     eval_batches: int = 4
     # ... after every eval_interval steps and after the last one (0: after the last step only)
@@ -715,14 +725,14 @@ def validate(cfg: MegaConfig) -> MegaConfig:
     ]:
         _require(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
 
-    vpp = p.vpp or 1
+    vpp = p.chunks_per_stage
     _require(vpp >= 1, "parallelism.vpp", f"must be >= 1 or null, got {p.vpp}")
     _require(
         m.num_layers % (p.pp * vpp) == 0,
         "parallelism.pp",
         f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}",
     )
-    if p.vpp is not None and p.vpp > 1:
+    if p.chunks_per_stage > 1:
         _require(p.pp > 1, "parallelism.vpp", "interleaved pipelining (vpp>1) needs pp>1")
     _require(
         not p.sequence_parallel or p.tp > 1,
@@ -740,7 +750,7 @@ def validate(cfg: MegaConfig) -> MegaConfig:
         "parallelism.global_batch_size",
         f"{p.global_batch_size} is not divisible by micro_batch_size*dp={p.micro_batch_size}*{p.dp}",
     )
-    if p.vpp is not None and p.vpp > 1:
+    if p.chunks_per_stage > 1:
         _require(
             p.num_microbatches % p.pp == 0,
             "parallelism.global_batch_size",

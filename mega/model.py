@@ -44,7 +44,7 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size,
         sequence_parallel=p.sequence_parallel,
         pipeline_dtype=flags.torch_dtype(flags.pipeline_dtype),
         params_dtype=flags.torch_dtype(flags.params_dtype),
@@ -114,10 +114,10 @@ def decoder_spec(
 
 def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTModel]:
     """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
-    vpp = cfg.parallelism.vpp if (cfg.parallelism.vpp or 1) > 1 else None
+    vpp = cfg.parallelism.virtual_pipeline_size
     tp_overlap.before_model_build(cfg, tcfg.params_dtype)  # te: userbuffers precede the layers
     chunks = []
-    for vp_stage in range(vpp or 1):
+    for vp_stage in range(cfg.parallelism.chunks_per_stage):
         stage = vp_stage if vpp else None
         model = GPTModel(
             config=tcfg,

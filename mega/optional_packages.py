@@ -55,7 +55,7 @@ _CPU_ONLY = [
 ]
 # megatron's dist_checkpointing logs this at every save whose directory is not empty; mega's
 # checkpointer creates each save's staging directory (with its rng/ subdirectory) before calling
-# it and clears debris of unfinished saves itself (mega/checkpoint.py)
+# it and clears debris of unfinished saves itself (mega/checkpoint/save.py)
 _CHECKPOINT_LOGGER = "megatron.core.dist_checkpointing.serialization"
 _CHECKPOINT_OVERWRITE = "Overwriting old incomplete / corrupted checkpoint"
 

@@ -43,7 +43,7 @@ def summarize(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "total_steps": metrics[-1]["step"],
         "final_loss": metrics[-1]["loss"],
-        # the last held-out evaluation (mega/validation.py), None when the run made none
+        # the last held-out evaluation (mega/heldout.py), None when the run made none
         "val_loss": next((m["val_loss"] for m in reversed(metrics) if "val_loss" in m), None),
         "min_loss": min(m["loss"] for m in metrics),
         "mean_tokens_per_s": _mean(steady, "tokens_per_s"),

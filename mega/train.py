@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mega import config as mega_config
-from mega import megatron_cpu, megatron_fixes, obs, optional_packages, rank_env, validation
+from mega import faults, heldout, megatron_cpu, megatron_fixes, obs, optional_packages, rank_env
 from mega.cluster.backend_flags import backend_flags, launch_env_problems
 from mega.config import MegaConfig
 from mega.goodput import marks as goodput_marks
@@ -66,7 +65,7 @@ def setup_distributed(cfg: MegaConfig) -> dict:
         cfg.cluster.group_init,
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
-        virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_size,
         # on every backend: the distributed optimizer's checkpoint gathers over the gloo DP group
         create_gloo_process_groups=flags.create_gloo_process_groups,
     )
@@ -253,41 +252,36 @@ def measure_peak_flops(cfg: MegaConfig) -> float:
     return local.item() / dist.get_world_size()
 
 
-def maybe_inject_fault(cfg: MegaConfig, step: int) -> None:
+@dataclass
+class RankRun:
+    """What the step loop of one attempt works with, besides the trainer."""
+
+    cfg: MegaConfig
+    trainer: Trainer
+    marks: goodput_marks.RankMarks
+    warned: exit_signal.ExitSignal | None  # Slurm's warning before the time limit, when listening
+    held_out: object  # the held-out batches (None with train.eval_batches=0)
+    memory: object  # in-memory copies on a peer node (None when off)
+    checkpointer: object
+    logger: object
+    session: object  # span recorder, clock offsets, GC control
+    beat: object  # heartbeat to the driver's watcher (None when off)
+    skips: set[int]  # 1-based steps whose batch is never trained on
+    losses: rollback.LossWindow
+    verdicts: object  # the gloo group the per-step verdicts reduce over
+    me: dict  # this rank's node identity (the fault hooks' records)
+    start_step: int = 0
+    attempt: int = 0
+    peak: float = float("nan")
+    flops_per_step: float = 0.0
+    tokens_per_step: int = 0
+
+
+def prepare_process(cfg: MegaConfig) -> tuple[dict, dict]:
+    """Before any group exists: the GPU launch environment checked, megatron-core patched, the
+    thread count set. Returns the launch variables as launched and the patches applied."""
     from mega.cluster import node
 
-    f = cfg.fault
-    attempt = rank_env.attempt()
-    struck = f.kill_rank == dist.get_rank() or (f.kill_node is not None and f.kill_node == node.node_rank())
-    # kill_in_upload strikes in the checkpointer's stage 2 (mega/checkpoint/save.py), not here.
-    if attempt == 0 and f.mode != "kill_in_upload" and struck and f.kill_at_step == step:
-        print(
-            f"[fault] {f.mode}: rank {dist.get_rank()} (node {node.node_rank()}) at step {step}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if f.mode == "kill_agent":  # the node's agent dies; its ranks run on until someone stops them
-            if node.local_rank() == 0:
-                node.record_fault(cfg.train.run_dir, "kill_agent", step, node.agent_pid())
-                os.kill(node.agent_pid(), signal.SIGKILL)
-            return
-        node.record_fault(cfg.train.run_dir, f.mode, step, os.getpid())
-        if f.mode == "hang":
-            while True:  # alive but silent, like a rank stuck in a driver call
-                time.sleep(60)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
-    from mega import checkpoint, flops
-    from mega.cluster import node
-    from mega.metrics import MetricsLogger
-    from mega.obs.session import Session
-    from mega.stability import heartbeat
-
-    # Slurm's warning before a time limit: save and exit (docs/cluster.md). Listening from the start:
-    # a signal during start-up is acted on after the first step.
-    warned = exit_signal.install()
     flags = backend_flags(cfg)
     launch_env = {key: os.environ.get(key) for key in LAUNCH_ENV}  # as launched, before anything sets it
     missing = launch_env_problems(cfg, dict(os.environ))
@@ -304,14 +298,15 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         # One rank per core at most: oversubscribed OpenMP threads make every step slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // node.ranks_on_host()))
     os.environ.update(cfg.cluster.env)
+    return launch_env, patched
 
-    # phase timestamps on the ledger's one clock (docs/goodput.md)
-    marks = goodput_marks.RankMarks(
-        cfg.train.run_dir,
-        rank_env.attempt(),
-        int(os.environ.get("RANK", "0")),
-        main_t or time.time(),
-    )
+
+def build_and_restore(cfg: MegaConfig, data_index: str, marks, launch_env: dict, patched: dict):
+    """Build the trainer, record what this rank runs with, and restore ``latest`` (or the newest
+    in-memory copy). Returns (trainer, held-out batches, in-memory copies, start step, peak FLOP/s)."""
+    from mega import checkpoint
+    from mega.cluster import node
+
     t_build = marks.now()
     trainer = build(cfg, data_index)
     trainer.init_times["megatron_patches"] = patched  # what this rank changed in megatron-core
@@ -321,9 +316,8 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         t_build,
         t_build + trainer.init_times["pg_init_s"] + trainer.init_times["model_parallel_init_s"],
     )
-    held_out = validation.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
-    run_dir = Path(cfg.train.run_dir)
-    node.record_process(run_dir, rank_env.attempt())  # which pid ran where
+    held_out = heldout.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
+    node.record_process(Path(cfg.train.run_dir), rank_env.attempt())  # which pid ran where
     trainer.init_times["nodes"] = node.gather_table()
     trainer.init_times["comm_overlap"] = pp_dp.record(cfg.parallelism)  # PP/DP overlap on/left off
     peak = measure_peak_flops(cfg)  # before the restore: its random matrices draw from the RNG
@@ -338,108 +332,167 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
             start_step, trainer.init_times["restore"] = checkpoint.restore(
                 cfg, chunks, trainer.optimizer, trainer.scheduler, memory=memory
             )
-    flops_per_step = flops.model_flops_per_step(cfg)
-    tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
-    attempt = rank_env.attempt()
+    return trainer, held_out, memory, start_step, peak
 
+
+def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> RankRun:
+    """Everything before the first step: the process, the trainer (restored), the logger, the
+    checkpointer, observability, the heartbeat and the rollback rule."""
+    from mega import checkpoint, flops
+    from mega.cluster import node
+    from mega.metrics import MetricsLogger
+    from mega.obs.session import Session
+    from mega.stability import heartbeat
+
+    launch_env, patched = prepare_process(cfg)
+    attempt = rank_env.attempt()
+    # phase timestamps on the ledger's one clock (docs/goodput.md)
+    marks = goodput_marks.RankMarks(
+        cfg.train.run_dir, attempt, int(os.environ.get("RANK", "0")), main_t or time.time()
+    )
+    trainer, held_out, memory, start_step, peak = build_and_restore(
+        cfg, data_index, marks, launch_env, patched
+    )
+    run_dir = Path(cfg.train.run_dir)
     logger = MetricsLogger(run_dir, enabled=is_logging_rank(), tensorboard=cfg.train.tensorboard)
     if dist.get_rank() == 0:
         (run_dir / "init.json").write_text(json.dumps(trainer.init_times))
     logger.event(f"attempt {attempt}: starting at step {start_step} of {cfg.train.steps}")
     logger.event(pp_dp.log_line(cfg.parallelism))  # which PP/DP overlap this layout got
+    chunks = [m.module for m in trainer.model]
     checkpointer = checkpoint.Checkpointer(
         cfg, chunks, trainer.optimizer, trainer.scheduler, mega_config.to_dict(cfg)
     )
-    # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
-    session = Session.start(cfg)
-    beat = heartbeat.start(
-        cfg
-    )  # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
-    skips = rollback.steps_to_skip(cfg)  # batches never trained on (docs/stability.md)
-    losses = rollback.LossWindow(cfg)  # recent losses: the spike rule
-    verdicts = rollback.verdict_group()  # a gloo group of the training thread's own
-    code = 0
-    for step in range(start_step, cfg.train.steps):
-        t_step = marks.now()
-        maybe_inject_fault(cfg, step)
-        done = step + 1
-        rollback.maybe_poison(cfg, trainer, done, skips)
-        session.begin_step(step)
-        t0 = time.perf_counter()
-        result = rollback.skipped_step(trainer) if done in skips else train_step(trainer, step)
-        step_s = time.perf_counter() - t0
-        step_obs = session.end_step()  # compute time, exposed communication per kind
-        marks.step(
-            done,
-            t_step,
-            marks.now(),
-            done in skips,
-            obs.current().last_step.get("data_s"),
-            goodput_samples.consumed(cfg, step),
+    return RankRun(
+        cfg,
+        trainer,
+        marks,
+        warned,
+        held_out,
+        memory,
+        checkpointer,
+        logger,
+        # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
+        session=Session.start(cfg),
+        # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
+        beat=heartbeat.start(cfg),
+        skips=rollback.steps_to_skip(cfg),  # batches never trained on (docs/stability.md)
+        losses=rollback.LossWindow(cfg),  # recent losses: the spike rule
+        verdicts=rollback.verdict_group(),  # a gloo group of the training thread's own
+        me=node.identity(),
+        start_step=start_step,
+        attempt=attempt,
+        peak=peak,
+        flops_per_step=flops.model_flops_per_step(cfg),
+        tokens_per_step=cfg.parallelism.global_batch_size * cfg.model.seq_length,
+    )
+
+
+def run_step(r: RankRun, step: int) -> None:
+    """One step of the loop (0-based ``step``): the fault hooks, the step (or its skip), the
+    rollback verdict, held-out evaluation when due, and the metrics row."""
+    from mega import flops
+    from mega.cluster import node
+
+    cfg, marks, trainer = r.cfg, r.marks, r.trainer
+    t_step = marks.now()
+    faults.at_step_start(cfg, step, r.me, node.agent_pid)
+    done = step + 1
+    faults.poison_weights(cfg, [m.module for m in trainer.model], done, r.skips, r.me)
+    r.session.begin_step(step)
+    t0 = time.perf_counter()
+    result = rollback.skipped_step(trainer) if done in r.skips else train_step(trainer, step)
+    step_s = time.perf_counter() - t0
+    step_obs = r.session.end_step()  # compute time, exposed communication per kind
+    data_s = obs.current().last_step.get("data_s")
+    marks.step(done, t_step, marks.now(), done in r.skips, data_s, goodput_samples.consumed(cfg, step))
+    if r.beat:
+        r.beat.step_done(done, result, step_s, r.tokens_per_step)
+    # NaN/Inf or spike: all agree
+    bad = None if done in r.skips else rollback.check_step(result, r.losses, r.verdicts)
+    if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
+        if r.memory is not None:
+            r.memory.discard()  # the rollback goes back to `latest`, past the in-memory copies
+        rollback.request_rollback(cfg, done, bad, r.checkpointer)
+    if heldout.due(cfg, done):
+        # evaluation is not training: out of the step's timeline
+        with obs.paused(), marks.span("validation"):
+            result["val_loss"] = heldout.validation_loss(trainer, r.held_out, _forward_step)
+    r.logger.log(
+        {
+            "step": done,
+            **result,
+            "step_s": step_s,
+            "tokens_per_s": r.tokens_per_step / step_s,
+            "mfu": flops.mfu(r.flops_per_step, step_s, dist.get_world_size(), r.peak),
+            "attempt": r.attempt,
+            "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
+            "node": node.node_rank(),  # the logging rank's node
+            **step_obs,
+        }
+    )
+
+
+def after_step(r: RankRun, done: int) -> bool:
+    """The step's checkpoint work (the save in flight advanced, a save or in-memory copy when
+    due), GC, and the scheduler's warning; True when the rank must stop (saved, warned)."""
+    from mega import checkpoint
+
+    cfg, marks = r.cfg, r.marks
+    r.checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
+    interval = cfg.checkpoint.interval
+    if interval and (done % interval == 0 or done == cfg.train.steps):
+        with obs.span("checkpoint"), marks.span("checkpoint"):
+            saved = r.checkpointer.save(done)
+        r.logger.event(
+            f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
+            f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background"
         )
-        if beat:
-            beat.step_done(done, result, step_s, tokens_per_step)
-        bad = (
-            None if done in skips else rollback.check_step(result, losses, verdicts)
-        )  # NaN/Inf or spike: all agree
-        if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
-            if memory is not None:
-                memory.discard()  # the rollback goes back to `latest`, past the in-memory copies
-            rollback.request_rollback(cfg, done, bad, checkpointer)
-        if validation.due(cfg, done):
-            with (
-                obs.paused(),
-                marks.span("validation"),
-            ):  # evaluation is not training: out of the step's timeline
-                result["val_loss"] = validation.validation_loss(trainer, held_out, _forward_step)
-        logger.log(
-            {
-                "step": done,
-                **result,
-                "step_s": step_s,
-                "tokens_per_s": tokens_per_step / step_s,
-                "mfu": flops.mfu(flops_per_step, step_s, dist.get_world_size(), peak),
-                "attempt": attempt,
-                "time": time.time(),  # wall clock at the step's end: steps/s including checkpoint stalls
-                "node": node.node_rank(),  # the logging rank's node
-                **step_obs,
-            }
-        )
-        checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
-        interval = cfg.checkpoint.interval
-        if interval and (done % interval == 0 or done == cfg.train.steps):
+    if r.memory is not None and r.memory.due(done) and done < cfg.train.steps:
+        with obs.span("memory checkpoint", "checkpoint"), marks.span("checkpoint", memory=True):
+            r.memory.copy(done)  # the memcpy; checksum and replication to the peer in the background
+    r.session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
+    if r.warned is not None and done < cfg.train.steps and r.warned.agreed(r.verdicts):
+        if not (interval and done % interval == 0):
             with obs.span("checkpoint"), marks.span("checkpoint"):
-                saved = checkpointer.save(done)
-            logger.event(
-                f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
-                f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background"
-            )
-        if memory is not None and memory.due(done) and done < cfg.train.steps:
-            with obs.span("memory checkpoint", "checkpoint"), marks.span("checkpoint", memory=True):
-                memory.copy(done)  # the memcpy; checksum and replication to the peer in the background
-        session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
-        if warned is not None and done < cfg.train.steps and warned.agreed(verdicts):
-            if not (interval and done % interval == 0):
-                with obs.span("checkpoint"), marks.span("checkpoint"):
-                    checkpointer.save(done)
-            logger.event(f"attempt {attempt}: signalled by the scheduler; saved step {done}, exiting")
+                r.checkpointer.save(done)
+        r.logger.event(f"attempt {r.attempt}: signalled by the scheduler; saved step {done}, exiting")
+        return True
+    return False
+
+
+def teardown(r: RankRun) -> None:
+    """After the last step: the last save committed, the in-memory copies removed, the heartbeat,
+    recorder and logger closed."""
+    if r.warned is not None:
+        r.warned.ignore()  # a signal after the last step: nothing left to save early
+    # the heartbeat's phase while the last upload commits
+    with obs.span("checkpoint"), r.marks.span("checkpoint"):
+        r.checkpointer.close()  # the last save is committed before the job ends
+        if r.memory is not None:
+            r.memory.close()  # the last step is durable now: the copies are removed
+    t_close = r.marks.now()
+    if r.beat:
+        r.beat.close()
+    r.session.close()
+    r.logger.close()
+    r.marks.phase("close", t_close)
+
+
+def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
+    """The rank's recipe: set up, train step after step (each followed by its checkpoint work),
+    tear down. Returns the exit status (exit_signal.EXIT_CODE when the scheduler's warning stopped it)."""
+    # Slurm's warning before a time limit: save and exit (docs/cluster.md). Listening from the start:
+    # a signal during start-up is acted on after the first step.
+    warned = exit_signal.install()
+    r = setup(cfg, data_index, main_t, warned)
+    code = 0
+    for step in range(r.start_step, cfg.train.steps):
+        run_step(r, step)
+        if after_step(r, step + 1):
             code = exit_signal.EXIT_CODE
             break
-    if warned is not None:
-        warned.ignore()  # a signal after the last step: nothing left to save early
-    with (
-        obs.span("checkpoint"),
-        marks.span("checkpoint"),
-    ):  # the heartbeat's phase while the last upload commits
-        checkpointer.close()  # the last save is committed before the job ends
-        if memory is not None:
-            memory.close()  # the last step is durable now: the copies are removed
-    t_close = marks.now()
-    if beat:
-        beat.close()
-    session.close()
-    logger.close()
-    marks.phase("close", t_close)
+    teardown(r)
     return code
 
 

@@ -111,7 +111,7 @@ def test_only_the_backend_flags_differ_on_cpu(preset):
     assert (flags_gpu.precision, flags_cpu.precision) == ("bf16", "fp32")
     assert (flags_gpu.batch_p2p_comm, flags_cpu.batch_p2p_comm) == (True, False)
     assert flags_gpu.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and flags_cpu.env == {}
-    # gloo side groups and the optimizer's use of them on EVERY backend (the GPU run used to lack them)
+    # gloo side groups and the optimizer's use of them on EVERY backend (the GPU run needs them too)
     for flags in (flags_gpu, flags_cpu):
         assert flags.create_gloo_process_groups and flags.optimizer_gloo_process_groups
 

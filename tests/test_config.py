@@ -65,7 +65,7 @@ def test_single_layout_runs_one_process():
             "private IPv4",
         ),
         (["cluster.peak_tflops=-1"], "cluster.peak_tflops", "must be positive"),
-        # PP/DP overlap (issue 13): megatron's non-interleaved 1F1B refuses p2p overlap and never
+        # PP/DP overlap: megatron's non-interleaved 1F1B refuses p2p overlap and never
         # calls param_sync_func, so asking for them explicitly without virtual stages names vpp
         (["parallelism.overlap_p2p_comm=true"], "parallelism.vpp", "refuses overlap_p2p_comm"),
         (
@@ -99,7 +99,7 @@ def test_single_layout_runs_one_process():
             "needs parallelism.overlap_grad_reduce=true",
         ),
         (["parallelism.ddp_bucket_size=0"], "parallelism.ddp_bucket_size", "must be a positive number"),
-        # stability (issue 12): heartbeats and hang thresholds
+        # stability: heartbeats and hang thresholds
         (["stability.heartbeat_s=0"], "stability.heartbeat_s", "must be positive"),
         (["stability.progress_factor=1"], "stability.progress_factor", "must be >= 2"),
         (["stability.min_hang_s=1"], "stability.min_hang_s", "must be >= 2 x stability.heartbeat_s"),

@@ -15,7 +15,7 @@ import pytest
 
 from mega.config import compose
 from mega.launch.backend import JobSpec
-from mega.launch.incidents import Book, Diagnosed, narrow_to_culprits, suspect_nodes
+from mega.launch.incidents import Diagnosed, IncidentFiler, narrow_to_culprits, suspect_nodes
 from mega.launch.runs import read_record, track
 from mega.launch.watch import JobOutcome
 from mega.stability import logscan
@@ -172,7 +172,7 @@ def book_on(tmp_path):
     with track(
         tmp_path, config=tmp_path / "config.json", data_index=tmp_path / "index.json", target_steps=6
     ) as run:
-        book = Book(run, heard.append, log=lambda _: None)
+        book = IncidentFiler(run, heard.append, log=lambda _: None)
         book.begin(0, job, cfg, SimpleNamespace(identities=IDENTITIES, incidents=[]), lambda: 2)
         yield book, run, heard, cfg
 
@@ -299,7 +299,7 @@ def test_a_nan_rollback_and_an_eviction_are_incidents(book_on, tmp_path):
     # a later launch (the recovery flow) recovers what is still pending: all four here
     log_step(tmp_path, 3, 1, time.time() + 1)
     heard2 = []
-    book2 = Book(run, heard2.append, log=lambda _: None)
+    book2 = IncidentFiler(run, heard2.append, log=lambda _: None)
     book2.poll()
     assert sorted(h["kind"] for h in heard2) == ["eviction", "nan", "rank-exit", "spike"]
     assert all(h["stage"] == "recovered" and h["time_to_recover_s"] > 0 for h in heard2)
@@ -349,7 +349,7 @@ def test_a_damaged_incident_file_never_stops_a_launch(book_on, tmp_path):
     (tmp_path / "incidents").mkdir()
     (tmp_path / "incidents" / "000-attempt0-hang.json").write_text('{"kind": "hang", "attem')
     said = []
-    book = Book(run, None, log=said.append)
+    book = IncidentFiler(run, None, log=said.append)
     assert book.pending == {} and any(
         "000-attempt0-hang.json: unreadable (JSONDecodeError)" in s for s in said
     )

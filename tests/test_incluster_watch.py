@@ -23,7 +23,7 @@ from mega.launch import kubernetes as k8s
 from mega.launch.backend import JobSpec
 from mega.launch.local_nodes import LocalNodesBackend
 from mega.metrics import read_metrics
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 
 STEPS = 6
 ATTEMPT_DEADLINE_S = 150
@@ -39,7 +39,7 @@ def _controller(backend: LocalNodesBackend, job: JobSpec, attempts: int) -> list
             time.sleep(0.5)
         backend.stop()
         ends.append(codes)
-        if set(codes.values()) != {channel.RESTART_EXIT_CODE}:
+        if set(codes.values()) != {heartbeat_redis.RESTART_EXIT_CODE}:
             break
     return ends
 
@@ -80,7 +80,7 @@ def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_p
     backend = LocalNodesBackend(cfg, tmp_path)
     backend.agent_prefix = [sys.executable, "-m", "mega.launch.pod", "--selfcheck", "--watch", "--"]
     try:
-        with channel.heartbeat_env(cfg, {}) as hb_env:
+        with heartbeat_redis.heartbeat_env(cfg, {}) as hb_env:
             # the pod template's environment: the same for every attempt (MEGA_ATTEMPT=0 as rendered)
             env = {**cfg.cluster.env, **hb_env, "PYTHONUNBUFFERED": "1", "MEGA_ATTEMPT": "0"}
             job = JobSpec(
@@ -91,8 +91,8 @@ def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_p
                 "train",
             )
             ends = _controller(backend, job, attempts=3)
-            client, prefix = channel.client_from_env(hb_env)
-            order = json.loads(client.get(channel.stop_key(prefix, 0)))
+            client, prefix = heartbeat_redis.client_from_env(hb_env)
+            order = json.loads(client.get(heartbeat_redis.stop_key(prefix, 0)))
             evicted = incluster_watch.evicted_hosts(client, prefix)
             generation = incluster_watch.generation(client, prefix)
     finally:
@@ -100,7 +100,7 @@ def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_p
 
     logs = {k: job.log_path(k, 2).read_text()[-3000:] for k in range(2)}
     # attempt 0: the watcher (in node 0's entry) told every rank to exit; every node exited with the code
-    assert ends[0] == {0: channel.RESTART_EXIT_CODE, 1: channel.RESTART_EXIT_CODE}, logs
+    assert ends[0] == {0: heartbeat_redis.RESTART_EXIT_CODE, 1: heartbeat_redis.RESTART_EXIT_CODE}, logs
     assert order["attempt"] == 0 and order["reason"].startswith("hung") and order["culprit"]["node"] == 1
     # attempt 1 (numbered by the channel, not by the unchanged template) resumed and finished
     assert len(ends) == 2 and ends[1] == {0: 0, 1: 0}, logs

@@ -26,7 +26,7 @@ import yaml
 from mega.config import ConfigError, compose
 from mega.launch import kubernetes as k8s
 from mega.launch.backend import JobSpec
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 
 REPO = Path(__file__).resolve().parent.parent
 CRDS = REPO / "tests" / "fixtures" / "crds"
@@ -279,7 +279,7 @@ def test_jobset_is_queued_and_restarted_by_the_cluster_with_disruptions_not_coun
     }
     assert [(r["action"], r["onExitCodes"]["values"]) for r in rules[1:]] == [
         ("FailJob", [85]),
-        ("Count", [channel.RESTART_EXIT_CODE]),
+        ("Count", [heartbeat_redis.RESTART_EXIT_CODE]),
     ]
     pod = job["template"]["spec"]
     assert pod["priorityClassName"] == "training" and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
@@ -334,15 +334,19 @@ def test_credentials_come_from_secrets_and_never_appear_in_a_manifest():
     validate(manifests)
     assert PASSWORD not in k8s.to_yaml(manifests)
     env = {e["name"]: e for e in _pod(manifests[1])["spec"]["containers"][0]["env"]}
-    assert env["MEGA_REDIS_URL"]["value"] == env[channel.URL_ENV]["value"] == "redis://redis.mega:6379/0"
+    assert (
+        env["MEGA_REDIS_URL"]["value"] == env[heartbeat_redis.URL_ENV]["value"] == "redis://redis.mega:6379/0"
+    )
     for name, secret, key in (
         ("MEGA_REDIS_PASSWORD", "mega-redis", "password"),
-        (channel.PASSWORD_ENV, "mega-redis", "password"),
+        (heartbeat_redis.PASSWORD_ENV, "mega-redis", "password"),
         ("AWS_ACCESS_KEY_ID", "mega-s3", "AWS_ACCESS_KEY_ID"),
         ("AWS_SECRET_ACCESS_KEY", "mega-s3", "AWS_SECRET_ACCESS_KEY"),
     ):
         assert env[name]["valueFrom"] == {"secretKeyRef": {"name": secret, "key": key}}
-    assert env[channel.PREFIX_ENV]["value"] == f"mega:hb:{k8s.names(cfg, _job(cfg))['run']}"  # one per run
+    assert (
+        env[heartbeat_redis.PREFIX_ENV]["value"] == f"mega:hb:{k8s.names(cfg, _job(cfg))['run']}"
+    )  # one per run
 
 
 NODES4 = [*_layout("h100-8x", 4)[:5], "train.run_dir=/mnt/mega/runs/gpt-13b"]

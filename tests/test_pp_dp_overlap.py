@@ -1,4 +1,4 @@
-"""PP and DP communication overlap (issue 13, docs/overlap.md): megatron's decoupled pipeline
+"""PP and DP communication overlap (docs/overlap.md): megatron's decoupled pipeline
 send/receive (with its warm-up/flush variant) and the aligned, prefetched parameter all-gather
 change when bytes move, never what is computed. One pair of 4-rank gloo runs (tp1-pp2-vpp2-dp2,
 overlap off and ``parallelism.comm_overlap=auto``), checked several ways, and one pair of 2-rank

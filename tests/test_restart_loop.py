@@ -112,7 +112,7 @@ def loop(base_cfgs, tmp_path):
         run = stack.enter_context(
             runs.track(tmp_path, config=tmp_path / "config.json", data_index="index.json", target_steps=STEPS)
         )
-        book = incidents.Book(run, None, said.append)
+        book = incidents.IncidentFiler(run, None, said.append)
         launch = Launch(
             tmp_path, Path("index.json"), said.append, run, Nodes(cfg, tmp_path, backend), {}, book
         )

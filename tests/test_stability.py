@@ -11,7 +11,7 @@ from helpers import tiny_config
 
 from mega.bench.faults import stop_process_when
 from mega.metrics import read_metrics
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 from mega.stability.detect import Watcher, hang_threshold_s, stragglers
 from mega.stability.heartbeat import Heartbeat
 from mega.stability.incident import Incident, read_incidents
@@ -126,11 +126,11 @@ def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
     import redis
 
     cfg = _cfg(heartbeat_s=1, min_hang_s=8, progress_factor=10)
-    env = {channel.URL_ENV: redis_url, channel.PREFIX_ENV: "mega:hb:test1"}
+    env = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: "mega:hb:test1"}
     r = redis.Redis.from_url(redis_url)
     ids = grid()
     for rank, ident in ids.items():
-        r.set(channel.id_key("mega:hb:test1", 0, rank), json.dumps(ident))
+        r.set(heartbeat_redis.id_key("mega:hb:test1", 0, rank), json.dumps(ident))
     clock = [NOW]
     w = Watcher(cfg, env, attempt=0, log=lambda s: None, clock=lambda: clock[0])
 
@@ -145,7 +145,7 @@ def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
                     "compute_s": 0.1,
                     "seq": {"tp": 10 * step + (rank == 4), "pp": 10 * step, "dp": 10 * step, "world": step},
                 }
-                r.set(channel.beat_key("mega:hb:test1", 0, rank), json.dumps(rec))
+                r.set(heartbeat_redis.beat_key("mega:hb:test1", 0, rank), json.dumps(rec))
 
     for step in range(1, 4):  # three steps, one per second
         publish(step)
@@ -180,13 +180,13 @@ def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):
     server = RedisServer().start()
     port = server.port
     ident = {"rank": 3, "node": 0, "groups": {}}
-    hb = Heartbeat(channel.client(server.url), "mega:hb:test2", 0, ident, {}, interval_s=0.1)
+    hb = Heartbeat(heartbeat_redis.client(server.url), "mega:hb:test2", 0, ident, {}, interval_s=0.1)
     try:
         assert hb.beat() and hb.sent == 1
         server.stop()
         t0 = time.monotonic()
         assert not hb.beat() and not hb.beat()
-        assert time.monotonic() - t0 < 4 * channel.TIMEOUT_S + 1 and hb.dropped == 2
+        assert time.monotonic() - t0 < 4 * heartbeat_redis.TIMEOUT_S + 1 and hb.dropped == 2
         server = RedisServer(port=port).start()  # back, and empty
         assert hb.beat()
         back = redis.Redis.from_url(server.url)
@@ -212,7 +212,7 @@ def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
     server.stop()
     ident = {"rank": 1, "node": 0, "groups": {}}
     hb = Heartbeat(
-        channel.client(f"redis://127.0.0.1:{port}/0"), "mega:hb:test4", 0, ident, {}, interval_s=0.1
+        heartbeat_redis.client(f"redis://127.0.0.1:{port}/0"), "mega:hb:test4", 0, ident, {}, interval_s=0.1
     )
     t0 = time.monotonic()
     hb.start()
@@ -227,7 +227,7 @@ def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
         hb.step_done(7, {"loss": 2.0}, 0.5, tokens=1000)
         t0 = time.monotonic()
         hb.close()  # the last beat carries step 7
-        assert time.monotonic() - t0 < 6 * channel.TIMEOUT_S + 1
+        assert time.monotonic() - t0 < 6 * heartbeat_redis.TIMEOUT_S + 1
         last = json.loads(r.get("mega:hb:test4:0:hb:1"))
         assert last["step"] == 7 and last["tokens_per_s"] == 2000 and last["dropped"] > 0 and last["closed"]
     finally:
@@ -241,7 +241,7 @@ def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
     cfg = _cfg(heartbeat_s=1, min_hang_s=5, progress_factor=10)
     w = Watcher(
         cfg,
-        {channel.URL_ENV: url, channel.PREFIX_ENV: prefix},
+        {heartbeat_redis.URL_ENV: url, heartbeat_redis.PREFIX_ENV: prefix},
         attempt=0,
         log=logs.append,
         clock=lambda: clock[0],
@@ -250,7 +250,7 @@ def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
     def publish(step, dropped=0, closed=False):
         r = redis.Redis.from_url(url)
         for rank, ident in grid().items():
-            r.set(channel.id_key(prefix, 0, rank), json.dumps(ident))
+            r.set(heartbeat_redis.id_key(prefix, 0, rank), json.dumps(ident))
             rec = {
                 "rank": rank,
                 "time": clock[0],
@@ -264,7 +264,7 @@ def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
                 "up_s": 5.0,
                 "closed": closed,
             }
-            r.set(channel.beat_key(prefix, 0, rank), json.dumps(rec))
+            r.set(heartbeat_redis.beat_key(prefix, 0, rank), json.dumps(rec))
         r.close()
 
     return w, publish

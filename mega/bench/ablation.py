@@ -16,7 +16,7 @@ the next slice of one permutation), so the 4x-batch row sees exactly the baselin
 the steps. Its LR warm-up is scaled to the same number of tokens.
 
 **Validation loss** (``val_loss``): after the last step, the mean token loss over a fixed set of
-held-out sequences (the data's ``val`` split, mega/validation.py), forward only through megatron's
+held-out sequences (the data's ``val`` split, mega/heldout.py), forward only through megatron's
 schedule: the same sequences for every row and seed (``--eval-sequences``, default the whole split
 in whole 4x batches). Each row runs every seed of ``--seeds`` (default DEFAULT_SEEDS) and reports
 ``seeds``, ``val_loss`` (the mean over them), ``val_loss_per_seed`` and ``val_loss_vs_baseline``
@@ -184,7 +184,7 @@ def eval_sequences(base: mega_config.MegaConfig, index: Path, unit: int, request
     """How many held-out sequences every run evaluates: ``requested``, or the whole split in whole
     batches of the largest row (``unit`` sequences)."""
     from mega.data import TokenDataset
-    from mega.validation import HELD_OUT_SEED
+    from mega.heldout import HELD_OUT_SEED
 
     available = TokenDataset(
         index, seq_length=base.model.seq_length, seed=HELD_OUT_SEED, split="val"

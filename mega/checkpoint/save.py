@@ -34,7 +34,6 @@ import os
 import queue
 import resource
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mega import optimizer_snapshot, rank_env
+from mega import faults, optimizer_snapshot
 from mega.checkpoint import megatron_io, save_group
 from mega.checkpoint.common import (
     META_FILE,
@@ -430,7 +429,11 @@ class Checkpointer:
             job.entries = self._retrying(
                 f"upload of {job.name}",
                 lambda: self.store.upload_files(
-                    job.path, job.name, job.files, on_progress=self._fault_hook(job.step), ranges=pieces
+                    job.path,
+                    job.name,
+                    job.files,
+                    on_progress=faults.during_upload(self.cfg, self.rank, job.step),
+                    ranges=pieces,
                 ),
             )
             job.uploaded_bytes = sum(e.size for e in job.entries)
@@ -526,28 +529,6 @@ class Checkpointer:
                 )
                 if self._stop.wait(min(self.ck.upload_retry_s, left)):
                     raise
-
-    def _fault_hook(self, step: int):
-        f = self.cfg.fault
-        if not (
-            f.mode == "kill_in_upload"
-            and f.kill_rank == self.rank
-            and f.kill_at_step == step
-            and rank_env.attempt() == 0
-        ):
-            return None
-
-        def kill(done: int, total: int) -> None:
-            if done > 0:  # part of the upload is in the store, the rest never will be
-                print(
-                    f"[fault] kill_in_upload: rank {self.rank} during stage 2 of step {step} "
-                    f"({done}/{total} bytes sent)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        return kill
 
     # -- bookkeeping
     def _record(self, row: dict) -> None:

@@ -1,7 +1,7 @@
 """Every setting that depends on the device and the communication backend, decided in one place.
 
 A GPU run (NCCL, CUDA) and a CPU run (gloo, host memory) of the same config must differ ONLY in
-the flags below; mega/train.py, mega/model.py, mega/optim and mega/checkpoint.py read them here
+the flags below; mega/train.py, mega/model.py, mega/optim and mega/checkpoint/ read them here
 instead of testing ``cluster.backend``/``cluster.device`` themselves. tests/test_backend_flags.py
 composes each GPU preset, swaps backend and device, and checks that exactly these flags (and the
 megatron-core arguments derived from them) change -- so the GPU configuration path is the one the

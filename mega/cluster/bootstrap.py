@@ -278,7 +278,7 @@ def _time_rank_init(cfg: MegaConfig) -> dict[str, Any]:
             c.group_init,
             tensor_model_parallel_size=p.tp,
             pipeline_model_parallel_size=p.pp,
-            virtual_pipeline_model_parallel_size=p.vpp if (p.vpp or 1) > 1 else None,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_size,
             distributed_timeout_minutes=max(1, math.ceil(c.pg_timeout_s / 60)),
             create_gloo_process_groups=backend_flags(cfg).create_gloo_process_groups,
         )  # as mega.train does

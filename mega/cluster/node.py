@@ -111,17 +111,3 @@ def gather_table() -> list[dict[str, Any]]:
         )
         entry["ranks"].append(r["rank"])
     return [table[k] for k in sorted(table)]
-
-
-def record_fault(run_dir: str | Path, kind: str, step: int, target_pid: int) -> None:
-    """Append an injected fault to ``<run_dir>/faults.jsonl`` (drills: when, where, whom)."""
-    row = {
-        **identity(),
-        "kind": kind,
-        "step": step,
-        "target_pid": target_pid,
-        "time": time.time(),
-        "attempt": rank_env.attempt(),
-    }
-    with open(Path(run_dir) / "faults.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")

@@ -35,6 +35,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mega import faults
+
 if TYPE_CHECKING:
     import torch
 
@@ -435,8 +437,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, procs = node.local_rank(), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     nodes = world // procs
-    if args.fail_rank == rank:  # drill: this rank dies before any collective
-        os._exit(17)
+    faults.at_selfcheck_start(rank)  # a drill's rank dies here
     floors = json.loads(args.floors)
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":
@@ -448,8 +449,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
             dist.new_subgroups(group_size=procs)[0] if nodes > 1 else None
         )  # ranks are laid out node by node
         row = _check_rank(args.device, rank, local_rank, world, intra)
-        if args.bad_node == node.node_rank():  # drill (fault.bad_node): this node's matrix unit is broken
-            row["error"] = "injected fault (fault.bad_node): the GEMM check reports a broken matrix unit"
+        faults.selfcheck_gemm(row, node.node_rank())  # a drill's node: its matrix unit is broken
         device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
         pair_rows = (
             _pair_checks(device, node.node_rank(), nodes, procs, local_rank, SIZES[args.device]["pair_bytes"])
@@ -485,10 +485,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--floors", required=True, help="JSON of selfcheck_floors(cluster)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout")
-    p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # test drill
-    p.add_argument(
-        "--bad-node", type=int, default=None, help=argparse.SUPPRESS
-    )  # drill: node fails its checks
     return p.parse_args(argv)
 
 

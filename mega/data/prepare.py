@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mega import faults
 from mega.config import DataConfig
 from mega.data import tokenizer as bpe
 from mega.data.corpus import DataError, open_corpus, read_units, unit_documents
@@ -38,8 +38,6 @@ JOURNAL = "journal.json"
 COMMIT_EVERY_S = 5.0  # journal commits at most this often (and only after a shard is finished)
 LOCK_STALL_S = 600.0  # a preparation holding the lock whose files do not change for this long is stuck
 RESULT_TIMEOUT_S = 900.0  # one unit (a few MB) taking longer than this means a stuck worker
-# Fault injection for tests: SIGKILL this process after that many journal commits.
-KILL_AFTER_COMMITS = "MEGA_DATA_KILL_AFTER_COMMITS"
 
 
 # Set while the tokenizer workers run ("PID:PATH"): the file a worker of process PID writes if it
@@ -259,14 +257,69 @@ def sample_documents(corpora: list, weights: list[float], budget: int, val_fract
 # Streaming: read units, tokenize them in the workers, write shards, commit the journal
 
 
+class _Written:
+    """What the stream has written: the split writers, the journal's state (read position, hash
+    chain of document digests, commits) and counts; it commits the journal."""
+
+    def __init__(self, work: Path, key: str, settings: dict, writers: dict, val_fraction: float):
+        self.work, self.key, self.writers, self.val_fraction = work, key, writers, val_fraction
+        journal = _load_journal(work, key, writers)
+        self.state = journal or {
+            "position": [0, 0, 1],
+            "chain": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(),
+            "generation": 0,
+            "commits": 0,
+        }
+        self.resumed_at = self.state["position"] if journal else None
+        self.chain = bytes.fromhex(self.state["chain"])
+        self.counts = {"bytes": 0, "tokens": 0, "documents": 0}
+        self.last_commit, self.finished_since_commit = time.monotonic(), 0
+        self.eager = faults.data_commit_eager()  # a drill counts commits: one per finished shard
+
+    def consume(self, unit, encoded) -> None:
+        """A unit's encoded documents into their splits' shards, in read order."""
+        offset = 0
+        for n, digest, ends in zip(encoded.lengths, encoded.digests, encoded.ends):
+            digest = digest or unit.digest
+            split = "val" if digest is not None and is_val(digest, self.val_fraction) else "train"
+            self.finished_since_commit += self.writers[split].add(
+                encoded.tokens[offset : offset + n], ends_document=ends
+            )
+            offset += n
+            if ends:
+                self.chain = hashlib.sha256(self.chain + digest).digest()
+        counts = self.counts
+        counts["bytes"] += len(unit.payload) if isinstance(unit.payload, bytes) else unit.payload.nbytes
+        counts["tokens"] += len(encoded.tokens)
+        counts["documents"] += sum(encoded.ends)
+        self.state["position"] = [
+            unit.file,
+            unit.end,
+            unit.line + (unit.payload.count(b"\n") if unit.kind == "jsonl" else 0),
+        ]
+
+    def maybe_commit(self) -> None:
+        """Commit the journal when a shard finished since the last commit, at most every
+        COMMIT_EVERY_S."""
+        if self.finished_since_commit and (
+            self.eager or time.monotonic() - self.last_commit >= COMMIT_EVERY_S
+        ):
+            self.commit()
+
+    def commit(self) -> None:
+        state = self.state
+        state["chain"] = self.chain.hex()
+        state["generation"] += 1
+        state["commits"] += 1
+        _write_journal(self.work, self.key, state, self.writers)
+        self.last_commit, self.finished_since_commit = time.monotonic(), 0
+        faults.after_data_commit(state["commits"])
+
+
 def _stream(
     work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key: str, vocab_size: int, progress: bool
 ) -> dict:
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    from multiprocessing import get_context
-
-    from mega.data.encode import encode_unit, fixed_mmap_threshold, init_worker
+    from mega.data.encode import fixed_mmap_threshold
 
     fixed_mmap_threshold()  # this process holds units and shard buffers too (see encode.py)
 
@@ -275,99 +328,11 @@ def _stream(
     writers = {s: SplitWriter(work, s, data.shard_tokens, dtype, tuple(settings["formats"])) for s in SPLITS}
     if "megatron" in settings["formats"]:
         preload_megatron()
-    journal = _load_journal(work, key, writers)
-    state = journal or {
-        "position": [0, 0, 1],
-        "chain": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest(),
-        "generation": 0,
-        "commits": 0,
-    }
-    resumed_at = state["position"] if journal else None
-    chain = bytes.fromhex(state["chain"])
+    written = _Written(work, key, settings, writers, data.val_fraction)
     workers = data.workers or len(os.sched_getaffinity(0))
-    started, last_commit, finished_since_commit = time.monotonic(), time.monotonic(), 0
-    counts = {"bytes": 0, "tokens": 0, "documents": 0}
-    kill_after = int(os.environ.get(KILL_AFTER_COMMITS, "0"))
-
-    def consume(unit, encoded) -> None:
-        nonlocal chain, finished_since_commit
-        offset = 0
-        for n, digest, ends in zip(encoded.lengths, encoded.digests, encoded.ends):
-            digest = digest or unit.digest
-            split = "val" if digest is not None and is_val(digest, data.val_fraction) else "train"
-            finished_since_commit += writers[split].add(
-                encoded.tokens[offset : offset + n], ends_document=ends
-            )
-            offset += n
-            if ends:
-                chain = hashlib.sha256(chain + digest).digest()
-        counts["bytes"] += len(unit.payload) if isinstance(unit.payload, bytes) else unit.payload.nbytes
-        counts["tokens"] += len(encoded.tokens)
-        counts["documents"] += sum(encoded.ends)
-        state["position"] = [
-            unit.file,
-            unit.end,
-            unit.line + (unit.payload.count(b"\n") if unit.kind == "jsonl" else 0),
-        ]
-
-    def commit() -> None:
-        nonlocal last_commit, finished_since_commit
-        state["chain"] = chain.hex()
-        state["generation"] += 1
-        state["commits"] += 1
-        _write_journal(work, key, state, writers)
-        last_commit, finished_since_commit = time.monotonic(), 0
-        if kill_after and state["commits"] >= kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    tokenizer_path = str(work / bpe.TOKENIZER_FILE)
-    rerun_mark = work / "worker-rerun-script"
-    rerun_mark.unlink(missing_ok=True)
-    with (
-        _progress(progress, corpus) as show,
-        _environ(RERUN_MARK_ENV, f"{os.getpid()}:{rerun_mark}"),
-        ProcessPoolExecutor(
-            workers,
-            mp_context=get_context("spawn"),
-            initializer=init_worker,
-            initargs=(os.getpid(), tokenizer_path, corpus.text_field, eos, np.dtype(dtype).name),
-        ) as pool,
-    ):
-        inflight: deque = deque()
-        file, offset, line = state["position"]
-
-        def worker_died(unit) -> DataError:
-            if rerun_mark.exists():
-                return _script_rerun_error()
-            return DataError(
-                f"a tokenizer worker died (killed, or out of memory?) while encoding "
-                f"{unit.label} at offset {unit.start}"
-            )
-
-        def drain_one() -> None:
-            unit, future = inflight.popleft()
-            try:
-                consume(unit, future.result(timeout=RESULT_TIMEOUT_S))
-            except BrokenProcessPool:
-                raise worker_died(unit) from None
-            except TimeoutError:
-                raise DataError(
-                    f"a tokenizer worker took over {RESULT_TIMEOUT_S:.0f}s on {unit.label} "
-                    f"at offset {unit.start}"
-                ) from None
-            show(unit, counts, time.monotonic() - started)
-            if finished_since_commit and (kill_after or time.monotonic() - last_commit >= COMMIT_EVERY_S):
-                commit()
-
-        for unit in read_units(corpus, file, offset, line):
-            try:
-                inflight.append((unit, pool.submit(encode_unit, unit)))
-            except BrokenProcessPool:
-                raise worker_died(unit) from None
-            if len(inflight) > 2 * workers + 1:  # bounded read-ahead: memory stays flat
-                drain_one()
-        while inflight:
-            drain_one()
+    started = time.monotonic()
+    worker_args = (os.getpid(), str(work / bpe.TOKENIZER_FILE), corpus.text_field, eos, np.dtype(dtype).name)
+    _encode_all(work, corpus, written, workers, worker_args, progress, started)
 
     shards = [entry for s in SPLITS for entry in writers[s].close()]
     if not any(w.num_documents for w in writers.values()):
@@ -378,7 +343,7 @@ def _stream(
     seconds = time.monotonic() - started
     return {
         "version": FORMAT_VERSION,
-        "content_hash": chain.hex(),
+        "content_hash": written.chain.hex(),
         "key": key,
         "vocab_size": tokenizer.get_vocab_size(),
         "requested_vocab_size": vocab_size,
@@ -398,10 +363,66 @@ def _stream(
         "prepared": {
             "seconds": round(seconds, 3),
             "workers": workers,
-            "resumed_at": resumed_at,
-            "tokens_read_now": counts["tokens"],
+            "resumed_at": written.resumed_at,
+            "tokens_read_now": written.counts["tokens"],
         },
     }
+
+
+def _encode_all(
+    work: Path, corpus, written: _Written, workers: int, worker_args: tuple, progress: bool, started: float
+) -> None:
+    """Read the corpus's units from the journal's position, encode them in ``workers`` spawned
+    tokenizer processes (bounded read-ahead) and hand each result to ``written`` in read order."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    from mega.data.encode import encode_unit, init_worker
+
+    rerun_mark = work / "worker-rerun-script"
+    rerun_mark.unlink(missing_ok=True)
+    with (
+        _progress(progress, corpus) as show,
+        _environ(RERUN_MARK_ENV, f"{os.getpid()}:{rerun_mark}"),
+        ProcessPoolExecutor(
+            workers, mp_context=get_context("spawn"), initializer=init_worker, initargs=worker_args
+        ) as pool,
+    ):
+        inflight: deque = deque()
+        file, offset, line = written.state["position"]
+
+        def worker_died(unit) -> DataError:
+            if rerun_mark.exists():
+                return _script_rerun_error()
+            return DataError(
+                f"a tokenizer worker died (killed, or out of memory?) while encoding "
+                f"{unit.label} at offset {unit.start}"
+            )
+
+        def drain_one() -> None:
+            unit, future = inflight.popleft()
+            try:
+                written.consume(unit, future.result(timeout=RESULT_TIMEOUT_S))
+            except BrokenProcessPool:
+                raise worker_died(unit) from None
+            except TimeoutError:
+                raise DataError(
+                    f"a tokenizer worker took over {RESULT_TIMEOUT_S:.0f}s on {unit.label} "
+                    f"at offset {unit.start}"
+                ) from None
+            show(unit, written.counts, time.monotonic() - started)
+            written.maybe_commit()
+
+        for unit in read_units(corpus, file, offset, line):
+            try:
+                inflight.append((unit, pool.submit(encode_unit, unit)))
+            except BrokenProcessPool:
+                raise worker_died(unit) from None
+            if len(inflight) > 2 * workers + 1:  # bounded read-ahead: memory stays flat
+                drain_one()
+        while inflight:
+            drain_one()
 
 
 def _write_journal(work: Path, key: str, state: dict, writers: dict) -> None:

@@ -28,9 +28,9 @@ def offset_to_redis(client, rounds: int = 5) -> tuple[float, float]:
 def from_env(env: dict[str, str] | None = None) -> dict:
     """This process's clock for marks: ``{"offset_s", "error_s", "clock"}``; never raises (a Redis
     that does not answer leaves the host clock, said so)."""
-    from mega.stability import channel
+    from mega.stability import heartbeat_redis
 
-    client, _ = channel.client_from_env(env)
+    client, _ = heartbeat_redis.client_from_env(env)
     if client is None:
         return {"offset_s": 0.0, "error_s": None, "clock": "host"}
     try:

@@ -35,7 +35,7 @@ from mega.launch.nodes import Nodes
 from mega.launch.slurm import PREEMPTED
 from mega.launch.watch import JobOutcome, run_job
 from mega.metrics import METRICS_FILE, read_metrics
-from mega.stability import channel as heartbeats
+from mega.stability import heartbeat_redis as heartbeats
 from mega.stability import membership, rollback
 from mega.stability.detect import Watcher
 from mega.storage import StorageError
@@ -80,12 +80,10 @@ def run_training(
     ``on_incident``: called with each incident (mega.launch.incidents) when it is
     filed and again when the next attempt's first step recovers it (``stage``).
     """
-    from mega import validation
+    from mega import heldout
 
     entered = time.time()
-    validation.check_held_out(
-        cfg, index_path
-    )  # a dataset without held-out text fails here, not in every rank
+    heldout.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with (
@@ -104,7 +102,7 @@ def run_training(
         if recovery and hasattr(nodes.backend, "cancel_run_jobs"):  # Slurm: the dead driver's job may live on
             if cancelled := nodes.backend.cancel_run_jobs():
                 log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
-        book = incidents.Book(run, on_incident, log)  # every fault an incident, docs/stability.md
+        book = incidents.IncidentFiler(run, on_incident, log)  # every fault an incident, docs/stability.md
         driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
         launch = Launch(run_dir, index_path, log, run, nodes, {**store_env, **hb_env}, book)
         try:
@@ -125,8 +123,8 @@ class Launch:
     log: Callable[[str], None]
     run: runs.RunTracker
     nodes: Nodes  # the membership and the backend that starts it
-    store_env: dict[str, str]  # rendezvous and heartbeat servers (mega.cluster.rendezvous, channel)
-    book: incidents.Book
+    store_env: dict[str, str]  # rendezvous and heartbeat servers (mega.cluster.rendezvous, heartbeat_redis)
+    book: incidents.IncidentFiler
 
     @property
     def config_path(self) -> Path:

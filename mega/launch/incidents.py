@@ -107,7 +107,7 @@ class Diagnosed:
         )
 
 
-class Book:
+class IncidentFiler:
     """The run's incidents as the driver files them: one per launch (``run_training``)."""
 
     def __init__(
@@ -221,8 +221,9 @@ class Book:
     def _faults(
         self, outcome, final_step, rollback, diagnosed, restarts_left, watcher_incidents
     ) -> list[Incident]:
-        n, now = self.attempt, _now()
-        resumed = self.resumed_step()
+        """The driver's incidents of a failed or stopped attempt: the rollback it asked for, else
+        its rank exit or hang (or the watcher's hang, completed), then its evictions."""
+        now, resumed = _now(), self.resumed_step()
         lost = None if resumed is None else max(0, final_step - resumed)
         relaunch = (
             "relaunch from latest"
@@ -230,29 +231,12 @@ class Book:
             else f"none: no restart left (checkpoint.max_restarts={self.cfg.checkpoint.max_restarts}); run failed"
         )
         selfcheck = self._selfcheck(diagnosed)
-        out: list[Incident] = []
         if rollback is not None:
-            checkpoint = f"iter_{resumed:07d}" if resumed else "the start (no checkpoint)"
-            what, step = rollback["what"], rollback["step"]
-            spike = "not finite" not in what  # a loss spike alone (mega.stability.rollback's LossWindow)
-            out.append(
-                Incident(
-                    "spike" if spike else "nan",
-                    n,
-                    rollback.get("time", now),
-                    f"step {step}: {what}",
-                    None,
-                    {"request": rollback, "final_step": final_step},
-                    f"rolled back to {checkpoint}, step {step} skipped" if restarts_left else relaunch,
-                    lost,
-                    diagnosis=(
-                        f"{what} at step {step}: the last stage's loss far above its recent "
-                        "median (robust z-score > stability.spike_z)"
-                        if spike
-                        else f"{what} at step {step} (one all-reduce of every rank's verdict)"
-                    ),
+            out = [
+                self._rollback_incident(
+                    rollback, final_step, resumed, lost, relaunch if not restarts_left else None, now
                 )
-            )
+            ]
         else:
             scan = logscan.scan_logs(
                 self._logs(outcome, watcher_incidents), device=self.cfg.cluster.device, since=self.started
@@ -263,30 +247,64 @@ class Book:
                 hang.diagnosis = diagnosis
                 hang.evidence["logs"] = _evidence(scan)
                 hang.action = hang.action if restarts_left else relaunch
+                out = []
             else:  # no failed node: the driver stopped it (a hang without heartbeats, a timeout)
-                culprit = self._exit_culprit(outcome, scan)
-                who = f"; culprit {_ranks_text(culprit)} (node {culprit.get('node')})" if culprit else ""
-                seen_at = self.started + outcome.elapsed_s if outcome.elapsed_s else now  # before the stop
-                out.append(
-                    Incident(
-                        "rank-exit" if outcome.failed_nodes else "hang",
-                        n,
-                        seen_at,
-                        f"{outcome.reason}{who}",
-                        culprit,
-                        {
-                            "code": outcome.code,
-                            "failed_nodes": outcome.failed_nodes,
-                            "exit_codes": outcome.exit_codes,
-                            "final_step": final_step,
-                            "logs": _evidence(scan),
-                        },
-                        relaunch,
-                        lost,
-                        diagnosis=diagnosis,
-                    )
-                )
-        if diagnosed is not None and diagnosed.error:
+                out = [self._exit_incident(outcome, scan, final_step, lost, relaunch, diagnosis, now)]
+        return out + self._eviction_incidents(diagnosed, selfcheck, now)
+
+    def _rollback_incident(self, rollback, final_step, resumed, lost, no_restart, now) -> Incident:
+        """The ranks' rollback request (``no_restart``: the action when none is left)."""
+        checkpoint = f"iter_{resumed:07d}" if resumed else "the start (no checkpoint)"
+        what, step = rollback["what"], rollback["step"]
+        spike = "not finite" not in what  # a loss spike alone (mega.stability.rollback's LossWindow)
+        return Incident(
+            "spike" if spike else "nan",
+            self.attempt,
+            rollback.get("time", now),
+            f"step {step}: {what}",
+            None,
+            {"request": rollback, "final_step": final_step},
+            no_restart or f"rolled back to {checkpoint}, step {step} skipped",
+            lost,
+            diagnosis=(
+                f"{what} at step {step}: the last stage's loss far above its recent "
+                "median (robust z-score > stability.spike_z)"
+                if spike
+                else f"{what} at step {step} (one all-reduce of every rank's verdict)"
+            ),
+        )
+
+    def _exit_incident(self, outcome, scan, final_step, lost, relaunch, diagnosis, now) -> Incident:
+        """A rank exit, or a hang the driver stopped, with its culprit from the logs ``scan``."""
+        culprit = self._exit_culprit(outcome, scan)
+        who = f"; culprit {_ranks_text(culprit)} (node {culprit.get('node')})" if culprit else ""
+        seen_at = self.started + outcome.elapsed_s if outcome.elapsed_s else now  # before the stop
+        return Incident(
+            "rank-exit" if outcome.failed_nodes else "hang",
+            self.attempt,
+            seen_at,
+            f"{outcome.reason}{who}",
+            culprit,
+            {
+                "code": outcome.code,
+                "failed_nodes": outcome.failed_nodes,
+                "exit_codes": outcome.exit_codes,
+                "final_step": final_step,
+                "logs": _evidence(scan),
+            },
+            relaunch,
+            lost,
+            diagnosis=diagnosis,
+        )
+
+    def _eviction_incidents(
+        self, diagnosed: Diagnosed | None, selfcheck: str | None, now: float
+    ) -> list[Incident]:
+        """The diagnosis's outcome: the run could not continue, or each node it evicted."""
+        if diagnosed is None:
+            return []
+        n, out = self.attempt, []
+        if diagnosed.error:
             out.append(
                 Incident(
                     "eviction",
@@ -303,7 +321,7 @@ class Book:
                     diagnosis=selfcheck,
                 )
             )
-        for row in diagnosed.evicted if diagnosed is not None else []:
+        for row in diagnosed.evicted:
             reasons = "; ".join(row.get("reasons") or []) or None
             out.append(
                 Incident(

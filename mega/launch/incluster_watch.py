@@ -3,11 +3,11 @@
 On Kubernetes the cluster's controllers (JobSet, the Job controller) restart pods; no process of
 ours holds the nodes to stop a hung attempt. This watcher reads the heartbeats of the current
 attempt (mega.stability.detect.Watcher: hang detection and localisation as under the driver) and
-ends a hung attempt through the heartbeat channel (mega.stability.channel): it writes the stop
+ends a hung attempt through the heartbeat channel (mega.stability.heartbeat_redis): it writes the stop
 order of the attempt, which every rank's heartbeat thread reads within ``stability.heartbeat_s``
-and obeys by exiting with ``channel.RESTART_EXIT_CODE``; the pod entry (mega.launch.pod) exits
+and obeys by exiting with ``heartbeat_redis.RESTART_EXIT_CODE``; the pod entry (mega.launch.pod) exits
 with that code, which the workload's failure policy answers with a restart of every pod. The next
-pods start as the next attempt (``channel.generation_key``) and restore ``latest``.
+pods start as the next attempt (``heartbeat_redis.generation_key``) and restore ``latest``.
 
 The culprit's node (its Kubernetes node name, published by its pod entry) is added to the run's
 evicted set: ``evicted_hosts`` names it for the next placement (``launcher.kubernetes.avoid_hosts``,
@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 from mega.stability.detect import Watcher
 
 ORDER_TTL_S = 7 * 86400
@@ -37,7 +37,7 @@ def evicted_key(prefix: str) -> str:
 
 def generation(client, prefix: str) -> int:
     """The attempt pods starting now belong to (0 before any stop order)."""
-    value = client.get(channel.generation_key(prefix))
+    value = client.get(heartbeat_redis.generation_key(prefix))
     return int(value) if value else 0
 
 
@@ -51,9 +51,9 @@ class InClusterWatch:
 
     def __init__(self, cfg, hb_env: dict[str, str], log: Callable[[str], None] = print):
         self.cfg, self.hb_env, self.log = cfg, hb_env, log
-        self.client, self.prefix = channel.client_from_env(hb_env)
+        self.client, self.prefix = heartbeat_redis.client_from_env(hb_env)
         if self.client is None:
-            raise ValueError(f"no heartbeat channel: ${channel.URL_ENV} is not set")
+            raise ValueError(f"no heartbeat channel: ${heartbeat_redis.URL_ENV} is not set")
         self.attempt = generation(self.client, self.prefix)
         self.watcher = Watcher(cfg, hb_env, self.attempt, log)
 
@@ -78,21 +78,21 @@ class InClusterWatch:
         order = {
             "attempt": self.attempt,
             "reason": reason,
-            "exit_code": channel.RESTART_EXIT_CODE,
+            "exit_code": heartbeat_redis.RESTART_EXIT_CODE,
             "culprit": culprit,
             "evict": evict,
             "time": time.time(),
         }
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(channel.stop_key(self.prefix, self.attempt), json.dumps(order), ex=ORDER_TTL_S)
-        pipe.set(channel.generation_key(self.prefix), self.attempt + 1)
+        pipe.set(heartbeat_redis.stop_key(self.prefix, self.attempt), json.dumps(order), ex=ORDER_TTL_S)
+        pipe.set(heartbeat_redis.generation_key(self.prefix), self.attempt + 1)
         if evict:
             pipe.sadd(evicted_key(self.prefix), *evict)
         pipe.execute()
         if hang is not None:
             hang.write(self.cfg.train.run_dir)
         self.log(
-            f"attempt {self.attempt}: told every rank to exit with {channel.RESTART_EXIT_CODE}"
+            f"attempt {self.attempt}: told every rank to exit with {heartbeat_redis.RESTART_EXIT_CODE}"
             + (f"; node {evict[0]} is evicted from the next placement" if evict else "")
         )
         return order

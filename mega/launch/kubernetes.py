@@ -41,7 +41,7 @@ from mega.cluster import rendezvous
 from mega.config import ConfigError
 from mega.launch.backend import JobSpec, agent_argv
 from mega.launch.pod import NODE_NAME_ENV
-from mega.stability import channel, exit_signal
+from mega.stability import exit_signal, heartbeat_redis
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -66,7 +66,7 @@ _SECRET = re.compile(r"PASSWORD|SECRET|TOKEN|CREDENTIAL|PRIVATE_KEY|^AWS_ACCESS_
 POD_FAILURE_RULES = [
     ("disrupted: preempted, drained, evicted (DisruptionTarget)", "FailJob", "Ignore"),
     (f"saved and exited on a signal (exit {exit_signal.EXIT_CODE})", "FailJob", "Ignore"),
-    (f"hung, ended by the watcher (exit {channel.RESTART_EXIT_CODE})", "Count", "Count"),
+    (f"hung, ended by the watcher (exit {heartbeat_redis.RESTART_EXIT_CODE})", "Count", "Count"),
 ]
 
 
@@ -174,7 +174,11 @@ def _check_secrets(cfg: MegaConfig, job: JobSpec | None) -> None:
                 "Secrets (launcher.kubernetes.s3_secret, redis_secret)",
             )
     for name in sorted(job.env if job else {}):
-        if _SECRET.search(name) and name != rank_env.REDIS_PASSWORD_ENV and name != channel.PASSWORD_ENV:
+        if (
+            _SECRET.search(name)
+            and name != rank_env.REDIS_PASSWORD_ENV
+            and name != heartbeat_redis.PASSWORD_ENV
+        ):
             raise ConfigError(f"env.{name}", "a secret in plain text: it would be written into the manifest")
     if _durable(cfg).startswith("s3://") and not k.s3_secret:
         raise ConfigError(
@@ -247,7 +251,7 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
     if k.workload == "jobset":  # the attempt number is the JobSet's restart count
         env.append(field(rank_env.ATTEMPT_ENV, f"metadata.labels['{RESTART_ATTEMPT_LABEL}']"))
     plain = {**c.env, **rendezvous.public_env(job.env)}
-    plain.pop(channel.PASSWORD_ENV, None)
+    plain.pop(heartbeat_redis.PASSWORD_ENV, None)
     if k.workload == "jobset":
         plain.pop(rank_env.ATTEMPT_ENV, None)
     if k.rdma.enabled:
@@ -268,13 +272,13 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
         if c.store == "redis":
             plain.setdefault(rendezvous.REDIS_URL_ENV, public)
         if cfg.stability.enabled:  # the heartbeat channel: one prefix for the run, over every restart
-            plain.update({channel.URL_ENV: public, channel.PREFIX_ENV: f"mega:hb:{n['run']}"})
+            plain.update({heartbeat_redis.URL_ENV: public, heartbeat_redis.PREFIX_ENV: f"mega:hb:{n['run']}"})
     env += [{"name": name, "value": value} for name, value in sorted(plain.items())]
     if k.redis_secret:
         if c.store == "redis":
             env.append(_secret_env(rank_env.REDIS_PASSWORD_ENV, k.redis_secret, "password"))
         if cfg.stability.enabled and c.redis_url is not None:
-            env.append(_secret_env(channel.PASSWORD_ENV, k.redis_secret, "password"))
+            env.append(_secret_env(heartbeat_redis.PASSWORD_ENV, k.redis_secret, "password"))
     if k.s3_secret:
         env += [
             _secret_env(name, k.s3_secret, name) for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
@@ -420,7 +424,11 @@ def pod_failure_policy(workload: str) -> dict:
         },
         {
             "action": POD_FAILURE_RULES[2][1 + action],
-            "onExitCodes": {"containerName": "node", "operator": "In", "values": [channel.RESTART_EXIT_CODE]},
+            "onExitCodes": {
+                "containerName": "node",
+                "operator": "In",
+                "values": [heartbeat_redis.RESTART_EXIT_CODE],
+            },
         },
     ]
     return {"rules": rules}

@@ -14,6 +14,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mega import faults
 from mega.cluster.bootstrap import LAUNCH_TIME_ENV
 from mega.cluster.rendezvous import drop_attempt_keys, rendezvous_env, without_secrets
 from mega.cluster.selfcheck import DEFAULT_TIMEOUT_S, selfcheck_floors
@@ -62,11 +63,8 @@ def run_selfcheck(
         "--timeout-s",
         str(pg_timeout),
     ]
-    if fail_rank is not None:
-        args += ["--fail-rank", str(fail_rank)]
-    if bad_node is not None:
-        args += ["--bad-node", str(bad_node)]
-    job = JobSpec("mega.cluster.selfcheck", args, dict(c.env), out_dir, "selfcheck")
+    env = {**c.env, **faults.selfcheck_env(fail_rank=fail_rank, bad_node=bad_node)}  # drills
+    job = JobSpec("mega.cluster.selfcheck", args, env, out_dir, "selfcheck")
 
     start = time.perf_counter()
     own = backend is None

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mega import faults
 from mega.launch.backends import backend_for
 from mega.launch.node_jobs import run_selfcheck
 from mega.stability.membership import Membership, decide, selfcheck_verdicts
@@ -32,7 +33,6 @@ class Nodes:
         """Self-check the nodes after attempt ``attempt`` failed on job nodes ``suspects``; evict
         the unhealthy ones and switch to the next membership. Returns the evicted nodes' rows for
         the run record; raises CannotContinue when the run cannot go on."""
-        bad_node = self.cfg.fault.bad_node
         out = self.run_dir / "diagnosis" / f"attempt{attempt}"
         who = ", ".join(str(self.members.nodes[k]) for k in suspects)
         log(
@@ -42,7 +42,7 @@ class Nodes:
             self.cfg,
             out,
             backend=self.backend,
-            bad_node=None if bad_node is None else self.members.job_rank(bad_node),
+            bad_node=faults.selfcheck_bad_node(self.cfg, self.members.job_rank),
         )
         verdicts = selfcheck_verdicts(result, self.members)
         bad = [k for k, v in verdicts.items() if v["healthy"] is False]

@@ -4,7 +4,7 @@
 it starts, the entry:
 
 1. numbers the attempt: ``$MEGA_ATTEMPT`` (the JobSet's restart count), or one past the last
-   attempt the in-cluster watcher stopped (``channel.generation_key``) if that is later; a fault
+   attempt the in-cluster watcher stopped (``heartbeat_redis.generation_key``) if that is later; a fault
    drill of attempt 0 does not strike again, and no heartbeat key is reused;
 2. publishes its Kubernetes node name (``$MEGA_NODE_NAME``, the downward API's ``spec.nodeName``;
    else the host name) under its node rank, so the watcher can name a culprit's node;
@@ -14,7 +14,7 @@ it starts, the entry:
 4. with ``--watch`` (node 0): runs the in-cluster watcher (mega.launch.incluster_watch) beside
    the agent.
 
-Exit code: the agent's (0 done, 1 a rank failed), or the stop order's (``channel.RESTART_EXIT_CODE``)
+Exit code: the agent's (0 done, 1 a rank failed), or the stop order's (``heartbeat_redis.RESTART_EXIT_CODE``)
 when the watcher ended this attempt: the workload's podFailurePolicy tells them apart
 (mega/launch/kubernetes.py). SIGTERM (eviction, preemption) is passed on to the agent.
 """
@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from mega import rank_env
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 
 NODE_NAME_ENV = "MEGA_NODE_NAME"
 SELFCHECK_TIMEOUT_S = 600.0
@@ -67,7 +67,7 @@ def _order(client, prefix: str | None, attempt: int) -> dict | None:
     import redis
 
     try:
-        value = client.get(channel.stop_key(prefix, attempt)) if client is not None else None
+        value = client.get(heartbeat_redis.stop_key(prefix, attempt)) if client is not None else None
     except (redis.RedisError, OSError):
         return None
     return json.loads(value) if value else None
@@ -106,13 +106,13 @@ def _selfcheck(agent: list[str], cfg, node: int, attempt: int, client, prefix: s
     order = {
         "attempt": attempt,
         "reason": f"self-check: {reason}",
-        "exit_code": channel.RESTART_EXIT_CODE,
+        "exit_code": heartbeat_redis.RESTART_EXIT_CODE,
         "culprit": {"nodes": bad},
         "evict": names,
     }
     pipe = client.pipeline(transaction=True)
-    pipe.set(channel.stop_key(prefix, attempt), json.dumps(order), ex=ORDER_TTL_S)
-    pipe.set(channel.generation_key(prefix), attempt + 1)
+    pipe.set(heartbeat_redis.stop_key(prefix, attempt), json.dumps(order), ex=ORDER_TTL_S)
+    pipe.set(heartbeat_redis.generation_key(prefix), attempt + 1)
     if names:
         pipe.sadd(evicted_key(prefix), *names)
     pipe.execute()
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = mega_config.load(_flag(agent, "--config"))
     node = int(_flag(agent, "--node-rank") or 0)
-    client, prefix = channel.client_from_env()
+    client, prefix = heartbeat_redis.client_from_env()
     attempt = _attempt(client, prefix)
     os.environ[rank_env.ATTEMPT_ENV] = str(attempt)
     if client is not None:

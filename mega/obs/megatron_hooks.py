@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -94,7 +93,7 @@ _SCHEDULES = {
 
 _REC: Recorder | None = None
 _KINDS: dict = {}
-_SLOW_S = 0.0  # fault.slow_s on the slow rank: extra CPU seconds inside every forward (a drill)
+_IN_FORWARD: Callable[[], None] | None = None  # a fault hook run inside every forward (mega/faults.py)
 _originals: list[tuple[Any, str, Any]] = []
 
 
@@ -289,15 +288,6 @@ def _wrap_schedule(fn: Callable, name: str) -> Callable:
     return schedule
 
 
-def _burn_cpu(seconds: float) -> None:
-    """The slow-rank drill's extra compute: a busy loop until this thread has used ``seconds`` of
-    CPU. Unlike a sleep it stretches under contention as the other ranks' compute does, so the
-    rank stays the slow one however loaded the machine is."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
 def _output_id(output) -> int:
     return id(output[0] if isinstance(output, list) else output)
 
@@ -323,8 +313,8 @@ def _wrap_microbatch(fn: Callable, phase: str) -> Callable:
         s = _Span(rec, phase, phase, meta, False)
         rec._push(s)
         try:
-            if forward and _SLOW_S:
-                _burn_cpu(_SLOW_S)
+            if forward and _IN_FORWARD is not None:
+                _IN_FORWARD()
             out = fn(*args, **kwargs)
         finally:
             rec._pop(s)
@@ -458,11 +448,11 @@ def _replace(owner, name: str, new) -> None:
     setattr(owner, name, new)
 
 
-def install(rec: Recorder, slow_s: float = 0.0) -> None:
+def install(rec: Recorder, in_forward: Callable[[], None] | None = None) -> None:
     """Wrap megatron-core and torch.distributed for ``rec`` (idempotent: a second call re-targets
-    the recorder). ``slow_s``: burn that much CPU time inside every forward (fault drill)."""
-    global _REC, _KINDS, _SLOW_S
-    _REC, _SLOW_S = rec, slow_s
+    the recorder). ``in_forward``: called inside every recorded forward (``faults.slow_forward``)."""
+    global _REC, _KINDS, _IN_FORWARD
+    _REC, _IN_FORWARD = rec, in_forward
     _KINDS = group_kinds()
     if _originals:
         return

@@ -57,8 +57,8 @@ def calibrate(iterations: int = 2000) -> dict[str, float]:
 
     rec = Recorder(None, {"rank": 0})
     rec.active = True
-    saved = hooks._REC, hooks._KINDS, hooks._SLOW_S
-    hooks._REC, hooks._KINDS, hooks._SLOW_S = rec, {}, 0.0  # (no drill in the calibration)
+    saved = hooks._REC, hooks._KINDS, hooks._IN_FORWARD
+    hooks._REC, hooks._KINDS, hooks._IN_FORWARD = rec, {}, None  # (no drill in the calibration)
     try:
         group = _Group()
         tensor = SimpleNamespace(numel=lambda: 1, element_size=lambda: 4)
@@ -122,7 +122,7 @@ def calibrate(iterations: int = 2000) -> dict[str, float]:
         rec.active = False
         units["passthrough"] = _per_call(lambda: collective(1, group=group), n) - bare
     finally:
-        hooks._REC, hooks._KINDS, hooks._SLOW_S = saved
+        hooks._REC, hooks._KINDS, hooks._IN_FORWARD = saved
     return {k: max(0.0, units[k]) for k in COUNTED_PATHS}
 
 

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from mega import rank_env
+from mega import faults, rank_env
 from mega.obs import clock as obs_clock
 from mega.obs import gc_control
 from mega.obs.recorder import Recorder
@@ -141,8 +141,7 @@ class Session:
         rank, run_dir = identity["rank"], Path(cfg.train.run_dir)
         cuda = cfg.cluster.device == "cuda"
         attempt = rank_env.attempt()
-        f = cfg.fault
-        skew_ns = int(f.clock_skew_s * 1e9) if f.clock_skew_rank == rank else 0
+        skew_ns = faults.clock_skew_ns(cfg, rank)  # a drill's skewed clock (0: none)
         clock = time.perf_counter_ns if not skew_ns else (lambda: time.perf_counter_ns() + skew_ns)
         if not cfg.obs.enabled:
             rec = Recorder(None, identity, enabled=False)
@@ -159,7 +158,7 @@ class Session:
 
                 group = ps.get_pipeline_model_parallel_group()
                 p = cfg.parallelism
-                capacity = 4 * p.num_microbatches * max(1, p.vpp or 1) + 8
+                capacity = 4 * p.num_microbatches * p.chunks_per_stage + 8
                 device = "cuda" if "nccl" in dist.get_backend(group) else "cpu"  # also "cpu:gloo,cuda:nccl"
                 exchange = PostExchange(group, capacity, device)
             device_timer = None
@@ -178,7 +177,7 @@ class Session:
             )
             from mega.obs import megatron_hooks
 
-            megatron_hooks.install(rec, slow_s=f.slow_s if f.slow_rank == rank else 0.0)
+            megatron_hooks.install(rec, in_forward=faults.slow_forward(cfg, rank))
         rec.setup_cpu_ns = time.thread_time_ns() - cpu0
         # not the recorder's cost: the GC policy's (its first full collection and freeze)
         gc = gc_control.GarbageCollection(cfg.train.gc_interval, rec)

@@ -52,7 +52,7 @@ class PpDpOverlap:
 
 
 def _interleaved(p) -> bool:
-    return p.pp > 1 and (p.vpp or 1) > 1
+    return p.pp > 1 and p.chunks_per_stage > 1
 
 
 def resolve(p) -> PpDpOverlap:

@@ -126,7 +126,7 @@ def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
 def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool) -> Memory:
     """The most-loaded pipeline stage's memory per GPU."""
     m, p = cfg.model, cfg.parallelism
-    tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
+    tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params = stage_params(m, tp, pp)
     per_layer = activation_bytes_per_layer(
         m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash

@@ -102,7 +102,7 @@ class Evaluation:
             "layout": {
                 "tp": p.tp,
                 "pp": p.pp,
-                "vpp": p.vpp or 1,
+                "vpp": p.chunks_per_stage,
                 "dp": p.dp,
                 "world_size": p.world_size,
                 "global_batch_size": p.global_batch_size,

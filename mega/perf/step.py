@@ -356,7 +356,7 @@ class Stage:
 
 def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Stage]:
     p = cfg.parallelism
-    pp, vpp = p.pp, p.vpp or 1
+    pp, vpp = p.pp, p.chunks_per_stage
     n = cfg.model.num_layers // pp
     layer, emb, head = layer_unit(cfg, hw, dtype), embedding_unit(cfg, hw, dtype), logits_unit(cfg, hw, dtype)
     blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else 2 * vpp * p2p  # each chunk: one message each way
@@ -386,7 +386,7 @@ def pipeline_terms(
 ) -> list[Term]:
     """The microbatches through the slowest stage, term by term, then the bubble."""
     m, p = cfg.model, cfg.parallelism
-    pp, vpp, mb = p.pp, p.vpp or 1, p.num_microbatches
+    pp, vpp, mb = p.pp, p.chunks_per_stage, p.num_microbatches
     slowest = max(range(pp), key=lambda i: stages[i].total)
     st = stages[slowest]
     lay, ext = st.layers, st.extra
@@ -480,7 +480,7 @@ def data_parallel_terms(
     """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
     optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
     m, p = cfg.model, cfg.parallelism
-    tp, pp, vpp, dp = p.tp, p.pp, p.vpp or 1, p.dp
+    tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params_rank = max(stage_params(m, tp, pp))
     grad_bytes = params_rank * 4  # fp32 main gradients
     n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
@@ -613,7 +613,7 @@ def busy_seconds(
     stages' work with the core time of their collectives (each pipeline message: a send and a
     receive each way) and ``per_rank_s`` of once-per-step work on every rank."""
     p = cfg.parallelism
-    p2p_cpu = 4 * (p.vpp or 1) * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
+    p2p_cpu = 4 * p.chunks_per_stage * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
     mb = p.num_microbatches
     return p.tp * p.dp * sum(mb * (x.busy + p2p_cpu) + per_rank_s for x in stages)
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 from mega.stability.incident import Incident
 from mega.stability.localise import localise
 
@@ -80,8 +80,8 @@ class Watcher:
         self.cfg, self.attempt, self.log, self.clock = cfg, attempt, log, clock
         self.s = cfg.stability
         self.world = cfg.parallelism.world_size
-        self.client, self.prefix = channel.client_from_env(hb_env)
-        self.client_url = hb_env.get(channel.URL_ENV, "")
+        self.client, self.prefix = heartbeat_redis.client_from_env(hb_env)
+        self.client_url = hb_env.get(heartbeat_redis.URL_ENV, "")
         self.identities: dict[int, dict] = {}
         self.beats: dict[int, dict] = {}  # latest heartbeat seen per rank (kept after its key expires)
         self.step_times: list[float] = []
@@ -92,9 +92,9 @@ class Watcher:
         self.read_errors = 0
         self.incidents: list[Incident] = []
         self.straggling: set[int] = set()
-        self.silent_after_s = max(3 * self.s.heartbeat_s, 2 * channel.TIMEOUT_S + self.s.heartbeat_s)
+        self.silent_after_s = max(3 * self.s.heartbeat_s, 2 * heartbeat_redis.TIMEOUT_S + self.s.heartbeat_s)
         # the store: reads failing for outage_after_s is an outage (a single slow read is not)
-        self.outage_after_s = max(2 * self.s.heartbeat_s, 4 * channel.TIMEOUT_S)
+        self.outage_after_s = max(2 * self.s.heartbeat_s, 4 * heartbeat_redis.TIMEOUT_S)
         self.failing_since: float | None = None  # first failed read of the current run of failures
         self.failing_errors = 0  # read_errors before it
         self.outage: dict | None = None  # open: started, answered (first good read), ranks, errors0
@@ -126,9 +126,9 @@ class Watcher:
         ranks = range(self.world)
         try:
             if len(self.identities) < self.world:
-                ids = self.client.mget([channel.id_key(self.prefix, self.attempt, r) for r in ranks])
+                ids = self.client.mget([heartbeat_redis.id_key(self.prefix, self.attempt, r) for r in ranks])
                 self.identities.update({r: json.loads(v) for r, v in zip(ranks, ids) if v})
-            values = self.client.mget([channel.beat_key(self.prefix, self.attempt, r) for r in ranks])
+            values = self.client.mget([heartbeat_redis.beat_key(self.prefix, self.attempt, r) for r in ranks])
         except (redis.RedisError, OSError):
             self.read_errors += 1
             return False

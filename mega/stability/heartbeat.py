@@ -12,7 +12,7 @@ host, TP/PP/DP coordinates and the ranks of each of its groups, first thing and 
 dropped write (the Redis may have come back empty).
 
 Redis never stops training: only the thread talks to it, every call is bounded by
-channel.TIMEOUT_S; a failed write is dropped and counted (``dropped``), and the next one is tried
+heartbeat_redis.TIMEOUT_S; a failed write is dropped and counted (``dropped``), and the next one is tried
 on time. ``close`` has the thread send one last beat (bounded the same way), so the driver's
 heartbeat summary counts every beat.
 """
@@ -25,7 +25,7 @@ import threading
 import time
 
 from mega import rank_env
-from mega.stability import channel
+from mega.stability import heartbeat_redis
 
 
 def _groups():
@@ -106,9 +106,9 @@ class Heartbeat:
     ):
         self.client = client
         self.rank = identity["rank"]
-        self.key = channel.beat_key(prefix, attempt, self.rank)
-        self.id_key = channel.id_key(prefix, attempt, self.rank)
-        self.stop_key = channel.stop_key(prefix, attempt)
+        self.key = heartbeat_redis.beat_key(prefix, attempt, self.rank)
+        self.id_key = heartbeat_redis.id_key(prefix, attempt, self.rank)
+        self.stop_key = heartbeat_redis.stop_key(prefix, attempt)
         self.identity = identity
         self.groups = groups
         self.interval_s = interval_s
@@ -182,7 +182,7 @@ class Heartbeat:
 
     def _send(self, key: str, value: dict, ex: int, stop: bool = False) -> bool:
         """SET the value; with ``stop``, in the same round trip, read the watcher's stop order
-        (channel.stop_key) and obey it: the process exits with its code at once, even while the
+        (heartbeat_redis.stop_key) and obey it: the process exits with its code at once, even while the
         main thread is stuck in a collective (the heartbeat thread still runs then)."""
         import redis
 
@@ -214,7 +214,7 @@ class Heartbeat:
         """Stops the thread after its last beat. Bounded: a beat in flight and the last one each
         take at most two socket timeouts (connect, reply)."""
         self._stop.set()
-        self._thread.join(timeout=6 * channel.TIMEOUT_S + 1)
+        self._thread.join(timeout=6 * heartbeat_redis.TIMEOUT_S + 1)
         self.client.close()
 
 
@@ -225,7 +225,7 @@ def start(cfg) -> Heartbeat | None:
 
     from mega.obs.session import rank_identity
 
-    client, prefix = channel.client_from_env()
+    client, prefix = heartbeat_redis.client_from_env()
     if client is None or not cfg.stability.enabled:
         return None
     groups = _groups()

@@ -25,7 +25,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mega.config import ConfigError, FaultConfig, validate
+from mega import faults
+from mega.config import ConfigError, validate
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -71,7 +72,7 @@ def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
     new = copy.deepcopy(cfg)
     new.cluster.nodes = nodes
     new.parallelism.dp = world // mp
-    new.fault = FaultConfig()
+    faults.disarm(new)
     try:
         return validate(new)
     except ConfigError as e:  # e.g. the global batch does not split over the smaller DP
@@ -113,7 +114,7 @@ def decide(cfg: MegaConfig, members: Membership, bad: list[int]) -> Decision:
     new_cfg = cfg if len(nodes) == len(members.nodes) else resize(cfg, len(nodes))
     if new_cfg is cfg:  # same layout on other nodes: the drills of the old nodes end too
         new_cfg = copy.deepcopy(cfg)
-        new_cfg.fault = FaultConfig()
+        faults.disarm(new_cfg)
     parts = [
         f"node {k} evicted" + (f", spare node {replaced[k]} in its place" if k in replaced else "")
         for k in bad

@@ -70,32 +70,6 @@ def skipped_step(trainer: Any) -> dict:
     }
 
 
-def maybe_poison(cfg: MegaConfig, trainer: Any, step: int, skips: set[int]) -> None:
-    """Drills, each on the first attempt that trains step ``step`` (1-based; once rolled back, the
-    step is skipped): ``fault.nan_at_step`` makes one weight of every rank NaN, so the loss and the
-    gradients turn NaN through real arithmetic; ``fault.spike_at_step`` scales the final layer
-    norm's weight of the last stage by 30, so the logits are 30x too confident and the loss jumps."""
-    import torch
-
-    from mega.cluster import node
-
-    f = cfg.fault
-    if step in skips or step not in (f.nan_at_step, f.spike_at_step):
-        return
-    kind = "nan" if step == f.nan_at_step else "spike"
-    with torch.no_grad():
-        if kind == "nan":
-            next(trainer.model[0].module.parameters()).view(-1)[0] = float("nan")
-        else:
-            for chunk in trainer.model:
-                for name, p in chunk.module.named_parameters():
-                    if name.endswith("final_layernorm.weight"):  # only the last stage has one
-                        p.mul_(30.0)
-    if node.local_rank() == 0:
-        print(f"[fault] {kind}: weights poisoned before step {step}", file=sys.stderr, flush=True)
-        node.record_fault(cfg.train.run_dir, kind, step, os.getpid())
-
-
 class LossWindow:
     """The last stage's recent losses, and the spike rule (see the module's docstring)."""
 

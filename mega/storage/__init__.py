@@ -6,7 +6,8 @@
     store.download_dir(store.read_latest(), "/tmp/restore")
 
 ``file:///abs/path`` (or a plain path) is the embedded default; ``s3://bucket/prefix`` is any
-S3-compatible endpoint. See docs/storage.md.
+S3-compatible endpoint. See docs/storage.md. (The rendezvous key-value stores the ranks meet
+through are ``mega.store``, a different thing.)
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ PRELOAD = (
     "mega.cluster.rendezvous",
     "mega.cluster.selfcheck",
     "mega.flops",
-    "mega.validation",
+    "mega.heldout",
 )
 PR_SET_PDEATHSIG = 1
 # Read once, when OpenMP/MKL load: the zygote imports with the libraries' defaults and each fork

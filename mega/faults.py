@@ -1,0 +1,225 @@
+"""Injected faults: every drill's fault, and the only code that reads a drill's setting.
+
+Drills and benches arm a fault through the config's ``fault`` section (``FaultConfig``) or, for
+processes that have no run config, an environment switch (``ENV_SWITCHES``). Production code calls
+the hook of its point and never looks at a drill setting itself (tests/test_faults.py checks it):
+
+====================  =========================================  ======================================
+hook                  called from                                armed by
+====================  =========================================  ======================================
+``at_step_start``     mega/train.py, before each step            fault.kill_rank / fault.kill_node,
+                                                                 fault.kill_at_step, fault.mode
+                                                                 (kill, hang, kill_agent)
+``poison_weights``    mega/train.py, before each step            fault.nan_at_step, fault.spike_at_step
+``clock_skew_ns``     mega/obs/session.py, the rank's clock      fault.clock_skew_rank, clock_skew_s
+``slow_forward``      mega/obs/session.py -> megatron_hooks,     fault.slow_rank, fault.slow_s
+                      inside every recorded forward
+``during_upload``     mega/checkpoint/save.py, stage 2 upload    fault.mode=kill_in_upload, kill_rank,
+                                                                 kill_at_step
+``selfcheck_env``     mega/cluster/selfcheck.py run_selfcheck    its fail_rank / bad_node arguments
+``selfcheck_bad_node``  mega/stability/membership.py diagnose    fault.bad_node
+``at_selfcheck_start``  mega/cluster/selfcheck.py, each rank     $MEGA_SELFCHECK_FAIL_RANK
+``selfcheck_gemm``    mega/cluster/selfcheck.py, each rank       $MEGA_SELFCHECK_BAD_NODE
+``data_commit_eager``,  mega/data/prepare.py, journal commits    $MEGA_DATA_KILL_AFTER_COMMITS
+``after_data_commit``
+``disarm``            mega/stability/membership.py               (ends the drills of an old layout)
+====================  =========================================  ======================================
+
+Config faults strike in attempt 0 only (``$MEGA_ATTEMPT``), so a relaunch runs clean; ``bad_node``
+breaks its node's self-check in every diagnosis. A fault that strikes says so on stderr
+(``[fault] ...``, which mega/stability/logscan.py looks for) and appends a row to
+``<run_dir>/faults.jsonl`` (when, where, whom: the goodput ledger and the fault bench read it).
+
+This module imports nothing of mega but the config, so every layer may call it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mega import rank_env
+from mega.config import FaultConfig
+
+if TYPE_CHECKING:
+    from mega.config import MegaConfig
+
+DATA_KILL_AFTER_COMMITS_ENV = "MEGA_DATA_KILL_AFTER_COMMITS"  # SIGKILL the preparation after N commits
+SELFCHECK_FAIL_RANK_ENV = "MEGA_SELFCHECK_FAIL_RANK"  # this self-check rank dies before any collective
+SELFCHECK_BAD_NODE_ENV = "MEGA_SELFCHECK_BAD_NODE"  # this node's GEMM check reports a broken unit
+ENV_SWITCHES = (DATA_KILL_AFTER_COMMITS_ENV, SELFCHECK_FAIL_RANK_ENV, SELFCHECK_BAD_NODE_ENV)
+
+
+def _attempt() -> int:
+    return rank_env.attempt()
+
+
+def _say(line: str) -> None:
+    print(f"[fault] {line}", file=sys.stderr, flush=True)
+
+
+def _record(run_dir: str | Path, me: dict[str, Any], kind: str, step: int, target_pid: int) -> None:
+    """Append a fault that struck to ``<run_dir>/faults.jsonl``; ``me`` is the rank's
+    ``mega.cluster.node.identity()``."""
+    row = {**me, "kind": kind, "step": step, "target_pid": target_pid, "time": time.time()}
+    row["attempt"] = _attempt()
+    with open(Path(run_dir) / "faults.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Training ranks
+
+
+def at_step_start(cfg: MegaConfig, step: int, me: dict[str, Any], agent_pid: Callable[[], int]) -> None:
+    """Before 0-based step ``step``: the struck rank (``fault.kill_rank``, or every rank of
+    ``fault.kill_node``) is SIGKILLed (mode=kill), stops making progress (mode=hang), or kills its
+    node's torchrun agent and trains on, orphaned (mode=kill_agent, local rank 0 does it).
+    kill_in_upload strikes in ``during_upload`` instead."""
+    f = cfg.fault
+    struck = f.kill_rank == me["rank"] or (f.kill_node is not None and f.kill_node == me["node"])
+    if _attempt() != 0 or f.mode == "kill_in_upload" or not struck or f.kill_at_step != step:
+        return
+    _say(f"{f.mode}: rank {me['rank']} (node {me['node']}) at step {step}")
+    run_dir = cfg.train.run_dir
+    if f.mode == "kill_agent":
+        if me["local_rank"] == 0:
+            _record(run_dir, me, "kill_agent", step, agent_pid())
+            os.kill(agent_pid(), signal.SIGKILL)
+        return
+    _record(run_dir, me, f.mode, step, os.getpid())
+    if f.mode == "hang":
+        while True:  # alive but silent, like a rank stuck in a driver call
+            time.sleep(60)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def poison_weights(cfg: MegaConfig, chunks: list, step: int, skips: set[int], me: dict[str, Any]) -> None:
+    """Before 1-based step ``step`` (once rolled back, the step is skipped: no second strike):
+    ``fault.nan_at_step`` makes one weight of every rank NaN, so the loss and the gradients turn
+    NaN through real arithmetic; ``fault.spike_at_step`` scales the final layer norm's weight of
+    the last stage by 30, so the logits are 30x too confident and the loss jumps. ``chunks``: the
+    rank's model chunks (megatron modules)."""
+    import torch
+
+    f = cfg.fault
+    if step in skips or step not in (f.nan_at_step, f.spike_at_step):
+        return
+    kind = "nan" if step == f.nan_at_step else "spike"
+    with torch.no_grad():
+        if kind == "nan":
+            next(chunks[0].parameters()).view(-1)[0] = float("nan")
+        else:
+            for chunk in chunks:
+                for name, p in chunk.named_parameters():
+                    if name.endswith("final_layernorm.weight"):  # only the last stage has one
+                        p.mul_(30.0)
+    if me["local_rank"] == 0:
+        _say(f"{kind}: weights poisoned before step {step}")
+        _record(cfg.train.run_dir, me, kind, step, os.getpid())
+
+
+def clock_skew_ns(cfg: MegaConfig, rank: int) -> int:
+    """How far this rank's timestamps run ahead (``fault.clock_skew_s`` on ``fault.clock_skew_rank``)."""
+    f = cfg.fault
+    return int(f.clock_skew_s * 1e9) if f.clock_skew_rank == rank else 0
+
+
+def slow_forward(cfg: MegaConfig, rank: int) -> Callable[[], None] | None:
+    """What the straggler drill adds inside every forward of ``fault.slow_rank`` (None elsewhere):
+    ``fault.slow_s`` of CPU time in a busy loop. Unlike a sleep it stretches under contention as
+    the other ranks' compute does, so the rank stays the slow one however loaded the machine is."""
+    f = cfg.fault
+    seconds = f.slow_s if f.slow_rank == rank else 0.0
+    if not seconds:
+        return None
+
+    def burn() -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    return burn
+
+
+def during_upload(cfg: MegaConfig, rank: int, step: int) -> Callable[[int, int], None] | None:
+    """A progress callback for the upload of step ``step``'s checkpoint (None unless armed):
+    ``fault.mode=kill_in_upload`` SIGKILLs ``fault.kill_rank`` once part of it is in the store."""
+    f = cfg.fault
+    if not (
+        f.mode == "kill_in_upload" and f.kill_rank == rank and f.kill_at_step == step and _attempt() == 0
+    ):
+        return None
+
+    def kill(done: int, total: int) -> None:
+        if done > 0:  # part of the upload is in the store, the rest never will be
+            _say(f"kill_in_upload: rank {rank} during stage 2 of step {step} ({done}/{total} bytes sent)")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-check and membership (the driver side, and the self-check's ranks)
+
+
+def selfcheck_bad_node(cfg: MegaConfig, job_rank: Callable[[int], int]) -> int | None:
+    """The job node whose self-check ``fault.bad_node`` breaks (``job_rank``: physical node -> its
+    node rank in the job), None without the drill."""
+    bad = cfg.fault.bad_node
+    return None if bad is None else job_rank(bad)
+
+
+def disarm(cfg: MegaConfig) -> None:
+    """End every config fault of ``cfg`` (in place): they were aimed at another layout."""
+    cfg.fault = FaultConfig()
+
+
+def selfcheck_env(fail_rank: int | None = None, bad_node: int | None = None) -> dict[str, str]:
+    """The self-check job's environment for its drills: rank ``fail_rank`` dies at start, node
+    ``bad_node``'s GEMM check fails."""
+    env = {}
+    if fail_rank is not None:
+        env[SELFCHECK_FAIL_RANK_ENV] = str(fail_rank)
+    if bad_node is not None:
+        env[SELFCHECK_BAD_NODE_ENV] = str(bad_node)
+    return env
+
+
+def at_selfcheck_start(rank: int) -> None:
+    """A self-check rank, before any collective: the drilled rank dies (exit status 17)."""
+    if os.environ.get(SELFCHECK_FAIL_RANK_ENV) == str(rank):
+        os._exit(17)
+
+
+def selfcheck_gemm(row: dict, node: int) -> None:
+    """A self-check rank's result row: on the drilled node, the GEMM check reports a broken unit."""
+    if os.environ.get(SELFCHECK_BAD_NODE_ENV) == str(node):
+        row["error"] = "injected fault (fault.bad_node): the GEMM check reports a broken matrix unit"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data preparation
+
+
+def _data_kill_after() -> int:
+    return int(os.environ.get(DATA_KILL_AFTER_COMMITS_ENV, "0"))
+
+
+def data_commit_eager() -> bool:
+    """Whether the preparation commits its journal after every finished shard (the kill drill
+    counts commits, so they must not depend on the clock)."""
+    return _data_kill_after() > 0
+
+
+def after_data_commit(commits: int) -> None:
+    """After the preparation's ``commits``-th journal commit: SIGKILL it at the drill's count."""
+    kill_after = _data_kill_after()
+    if kill_after and commits >= kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)

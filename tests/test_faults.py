@@ -1,0 +1,126 @@
+"""Fault injection lives in mega/faults.py: no other module of mega/, flows/ or tasks/ reads a
+drill's setting (the config's ``fault`` section, the environment switches), and the hooks strike
+only where and when they are armed."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mega import faults
+from mega.config import FaultConfig, MegaConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# The config declares and validates the fault section; the hook module is the only reader.
+ALLOWED = {"mega/config.py", "mega/faults.py"}
+
+
+def drill_reads(source: str) -> list[str]:
+    """Where ``source`` reads a drill setting: the ``fault`` attribute (the config section), the
+    ``FaultConfig`` name, or an environment switch's name in a string."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Attribute) and n.attr == "fault":
+            found.append(f"line {n.lineno}: .fault")
+        elif (isinstance(n, ast.Name) and n.id == "FaultConfig") or (
+            isinstance(n, ast.alias) and n.name == "FaultConfig"
+        ):
+            found.append(f"line {getattr(n, 'lineno', '?')}: FaultConfig")
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            found += [f"line {n.lineno}: {e}" for e in faults.ENV_SWITCHES if e in n.value]
+    return found
+
+
+def test_no_drill_setting_is_read_outside_the_hook_module():
+    files = [p for d in ("mega", "flows", "tasks") for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 100  # the walk found the tree
+    offenders = {
+        rel: hits
+        for p in files
+        if (rel := p.relative_to(ROOT).as_posix()) not in ALLOWED and (hits := drill_reads(p.read_text()))
+    }
+    assert not offenders, f"drill settings read outside mega/faults.py: {offenders}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(cfg):\n    return cfg.fault.kill_rank\n",
+        "from mega.config import FaultConfig\n",
+        "import os\nos.environ.get('MEGA_DATA_KILL_AFTER_COMMITS')\n",
+        "x = {'MEGA_SELFCHECK_BAD_NODE': '1'}\n",
+    ],
+)
+def test_the_check_finds_a_drill_read(source):
+    assert drill_reads(source)
+
+
+def drill(run_dir: Path | str = "unused", **fault) -> MegaConfig:
+    cfg = MegaConfig(fault=FaultConfig(**fault))  # unvalidated: the hooks alone are under test
+    cfg.train.run_dir = str(run_dir)
+    return cfg
+
+
+def test_config_faults_strike_only_their_rank_step_and_first_attempt(tmp_path, monkeypatch):
+    cfg = drill(tmp_path, kill_rank=1, kill_at_step=3, mode="hang")
+    me = {"rank": 0, "node": 0, "local_rank": 0}
+    faults.at_step_start(cfg, 3, me, os.getpid)  # another rank: nothing happens
+    faults.at_step_start(cfg, 2, {**me, "rank": 1}, os.getpid)  # another step
+    monkeypatch.setenv("MEGA_ATTEMPT", "1")
+    faults.at_step_start(cfg, 3, {**me, "rank": 1}, os.getpid)  # a relaunch runs clean
+    assert not (tmp_path / "faults.jsonl").exists()
+
+    assert faults.during_upload(cfg, 1, 3) is None  # mode=hang strikes at the step, not the upload
+    cfg.fault.mode = "kill_in_upload"
+    assert faults.during_upload(cfg, 1, 3) is None  # attempt 1
+    monkeypatch.setenv("MEGA_ATTEMPT", "0")
+    assert faults.during_upload(cfg, 0, 3) is None and faults.during_upload(cfg, 1, 4) is None
+    assert callable(faults.during_upload(cfg, 1, 3))
+
+    cfg.fault.slow_rank, cfg.fault.slow_s = 1, 0.05
+    assert faults.slow_forward(cfg, 0) is None
+    t0 = time.thread_time()
+    faults.slow_forward(cfg, 1)()
+    assert time.thread_time() - t0 >= 0.05  # CPU time, not a sleep
+
+    cfg.fault.clock_skew_rank, cfg.fault.clock_skew_s = 0, 1.5
+    assert (faults.clock_skew_ns(cfg, 0), faults.clock_skew_ns(cfg, 1)) == (1_500_000_000, 0)
+    faults.disarm(cfg)
+    assert faults.slow_forward(cfg, 1) is None and faults.clock_skew_ns(cfg, 0) == 0
+
+
+def test_a_killed_rank_records_its_fault(tmp_path):
+    """mode=kill: the rank SIGKILLs itself after writing its row to faults.jsonl."""
+    code = (
+        "import os, sys; from mega import faults; from tests.test_faults import drill\n"
+        f"cfg = drill({str(tmp_path)!r}, kill_rank=2, kill_at_step=5)\n"
+        "faults.at_step_start(cfg, 5, {'rank': 2, 'node': 0, 'local_rank': 2, 'pid': os.getpid()}, os.getppid)\n"
+        "sys.exit(0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    assert "[fault] kill: rank 2 (node 0) at step 5" in proc.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert (row["kind"], row["step"], row["rank"], row["attempt"]) == ("kill", 5, 2, 0)
+    assert row["target_pid"] == row["pid"]  # it killed itself
+
+
+def test_selfcheck_drills_travel_in_the_job_environment(monkeypatch):
+    env = faults.selfcheck_env(fail_rank=1, bad_node=0)
+    assert env == {faults.SELFCHECK_FAIL_RANK_ENV: "1", faults.SELFCHECK_BAD_NODE_ENV: "0"}
+    monkeypatch.setenv(faults.SELFCHECK_BAD_NODE_ENV, "0")
+    row: dict = {}
+    faults.selfcheck_gemm(row, node=1)
+    assert row == {}
+    faults.selfcheck_gemm(row, node=0)
+    assert "fault.bad_node" in row["error"]
+    faults.at_selfcheck_start(0)  # not the failing rank (none armed here): returns
+    cfg = drill(bad_node=1)
+    assert faults.selfcheck_bad_node(cfg, {1: 0, 0: 1}.__getitem__) == 0
