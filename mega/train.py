@@ -334,10 +334,14 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
     if cfg.checkpoint.load:
         # the newest complete in-memory copy, else `latest` of the durable store, verified; one
         # store read per DP group, shared over DP.
-        with marks.span("restore"):
-            start_step, trainer.init_times["restore"] = checkpoint.restore(
+        t_restore, info = marks.now(), {}
+        try:
+            start_step, info = checkpoint.restore(
                 cfg, chunks, trainer.optimizer, trainer.scheduler, memory=memory
             )
+        finally:  # the ledger says where the attempt resumed from: memory-own, memory-peer, durable
+            marks.phase("restore", t_restore, source=checkpoint.restore_source(info))
+        trainer.init_times["restore"] = info
     flops_per_step = flops.model_flops_per_step(cfg)
     tokens_per_step = cfg.parallelism.global_batch_size * cfg.model.seq_length
     attempt = int(os.environ.get("MEGA_ATTEMPT", "0"))
@@ -363,6 +367,8 @@ def run(cfg: MegaConfig, data_index: str, main_t: float | None = None) -> int:
         t_step = marks.now()
         maybe_inject_fault(cfg, step)
         done = step + 1
+        if memory is not None and done in (cfg.fault.nan_at_step, cfg.fault.spike_at_step):
+            memory.fence()  # the drill changes weights outside the optimizer: after the copy read them
         rollback.maybe_poison(cfg, trainer, done, skips)
         session.begin_step(step)
         t0 = time.perf_counter()

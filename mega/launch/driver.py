@@ -1,11 +1,12 @@
-"""The driver: train to ``train.steps`` on a set of nodes, relaunching every node from ``latest``
-when any fails.
+"""The driver: train to ``train.steps`` on a set of nodes, relaunching every node from the
+newest in-memory copies or ``latest`` when any fails.
 
 A run is ``cluster.nodes`` torchrun agents started by the launch backend (mega/launch/backend.py);
 ranks are processes, never in-process work. The driver owns membership: it starts every node's
 agent for an attempt, watches them (a node's agent exiting, a stall of ``metrics.jsonl`` for
 ``cluster.hang_timeout_s``), and on any failure stops every node's agent and ranks and relaunches
-all nodes from the durable ``latest``, with bounded attempts and exponential backoff.
+all nodes, with bounded attempts and exponential backoff: the ranks restore the newest complete
+in-memory copies (mega/checkpoint/memory.py), else the durable ``latest``.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _train_with_restarts(
     store_env: dict[str, str],
     book: incidents_of_attempt.Book,
 ) -> TrainingResult:
-    from mega.checkpoint import latest_durable
+    from mega.checkpoint import describe_source, latest_durable, restore_source
     from mega.storage import StorageError
 
     run_dir = Path(cfg.train.run_dir)
@@ -133,8 +134,9 @@ def _train_with_restarts(
         mega_config.save(rendezvous.without_secrets(cfg), config_path)  # ranks get the password by env
         env[rollback.SKIP_ENV] = rollback.skip_env(run.record.skipped_steps)
         where = f" on {c.nodes} nodes ({c.procs_per_node} per node)" if c.nodes > 1 else ""
-        # The ranks restore `latest` of the durable store themselves (mega.checkpoint.restore,
-        # falling back past a corrupt one) and write what they restored into init.json.
+        # The ranks restore the in-memory copies or `latest` of the durable store themselves
+        # (mega.checkpoint.restore, falling back past a corrupt one) and write what they restored
+        # (and from where) into init.json.
         try:
             latest = latest_durable(cfg) if cfg.checkpoint.load else None
         except StorageError as e:
@@ -149,7 +151,7 @@ def _train_with_restarts(
         job = JobSpec("mega.train", args, dict(env), run_dir, f"train-attempt{n}")
         watcher = Watcher(cfg, env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
         driver_mark(run_dir, "launch", attempt=n)
-        book.begin(n, job, cfg, watcher, lambda cfg=cfg: _durable_step(cfg))
+        book.begin(n, job, cfg, watcher, lambda: _resume_step(nodes.cfg))
         outcome = run_job(
             backend,
             job,
@@ -179,13 +181,15 @@ def _train_with_restarts(
         if init.get("restore", {}).get("checkpoint"):
             r = init["restore"]
             log(
-                f"attempt {n}: resumed from {r['checkpoint']}"
+                f"attempt {n}: resumed from {r['checkpoint']}, from {describe_source(r)}"
                 + (f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else "")
             )
         metrics = read_metrics(run_dir)
         final_step = metrics[-1]["step"] if metrics else 0
         run.beat(final_step=final_step)
-        watcher.close(run, final_step, outcome.reason, lambda: _durable_step(cfg))  # incidents/, run.json
+        watcher.close(
+            run, final_step, outcome.reason, lambda: _resume_step(nodes.cfg)
+        )  # incidents/, run.json
         history.append(
             {
                 "attempt": n,
@@ -194,6 +198,7 @@ def _train_with_restarts(
                 "failed_nodes": outcome.failed_nodes,
                 "final_step": final_step,
                 "restored": init.get("restore", {}).get("checkpoint"),
+                "restored_from": restore_source(init.get("restore", {})),  # memory-own/-peer, durable
                 "elapsed_s": round(outcome.elapsed_s, 3),
                 "stop_s": round(outcome.stop_s, 3),
             }
@@ -317,7 +322,7 @@ def _exclude_lost_hosts(nodes: membership.Nodes, log: Callable[[str], None], att
 
 
 def _durable_step(cfg: MegaConfig) -> int | None:
-    """The step of the durable ``latest`` (what a relaunch resumes from), None when unknown."""
+    """The step of the durable ``latest``, None when unknown."""
     from mega.checkpoint import latest_durable
     from mega.storage import StorageError
 
@@ -326,6 +331,16 @@ def _durable_step(cfg: MegaConfig) -> int | None:
     except StorageError:
         return None
     return runs.checkpoint_step(latest) if latest else 0
+
+
+def _resume_step(cfg: MegaConfig) -> int | None:
+    """The step a relaunch resumes from (steps lost): the newest step of the in-memory copies this
+    machine holds of every rank (local nodes) when newer than the durable ``latest``'s."""
+    from mega.checkpoint.memory import newest_copy_step
+
+    durable = _durable_step(cfg)
+    memory = newest_copy_step(cfg) if cfg.checkpoint.load else None
+    return durable if memory is None or (durable is not None and durable > memory) else memory
 
 
 def _short(outcome: JobOutcome) -> str:
