@@ -238,3 +238,61 @@ def test_one_node_restores_each_ranks_own_copy_by_default(runs):
     assert died["steps_lost"] == KILL_AT - restored["step"], died  # not counted from the durable step 3
     assert [a["restored_from"] for a in build(root / "one_node")["attempts"]] == [None, "memory-own"]
     _same_weights(root, "one_node")
+
+
+def test_the_optimizer_step_waits_for_the_copy_in_flight(tmp_path, monkeypatch):
+    """The copy thread reads the shard while the next step's forward runs; the optimizer's step
+    (a step pre-hook) waits until it has: the copy holds the weights of the step it names."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from mega.checkpoint import memory as memory_module
+    from mega.checkpoint.memory import MemoryCheckpoints
+
+    monkeypatch.setattr(memory_module, "layout", lambda: {"tp": 1})  # no megatron groups here
+
+    class Optimizer:  # the parts of megatron's DistributedOptimizer a copy reads (no shard of its own)
+        def __init__(self, params):
+            self.optimizer = torch.optim.SGD(params, lr=1.0)
+            self.model_param_group_index_map = {}
+
+        def state_dict(self):
+            return {}
+
+    model = torch.nn.Linear(64, 64)
+    opt = Optimizer(model.parameters())
+    cfg = SimpleNamespace(
+        checkpoint=SimpleNamespace(memory_interval=1, memory_dir=str(tmp_path / "shm")),
+        train=SimpleNamespace(run_dir=str(tmp_path / "run")),
+    )
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        memory = MemoryCheckpoints(cfg, [model], opt, SimpleNamespace(state_dict=dict))
+        before = model.weight.detach().clone()
+        order, fill = [], memory._fill
+
+        def slow_fill(*args):
+            time.sleep(0.5)  # a copy thread descheduled on a busy machine
+            order.append("copied")
+            return fill(*args)
+
+        monkeypatch.setattr(memory, "_fill", slow_fill)
+        memory.copy(1)
+        model.weight.grad = torch.ones_like(model.weight)
+        stepper = threading.Thread(target=lambda: (opt.optimizer.step(), order.append("stepped")))
+        stepper.start()
+        stepper.join(10)
+        assert order == ["copied", "stepped"]
+        memory._idle.wait(10)
+        rows = {r[0]: r for r in memory._table}
+        name, dtype, shape, offset, nbytes = rows["model0/weight"]
+        held = memory._slot(0, 0, memory._size)[offset : offset + nbytes].view(torch.float32).view(shape)
+        assert torch.equal(held, before) and not torch.equal(model.weight, before)
+        memory.close()
+    finally:
+        dist.destroy_process_group()
