@@ -100,18 +100,27 @@ def at_step_start(cfg: MegaConfig, step: int, me: dict[str, Any], agent_pid: Cal
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def poison_weights(cfg: MegaConfig, chunks: list, step: int, skips: set[int], me: dict[str, Any]) -> None:
+def poison_weights(
+    cfg: MegaConfig,
+    chunks: list,
+    step: int,
+    skips: set[int],
+    me: dict[str, Any],
+    before: Callable[[], None] | None = None,
+) -> None:
     """Before 1-based step ``step`` (once rolled back, the step is skipped: no second strike):
     ``fault.nan_at_step`` makes one weight of every rank NaN, so the loss and the gradients turn
     NaN through real arithmetic; ``fault.spike_at_step`` scales the final layer norm's weight of
     the last stage by 30, so the logits are 30x too confident and the loss jumps. ``chunks``: the
-    rank's model chunks (megatron modules)."""
+    rank's model chunks (megatron modules); ``before``: called first when the drill strikes."""
     import torch
 
     f = cfg.fault
     if step in skips or step not in (f.nan_at_step, f.spike_at_step):
         return
     kind = "nan" if step == f.nan_at_step else "spike"
+    if before is not None:
+        before()
     with torch.no_grad():
         if kind == "nan":
             next(chunks[0].parameters()).view(-1)[0] = float("nan")

@@ -328,10 +328,14 @@ def build_and_restore(cfg: MegaConfig, data_index: str, marks, launch_env: dict,
     if cfg.checkpoint.load:
         # the newest complete in-memory copy, else `latest` of the durable store, verified; one
         # store read per DP group, shared over DP.
-        with marks.span("restore"):
-            start_step, trainer.init_times["restore"] = checkpoint.restore(
+        t_restore, info = marks.now(), {}
+        try:
+            start_step, info = checkpoint.restore(
                 cfg, chunks, trainer.optimizer, trainer.scheduler, memory=memory
             )
+        finally:  # the ledger says where the attempt resumed from: memory-own, memory-peer, durable
+            marks.phase("restore", t_restore, source=checkpoint.restore_source(info))
+        trainer.init_times["restore"] = info
     return trainer, held_out, memory, start_step, peak
 
 
@@ -398,7 +402,9 @@ def run_step(r: RankRun, step: int) -> None:
     t_step = marks.now()
     faults.at_step_start(cfg, step, r.me, node.agent_pid)
     done = step + 1
-    faults.poison_weights(cfg, [m.module for m in trainer.model], done, r.skips, r.me)
+    # the in-memory copy must have read the weights before a drill changes them outside the optimizer
+    fence = r.memory.fence if r.memory is not None else None
+    faults.poison_weights(cfg, [m.module for m in trainer.model], done, r.skips, r.me, before=fence)
     r.session.begin_step(step)
     t0 = time.perf_counter()
     result = rollback.skipped_step(trainer) if done in r.skips else train_step(trainer, step)

@@ -190,7 +190,11 @@ def test_kill_during_upload_keeps_latest_and_resumes_on_the_same_curve(runs):
     # `latest` did not move to the half-uploaded step-4 checkpoint; the driver reports what the
     # ranks restored (step 1: see below), not what `latest` named.
     assert "attempt 1: launching 2 ranks; `latest` is iter_0000003" in runs["messages"], runs["messages"]
-    assert "attempt 1: resumed from iter_0000001 (refused iter_0000003, iter_0000002)" in runs["messages"]
+    assert (
+        "attempt 1: resumed from iter_0000001, from the durable store (refused iter_0000003, iter_0000002)"
+        in runs["messages"]
+    )
+    assert killed.history[1]["restored_from"] == "durable"
     assert killed.restored == "iter_0000001"
     rows = [json.loads(x) for x in (runs["tmp"] / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["attempt"] == 1] == [2, 3, 4, 5]  # from step 1: see below

@@ -12,6 +12,9 @@ live in its own directory under a tmpfs directory of this module. Four launches:
   gets rank 1's copy from node 0, which holds it.
 * ``torn``: as ``rank``, but one byte of each of rank 0's own copies is flipped before the restart:
   every rank falls back to the durable step 3, and init.json says why.
+* ``one_node``: as ``rank`` on one node of 2 ranks with the default ``checkpoint.memory_interval``
+  (copies on, no peer): each rank restores its own copy; the driver's log, the run history, the
+  incident's steps lost and the goodput ledger say so.
 
 Every run's final weights equal the reference's bit for bit.
 """
@@ -31,6 +34,19 @@ from mega.launch import run_training
 
 STEPS = 6
 KILL_AT = 5  # steps done when the fault strikes
+
+
+_ONE_NODE_BASE = (
+    "model=tiny",
+    "parallelism=dp2",
+    f"train.steps={STEPS}",
+    "train.tensorboard=false",
+    "train.eval_batches=0",
+    "optimizer.warmup_steps=1",
+    "checkpoint.restart_backoff_s=0",
+    "checkpoint.async_save=false",
+    "checkpoint.interval=3",
+)
 
 
 def _cfg(run_dir: Path, data_cache: Path, memory_dir: Path, extra=()):
@@ -115,6 +131,19 @@ def runs(tmp_path_factory, data_index, data_cache):
         torn = _BetweenAttempts(lambda: _flip_a_byte_of_rank0s_copies(cfg))
         out["torn"] = run_training(cfg, data_index, log=torn)
         out["torn_damage"] = torn.done
+        cfg = compose(
+            [
+                *(o for o in _ONE_NODE_BASE if "memory_interval" not in o),
+                f"train.run_dir={root / 'one_node'}",
+                f"data.cache_dir={data_cache}",
+                f"checkpoint.dir={root / 'one_node'}/checkpoints",
+                f"checkpoint.memory_dir={memory_dir}",
+                *kill_rank,
+            ]
+        )
+        one = _BetweenAttempts(lambda: "seen")
+        out["one_node"] = run_training(cfg, data_index, log=one)
+        out["one_node_messages"] = one.messages
         out["memory_left"] = sorted(str(p) for p in memory_dir.rglob("*.bin")) if memory_dir.exists() else []
         yield root, out
     finally:
@@ -184,3 +213,82 @@ def test_choose_picks_the_newest_step_every_rank_has_and_prefers_the_owners_node
     # node 1 lost: rank 1's copy comes from rank 0, which holds it
     assert choose([listings[0], {}], 2) == (4, {0: (0, "a4"), 1: (0, "h4")})
     assert choose([{0: [{"step": 5, "path": "a5"}]}, {}], 2) is None  # no copy of rank 1 anywhere
+
+
+@pytest.mark.slow
+def test_one_node_restores_each_ranks_own_copy_by_default(runs):
+    from mega.goodput.ledger import build
+    from mega.stability.incident import read_incidents
+
+    root, out = runs
+    result = out["one_node"]
+    restored = _restore(root, "one_node")
+    assert restored["source"] == "memory" and KILL_AT - restored["step"] <= 1, restored
+    assert restored["memory"]["sources"] == {"0": 0, "1": 1}, restored  # no peer node: its own
+    ckpt = f"iter_{restored['step']:07d}"
+    assert result.history[1]["restored"] == ckpt and result.history[1]["restored_from"] == "memory-own"
+    assert (
+        f"attempt 1: resumed from {ckpt}, from in-memory copies (each node's own)" in out["one_node_messages"]
+    )
+    [died] = [i for i in read_incidents(root / "one_node") if i["kind"] == "rank-exit"]
+    assert died["steps_lost"] == KILL_AT - restored["step"], died  # not counted from the durable step 3
+    assert [a["restored_from"] for a in build(root / "one_node")["attempts"]] == [None, "memory-own"]
+    _same_weights(root, "one_node")
+
+
+def test_the_optimizer_step_waits_for_the_copy_in_flight(tmp_path, monkeypatch):
+    """The copy thread reads the shard while the next step's forward runs; the optimizer's step
+    (a step pre-hook) waits until it has: the copy holds the weights of the step it names."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from mega.checkpoint import memory as memory_module
+    from mega.checkpoint.memory import MemoryCheckpoints
+
+    monkeypatch.setattr(memory_module, "layout", lambda: {"tp": 1})  # no megatron groups here
+
+    class Optimizer:  # the parts of megatron's DistributedOptimizer a copy reads (no shard of its own)
+        def __init__(self, params):
+            self.optimizer = torch.optim.SGD(params, lr=1.0)
+            self.model_param_group_index_map = {}
+
+        def state_dict(self):
+            return {}
+
+    model = torch.nn.Linear(64, 64)
+    opt = Optimizer(model.parameters())
+    cfg = SimpleNamespace(
+        checkpoint=SimpleNamespace(memory_interval=1, memory_dir=str(tmp_path / "shm")),
+        train=SimpleNamespace(run_dir=str(tmp_path / "run")),
+    )
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        memory = MemoryCheckpoints(cfg, [model], opt, SimpleNamespace(state_dict=dict))
+        before = model.weight.detach().clone()
+        order, fill = [], memory._fill
+
+        def slow_fill(*args):
+            time.sleep(0.5)  # a copy thread descheduled on a busy machine
+            order.append("copied")
+            return fill(*args)
+
+        monkeypatch.setattr(memory, "_fill", slow_fill)
+        memory.copy(1)
+        model.weight.grad = torch.ones_like(model.weight)
+        stepper = threading.Thread(target=lambda: (opt.optimizer.step(), order.append("stepped")))
+        stepper.start()
+        stepper.join(10)
+        assert order == ["copied", "stepped"]
+        memory._idle.wait(10)
+        rows = {r[0]: r for r in memory._table}
+        name, dtype, shape, offset, nbytes = rows["model0/weight"]
+        held = memory._slot(0, 0, memory._size)[offset : offset + nbytes].view(torch.float32).view(shape)
+        assert torch.equal(held, before) and not torch.equal(model.weight, before)
+        memory.close()
+    finally:
+        dist.destroy_process_group()

@@ -269,7 +269,8 @@ def test_recover_flow_restarts_a_run_whose_launcher_was_killed(
 ):
     """The launcher is SIGKILLed while its rank hangs at step 4 (checkpoint at step 2 durable): the
     record still says training, its pid is dead and the rank is orphaned. The recover flow finds
-    it, stops the orphan, restarts from iter_0000002 and ends on the uninterrupted curve."""
+    it, stops the orphan, restarts from the rank's in-memory copy of step 3 (newer than the
+    durable iter_0000002; the rank hung after its copy) and ends on the uninterrupted curve."""
     from mega.checkpoint import latest_durable
 
     run_dir = tmp_path / "runs" / "killed"
@@ -336,7 +337,9 @@ def check_recovery(tmp_path, run_dir, cfg, launcher, reference):
     assert row["checkpoint"] == "iter_0000002" and row["final_step"] == STEPS
     assert not any(runs.pid_alive(p) for p in orphans)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["attempt"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (3, 1), (4, 1)]
+    restored = json.loads((run_dir / "init.json").read_text())["restore"]
+    assert (restored["source"], restored["step"]) == ("memory", 3), restored
+    assert [(r["step"], r["attempt"]) for r in rows] == [(1, 0), (2, 0), (3, 0), (4, 1)]  # none lost
     assert [m["loss"] for m in read_metrics(run_dir)] == [m["loss"] for m in reference]
     assert latest_durable(cfg) == f"iter_{STEPS:07d}"
     record = runs.read_record(run_dir)

@@ -192,7 +192,7 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
 ):
     """SIGSTOP rank 1 (node 1's only rank) after step 3: the watcher's hang incident names that rank,
     node 1 and its host; the driver cancels the attempt's Slurm job and a new job resumes from
-    step 2's save and finishes."""
+    the in-memory copies (or step 2's save) and finishes."""
     from mega.bench.faults import stop_rank_when
 
     run_dir = tmp_path / "run"
@@ -217,7 +217,9 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
         stopper.join(10)
     assert stopped.get("node") == 1, "rank 1 was never stopped"
     assert result.final_step == 4 and result.attempts == 2, result.history
-    assert result.history[0]["reason"].startswith("hung: ") and result.restored.endswith("iter_0000002")
+    assert result.history[0]["reason"].startswith("hung: ")
+    # the in-memory copies of step 3 (2: the rank stopped before its copy of step 3 was complete)
+    assert result.restored.endswith(("iter_0000002", "iter_0000003")), result.history
     [inc] = read_incidents(run_dir)
     assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
     c = inc["culprit"]

@@ -147,19 +147,27 @@ def test_uploaders_share_one_commit(store, tmp_path):
 
 
 def test_pieces_hashed_on_upload_are_fetched_and_verified_one_by_one(store, tmp_path):
-    """A restore reads single serialised tensors: upload_files hashes the pieces it is told of
-    (in the same pass as the whole file), read_pieces fetches adjacent ones in one ranged read and
-    checks each; a flipped byte or a truncated file is named."""
+    """A restore reads single serialised tensors: upload_files hashes a file in the pieces it is
+    told of (each byte once; the bytes between and after them are pieces too), read_pieces
+    fetches adjacent ones in one ranged read and checks each; a flipped byte or a truncated file
+    is named; a download checks the whole file by its pieces."""
     src = make_ckpt(tmp_path / "src")
     data = (src / BIG).read_bytes()
-    pieces = [(0, 100), (100, 0), (100, 6 * MiB), (6 * MiB + 100, len(data) - 6 * MiB - 100)]
+    pieces = [(0, 100), (100, 0), (100, 6 * MiB), (6 * MiB + 100, len(data) - 6 * MiB - 200)]
     entries = store.upload_files(src, "iter_0000004", [BIG, "common.pt"], ranges={BIG: pieces})
     big = next(e for e in entries if e.path == BIG)
-    assert big.sha256 == hashlib.sha256(data).hexdigest()
-    assert big.ranges == tuple((o, n, hashlib.sha256(data[o : o + n]).hexdigest()) for o, n in pieces)
-    assert next(e for e in entries if e.path == "common.pt").ranges == ()
+    covered = [*pieces, (len(data) - 100, 100)]  # the last 100 bytes: a piece of their own
+    want = tuple((o, n, hashlib.sha256(data[o : o + n]).hexdigest()) for o, n in covered)
+    assert big.ranges == want and big.digest == "pieces"
+    lines = "".join(f"{o}:{n}:{h}\n" for o, n, h in want)  # pieces_digest, independently
+    assert big.sha256 == hashlib.sha256(lines.encode()).hexdigest()
+    common = next(e for e in entries if e.path == "common.pt")
+    assert common.ranges == () and common.digest == "bytes"
+    assert common.sha256 == hashlib.sha256((src / "common.pt").read_bytes()).hexdigest()
     manifest = store.commit("iter_0000004", entries)
     assert store.read_manifest("iter_0000004") == manifest  # the ranges survive the manifest's JSON
+    store.download_files("iter_0000004", [BIG], tmp_path / "whole")  # verified by its pieces
+    assert (tmp_path / "whole" / BIG).read_bytes() == data
 
     store.reset_bytes_read()
     wanted = [pieces[3], pieces[0], pieces[1]]
@@ -173,6 +181,8 @@ def test_pieces_hashed_on_upload_are_fetched_and_verified_one_by_one(store, tmp_
 
     put_raw(store, "iter_0000004", BIG, data[:200] + bytes([data[200] ^ 1]) + data[201:])
     assert bytes(store.read_pieces(manifest, BIG, [pieces[0]])[0]) == data[:100]  # untouched piece
+    with pytest.raises(CorruptCheckpoint, match="sha256"):
+        store.download_files("iter_0000004", [BIG], tmp_path / "flipped")
     with pytest.raises(CorruptCheckpoint) as err:
         store.read_pieces(manifest, BIG, [pieces[0], pieces[2]])
     assert (
@@ -385,7 +395,8 @@ def test_hashing_reader_hashes_each_byte_once(tmp_path):
     r.read(MiB)
     r.read(700)
     entry = r.finish("f")
-    assert entry.sha256 == want
+    assert entry.digest == "pieces" and entry.sha256 != want  # the digest of the pieces
+    # the pieces cover the file: nothing between or after them
     assert entry.ranges == tuple((o, n, hashlib.sha256(data[o : o + n]).hexdigest()) for o, n in pieces)
     path.write_bytes(data + b"more")
     with pytest.raises(ValueError, match="changed size"):

@@ -14,7 +14,8 @@
   checkpoint  at TP2xPP2xDP2: steps/s with async, sync and no saves over the same steps, training
             blocked per save, restore bytes counted against the naive restore, the largest per-rank
             restore footprint (mega/bench/checkpoint.py): --steps N (30), --interval K (10),
-            --repeats R (1), --storage URI (default: a local SeaweedFS S3 server)
+            --repeats R (1), --modes none,sync,async,memory (the runs of each round),
+            --storage URI (default: a local SeaweedFS S3 server)
             -> {"train_slowdown", "sync_train_slowdown", "stall_s", "restore_bytes_read",
                 "naive_restore_bytes", "restore_peak_bytes_per_rank", ...}
   bootstrap  megatron's group creation: real ranks of --real layouts (default tp2-pp2-dp2, start-up
@@ -181,6 +182,11 @@ def _add_checkpoint_and_bootstrap_args(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=1, help="rounds of the async/sync/no-save/in-memory runs (medians)"
     )
     ckpt.add_argument(
+        "--modes",
+        default="none,sync,async,memory",
+        help="runs of each round: none (always) with memory, sync+async or both",
+    )
+    ckpt.add_argument(
         "--storage", default=None, help="store URI (default: a SeaweedFS S3 server started here)"
     )
     boot = parser.add_argument_group("bootstrap")
@@ -295,7 +301,9 @@ def _soak(a: argparse.Namespace) -> dict:
 _RUNS = {
     "step": lambda a: bench_step(a.overrides, a.steps or 8, a.warmup),
     "ablation": _ablation,
-    "checkpoint": lambda a: bench_checkpoint(a.overrides, a.steps or 30, a.interval, a.storage, a.repeats),
+    "checkpoint": lambda a: bench_checkpoint(
+        a.overrides, a.steps or 30, a.interval, a.storage, a.repeats, tuple(a.modes.split(","))
+    ),
     "bootstrap": _bootstrap,
     "observability": lambda a: bench_observability(
         a.overrides, a.steps or 20, a.warmup, a.out or "runs/bench-observability", a.slow_s

@@ -1,4 +1,5 @@
-"""``python -m mega.bench checkpoint [overrides] [--steps N] [--interval K] [--storage URI] [--json]``.
+"""``python -m mega.bench checkpoint [overrides] [--steps N] [--interval K] [--repeats R] [--modes M,...]
+[--storage URI] [--json]``.
 
 What checkpoints cost a user, measured end to end in one run of the bench, at TP2xPP2xDP2 (8
 torchrun ranks) with a model of ~100 MB of checkpoint state, against an S3 server (SeaweedFS,
@@ -8,7 +9,8 @@ started here) or ``--storage``:
   asynchronous (two-stage) saves, with synchronous saves to the same store, with no saves, and
   with in-memory copies (below); ``--repeats R`` runs R rounds of the four, each round in a
   rotated order (so a drifting load on a shared machine does not always favour the same mode),
-  and reports medians.
+  and reports medians. ``--modes none,memory`` runs only the no-save and in-memory runs (and
+  reports only their figures); ``none,sync,async`` only the saves.
   steps/s is wall clock from the end of step 1 to the end of the last step (the saves at 10, 20
   fall inside, the one at the last step after it), from the ``time`` of each metrics row.
   ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
@@ -159,89 +161,73 @@ def steps_per_s(metrics: list[dict]) -> float:
     return (last["step"] - first["step"]) / (last["time"] - first["time"])
 
 
-def bench_checkpoint(
-    overrides: list[str], steps: int, interval: int, storage: str | None, repeats: int = 1
-) -> dict:
+def _run_mode(overrides, steps, interval, mode, r, where, tmp: Path) -> tuple:
+    """One training run of ``mode`` in round ``r``: (its config, data index, steps/s)."""
+    cfg = _compose(
+        overrides,
+        steps,
+        tmp / f"{mode}-{r}",
+        where,
+        interval if mode in ("sync", "async") else 0,
+        async_save=mode == "async",
+        memory_interval=1 if mode == "memory" else 0,
+    )
+    index = common.prepare_data(cfg)
+    what = {"none": "no saves", "memory": "in-memory copies every step, no saves"}.get(
+        mode, f"{mode} saves every {interval} steps to {where}"
+    )
+    common.log(f"checkpoint bench, round {r + 1}: {steps} steps, {what}")
+    return cfg, index, steps_per_s(common.train(cfg, index).metrics)
+
+
+def _rounds(overrides, steps, interval, storage, repeats, modes, tmp: Path) -> dict:
+    """``repeats`` rounds of every mode in ``modes``, round r rotated by r; what each measured."""
     from mega.checkpoint import read_save_log
+
+    out = {
+        "rates": {mode: [] for mode in modes},
+        "saves": {mode: [] for mode in ("sync", "async") if mode in modes},
+        "copies": [],  # of the memory runs, per rank
+        "commits": [],  # of the async runs
+    }
+    for r in range(repeats):
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            cfg, out["index"], rate = _run_mode(
+                overrides, steps, interval, mode, r, f"{storage}/{mode}-{r}", tmp
+            )
+            out["rates"][mode].append(rate)
+            out["cfg"] = cfg
+            # the first save of a run pays one-off start-up costs: left out of the timings
+            log = read_save_log(cfg.train.run_dir)
+            if mode == "memory":
+                out["copies"] += memory_costs(cfg.train.run_dir)
+            if mode in out["saves"]:
+                here = [x for x in log if x["event"] == "save"]
+                out["saves"][mode] += here[1:] or here
+            if mode == "async":
+                here = [x for x in log if x["event"] == "committed"]
+                out["commits"] += here[1:] or here
+    return out
+
+
+def _restore(overrides, steps, storage, repeats, index, tmp: Path) -> dict:
+    """One more step from the last async run's last checkpoint, nothing saved; then the same
+    checkpoint loaded again the naive way, for its byte count. The restore's record."""
     from mega.checkpoint.restore import NAIVE_REFERENCE_ENV
 
-    if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="mega-bench-ckpt-") as tmp:
-        tmp = Path(tmp)
-        server = None
-        saved_env = dict(os.environ)
-        try:
-            if storage is None:
-                from mega.storage.seaweed import SeaweedS3
+    os.environ[NAIVE_REFERENCE_ENV] = "1"
+    cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async-{repeats - 1}", 0)
+    return common.train(cfg, index).init["restore"]
 
-                server = SeaweedS3(tmp / "seaweed", bucket="mega-bench").start(timeout=120)
-                os.environ.update(server.env())  # the ranks inherit the credential chain
-                storage = server.uri("bench")
-            storage = storage.rstrip("/")
-            rates: dict[str, list[float]] = {mode: [] for mode in MODES}
-            saves: dict[str, list[dict]] = {"sync": [], "async": []}
-            copies: list[dict] = []  # of the memory runs, per rank
-            commits: list[dict] = []  # of the async runs
-            for r in range(repeats):
-                for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
-                    where = f"{storage}/{mode}-{r}"
-                    cfg = _compose(
-                        overrides,
-                        steps,
-                        tmp / f"{mode}-{r}",
-                        where,
-                        interval if mode in saves else 0,
-                        async_save=mode == "async",
-                        memory_interval=1 if mode == "memory" else 0,
-                    )
-                    index = common.prepare_data(cfg)
-                    what = {"none": "no saves", "memory": "in-memory copies every step, no saves"}.get(
-                        mode, f"{mode} saves every {interval} steps to {where}"
-                    )
-                    common.log(f"checkpoint bench, round {r + 1}/{repeats}: {steps} steps, {what}")
-                    rates[mode].append(steps_per_s(common.train(cfg, index).metrics))
-                    # the first save of a run pays one-off start-up costs: left out of the timings
-                    log = read_save_log(cfg.train.run_dir)
-                    if mode == "memory":
-                        copies += memory_costs(cfg.train.run_dir)
-                    if mode in saves:
-                        here = [x for x in log if x["event"] == "save"]
-                        saves[mode] += here[1:] or here
-                    if mode == "async":
-                        here = [x for x in log if x["event"] == "committed"]
-                        commits += here[1:] or here
-            # The restore: one more step from the last async run's last checkpoint, nothing
-            # saved; then the same checkpoint loaded again the naive way, for its byte count.
-            os.environ[NAIVE_REFERENCE_ENV] = "1"
-            restore_cfg = _compose(overrides, steps + 1, tmp / "restore", f"{storage}/async-{repeats - 1}", 0)
-            restored = common.train(restore_cfg, index).init["restore"]
-            upload_cpu = upload_cpu_ms_per_mb(storage, tmp) if storage.startswith("s3://") else None
-        finally:
-            os.environ.clear()
-            os.environ.update(saved_env)
-            if server is not None:
-                server.stop()
-    median_rate = {mode: statistics.median(rates[mode]) for mode in MODES}
-    slowdown = {mode: median_rate["none"] / median_rate[mode] - 1 for mode in ("sync", "async", "memory")}
-    common.log(json.dumps({"saves": saves, "commits": commits, "restore": restored}))
+
+def _save_figures(saves: dict, commits: list[dict], slowdown: dict) -> dict:
+    """Saves: training slowdown async vs sync, the stall per save, stage 2's CPU per save."""
 
     def med(key: str, mode: str = "async") -> float:
         return statistics.median(r[key] for r in saves[mode])
 
     sync_s, stall_s = med("stall_s", "sync"), med("stall_s")
-    p = cfg.parallelism
     return {
-        "layout": p.name,
-        "tp": p.tp,
-        "pp": p.pp,
-        "dp": p.dp,
-        "steps": steps,
-        "interval": interval,
-        "repeats": repeats,
-        "steps_per_s": median_rate,  # median over the rounds
-        "steps_per_s_runs": rates,
         "train_slowdown": slowdown["async"],
         "sync_train_slowdown": slowdown["sync"],
         "slowdown_target_met": slowdown["async"] <= slowdown["sync"] / 3,
@@ -255,22 +241,75 @@ def bench_checkpoint(
             k: statistics.median(r[k] for r in commits)
             for k in ("stage2_cpu_s", "stage2_build_cpu_s", "stage2_serialise_cpu_s", "stage2_upload_cpu_s")
         },
-        # in-memory copies every step: counted cost per copy and per step, measured slowdown
-        **memory_overhead(copies, 1 / median_rate["none"]),
-        "memory_train_slowdown": slowdown["memory"],
-        # the upload's CPU per MB in this process: the project's S3 client vs botocore's defaults
-        "upload_cpu_ms_per_mb": upload_cpu,
-        "checkpoint_mb": restored["checkpoint_bytes"] / 1e6,
         # stage 1 of an async save, split; and the wait for the previous save
-        "state_dict_s": med("state_dict_s"),
-        "snapshot_s": med("snapshot_s"),
-        "plan_s": med("plan_s"),
-        "wait_s": med("wait_s"),
+        **{k: med(k) for k in ("state_dict_s", "snapshot_s", "plan_s", "wait_s")},
         "saves_timed": len(saves["async"]),
-        "restore_bytes_read": restored["restore_bytes_read"],
-        "naive_restore_bytes": restored["naive_restore_bytes"],
-        "restore_peak_bytes_per_rank": restored["restore_peak_bytes_per_rank"],
-        "restore_s": restored["restore_s"],
+    }
+
+
+def _restore_figures(restored: dict) -> dict:
+    keys = ("restore_bytes_read", "naive_restore_bytes", "restore_peak_bytes_per_rank", "restore_s")
+    return {"checkpoint_mb": restored["checkpoint_bytes"] / 1e6, **{k: restored[k] for k in keys}}
+
+
+def bench_checkpoint(
+    overrides: list[str],
+    steps: int,
+    interval: int,
+    storage: str | None,
+    repeats: int = 1,
+    modes: tuple[str, ...] = MODES,
+) -> dict:
+    """The bench (see the module docstring); ``modes``: the runs of each round, a subset of
+    MODES with "none" (the reference of every slowdown); "async" and "sync" go together."""
+    modes = tuple(m for m in MODES if m in modes)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if "none" not in modes or ("sync" in modes) != ("async" in modes) or len(modes) < 2:
+        raise ValueError(f"--modes must name none and memory, sync+async or both, got {','.join(modes)}")
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="mega-bench-ckpt-") as tmp:
+        tmp = Path(tmp)
+        server = None
+        saved_env = dict(os.environ)
+        try:
+            if storage is None:
+                from mega.storage.seaweed import SeaweedS3
+
+                server = SeaweedS3(tmp / "seaweed", bucket="mega-bench").start(timeout=120)
+                os.environ.update(server.env())  # the ranks inherit the credential chain
+                storage = server.uri("bench")
+            storage = storage.rstrip("/")
+            got = _rounds(overrides, steps, interval, storage, repeats, modes, tmp)
+            saving = "async" in modes
+            restored = _restore(overrides, steps, storage, repeats, got["index"], tmp) if saving else None
+            upload_cpu = (
+                upload_cpu_ms_per_mb(storage, tmp) if saving and storage.startswith("s3://") else None
+            )
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
+            if server is not None:
+                server.stop()
+    rate = {mode: statistics.median(v) for mode, v in got["rates"].items()}
+    slowdown = {mode: rate["none"] / rate[mode] - 1 for mode in modes if mode != "none"}
+    common.log(json.dumps({"saves": got["saves"], "commits": got["commits"], "restore": restored}))
+    cfg, p = got["cfg"], got["cfg"].parallelism
+    out = {
+        **{"layout": p.name, "tp": p.tp, "pp": p.pp, "dp": p.dp, "modes": list(modes)},
+        **{"steps": steps, "interval": interval, "repeats": repeats},
+        "steps_per_s": rate,  # median over the rounds
+        "steps_per_s_runs": got["rates"],
+    }
+    if saving:
+        out.update(_save_figures(got["saves"], got["commits"], slowdown), **_restore_figures(restored))
+        # the upload's CPU per MB in this process: the project's S3 client vs botocore's defaults
+        out["upload_cpu_ms_per_mb"] = upload_cpu
+    if "memory" in modes:
+        # in-memory copies every step: counted cost per copy and per step, measured slowdown
+        out.update(memory_overhead(got["copies"], 1 / rate["none"]), memory_train_slowdown=slowdown["memory"])
+    return {
+        **out,
         "storage": "s3 (SeaweedFS, local)" if server is not None else storage.split(":", 1)[0],
         "device": common.device_name(cfg),
         "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # 1-min, before and after

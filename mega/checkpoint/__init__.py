@@ -36,7 +36,7 @@ from mega.checkpoint.common import (
     storage_uri,
 )
 from mega.checkpoint.memory import MemoryCheckpoints
-from mega.checkpoint.restore import load, restore
+from mega.checkpoint.restore import describe_source, load, restore, restore_source
 from mega.checkpoint.save import SAVE_LOG, Checkpointer, read_save_log
 
 __all__ = [
@@ -55,6 +55,8 @@ __all__ = [
     "read_latest",
     "read_save_log",
     "restore",
+    "restore_source",
+    "describe_source",
     "staging_root",
     "storage_uri",
 ]

@@ -18,9 +18,12 @@ whose copies it holds (its own ranks, and the previous node's):
   in the marker), the tensor table. Removed before a slot is overwritten, written (atomically,
   rename) only after its bytes are.
 
-The training thread's part of a copy is a memcpy of each tensor into the slot (the new step
-changes them); checksumming, the marker and the exchange with the peer nodes (point to point on a
-gloo group of its own) run on a background thread. Both are counted: ``stats()``.
+The training thread only hands a copy over (and its RNG state, which the next forward moves on).
+The copy thread memcpys each tensor into the slot while the next step's forward and backward
+run -- they change none of the shard; the optimizer's step, which does, waits for it (a step
+pre-hook: ``fence``) -- then checksums it, writes the marker and exchanges copies with the peer
+nodes (point to point on a gloo group of its own). On GPUs the device-to-host copy runs on the
+training thread. All of it is counted: ``stats``.
 """
 
 from __future__ import annotations
@@ -65,15 +68,20 @@ def _inner(optimizer) -> list:
 
 
 def _live_tensors(model_chunks, optimizer) -> dict[str, torch.Tensor]:
-    """Every tensor of this rank's shard, by a name that is the same in every attempt."""
+    """Every tensor of this rank's shard, by a name that is the same in every attempt. A main
+    parameter that is a view of the model's own storage (fp32 training: the distributed
+    optimizer updates the model's parameters in place) is left out: the model's bytes hold it."""
     out: dict[str, torch.Tensor] = {}
     for i, chunk in enumerate(model_chunks):
         for key, value in chunk.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor):
                 out[f"model{i}/{key}"] = value
+    model_storage = {t.untyped_storage().data_ptr() for t in out.values()}
     for j, opt in enumerate(_inner(optimizer)):
         for n, model_param in enumerate(opt.model_param_group_index_map):
             for key, value in sorted(opt._get_main_param_and_optimizer_states(model_param).items()):
+                if key == "param" and value.untyped_storage().data_ptr() in model_storage:
+                    continue
                 if isinstance(value, torch.Tensor):
                     out[f"optimizer{j}/{n}/{key}"] = value
     return out
@@ -101,7 +109,7 @@ def _crc(slot: torch.Tensor, small: bytes) -> int:
 class _Stats:
     copies: int = 0
     bytes: int = 0
-    blocking_s: float = 0.0  # the training thread: waiting for the previous copy + the memcpy
+    blocking_s: float = 0.0  # the training thread: handing a copy over, and waiting for it (fence)
     blocking_cpu_s: float = 0.0  # its thread CPU time
     background_cpu_s: float = 0.0  # the copy thread's CPU time: checksum, marker, exchange
     exchange_cpu_s: float = 0.0  # CPU time of the copy group's gloo threads (sending, receiving)
@@ -133,8 +141,10 @@ class MemoryCheckpoints:
         self._source_size = 0
         self._next = 0  # the slot the next copy goes to
         self._jobs: queue.Queue = queue.Queue()
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # set: no copy in flight
         self._idle.set()
+        self._read = threading.Event()  # set: the copy in flight has read the shard
+        self._read.set()
         self._thread: threading.Thread | None = None
         self._t_created = time.perf_counter()
 
@@ -153,7 +163,7 @@ class MemoryCheckpoints:
         return memory
 
     def due(self, step: int) -> bool:
-        return step % self.interval == 0
+        return bool(self.interval) and step % self.interval == 0  # 0: turned off (no room)
 
     # -- files
     def _rank_dir(self, owner: int) -> Path:
@@ -181,39 +191,51 @@ class MemoryCheckpoints:
 
     # -- the training thread's side
     def copy(self, step: int) -> dict:
-        """Copy this rank's shard as of ``step`` (between steps); returns what the training thread
-        waited (``blocking_s``). The rest runs on the copy thread."""
+        """Start the copy of this rank's shard as of ``step`` (between steps); returns what the
+        training thread waited (``blocking_s``). The copy thread reads the shard while the next
+        step's forward and backward run (they change none of it); the optimizer's step waits for
+        it (``fence``). On GPUs the device-to-host copy runs here, before the next step."""
         t0, c0 = time.perf_counter(), time.thread_time()
         self._idle.wait()  # the previous copy is done with the slot before last
-        if self._table is None:
-            self._setup(_live_tensors(self.model_chunks, self.optimizer))
-        live = self._live
+        if self._table is None and not self._setup(_live_tensors(self.model_chunks, self.optimizer)):
+            self.interval = 0
+            return {"blocking_s": time.perf_counter() - t0}
         slot_no, self._next = self._next, 1 - self._next
-        self._marker(self.rank, slot_no).unlink(missing_ok=True)  # torn from here until the new marker
-        slot = self._slot(self.rank, slot_no, self._size)
-        with torch.no_grad():
-            for name, dtype, shape, offset, nbytes in self._table:
-                _view(slot, dtype, shape, offset, nbytes).copy_(live[name])
-        small = io.BytesIO()
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": rng_state(),
-            },
-            small,
-        )
         self._idle.clear()
-        self._jobs.put((step, slot_no, small.getvalue()))
-        blocking = time.perf_counter() - t0
+        self._read.clear()
+        rng = rng_state()  # the RNG moves on in the next forward
+        # GPUs: the device-to-host copy on the training thread (its device, its stream)
+        filled = self._fill(slot_no, rng) if self._on_device else None
+        self._jobs.put((step, slot_no, rng, filled))
+        self._count_blocking(t0, c0)
         s = self.stats
         s.copies, s.bytes = s.copies + 1, s.bytes + self._size
-        s.blocking_s += blocking
-        s.blocking_cpu_s += time.thread_time() - c0
-        return {"blocking_s": blocking}
+        return {"blocking_s": time.perf_counter() - t0}
 
-    def _setup(self, live: dict[str, torch.Tensor]) -> None:
-        """First copy (collective): the tensor table, and the size of the copy this rank holds."""
+    def fence(self) -> None:
+        """Before anything changes the shard (the optimizer's step, a drill): wait until the copy
+        in flight has read it."""
+        if not self._read.is_set():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            self._read.wait()
+            self._count_blocking(t0, c0)
+
+    def _count_blocking(self, t0: float, c0: float) -> None:
+        self.stats.blocking_s += time.perf_counter() - t0
+        self.stats.blocking_cpu_s += time.thread_time() - c0
+
+    def _room(self, sizes: list[int]) -> int:
+        """Bytes this node's directory lacks for two slots of each of its ranks' copies and of
+        the copies it holds (0: enough). Files already there count as room (a restart)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fs = os.statvfs(self.dir)
+        have = fs.f_bavail * fs.f_frsize + sum(f.stat().st_size for f in self.dir.glob("rank*/slot*.bin"))
+        need = 2 * max(sizes) * self.local * (2 if self.peer is not None else 1)
+        return max(0, need - have)
+
+    def _setup(self, live: dict[str, torch.Tensor]) -> bool:
+        """First copy (collective): the tensor table, and the size of the copy this rank holds.
+        False (on every rank) when a node's directory has no room for the copies: they are off."""
         # The same tensor objects at every step (the optimizer updates them in place; a restore
         # copies into them before the first copy): looked up once.
         self._live = live
@@ -221,14 +243,30 @@ class MemoryCheckpoints:
         self._meta = {"layout": layout(), "world_size": self.world, "table": self._table}
         sizes = [None] * self.world
         dist.all_gather_object(sizes, self._size, group=self.group)
+        lacking = [None] * self.world
+        dist.all_gather_object(lacking, self._room(sizes), group=self.group)
+        if any(lacking):
+            if self.rank == 0:
+                short = max(lacking)
+                self._log(
+                    f"in-memory copies off: {self.cfg.checkpoint.memory_dir} lacks {short / 1e6:.1f} MB "
+                    f"on rank {lacking.index(short)}'s node (checkpoint.memory_dir: a larger tmpfs)"
+                )
+            return False
         self._source_size = sizes[self.source] if self.source is not None else 0
         if self.rank == 0:
             self._log(
                 f"copies of {self._size / 1e6:.1f} MB every {self.interval} steps in {self.dir}"
                 + (f", replicated to rank {self.peer}" if self.peer is not None else " (one node: no peer)")
             )
+        self._on_device = any(t.device.type != "cpu" for t in live.values())
+        # every change of the shard goes through an optimizer's step: it waits for the copy
+        self._hooks = [
+            opt.optimizer.register_step_pre_hook(lambda *_: self.fence()) for opt in _inner(self.optimizer)
+        ]
         self._thread = threading.Thread(target=self._loop, name="memory-checkpoint", daemon=True)
         self._thread.start()
+        return True
 
     def close(self, keep: bool = False) -> dict:
         """Stop the copy thread; write what the copies cost; ``keep=False`` removes this rank's
@@ -238,6 +276,8 @@ class MemoryCheckpoints:
             self._jobs.put(None)
             self._thread.join()
             self._thread = None
+            for hook in self._hooks:
+                hook.remove()
         self.stats.exchange_cpu_s = sum(threads_cpu_s(self._gloo_threads).values())
         row = {
             **self.stats.__dict__,
@@ -275,10 +315,26 @@ class MemoryCheckpoints:
                 self._log(f"rank {self.rank}: copy of step {job[0]} failed: {type(e).__name__}: {e}")
             finally:
                 self.stats.background_cpu_s += time.thread_time() - c0
+                self._read.set()
                 self._idle.set()
 
-    def _complete(self, step: int, slot_no: int, small: bytes) -> None:
-        slot = self._slot(self.rank, slot_no, self._size)
+    def _fill(self, slot_no: int, rng: dict) -> tuple[torch.Tensor, bytes]:
+        """The shard's bytes into the slot, and the small state; before the optimizer's step."""
+        try:
+            self._marker(self.rank, slot_no).unlink(missing_ok=True)  # torn until the new marker
+            slot = self._slot(self.rank, slot_no, self._size)
+            with torch.no_grad():
+                for name, dtype, shape, offset, nbytes in self._table:
+                    _view(slot, dtype, shape, offset, nbytes).copy_(self._live[name])
+            small = io.BytesIO()
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            torch.save({**state, "rng": rng}, small)
+            return slot, small.getvalue()
+        finally:
+            self._read.set()
+
+    def _complete(self, step: int, slot_no: int, rng: dict, filled: tuple | None) -> None:
+        slot, small = filled or self._fill(slot_no, rng)
         marker = json.dumps(
             {
                 "step": step,
@@ -315,19 +371,8 @@ class MemoryCheckpoints:
 
     # -- restore
     def _listing(self) -> dict[int, list[dict]]:
-        """The complete copies in this node's directory: {owner rank: [{step, slot}]}."""
-        found: dict[int, list[dict]] = {}
-        for marker in sorted(self.dir.glob("rank*/slot*.json")):
-            try:
-                meta = json.loads(marker.read_text())
-                data = marker.with_suffix(".bin")
-                if data.stat().st_size < meta["nbytes"]:
-                    continue
-            except (OSError, ValueError, KeyError):
-                continue  # a marker being replaced, or a slot without its bytes: not complete
-            if meta["world_size"] == self.world and meta["layout"] == layout():
-                found.setdefault(int(meta["owner"]), []).append({"step": meta["step"], "path": str(marker)})
-        return found
+        """The complete copies in this node's directory: {owner rank: [{step, path}]}."""
+        return complete_copies(self.dir, self.world, layout())
 
     def restore(self, durable_step: int) -> tuple[int | None, dict]:
         """Collective: restore from the newest step every rank has a complete copy of, if not
@@ -411,8 +456,11 @@ class MemoryCheckpoints:
             for j, opt in enumerate(_inner(self.optimizer)):
                 for n, model_param in enumerate(opt.model_param_group_index_map):
                     live = opt._get_main_param_and_optimizer_states(model_param)
+                    # a main parameter left out of the copy is a view of the model's, loaded above
+                    names = {key: f"optimizer{j}/{n}/{key}" for key in live}
                     opt._set_main_param_and_optimizer_states(
-                        model_param, {key: _view(data, *table[f"optimizer{j}/{n}/{key}"][1:]) for key in live}
+                        model_param,
+                        {k: _view(data, *table[x][1:]) if x in table else live[k] for k, x in names.items()},
                     )
         self.scheduler.load_state_dict(small["scheduler"])
         set_rng_state(small["rng"])
@@ -425,6 +473,34 @@ def _read(marker_path: str) -> tuple[dict, torch.Tensor]:
         f.readinto(memoryview(data.numpy()))
     marker["path"] = marker_path
     return marker, data
+
+
+def complete_copies(directory: Path, world: int, want_layout: dict | None = None) -> dict[int, list[dict]]:
+    """The complete copies in one node's directory of a run of ``world`` ranks (and of layout
+    ``want_layout``, when given): {owner rank: [{step, path}]}."""
+    found: dict[int, list[dict]] = {}
+    for marker in sorted(Path(directory).glob("rank*/slot*.json")):
+        try:
+            meta = json.loads(marker.read_text())
+            if marker.with_suffix(".bin").stat().st_size < meta["nbytes"]:
+                continue
+        except (OSError, ValueError, KeyError):
+            continue  # a marker being replaced, or a slot without its bytes: not complete
+        if meta["world_size"] == world and (want_layout is None or meta["layout"] == want_layout):
+            found.setdefault(int(meta["owner"]), []).append({"step": meta["step"], "path": str(marker)})
+    return found
+
+
+def newest_copy_step(cfg) -> int | None:
+    """The newest step every rank of ``cfg`` has a complete in-memory copy of, over every node
+    directory of the run this machine holds (with the local-nodes launcher: all of them), or
+    None. A restart restores it unless a copy is torn (only the restore reads the bytes)."""
+    if not cfg.checkpoint.memory_interval:
+        return None
+    run = Path(cfg.checkpoint.memory_dir) / run_dir_id(cfg)
+    world = cfg.parallelism.world_size
+    plan = choose([complete_copies(d, world) for d in sorted(run.glob("node*"))], world)
+    return plan[0] if plan else None
 
 
 def choose(listings: list[dict], world: int) -> tuple[int, dict] | None:

@@ -209,23 +209,16 @@ def _totals(stats) -> dict:
     }
 
 
-def restore(
-    cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None, memory=None
-) -> tuple[int, dict]:
-    """Collective: load the newest complete in-memory copy (``memory``, a MemoryCheckpoints) when
-    it is not older than ``latest``; else ``latest`` from the durable store, falling back to the
-    previous complete checkpoint when it is refused. Returns (step to start from, what was done;
-    ``memory``: why the in-memory copies were or were not used)."""
-    from mega.storage import CorruptCheckpoint, step_of
+def _rank0_log(message: str) -> None:  # every rank takes the same decisions: rank 0 tells them
+    if dist.get_rank() == 0:
+        print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
 
-    if log is None:
 
-        def log(message: str) -> None:  # every rank takes the same decisions: rank 0 tells them
-            if dist.get_rank() == 0:
-                print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+def _candidates(store, log: Callable[[str], None]) -> list[str]:
+    """Collective: `latest`, then each older complete checkpoint (rank 0 reads the store, every
+    rank gets the list). A complete checkpoint newer than `latest` is removed."""
+    from mega.storage import step_of
 
-    store = open_store(cfg)
-    t0 = time.perf_counter()
     candidates = [None]
     if dist.get_rank() == 0:
         latest = store.read_latest()
@@ -241,51 +234,100 @@ def restore(
                     store.delete(n)
         candidates = [names]
     dist.broadcast_object_list(candidates, src=0)
-    memory_info = None
-    if memory is not None:
-        step, memory_info = memory.restore(step_of(candidates[0][0]) if candidates[0] else 0)
-        if step is not None:
-            memory_info["restore_s"] = time.perf_counter() - t0
-            log(
-                f"restored {iteration_name(step)} from the in-memory copies ({memory_info['source']} supplied "
-                f"rank 0's, {memory_info['bytes']} bytes per rank)"
-            )
-            return step, {
-                "checkpoint": iteration_name(step),
-                "step": step,
-                "source": "memory",
-                "refused": [],
-                "restore_s": memory_info["restore_s"],
-                "memory": memory_info,
-            }
-        log(f"in-memory copies not used: {memory_info['reason']}")
+    return candidates[0]
+
+
+def _from_memory(memory, candidates: list[str], t0: float, log) -> tuple[int | None, dict]:
+    """Collective: the in-memory copies when usable; (step, restore record) or (None, why not)."""
+    from mega.storage import step_of
+
+    step, info = memory.restore(step_of(candidates[0]) if candidates else 0)
+    if step is None:
+        log(f"in-memory copies not used: {info['reason']}")
+        return None, info
+    info["restore_s"] = time.perf_counter() - t0
+    log(
+        f"restored {iteration_name(step)} from the in-memory copies ({info['source']} supplied "
+        f"rank 0's, {info['bytes']} bytes per rank)"
+    )
+    record = {"checkpoint": iteration_name(step), "step": step, "source": "memory", "refused": []}
+    return step, {**record, "restore_s": info["restore_s"], "memory": info}
+
+
+def _restore_device(cfg) -> torch.device:
+    """Where the DP peers exchange restored pieces (point to point on the default group)."""
     from mega.cluster.backend_flags import backend_flags
 
-    # the DP peers exchange restored pieces point to point on the default group
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if backend_flags(cfg).collective_device == "cuda"
-        else torch.device("cpu")
-    )
-    audit_dir = os.environ.get(AUDIT_ENV)
-    info: dict = {"refused": [], "source": "durable", **({"memory": memory_info} if memory_info else {})}
-    for name in candidates[0]:
-        local_dir = staging_root(cfg) / "restore" / name / f"rank{dist.get_rank():05d}"
+    if backend_flags(cfg).collective_device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _try_candidate(cfg, store, name, model_chunks, optimizer, scheduler, info, log, t0: float):
+    """Collective: load checkpoint ``name``; its PieceExchange, or None when it was refused
+    (recorded in ``info["refused"]``). ``t0``: when the restore began."""
+    from mega.storage import CorruptCheckpoint
+
+    local_dir = staging_root(cfg) / "restore" / name / f"rank{dist.get_rank():05d}"
+    shutil.rmtree(local_dir, ignore_errors=True)
+    local_dir.mkdir(parents=True)
+    audit = {} if os.environ.get(AUDIT_ENV) else None
+    device = _restore_device(cfg)
+    try:
+        step, exchange = _restore_from(
+            store, name, local_dir, model_chunks, optimizer, scheduler, device, True, audit
+        )
+    except CorruptCheckpoint as e:
+        log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
+        info["refused"].append({"name": name, "file": e.relpath, "reason": e.reason})
+        return None
+    finally:
         shutil.rmtree(local_dir, ignore_errors=True)
-        local_dir.mkdir(parents=True)
-        audit = {} if audit_dir else None
-        try:
-            try:
-                step, exchange = _restore_from(
-                    store, name, local_dir, model_chunks, optimizer, scheduler, device, True, audit
-                )
-            except CorruptCheckpoint as e:
-                log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
-                info["refused"].append({"name": name, "file": e.relpath, "reason": e.reason})
-                continue
-        finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
-        restore_s = time.perf_counter() - t0
+    info.update(checkpoint=name, step=step, restore_s=time.perf_counter() - t0)
+    if audit is not None:
+        _write_audit(audit, name, exchange.stats)
+    if os.environ.get(NAIVE_REFERENCE_ENV):
+        info["naive_restore_bytes"] = _naive_reference(
+            cfg, store, name, model_chunks, optimizer, scheduler, device
+        )
+    return exchange
+
+
+def _write_audit(audit: dict, name: str, stats) -> None:
+    audit.update(
+        rank=dist.get_rank(),
+        checkpoint=name,
+        layout=layout(),
+        read_bytes=stats.read_bytes,
+        received_bytes=stats.received_bytes,
+        peak_bytes=stats.peak_bytes,
+    )
+    audit_dir = Path(os.environ[AUDIT_ENV])
+    audit_dir.mkdir(parents=True, exist_ok=True)
+    (audit_dir / f"rank{dist.get_rank():05d}.json").write_text(json.dumps(audit))
+
+
+def restore(
+    cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None, memory=None
+) -> tuple[int, dict]:
+    """Collective: load the newest complete in-memory copy (``memory``, a MemoryCheckpoints) when
+    it is not older than ``latest``; else ``latest`` from the durable store, falling back to the
+    previous complete checkpoint when it is refused. Returns (step to start from, what was done;
+    ``memory``: why the in-memory copies were or were not used)."""
+    log = log or _rank0_log
+    store = open_store(cfg)
+    t0 = time.perf_counter()
+    candidates = _candidates(store, log)
+    memory_info = None
+    if memory is not None:
+        step, memory_info = _from_memory(memory, candidates, t0, log)
+        if step is not None:
+            return step, memory_info
+    info: dict = {"refused": [], "source": "durable", **({"memory": memory_info} if memory_info else {})}
+    for name in candidates:
+        exchange = _try_candidate(cfg, store, name, model_chunks, optimizer, scheduler, info, log, t0)
+        if exchange is None:
+            continue
         totals = _totals(exchange.stats)
         if info["refused"] and dist.get_rank() == 0:
             # The refused ones are newer than this; this run saves their steps again, and the
@@ -293,36 +335,18 @@ def restore(
             store.write_latest(name)
             log(f"`latest` moved back to {name}")
         info.update(
-            checkpoint=name,
-            step=step,
-            restore_s=restore_s,
             checkpoint_bytes=exchange.manifest.total_bytes,
             restore_bytes_read=totals["read"],
             restore_bytes_exchanged=totals["sent"],
             restore_peak_bytes_per_rank=totals["peak"],
             per_rank=totals["per_rank"],
         )
-        if audit is not None:
-            audit.update(
-                rank=dist.get_rank(),
-                checkpoint=name,
-                layout=layout(),
-                read_bytes=exchange.stats.read_bytes,
-                received_bytes=exchange.stats.received_bytes,
-                peak_bytes=exchange.stats.peak_bytes,
-            )
-            Path(audit_dir).mkdir(parents=True, exist_ok=True)
-            (Path(audit_dir) / f"rank{dist.get_rank():05d}.json").write_text(json.dumps(audit))
-        if os.environ.get(NAIVE_REFERENCE_ENV):
-            info["naive_restore_bytes"] = _naive_reference(
-                cfg, store, name, model_chunks, optimizer, scheduler, device
-            )
         log(
-            f"restored {name} (step {step}) from {store.uri}: {totals['read']} bytes read from the store by "
-            f"{dist.get_world_size()} ranks, {totals['sent']} passed between DP peers; at most "
+            f"restored {name} (step {info['step']}) from {store.uri}: {totals['read']} bytes read from the "
+            f"store by {dist.get_world_size()} ranks, {totals['sent']} passed between DP peers; at most "
             f"{totals['peak']} bytes held by one rank"
         )
-        return step, info
+        return info["step"], info
     if info["refused"]:
         raise CheckpointError(f"no usable checkpoint in {store.uri}: refused {info['refused']}")
     return 0, info
@@ -341,3 +365,24 @@ def _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, devic
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
     return _totals(exchange.stats)["read"]
+
+
+def restore_source(info: dict) -> str | None:
+    """Where a restore (``restore``'s record) came from: ``memory-own`` (every rank's own node's
+    in-memory copy), ``memory-peer`` (some rank's copy from a peer node), ``durable`` (the store),
+    None (nothing to restore: a fresh start)."""
+    if info.get("source") == "memory":
+        sources = info["memory"]["sources"]
+        return "memory-own" if all(int(o) == int(h) for o, h in sources.items()) else "memory-peer"
+    return "durable" if info.get("checkpoint") else None
+
+
+def describe_source(info: dict) -> str:
+    """``restore_source`` in words, for the driver's log."""
+    source = restore_source(info)
+    if source == "memory-peer":
+        moved = sum(int(o) != int(h) for o, h in info["memory"]["sources"].items())
+        return f"in-memory copies ({moved} rank(s) from a peer node's copy)"
+    return {"memory-own": "in-memory copies (each node's own)", "durable": "the durable store"}.get(
+        source, "nothing (a fresh start)"
+    )

@@ -12,8 +12,8 @@ Save (``Checkpointer.save``, collective):
   ``dist_checkpointing.save(..., async_sharded_save=True)`` plans the save (collectives on a gloo
   group only saves use, mega/checkpoint/save_group.py) and returns an ``AsyncRequest``; training
   uses neither group. The thread makes the rank's GPU current before anything else. The request's write function serialises this rank's shards into the node-local staging
-  directory, then the rank uploads its files to the store (``upload_files``, hashed while sent:
-  each file and each serialised piece of it, as the writer reported them).
+  directory, then the rank uploads its files to the store (``upload_files``, hashed while sent,
+  each byte once: a shard file in the serialised pieces the writer reported, the others whole).
   The training thread checks at each step (one small all-reduce on a gloo group of its own)
   whether every rank is done; then it runs megatron's finalisation (collective: the global
   ``.metadata``), gathers every rank's manifest entries on rank 0, and rank 0's thread uploads

@@ -165,6 +165,14 @@ def _reference_rank(by_rank: dict[int, list[dict]]) -> list[dict]:
     return by_rank[with_steps[0] if with_steps else min(by_rank)]
 
 
+def _restored_from(marks: dict, a: dict) -> str | None:
+    """Where the attempt's ranks restored from (their restore mark): memory-own, memory-peer,
+    durable; None for a fresh start or no record."""
+    by_rank = marks["ranks"].get(a["attempt"], {})
+    rows = _reference_rank(by_rank) if by_rank else []
+    return next((x.get("source") for x in rows if x["event"] == "restore"), None)
+
+
 def _median_step_s(marks: dict) -> float:
     rest = []
     for by_rank in marks["ranks"].values():
@@ -339,7 +347,10 @@ def build(run_dir: str | Path) -> dict:
         "unattributed_s": totals["unattributed"],
         "unattributed_fraction": totals["unattributed"] / wall if wall > 0 else 0.0,
         "unattributed_parts": parts,
-        "attempts": [{k: a.get(k) for k in ("attempt", "ok", "reason")} for a in attempts],
+        "attempts": [
+            {**{k: a.get(k) for k in ("attempt", "ok", "reason")}, "restored_from": _restored_from(marks, a)}
+            for a in attempts
+        ],
         "lost_steps": lost_steps,
         "lost_s_by_attempt": lost_by_attempt,
         "missing_rank_files": missing_ranks,

@@ -1,11 +1,12 @@
-"""The driver: train to ``train.steps`` on a set of nodes, relaunching every node from ``latest``
-when any fails.
+"""The driver: train to ``train.steps`` on a set of nodes, relaunching every node from the
+newest in-memory copies or ``latest`` when any fails.
 
 A run is ``cluster.nodes`` torchrun agents started by the launch backend (mega/launch/backend.py);
 ranks are processes, never in-process work. The driver owns membership: it starts every node's
 agent for an attempt, watches them (a node's agent exiting, a stall of ``metrics.jsonl`` for
 ``cluster.hang_timeout_s``), and on any failure stops every node's agent and ranks and relaunches
-all nodes from the durable ``latest``, with bounded attempts and exponential backoff.
+all nodes, with bounded attempts and exponential backoff: the ranks restore the newest complete
+in-memory copies (mega/checkpoint/memory.py), else the durable ``latest``.
 
 The restart loop is a recipe of four steps, each a function of its own: ``launch_attempt`` (save
 the attempt's config, start its job), ``watch_attempt`` (until it ends), ``collect_outcome`` (what
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mega import config as mega_config
-from mega.checkpoint import latest_durable
+from mega.checkpoint import describe_source, latest_durable, restore_source
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.goodput.marks import driver_mark
@@ -214,7 +215,7 @@ def launch_attempt(launch: Launch, state: LoopState) -> Attempt:
     job = training_job(cfg, launch.config_path, launch.index_path, n, env)
     watcher = Watcher(cfg, job.env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
     driver_mark(launch.run_dir, "launch", attempt=n)
-    launch.book.begin(n, job, cfg, watcher, lambda: _durable_step(cfg))
+    launch.book.begin(n, job, cfg, watcher, lambda: _resume_step(cfg))
     return Attempt(n, cfg, job, watcher)
 
 
@@ -252,11 +253,11 @@ def collect_outcome(launch: Launch, attempt: Attempt, outcome: JobOutcome) -> En
     init = _read_init(launch.run_dir / "init.json")
     if (r := init.get("restore", {})).get("checkpoint"):
         refused = f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""
-        log(f"attempt {n}: resumed from {r['checkpoint']}{refused}")
+        log(f"attempt {n}: resumed from {r['checkpoint']}, from {describe_source(r)}{refused}")
     metrics = read_metrics(launch.run_dir)
     final_step = metrics[-1]["step"] if metrics else 0
     launch.run.beat(final_step=final_step)
-    attempt.watcher.close(launch.run, final_step, outcome.reason, lambda: _durable_step(attempt.cfg))
+    attempt.watcher.close(launch.run, final_step, outcome.reason, lambda: _resume_step(attempt.cfg))
     return Ended(outcome, final_step, metrics, init)
 
 
@@ -271,6 +272,7 @@ def counted(state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
         "failed_nodes": o.failed_nodes,
         "final_step": ended.final_step,
         "restored": ended.restored,
+        "restored_from": restore_source(ended.init.get("restore", {})),  # memory-own/-peer, durable
         "elapsed_s": round(o.elapsed_s, 3),
         "stop_s": round(o.stop_s, 3),
     }
@@ -427,12 +429,22 @@ def _exclude_lost_hosts(nodes: Nodes, log: Callable[[str], None], attempt: int) 
 
 
 def _durable_step(cfg: MegaConfig) -> int | None:
-    """The step of the durable ``latest`` (what a relaunch resumes from), None when unknown."""
+    """The step of the durable ``latest``, None when unknown."""
     try:
         latest = latest_durable(cfg) if cfg.checkpoint.load else None
     except StorageError:
         return None
     return runs.checkpoint_step(latest) if latest else 0
+
+
+def _resume_step(cfg: MegaConfig) -> int | None:
+    """The step a relaunch resumes from (steps lost): the newest step of the in-memory copies this
+    machine holds of every rank (local nodes) when newer than the durable ``latest``'s."""
+    from mega.checkpoint.memory import newest_copy_step
+
+    durable = _durable_step(cfg)
+    memory = newest_copy_step(cfg) if cfg.checkpoint.load else None
+    return durable if memory is None or (durable is not None and durable > memory) else memory
 
 
 def _short(outcome: JobOutcome) -> str:

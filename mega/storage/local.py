@@ -11,7 +11,6 @@ manifest, and the manifest and ``latest`` are replaced atomically (temp + fsync 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -34,7 +33,16 @@ from mega.storage.base import (
     is_valid_name,
     log_transfer,
 )
-from mega.storage.manifest import CHUNK, MANIFEST, FileEntry, FileHasher, Manifest, local_files, sha256_file
+from mega.storage.manifest import (
+    CHUNK,
+    MANIFEST,
+    FileEntry,
+    FileHasher,
+    Manifest,
+    hash_file,
+    local_files,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -234,25 +242,26 @@ class FileStorage(CheckpointStorage):
             if not src.is_file():
                 raise CorruptCheckpoint(name, e.path, "missing from the store")
             if in_place:
-                n, h = sha256_file(src) if verify else (src.stat().st_size, None)
+                got = hash_file(src, e) if verify else None
+                n = got.size if got else src.stat().st_size
             else:
-                n, h = self._copy_out(src, local_dir / e.path)
+                got = self._copy_out(src, local_dir / e.path, e)
+                n = got.size
             self._count_read(n)
             if n != e.size:
                 raise CorruptCheckpoint(name, e.path, f"size {n} != {e.size} in the manifest")
-            if verify and h.hexdigest() != e.sha256:
+            if verify and got.sha256 != e.sha256:
                 raise CorruptCheckpoint(name, e.path, "sha256 differs from the manifest")
 
-    def _copy_out(self, src: Path, dst: Path):
+    def _copy_out(self, src: Path, dst: Path, entry: FileEntry) -> FileEntry:
+        """Copy ``src`` to ``dst``, hashed as ``entry`` lists it from the bytes written."""
         dst.parent.mkdir(parents=True, exist_ok=True)
-        h = hashlib.sha256()
-        n = 0
+        h = FileHasher([(o, n) for o, n, _ in entry.ranges] if entry.digest == "pieces" else None)
         with open(src, "rb") as fi, open(dst, "wb") as fo:
             while chunk := fi.read(CHUNK):
                 h.update(chunk)
                 fo.write(chunk)
-                n += len(chunk)
-        return n, h
+        return h.finish(entry.path, h.pos)
 
     def read_bytes(self, name, relpath, offset: int = 0, length: int | None = None) -> bytes:
         path = self._dir(name) / check_relpath(relpath)

@@ -2,9 +2,10 @@
 
 ``manifest.json`` is the commit record of a checkpoint in a store: it is written last, so a
 checkpoint without one is an upload that never finished. It lists every file's relative path,
-size and sha256, and for files a restore reads in pieces (dist_checkpointing's shard files) the
+size and sha256, or for files a restore reads in pieces (dist_checkpointing's shard files) the
 sha256 of each piece (``ranges``: one per serialised tensor or object, as the writer laid them
-out); a restore checks what it fetched against it, whole files and pieces alike.
+out, and the bytes between) and a digest of those (``digest: pieces``): every byte is hashed
+once. A restore checks what it fetched against it, whole files and pieces alike.
 """
 
 from __future__ import annotations
@@ -30,18 +31,26 @@ Range = tuple[int, int, str]  # (offset, length, sha256) of one piece of a file
 class FileEntry:
     path: str  # relative, '/'-separated
     size: int
+    # "bytes": sha256 of the file's bytes. "pieces": the file was hashed in pieces (``ranges``,
+    # which then cover it) and this is ``pieces_digest`` of them: each byte hashed once.
     sha256: str
     ranges: tuple[Range, ...] = ()  # pieces hashed on their own, sorted by offset
+    digest: str = "bytes"
 
     def range_hash(self, offset: int, length: int) -> str | None:
         """The sha256 the manifest lists for exactly bytes [offset, offset+length), or None."""
-        if offset == 0 and length == self.size:
+        if offset == 0 and length == self.size and self.digest == "bytes":
             return self.sha256
         return self._range_index.get((offset, length))
 
     @cached_property
     def _range_index(self) -> dict[tuple[int, int], str]:
         return {(o, n): h for o, n, h in self.ranges}
+
+
+def pieces_digest(pieces) -> str:
+    """The digest of a file hashed in pieces: sha256 of its (offset, length, sha256) list."""
+    return hashlib.sha256("".join(f"{o}:{n}:{h}\n" for o, n, h in pieces).encode()).hexdigest()
 
 
 @dataclass
@@ -83,6 +92,7 @@ class Manifest:
                     int(f["size"]),
                     str(f["sha256"]),
                     tuple((int(o), int(n), str(h)) for o, n, h in f.get("ranges", ())),
+                    str(f.get("digest", "bytes")),
                 )
                 for f in doc["files"]
             ]
@@ -95,6 +105,8 @@ def _entry_doc(f: FileEntry) -> dict:
     doc = {"path": f.path, "size": f.size, "sha256": f.sha256}
     if f.ranges:
         doc["ranges"] = [list(r) for r in f.ranges]
+    if f.digest != "bytes":
+        doc["digest"] = f.digest
     return doc
 
 
@@ -134,46 +146,66 @@ def sha256_file(path: Path, start: int = 0, h=None) -> tuple[int, hashlib._Hash]
 
 
 class FileHasher:
-    """sha256 of a file fed in order, and of the pieces ``ranges`` names ((offset, length),
-    sorted, not overlapping) from the same bytes: one pass over the data."""
+    """The digest of a file fed in order, each byte hashed once: sha256 of the bytes, or with
+    ``ranges`` ((offset, length), not overlapping) sha256 of each piece -- the bytes between and
+    after them are pieces too, so the pieces cover the file -- and ``pieces_digest`` of them."""
 
     def __init__(self, ranges: list[tuple[int, int]] | None = None):
         self.pos = 0
-        self._h = hashlib.sha256()
-        self._ranges = sorted(ranges or ())
-        for (o1, n1), (o2, _) in zip(self._ranges, self._ranges[1:]):
+        ranges = sorted(ranges or ())
+        for (o1, n1), (o2, _) in zip(ranges, ranges[1:]):
             if o1 + n1 > o2:
                 raise ValueError(f"overlapping ranges to hash: ({o1}, {n1}) and ({o2}, ...)")
-        self._next = 0  # index of the range being hashed
+        self._whole = None if ranges else hashlib.sha256()
+        self._empty = [(o, 0, hashlib.sha256().hexdigest()) for o, n in ranges if n == 0]
+        self._cuts = sorted({x for o, n in ranges if n for x in (o, o + n)} - {0})  # where pieces end
+        self._next = 0  # index of the next cut
+        self._start = 0  # of the piece being hashed
         self._piece = hashlib.sha256()
         self._done: list[Range] = []
 
     def update(self, data) -> None:
         view = memoryview(data).cast("B")
-        self._h.update(view)
-        start, end = self.pos, self.pos + len(view)
-        while self._next < len(self._ranges):
-            offset, length = self._ranges[self._next]
-            stop = offset + length
-            lo, hi = max(offset, start), min(stop, end)
-            if lo < hi:
-                self._piece.update(view[lo - start : hi - start])
-            if stop > end:
-                break  # the piece goes on in the next chunk (or starts there)
-            self._done.append((offset, length, self._piece.hexdigest()))
-            self._piece = hashlib.sha256()
-            self._next += 1
-        self.pos = end
+        if self._whole is not None:
+            self._whole.update(view)
+            self.pos += len(view)
+            return
+        at = 0
+        while at < len(view):
+            cut = self._cuts[self._next] if self._next < len(self._cuts) else None
+            take = len(view) - at if cut is None else min(cut - self.pos, len(view) - at)
+            self._piece.update(view[at : at + take])
+            at, self.pos = at + take, self.pos + take
+            if self.pos == cut:
+                self._close_piece()
+                self._next += 1
+
+    def _close_piece(self) -> None:
+        if self.pos > self._start:
+            self._done.append((self._start, self.pos - self._start, self._piece.hexdigest()))
+        self._start, self._piece = self.pos, hashlib.sha256()
 
     def finish(self, relpath: str, size: int) -> FileEntry:
         """The manifest entry; ValueError when the bytes fed were not ``size`` or a range was
         not covered."""
         if self.pos != size:
             raise ValueError(f"{relpath} changed size during upload ({size} -> {self.pos} bytes)")
-        if self._next != len(self._ranges):
-            offset, length = self._ranges[self._next]
-            raise ValueError(f"{relpath}: range ({offset}, {length}) ends past the file's {size} bytes")
-        return FileEntry(relpath, size, self._h.hexdigest(), tuple(self._done))
+        if self._whole is not None:
+            return FileEntry(relpath, size, self._whole.hexdigest())
+        if self._next != len(self._cuts) or any(o > size for o, _, _ in self._empty):
+            raise ValueError(f"{relpath}: a range to hash ends past the file's {size} bytes")
+        self._close_piece()
+        pieces = tuple(sorted(self._done + self._empty))
+        return FileEntry(relpath, size, pieces_digest(pieces), pieces, "pieces")
+
+
+def hash_file(path: Path, entry: FileEntry | None = None) -> FileEntry:
+    """A local file's entry, hashed as ``entry`` lists it (its pieces, or its bytes)."""
+    hasher = FileHasher([(o, n) for o, n, _ in entry.ranges] if entry and entry.digest == "pieces" else None)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            hasher.update(chunk)
+    return hasher.finish(entry.path if entry else Path(path).name, hasher.pos)
 
 
 class HashingReader:
@@ -184,7 +216,7 @@ class HashingReader:
     hash therefore follows a high-water mark: only bytes past what was hashed are fed to it, in
     order, so each byte is hashed exactly once. Whatever the transfer did not read in order is
     hashed from disk by ``finish()`` (never in practice; it keeps the manifest right regardless).
-    ``ranges`` are pieces of the file hashed on their own as well (``FileHasher``).
+    With ``ranges`` the file is hashed in those pieces instead (``FileHasher``).
 
     The file is opened on the first read and closed at end of file, so a directory of thousands
     of files queued in one transfer manager does not hold thousands of descriptors.

@@ -51,7 +51,7 @@ from mega.storage.base import (
     is_valid_name,
     log_transfer,
 )
-from mega.storage.manifest import MANIFEST, FileEntry, HashingReader, Manifest, local_files, sha256_file
+from mega.storage.manifest import MANIFEST, FileEntry, HashingReader, Manifest, hash_file, local_files
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ class S3Storage(CheckpointStorage):
                 self._count_read(size)
                 if size != e.size:
                     raise CorruptCheckpoint(name, e.path, f"size {size} != {e.size} in the manifest")
-                if verify and sha256_file(path)[1].hexdigest() != e.sha256:
+                if verify and hash_file(path, e).sha256 != e.sha256:
                     raise CorruptCheckpoint(name, e.path, "sha256 differs from the manifest")
 
     def read_bytes(self, name, relpath, offset: int = 0, length: int | None = None) -> bytes:
