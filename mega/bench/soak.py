@@ -396,6 +396,7 @@ def bench_soak(
     import os
 
     from mega.bench import common
+    from mega.goodput import recovery
     from mega.goodput import report as goodput_report
     from mega.stability.incident import read_incidents
     from mega.storage.seaweed import SeaweedS3
@@ -474,6 +475,10 @@ def bench_soak(
         "minutes": minutes,
         "mtbf_s": mtbf_s,
         "png": soak_led["png"],
+        # what recovery ran on: warm processes (mega/warm), in-memory copies every N steps (0: off)
+        "warm_processes": bool(cfg.launcher.warm_processes),
+        "memory_interval": int(cfg.checkpoint.memory_interval),
+        "recoveries": recovery.recoveries(soak_dir),
         "weights": weights,
         "measured": True,
     }
