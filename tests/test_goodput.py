@@ -209,3 +209,32 @@ def test_not_struck_says_why():
         ("nan", "not injected (one per soak)"),
         ("s3-stop", "the run ended first"),
     ]
+
+
+def test_a_relaunch_is_cut_into_its_steps_by_the_slowest_rank(tmp_path):
+    """mega.goodput.recovery: verdict -> first step of the relaunch, each boundary the latest rank's."""
+    from mega.goodput.recovery import STEPS, recoveries
+
+    g = tmp_path / "goodput"
+    (g / "attempt-1").mkdir(parents=True)
+    driver = [
+        {"event": "launch", "t": 0.0, "attempt": 0},
+        {"event": "stopped", "t": 10.5, "attempt": 0, "ok": False, "reason": "node 1 died", "stop_s": 0.5},
+        {"event": "launch", "t": 11.0, "attempt": 1},
+        {"event": "stopped", "t": 30.0, "attempt": 1, "ok": True, "reason": "completed", "stop_s": 0.1},
+    ]
+    (g / "driver.jsonl").write_text("".join(json.dumps(e) + "\n" for e in driver))
+    for rank, late in ((0, 0.0), (1, 0.25)):  # rank 1 is a quarter second behind at every mark
+        rows = [
+            {"event": "header", "created_t": 12.0 + late, "main_t": 12.5 + late},
+            {"event": "group_creation", "t0": 13.0 + late, "t1": 14.0 + late},
+            {"event": "restore", "t0": 15.0 + late, "t1": 15.5 + late},
+            {"event": "step", "step": 3, "t0": 15.6 + late, "t1": 16.0 + late},
+        ]
+        (g / "attempt-1" / f"rank-{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    [row] = recoveries(tmp_path)
+    assert row["attempt"] == 1 and row["after"] == "node 1 died"
+    assert list(row["steps_s"]) == list(STEPS)
+    assert row["steps_s"]["stop"] == 0.5 and row["steps_s"]["driver"] == 0.5
+    assert row["steps_s"]["agents_to_ranks"] == 1.25  # launch -> rank 1's process
+    assert row["total_s"] == 6.25 == round(sum(row["steps_s"].values()), 3)

@@ -575,3 +575,29 @@ def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_o
         assert 0 < s["cpu_s"] < s["wall_s"], (rank, s)
         assert e["dropped"][rank] <= s["dropped"]  # the summary counts up to the ranks' last beat
     print(inc["summary"], summary)
+
+
+def test_a_rank_done_with_its_last_step_is_not_silent(redis_url):
+    """The closing phase: a rank that logged the last step and went quiet while a peer still beats
+    (its upload, its teardown) is no hang; a rank silent mid-run is."""
+    import redis
+
+    cfg = _cfg(heartbeat_s=1, min_hang_s=60, progress_factor=10)
+    env = {channel.URL_ENV: redis_url, channel.PREFIX_ENV: "mega:hb:closing"}
+    clock = [NOW]
+    w = Watcher(cfg, env, attempt=0, log=lambda s: None, clock=lambda: clock[0])
+    r = redis.Redis.from_url(redis_url)
+
+    def beat(rank, step, at):
+        rec = {"rank": rank, "time": at, "step": step, "step_s": 0.2}
+        r.set(channel.beat_key("mega:hb:closing", 0, rank), json.dumps(rec))
+
+    last = cfg.train.steps
+    beat(0, last, clock[0])  # rank 0 finished the last step, then went quiet
+    clock[0] += 10.0
+    beat(1, last - 1, clock[0])  # rank 1 still beats
+    w._read()
+    assert not w._silent_amid_beating(clock[0])
+    beat(0, last - 2, NOW)  # the same silence mid-run: a stopped or dead rank
+    w._read()
+    assert w._silent_amid_beating(clock[0])

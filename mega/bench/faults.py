@@ -95,7 +95,7 @@ TWO_BY_FOUR = [
     "cluster.nodes=2",
     "cluster.procs_per_node=4",
 ]
-COLD = ["launcher.warm_processes=false"]
+COLD = ["launcher.warm_processes=false", "checkpoint.memory_interval=0"]  # the durable, cold path
 WARM_RECOVER_S, WARM_COLD_RATIO = 5.0, 0.25  # warm recovery: at most 5 s and a quarter of cold
 
 
@@ -609,9 +609,12 @@ def _line(row: dict, took: float) -> str:
 
 
 def _drill_row(name: str, base: Path, extra: list[str]) -> dict:
+    from mega.goodput.recovery import recoveries
+
     run, row_of = DRILLS[name]
     try:
-        return row_of(run(base, extra))
+        run_dir = run(base, extra)
+        return {**row_of(run_dir), "recover_steps": recoveries(run_dir)}  # where recover_s went
     except Exception as e:
         return {
             **dict.fromkeys(ROW_KEYS),

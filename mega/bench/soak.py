@@ -395,9 +395,6 @@ def bench_soak(
     """The soak and its fault-free reference; the comparison fields, the faults, the PNG."""
     import os
 
-    from mega.bench import common
-    from mega.goodput import report as goodput_report
-    from mega.stability.incident import read_incidents
     from mega.storage.seaweed import SeaweedS3
     from mega.store import RedisServer
 
@@ -416,64 +413,100 @@ def bench_soak(
                 f"checkpoint.max_restarts={len(schedule) + 3}",
                 *extra,
             ]
-            soak_dir = out / "soak"
-            cfg = _compose(
-                [*common_overrides, *fault_overrides, f"checkpoint.storage_uri={s3.uri('soak')}"],
-                steps,
-                soak_dir,
-            )
-            index = common.prepare_data(cfg)
-            harness = Harness(soak_dir, schedule, redis.pid, s3, seed)
-            harness.start()
-            try:
-                result = common.train(cfg, index)
-            finally:
-                harness.stop.set()
-            skipped = sorted(s["step"] for s in _skipped(soak_dir))
-            ref_dir = out / "reference"
-            ref_cfg = _compose(
-                [
-                    *common_overrides,
-                    f"checkpoint.storage_uri={s3.uri('reference')}",
-                    f"train.skip_steps=[{','.join(map(str, skipped))}]",
-                ],
-                steps,
-                ref_dir,
-            )
-            common.train(ref_cfg, index)
-            soak_led = goodput_report.build(soak_dir, title="soak", tensorboard=False)
-            ref_led = goodput_report.build(ref_dir, title="reference", tensorboard=False)
-            last = f"iter_{steps:07d}"
-            from mega.storage import open_storage
-
-            for name, uri in (("soak", s3.uri("soak")), ("reference", s3.uri("reference"))):
-                open_storage(uri).download_dir(last, out / "final" / name)  # verified against its manifest
-            weights = weights_equal(
-                out / "final" / "soak", out / "final" / "reference", out / "final" / "torch"
-            )
-            loadable = bool(weights["tensors"])
+            run = _run_soak(out, steps, schedule, [*common_overrides, *fault_overrides], redis, s3, seed)
+            _run_reference(out, steps, common_overrides, s3, run["index"])
+            weights = _final_weights(out, steps, s3)
     finally:
         s3.stop()
         os.environ.clear()
         os.environ.update(saved_env)
-    from mega.checkpoint.save import read_save_log
+    return _result(out, run, weights, schedule, steps, seed, minutes, mtbf_s)
 
+
+def _run_soak(
+    out: Path, steps: int, schedule: list[dict], overrides: list[str], redis, s3, seed: int
+) -> dict:
+    """The soak run itself, the harness striking its faults: its config, result and harness."""
+    from mega.bench import common
+
+    soak_dir = out / "soak"
+    cfg = _compose([*overrides, f"checkpoint.storage_uri={s3.uri('soak')}"], steps, soak_dir)
+    index = common.prepare_data(cfg)
+    harness = Harness(soak_dir, schedule, redis.pid, s3, seed)
+    harness.start()
+    try:
+        result = common.train(cfg, index)
+    finally:
+        harness.stop.set()
+    return {"cfg": cfg, "dir": soak_dir, "index": index, "result": result, "harness": harness}
+
+
+def _run_reference(out: Path, steps: int, overrides: list[str], s3, index: Path) -> None:
+    """The fault-free reference: the same run skipping the steps the soak skipped."""
+    from mega.bench import common
+
+    skipped = sorted(s["step"] for s in _skipped(out / "soak"))
+    ref_cfg = _compose(
+        [
+            *overrides,
+            f"checkpoint.storage_uri={s3.uri('reference')}",
+            f"train.skip_steps=[{','.join(map(str, skipped))}]",
+        ],
+        steps,
+        out / "reference",
+    )
+    common.train(ref_cfg, index)
+
+
+def _final_weights(out: Path, steps: int, s3) -> dict:
+    """Both runs' final durable checkpoints downloaded (verified) and compared bit for bit."""
+    from mega.storage import open_storage
+
+    last = f"iter_{steps:07d}"
+    for name in ("soak", "reference"):
+        open_storage(s3.uri(name)).download_dir(last, out / "final" / name)  # verified against its manifest
+    return weights_equal(out / "final" / "soak", out / "final" / "reference", out / "final" / "torch")
+
+
+def _result(
+    out: Path,
+    run: dict,
+    weights: dict,
+    schedule: list[dict],
+    steps: int,
+    seed: int,
+    minutes: float,
+    mtbf_s: float,
+) -> dict:
+    """The soak's JSON: the comparison with its reference, the faults and what recovery ran on."""
+    from mega.checkpoint.save import read_save_log
+    from mega.goodput import recovery
+    from mega.goodput import report as goodput_report
+    from mega.stability.incident import read_incidents
+
+    soak_dir, cfg, harness = run["dir"], run["cfg"], run["harness"]
+    soak_led = goodput_report.build(soak_dir, title="soak", tensorboard=False)
+    ref_led = goodput_report.build(out / "reference", title="reference", tensorboard=False)
     struck = [f for f in harness.done if f.get("struck")] + _config_struck(soak_dir, schedule)
     faults = fault_rows(
         struck, read_incidents(soak_dir), soak_led["lost_s_by_attempt"], read_save_log(soak_dir)
     )
     return {
-        **compare(soak_led, ref_led, weights, loadable),
+        **compare(soak_led, ref_led, weights, bool(weights["tensors"])),
         "faults": faults,
-        "faults_survived": result.final_step == steps,  # the run ended, every step trained
+        "faults_survived": run["result"].final_step == steps,  # the run ended, every step trained
         "schedule": schedule,
         "not_struck": _not_struck(schedule, harness.done, struck),
         "steps": steps,
-        "attempts": result.attempts,
+        "attempts": run["result"].attempts,
         "seed": seed,
         "minutes": minutes,
         "mtbf_s": mtbf_s,
         "png": soak_led["png"],
+        # what recovery ran on: warm processes (mega/warm), in-memory copies every N steps (0: off)
+        "warm_processes": bool(cfg.launcher.warm_processes),
+        "memory_interval": int(cfg.checkpoint.memory_interval),
+        "recoveries": recovery.recoveries(soak_dir),
         "weights": weights,
         "measured": True,
     }

@@ -271,8 +271,12 @@ class Watcher:
     def _silent_amid_beating(self, now: float) -> bool:
         """Some rank's heartbeat stopped (none for ``silent_after_s``) while another beat within
         ``heartbeat_s``: that process is stopped or gone (its heartbeat thread cannot run), not
-        slow; the machine and the store are fine (its peers beat)."""
-        ages = [now - b.get("time", now) for b in self.beats.values()]
+        slow; the machine and the store are fine (its peers beat). A rank whose last beat shows
+        its training loop done (``closed``, or the last step) may end before its peers (closing
+        phase): its silence is no hang."""
+        last = self.cfg.train.steps
+        live = [b for b in self.beats.values() if not b.get("closed") and (b.get("step") or 0) < last]
+        ages = [now - b.get("time", now) for b in live]
         return len(ages) > 1 and max(ages) > self.silent_after_s and min(ages) <= self.s.heartbeat_s
 
     def _declare_hang(
