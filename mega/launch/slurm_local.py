@@ -335,20 +335,22 @@ def node_states(state: ClusterState) -> dict[str, str]:
     return dict(line.split() for line in proc.stdout.splitlines() if line.strip())
 
 
-def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
-    """Until every node is idle; SlurmLocalError naming the daemons that are not, with log tails."""
+def wait_idle(state: ClusterState, timeout_s: float = 120.0, hosts: list[str] | None = None) -> None:
+    """Until every node of ``hosts`` (default: all) is idle; SlurmLocalError naming the daemons
+    that are not, with log tails. Other nodes' daemons may be down (a drill killed them)."""
+    hosts = state.hostnames if hosts is None else hosts
+    daemons = {n: p for n, p in state.pids.items() if not n.startswith("slurmd-") or n[7:] in hosts}
     deadline = time.monotonic() + timeout_s
     seen: dict[str, str] = {}
     while time.monotonic() < deadline:
-        dead = [name for name, pid in state.pids.items() if not _alive(pid)]
-        if dead:
+        if any(not _alive(pid) for pid in daemons.values()):
             break
         seen = node_states(state)
-        if seen and all(seen.get(h) == "idle" for h in state.hostnames):
+        if seen and all(seen.get(h) == "idle" for h in hosts):
             return
         time.sleep(0.5)
     root = Path(state.root)
-    dead = [name for name, pid in state.pids.items() if not _alive(pid)]
+    dead = [name for name, pid in daemons.items() if not _alive(pid)]
     lines = [
         f"the local Slurm cluster is not up after {timeout_s:g} s: "
         + (
@@ -358,7 +360,7 @@ def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
         )
     ]
     lines += [f"--- slurmctld.log\n{_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmctld.out', 5)}"]
-    for h in state.hostnames:
+    for h in hosts:
         if seen.get(h) != "idle":
             lines += [
                 f"--- slurmd-{h}.log\n{_tail(root / f'slurmd-{h}.log')}\n{_tail(root / f'slurmd-{h}.out', 5)}"
@@ -377,14 +379,14 @@ def kill_node(state: ClusterState, k: int) -> list[int]:
 
 
 def restart_node(state: ClusterState, k: int, timeout_s: float = 120.0) -> None:
-    """Start node k's slurmd again and return it to service; returns once every node is idle."""
+    """Start node k's slurmd again and return it to service; returns once that node is idle."""
     host = state.hostnames[k]
     _start_slurmd(state, _network(state), k)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and node_states(state).get(host) not in ("idle", "down", "down*"):
         time.sleep(0.5)
     _run(["scontrol", "update", f"nodename={host}", "state=resume"], state.env())
-    wait_idle(state, max(1.0, deadline - time.monotonic()))
+    wait_idle(state, max(1.0, deadline - time.monotonic()), hosts=[host])
 
 
 def _stop(pid: int, timeout_s: float = 15.0) -> None:
