@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -291,42 +292,65 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
     ]  # none lost
 
 
-def test_a_lost_node_is_excluded_and_the_run_finishes_on_the_spare(slurm_cluster, tmp_path, data_index):
+def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_cluster, tmp_path, data_index):
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
-    ``--exclude`` of its host, Slurm gives the third node, and the run finishes."""
+    ``--exclude`` of its host and Slurm gives the third node (the spare). Then the spare dies too:
+    no usable node is left beyond the first, so with ``cluster.min_nodes=1`` the run goes on on one
+    node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes."""
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
-        "train.steps=4",
+        "train.steps=6",
         "checkpoint.interval=2",
         "launcher.slurm.stop_timeout_s=5",
         "checkpoint.restart_backoff_s=0",
+        "cluster.min_nodes=1",
     )
-    killed = {}
-    killer = _when_step(run_dir, 2, lambda: killed.update(pids=slurm_local.kill_node(slurm_cluster, 1)))
+    killed: dict[int, list[int]] = {}
+    killers = [
+        _when_step(
+            run_dir, step, lambda k=k: killed.update({k: slurm_local.kill_node(slurm_cluster, k)}), attempt
+        )
+        for k, step, attempt in ((1, 2, 0), (2, 4, 1))
+    ]
+    said: list[str] = []
     try:
-        result = run_training(cfg, data_index, log=lambda _: None)
+        result = run_training(cfg, data_index, log=said.append)
     finally:
-        killer.join(10)
-        slurm_local.restart_node(slurm_cluster, 1)
-    assert killed.get("pids"), "node 1 was never killed"
-    assert result.final_step == 4
-    assert result.history[0]["excluded_hosts"] == ["mega-slurmt-n1"]
-    second = _job_ids(run_dir)[-1]
-    info = slurm.job_info(second)
-    assert info["ExcNodeList"] == "mega-slurmt-n1"
-    assert slurm.hostnames(info["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
+        for k in (1, 2):
+            killers[k - 1].join(10)
+            if k in killed:
+                slurm_local.restart_node(slurm_cluster, k)
+    assert killed.get(1) and killed.get(2), f"nodes killed: {sorted(killed)}"
+    assert result.final_step == 6, result.history
+    assert [h.get("excluded_hosts") for h in result.history] == [["mega-slurmt-n1"], ["mega-slurmt-n2"], None]
+    spare, shrunk = (slurm.job_info(j) for j in _job_ids(run_dir)[1:])
+    assert spare["ExcNodeList"] == "mega-slurmt-n1"
+    assert slurm.hostnames(spare["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
+    assert slurm.hostnames(shrunk["ExcNodeList"]) == ["mega-slurmt-n1", "mega-slurmt-n2"]
+    assert slurm.hostnames(shrunk["NodeList"]) == ["mega-slurmt-n0"] and shrunk["NumNodes"] == "1"
+    assert any("continuing on 1 node(s), dp 1" in line for line in said), said
+    last = json.loads((run_dir / "config.json").read_text())
+    assert (last["cluster"]["nodes"], last["parallelism"]["dp"]) == (1, 1)
+    assert [r["step"] for r in read_metrics(run_dir) if r.get("attempt") == result.history[-1]["attempt"]][
+        -1
+    ] == 6
 
 
-def test_recovery_cancels_the_runs_live_job_and_no_other(slurm_cluster, tmp_path):
-    """What a recovery does first on Slurm: every queued or running job of the run (its script under
-    the run's slurm/) is cancelled and has ended before anything is submitted; another run's job
-    runs on."""
+def test_a_recovery_cancels_the_runs_live_job_before_it_submits_and_no_other(
+    slurm_cluster, tmp_path, data_index
+):
+    """A recovery (``run_training(recovery=True)``) while the run's old job still runs: that job
+    (found by its script under the run's slurm/) is cancelled and has ended before the new job is
+    submitted -- never two jobs of one run -- while another run's job runs on. Each old job holds a
+    whole node, so the new 2-node job could not start beside the run's old one either."""
     jobs = {}
     for run in ("run", "other"):
         script = tmp_path / run / "slurm" / "train-attempt0" / "job.sbatch"
         script.parent.mkdir(parents=True)
-        script.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --output=/dev/null\nsleep 600\n")
+        script.write_text(
+            "#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --exclusive\n#SBATCH --output=/dev/null\nsleep 600\n"
+        )
         jobs[run] = subprocess.run(
             ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=30
         ).stdout.strip()
@@ -334,10 +358,56 @@ def test_recovery_cancels_the_runs_live_job_and_no_other(slurm_cluster, tmp_path
     while any(slurm.job_info(j).get("JobState") != "RUNNING" for j in jobs.values()):
         assert time.monotonic() < deadline, {r: slurm.job_info(j).get("JobState") for r, j in jobs.items()}
         time.sleep(0.5)
-    backend = slurm.SlurmBackend(_cfg(tmp_path / "run"), tmp_path / "run", stop_timeout_s=60)
+    said: list[str] = []
+    cfg = _drill_cfg(tmp_path / "run", "train.steps=2", "launcher.slurm.stop_timeout_s=60")
     try:
-        assert backend.cancel_run_jobs() == [jobs["run"]]
-        assert slurm.job_info(jobs["run"])["JobState"] == "CANCELLED"  # ended before it returned
+        result = run_training(cfg, data_index, log=said.append, recovery=True)
+        old, new = slurm.job_info(jobs["run"]), slurm.job_info(_job_ids(tmp_path / "run")[-1])
+        assert result.final_step == 2 and new["JobState"] == "COMPLETED"
+        assert old["JobState"] == "CANCELLED" and old["EndTime"] <= new["SubmitTime"], (old, new)
+        assert any(f"cancelled this run's Slurm job(s) {jobs['run']} " in line for line in said), said
         assert slurm.job_info(jobs["other"])["JobState"] == "RUNNING"
     finally:
         subprocess.run(["scancel", *jobs.values()], timeout=30)
+
+
+def test_down_leaves_no_process_of_the_cluster_behind():
+    """``slurm_local.down`` (also the fixture's teardown) with a job step running: slurmstepd
+    outlives its slurmd and rewrites its command line, yet down ends it, the job's processes and
+    every daemon; no process of the cluster is left."""
+    import psutil
+
+    root = Path(tempfile.mkdtemp(prefix="mega-slurm-"))  # short: slurmstepd's socket paths are limited
+    state = slurm_local.up(1, root, "10.218.0.0/24", timeout_s=120, net_id="slurmz")
+    try:
+        env = {**os.environ, **state.env()}
+        subprocess.run(
+            ["sbatch", "--output=/dev/null", "--wrap", "srun sleep 600"], env=env, check=True, timeout=30
+        )
+        deadline = time.monotonic() + 60
+        while len(steps := [p for p in slurm_local._job_processes(state) if _is_stepd(p)]) < 2:
+            assert time.monotonic() < deadline, "the job's batch step and srun step never started"
+            time.sleep(0.5)
+        left = slurm_local._job_processes(state)
+    finally:
+        slurm_local.down(root)
+    procs = []
+    for pid in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive and len(steps) == 2, (steps, alive)
+    assert not [
+        p for p in state.pids.values() if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+    ]
+    assert (
+        "mega-slurmz-n0" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
+
+
+def _is_stepd(pid: int) -> bool:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).name() == "slurmstepd"
+    return False

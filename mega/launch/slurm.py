@@ -208,82 +208,81 @@ def render_sbatch(
     """The sbatch script of one attempt of ``job`` on ``cluster.nodes`` nodes (``exclude``: hosts
     kept out; ``exit_dir``: where each node writes its exit code, default ``<log_dir>/slurm/exit``)."""
     check(cfg)
-    c, s = cfg.cluster, cfg.launcher.slurm
-    nodes = c.nodes
     log_dir = Path(job.log_dir).absolute()
     exit_dir = Path(exit_dir or log_dir / "slurm" / "exit").absolute()
     secret = sorted(k for k in job.env if is_secret(k))
     if secret:
         raise ValueError(f"secrets in a job's environment never go into a script: {secret}")
-
-    placeholders = {
-        "@NODE_RANK@": "SLURM_NODEID",
-        "@MASTER_ADDR@": "MASTER_ADDR",
-        "@MASTER_PORT@": "MASTER_PORT",
-    }
-    argv = agent_argv(cfg, "@NODE_RANK@", "@MASTER_ADDR@", "@MASTER_PORT@", job, python=python)
-    if s.numa_binding:  # a torchrun flag: right after `python -m torch.distributed.run`
-        argv.insert(3, f"--numa-binding={s.numa_binding}")
-    log = _absolute(job).log_path("@NODE_RANK@", nodes)
-    task = _NODE_TASK
-    signalled = exit_dir / "signalled"
-    for key, value in {
-        "@LOGDIR@": str(log.parent),
-        "@EXITDIR@": str(exit_dir),
-        "@LOG@": str(log),
-        "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json"),
-        "@SIGNALLED@": str(signalled),
-    }.items():
-        task = task.replace(key, _shell_word(value, placeholders))
-    task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
-    task = task.replace("@PREEMPTED@", str(PREEMPTED))
-    # srun no longer passes the job's --cpus-per-task on (Slurm >= 22.05): each task gets its node's cores
-    cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
-    srun = [
-        "srun",
-        f"--nodes={nodes}",
-        f"--ntasks={nodes}",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        f"--cpus-per-task={cpus}",
-    ]
-    if s.container_image:
-        srun += [
-            f"--container-image={s.container_image}",
-            f"--container-mounts={','.join(_mounts(cfg, job))}",
-        ]
-    port = (
-        str(cfg.launcher.rdzv_port)
-        if cfg.launcher.rdzv_port
-        else f"$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')"
-    )
-
+    c = cfg.cluster
     lines = [
         "#!/bin/bash",
-        f"# mega: one attempt ({job.name}) of a training job on {nodes} node(s) x {c.procs_per_node} processes,",
+        f"# mega: one attempt ({job.name}) of a training job on {c.nodes} node(s) x {c.procs_per_node} processes,",
         "# rendered from the config by mega.launch.slurm. The driver resubmits failed or signalled attempts",
         "# from `latest` (docs/cluster.md); submitted by hand, this script runs one attempt.",
         *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude)),
         "set -euo pipefail",
         "",
     ]
-    if s.setup:
-        lines += ["# launcher.slurm.setup", *s.setup, ""]
-    env = {**c.env, **job.env}
-    if s.signal_grace_s:
+    if cfg.launcher.slurm.setup:
+        lines += ["# launcher.slurm.setup", *cfg.launcher.slurm.setup, ""]
+    lines += _exported_env(cfg, job)
+    lines += _signal_and_master(cfg, python, exit_dir, log_dir)
+    lines += _srun_nodes(cfg, job, _node_task(cfg, job, python, exit_dir))
+    return "\n".join(lines)
+
+
+def _node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str:
+    """``_NODE_TASK`` for this job: its agent's command line, log and exit files, each node's own
+    (``$SLURM_NODEID``) expanded by that node's bash."""
+    placeholders = {
+        "@NODE_RANK@": "SLURM_NODEID",
+        "@MASTER_ADDR@": "MASTER_ADDR",
+        "@MASTER_PORT@": "MASTER_PORT",
+    }
+    argv = agent_argv(cfg, "@NODE_RANK@", "@MASTER_ADDR@", "@MASTER_PORT@", job, python=python)
+    if cfg.launcher.slurm.numa_binding:  # a torchrun flag: right after `python -m torch.distributed.run`
+        argv.insert(3, f"--numa-binding={cfg.launcher.slurm.numa_binding}")
+    log = _absolute(job).log_path("@NODE_RANK@", cfg.cluster.nodes)
+    task = _NODE_TASK
+    for key, value in {
+        "@LOGDIR@": str(log.parent),
+        "@EXITDIR@": str(exit_dir),
+        "@LOG@": str(log),
+        "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json"),
+        "@SIGNALLED@": str(exit_dir / "signalled"),
+    }.items():
+        task = task.replace(key, _shell_word(value, placeholders))
+    task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
+    return task.replace("@PREEMPTED@", str(PREEMPTED))
+
+
+def _exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
+    """``export`` lines of ``cluster.env`` and the attempt's variables (never a secret)."""
+    env = {**cfg.cluster.env, **job.env}
+    if cfg.launcher.slurm.signal_grace_s:
         env[exit_signal.ENV] = "USR1"  # the ranks save and exit on it (mega/stability/exit_signal.py)
-    if env:
-        lines += [
-            "# cluster.env presets and this attempt's variables, exported to every node (srun); no secret:",
-            "# those are read from $MEGA_PRIVATE_ENV_FILE by each node's task",
-        ]
-        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-        lines.append("")
-    lines += [
+    if not env:
+        return []
+    return [
+        "# cluster.env presets and this attempt's variables, exported to every node (srun); no secret:",
+        "# those are read from $MEGA_PRIVATE_ENV_FILE by each node's task",
+        *(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+        "",
+    ]
+
+
+def _signal_and_master(cfg: MegaConfig, python: str, exit_dir: Path, log_dir: Path) -> list[str]:
+    """The batch shell's trap of Slurm's warning, and the rendezvous master (the first node)."""
+    port = (
+        str(cfg.launcher.rdzv_port)
+        if cfg.launcher.rdzv_port
+        else f"$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')"
+    )
+    return [
         "# Slurm's warning (--signal=B:USR1) comes to this shell, from the job's start on: it leaves a file",
         "# every node's task watches and answers by passing SIGUSR1 to its ranks.",
         f"mkdir -p {shlex.quote(str(exit_dir))}",
-        f"trap 'touch {shlex.quote(str(signalled))}' USR1",
+        f"trap 'touch {shlex.quote(str(exit_dir / 'signalled'))}' USR1",
         "",
         "# The master is the batch host, the first node of the allocation: node 0's agent serves the",
         "# rendezvous there, on a port free there. (sed reads every line: `head -n 1` would let",
@@ -293,6 +292,23 @@ def render_sbatch(
         "export MASTER_ADDR MASTER_PORT",
         f"mkdir -p {shlex.quote(str(log_dir))}",
         "",
+    ]
+
+
+def _srun_nodes(cfg: MegaConfig, job: JobSpec, task: str) -> list[str]:
+    """``srun`` of one ``task`` per node, in the background, and the wait for it that lets the batch
+    shell take Slurm's warning meanwhile."""
+    s, nodes = cfg.launcher.slurm, cfg.cluster.nodes
+    # srun no longer passes the job's --cpus-per-task on (Slurm >= 22.05): each task gets its node's cores
+    cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    srun.append(f"--cpus-per-task={cpus}")
+    if s.container_image:
+        srun += [
+            f"--container-image={s.container_image}",
+            f"--container-mounts={','.join(_mounts(cfg, job))}",
+        ]
+    return [
         "# One task per node, each a torchrun agent whose node rank is its SLURM_NODEID; a node that",
         "# fails ends every node (--kill-on-bad-exit). The single quotes are meant: each node's bash",
         "# expands SLURM_NODEID (and the master, exported above) for itself.",
@@ -310,7 +326,6 @@ def render_sbatch(
         'exit "$rc"',
         "",
     ]
-    return "\n".join(lines)
 
 
 def _mounts(cfg: MegaConfig, job: JobSpec) -> list[str]:

@@ -182,6 +182,17 @@ def _write_state(state: ClusterState) -> None:
     os.replace(tmp, path)
 
 
+def _check_socket_room(root: Path, host: str) -> None:
+    """slurmstepd makes a Unix socket per step in the node's spool directory under ``root``; a path
+    longer than the 108 bytes a socket address holds makes every job fail to launch (and be held)."""
+    longest = root / "spool" / host / f"{host}_4294967294.4294967294"
+    if len(str(longest)) >= 108:
+        raise SlurmLocalError(
+            f"--dir {root} is too long: slurmstepd's sockets under it ({longest}) would exceed the "
+            "108 bytes of a Unix socket path; pick a shorter directory"
+        )
+
+
 def up(
     nodes: int = 3,
     root: Path = DEFAULT_DIR,
@@ -197,6 +208,7 @@ def up(
         raise SlurmLocalError(f"--nodes must be >= 1, got {nodes}")
     _require_tools()
     root = Path(root).absolute()
+    _check_socket_room(root, f"mega-{net_id}-n{nodes - 1}")
     if (old := read_state(root)) is not None:
         if any(_alive(p) for p in old.pids.values()):
             raise SlurmLocalError(
@@ -323,20 +335,22 @@ def node_states(state: ClusterState) -> dict[str, str]:
     return dict(line.split() for line in proc.stdout.splitlines() if line.strip())
 
 
-def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
-    """Until every node is idle; SlurmLocalError naming the daemons that are not, with log tails."""
+def wait_idle(state: ClusterState, timeout_s: float = 120.0, hosts: list[str] | None = None) -> None:
+    """Until every node of ``hosts`` (default: all) is idle; SlurmLocalError naming the daemons
+    that are not, with log tails. Other nodes' daemons may be down (a drill killed them)."""
+    hosts = state.hostnames if hosts is None else hosts
+    daemons = {n: p for n, p in state.pids.items() if not n.startswith("slurmd-") or n[7:] in hosts}
     deadline = time.monotonic() + timeout_s
     seen: dict[str, str] = {}
     while time.monotonic() < deadline:
-        dead = [name for name, pid in state.pids.items() if not _alive(pid)]
-        if dead:
+        if any(not _alive(pid) for pid in daemons.values()):
             break
         seen = node_states(state)
-        if seen and all(seen.get(h) == "idle" for h in state.hostnames):
+        if seen and all(seen.get(h) == "idle" for h in hosts):
             return
         time.sleep(0.5)
     root = Path(state.root)
-    dead = [name for name, pid in state.pids.items() if not _alive(pid)]
+    dead = [name for name, pid in daemons.items() if not _alive(pid)]
     lines = [
         f"the local Slurm cluster is not up after {timeout_s:g} s: "
         + (
@@ -346,7 +360,7 @@ def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
         )
     ]
     lines += [f"--- slurmctld.log\n{_tail(root / 'slurmctld.log')}\n{_tail(root / 'slurmctld.out', 5)}"]
-    for h in state.hostnames:
+    for h in hosts:
         if seen.get(h) != "idle":
             lines += [
                 f"--- slurmd-{h}.log\n{_tail(root / f'slurmd-{h}.log')}\n{_tail(root / f'slurmd-{h}.out', 5)}"
@@ -357,13 +371,7 @@ def wait_idle(state: ClusterState, timeout_s: float = 120.0) -> None:
 def kill_node(state: ClusterState, k: int) -> list[int]:
     """Drill: node k dies -- SIGKILL to every process in its network namespace (its slurmd, its job
     steps, its ranks). The namespace stays, so ``restart_node`` can bring the node back."""
-    ns = netns.plan(state.subnet, state.nodes, state.net_id).nodes[k].namespace
-    pids = [
-        int(p)
-        for p in subprocess.run(
-            ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30
-        ).stdout.split()
-    ]
+    pids = _namespace_pids(state, k)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -371,14 +379,14 @@ def kill_node(state: ClusterState, k: int) -> list[int]:
 
 
 def restart_node(state: ClusterState, k: int, timeout_s: float = 120.0) -> None:
-    """Start node k's slurmd again and return it to service; returns once every node is idle."""
+    """Start node k's slurmd again and return it to service; returns once that node is idle."""
     host = state.hostnames[k]
     _start_slurmd(state, _network(state), k)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and node_states(state).get(host) not in ("idle", "down", "down*"):
         time.sleep(0.5)
     _run(["scontrol", "update", f"nodename={host}", "state=resume"], state.env())
-    wait_idle(state, max(1.0, deadline - time.monotonic()))
+    wait_idle(state, max(1.0, deadline - time.monotonic()), hosts=[host])
 
 
 def _stop(pid: int, timeout_s: float = 15.0) -> None:
@@ -394,17 +402,28 @@ def _stop(pid: int, timeout_s: float = 15.0) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _namespace_pids(state: ClusterState, k: int) -> list[int]:
+    """Every process in node k's network namespace ([] once the namespace is gone)."""
+    ns = netns.plan(state.subnet, state.nodes, state.net_id).nodes[k].namespace
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+    return [int(p) for p in out.split()]
+
+
 def _job_processes(state: ClusterState) -> list[int]:
-    """slurmstepd processes (and their jobs) of this cluster left after their slurmd stopped."""
+    """Processes a cluster's jobs left behind: everything in its nodes' network namespaces, and any
+    ``slurmstepd`` holding a file under the cluster's directory (its slurmd log: found also when
+    the namespaces are gone). slurmstepd rewrites its command line (``slurmstepd: [1.batch]``), so
+    neither the configuration's path nor the node's name is in it."""
     import psutil
 
-    conf = str(state.conf)
-    found = []
-    for p in psutil.process_iter(["name", "cmdline"]):
+    found = {pid for k in range(state.nodes) for pid in _namespace_pids(state, k)}
+    root = state.root.rstrip("/") + "/"
+    for p in psutil.process_iter(["name"]):
         with contextlib.suppress(psutil.Error):
-            if p.info["name"] == "slurmstepd" and any(conf in arg for arg in (p.info["cmdline"] or [])):
-                found.append(p.pid)
-    return found
+            if p.info["name"] == "slurmstepd" and any(f.path.startswith(root) for f in p.open_files()):
+                found.add(p.pid)
+    found.discard(os.getpid())
+    return sorted(found)
 
 
 def _kill_steps(state: ClusterState) -> None:
@@ -432,7 +451,7 @@ def down(root: Path = DEFAULT_DIR) -> None:
             _stop(pid)
         if state.pids.get("slurmctld"):
             _stop(state.pids["slurmctld"])
-        _kill_steps(state)  # steps whose slurmd is gone (namespaces go with their last process)
+        _kill_steps(state)  # jobs' steps and processes outlive their slurmd (before the namespaces go)
         if state.pids.get("munged"):
             _stop(state.pids["munged"])
         _network(state).close()
