@@ -30,6 +30,7 @@ import pytest
 from helpers import tiny_config
 
 from mega.checkpoint.memory import run_dir_id
+from mega.config import compose
 from mega.launch import run_training
 
 STEPS = 6
