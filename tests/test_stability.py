@@ -583,14 +583,14 @@ def test_a_rank_done_with_its_last_step_is_not_silent(redis_url):
     import redis
 
     cfg = _cfg(heartbeat_s=1, min_hang_s=60, progress_factor=10)
-    env = {channel.URL_ENV: redis_url, channel.PREFIX_ENV: "mega:hb:closing"}
+    env = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: "mega:hb:closing"}
     clock = [NOW]
     w = Watcher(cfg, env, attempt=0, log=lambda s: None, clock=lambda: clock[0])
     r = redis.Redis.from_url(redis_url)
 
     def beat(rank, step, at):
         rec = {"rank": rank, "time": at, "step": step, "step_s": 0.2}
-        r.set(channel.beat_key("mega:hb:closing", 0, rank), json.dumps(rec))
+        r.set(heartbeat_redis.beat_key("mega:hb:closing", 0, rank), json.dumps(rec))
 
     last = cfg.train.steps
     beat(0, last, clock[0])  # rank 0 finished the last step, then went quiet
