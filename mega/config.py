@@ -28,6 +28,15 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: {message}")
 
 
+def choice(default: Any, *others: Any) -> Any:
+    """A field whose value is one of ``default, *others``: declared here, checked by ``validate``
+    (OmegaConf has no ``Literal``; an Enum would change what the values are for every reader)."""
+    return field(default=default, metadata={"choices": (default, *others)})
+
+
+LAUNCHERS = ("local", "local-nodes", "slurm", "kubernetes")
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -45,11 +54,11 @@ class ModelConfig:
     init_method_std: float = 0.02
     # "layout_invariant": every weight is drawn from a generator seeded by its global name, so
     # any TP/PP/VPP/DP layout starts from the same model; "megatron": megatron-core's own init.
-    init: str = "layout_invariant"
-    recompute: str | None = None  # None | "full" | "selective"
+    init: str = choice("layout_invariant", "megatron")
+    recompute: str | None = choice(None, "full", "selective")
     # "sequential": x + Attn(LN1 x), then + MLP(LN2 ...); "parallel": x + Attn(LN x) + MLP(LN x)
     # with one TP reduction per layer (MegaScale / GPT-J, see docs/model.md)
-    block: str = "sequential"
+    block: str = choice("sequential", "parallel")
     window_size: int | None = None  # sliding-window attention: tokens a query sees before itself
     full_attention_every: int | None = None  # with window_size: every k-th layer attends fully
     # Fused operators (docs/model.md): megatron's bias-GeLU (tanh GeLU) and bias-dropout-add,
@@ -64,6 +73,42 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         m = self.make_vocab_size_divisible_by
         return int(math.ceil(self.vocab_size / m) * m)
+
+    def validate(self) -> None:
+        _positive_ints(
+            self, "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"
+        )
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "model.hidden_size",
+            f"{self.hidden_size} is not divisible by model.num_attention_heads={self.num_attention_heads}",
+        )
+        groups = self.num_query_groups or self.num_attention_heads
+        _require(
+            self.num_attention_heads % groups == 0,
+            "model.num_query_groups",
+            f"model.num_attention_heads={self.num_attention_heads} is not divisible by {groups}",
+        )
+        if self.window_size is not None:
+            _require(
+                self.window_size >= 1, "model.window_size", f"must be >= 1 or null, got {self.window_size}"
+            )
+        if self.full_attention_every is not None:
+            _require(
+                self.full_attention_every >= 1,
+                "model.full_attention_every",
+                f"must be >= 1 or null, got {self.full_attention_every}",
+            )
+            _require(
+                self.window_size is not None,
+                "model.full_attention_every",
+                "only applies to sliding-window attention: set model.window_size",
+            )
+        for key, value in [
+            ("model.hidden_dropout", self.hidden_dropout),
+            ("model.attention_dropout", self.attention_dropout),
+        ]:
+            _require(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
 
 
 @dataclass
@@ -114,6 +159,29 @@ class ParallelismConfig:
         """megatron-core's ``virtual_pipeline_model_parallel_size``: None without interleaving."""
         return self.chunks_per_stage if self.chunks_per_stage > 1 else None
 
+    def validate(self) -> None:
+        _positive_ints(self, "parallelism", "tp", "pp", "dp", "micro_batch_size", "global_batch_size")
+        _require(self.chunks_per_stage >= 1, "parallelism.vpp", f"must be >= 1 or null, got {self.vpp}")
+        if self.chunks_per_stage > 1:
+            _require(self.pp > 1, "parallelism.vpp", "interleaved pipelining (vpp>1) needs pp>1")
+        _require(
+            not self.sequence_parallel or self.tp > 1,
+            "parallelism.sequence_parallel",
+            "sequence parallelism needs tp>1",
+        )
+        _require(
+            self.global_batch_size % (self.micro_batch_size * self.dp) == 0,
+            "parallelism.global_batch_size",
+            f"{self.global_batch_size} is not divisible by micro_batch_size*dp={self.micro_batch_size}*{self.dp}",
+        )
+        if self.chunks_per_stage > 1:
+            _require(
+                self.num_microbatches % self.pp == 0,
+                "parallelism.global_batch_size",
+                f"interleaved pipelining needs microbatches per step ({self.num_microbatches}) "
+                f"divisible by pp={self.pp}",
+            )
+
 
 @dataclass
 class ClusterConfig:
@@ -123,8 +191,8 @@ class ClusterConfig:
     name: str = "local-cpu"
     nodes: int = 1
     procs_per_node: int = 1
-    backend: str = "gloo"  # gloo | nccl
-    device: str = "cpu"  # cpu | cuda
+    backend: str = choice("gloo", "nccl")
+    device: str = choice("cpu", "cuda")
     # The launchers this hardware can be started by (launcher.name); a pairing outside this list
     # is refused before launch (e.g. a GPU cluster preset with launcher=local-nodes).
     launchers: list[str] = field(default_factory=lambda: ["local", "local-nodes", "slurm", "kubernetes"])
@@ -137,14 +205,15 @@ class ClusterConfig:
     nvlink_gb_per_s: float | None = None  # intra-node bandwidth per device, GB/s, both directions (datasheet)
     nics_per_node: int = 0  # inter-node NICs per node (one per GPU on DGX-class nodes)
     nic_gbit_per_s: float | None = None  # line rate of one NIC, Gbit/s, each direction
-    store: str = "tcp"  # tcp (torch TCPStore via torchrun) | redis (mega.store.RedisStore, docs/bootstrap.md)
+    # tcp (torch TCPStore via torchrun) | redis (mega.store.RedisStore, docs/bootstrap.md)
+    store: str = choice("tcp", "redis")
     # store=redis: redis://[user[:password]@]host:port/db (rediss:// = TLS) of a running server.
     # Prefer $MEGA_REDIS_PASSWORD to a password in the URL: configs are saved into run dirs.
     redis_url: str | None = field(default=None, repr=False)  # repr=False: may hold a password
     start_local_redis: bool = True  # store=redis and no redis_url: start a local redis-server
     # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
-    group_init: str = "light"  # light | default
+    group_init: str = choice("light", "default")
     # the pretrain flow times group creation in a job of its own before training (true) or reads it
     # from the training job's own start-up (false: start-up paid once; docs/goodput.md)
     time_groups_job: bool = False
@@ -190,8 +259,35 @@ class ClusterConfig:
             return None
         return self.nics_per_node * self.nic_gbit_per_s / 8
 
+    def validate(self) -> None:
+        _positive_ints(self, "cluster", "nodes", "procs_per_node")
+        for name in self.launchers:
+            _one_of(name, "cluster.launchers", LAUNCHERS)
+        for key in ("peak_tflops", "memory_gib", "memory_tb_per_s", "nvlink_gb_per_s", "nic_gbit_per_s"):
+            value = getattr(self, key)
+            _require(value is None or value > 0, f"cluster.{key}", f"must be positive or null, got {value}")
+        _require(self.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {self.nics_per_node}")
+        _require(
+            not (self.backend == "nccl" and self.device == "cpu"),
+            "cluster.backend",
+            "nccl needs cluster.device=cuda",
+        )
+        _require(0 <= self.master_port < 65536, "cluster.master_port", f"not a port: {self.master_port}")
+        _require(self.pg_timeout_s > 0, "cluster.pg_timeout_s", "must be positive")
+        _require(self.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be positive")
+        for k, v in self.env.items():
+            _require(
+                isinstance(v, str) and k.isidentifier() and k.upper() == k,
+                f"cluster.env.{k}",
+                "environment presets must be UPPER_CASE names with string values",
+            )
+        from mega.cluster.nccl import check_env  # torch-free: known NCCL/torch-NCCL variables and ranges
 
-LAUNCHERS = ("local", "local-nodes", "slurm", "kubernetes")
+        for key, problem in check_env(self.env).items():
+            raise ConfigError(f"cluster.env.{key}", problem)
+        _validate_store(self)
+        _validate_selfcheck(self)
+        _validate_spares(self)
 
 
 @dataclass
@@ -203,6 +299,13 @@ class LocalNodesConfig:
     netns: bool = False
     subnet: str = "10.213.0.0/24"  # the bridge takes .1, node k takes .(k + 2)
     link_mbit: float | None = None  # tc tbf rate of every node's link (null: unshaped)
+
+    def validate(self) -> None:
+        _require(
+            self.link_mbit is None or self.link_mbit > 0,
+            "launcher.local_nodes.link_mbit",
+            f"must be positive or null, got {self.link_mbit}",
+        )
 
 
 @dataclass
@@ -295,7 +398,7 @@ class LauncherConfig:
     machine), local-nodes (N agents on this machine), slurm, kubernetes. The driver owns membership:
     it starts one agent per node and relaunches every node from ``latest`` when any fails."""
 
-    name: str = "local"
+    name: str = choice(*LAUNCHERS)
     rdzv_port: int = 29500  # the first node's TCPStore port (multi-node launchers; 0 = free port)
     # launcher=local and local-nodes: every agent and rank of every attempt is a fork of its node's
     # zygote, which imported torch, megatron-core and mega once (mega/warm; docs/recovery.md#warm-processes).
@@ -305,10 +408,14 @@ class LauncherConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
+    def validate(self) -> None:
+        _require(0 <= self.rdzv_port < 65536, "launcher.rdzv_port", f"not a port: {self.rdzv_port}")
+        self.local_nodes.validate()
+
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adam"  # adam | sgd | lamb
+    name: str = choice("adam", "sgd", "lamb")
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.01
@@ -318,8 +425,23 @@ class OptimizerConfig:
     clip_grad: float = 1.0
     # LR warm-up steps; null: a tenth of train.steps, at most 10 (default_warmup_steps)
     warmup_steps: int | None = None
-    decay_style: str = "cosine"  # cosine | linear | constant
+    decay_style: str = choice("cosine", "linear", "constant")
     lamb_max_trust_ratio: float = 10.0  # lamb: upper clamp of the trust ratio |w|/|r| (inf: none)
+
+    def validate(self) -> None:
+        _require(
+            self.lamb_max_trust_ratio > 0,
+            "optimizer.lamb_max_trust_ratio",
+            f"must be positive, got {self.lamb_max_trust_ratio}",
+        )
+        _require(self.lr > 0, "optimizer.lr", f"must be positive, got {self.lr}")
+        _require(
+            0 <= self.min_lr <= self.lr,
+            "optimizer.min_lr",
+            f"must be in [0, optimizer.lr], got {self.min_lr}",
+        )
+        _require(self.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+        _require(self.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
 
 
 @dataclass
@@ -337,7 +459,7 @@ class DataConfig:
     # registry at run time; otherwise a local path (file or directory of .txt/.jsonl/.parquet).
     source: str = "shakespeare"
     text_field: str = "text"  # JSONL / Parquet column holding the documents
-    tokenizer: str = "bpe"  # byte-level BPE trained on the corpus
+    tokenizer: str = choice("bpe")  # byte-level BPE trained on the corpus
     cache_dir: str = "data"
     shard_tokens: int = 1_000_000
     # Share of documents held out for the validation loss (chosen per document by content hash,
@@ -352,7 +474,7 @@ class DataConfig:
     # Runs without whitespace (or of whitespace) longer than this are cut into pieces this long
     # before BPE: preparation stays linear in input size whatever the documents look like.
     max_run_chars: int = 256
-    format: str = "arrow"  # shards written: arrow | megatron (IndexedDataset .bin/.idx) | both
+    format: str = choice("arrow", "megatron", "both")  # shards written (megatron: IndexedDataset .bin/.idx)
     # s3:// sources: an S3-compatible endpoint; null = AWS_ENDPOINT_URL or AWS. Credentials come
     # from the standard AWS chain, never from the config.
     s3_endpoint_url: str | None = None
@@ -360,9 +482,27 @@ class DataConfig:
     blend: list[BlendSource] = field(default_factory=list)
     # rank: every rank reads its own batches; node: one loader process per node prepares the next
     # steps' batches into shared memory for the node's ranks (docs/data.md#loading)
-    loader: str = "rank"
+    loader: str = choice("rank", "node")
     loader_prefetch: int = 2  # data.loader=node: steps prepared ahead of the one being trained
     loader_timeout_s: float = 120.0  # a rank waiting longer for its batch fails, naming the loader
+
+    def validate(self) -> None:
+        _require(self.shard_tokens >= 1024, "data.shard_tokens", "must be >= 1024")
+        _require(0 <= self.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
+        _require(
+            self.workers is None or self.workers >= 1,
+            "data.workers",
+            f"must be >= 1 or null, got {self.workers}",
+        )
+        _require(self.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb", "must be >= 1")
+        _require(self.max_run_chars >= 16, "data.max_run_chars", f"must be >= 16, got {self.max_run_chars}")
+        _require(self.loader_prefetch >= 1, "data.loader_prefetch", "must be >= 1")
+        _require(self.loader_timeout_s > 0, "data.loader_timeout_s", "must be positive")
+        for i, b in enumerate(self.blend):
+            _require(b.source not in ("", "???"), f"data.blend.{i}.source", "missing")
+            _require(b.weight > 0, f"data.blend.{i}.weight", f"must be positive, got {b.weight}")
+        if self.s3_endpoint_url is not None:
+            _check_endpoint(self.s3_endpoint_url, "data.s3_endpoint_url")
 
 
 @dataclass
@@ -398,12 +538,41 @@ class CheckpointConfig:
     memory_interval: int = 1
     memory_dir: str = "/dev/shm/mega"  # node-local tmpfs: copies outlive the rank processes
 
+    def validate(self) -> None:
+        _require(self.interval >= 0, "checkpoint.interval", "must be >= 0")
+        _require(
+            isinstance(self.memory_interval, int) and self.memory_interval >= 0,
+            "checkpoint.memory_interval",
+            f"must be an integer >= 0, got {self.memory_interval!r}",
+        )
+        _require(self.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
+        _require(
+            isinstance(self.keep_last, int) and self.keep_last >= 1,
+            "checkpoint.keep_last",
+            f"must be >= 1 (the store always keeps `latest`), got {self.keep_last!r}",
+        )
+        _require(
+            self.upload_retry_s > 0,
+            "checkpoint.upload_retry_s",
+            f"must be positive, got {self.upload_retry_s}",
+        )
+        _require(
+            isinstance(self.upload_timeout_s, (int, float)) and self.upload_timeout_s >= self.upload_retry_s,
+            "checkpoint.upload_timeout_s",
+            f"must be at least checkpoint.upload_retry_s={self.upload_retry_s:g}, got {self.upload_timeout_s!r}",
+        )
+        _require(bool(self.dir), "checkpoint.dir", "must not be empty")
+        if self.storage_uri is not None:
+            _check_storage_uri(self.storage_uri)
+        if self.s3_endpoint_url is not None:
+            _check_endpoint(self.s3_endpoint_url, "checkpoint.s3_endpoint_url")
+
 
 @dataclass
 class TrainConfig:
     steps: int = 100
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16 ("auto" picks bf16 on GPU, fp32 on CPU)
+    precision: str = choice("fp32", "bf16", "fp16", "auto")  # auto: bf16 on GPU, fp32 on CPU
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
@@ -423,6 +592,29 @@ class TrainConfig:
     # back from (a NaN/Inf loss or grad norm) through $MEGA_SKIP_STEPS; set here, a run reproduces them.
     skip_steps: list[int] = field(default_factory=list)
 
+    def validate(self) -> None:
+        _positive_ints(self, "train", "steps")
+        _require(self.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {self.eval_batches}")
+        _require(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
+        _require(
+            isinstance(self.gc_interval, int) and self.gc_interval >= 0,
+            "train.gc_interval",
+            f"must be >= 0 (0 = automatic GC), got {self.gc_interval!r}",
+        )
+        if self.profile_steps is not None:
+            ps = self.profile_steps
+            _require(
+                len(ps) == 2 and 1 <= ps[0] <= ps[1] <= self.steps,
+                "train.profile_steps",
+                f"must be [first, last] with 1 <= first <= last <= train.steps={self.steps}, got {list(ps)}",
+            )
+        for s in self.skip_steps:
+            _require(
+                isinstance(s, int) and 1 <= s <= self.steps,
+                "train.skip_steps",
+                f"steps are 1-based and at most train.steps={self.steps}, got {s!r}",
+            )
+
 
 @dataclass
 class FaultConfig:
@@ -434,7 +626,7 @@ class FaultConfig:
     kill_at_step: int | None = None
     # kill | hang | kill_in_upload (SIGKILL while stage 2 uploads the checkpoint of kill_at_step)
     # | kill_agent (with kill_node: SIGKILL the node's torchrun agent; its ranks run on, orphaned)
-    mode: str = "kill"
+    mode: str = choice("kill", "hang", "kill_in_upload", "kill_agent")
     # Instead of one rank, every rank of node kill_node (cluster.nodes > 1): killed (mode=kill),
     # hung (mode=hang), or its agent killed (mode=kill_agent) at kill_at_step.
     kill_node: int | None = None
@@ -454,6 +646,34 @@ class FaultConfig:
     # ... and the last stage's final layer norm is scaled 30x before step spike_at_step (a loss spike).
     spike_at_step: int | None = None
 
+    def validate(self) -> None:
+        """What a drill needs of its own keys; where it strikes is checked against the run by
+        ``_faults_fit_run``."""
+        if self.kill_rank is not None:
+            _require(self.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
+        if self.kill_node is not None:
+            _require(
+                self.kill_rank is None, "fault.kill_node", "set fault.kill_rank or fault.kill_node, not both"
+            )
+            _require(self.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_node")
+            _require(
+                self.mode != "kill_in_upload",
+                "fault.mode",
+                "kill_in_upload strikes one rank: use fault.kill_rank",
+            )
+        _require(
+            self.mode != "kill_agent" or self.kill_node is not None,
+            "fault.mode",
+            "kill_agent kills a node's torchrun agent: set fault.kill_node",
+        )
+        for key, rank, amount in [
+            ("fault.slow_rank", self.slow_rank, self.slow_s),
+            ("fault.clock_skew_rank", self.clock_skew_rank, self.clock_skew_s),
+        ]:
+            if rank is not None:
+                _require(amount != 0, key.replace("_rank", "_s"), f"needed (non-zero) with {key}")
+        _require(self.slow_s >= 0, "fault.slow_s", f"must be >= 0, got {self.slow_s}")
+
 
 @dataclass
 class ObsConfig:
@@ -464,6 +684,13 @@ class ObsConfig:
     # Exchange p2p post times in the PP group at each step end, so that a pipeline wait counts as
     # exposed communication only after the peer posted (one small all-gather per step).
     pp_exchange: bool = True
+
+    def validate(self) -> None:
+        _require(
+            self.clock_sync_rounds >= 1,
+            "obs.clock_sync_rounds",
+            f"must be >= 1, got {self.clock_sync_rounds}",
+        )
 
 
 @dataclass
@@ -487,6 +714,42 @@ class StabilityConfig:
     spike_window: int = 32
     spike_min_steps: int = 8
     spike_min_increase: float = 0.25
+
+    def validate(self) -> None:
+        _require(self.heartbeat_s > 0, "stability.heartbeat_s", f"must be positive, got {self.heartbeat_s}")
+        _require(
+            self.progress_factor >= 2,
+            "stability.progress_factor",
+            f"must be >= 2 (a slow step is not a hang), got {self.progress_factor}",
+        )
+        _require(
+            self.min_hang_s >= 2 * self.heartbeat_s,
+            "stability.min_hang_s",
+            f"must be >= 2 x stability.heartbeat_s={self.heartbeat_s} (a heartbeat late once is not a hang), "
+            f"got {self.min_hang_s}",
+        )
+        _require(
+            self.straggler_factor > 1,
+            "stability.straggler_factor",
+            f"must be > 1, got {self.straggler_factor}",
+        )
+        _require(
+            self.straggler_beats >= 1,
+            "stability.straggler_beats",
+            f"must be >= 1, got {self.straggler_beats}",
+        )
+        _require(self.spike_z >= 0, "stability.spike_z", f"must be >= 0 (0: off), got {self.spike_z}")
+        _require(self.spike_window >= 3, "stability.spike_window", f"must be >= 3, got {self.spike_window}")
+        _require(
+            3 <= self.spike_min_steps <= self.spike_window,
+            "stability.spike_min_steps",
+            f"must be in [3, stability.spike_window={self.spike_window}], got {self.spike_min_steps}",
+        )
+        _require(
+            self.spike_min_increase >= 0,
+            "stability.spike_min_increase",
+            f"must be >= 0, got {self.spike_min_increase}",
+        )
 
 
 @dataclass
@@ -660,87 +923,63 @@ def _one_of(value: Any, key: str, allowed: tuple) -> None:
     _require(value in allowed, key, f"must be one of {list(allowed)}, got {value!r}")
 
 
+def _positive_ints(section: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        _require(
+            isinstance(value, int) and value >= 1,
+            f"{prefix}.{name}",
+            f"must be a positive integer, got {value!r}",
+        )
+
+
+def _check_choices(section: Any, prefix: str) -> None:
+    """Every ``choice`` field of ``section`` and of the sections inside it holds one of its values."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if "choices" in f.metadata:
+            _one_of(value, f"{prefix}.{f.name}", f.metadata["choices"])
+        elif dataclasses.is_dataclass(value):
+            _check_choices(value, f"{prefix}.{f.name}")
+
+
 def validate(cfg: MegaConfig) -> MegaConfig:
-    """Reject every inconsistency before a process is launched; the error names the key."""
-    m, p, c, o, t = cfg.model, cfg.parallelism, cfg.cluster, cfg.optimizer, cfg.train
+    """Reject every inconsistency before a process is launched; the error names the key. Each
+    section checks its own keys (``<Section>.validate``), then ``_check_across_sections`` the rules
+    that relate two sections."""
+    _fill_defaults(cfg)
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        _check_choices(section, f.name)
+        section.validate()
+    _check_across_sections(cfg)
+    return cfg
 
-    for key, value in [
-        ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("model.seq_length", m.seq_length),
-        ("model.vocab_size", m.vocab_size),
-        ("parallelism.tp", p.tp),
-        ("parallelism.pp", p.pp),
-        ("parallelism.dp", p.dp),
-        ("parallelism.micro_batch_size", p.micro_batch_size),
-        ("parallelism.global_batch_size", p.global_batch_size),
-        ("cluster.nodes", c.nodes),
-        ("cluster.procs_per_node", c.procs_per_node),
-        ("train.steps", t.steps),
+
+def _check_across_sections(cfg: MegaConfig) -> None:
+    """The rules between sections, each raising on the key a user would change."""
+    _layout_fits_model(cfg)
+    _layout_fits_cluster(cfg)
+    _launcher_fits_cluster(cfg)
+    _run_fits_steps(cfg)
+    _faults_fit_run(cfg)
+
+
+def _layout_fits_model(cfg: MegaConfig) -> None:
+    """The parallel layout splits the model evenly (heads, groups, FFN, vocabulary, layers)."""
+    m, p = cfg.model, cfg.parallelism
+    for what, size in [
+        ("model.num_attention_heads=", m.num_attention_heads),
+        ("model query groups=", m.num_query_groups or m.num_attention_heads),
+        ("model ffn size ", m.ffn),
+        ("padded vocabulary ", m.padded_vocab_size),
     ]:
-        _require(isinstance(value, int) and value >= 1, key, f"must be a positive integer, got {value!r}")
-
-    _require(
-        m.hidden_size % m.num_attention_heads == 0,
-        "model.hidden_size",
-        f"{m.hidden_size} is not divisible by model.num_attention_heads={m.num_attention_heads}",
-    )
-    groups = m.num_query_groups or m.num_attention_heads
-    _require(
-        m.num_attention_heads % groups == 0,
-        "model.num_query_groups",
-        f"model.num_attention_heads={m.num_attention_heads} is not divisible by {groups}",
-    )
-    _require(
-        m.num_attention_heads % p.tp == 0,
-        "parallelism.tp",
-        f"model.num_attention_heads={m.num_attention_heads} is not divisible by tp={p.tp}",
-    )
-    _require(
-        groups % p.tp == 0, "parallelism.tp", f"model query groups={groups} are not divisible by tp={p.tp}"
-    )
-    _require(m.ffn % p.tp == 0, "parallelism.tp", f"model ffn size {m.ffn} is not divisible by tp={p.tp}")
-    _require(
-        m.padded_vocab_size % p.tp == 0,
-        "parallelism.tp",
-        f"padded vocabulary {m.padded_vocab_size} is not divisible by tp={p.tp}",
-    )
-    _one_of(m.init, "model.init", ("layout_invariant", "megatron"))
-    _one_of(m.recompute, "model.recompute", (None, "full", "selective"))
-    _one_of(m.block, "model.block", ("sequential", "parallel"))
-    if m.window_size is not None:
-        _require(m.window_size >= 1, "model.window_size", f"must be >= 1 or null, got {m.window_size}")
-    if m.full_attention_every is not None:
-        _require(
-            m.full_attention_every >= 1,
-            "model.full_attention_every",
-            f"must be >= 1 or null, got {m.full_attention_every}",
-        )
-        _require(
-            m.window_size is not None,
-            "model.full_attention_every",
-            "only applies to sliding-window attention: set model.window_size",
-        )
-    for key, value in [
-        ("model.hidden_dropout", m.hidden_dropout),
-        ("model.attention_dropout", m.attention_dropout),
-    ]:
-        _require(0.0 <= value < 1.0, key, f"must be in [0, 1), got {value}")
-
+        _require(size % p.tp == 0, "parallelism.tp", f"{what}{size} is not divisible by tp={p.tp}")
     vpp = p.chunks_per_stage
-    _require(vpp >= 1, "parallelism.vpp", f"must be >= 1 or null, got {p.vpp}")
     _require(
         m.num_layers % (p.pp * vpp) == 0,
         "parallelism.pp",
         f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}",
-    )
-    if p.chunks_per_stage > 1:
-        _require(p.pp > 1, "parallelism.vpp", "interleaved pipelining (vpp>1) needs pp>1")
-    _require(
-        not p.sequence_parallel or p.tp > 1,
-        "parallelism.sequence_parallel",
-        "sequence parallelism needs tp>1",
     )
     if p.sequence_parallel:
         _require(
@@ -748,254 +987,27 @@ def validate(cfg: MegaConfig) -> MegaConfig:
             "parallelism.sequence_parallel",
             f"model.seq_length={m.seq_length} is not divisible by tp={p.tp}",
         )
-    _require(
-        p.global_batch_size % (p.micro_batch_size * p.dp) == 0,
-        "parallelism.global_batch_size",
-        f"{p.global_batch_size} is not divisible by micro_batch_size*dp={p.micro_batch_size}*{p.dp}",
-    )
-    if p.chunks_per_stage > 1:
-        _require(
-            p.num_microbatches % p.pp == 0,
-            "parallelism.global_batch_size",
-            f"interleaved pipelining needs microbatches per step ({p.num_microbatches}) "
-            f"divisible by pp={p.pp}",
-        )
+
+
+def _layout_fits_cluster(cfg: MegaConfig) -> None:
+    """The cluster has a process for every rank, and the overlap settings suit layout and hardware
+    (their rules live with the overlap code: mega/overlap/pp_dp.py and mega/overlap/checks.py)."""
     from mega.overlap import pp_dp  # torch-free
     from mega.overlap.checks import tp_overlap_problems  # torch-free
 
-    for key, problem in pp_dp.problems(cfg):  # PP/DP overlap flags vs the layout (needs vpp>1)
+    c, p = cfg.cluster, cfg.parallelism
+    for key, problem in [*pp_dp.problems(cfg), *tp_overlap_problems(cfg)]:
         raise ConfigError(key, problem)
-
-    for key, problem in tp_overlap_problems(cfg):
-        raise ConfigError(key, problem)
-
     _require(
         c.world_size == p.world_size,
         "cluster.procs_per_node",
         f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
         f"does not equal tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.world_size}",
     )
-    _validate_launcher(cfg)
-    _one_of(c.backend, "cluster.backend", ("gloo", "nccl"))
-    _one_of(c.device, "cluster.device", ("cpu", "cuda"))
-    _one_of(c.store, "cluster.store", ("tcp", "redis"))
-    if c.redis_url is not None:
-        from mega.store.redis_server import parse_redis_url  # torch-free
-
-        try:
-            parse_redis_url(c.redis_url)
-        except ValueError as err:
-            raise ConfigError("cluster.redis_url", str(err)) from None
-    if c.store == "redis":
-        _require(
-            c.redis_url is not None or c.start_local_redis,
-            "cluster.redis_url",
-            "cluster.store=redis needs a server: set cluster.redis_url or cluster.start_local_redis=true",
-        )
-    _require(
-        not (c.backend == "nccl" and c.device == "cpu"), "cluster.backend", "nccl needs cluster.device=cuda"
-    )
-    _require(0 <= c.master_port < 65536, "cluster.master_port", f"not a port: {c.master_port}")
-    _require(c.pg_timeout_s > 0, "cluster.pg_timeout_s", "must be positive")
-    _require(c.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be positive")
-    _one_of(c.group_init, "cluster.group_init", ("light", "default"))
-    for k, v in c.env.items():
-        _require(
-            isinstance(v, str) and k.isidentifier() and k.upper() == k,
-            f"cluster.env.{k}",
-            "environment presets must be UPPER_CASE names with string values",
-        )
-    from mega.cluster.nccl import check_env  # torch-free: known NCCL/torch-NCCL variables and their ranges
-
-    for key, problem in check_env(c.env).items():
-        raise ConfigError(f"cluster.env.{key}", problem)
-
-    _one_of(o.name, "optimizer.name", ("adam", "sgd", "lamb"))
-    _require(
-        o.lamb_max_trust_ratio > 0,
-        "optimizer.lamb_max_trust_ratio",
-        f"must be positive, got {o.lamb_max_trust_ratio}",
-    )
-    _require(o.lr > 0, "optimizer.lr", f"must be positive, got {o.lr}")
-    _require(0 <= o.min_lr <= o.lr, "optimizer.min_lr", f"must be in [0, optimizer.lr], got {o.min_lr}")
-    _fill_defaults(cfg)
-    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
-    _require(
-        o.warmup_steps < t.steps,
-        "optimizer.warmup_steps",  # megatron's scheduler asserts it
-        f"{o.warmup_steps} must be smaller than train.steps={t.steps}: set a shorter warm-up, or leave "
-        f"optimizer.warmup_steps unset (null: a tenth of the run, here {default_warmup_steps(t.steps)})",
-    )
-    _one_of(o.decay_style, "optimizer.decay_style", ("cosine", "linear", "constant"))
-    _require(o.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0")
-
-    _one_of(cfg.data.tokenizer, "data.tokenizer", ("bpe",))
-    _require(cfg.data.shard_tokens >= 1024, "data.shard_tokens", "must be >= 1024")
-    _require(0 <= cfg.data.val_fraction < 0.5, "data.val_fraction", "must be in [0, 0.5)")
-    _validate_data(cfg.data)
-
-    _validate_checkpoint(cfg.checkpoint)
-    _require(
-        not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
-        "checkpoint.upload_timeout_s",
-        f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
-        f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}",
-    )
-
-    _one_of(t.precision, "train.precision", ("fp32", "bf16", "fp16", "auto"))
-    _require(t.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {t.eval_batches}")
-    _require(t.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {t.eval_interval}")
-    _require(
-        t.eval_batches == 0 or cfg.data.val_fraction > 0,
-        "train.eval_batches",
-        "validation needs a held-out split: set data.val_fraction > 0, or train.eval_batches=0",
-    )
-    if t.precision == "fp16":  # bf16 runs on CPUs too: the CPU twin of a GPU run
-        _require(
-            c.device == "cuda",
-            "train.precision",
-            "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu",
-        )
-
-    f = cfg.fault
-    if f.kill_rank is not None:
-        _require(
-            0 <= f.kill_rank < p.world_size,
-            "fault.kill_rank",
-            f"no rank {f.kill_rank} in world {p.world_size}",
-        )
-        _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_rank")
-    _one_of(f.mode, "fault.mode", ("kill", "hang", "kill_in_upload", "kill_agent"))
-    if f.kill_node is not None:
-        _require(f.kill_rank is None, "fault.kill_node", "set fault.kill_rank or fault.kill_node, not both")
-        _require(
-            0 <= f.kill_node < c.nodes, "fault.kill_node", f"no node {f.kill_node} in cluster.nodes={c.nodes}"
-        )
-        _require(f.kill_at_step is not None, "fault.kill_at_step", "needed with fault.kill_node")
-        _require(
-            f.mode != "kill_in_upload", "fault.mode", "kill_in_upload strikes one rank: use fault.kill_rank"
-        )
-    _require(
-        f.mode != "kill_agent" or f.kill_node is not None,
-        "fault.mode",
-        "kill_agent kills a node's torchrun agent: set fault.kill_node",
-    )
-    if f.mode == "kill_in_upload" and f.kill_rank is not None:
-        k = cfg.checkpoint.interval
-        _require(
-            k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps),
-            "fault.kill_at_step",
-            f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})",
-        )
-    _validate_obs(cfg)
-    _validate_stability(cfg)
-    return cfg
 
 
-def _validate_stability(cfg: MegaConfig) -> None:
-    s = cfg.stability
-    _require(s.heartbeat_s > 0, "stability.heartbeat_s", f"must be positive, got {s.heartbeat_s}")
-    _require(
-        s.progress_factor >= 2,
-        "stability.progress_factor",
-        f"must be >= 2 (a slow step is not a hang), got {s.progress_factor}",
-    )
-    _require(
-        s.min_hang_s >= 2 * s.heartbeat_s,
-        "stability.min_hang_s",
-        f"must be >= 2 x stability.heartbeat_s={s.heartbeat_s} (a heartbeat late once is not a hang), "
-        f"got {s.min_hang_s}",
-    )
-    _require(s.straggler_factor > 1, "stability.straggler_factor", f"must be > 1, got {s.straggler_factor}")
-    _require(s.straggler_beats >= 1, "stability.straggler_beats", f"must be >= 1, got {s.straggler_beats}")
-    _validate_recovery(cfg)
-
-
-def _validate_recovery(cfg: MegaConfig) -> None:
-    """The rollback and membership knobs (mega/stability: rollback.py, membership.py)."""
-    c, t, f = cfg.cluster, cfg.train, cfg.fault
-    _require(
-        isinstance(c.spare_nodes, int) and c.spare_nodes >= 0,
-        "cluster.spare_nodes",
-        f"must be >= 0, got {c.spare_nodes!r}",
-    )
-    if c.min_nodes is not None:
-        _require(
-            1 <= c.min_nodes <= c.nodes,
-            "cluster.min_nodes",
-            f"must be in [1, cluster.nodes={c.nodes}] or null, got {c.min_nodes}",
-        )
-    for s in t.skip_steps:
-        _require(
-            isinstance(s, int) and 1 <= s <= t.steps,
-            "train.skip_steps",
-            f"steps are 1-based and at most train.steps={t.steps}, got {s!r}",
-        )
-    if f.nan_at_step is not None:
-        _require(
-            1 <= f.nan_at_step <= t.steps,
-            "fault.nan_at_step",
-            f"must be in [1, train.steps={t.steps}], got {f.nan_at_step}",
-        )
-    if f.spike_at_step is not None:
-        _require(
-            1 <= f.spike_at_step <= t.steps,
-            "fault.spike_at_step",
-            f"must be in [1, train.steps={t.steps}], got {f.spike_at_step}",
-        )
-    st = cfg.stability
-    _require(st.spike_z >= 0, "stability.spike_z", f"must be >= 0 (0: off), got {st.spike_z}")
-    _require(st.spike_window >= 3, "stability.spike_window", f"must be >= 3, got {st.spike_window}")
-    _require(
-        3 <= st.spike_min_steps <= st.spike_window,
-        "stability.spike_min_steps",
-        f"must be in [3, stability.spike_window={st.spike_window}], got {st.spike_min_steps}",
-    )
-    _require(
-        st.spike_min_increase >= 0,
-        "stability.spike_min_increase",
-        f"must be >= 0, got {st.spike_min_increase}",
-    )
-    if f.bad_node is not None:
-        _require(
-            0 <= f.bad_node < c.nodes, "fault.bad_node", f"no node {f.bad_node} in cluster.nodes={c.nodes}"
-        )
-
-
-def _validate_obs(cfg: MegaConfig) -> None:
-    t, f, world = cfg.train, cfg.fault, cfg.parallelism.world_size
-    _require(
-        isinstance(t.gc_interval, int) and t.gc_interval >= 0,
-        "train.gc_interval",
-        f"must be >= 0 (0 = automatic GC), got {t.gc_interval!r}",
-    )
-    if t.profile_steps is not None:
-        ps = t.profile_steps
-        _require(
-            len(ps) == 2 and 1 <= ps[0] <= ps[1] <= t.steps,
-            "train.profile_steps",
-            f"must be [first, last] with 1 <= first <= last <= train.steps={t.steps}, got {list(ps)}",
-        )
-    _require(
-        cfg.obs.clock_sync_rounds >= 1,
-        "obs.clock_sync_rounds",
-        f"must be >= 1, got {cfg.obs.clock_sync_rounds}",
-    )
-    for key, rank, amount in [
-        ("fault.slow_rank", f.slow_rank, f.slow_s),
-        ("fault.clock_skew_rank", f.clock_skew_rank, f.clock_skew_s),
-    ]:
-        if rank is not None:
-            _require(0 <= rank < world, key, f"no rank {rank} in world {world}")
-            _require(amount != 0, key.replace("_rank", "_s"), f"needed (non-zero) with {key}")
-    _require(f.slow_s >= 0, "fault.slow_s", f"must be >= 0, got {f.slow_s}")
-
-
-def _validate_launcher(cfg: MegaConfig) -> None:
+def _launcher_fits_cluster(cfg: MegaConfig) -> None:
     c, la = cfg.cluster, cfg.launcher
-    _one_of(la.name, "launcher.name", LAUNCHERS)
-    for name in c.launchers:
-        _one_of(name, "cluster.launchers", LAUNCHERS)
     _require(
         la.name in c.launchers,
         "launcher.name",
@@ -1014,29 +1026,6 @@ def _validate_launcher(cfg: MegaConfig) -> None:
             "launcher.name",
             "launcher=local-nodes runs CPU ranks (cluster.device=cpu); GPU nodes need slurm or kubernetes",
         )
-    for key, value in [
-        ("cluster.peak_tflops", c.peak_tflops),
-        ("cluster.memory_gib", c.memory_gib),
-        ("cluster.memory_tb_per_s", c.memory_tb_per_s),
-        ("cluster.nvlink_gb_per_s", c.nvlink_gb_per_s),
-        ("cluster.nic_gbit_per_s", c.nic_gbit_per_s),
-        ("launcher.local_nodes.link_mbit", la.local_nodes.link_mbit),
-    ]:
-        _require(value is None or value > 0, key, f"must be positive or null, got {value}")
-    _require(c.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {c.nics_per_node}")
-    for key, value in [
-        ("cluster.selfcheck_gemm_fraction", c.selfcheck_gemm_fraction),
-        ("cluster.selfcheck_nvlink_fraction", c.selfcheck_nvlink_fraction),
-        ("cluster.selfcheck_nic_fraction", c.selfcheck_nic_fraction),
-    ]:
-        _require(0 < value <= 1, key, f"must be in (0, 1] (a fraction of the hardware's figure), got {value}")
-    for key, value in [
-        ("cluster.selfcheck_min_gemm_gflops", c.selfcheck_min_gemm_gflops),
-        ("cluster.selfcheck_min_alltoall_mb_per_s", c.selfcheck_min_alltoall_mb_per_s),
-        ("cluster.selfcheck_min_inter_node_mb_per_s", c.selfcheck_min_inter_node_mb_per_s),
-    ]:
-        _require(value >= 0, key, f"must be >= 0, got {value}")
-    _require(0 <= la.rdzv_port < 65536, "launcher.rdzv_port", f"not a port: {la.rdzv_port}")
     import ipaddress
 
     try:
@@ -1052,10 +1041,10 @@ def _validate_launcher(cfg: MegaConfig) -> None:
         f"needs a private IPv4 network with room for {c.nodes} nodes and a bridge, got {net}",
     )
     if la.local_nodes.netns:
-        _validate_netns(cfg)
+        _servers_reach_netns_nodes(cfg)
 
 
-def _validate_netns(cfg: MegaConfig) -> None:
+def _servers_reach_netns_nodes(cfg: MegaConfig) -> None:
     """Network-namespace nodes have loopbacks of their own: a server configured on this machine's
     loopback is out of their reach (servers mega starts itself listen on the bridge address)."""
     import ipaddress
@@ -1087,19 +1076,105 @@ def _validate_netns(cfg: MegaConfig) -> None:
             _require(not loopback(urlsplit(url).hostname), key, f"{urlsplit(url).hostname} is {hint}")
 
 
-def _validate_data(d: DataConfig) -> None:
-    _require(d.workers is None or d.workers >= 1, "data.workers", f"must be >= 1 or null, got {d.workers}")
-    _require(d.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb", "must be >= 1")
-    _require(d.max_run_chars >= 16, "data.max_run_chars", f"must be >= 16, got {d.max_run_chars}")
-    _one_of(d.format, "data.format", ("arrow", "megatron", "both"))
-    _one_of(d.loader, "data.loader", ("rank", "node"))
-    _require(d.loader_prefetch >= 1, "data.loader_prefetch", "must be >= 1")
-    _require(d.loader_timeout_s > 0, "data.loader_timeout_s", "must be positive")
-    for i, b in enumerate(d.blend):
-        _require(b.source not in ("", "???"), f"data.blend.{i}.source", "missing")
-        _require(b.weight > 0, f"data.blend.{i}.weight", f"must be positive, got {b.weight}")
-    if d.s3_endpoint_url is not None:
-        _check_endpoint(d.s3_endpoint_url, "data.s3_endpoint_url")
+def _run_fits_steps(cfg: MegaConfig) -> None:
+    """Warm-up, validation, precision and checkpoint timing against the run they belong to."""
+    o, t, c = cfg.optimizer, cfg.train, cfg.cluster
+    _require(
+        o.warmup_steps < t.steps,
+        "optimizer.warmup_steps",  # megatron's scheduler asserts it
+        f"{o.warmup_steps} must be smaller than train.steps={t.steps}: set a shorter warm-up, or leave "
+        f"optimizer.warmup_steps unset (null: a tenth of the run, here {default_warmup_steps(t.steps)})",
+    )
+    _require(
+        t.eval_batches == 0 or cfg.data.val_fraction > 0,
+        "train.eval_batches",
+        "validation needs a held-out split: set data.val_fraction > 0, or train.eval_batches=0",
+    )
+    if t.precision == "fp16":  # bf16 runs on CPUs too: the CPU twin of a GPU run
+        _require(
+            c.device == "cuda",
+            "train.precision",
+            "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu",
+        )
+    _require(
+        not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
+        "checkpoint.upload_timeout_s",
+        f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
+        f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}",
+    )
+
+
+def _faults_fit_run(cfg: MegaConfig) -> None:
+    """Each drill strikes a rank, node and step the run has (its own keys: ``FaultConfig.validate``)."""
+    f, t, nodes, world = cfg.fault, cfg.train, cfg.cluster.nodes, cfg.parallelism.world_size
+    for key, rank in [
+        ("fault.kill_rank", f.kill_rank),
+        ("fault.slow_rank", f.slow_rank),
+        ("fault.clock_skew_rank", f.clock_skew_rank),
+    ]:
+        if rank is not None:
+            _require(0 <= rank < world, key, f"no rank {rank} in world {world}")
+    for key, node in [("fault.kill_node", f.kill_node), ("fault.bad_node", f.bad_node)]:
+        if node is not None:
+            _require(0 <= node < nodes, key, f"no node {node} in cluster.nodes={nodes}")
+    for key, step in [("fault.nan_at_step", f.nan_at_step), ("fault.spike_at_step", f.spike_at_step)]:
+        if step is not None:
+            _require(1 <= step <= t.steps, key, f"must be in [1, train.steps={t.steps}], got {step}")
+    if f.mode == "kill_in_upload" and f.kill_rank is not None:
+        k = cfg.checkpoint.interval
+        _require(
+            k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps),
+            "fault.kill_at_step",
+            f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})",
+        )
+
+
+def _validate_store(c: ClusterConfig) -> None:
+    if c.redis_url is not None:
+        from mega.store.redis_server import parse_redis_url  # torch-free
+
+        try:
+            parse_redis_url(c.redis_url)
+        except ValueError as err:
+            raise ConfigError("cluster.redis_url", str(err)) from None
+    if c.store == "redis":
+        _require(
+            c.redis_url is not None or c.start_local_redis,
+            "cluster.redis_url",
+            "cluster.store=redis needs a server: set cluster.redis_url or cluster.start_local_redis=true",
+        )
+
+
+def _validate_selfcheck(c: ClusterConfig) -> None:
+    for key in ("selfcheck_gemm_fraction", "selfcheck_nvlink_fraction", "selfcheck_nic_fraction"):
+        value = getattr(c, key)
+        _require(
+            0 < value <= 1,
+            f"cluster.{key}",
+            f"must be in (0, 1] (a fraction of the hardware's figure), got {value}",
+        )
+    for key in (
+        "selfcheck_min_gemm_gflops",
+        "selfcheck_min_alltoall_mb_per_s",
+        "selfcheck_min_inter_node_mb_per_s",
+    ):
+        value = getattr(c, key)
+        _require(value >= 0, f"cluster.{key}", f"must be >= 0, got {value}")
+
+
+def _validate_spares(c: ClusterConfig) -> None:
+    """The membership knobs (mega/stability/membership.py)."""
+    _require(
+        isinstance(c.spare_nodes, int) and c.spare_nodes >= 0,
+        "cluster.spare_nodes",
+        f"must be >= 0, got {c.spare_nodes!r}",
+    )
+    if c.min_nodes is not None:
+        _require(
+            1 <= c.min_nodes <= c.nodes,
+            "cluster.min_nodes",
+            f"must be in [1, cluster.nodes={c.nodes}] or null, got {c.min_nodes}",
+        )
 
 
 def _check_endpoint(url: str, key: str) -> None:
@@ -1116,52 +1191,23 @@ def _check_endpoint(url: str, key: str) -> None:
     )
 
 
-def _validate_checkpoint(ck: CheckpointConfig) -> None:
+def _check_storage_uri(storage_uri: str) -> None:
     from urllib.parse import urlparse
 
-    _require(ck.interval >= 0, "checkpoint.interval", "must be >= 0")
+    key = "checkpoint.storage_uri"
+    uri = urlparse(storage_uri)
     _require(
-        isinstance(ck.memory_interval, int) and ck.memory_interval >= 0,
-        "checkpoint.memory_interval",
-        f"must be an integer >= 0, got {ck.memory_interval!r}",
+        uri.scheme in ("", "file", "s3"),
+        key,
+        f"unsupported scheme {uri.scheme!r}: use a path, file:///abs/path or s3://bucket/prefix",
     )
-    _require(ck.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
     _require(
-        isinstance(ck.keep_last, int) and ck.keep_last >= 1,
-        "checkpoint.keep_last",
-        f"must be >= 1 (the store always keeps `latest`), got {ck.keep_last!r}",
+        not (uri.username or uri.password),
+        key,
+        "must not carry credentials (they come from the standard AWS chain)",
     )
-    _require(ck.upload_retry_s > 0, "checkpoint.upload_retry_s", f"must be positive, got {ck.upload_retry_s}")
-    _require(
-        isinstance(ck.upload_timeout_s, (int, float)) and ck.upload_timeout_s >= ck.upload_retry_s,
-        "checkpoint.upload_timeout_s",
-        f"must be at least checkpoint.upload_retry_s={ck.upload_retry_s:g}, got {ck.upload_timeout_s!r}",
-    )
-    _require(bool(ck.dir), "checkpoint.dir", "must not be empty")
-    if ck.storage_uri is not None:
-        uri = urlparse(ck.storage_uri)
-        _require(
-            uri.scheme in ("", "file", "s3"),
-            "checkpoint.storage_uri",
-            f"unsupported scheme {uri.scheme!r}: use a path, file:///abs/path or s3://bucket/prefix",
-        )
-        _require(
-            not (uri.username or uri.password),
-            "checkpoint.storage_uri",
-            "must not carry credentials (they come from the standard AWS chain)",
-        )
-        if uri.scheme == "s3":
-            _require(bool(uri.netloc), "checkpoint.storage_uri", "s3:// needs a bucket: s3://bucket/prefix")
-        if uri.scheme == "file":
-            _require(
-                uri.netloc in ("", "localhost"),
-                "checkpoint.storage_uri",
-                "file URIs must be local: file:///abs/path",
-            )
-        _require(
-            bool(ck.storage_uri.strip()),
-            "checkpoint.storage_uri",
-            "must not be empty (null = checkpoint.dir)",
-        )
-    if ck.s3_endpoint_url is not None:
-        _check_endpoint(ck.s3_endpoint_url, "checkpoint.s3_endpoint_url")
+    if uri.scheme == "s3":
+        _require(bool(uri.netloc), key, "s3:// needs a bucket: s3://bucket/prefix")
+    if uri.scheme == "file":
+        _require(uri.netloc in ("", "localhost"), key, "file URIs must be local: file:///abs/path")
+    _require(bool(storage_uri.strip()), key, "must not be empty (null = checkpoint.dir)")
