@@ -7,17 +7,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 80
 
-# Functions still longer than MAX_LINES while their splits are under way on other branches. Delete
-# each line once the branch that splits that function is merged; the test fails on a line whose
-# function is no longer long (or no longer exists), so the list only shrinks.
-KNOWN_LONG = {
-    "mega/config.py:validate",
-    "mega/checkpoint/restore.py:restore",
-    "mega/bench/checkpoint.py:bench_checkpoint",
-    "mega/launch/slurm.py:render_sbatch",
-    "mega/bench/soak.py:bench_soak",
-}
-
 
 def _functions(tree: ast.AST, prefix: str = ""):
     """(qualified name, node) of every function and method, nested ones included."""
@@ -46,10 +35,9 @@ def long_functions() -> dict[str, int]:
 
 def test_functions_in_mega_are_short_or_say_why():
     found = long_functions()
-    new = {name: lines for name, lines in found.items() if name not in KNOWN_LONG}
-    assert not new, f"longer than {MAX_LINES} lines (split, or say in the docstring why it is long): {new}"
-    stale = sorted(KNOWN_LONG - set(found))
-    assert not stale, f"short now or gone: delete from KNOWN_LONG: {stale}"
+    assert not found, (
+        f"longer than {MAX_LINES} lines (split, or say in the docstring why it is long): {found}"
+    )
 
 
 def test_the_length_check_sees_a_long_function(tmp_path):

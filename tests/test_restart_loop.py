@@ -161,7 +161,7 @@ def test_collect_outcome_reads_the_step_reached_and_what_the_ranks_restored(loop
     ended = driver.collect_outcome(launch, attempt, o)
     assert ended.final_step == 3 and ended.restored == "iter_0000002" and not ended.outcome.ok
     assert runs.read_record(tmp_path).final_step == 3
-    assert "attempt 0: resumed from iter_0000002 (refused iter_0000003)" in loop.said
+    assert "attempt 0: resumed from iter_0000002, from the durable store (refused iter_0000003)" in loop.said
     (tmp_path / "init.json").write_text('{"restore": ')  # rank 0 died writing it
     assert driver.collect_outcome(launch, attempt, o).init == {}
 

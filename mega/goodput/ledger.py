@@ -287,25 +287,9 @@ def sweep(intervals: list[Interval], t0: float, t1: float) -> tuple[dict, dict, 
     return totals, parts, timeline, lost
 
 
-def build(run_dir: str | Path) -> dict:
-    """The ledger of a run directory (all its attempts); raises only when there is nothing to read."""
-    run_dir = Path(run_dir)
-    marks = read_marks(run_dir)
-    if not marks["driver"] and not marks["flow"]:
-        raise FileNotFoundError(
-            f"{run_dir}/{DIR}: no driver or flow marks (was the run launched by mega.launch?)"
-        )
-    attempts = _attempts(marks["driver"])
-    survivors = _surviving(marks)
-    median_s = _median_step_s(marks)
-    intervals = _flow_intervals(marks["flow"], marks["driver"]) + _driver_intervals(marks["driver"], attempts)
-    lost_steps = []
-    everyone = {r for by_rank in marks["ranks"].values() for r in by_rank}
-    missing_ranks = {
-        a["attempt"]: sorted(everyone - set(marks["ranks"].get(a["attempt"], {})))
-        for a in attempts
-        if everyone - set(marks["ranks"].get(a["attempt"], {}))
-    }
+def _attempts_rank_intervals(marks: dict, attempts: list[dict], survivors, median_s: float):
+    """The ranks' intervals of every attempt and the steps each attempt lost."""
+    intervals, lost_steps = [], []
     for a in attempts:
         by_rank = marks["ranks"].get(a["attempt"], {})
         if not by_rank:
@@ -320,6 +304,29 @@ def build(run_dir: str | Path) -> dict:
         )
         intervals += ivs
         lost_steps += [{"attempt": a["attempt"], "step": s} for s in lost]
+    return intervals, lost_steps
+
+
+def build(run_dir: str | Path) -> dict:
+    """The ledger of a run directory (all its attempts); raises only when there is nothing to read."""
+    run_dir = Path(run_dir)
+    marks = read_marks(run_dir)
+    if not marks["driver"] and not marks["flow"]:
+        raise FileNotFoundError(
+            f"{run_dir}/{DIR}: no driver or flow marks (was the run launched by mega.launch?)"
+        )
+    attempts = _attempts(marks["driver"])
+    survivors = _surviving(marks)
+    median_s = _median_step_s(marks)
+    intervals = _flow_intervals(marks["flow"], marks["driver"]) + _driver_intervals(marks["driver"], attempts)
+    everyone = {r for by_rank in marks["ranks"].values() for r in by_rank}
+    missing_ranks = {
+        a["attempt"]: sorted(everyone - set(marks["ranks"].get(a["attempt"], {})))
+        for a in attempts
+        if everyone - set(marks["ranks"].get(a["attempt"], {}))
+    }
+    rank_ivs, lost_steps = _attempts_rank_intervals(marks, attempts, survivors, median_s)
+    intervals += rank_ivs
     times = [t for i in intervals for t in (i.t0, i.t1)]
     flow_start = next((e["t"] for e in marks["flow"] if e["event"] == "start"), None)
     flow_end = next((e["t"] for e in reversed(marks["flow"]) if e["event"] == "end"), None)
