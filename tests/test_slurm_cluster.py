@@ -266,6 +266,9 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
                 frozen["pid"] = procs[0]
             time.sleep(0.2)
         if frozen:
+            # the node tasks see the warning file and pass SIGUSR1 on (resent every 2 s): let it
+            # reach every rank before rank 0 runs on, or two quick steps finish the run first
+            time.sleep(3)
             os.kill(frozen["pid"], signal.SIGCONT)
         frozen["warned"] = warned.exists()
 

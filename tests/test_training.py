@@ -70,7 +70,11 @@ def test_reference_run_learns(reference):
     losses = [m["loss"] for m in reference]
     assert all(loss == loss for loss in losses)  # no NaN
     assert losses[-1] < losses[0]
-    assert all(m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 for m in reference)
+    assert all(m["tokens_per_s"] > 0 and m["mfu"] > 0 for m in reference)
+    # MFU is throughput over one peak measured at start-up (on a shared CPU its value depends on the
+    # load then, so no bound of 1 here): the same ratio at every step
+    ratios = [m["mfu"] / m["tokens_per_s"] for m in reference]
+    assert max(ratios) / min(ratios) < 1 + 1e-9, ratios
     # train.eval_batches=4, eval_interval=0: one validation loss, after the last step
     assert [("val_loss" in m) for m in reference] == [False, False, False, True]
     assert 0 < reference[-1]["val_loss"] < 10
