@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +81,17 @@ def assert_same_curve(
         assert ("val_loss" in got) == ("val_loss" in want), (got, want)
         if "val_loss" in want:
             assert got["val_loss"] == pytest.approx(want["val_loss"], rel=rtol), (got, want)
+
+
+def prefect_deploy(prefect_file: str) -> subprocess.CompletedProcess:
+    """``prefect deploy --all`` of a deployment file of infra/ against the test's Prefect server."""
+    from prefect.settings import PREFECT_API_URL
+
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", prefect_file, "--all"],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import prefect_deploy
 from prefect_pool import ensure_work_pool
 
 REPO = Path(__file__).resolve().parent.parent
@@ -257,28 +258,11 @@ def test_cli_multirun_sweeps_the_ablation_features(tmp_path, data_cache):
 
 def test_prefect_yaml_deploys(prefect_harness):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
 
     ensure_work_pool()
     before = (REPO / "infra" / "prefect.yaml").read_text()
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "--no-prompt",
-            "deploy",
-            "--prefect-file",
-            "infra/prefect.yaml",
-            "--all",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = prefect_deploy("infra/prefect.yaml")
 
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (REPO / "infra" / "prefect.yaml").read_text() == before  # --no-prompt never rewrites it

@@ -22,6 +22,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from helpers import prefect_deploy
 
 from mega.config import ConfigError, compose
 from mega.launch import kubernetes as k8s
@@ -526,7 +527,6 @@ def test_prefect_deploy_onto_the_kubernetes_work_pool(prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
-    from prefect.settings import PREFECT_API_URL
 
     template = json.loads((REPO / "infra" / "kubernetes" / "work-pool.json").read_text())
     with get_client(sync_client=True) as client:
@@ -537,23 +537,7 @@ def test_prefect_deploy_onto_the_kubernetes_work_pool(prefect_harness):
         except ObjectAlreadyExists:
             pass
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "--no-prompt",
-            "deploy",
-            "--prefect-file",
-            "infra/prefect-kubernetes.yaml",
-            "--all",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = prefect_deploy("infra/prefect-kubernetes.yaml")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     with get_client(sync_client=True) as client:

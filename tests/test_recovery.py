@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import prefect_deploy
 from prefect_pool import ensure_work_pool
 from waiting import wait_for
 
@@ -365,7 +366,6 @@ def deploy_all() -> None:
     already this session (tests/test_flow.py deploys the same file; a second deploy costs ~20 s)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL
 
     with get_client(sync_client=True) as client:
         try:
@@ -374,23 +374,7 @@ def deploy_all() -> None:
         except ObjectNotFound:
             pass
     ensure_work_pool()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "--no-prompt",
-            "deploy",
-            "--prefect-file",
-            "infra/prefect.yaml",
-            "--all",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = prefect_deploy("infra/prefect.yaml")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
 
