@@ -56,10 +56,6 @@ SELFCHECK_BAD_NODE_ENV = "MEGA_SELFCHECK_BAD_NODE"  # this node's GEMM check rep
 ENV_SWITCHES = (DATA_KILL_AFTER_COMMITS_ENV, SELFCHECK_FAIL_RANK_ENV, SELFCHECK_BAD_NODE_ENV)
 
 
-def _attempt() -> int:
-    return rank_env.attempt()
-
-
 def _say(line: str) -> None:
     print(f"[fault] {line}", file=sys.stderr, flush=True)
 
@@ -68,7 +64,7 @@ def _record(run_dir: str | Path, me: dict[str, Any], kind: str, step: int, targe
     """Append a fault that struck to ``<run_dir>/faults.jsonl``; ``me`` is the rank's
     ``mega.cluster.node.identity()``."""
     row = {**me, "kind": kind, "step": step, "target_pid": target_pid, "time": time.time()}
-    row["attempt"] = _attempt()
+    row["attempt"] = rank_env.attempt()
     with open(Path(run_dir) / "faults.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -84,7 +80,7 @@ def at_step_start(cfg: MegaConfig, step: int, me: dict[str, Any], agent_pid: Cal
     kill_in_upload strikes in ``during_upload`` instead."""
     f = cfg.fault
     struck = f.kill_rank == me["rank"] or (f.kill_node is not None and f.kill_node == me["node"])
-    if _attempt() != 0 or f.mode == "kill_in_upload" or not struck or f.kill_at_step != step:
+    if rank_env.attempt() != 0 or f.mode == "kill_in_upload" or not struck or f.kill_at_step != step:
         return
     _say(f"{f.mode}: rank {me['rank']} (node {me['node']}) at step {step}")
     run_dir = cfg.train.run_dir
@@ -162,7 +158,10 @@ def during_upload(cfg: MegaConfig, rank: int, step: int) -> Callable[[int, int],
     ``fault.mode=kill_in_upload`` SIGKILLs ``fault.kill_rank`` once part of it is in the store."""
     f = cfg.fault
     if not (
-        f.mode == "kill_in_upload" and f.kill_rank == rank and f.kill_at_step == step and _attempt() == 0
+        f.mode == "kill_in_upload"
+        and f.kill_rank == rank
+        and f.kill_at_step == step
+        and rank_env.attempt() == 0
     ):
         return None
 
