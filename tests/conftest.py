@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from mega.config import CheckpointConfig
+
 _SCRATCH = Path(tempfile.mkdtemp(prefix="mega-tests-"))
 REFERENCE_STEPS = 4
 atexit.register(shutil.rmtree, _SCRATCH, ignore_errors=True)
@@ -164,7 +166,17 @@ def pytest_runtest_logreport(report):
     )
 
 
+# In-memory checkpoint copies (checkpoint.memory_dir, default in /dev/shm) of runs that never
+# finished (a drill's given-up run, a killed driver) stay in tmpfs by design: a recovery may use
+# them. The suite's own are removed when it ends (those made since it started).
+_MEMORY_COPIES = Path(CheckpointConfig.memory_dir)
+_copies_before = set(_MEMORY_COPIES.iterdir()) if _MEMORY_COPIES.is_dir() else set()
+
+
 def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput") and _MEMORY_COPIES.is_dir():
+        for run in set(_MEMORY_COPIES.iterdir()) - _copies_before:
+            shutil.rmtree(run, ignore_errors=True)
     out = os.environ.get("MEGA_TEST_DURATIONS")
     if out and not hasattr(session.config, "workerinput"):  # the controller, which sees every report
         Path(out).write_text(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from mega import ports
 from mega.config import ConfigError, compose
 from mega.launch import slurm
 from mega.launch.backend import JobSpec
@@ -168,7 +169,15 @@ def test_each_attempt_is_named_for_its_run_signals_and_excludes(tmp_path):
     )
     assert "export MEGA_EXIT_SIGNAL=USR1" in script
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in script  # cpus_per_task=null: every core of the node
-    assert "MASTER_PORT=$(python -c" in script  # rdzv_port=0: a port free on the first node
+    # rdzv_port=0: the batch shell picks a port free on the first node, below the ephemeral range
+    lines = script.splitlines()
+    first = lines.index("MASTER_PORT=$(python - <<'MEGA_PORTS'")
+    snippet = "\n".join(lines[first : lines.index(")", first) + 1]).replace(
+        "$(python ", f"$({sys.executable} "
+    )
+    out = subprocess.run(["bash", "-c", snippet + '\necho "$MASTER_PORT"'], capture_output=True, text=True)
+    port = int(out.stdout)
+    assert 10_000 <= port < 65_536 and port not in ports.ephemeral_range(), out
 
 
 def test_numa_binding_is_a_torchrun_flag_for_gpu_ranks_only(tmp_path):

@@ -24,7 +24,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from typing import IO, TYPE_CHECKING
 
 from mega.cluster.node import NODE_ADDR_ENV, RANKS_ON_HOST_ENV
 from mega.launch.backend import JobSpec, agent_argv
+from mega.ports import free_ports
 from mega.warm import client as warm_client
 
 if TYPE_CHECKING:
@@ -102,12 +102,6 @@ def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
                 pass
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class LocalNodesBackend:
     """``cluster.nodes`` torchrun agents on this machine; node 0 hosts the rendezvous store."""
 
@@ -148,7 +142,7 @@ class LocalNodesBackend:
         if self.network:
             return self.network.address(0), self.cfg.launcher.rdzv_port or NETNS_RDZV_PORT
         addr = self.cfg.cluster.master_addr
-        return addr, self.cfg.launcher.rdzv_port or _free_port(addr)
+        return addr, self.cfg.launcher.rdzv_port or free_ports(1, addr)[0]
 
     # -- Backend ---------------------------------------------------------------------------------
 

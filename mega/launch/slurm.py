@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mega import ports
 from mega.cluster import rendezvous
 from mega.config import ConfigError
 from mega.launch.backend import JobSpec, agent_argv
@@ -151,6 +152,9 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
 # are gone (a rank installs its handler once it is up), write the exit code: PREEMPTED when the
 # agent failed after the signal (its ranks saved and exited), 0 when they finished anyway. After the
 # signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save.
+# run by the batch shell when launcher.rdzv_port=0 (python - <<heredoc): prints a free port
+_PORTS_SOURCE = Path(ports.__file__).read_text()
+
 _NODE_TASK = """mkdir -p @LOGDIR@ @EXITDIR@
 if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi
 signalled=0
@@ -273,11 +277,8 @@ def _exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
 
 def _signal_and_master(cfg: MegaConfig, python: str, exit_dir: Path, log_dir: Path) -> list[str]:
     """The batch shell's trap of Slurm's warning, and the rendezvous master (the first node)."""
-    port = (
-        str(cfg.launcher.rdzv_port)
-        if cfg.launcher.rdzv_port
-        else f"$({python} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')"
-    )
+    # rdzv_port=0: mega/ports.py, its source in the script (the batch host may lack mega: containers)
+    port = str(cfg.launcher.rdzv_port) if cfg.launcher.rdzv_port else f"$({python} - <<'MEGA_PORTS'"
     return [
         "# Slurm's warning (--signal=B:USR1) comes to this shell, from the job's start on: it leaves a file",
         "# every node's task watches and answers by passing SIGUSR1 to its ranks.",
@@ -289,6 +290,7 @@ def _signal_and_master(cfg: MegaConfig, python: str, exit_dir: Path, log_dir: Pa
         "# scontrol die of SIGPIPE, fatal under pipefail.)",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"MASTER_PORT={port}",
+        *([] if cfg.launcher.rdzv_port else [*_PORTS_SOURCE.splitlines(), "MEGA_PORTS", ")"]),
         "export MASTER_ADDR MASTER_PORT",
         f"mkdir -p {shlex.quote(str(log_dir))}",
         "",

