@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -390,29 +391,30 @@ class Harness:
 
 
 def bench_soak(
-    minutes: float, mtbf_s: float, seed: int, out: str | Path, extra: list[str], step_s: float = 3.0
+    minutes: float, mtbf_s: float, seed: int, out: str | Path, extra: list[str], step_s: float | None = None
 ) -> dict:
-    """The soak and its fault-free reference; the comparison fields, the faults, the PNG."""
+    """The soak and its fault-free reference; the comparison fields, the faults, the PNG.
+    ``step_s``: seconds per step that set ``train.steps`` (``minutes`` of training) and map the
+    ranks' own faults to steps; None: measured by a short fault-free run of the same layout."""
     import os
 
     from mega.storage.seaweed import SeaweedS3
     from mega.store import RedisServer
 
     out = Path(out).absolute()
-    steps = max(8, int(minutes * 60 / step_s))
-    schedule = fault_schedule(minutes, mtbf_s, seed)
-    fault_overrides, schedule = config_faults(schedule, step_s, 4, steps)
+    for previous in ("seaweed", "calibration", "soak", "reference", "final"):  # a rerun starts afresh
+        shutil.rmtree(out / previous, ignore_errors=True)
     saved_env = dict(os.environ)
     s3 = SeaweedS3(out / "seaweed", bucket="mega-soak").start(timeout=120)
     try:
         os.environ.update(s3.env())
         with RedisServer() as redis:
-            common_overrides = [
-                *LAYOUT,
-                f"cluster.redis_url={redis.url}",
-                f"checkpoint.max_restarts={len(schedule) + 3}",
-                *extra,
-            ]
+            common_overrides = [*LAYOUT, f"cluster.redis_url={redis.url}", *extra]
+            step_s = step_s or _calibrate_step_s(out, common_overrides, s3)
+            steps = max(8, int(minutes * 60 / step_s))
+            schedule = fault_schedule(minutes, mtbf_s, seed)
+            fault_overrides, schedule = config_faults(schedule, step_s, 4, steps)
+            common_overrides.insert(len(LAYOUT), f"checkpoint.max_restarts={len(schedule) + 3}")
             run = _run_soak(out, steps, schedule, [*common_overrides, *fault_overrides], redis, s3, seed)
             _run_reference(out, steps, common_overrides, s3, run["index"])
             weights = _final_weights(out, steps, s3)
@@ -420,7 +422,25 @@ def bench_soak(
         s3.stop()
         os.environ.clear()
         os.environ.update(saved_env)
-    return _result(out, run, weights, schedule, steps, seed, minutes, mtbf_s)
+    return {**_result(out, run, weights, schedule, steps, seed, minutes, mtbf_s), "step_s": step_s}
+
+
+CALIBRATION_STEPS = 24
+
+
+def _calibrate_step_s(out: Path, overrides: list[str], s3) -> float:
+    """Seconds per step of the soak's layout on this machine now, its checkpoint saves included:
+    the mean wall time per step of a short fault-free run, after its first four steps."""
+    from mega.bench import common
+    from mega.metrics import read_metrics
+
+    run_dir = out / "calibration"
+    cfg = _compose(
+        [*overrides, f"checkpoint.storage_uri={s3.uri('calibration')}"], CALIBRATION_STEPS, run_dir
+    )
+    common.train(cfg, common.prepare_data(cfg))
+    times = [row["time"] for row in read_metrics(run_dir)][4:]
+    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def _run_soak(
