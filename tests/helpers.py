@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from mega.ports import free_ports
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces need root (CI runs as root)")
@@ -49,10 +50,9 @@ def tiny_config(run_dir, data_cache, overrides=(), *, steps: int):
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (for MASTER_PORT and stores)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port of 127.0.0.1 that was free a moment ago (for MASTER_PORT and stores), below the
+    ephemeral range so no connection of the other test worker takes it meanwhile (mega/ports.py)."""
+    return free_ports(1, "127.0.0.1")[0]
 
 
 def free_subnet() -> str:
