@@ -83,7 +83,7 @@ def test_time_process_groups_tp2_over_redis(tmp_path):
         find_redis_server()
     except RedisServerError as err:
         pytest.fail(f"{err} (infra/install.sh installs it)")
-    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}", "cluster.store=redis"])
+    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}", "store.kind=redis"])
     result = time_process_groups(cfg)
 
     assert result["world_size"] == 2 and len(result["ranks"]) == 2
@@ -95,8 +95,8 @@ def test_time_process_groups_tp2_over_redis(tmp_path):
 
 def test_redis_password_travels_by_environment_only():
     cfg = from_dict({"cluster": {"store": "redis", "redis_url": "redis://ops:s3cret@10.0.0.5:6380/2"}})
-    assert split_redis_password(cfg.cluster.redis_url) == ("redis://ops@10.0.0.5:6380/2", "s3cret")
-    assert without_secrets(cfg).cluster.redis_url == "redis://ops@10.0.0.5:6380/2"
+    assert split_redis_password(cfg.store.redis_url) == ("redis://ops@10.0.0.5:6380/2", "s3cret")
+    assert without_secrets(cfg).store.redis_url == "redis://ops@10.0.0.5:6380/2"
     with rendezvous_env(cfg, job_id="job-1") as env:  # a configured server: nothing is started
         assert env == {
             "MEGA_REDIS_URL": "redis://ops@10.0.0.5:6380/2",
@@ -109,7 +109,7 @@ def test_redis_password_travels_by_environment_only():
 
 
 def test_training_over_a_password_protected_redis_store(tmp_path, data_index, data_cache):
-    """run_training with cluster.store=redis: ranks build their process group on RedisStore; the
+    """run_training with store.kind=redis: ranks build their process group on RedisStore; the
     password reaches them only through the environment; init times land in init.json."""
     from mega.launch import run_training
     from mega.store import RedisServer, RedisStore
@@ -126,8 +126,8 @@ def test_training_over_a_password_protected_redis_store(tmp_path, data_index, da
                 "train.tensorboard=false",
                 "optimizer.warmup_steps=1",
                 "checkpoint.interval=0",
-                "cluster.store=redis",
-                f"cluster.redis_url={server.url}",
+                "store.kind=redis",
+                f"store.redis_url={server.url}",
             ]
         )
         messages = []

@@ -51,7 +51,7 @@ def merged(*parts: dict) -> dict:
         ),
         (
             {**NETNS, "cluster": {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}},
-            "cluster.redis_url",
+            "store.redis_url",
             "unreachable from network-namespace nodes",
         ),
         (
@@ -61,13 +61,13 @@ def merged(*parts: dict) -> dict:
         ),
         (
             {"cluster": {"selfcheck_gemm_fraction": 1.5}},
-            "cluster.selfcheck_gemm_fraction",
+            "selfcheck.gemm_fraction",
             "must be in (0, 1]",
         ),
-        ({"cluster": {"selfcheck_nic_fraction": 0}}, "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
+        ({"cluster": {"selfcheck_nic_fraction": 0}}, "selfcheck.nic_fraction", "must be in (0, 1]"),
         (
             {"cluster": {"selfcheck_min_inter_node_mb_per_s": -1}},
-            "cluster.selfcheck_min_inter_node_mb_per_s",
+            "selfcheck.min_inter_node_mb_per_s",
             ">= 0",
         ),
     ],

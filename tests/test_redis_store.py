@@ -409,19 +409,19 @@ def test_redis_urls_never_show_passwords():
         ({"redis_url": "redis://h:6379/zero"}, "database must be a number"),
         (
             {"store": "redis", "start_local_redis": False},
-            "set cluster.redis_url or cluster.start_local_redis",
+            "set store.redis_url or store.start_local_redis",
         ),
     ],
 )
 def test_cluster_redis_settings_are_validated(cluster, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
         from_dict({"cluster": cluster})
-    assert err.value.key == "cluster.redis_url" and "s3cret" not in str(err.value)
+    assert err.value.key == "store.redis_url" and "s3cret" not in str(err.value)
 
 
 def test_cluster_redis_settings_accept_a_url():
     cfg = from_dict({"cluster": {"store": "redis", "redis_url": "redis://:s3cret@10.0.0.1:6380/1"}})
-    assert cfg.cluster.redis_url.endswith("@10.0.0.1:6380/1") and cfg.cluster.start_local_redis
+    assert cfg.store.redis_url.endswith("@10.0.0.1:6380/1") and cfg.store.start_local_redis
     assert "s3cret" not in repr(cfg.cluster)
 
 

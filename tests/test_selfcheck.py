@@ -38,7 +38,7 @@ def test_absurd_gemm_floor_is_unhealthy_and_named(tmp_path):
     assert not result["healthy"]
     assert len(result["ranks"]) == 2  # the checks ran; the floor failed them
     assert len(result["reasons"]) == 2
-    assert all("cluster.selfcheck_min_gemm_gflops=1e+09" in r for r in result["reasons"]), result["reasons"]
+    assert all("selfcheck.min_gemm_gflops=1e+09" in r for r in result["reasons"]), result["reasons"]
 
 
 def test_a_dead_rank_gives_an_unhealthy_verdict_not_a_hang(tmp_path):
@@ -81,7 +81,7 @@ FLOORS = selfcheck_floors(
         ([{**ROW, "error": "RuntimeError: gloo timeout"}], 1, "rank 0: check failed: RuntimeError"),
         ([{**ROW, "gemm_max_rel_err": 0.5}], 1, "wrong results"),
         ([{**ROW, "alltoall_ok": False}], 1, "all-to-all delivered wrong data"),
-        ([{**ROW, "alltoall_mb_per_s": 0.1}], 1, "cluster.selfcheck_min_alltoall_mb_per_s=1"),
+        ([{**ROW, "alltoall_mb_per_s": 0.1}], 1, "selfcheck.min_alltoall_mb_per_s=1"),
         ([{**ROW, "device": "cuda", "device_count": 0, "allreduce_ok": True}], 1, "sees 0 GPUs"),
         ([{**ROW, "device": "cuda", "device_count": 1, "allreduce_ok": False}], 1, "all-reduce"),
     ],

@@ -227,11 +227,11 @@ LAYOUT = [
     "launcher=local-nodes",
     "cluster.nodes=2",
     "cluster.procs_per_node=4",
-    "cluster.spare_nodes=1",
+    "restart.spare_nodes=1",
     "train.tensorboard=false",
     "train.eval_batches=0",
     "optimizer.warmup_steps=1",
-    "checkpoint.restart_backoff_s=0",
+    "restart.backoff_s=0",
     "checkpoint.interval=4",
     "stability.heartbeat_s=1",
     "stability.min_hang_s=15",
@@ -409,8 +409,8 @@ def bench_soak(
         with RedisServer() as redis:
             common_overrides = [
                 *LAYOUT,
-                f"cluster.redis_url={redis.url}",
-                f"checkpoint.max_restarts={len(schedule) + 3}",
+                f"store.redis_url={redis.url}",
+                f"restart.max_restarts={len(schedule) + 3}",
                 *extra,
             ]
             run = _run_soak(out, steps, schedule, [*common_overrides, *fault_overrides], redis, s3, seed)

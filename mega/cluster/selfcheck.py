@@ -20,7 +20,7 @@ Floors (``selfcheck_floors``) come from the cluster preset's hardware facts, so 
 node fails: GEMM >= ``selfcheck_gemm_fraction`` x ``peak_tflops``; a rank's intra-node all-to-all
 >= ``selfcheck_nvlink_fraction`` x one direction of ``nvlink_gb_per_s``; a node pair's exchange >=
 ``selfcheck_nic_fraction`` x ``node_nic_gb_per_s``. Without the facts (the CPU presets) the
-absolute ``cluster.selfcheck_min_*`` apply.
+absolute ``selfcheck.min_*`` apply.
 """
 
 from __future__ import annotations

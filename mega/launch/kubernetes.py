@@ -6,10 +6,10 @@
 * ``launcher.kubernetes.workload=jobset`` (default): a JobSet (jobset.x-k8s.io/v1alpha2) of one
   replicated job, an indexed Job of one pod per node (completion index = node rank), queued in Kueue
   (``kueue.x-k8s.io/queue-name``, created suspended: admitted as a gang), with
-  ``failurePolicy.maxRestarts = checkpoint.max_restarts`` and its own headless Service (pod 0,
+  ``failurePolicy.maxRestarts = restart.max_restarts`` and its own headless Service (pod 0,
   ``<jobset>-node-0-0.<jobset>``, is the rendezvous master);
 * ``workload=job``: the built-in fallback, a headless Service and an indexed Job with the same pod
-  failure policy (restarts counted by ``backoffLimit = nodes x checkpoint.max_restarts``).
+  failure policy (restarts counted by ``backoffLimit = nodes x restart.max_restarts``).
 
 Which exit means what (``POD_FAILURE_RULES``): a pod disrupted (preemption, drain, eviction:
 the ``DisruptionTarget`` condition) or whose ranks saved and exited on a signal (85) restarts
@@ -107,9 +107,9 @@ def check(cfg: MegaConfig, job: JobSpec | None = None) -> None:
     _check_basics(cfg)
     if c.store == "redis" and c.redis_url is None:
         raise ConfigError(
-            "cluster.redis_url",
-            "launcher=kubernetes with cluster.store=redis needs a Redis "
-            "server the pods reach: set cluster.redis_url",
+            "store.redis_url",
+            "launcher=kubernetes with store.kind=redis needs a Redis "
+            "server the pods reach: set store.redis_url",
         )
     if k.rdma.enabled and not k.rdma.resources:
         raise ConfigError(
@@ -164,7 +164,7 @@ def _check_secrets(cfg: MegaConfig, job: JobSpec | None) -> None:
     ):
         raise ConfigError(
             "launcher.kubernetes.redis_secret",
-            "the Redis password must come from a Secret (key 'password'), not from cluster.redis_url",
+            "the Redis password must come from a Secret (key 'password'), not from store.redis_url",
         )
     for name in sorted(c.env):
         if _SECRET.search(name):
@@ -442,7 +442,7 @@ def _job_spec(cfg: MegaConfig, n: dict[str, str], job: JobSpec, python: str) -> 
         "completions": c.nodes,
         "parallelism": c.nodes,
         # JobSet: any counted pod failure fails the Job at once and JobSet restarts every pod
-        "backoffLimit": c.nodes * cfg.checkpoint.max_restarts if fallback else 0,
+        "backoffLimit": c.nodes * cfg.restart.max_restarts if fallback else 0,
         "podFailurePolicy": pod_failure_policy(k.workload),
         "template": pod_template(cfg, n, job, python),
     }
@@ -461,7 +461,7 @@ def _jobset(cfg: MegaConfig, n: dict[str, str], job: JobSpec, python: str, meta:
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "startupPolicy": {"startupPolicyOrder": "AnyOrder"},  # one replicated job: every pod at once
         "failurePolicy": {
-            "maxRestarts": cfg.checkpoint.max_restarts,
+            "maxRestarts": cfg.restart.max_restarts,
             "rules": [
                 {
                     "name": "disrupted-or-saved",

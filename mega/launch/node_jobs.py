@@ -145,7 +145,7 @@ def time_process_groups(
     (teardown)}. ``model_parallel_init_s`` is megatron-core's group creation only: every import
     happens before the ranks line up, and it is the sum of the ``mp_*`` phases. Files (config
     without secrets, result, logs) go to out_dir, by default ``<train.run_dir>/bootstrap``. The job
-    rendezvouses over ``cluster.store`` (its own job id). Raises RuntimeError when the job fails or
+    rendezvouses over ``store.kind`` (its own job id). Raises RuntimeError when the job fails or
     times out.
     """
     c = cfg.cluster
