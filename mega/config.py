@@ -354,7 +354,7 @@ class SlurmConfig:
     # Slurm sends SIGUSR1 this long before the time limit (and on preemption): the ranks finish the
     # step, save and exit; the driver resubmits from that save. 0: no signal.
     signal_grace_s: int = 120
-    max_requeues: int = 100  # resubmissions after a signal, counted apart from checkpoint.max_restarts
+    max_requeues: int = 100  # resubmissions after a signal, counted apart from restart.max_restarts
     stop_timeout_s: float = 120.0  # scancel waits this long; a job still COMPLETING after it is left to Slurm
     # The address servers for the ranks (heartbeat Redis) listen on; null: this machine's address
     # on the route to slurmctld, which every node reaches.
@@ -404,7 +404,7 @@ class KubernetesConfig:
     active_deadline_s: int | None = None  # activeDeadlineSeconds of the Job (null: none)
     ttl_after_finished_s: int | None = 86400  # a finished workload is deleted after this long
     selfcheck: bool = True  # every pod runs the node self-check with its peers before training
-    # cluster.store=redis or heartbeats: the Secret (key "password") the pods read the Redis password from
+    # store.kind=redis or heartbeats: the Secret (key "password") the pods read the Redis password from
     redis_secret: str | None = None
     # s3:// checkpoints: the Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY
     s3_secret: str | None = None
@@ -1159,7 +1159,9 @@ def _restart_fits_cluster(cfg: MegaConfig) -> None:
     """A run may shrink to ``restart.min_nodes`` of its ``cluster.nodes`` (mega/stability/membership.py)."""
     m, nodes = cfg.restart.min_nodes, cfg.cluster.nodes
     if m is not None:
-        _require(1 <= m <= nodes, "restart.min_nodes", f"must be in [1, cluster.nodes={nodes}] or null, got {m}")
+        _require(
+            1 <= m <= nodes, "restart.min_nodes", f"must be in [1, cluster.nodes={nodes}] or null, got {m}"
+        )
 
 
 def _servers_reach_netns_nodes(cfg: MegaConfig) -> None:

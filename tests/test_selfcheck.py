@@ -13,8 +13,8 @@ from mega.config import from_dict
 from mega.launch.node_jobs import run_selfcheck
 
 
-def node_config(**cluster):
-    return from_dict({"parallelism": {"dp": 2}, "cluster": {"procs_per_node": 2, **cluster}})
+def node_config(**selfcheck):
+    return from_dict({"parallelism": {"dp": 2}, "cluster": {"procs_per_node": 2}, "selfcheck": selfcheck})
 
 
 def test_two_ranks_are_healthy_with_default_floors(tmp_path):
@@ -33,7 +33,7 @@ def test_two_ranks_are_healthy_with_default_floors(tmp_path):
 
 
 def test_absurd_gemm_floor_is_unhealthy_and_named(tmp_path):
-    result = run_selfcheck(node_config(selfcheck_min_gemm_gflops=1e9), tmp_path)
+    result = run_selfcheck(node_config(min_gemm_gflops=1e9), tmp_path)
 
     assert not result["healthy"]
     assert len(result["ranks"]) == 2  # the checks ran; the floor failed them
@@ -67,9 +67,7 @@ ROW = {
     "alltoall_ok": True,
     "alltoall_mb_per_s": 100.0,
 }
-FLOORS = selfcheck_floors(
-    from_dict({"cluster": {"selfcheck_min_gemm_gflops": 1.0, "selfcheck_min_alltoall_mb_per_s": 1.0}}).cluster
-)
+FLOORS = selfcheck_floors(from_dict({"selfcheck": {"min_gemm_gflops": 1.0, "min_alltoall_mb_per_s": 1.0}}))
 
 
 @pytest.mark.parametrize(

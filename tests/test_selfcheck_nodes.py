@@ -69,7 +69,7 @@ def _pair(a: int, b: int, seconds: float) -> list[dict]:
 
 
 def test_a_node_with_slow_links_is_blamed_not_its_peers():
-    floors = selfcheck_floors(from_dict({"cluster": {"selfcheck_min_inter_node_mb_per_s": 10.0}}))
+    floors = selfcheck_floors(from_dict({"selfcheck": {"min_inter_node_mb_per_s": 10.0}}))
     # node 2's links run at 1 MB/s, the others' at 100 MB/s
     pairs = pair_bandwidths(_pair(0, 1, 0.01) + _pair(0, 2, 1.0) + _pair(1, 2, 1.0), floors)
     assert [(p["nodes"], round(p["mb_per_s"])) for p in pairs] == [([0, 1], 100), ([0, 2], 1), ([1, 2], 1)]
@@ -113,7 +113,8 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     cfg = from_dict(
         {
             "parallelism": {"dp": 6, "global_batch_size": 12},
-            "cluster": {"nodes": 3, "procs_per_node": 2, "selfcheck_min_inter_node_mb_per_s": 20.0},
+            "cluster": {"nodes": 3, "procs_per_node": 2},
+            "selfcheck": {"min_inter_node_mb_per_s": 20.0},
             "launcher": {"name": "local-nodes", "local_nodes": {"netns": True, "subnet": free_subnet()}},
         }
     )

@@ -75,10 +75,10 @@ def verify_store(cfg: MegaConfig) -> dict[str, Any]:
     "set_ms", "get_ms", "add_ms", "wait_ms" (medians), "connect_ms"}.
     """
     c = cfg.cluster
-    if c.store == "redis":
+    if cfg.store.kind == "redis":
         return _verify_redis_store(cfg)
-    if c.store != "tcp":
-        raise ValueError(f"store.kind: unknown store {c.store!r}")
+    if cfg.store.kind != "tcp":
+        raise ValueError(f"store.kind: unknown store {cfg.store.kind!r}")
 
     server = start_tcp_store(c.master_addr, c.master_port, timeout_s=c.pg_timeout_s)
     start = time.perf_counter()

@@ -54,7 +54,7 @@ def without_secrets(cfg: MegaConfig) -> MegaConfig:
     if cfg.store.redis_url is None:
         return cfg
     public, _ = split_redis_password(cfg.store.redis_url)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
+    return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, redis_url=public))
 
 
 def public_env(env: dict[str, str]) -> dict[str, str]:
@@ -66,7 +66,7 @@ def public_env(env: dict[str, str]) -> dict[str, str]:
 def rendezvous_env(
     cfg: MegaConfig, job_id: str | None = None, host: str = "127.0.0.1"
 ) -> Iterator[dict[str, str]]:
-    """Environment the ranks of one job need to reach ``store.kind``, valid inside the block.
+    """Environment the ranks of one job need to reach the store (``store.kind``), valid inside the block.
 
     tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
     password), ``MEGA_REDIS_PASSWORD`` when the URL had one, ``MEGA_JOB_ID``; without
@@ -88,11 +88,11 @@ def rendezvous_env(
 @contextlib.contextmanager
 def redis_server_url(cfg: MegaConfig, host: str = "127.0.0.1") -> Iterator[str]:
     """``store.redis_url``, or the URL of a local redis-server on ``host`` running for the block."""
-    c = cfg.cluster
-    if c.redis_url is not None:
-        yield c.redis_url
+    s = cfg.store
+    if s.redis_url is not None:
+        yield s.redis_url
         return
-    if not c.start_local_redis:
+    if not s.start_local_redis:
         raise ValueError(
             "store.redis_url: store.kind=redis needs store.redis_url or store.start_local_redis=true"
         )
@@ -130,7 +130,7 @@ def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
 
 
 def init_process_group(cfg: MegaConfig, record: bool | None = None):
-    """Rank side: ``torch.distributed.init_process_group`` over ``store.kind``.
+    """Rank side: ``torch.distributed.init_process_group`` over the store of ``store.kind``.
 
     tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
     namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
@@ -141,14 +141,14 @@ def init_process_group(cfg: MegaConfig, record: bool | None = None):
 
     from mega.cluster.backend_flags import backend_flags
 
-    c = cfg.cluster
+    kind = cfg.store.kind
     backend = backend_flags(cfg).process_group_backend  # on GPUs gloo too, for host tensors
-    record = c.record_store if record is None else record
-    timeout = timedelta(seconds=c.pg_timeout_s)
-    if c.store != "redis" and not record:
+    record = cfg.store.record if record is None else record
+    timeout = timedelta(seconds=cfg.cluster.pg_timeout_s)
+    if kind != "redis" and not record:
         dist.init_process_group(backend, timeout=timeout)
         return None
-    if c.store == "redis":
+    if kind == "redis":
         from mega.store import RedisStore
 
         url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)

@@ -415,10 +415,10 @@ def _exclude_lost_hosts(nodes: Nodes, log: Callable[[str], None], attempt: int) 
         backend.exclude(host)
     if not lost:
         return []
-    c = nodes.cfg.cluster
+    c, min_nodes = nodes.cfg.cluster, nodes.cfg.restart.min_nodes
     usable = backend.usable_nodes()
     note = f"attempt {attempt}: Slurm holds {', '.join(lost)} down; excluded from every later attempt"
-    if usable < c.nodes and c.min_nodes is not None and usable >= c.min_nodes:
+    if usable < c.nodes and min_nodes is not None and usable >= min_nodes:
         nodes.cfg = membership.resize(nodes.cfg, usable)
         backend.resize(nodes.cfg)
         note += f"; continuing on {usable} node(s), dp {nodes.cfg.parallelism.dp}"

@@ -103,9 +103,9 @@ def _data_index(job: JobSpec) -> str | None:
 
 
 def check(cfg: MegaConfig, job: JobSpec | None = None) -> None:
-    k, c = cfg.launcher.kubernetes, cfg.cluster
+    k = cfg.launcher.kubernetes
     _check_basics(cfg)
-    if c.store == "redis" and c.redis_url is None:
+    if cfg.store.kind == "redis" and cfg.store.redis_url is None:
         raise ConfigError(
             "store.redis_url",
             "launcher=kubernetes with store.kind=redis needs a Redis "
@@ -156,12 +156,8 @@ def _check_basics(cfg: MegaConfig) -> None:
 
 
 def _check_secrets(cfg: MegaConfig, job: JobSpec | None) -> None:
-    k, c = cfg.launcher.kubernetes, cfg.cluster
-    if (
-        c.redis_url is not None
-        and rendezvous.split_redis_password(c.redis_url)[1] is not None
-        and not k.redis_secret
-    ):
+    k, c, url = cfg.launcher.kubernetes, cfg.cluster, cfg.store.redis_url
+    if url is not None and rendezvous.split_redis_password(url)[1] is not None and not k.redis_secret:
         raise ConfigError(
             "launcher.kubernetes.redis_secret",
             "the Redis password must come from a Secret (key 'password'), not from store.redis_url",
@@ -242,7 +238,7 @@ def _secret_env(name: str, secret: str, key: str) -> dict:
 
 
 def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
-    c, k = cfg.cluster, cfg.launcher.kubernetes
+    c, st, k = cfg.cluster, cfg.store, cfg.launcher.kubernetes
     field = lambda name, path: {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env = [
         field("NODE_RANK", f"metadata.annotations['{_INDEX_ANNOTATION}']"),
@@ -267,17 +263,17 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
                 if v is not None
             }
         )
-    if c.redis_url is not None:
-        public, _ = rendezvous.split_redis_password(c.redis_url)
-        if c.store == "redis":
+    if st.redis_url is not None:
+        public, _ = rendezvous.split_redis_password(st.redis_url)
+        if st.kind == "redis":
             plain.setdefault(rendezvous.REDIS_URL_ENV, public)
         if cfg.stability.enabled:  # the heartbeat channel: one prefix for the run, over every restart
             plain.update({heartbeat_redis.URL_ENV: public, heartbeat_redis.PREFIX_ENV: f"mega:hb:{n['run']}"})
     env += [{"name": name, "value": value} for name, value in sorted(plain.items())]
     if k.redis_secret:
-        if c.store == "redis":
+        if st.kind == "redis":
             env.append(_secret_env(rank_env.REDIS_PASSWORD_ENV, k.redis_secret, "password"))
-        if cfg.stability.enabled and c.redis_url is not None:
+        if cfg.stability.enabled and st.redis_url is not None:
             env.append(_secret_env(heartbeat_redis.PASSWORD_ENV, k.redis_secret, "password"))
     if k.s3_secret:
         env += [

@@ -50,7 +50,7 @@ def run_selfcheck(
     out_dir.mkdir(parents=True, exist_ok=True)
     result_path = out_dir / "result.json"
     result_path.unlink(missing_ok=True)  # a stale verdict must never pass for this run's
-    floors = selfcheck_floors(c)
+    floors = selfcheck_floors(cfg)
     # collectives give up a little before the job does, so a dead peer shows as a rank error
     pg_timeout = max(10.0, min(float(c.pg_timeout_s), timeout_s - 10.0))
     args = [

@@ -243,12 +243,15 @@ class Watcher:
 
     def threshold_s(self) -> float:
         limit = hang_threshold_s(
-            self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s, self.cfg.stability.hang_timeout_s
+            self.step_times[-50:],
+            self.s.progress_factor,
+            self.s.min_hang_s,
+            self.s.hang_timeout_s,
         )
         if any(b.get("phase") == "checkpoint" for b in self.beats.values()):
             # a save blocks the step for up to checkpoint.upload_timeout_s by design (synchronous
             # saves, the wait for the previous upload): not a hang until that is over too
-            limit = min(limit + self.cfg.checkpoint.upload_timeout_s, self.cfg.stability.hang_timeout_s)
+            limit = min(limit + self.cfg.checkpoint.upload_timeout_s, self.s.hang_timeout_s)
         return limit
 
     def _hang(self, now: float) -> str | None:
@@ -264,7 +267,7 @@ class Watcher:
             limit = min(limit, self.silent_after_s)
         # at the cap, stability.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and
         # close() localises it then: one verdict per hang, never two racing
-        if stalled <= limit or limit >= self.cfg.stability.hang_timeout_s:
+        if stalled <= limit or limit >= self.s.hang_timeout_s:
             return None
         return self._declare_hang(now, stalled, limit)
 

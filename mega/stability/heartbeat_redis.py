@@ -86,9 +86,9 @@ def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> It
     from mega import rank_env
     from mega.cluster import rendezvous
 
-    c = cfg.cluster
+    s = cfg.store
     prefix = f"mega:hb:{secrets.token_hex(6)}"
-    if not cfg.stability.enabled or (c.store != "redis" and c.redis_url is None and not c.start_local_redis):
+    if not cfg.stability.enabled or (s.kind != "redis" and s.redis_url is None and not s.start_local_redis):
         yield {}
         return
     if store_env.get(rendezvous.REDIS_URL_ENV):

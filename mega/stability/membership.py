@@ -67,7 +67,7 @@ def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
     if world % mp:
         raise CannotContinue(
             f"{nodes} nodes x {c.procs_per_node} ranks = {world} is not a multiple of "
-            f"tp*pp={p.tp}*{p.pp} (restart.min_nodes={c.min_nodes})"
+            f"tp*pp={p.tp}*{p.pp} (restart.min_nodes={cfg.restart.min_nodes})"
         )
     new = copy.deepcopy(cfg)
     new.cluster.nodes = nodes
