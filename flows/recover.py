@@ -35,7 +35,7 @@ def recover(
 
     ``run_dir``: look at this run only; ``flow_run_id``: only the run that flow run drove (what
     the automation passes); neither: every run under ``runs_root``. ``include_failed``: restart
-    runs whose launcher gave up (``checkpoint.max_restarts`` spent) too, at most
+    runs whose launcher gave up (``restart.max_restarts`` spent) too, at most
     ``max_recoveries`` times per run."""
     logger = get_run_logger()
     scope = run_dir or (f"the run of flow run {flow_run_id}" if flow_run_id else runs_root)

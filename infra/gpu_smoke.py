@@ -95,14 +95,14 @@ class Runs:
             DataConfig(source=str(corpus), cache_dir=str(out / "data")), vocab_size=512, progress=False
         )
         # No Redis (heartbeats and their watcher are not GPU-specific; a GPU node may lack redis-server):
-        # a hung rank still ends an attempt after cluster.hang_timeout_s.
+        # a hung rank still ends an attempt after stability.hang_timeout_s.
         self.common = [
             "model=tiny",
             "train.eval_batches=0",
             "train.tensorboard=false",
             "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
-            "cluster.start_local_redis=false",
+            "restart.backoff_s=0",
+            "store.start_local_redis=false",
             *self.data,
         ]
 
@@ -540,7 +540,7 @@ def pair_exchange(cfg, out: Path, python: str) -> dict:
         "--out",
         str(out / "result.json"),
         "--floors",
-        json.dumps(selfcheck_floors(cfg.cluster)),
+        json.dumps(selfcheck_floors(cfg)),
         "--device",
         "cuda",
         "--timeout-s",

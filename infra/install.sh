@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# redis-server for cluster.store=redis (tests, local runs): Debian's package, only when missing.
+# redis-server for store.kind=redis (tests, local runs): Debian's package, only when missing.
 if ! command -v redis-server >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "[install] installing redis-server (apt)"
@@ -12,7 +12,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq --no-install-recommends redis-server >/dev/null
   else
     echo "[install] warning: redis-server is missing and apt-get is not usable here (needs root);" \
-         "install it for cluster.store=redis (the Redis tests fail without it)" >&2
+         "install it for store.kind=redis (the Redis tests fail without it)" >&2
   fi
 fi
 

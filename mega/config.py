@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,48 +206,16 @@ class ClusterConfig:
     nvlink_gb_per_s: float | None = None  # intra-node bandwidth per device, GB/s, both directions (datasheet)
     nics_per_node: int = 0  # inter-node NICs per node (one per GPU on DGX-class nodes)
     nic_gbit_per_s: float | None = None  # line rate of one NIC, Gbit/s, each direction
-    # tcp (torch TCPStore via torchrun) | redis (mega.store.RedisStore, docs/bootstrap.md)
-    store: str = choice("tcp", "redis")
-    # store=redis: redis://[user[:password]@]host:port/db (rediss:// = TLS) of a running server.
-    # Prefer $MEGA_REDIS_PASSWORD to a password in the URL: configs are saved into run dirs.
-    redis_url: str | None = field(default=None, repr=False)  # repr=False: may hold a password
-    start_local_redis: bool = True  # store=redis and no redis_url: start a local redis-server
     # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
     group_init: str = choice("light", "default")
     # the pretrain flow times group creation in a job of its own before training (true) or reads it
     # from the training job's own start-up (false: start-up paid once; docs/goodput.md)
     time_groups_job: bool = False
-    # Each rank records its store operations (init_process_group + group creation) and writes
-    # them to <train.run_dir>/store-traffic/<job part>/rank-<r>.json (mega.store.recording)
-    record_store: bool = False
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port
     pg_timeout_s: int = 300  # a collective that waits longer fails instead of hanging
-    hang_timeout_s: int = 600  # no training progress for this long: the launcher kills and restarts
     env: dict[str, str] = field(default_factory=dict)  # e.g. NCCL_* presets exported to every rank
-    # Self-check floors without hardware facts (the CPU presets): absolute, per rank (GEMM, the
-    # all-to-all between a node's ranks) and per node pair (inter-node exchange); docs/launch.md
-    # says how the defaults were measured.
-    selfcheck_min_gemm_gflops: float = 0.5
-    selfcheck_min_alltoall_mb_per_s: float = 1.0
-
-    selfcheck_min_inter_node_mb_per_s: float = 1.0  # per node pair, each direction (no NIC facts)
-    # With hardware facts the floors are fractions of them, so a degraded node fails: GEMM (bf16
-    # on GPUs) >= fraction * peak_tflops; a rank's intra-node all-to-all >= fraction * nvlink (one
-    # direction); a node pair's exchange >= fraction * the node's NIC bandwidth (node_nic_gb_per_s).
-    selfcheck_gemm_fraction: float = 0.5
-    selfcheck_nvlink_fraction: float = 0.3
-    selfcheck_nic_fraction: float = 0.3
-    # Membership on failure (mega/stability/membership.py, docs/stability.md): when a
-    # node's ranks die and either knob is set, the nodes run the self-check before the restart and
-    # a node that fails it is evicted: a spare node takes its place (spare_nodes: idle nodes held
-    # for the run; local-nodes starts one more agent slot) ...
-    spare_nodes: int = 0
-    # ... or, with no spare left, the run goes on with fewer nodes down to min_nodes (DP shrinks,
-    # the global batch stays through more microbatches). null: never shrink, and no self-check on
-    # failure unless spare_nodes > 0.
-    min_nodes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -274,7 +243,6 @@ class ClusterConfig:
         )
         _require(0 <= self.master_port < 65536, "cluster.master_port", f"not a port: {self.master_port}")
         _require(self.pg_timeout_s > 0, "cluster.pg_timeout_s", "must be positive")
-        _require(self.hang_timeout_s > 0, "cluster.hang_timeout_s", "must be positive")
         for k, v in self.env.items():
             _require(
                 isinstance(v, str) and k.isidentifier() and k.upper() == k,
@@ -285,9 +253,66 @@ class ClusterConfig:
 
         for key, problem in check_env(self.env).items():
             raise ConfigError(f"cluster.env.{key}", problem)
-        _validate_store(self)
-        _validate_selfcheck(self)
-        _validate_spares(self)
+
+
+@dataclass
+class StoreConfig:
+    """The rendezvous store the ranks of a job meet on (docs/bootstrap.md)."""
+
+    # tcp (torch TCPStore via torchrun) | redis (mega.store.RedisStore)
+    kind: str = choice("tcp", "redis")
+    # kind=redis: redis://[user[:password]@]host:port/db (rediss:// = TLS) of a running server.
+    # Prefer $MEGA_REDIS_PASSWORD to a password in the URL: configs are saved into run dirs.
+    redis_url: str | None = field(default=None, repr=False)  # repr=False: may hold a password
+    start_local_redis: bool = True  # kind=redis and no redis_url: start a local redis-server
+    # Each rank records its store operations (init_process_group + group creation) and writes
+    # them to <train.run_dir>/store-traffic/<job part>/rank-<r>.json (mega.store.recording)
+    record: bool = False
+
+    def validate(self) -> None:
+        if self.redis_url is not None:
+            from mega.store.redis_server import parse_redis_url  # torch-free
+
+            try:
+                parse_redis_url(self.redis_url)
+            except ValueError as err:
+                raise ConfigError("store.redis_url", str(err)) from None
+        _require(
+            self.kind != "redis" or self.redis_url is not None or self.start_local_redis,
+            "store.redis_url",
+            "store.kind=redis needs a server: set store.redis_url or store.start_local_redis=true",
+        )
+
+
+@dataclass
+class SelfcheckConfig:
+    """The node self-check's floors (mega/cluster/selfcheck.py, docs/launch.md#self-check)."""
+
+    # Without hardware facts (the CPU presets): absolute, per rank (GEMM, the all-to-all between a
+    # node's ranks) and per node pair (inter-node exchange); docs/launch.md says how the defaults
+    # were measured.
+    min_gemm_gflops: float = 0.5
+    min_alltoall_mb_per_s: float = 1.0
+    min_inter_node_mb_per_s: float = 1.0  # per node pair, each direction (no NIC facts)
+    # With hardware facts the floors are fractions of them, so a degraded node fails: GEMM (bf16
+    # on GPUs) >= fraction * cluster.peak_tflops; a rank's intra-node all-to-all >= fraction *
+    # cluster.nvlink_gb_per_s (one direction); a node pair's exchange >= fraction * the node's NIC
+    # bandwidth (cluster.node_nic_gb_per_s).
+    gemm_fraction: float = 0.5
+    nvlink_fraction: float = 0.3
+    nic_fraction: float = 0.3
+
+    def validate(self) -> None:
+        for key in ("gemm_fraction", "nvlink_fraction", "nic_fraction"):
+            value = getattr(self, key)
+            _require(
+                0 < value <= 1,
+                f"selfcheck.{key}",
+                f"must be in (0, 1] (a fraction of the hardware's figure), got {value}",
+            )
+        for key in ("min_gemm_gflops", "min_alltoall_mb_per_s", "min_inter_node_mb_per_s"):
+            value = getattr(self, key)
+            _require(value >= 0, f"selfcheck.{key}", f"must be >= 0, got {value}")
 
 
 @dataclass
@@ -329,7 +354,7 @@ class SlurmConfig:
     # Slurm sends SIGUSR1 this long before the time limit (and on preemption): the ranks finish the
     # step, save and exit; the driver resubmits from that save. 0: no signal.
     signal_grace_s: int = 120
-    max_requeues: int = 100  # resubmissions after a signal, counted apart from checkpoint.max_restarts
+    max_requeues: int = 100  # resubmissions after a signal, counted apart from restart.max_restarts
     stop_timeout_s: float = 120.0  # scancel waits this long; a job still COMPLETING after it is left to Slurm
     # The address servers for the ranks (heartbeat Redis) listen on; null: this machine's address
     # on the route to slurmctld, which every node reaches.
@@ -379,7 +404,7 @@ class KubernetesConfig:
     active_deadline_s: int | None = None  # activeDeadlineSeconds of the Job (null: none)
     ttl_after_finished_s: int | None = 86400  # a finished workload is deleted after this long
     selfcheck: bool = True  # every pod runs the node self-check with its peers before training
-    # cluster.store=redis or heartbeats: the Secret (key "password") the pods read the Redis password from
+    # store.kind=redis or heartbeats: the Secret (key "password") the pods read the Redis password from
     redis_secret: str | None = None
     # s3:// checkpoints: the Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY
     s3_secret: str | None = None
@@ -523,10 +548,8 @@ class CheckpointConfig:
     async_save: bool = True  # false: every save blocks until it is uploaded and `latest` moved
     keep_last: int = 3  # complete checkpoints kept in the store (the one `latest` names always is)
     upload_retry_s: float = 5.0  # store unreachable: wait this long, then try the upload again
-    max_restarts: int = 3
-    restart_backoff_s: float = 1.0
     # Store unreachable this long (retrying every upload_retry_s): that checkpoint fails, training
-    # goes on and `latest` keeps naming the last durable one. Below cluster.hang_timeout_s, since
+    # goes on and `latest` keeps naming the last durable one. Below stability.hang_timeout_s, since
     # the next save waits for this one.
     upload_timeout_s: float = 120.0
     # In-memory copies (mega/checkpoint/memory.py): every N steps each rank's shard into node-local
@@ -545,7 +568,6 @@ class CheckpointConfig:
             "checkpoint.memory_interval",
             f"must be an integer >= 0, got {self.memory_interval!r}",
         )
-        _require(self.max_restarts >= 0, "checkpoint.max_restarts", "must be >= 0")
         _require(
             isinstance(self.keep_last, int) and self.keep_last >= 1,
             "checkpoint.keep_last",
@@ -566,6 +588,36 @@ class CheckpointConfig:
             _check_storage_uri(self.storage_uri)
         if self.s3_endpoint_url is not None:
             _check_endpoint(self.s3_endpoint_url, "checkpoint.s3_endpoint_url")
+
+
+@dataclass
+class RestartConfig:
+    """What the driver does when an attempt fails (mega/launch/driver.py, docs/stability.md)."""
+
+    max_restarts: int = 3  # relaunches of a failed attempt; then the run fails
+    backoff_s: float = 1.0  # wait before relaunch k (1-based): backoff_s * 2^(k-1)
+    # Membership on failure (mega/stability/membership.py): when a node's ranks die and either
+    # knob is set, the nodes run the self-check before the restart and a node that fails it is
+    # evicted: a spare node takes its place (spare_nodes: idle nodes held for the run;
+    # local-nodes starts one more agent slot) ...
+    spare_nodes: int = 0
+    # ... or, with no spare left, the run goes on with fewer nodes down to min_nodes (DP shrinks,
+    # the global batch stays through more microbatches). null: never shrink, and no self-check on
+    # failure unless spare_nodes > 0.
+    min_nodes: int | None = None
+
+    def validate(self) -> None:
+        _require(
+            isinstance(self.max_restarts, int) and self.max_restarts >= 0,
+            "restart.max_restarts",
+            f"must be >= 0, got {self.max_restarts!r}",
+        )
+        _require(self.backoff_s >= 0, "restart.backoff_s", f"must be >= 0, got {self.backoff_s}")
+        _require(
+            isinstance(self.spare_nodes, int) and self.spare_nodes >= 0,
+            "restart.spare_nodes",
+            f"must be >= 0, got {self.spare_nodes!r}",
+        )
 
 
 @dataclass
@@ -698,9 +750,12 @@ class StabilityConfig:
     """Heartbeats, hang detection and localisation, stragglers (docs/stability.md)."""
 
     enabled: bool = True  # heartbeat thread in every rank + the driver's watcher (off: hang_timeout_s only)
+    # No training progress for this long (metrics.jsonl stalls): the launcher kills and restarts,
+    # watcher or not.
+    hang_timeout_s: int = 600
     heartbeat_s: float = 2.0  # each rank writes its heartbeat to Redis this often
     # A hang: no rank's step advanced for progress_factor x the median step time, but at least
-    # min_hang_s (first step, checkpoint saves) and at most cluster.hang_timeout_s (still the bound).
+    # min_hang_s (first step, checkpoint saves) and at most hang_timeout_s (still the bound).
     progress_factor: float = 10.0
     min_hang_s: float = 60.0
     # A straggler: one rank's compute time above straggler_factor x its peers' median for
@@ -716,6 +771,7 @@ class StabilityConfig:
     spike_min_increase: float = 0.25
 
     def validate(self) -> None:
+        _require(self.hang_timeout_s > 0, "stability.hang_timeout_s", "must be positive")
         _require(self.heartbeat_s > 0, "stability.heartbeat_s", f"must be positive, got {self.heartbeat_s}")
         _require(
             self.progress_factor >= 2,
@@ -757,10 +813,13 @@ class MegaConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    selfcheck: SelfcheckConfig = field(default_factory=SelfcheckConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     obs: ObsConfig = field(default_factory=ObsConfig)
@@ -770,11 +829,56 @@ class MegaConfig:
 # ---------------------------------------------------------------------------------------------
 # Building
 
+# Keys that moved into the section their name says. An old key in an override, a conf/ file or a
+# dict fails naming its new place (``check_moved``); a saved config.json is read with each old key
+# at its new place (``load``), so the run directories of earlier versions still resume.
+MOVED_KEYS = {
+    "cluster.store": "store.kind",
+    "cluster.redis_url": "store.redis_url",
+    "cluster.start_local_redis": "store.start_local_redis",
+    "cluster.record_store": "store.record",
+    "cluster.selfcheck_min_gemm_gflops": "selfcheck.min_gemm_gflops",
+    "cluster.selfcheck_min_alltoall_mb_per_s": "selfcheck.min_alltoall_mb_per_s",
+    "cluster.selfcheck_min_inter_node_mb_per_s": "selfcheck.min_inter_node_mb_per_s",
+    "cluster.selfcheck_gemm_fraction": "selfcheck.gemm_fraction",
+    "cluster.selfcheck_nvlink_fraction": "selfcheck.nvlink_fraction",
+    "cluster.selfcheck_nic_fraction": "selfcheck.nic_fraction",
+    "cluster.spare_nodes": "restart.spare_nodes",
+    "cluster.min_nodes": "restart.min_nodes",
+    "checkpoint.max_restarts": "restart.max_restarts",
+    "checkpoint.restart_backoff_s": "restart.backoff_s",
+    "cluster.hang_timeout_s": "stability.hang_timeout_s",
+}
+
+
+def _moved(key: str) -> ConfigError | None:
+    return ConfigError(key, f"moved to {MOVED_KEYS[key]}") if key in MOVED_KEYS else None
+
+
+def check_moved(overrides: list[str]) -> None:
+    """Raise ConfigError naming the new key for a Hydra override of a moved key (``cluster.store=redis``)."""
+    for o in overrides:
+        if "=" in o or o.startswith("~"):
+            err = _moved(o.split("=", 1)[0].lstrip("+~"))
+            if err:
+                raise err
+
+
+def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (``save``) with every key of ``MOVED_KEYS`` at its new place."""
+    data = {name: dict(section) if isinstance(section, dict) else section for name, section in data.items()}
+    for old, new in MOVED_KEYS.items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        if isinstance(data.get(old_section), dict) and old_key in data[old_section]:
+            value = data[old_section].pop(old_key)
+            data.setdefault(new_section, {}).setdefault(new_key, value)
+    return data
+
 
 def _wrap_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
-    key = getattr(err, "full_key", None) or "config"
+    key = str(getattr(err, "full_key", None) or "config")
     msg = str(err).splitlines()[0]
-    return ConfigError(str(key), msg)
+    return _moved(key) or ConfigError(key, msg)
 
 
 def _wrap_hydra_error(err: Exception) -> ConfigError:
@@ -782,7 +886,11 @@ def _wrap_hydra_error(err: Exception) -> ConfigError:
     cause = err.__cause__
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         # e.g. "model.num_layers=abc": Hydra wraps the OmegaConf error that knows the key
-        return ConfigError(str(cause.full_key), f"{str(cause).splitlines()[0]} ({msg})")
+        key = str(cause.full_key)
+        return _moved(key) or ConfigError(key, f"{str(cause).splitlines()[0]} ({msg})")
+    in_file = re.search(r"full_key: (\S+)", str(err))  # a conf/ file sets a key the schema lacks
+    if in_file and _moved(in_file.group(1)):
+        return _moved(in_file.group(1))
     group, _, option = (getattr(err, "missing_cfg_file", None) or "").rpartition("/")
     if group:  # e.g. "model=nope": name the group and what it offers
         options = getattr(err, "options", None) or []
@@ -823,8 +931,9 @@ def save(cfg: MegaConfig, path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True))
 
 
-def load(path: str | Path) -> MegaConfig:
-    return from_dict(json.loads(Path(path).read_text()))
+def load(path: str | Path, validate_config: bool = True) -> MegaConfig:
+    """A config written by ``save`` (a run's config.json), by this version or an earlier one."""
+    return from_dict(upgrade_saved(json.loads(Path(path).read_text())), validate_config)
 
 
 def compose(
@@ -837,6 +946,7 @@ def compose(
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    check_moved(list(overrides or []))
     register_schema()
     GlobalHydra.instance().clear()
     try:
@@ -961,6 +1071,7 @@ def _check_across_sections(cfg: MegaConfig) -> None:
     _layout_fits_model(cfg)
     _layout_fits_cluster(cfg)
     _launcher_fits_cluster(cfg)
+    _restart_fits_cluster(cfg)
     _run_fits_steps(cfg)
     _faults_fit_run(cfg)
 
@@ -1044,6 +1155,15 @@ def _launcher_fits_cluster(cfg: MegaConfig) -> None:
         _servers_reach_netns_nodes(cfg)
 
 
+def _restart_fits_cluster(cfg: MegaConfig) -> None:
+    """A run may shrink to ``restart.min_nodes`` of its ``cluster.nodes`` (mega/stability/membership.py)."""
+    m, nodes = cfg.restart.min_nodes, cfg.cluster.nodes
+    if m is not None:
+        _require(
+            1 <= m <= nodes, "restart.min_nodes", f"must be in [1, cluster.nodes={nodes}] or null, got {m}"
+        )
+
+
 def _servers_reach_netns_nodes(cfg: MegaConfig) -> None:
     """Network-namespace nodes have loopbacks of their own: a server configured on this machine's
     loopback is out of their reach (servers mega starts itself listen on the bridge address)."""
@@ -1069,7 +1189,7 @@ def _servers_reach_netns_nodes(cfg: MegaConfig) -> None:
         f"e.g. the bridge address (the first host of launcher.local_nodes.subnet={cfg.launcher.local_nodes.subnet})"
     )
     for key, url in [
-        ("cluster.redis_url", cfg.cluster.redis_url),
+        ("store.redis_url", cfg.store.redis_url),
         ("checkpoint.s3_endpoint_url", cfg.checkpoint.s3_endpoint_url),
     ]:
         if url is not None:
@@ -1078,7 +1198,7 @@ def _servers_reach_netns_nodes(cfg: MegaConfig) -> None:
 
 def _run_fits_steps(cfg: MegaConfig) -> None:
     """Warm-up, validation, precision and checkpoint timing against the run they belong to."""
-    o, t, c = cfg.optimizer, cfg.train, cfg.cluster
+    o, t, c, hang_s = cfg.optimizer, cfg.train, cfg.cluster, cfg.stability.hang_timeout_s
     _require(
         o.warmup_steps < t.steps,
         "optimizer.warmup_steps",  # megatron's scheduler asserts it
@@ -1097,9 +1217,9 @@ def _run_fits_steps(cfg: MegaConfig) -> None:
             "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu",
         )
     _require(
-        not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < c.hang_timeout_s,
+        not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < hang_s,
         "checkpoint.upload_timeout_s",
-        f"must be below cluster.hang_timeout_s={c.hang_timeout_s} (a save waiting on a dead store "
+        f"must be below stability.hang_timeout_s={hang_s} (a save waiting on a dead store "
         f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}",
     )
 
@@ -1126,54 +1246,6 @@ def _faults_fit_run(cfg: MegaConfig) -> None:
             k > 0 and (f.kill_at_step % k == 0 or f.kill_at_step == t.steps),
             "fault.kill_at_step",
             f"kill_in_upload needs a step that saves a checkpoint (checkpoint.interval={k})",
-        )
-
-
-def _validate_store(c: ClusterConfig) -> None:
-    if c.redis_url is not None:
-        from mega.store.redis_server import parse_redis_url  # torch-free
-
-        try:
-            parse_redis_url(c.redis_url)
-        except ValueError as err:
-            raise ConfigError("cluster.redis_url", str(err)) from None
-    if c.store == "redis":
-        _require(
-            c.redis_url is not None or c.start_local_redis,
-            "cluster.redis_url",
-            "cluster.store=redis needs a server: set cluster.redis_url or cluster.start_local_redis=true",
-        )
-
-
-def _validate_selfcheck(c: ClusterConfig) -> None:
-    for key in ("selfcheck_gemm_fraction", "selfcheck_nvlink_fraction", "selfcheck_nic_fraction"):
-        value = getattr(c, key)
-        _require(
-            0 < value <= 1,
-            f"cluster.{key}",
-            f"must be in (0, 1] (a fraction of the hardware's figure), got {value}",
-        )
-    for key in (
-        "selfcheck_min_gemm_gflops",
-        "selfcheck_min_alltoall_mb_per_s",
-        "selfcheck_min_inter_node_mb_per_s",
-    ):
-        value = getattr(c, key)
-        _require(value >= 0, f"cluster.{key}", f"must be >= 0, got {value}")
-
-
-def _validate_spares(c: ClusterConfig) -> None:
-    """The membership knobs (mega/stability/membership.py)."""
-    _require(
-        isinstance(c.spare_nodes, int) and c.spare_nodes >= 0,
-        "cluster.spare_nodes",
-        f"must be >= 0, got {c.spare_nodes!r}",
-    )
-    if c.min_nodes is not None:
-        _require(
-            1 <= c.min_nodes <= c.nodes,
-            "cluster.min_nodes",
-            f"must be in [1, cluster.nodes={c.nodes}] or null, got {c.min_nodes}",
         )
 
 

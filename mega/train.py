@@ -48,7 +48,7 @@ class Trainer:
 
 
 def setup_distributed(cfg: MegaConfig) -> dict:
-    """Process group (over cluster.store), megatron's model-parallel groups (built the
+    """Process group (over store.kind), megatron's model-parallel groups (built the
     cluster.group_init way) and seeds; returns how long init took."""
     from megatron.core import tensor_parallel
 
@@ -78,7 +78,7 @@ def setup_distributed(cfg: MegaConfig) -> dict:
         "pg_init_s": t1 - t0,
         "model_parallel_init_s": t2 - t1,
         "world_size": dist.get_world_size(),
-        "store": cfg.cluster.store,
+        "store": cfg.store.kind,
         "group_init": cfg.cluster.group_init,
     }
 

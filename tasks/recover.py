@@ -85,7 +85,7 @@ def find_runs(
     return statuses
 
 
-# No Prefect retries: run_training relaunches the ranks itself (checkpoint.max_restarts), and a
+# No Prefect retries: run_training relaunches the ranks itself (restart.max_restarts), and a
 # run that still fails is left `failed` for the next scheduled recovery (up to max_recoveries).
 @task(name="restart-run", cache_policy=NO_CACHE)
 def restart_run(

@@ -15,7 +15,7 @@ from tasks.incidents import publish_incident
 
 
 # No Prefect retries: run_training already relaunches failed ranks from the latest checkpoint
-# (cfg.checkpoint.max_restarts, with backoff); a Prefect retry would start over from step 0's view.
+# (cfg.restart.max_restarts, with backoff); a Prefect retry would start over from step 0's view.
 @task(name="train", cache_policy=NO_CACHE)
 def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
     logger = get_run_logger()

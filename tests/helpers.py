@@ -43,7 +43,7 @@ def tiny_config(run_dir, data_cache, overrides=(), *, steps: int):
             f"data.cache_dir={data_cache}",
             "train.tensorboard=false",
             "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
+            "restart.backoff_s=0",
             *overrides,
         ]
     )

@@ -48,7 +48,7 @@ def test_verify_store_redis_starts_a_local_server_and_reports_round_trips():
         find_redis_server()
     except RedisServerError as err:
         pytest.fail(f"{err} (infra/install.sh installs it)")
-    result = verify_store(from_dict({"cluster": {"store": "redis"}}))  # start_local_redis (default)
+    result = verify_store(from_dict({"store": {"kind": "redis"}}))  # start_local_redis (default)
 
     assert result["store"] == "redis" and result["ok"] and result["host"] == "127.0.0.1"
     assert 0 < result["port"] < 65536
@@ -66,7 +66,7 @@ def test_verify_store_redis_uses_cluster_redis_url():
     except RedisServerError as err:
         pytest.fail(f"{err} (infra/install.sh installs it)")
     with RedisServer(password="verify-pw") as server:
-        result = verify_store(from_dict({"cluster": {"store": "redis", "redis_url": server.url}}))
+        result = verify_store(from_dict({"store": {"kind": "redis", "redis_url": server.url}}))
         assert result["port"] == server.port and result["ok"]
         assert "verify-pw" not in str(result)
         probe = RedisStore(server.url, job_id="probe")
@@ -83,7 +83,7 @@ def test_time_process_groups_tp2_over_redis(tmp_path):
         find_redis_server()
     except RedisServerError as err:
         pytest.fail(f"{err} (infra/install.sh installs it)")
-    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}", "cluster.store=redis"])
+    cfg = compose(["parallelism=tp2", f"train.run_dir={tmp_path}", "store.kind=redis"])
     result = time_process_groups(cfg)
 
     assert result["world_size"] == 2 and len(result["ranks"]) == 2
@@ -94,9 +94,9 @@ def test_time_process_groups_tp2_over_redis(tmp_path):
 
 
 def test_redis_password_travels_by_environment_only():
-    cfg = from_dict({"cluster": {"store": "redis", "redis_url": "redis://ops:s3cret@10.0.0.5:6380/2"}})
-    assert split_redis_password(cfg.cluster.redis_url) == ("redis://ops@10.0.0.5:6380/2", "s3cret")
-    assert without_secrets(cfg).cluster.redis_url == "redis://ops@10.0.0.5:6380/2"
+    cfg = from_dict({"store": {"kind": "redis", "redis_url": "redis://ops:s3cret@10.0.0.5:6380/2"}})
+    assert split_redis_password(cfg.store.redis_url) == ("redis://ops@10.0.0.5:6380/2", "s3cret")
+    assert without_secrets(cfg).store.redis_url == "redis://ops@10.0.0.5:6380/2"
     with rendezvous_env(cfg, job_id="job-1") as env:  # a configured server: nothing is started
         assert env == {
             "MEGA_REDIS_URL": "redis://ops@10.0.0.5:6380/2",
@@ -109,7 +109,7 @@ def test_redis_password_travels_by_environment_only():
 
 
 def test_training_over_a_password_protected_redis_store(tmp_path, data_index, data_cache):
-    """run_training with cluster.store=redis: ranks build their process group on RedisStore; the
+    """run_training with store.kind=redis: ranks build their process group on RedisStore; the
     password reaches them only through the environment; init times land in init.json."""
     from mega.launch import run_training
     from mega.store import RedisServer, RedisStore
@@ -126,8 +126,8 @@ def test_training_over_a_password_protected_redis_store(tmp_path, data_index, da
                 "train.tensorboard=false",
                 "optimizer.warmup_steps=1",
                 "checkpoint.interval=0",
-                "cluster.store=redis",
-                f"cluster.redis_url={server.url}",
+                "store.kind=redis",
+                f"store.redis_url={server.url}",
             ]
         )
         messages = []

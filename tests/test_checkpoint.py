@@ -235,7 +235,7 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
         ("checkpoint.memory_interval=-1", "checkpoint.memory_interval"),
         ("checkpoint.upload_retry_s=0", "checkpoint.upload_retry_s"),
         ("checkpoint.upload_timeout_s=1", "checkpoint.upload_timeout_s"),  # below upload_retry_s (5)
-        ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above cluster.hang_timeout_s
+        ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above stability.hang_timeout_s
         ("fault.mode=kill_in_upload", None),  # no kill_rank: nothing to check
     ],
 )

@@ -105,9 +105,9 @@ def test_single_layout_runs_one_process():
         (["stability.min_hang_s=1"], "stability.min_hang_s", "must be >= 2 x stability.heartbeat_s"),
         (["stability.straggler_factor=1"], "stability.straggler_factor", "must be > 1"),
         # stability: membership on failure, rollback and its drills (mega/stability)
-        (["cluster.spare_nodes=-1"], "cluster.spare_nodes", "must be >= 0"),
-        (["cluster.min_nodes=2"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
-        (["cluster.min_nodes=0"], "cluster.min_nodes", "must be in [1, cluster.nodes=1]"),
+        (["restart.spare_nodes=-1"], "restart.spare_nodes", "must be >= 0"),
+        (["restart.min_nodes=2"], "restart.min_nodes", "must be in [1, cluster.nodes=1]"),
+        (["restart.min_nodes=0"], "restart.min_nodes", "must be in [1, cluster.nodes=1]"),
         (
             ["train.steps=5", "optimizer.warmup_steps=1", "train.skip_steps=[6]"],
             "train.skip_steps",

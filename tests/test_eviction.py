@@ -3,7 +3,7 @@
 Unit tests: who runs next, given the nodes that failed their self-check and the config. Drills
 (CPU, real processes, launcher=local-nodes, 2 nodes x 1 rank, DP 2): node 1 dies at step 2 and
 fails its self-check; it is evicted and recorded; with a spare the run finishes at full size, and
-without one (cluster.min_nodes=1) on one node with DP 1 and twice the microbatches, the global
+without one (restart.min_nodes=1) on one node with DP 1 and twice the microbatches, the global
 batch unchanged: both losses match an independent one-process reference within 2e-5 per step."""
 
 import json
@@ -41,7 +41,7 @@ def nodes_cfg(nodes=2, per_node=2, extra=()):
 
 def test_a_spare_takes_the_evicted_nodes_place():
     cfg = nodes_cfg(
-        extra=["cluster.spare_nodes=1", "fault.bad_node=1", "fault.kill_node=1", "fault.kill_at_step=2"]
+        extra=["restart.spare_nodes=1", "fault.bad_node=1", "fault.kill_node=1", "fault.kill_at_step=2"]
     )
     members = Membership.initial(cfg)
     assert (members.nodes, members.spares) == ([0, 1], [2])
@@ -54,7 +54,7 @@ def test_a_spare_takes_the_evicted_nodes_place():
 
 
 def test_without_a_spare_dp_shrinks_and_the_global_batch_stays():
-    cfg = nodes_cfg(extra=["cluster.min_nodes=1"])
+    cfg = nodes_cfg(extra=["restart.min_nodes=1"])
     d = decide(cfg, Membership.initial(cfg), [0])
     assert d.membership.nodes == [1] and d.evicted == [0]
     p = d.cfg.parallelism
@@ -71,7 +71,7 @@ def test_model_parallel_groups_are_kept_when_shrinking():
             "parallelism=tp2-pp2-dp2",
             "cluster.nodes=2",
             "cluster.procs_per_node=4",
-            "cluster.min_nodes=1",
+            "restart.min_nodes=1",
         ]
     )
     d = decide(cfg, Membership.initial(cfg), [1])
@@ -82,9 +82,9 @@ def test_model_parallel_groups_are_kept_when_shrinking():
 @pytest.mark.parametrize(
     "extra, bad, fragment",
     [
-        ([], [1], "cluster.min_nodes=null (never shrink) does not allow 1"),  # no spare, no shrinking allowed
-        (["cluster.min_nodes=2"], [1], "cluster.min_nodes=2 does not allow 1"),
-        (["cluster.spare_nodes=1", "cluster.min_nodes=2"], [0, 1], "does not allow 1"),  # one spare, two bad
+        ([], [1], "restart.min_nodes=null (never shrink) does not allow 1"),  # no spare, no shrinking allowed
+        (["restart.min_nodes=2"], [1], "restart.min_nodes=2 does not allow 1"),
+        (["restart.spare_nodes=1", "restart.min_nodes=2"], [0, 1], "does not allow 1"),  # one spare, two bad
     ],
 )
 def test_cannot_continue_says_why(extra, bad, fragment):
@@ -96,7 +96,7 @@ def test_cannot_continue_says_why(extra, bad, fragment):
 
 def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
     # 3 nodes x 2 = DP 6 with a global batch of 12; on 2 nodes DP 4 would need 12 % (2*4) == 0
-    cfg = nodes_cfg(nodes=3, extra=["parallelism.global_batch_size=12", "cluster.min_nodes=1"])
+    cfg = nodes_cfg(nodes=3, extra=["parallelism.global_batch_size=12", "restart.min_nodes=1"])
     with pytest.raises(CannotContinue, match="parallelism.global_batch_size"):
         decide(cfg, Membership.initial(cfg), [2])
     # TP 2 on 4 single-rank nodes: 3 ranks cannot hold TP groups of 2
@@ -108,7 +108,7 @@ def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
             "parallelism.dp=2",
             "cluster.nodes=4",
             "cluster.procs_per_node=1",
-            "cluster.min_nodes=1",
+            "restart.min_nodes=1",
         ]
     )
     with pytest.raises(CannotContinue, match="not a multiple of tp\\*pp=2\\*1"):
@@ -116,7 +116,7 @@ def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
 
 
 def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
-    cfg = nodes_cfg(extra=["cluster.spare_nodes=1"])
+    cfg = nodes_cfg(extra=["restart.spare_nodes=1"])
     members = Membership([0, 2], [], [1])  # after a first eviction: job node 1 is physical node 2
     result = {
         "nodes": [
@@ -132,7 +132,7 @@ def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
     d = decide(cfg, members, [5])  # not a member
     assert d.membership is members and d.cfg is cfg and d.evicted == []
     assert not membership.diagnosis_enabled(nodes_cfg())
-    assert membership.diagnosis_enabled(nodes_cfg(extra=["cluster.min_nodes=2"]))
+    assert membership.diagnosis_enabled(nodes_cfg(extra=["restart.min_nodes=2"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def assert_evicted(run_dir, result, replaced_by):
 
 @pytest.mark.slow
 def test_bad_node_is_evicted_and_a_spare_keeps_full_size(tmp_path, data_index, data_cache, reference):
-    result, logs = train(tmp_path, data_index, data_cache, [*NODE_1_DIES_AND_IS_BAD, "cluster.spare_nodes=1"])
+    result, logs = train(tmp_path, data_index, data_cache, [*NODE_1_DIES_AND_IS_BAD, "restart.spare_nodes=1"])
     record = assert_evicted(tmp_path, result, replaced_by=2)
     assert record.membership == {"nodes": [0, 2], "spares": [], "evicted": [1]}
     assert json.loads((tmp_path / "config.json").read_text())["parallelism"]["dp"] == 2  # full size
@@ -208,7 +208,7 @@ def test_bad_node_is_evicted_and_a_spare_keeps_full_size(tmp_path, data_index, d
 
 @pytest.mark.slow
 def test_without_a_spare_the_run_shrinks_and_matches(tmp_path, data_index, data_cache, reference):
-    result, logs = train(tmp_path, data_index, data_cache, [*NODE_1_DIES_AND_IS_BAD, "cluster.min_nodes=1"])
+    result, logs = train(tmp_path, data_index, data_cache, [*NODE_1_DIES_AND_IS_BAD, "restart.min_nodes=1"])
     record = assert_evicted(tmp_path, result, replaced_by=None)
     assert record.membership == {"nodes": [0], "spares": [], "evicted": [1]}
     config = json.loads((tmp_path / "config.json").read_text())

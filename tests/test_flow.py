@@ -26,7 +26,7 @@ def small_run(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
         "train.steps=6",
         "checkpoint.interval=3",
         "optimizer.warmup_steps=1",
-        "checkpoint.restart_backoff_s=0",
+        "restart.backoff_s=0",
         f"train.run_dir={run_dir}",
         f"data.cache_dir={data_cache}",
         *extra,
@@ -104,11 +104,11 @@ def test_unhealthy_node_fails_the_flow_before_training(prefect_harness, tmp_path
     from tasks.selfcheck import NodeUnhealthy
 
     run_dir = tmp_path / "run"
-    overrides = small_run(run_dir, data_cache, "parallelism=single", "cluster.selfcheck_min_gemm_gflops=1e9")
+    overrides = small_run(run_dir, data_cache, "parallelism=single", "selfcheck.min_gemm_gflops=1e9")
     state = pretrain(overrides=overrides, return_state=True)
 
     assert state.is_failed()
-    with pytest.raises(NodeUnhealthy, match="cluster.selfcheck_min_gemm_gflops"):
+    with pytest.raises(NodeUnhealthy, match="selfcheck.min_gemm_gflops"):
         state.result()
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "bootstrap").exists()
     task_runs, _ = flow_run_records(state.state_details.flow_run_id)

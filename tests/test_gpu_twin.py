@@ -73,7 +73,7 @@ def test_the_twin_is_h100_8x_with_only_backend_and_device_swapped(smoke):
         [
             "cluster=h100-8x",
             "cluster.procs_per_node=4",
-            "cluster.start_local_redis=false",
+            "store.start_local_redis=false",
             "parallelism=tp2-pp2-dp2",
             "parallelism.dp=1",
         ]
@@ -142,7 +142,7 @@ def test_step_one_loss_is_within_bf16_tolerance_of_fp32(smoke):
             "train.steps=2",
             "checkpoint.interval=0",
             "train.eval_batches=0",
-            "checkpoint.max_restarts=0",
+            "restart.max_restarts=0",
             "train.tensorboard=false",
             "optimizer.warmup_steps=1",
             f"data.source={twin.data.source}",

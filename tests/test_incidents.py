@@ -315,7 +315,7 @@ def test_the_watchers_hang_gains_the_diagnosis_and_no_restart_left_is_said(book_
         JobOutcome(124, "hung: no step", [], {0: None, 1: None}), final_step=3, restarts_left=False
     )
     assert inc.kind == "hang" and "Connection closed by peer" in inc.diagnosis
-    assert inc.action.startswith("none: no restart left (checkpoint.max_restarts=")
+    assert inc.action.startswith("none: no restart left (restart.max_restarts=")
     assert read_incidents(tmp_path)[0]["diagnosis"] == inc.diagnosis
 
 

@@ -62,7 +62,7 @@ def test_a_hung_attempt_is_ended_by_the_watcher_and_relaunched_from_latest(tmp_p
             "optimizer.warmup_steps=1",
             "checkpoint.async_save=false",
             "checkpoint.interval=2",
-            "cluster.hang_timeout_s=120",
+            "stability.hang_timeout_s=120",
             "checkpoint.upload_timeout_s=10",
             "stability.heartbeat_s=0.5",
             "stability.min_hang_s=4",

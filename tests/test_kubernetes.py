@@ -253,7 +253,7 @@ def test_jobset_is_queued_and_restarted_by_the_cluster_with_disruptions_not_coun
         "launcher.kubernetes.active_deadline_s=864000",
         "launcher.kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
         "launcher.kubernetes.annotations={team: llm}",
-        "checkpoint.max_restarts=5",
+        "restart.max_restarts=5",
     )
     _, jobset = k8s.render_manifests(cfg, _job(cfg))
     validate([jobset])
@@ -293,7 +293,7 @@ def test_jobset_is_queued_and_restarted_by_the_cluster_with_disruptions_not_coun
         }
     ]  # one pod of the run per node
 
-    fallback = _cfg(*_layout("h100-8x", 4), "launcher.kubernetes.workload=job", "checkpoint.max_restarts=5")
+    fallback = _cfg(*_layout("h100-8x", 4), "launcher.kubernetes.workload=job", "restart.max_restarts=5")
     job = k8s.render_manifests(fallback, _job(fallback))[2]
     assert job["spec"]["backoffLimit"] == 4 * 5 and job["spec"]["suspend"] is True
     assert [r["action"] for r in job["spec"]["podFailurePolicy"]["rules"]] == ["Ignore", "Ignore", "Count"]
@@ -325,8 +325,8 @@ def test_rdma_is_opt_in_and_its_one_security_exception_is_listed():
 def test_credentials_come_from_secrets_and_never_appear_in_a_manifest():
     cfg = _cfg(
         *_layout("h100-8x", 2),
-        "cluster.store=redis",
-        f"cluster.redis_url=redis://:{PASSWORD}@redis.mega:6379/0",
+        "store.kind=redis",
+        f"store.redis_url=redis://:{PASSWORD}@redis.mega:6379/0",
         "launcher.kubernetes.redis_secret=mega-redis",
         "launcher.kubernetes.s3_secret=mega-s3",
         "checkpoint.storage_uri=s3://ckpt/gpt-13b",
@@ -375,9 +375,9 @@ NODES4 = [*_layout("h100-8x", 4)[:5], "train.run_dir=/mnt/mega/runs/gpt-13b"]
             "cluster.env.AWS_SECRET_ACCESS_KEY",
         ),
         ([*NODES4, "checkpoint.storage_uri=s3://b/p"], "launcher.kubernetes.s3_secret"),
-        (["cluster=h100-8x", "cluster.store=redis"], "cluster.redis_url"),  # no server the pods reach
+        (["cluster=h100-8x", "store.kind=redis"], "store.redis_url"),  # no server the pods reach
         (
-            ["cluster=h100-8x", "cluster.store=redis", f"cluster.redis_url=redis://:{PASSWORD}@r:6379/0"],
+            ["cluster=h100-8x", "store.kind=redis", f"store.redis_url=redis://:{PASSWORD}@r:6379/0"],
             "launcher.kubernetes.redis_secret",
         ),
         (["cluster=h100-8x", "launcher.kubernetes.shm_size=lots"], "launcher.kubernetes.shm_size"),

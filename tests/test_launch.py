@@ -321,9 +321,9 @@ def test_nodes_are_named_in_init_metrics_and_logs(two_nodes):
 @pytest.mark.slow
 def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, data_index, data_cache):
     """Node 1's torchrun agent is SIGKILLed at step 2; its rank trains on, orphaned. The driver sees
-    the agent's exit within cluster.hang_timeout_s, stops every node (the orphan included: checked
+    the agent's exit within stability.hang_timeout_s, stops every node (the orphan included: checked
     by pid, alive when the failure was seen, dead before the relaunch), and the run finishes.
-    The nodes rendezvous over Redis (cluster.store=redis), from network namespaces as root: the
+    The nodes rendezvous over Redis (store.kind=redis), from network namespaces as root: the
     driver's redis-server listens on the bridge address, with a password of the job's."""
     seen, alive_at_failure, alive_at_relaunch, messages = {}, [], [], []
 
@@ -350,8 +350,8 @@ def test_a_killed_agent_is_noticed_and_its_orphaned_ranks_are_stopped(tmp_path, 
             "cluster.nodes=2",
             "cluster.procs_per_node=1",
             "checkpoint.interval=0",
-            f"cluster.hang_timeout_s={hang_timeout_s}",
-            "cluster.store=redis",
+            f"stability.hang_timeout_s={hang_timeout_s}",
+            "store.kind=redis",
             f"launcher.local_nodes.netns={str(ROOT).lower()}",
             f"launcher.local_nodes.subnet={free_subnet()}",
             "fault.kill_node=1",

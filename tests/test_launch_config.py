@@ -50,8 +50,8 @@ def merged(*parts: dict) -> dict:
             "not launcher=local",
         ),
         (
-            {**NETNS, "cluster": {"store": "redis", "redis_url": "redis://127.0.0.1:6379/0"}},
-            "cluster.redis_url",
+            {**NETNS, "store": {"kind": "redis", "redis_url": "redis://127.0.0.1:6379/0"}},
+            "store.redis_url",
             "unreachable from network-namespace nodes",
         ),
         (
@@ -60,14 +60,14 @@ def merged(*parts: dict) -> dict:
             "bridge address",
         ),
         (
-            {"cluster": {"selfcheck_gemm_fraction": 1.5}},
-            "cluster.selfcheck_gemm_fraction",
+            {"selfcheck": {"gemm_fraction": 1.5}},
+            "selfcheck.gemm_fraction",
             "must be in (0, 1]",
         ),
-        ({"cluster": {"selfcheck_nic_fraction": 0}}, "cluster.selfcheck_nic_fraction", "must be in (0, 1]"),
+        ({"selfcheck": {"nic_fraction": 0}}, "selfcheck.nic_fraction", "must be in (0, 1]"),
         (
-            {"cluster": {"selfcheck_min_inter_node_mb_per_s": -1}},
-            "cluster.selfcheck_min_inter_node_mb_per_s",
+            {"selfcheck": {"min_inter_node_mb_per_s": -1}},
+            "selfcheck.min_inter_node_mb_per_s",
             ">= 0",
         ),
     ],
@@ -84,7 +84,7 @@ def test_netns_nodes_with_non_loopback_servers_are_accepted():
             TWO_NODES,
             NETNS,
             {
-                "cluster": {"store": "redis", "redis_url": "redis://10.213.0.1:6379/0"},
+                "store": {"kind": "redis", "redis_url": "redis://10.213.0.1:6379/0"},
                 "checkpoint": {"s3_endpoint_url": "http://10.213.0.1:8333"},
             },
         )

@@ -44,7 +44,7 @@ _ONE_NODE_BASE = (
     "train.tensorboard=false",
     "train.eval_batches=0",
     "optimizer.warmup_steps=1",
-    "checkpoint.restart_backoff_s=0",
+    "restart.backoff_s=0",
     "checkpoint.async_save=false",
     "checkpoint.interval=3",
 )
@@ -120,9 +120,9 @@ def runs(tmp_path_factory, data_index, data_cache):
                 "fault.kill_node=1",
                 f"fault.kill_at_step={KILL_AT}",
                 "fault.bad_node=1",
-                "cluster.spare_nodes=1",
+                "restart.spare_nodes=1",
                 # a loaded machine is slow, not broken
-                "cluster.selfcheck_min_gemm_gflops=0.01",
+                "selfcheck.min_gemm_gflops=0.01",
             ],
         )
         lost = _BetweenAttempts(lambda: shutil.rmtree(_node_dirs(cfg)[1]) or "node1")

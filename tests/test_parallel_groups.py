@@ -393,7 +393,7 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
                 "optimizer.warmup_steps=1",
                 "checkpoint.interval=0",
                 f"cluster.group_init={strategy}",
-                "cluster.record_store=true",
+                "store.record=true",
             ]
         )
         assert cfg.parallelism.world_size == 4
@@ -408,7 +408,7 @@ def test_training_losses_are_the_same_with_light_and_default(tmp_path, data_inde
         losses[strategy] = [(m["loss"], m["grad_norm"]) for m in metrics]
         init = json.loads((run_dir / "init.json").read_text())
         assert init["group_init"] == strategy and init["store"] == "tcp" and init["world_size"] == 4
-        # cluster.record_store: each rank's store traffic up to its groups, exactly what the
+        # store.record: each rank's store traffic up to its groups, exactly what the
         # bootstrap simulator replays for this layout (torch's post-init barrier is off here)
         recorded = load_recordings(run_dir / "store-traffic" / "train-attempt0")
         simulated: list = []

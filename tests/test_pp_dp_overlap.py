@@ -21,7 +21,7 @@ DP2 = ["parallelism=dp2", "parallelism.ddp_bucket_size=20000"]  # the tiny model
 
 
 def _train(run_dir, data_index, data_cache, overrides, layout=LAYOUT):
-    once = ["checkpoint.interval=0", "checkpoint.max_restarts=0", "train.eval_batches=0"]
+    once = ["checkpoint.interval=0", "restart.max_restarts=0", "train.eval_batches=0"]
     tiny_run(run_dir, data_index, data_cache, [*once, *layout, *overrides], steps=STEPS)
     return run_dir
 

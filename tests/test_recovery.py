@@ -248,7 +248,7 @@ def overrides(run_dir: Path, data_cache: Path, *extra: str) -> list[str]:
         "checkpoint.interval=2",
         "checkpoint.async_save=false",
         "optimizer.warmup_steps=1",
-        "checkpoint.restart_backoff_s=0",
+        "restart.backoff_s=0",
         "train.tensorboard=false",
         f"train.run_dir={run_dir}",
         f"data.cache_dir={data_cache}",
@@ -423,7 +423,7 @@ def test_failed_pretrain_run_triggers_the_deployed_recovery(prefect_harness, tmp
     run_dir = tmp_path / "run"
     failed = pretrain(
         overrides=overrides(
-            run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "checkpoint.max_restarts=0"
+            run_dir, data_cache, "fault.kill_rank=0", "fault.kill_at_step=3", "restart.max_restarts=0"
         ),
         return_state=True,
     )

@@ -402,27 +402,27 @@ def test_redis_urls_never_show_passwords():
 
 
 @pytest.mark.parametrize(
-    "cluster, fragment",
+    "store, fragment",
     [
         ({"redis_url": "http://h:1"}, "scheme must be"),
         ({"redis_url": "redis://:s3cret@h:99999/0"}, "Port out of range"),
         ({"redis_url": "redis://h:6379/zero"}, "database must be a number"),
         (
-            {"store": "redis", "start_local_redis": False},
-            "set cluster.redis_url or cluster.start_local_redis",
+            {"kind": "redis", "start_local_redis": False},
+            "set store.redis_url or store.start_local_redis",
         ),
     ],
 )
-def test_cluster_redis_settings_are_validated(cluster, fragment):
+def test_redis_store_settings_are_validated(store, fragment):
     with pytest.raises(ConfigError, match=fragment) as err:
-        from_dict({"cluster": cluster})
-    assert err.value.key == "cluster.redis_url" and "s3cret" not in str(err.value)
+        from_dict({"store": store})
+    assert err.value.key == "store.redis_url" and "s3cret" not in str(err.value)
 
 
-def test_cluster_redis_settings_accept_a_url():
-    cfg = from_dict({"cluster": {"store": "redis", "redis_url": "redis://:s3cret@10.0.0.1:6380/1"}})
-    assert cfg.cluster.redis_url.endswith("@10.0.0.1:6380/1") and cfg.cluster.start_local_redis
-    assert "s3cret" not in repr(cfg.cluster)
+def test_redis_store_settings_accept_a_url():
+    cfg = from_dict({"store": {"kind": "redis", "redis_url": "redis://:s3cret@10.0.0.1:6380/1"}})
+    assert cfg.store.redis_url.endswith("@10.0.0.1:6380/1") and cfg.store.start_local_redis
+    assert "s3cret" not in repr(cfg.store) and "s3cret" not in repr(cfg)
 
 
 def test_redis_server_stops_cleanly():

@@ -80,8 +80,8 @@ def base_cfgs():
     common = [
         "model=tiny",
         f"train.steps={STEPS}",
-        "checkpoint.restart_backoff_s=0",
-        "checkpoint.max_restarts=1",
+        "restart.backoff_s=0",
+        "restart.max_restarts=1",
         "launcher.slurm.max_requeues=1",
     ]
     one = compose([*common, "parallelism=single"])
@@ -92,7 +92,7 @@ def base_cfgs():
             "launcher=local-nodes",
             "cluster.nodes=2",
             "cluster.procs_per_node=4",
-            "cluster.min_nodes=1",
+            "restart.min_nodes=1",
         ]
     )
     return {1: one, 2: two}
@@ -206,7 +206,7 @@ def test_prepare_restart_spends_the_failure_budget_then_fails(loop, tmp_path):
         ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
         state = driver.counted(state, attempt, ended)
         assert state.failures == failures
-        if failures == 1:  # checkpoint.max_restarts=1: one restart
+        if failures == 1:  # restart.max_restarts=1: one restart
             state = driver.prepare_restart(launch, state, attempt, ended)
     with pytest.raises(TrainingFailed, match="training failed 2 times"):
         driver.prepare_restart(launch, state, attempt, ended)
@@ -246,7 +246,7 @@ def test_diagnose_evicts_the_node_the_self_check_blames_and_the_next_attempt_run
     after = driver.prepare_restart(launch, driver.counted(state, attempt, ended), attempt, ended)
     assert backend.jobs[1].module == "mega.cluster.selfcheck"
     assert after.history[-1]["evicted"] == [1]
-    assert (after.cfg.cluster.nodes, after.cfg.parallelism.dp) == (1, 1)  # cluster.min_nodes=1: DP shrinks
+    assert (after.cfg.cluster.nodes, after.cfg.parallelism.dp) == (1, 1)  # restart.min_nodes=1: DP shrinks
     record = runs.read_record(tmp_path)
     assert [e["node"] for e in record.evicted_nodes] == [1] and record.membership["nodes"] == [0]
     assert [i["kind"] for i in record.incidents] == ["rank-exit", "eviction"]

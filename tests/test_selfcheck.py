@@ -13,8 +13,8 @@ from mega.config import from_dict
 from mega.launch.node_jobs import run_selfcheck
 
 
-def node_config(**cluster):
-    return from_dict({"parallelism": {"dp": 2}, "cluster": {"procs_per_node": 2, **cluster}})
+def node_config(**selfcheck):
+    return from_dict({"parallelism": {"dp": 2}, "cluster": {"procs_per_node": 2}, "selfcheck": selfcheck})
 
 
 def test_two_ranks_are_healthy_with_default_floors(tmp_path):
@@ -33,12 +33,12 @@ def test_two_ranks_are_healthy_with_default_floors(tmp_path):
 
 
 def test_absurd_gemm_floor_is_unhealthy_and_named(tmp_path):
-    result = run_selfcheck(node_config(selfcheck_min_gemm_gflops=1e9), tmp_path)
+    result = run_selfcheck(node_config(min_gemm_gflops=1e9), tmp_path)
 
     assert not result["healthy"]
     assert len(result["ranks"]) == 2  # the checks ran; the floor failed them
     assert len(result["reasons"]) == 2
-    assert all("cluster.selfcheck_min_gemm_gflops=1e+09" in r for r in result["reasons"]), result["reasons"]
+    assert all("selfcheck.min_gemm_gflops=1e+09" in r for r in result["reasons"]), result["reasons"]
 
 
 def test_a_dead_rank_gives_an_unhealthy_verdict_not_a_hang(tmp_path):
@@ -67,9 +67,7 @@ ROW = {
     "alltoall_ok": True,
     "alltoall_mb_per_s": 100.0,
 }
-FLOORS = selfcheck_floors(
-    from_dict({"cluster": {"selfcheck_min_gemm_gflops": 1.0, "selfcheck_min_alltoall_mb_per_s": 1.0}}).cluster
-)
+FLOORS = selfcheck_floors(from_dict({"selfcheck": {"min_gemm_gflops": 1.0, "min_alltoall_mb_per_s": 1.0}}))
 
 
 @pytest.mark.parametrize(
@@ -81,7 +79,7 @@ FLOORS = selfcheck_floors(
         ([{**ROW, "error": "RuntimeError: gloo timeout"}], 1, "rank 0: check failed: RuntimeError"),
         ([{**ROW, "gemm_max_rel_err": 0.5}], 1, "wrong results"),
         ([{**ROW, "alltoall_ok": False}], 1, "all-to-all delivered wrong data"),
-        ([{**ROW, "alltoall_mb_per_s": 0.1}], 1, "cluster.selfcheck_min_alltoall_mb_per_s=1"),
+        ([{**ROW, "alltoall_mb_per_s": 0.1}], 1, "selfcheck.min_alltoall_mb_per_s=1"),
         ([{**ROW, "device": "cuda", "device_count": 0, "allreduce_ok": True}], 1, "sees 0 GPUs"),
         ([{**ROW, "device": "cuda", "device_count": 1, "allreduce_ok": False}], 1, "all-reduce"),
     ],

@@ -69,7 +69,7 @@ def _pair(a: int, b: int, seconds: float) -> list[dict]:
 
 
 def test_a_node_with_slow_links_is_blamed_not_its_peers():
-    floors = selfcheck_floors(from_dict({"cluster": {"selfcheck_min_inter_node_mb_per_s": 10.0}}).cluster)
+    floors = selfcheck_floors(from_dict({"selfcheck": {"min_inter_node_mb_per_s": 10.0}}))
     # node 2's links run at 1 MB/s, the others' at 100 MB/s
     pairs = pair_bandwidths(_pair(0, 1, 0.01) + _pair(0, 2, 1.0) + _pair(1, 2, 1.0), floors)
     assert [(p["nodes"], round(p["mb_per_s"])) for p in pairs] == [([0, 1], 100), ([0, 2], 1), ([1, 2], 1)]
@@ -78,8 +78,8 @@ def test_a_node_with_slow_links_is_blamed_not_its_peers():
     )
     assert [n["healthy"] for n in verdict["nodes"]] == [True, True, False]
     assert verdict["reasons"] == [
-        "node 2: link to node 0: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)",
-        "node 2: link to node 1: 1.0 MB/s below 10 (cluster.selfcheck_min_inter_node_mb_per_s=10)",
+        "node 2: link to node 0: 1.0 MB/s below 10 (selfcheck.min_inter_node_mb_per_s=10)",
+        "node 2: link to node 1: 1.0 MB/s below 10 (selfcheck.min_inter_node_mb_per_s=10)",
     ]
     # two nodes alone cannot tell whose link is slow: both fail
     two = cluster_verdict(
@@ -93,14 +93,14 @@ def test_a_node_with_slow_links_is_blamed_not_its_peers():
 
 
 def test_floors_are_fractions_of_the_presets_hardware():
-    h100 = selfcheck_floors(compose(["cluster=h100-8x", "cluster.selfcheck_gemm_fraction=0.6"]).cluster)
+    h100 = selfcheck_floors(compose(["cluster=h100-8x", "selfcheck.gemm_fraction=0.6"]))
     assert h100["min_gemm_gflops"] == pytest.approx(0.6 * 989e3)  # bf16 dense TFLOP/s -> GFLOP/s
     assert h100["min_alltoall_mb_per_s"] == pytest.approx(0.3 * 450e3)  # 900 GB/s counts both directions
     assert h100["min_inter_node_mb_per_s"] == pytest.approx(0.3 * 8 * 400 / 8 * 1e3)  # 8 x 400 Gbit/s NICs
     assert "cluster.peak_tflops=989" in h100["gemm_from"]
-    cpu = selfcheck_floors(compose().cluster)  # no hardware facts: the measured absolute floors
-    assert cpu["gemm_from"].startswith("cluster.selfcheck_min_gemm_gflops=")
-    assert cpu["inter_node_from"].startswith("cluster.selfcheck_min_inter_node_mb_per_s=")
+    cpu = selfcheck_floors(compose())  # no hardware facts: the measured absolute floors
+    assert cpu["gemm_from"].startswith("selfcheck.min_gemm_gflops=")
+    assert cpu["inter_node_from"].startswith("selfcheck.min_inter_node_mb_per_s=")
 
 
 @pytest.mark.slow
@@ -113,7 +113,8 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     cfg = from_dict(
         {
             "parallelism": {"dp": 6, "global_batch_size": 12},
-            "cluster": {"nodes": 3, "procs_per_node": 2, "selfcheck_min_inter_node_mb_per_s": 20.0},
+            "cluster": {"nodes": 3, "procs_per_node": 2},
+            "selfcheck": {"min_inter_node_mb_per_s": 20.0},
             "launcher": {"name": "local-nodes", "local_nodes": {"netns": True, "subnet": free_subnet()}},
         }
     )
@@ -127,7 +128,7 @@ def test_selfcheck_on_three_namespace_nodes_fails_the_one_with_a_slow_link(tmp_p
     subnet = ipaddress.ip_network(cfg.launcher.local_nodes.subnet)
     assert [n["address"] for n in result["nodes"]] == [str(subnet.network_address + k + 2) for k in range(3)]
     assert all(
-        "link to node" in r and "cluster.selfcheck_min_inter_node_mb_per_s=20" in r
+        "link to node" in r and "selfcheck.min_inter_node_mb_per_s=20" in r
         for r in result["nodes"][2]["reasons"]
     )
     pairs = {tuple(p["nodes"]): p for p in result["pairs"]}

@@ -112,8 +112,8 @@ def test_secrets_and_bad_settings_never_reach_a_script(tmp_path):
     cfg = _cfg(
         tmp_path,
         "cluster=h100-8x",
-        "cluster.store=redis",
-        f"cluster.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0",
+        "store.kind=redis",
+        f"store.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0",
     )
     script = slurm.render_sbatch(cfg, _job(cfg, MEGA_REDIS_URL="redis://10.0.0.5:6379/0"))
     assert PASSWORD not in script and "MEGA_REDIS_URL=redis://10.0.0.5:6379/0" in script

@@ -125,7 +125,7 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
         f"train.run_dir={run_dir}",
         "train.steps=4",
         f"data.cache_dir={data_cache}",
-        "cluster.store=redis",
+        "store.kind=redis",
     ]  # a local Redis, with a password, on the bridge
     watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
     watch.start()
@@ -203,8 +203,8 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
         "train.steps=4",
         "checkpoint.interval=2",
         "checkpoint.async_save=false",
-        "checkpoint.restart_backoff_s=0",
-        "cluster.hang_timeout_s=120",
+        "restart.backoff_s=0",
+        "stability.hang_timeout_s=120",
         "checkpoint.upload_timeout_s=10",
         "stability.heartbeat_s=1",
         "stability.min_hang_s=20",
@@ -252,7 +252,7 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
         "launcher.slurm.time=2",
         "launcher.slurm.signal_grace_s=90",
         "checkpoint.interval=100",
-        "checkpoint.max_restarts=0",
+        "restart.max_restarts=0",
         "stability.min_hang_s=120",
     )
     warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
@@ -299,7 +299,7 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
 def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_cluster, tmp_path, data_index):
     """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
     ``--exclude`` of its host and Slurm gives the third node (the spare). Then the spare dies too:
-    no usable node is left beyond the first, so with ``cluster.min_nodes=1`` the run goes on on one
+    no usable node is left beyond the first, so with ``restart.min_nodes=1`` the run goes on on one
     node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes."""
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
@@ -307,8 +307,8 @@ def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_c
         "train.steps=6",
         "checkpoint.interval=2",
         "launcher.slurm.stop_timeout_s=5",
-        "checkpoint.restart_backoff_s=0",
-        "cluster.min_nodes=1",
+        "restart.backoff_s=0",
+        "restart.min_nodes=1",
     )
     killed: dict[int, list[int]] = {}
 

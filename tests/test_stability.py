@@ -98,7 +98,7 @@ def test_rank_behind_in_a_dp_group_is_the_culprit_not_its_waiting_peers():
 def test_hang_threshold_is_k_times_the_median_step_within_bounds():
     assert hang_threshold_s([1.0, 2.0, 100.0], 10, 5, 600) == 20.0
     assert hang_threshold_s([0.1], 10, 5, 600) == 5  # at least min_hang_s
-    assert hang_threshold_s([100.0], 10, 5, 600) == 600  # cluster.hang_timeout_s stays the bound
+    assert hang_threshold_s([100.0], 10, 5, 600) == 600  # stability.hang_timeout_s stays the bound
     assert hang_threshold_s([], 10, 5, 600) == 5
 
 
@@ -422,12 +422,12 @@ def test_sigstopped_rank_is_named_and_the_run_relaunches_from_latest(tmp_path, d
             f"data.cache_dir={data_cache}",
             "train.tensorboard=false",
             "optimizer.warmup_steps=1",
-            "checkpoint.restart_backoff_s=0",
+            "restart.backoff_s=0",
             "checkpoint.async_save=false",
             "checkpoint.interval=2",
             # a synchronous save blocks the step, and the watcher allows it upload_timeout_s
             # more: on a loaded machine a save's planning alone took 10 s
-            "cluster.hang_timeout_s=120",
+            "stability.hang_timeout_s=120",
             "checkpoint.upload_timeout_s=30",
             "stability.heartbeat_s=1",
             "stability.min_hang_s=10",
@@ -468,7 +468,7 @@ PAUSE_S = 10.0
 def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
     """One DP2 run checked two ways: rank 1 computes fault.slow_s more in every forward (a
     straggler; and steps of ~1 s, so that the outage falls mid-run), and the heartbeat Redis
-    (owned by the test, given as cluster.redis_url) is SIGSTOPped for PAUSE_S after step 2."""
+    (owned by the test, given as store.redis_url) is SIGSTOPped for PAUSE_S after step 2."""
     from mega.launch import run_training
     from mega.store import RedisServer
 
@@ -482,7 +482,7 @@ def slow_rank_and_store_outage(tmp_path_factory, data_index, data_cache):
             [
                 "parallelism=dp2",
                 "checkpoint.interval=0",
-                f"cluster.redis_url={server.url}",
+                f"store.redis_url={server.url}",
                 "fault.slow_rank=1",
                 "fault.slow_s=0.25",
                 "stability.heartbeat_s=0.5",

@@ -112,7 +112,7 @@ def killed_3d_run(tmp_path_factory, data_index, data_cache):
             [
                 "parallelism=tp2-pp2-dp2",
                 "checkpoint.interval=2",
-                "checkpoint.max_restarts=0",
+                "restart.max_restarts=0",
                 "fault.kill_rank=0",
                 "fault.kill_at_step=2",
                 f"checkpoint.dir={root / 'checkpoints'}",
@@ -211,7 +211,7 @@ def _assert_restore_footprint(audit_dir, ckpt_dir, info):
 
 
 def test_restarts_are_bounded(killed_3d_run):
-    """A job that dies with no restarts left (checkpoint.max_restarts=0) stops with a clear error."""
+    """A job that dies with no restarts left (restart.max_restarts=0) stops with a clear error."""
     root, failed = killed_3d_run
     assert str(failed).startswith("training failed 1 times (last: ") and str(failed).endswith(
         f"see {root / 'saved'}/train-attempt*.log"
@@ -221,7 +221,7 @@ def test_restarts_are_bounded(killed_3d_run):
 def test_hung_rank_becomes_a_restart_not_a_silent_wait(
     tmp_path, tmp_path_factory, data_index, data_cache, reference
 ):
-    """A rank that stops making progress: the launcher sees no progress for cluster.hang_timeout_s,
+    """A rank that stops making progress: the launcher sees no progress for stability.hang_timeout_s,
     kills the job and resumes it from the in-memory copies of the last step. Through the restart, the DP2 run computes the
     model of one process (the dp2 case of test_layout_matches_single_process)."""
     messages = []
@@ -232,7 +232,7 @@ def test_hung_rank_becomes_a_restart_not_a_silent_wait(
         [
             "parallelism=dp2",
             "checkpoint.interval=2",
-            "cluster.hang_timeout_s=12",
+            "stability.hang_timeout_s=12",
             "checkpoint.upload_timeout_s=6",
             "fault.kill_rank=1",
             "fault.kill_at_step=3",

@@ -20,7 +20,7 @@ Rows of ``results`` (``strategy``; ``ROWS``):
   ``TORCH_DIST_INIT_BARRIER=1`` today): a world-wide store barrier after every group, TCPStore
 * ``per-group-barrier-redis``: the same on Redis (``mega.store.RedisStore``'s commands)
 * ``light-redis``: barrier-light creation (``mega.cluster.parallel_groups`` ``light``: each group by
-  its members only) on Redis under torch's defaults: what mega runs with ``cluster.store=redis``
+  its members only) on Redis under torch's defaults: what mega runs with ``store.kind=redis``
 * ``light-barrier-redis``: ``light`` with ``TORCH_DIST_INIT_BARRIER=1``: no barrier per group, one
   world barrier once all exist
 
@@ -214,7 +214,7 @@ def run_real(
         "layout": layout,
         "ranks": cfg.parallelism.world_size,
         "group_init": group_init,
-        "store": cfg.cluster.store,
+        "store": cfg.store.kind,
         "load_avg_1m": round(os.getloadavg()[0], 1),
     }
     runs = []

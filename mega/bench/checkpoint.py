@@ -79,7 +79,7 @@ def _compose(
             f"train.run_dir={run_dir}",
             "train.tensorboard=false",
             "optimizer.warmup_steps=1",
-            "checkpoint.max_restarts=0",
+            "restart.max_restarts=0",
             f"checkpoint.storage_uri={uri}",
             f"checkpoint.interval={interval}",
             f"checkpoint.async_save={str(async_save).lower()}",

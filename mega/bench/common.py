@@ -13,7 +13,7 @@ from mega import config as mega_config
 from mega.config import MegaConfig
 
 # A benchmark run writes no checkpoints, never restarts and logs no TensorBoard events.
-RUN_OVERRIDES = ("checkpoint.interval=0", "checkpoint.max_restarts=0", "train.tensorboard=false")
+RUN_OVERRIDES = ("checkpoint.interval=0", "restart.max_restarts=0", "train.tensorboard=false")
 
 
 def log(message: str) -> None:

@@ -27,7 +27,7 @@ relaunch restored):
 * ``bad-node``: 2 local nodes x 4 ranks with one spare node; node 1's ranks are SIGKILLed at step 2 and
   node 1 fails its self-check (``fault.bad_node``). Detected: the driver's failure line naming node 1;
   culprit named: node 1 and only node 1 evicted; recovered: finished at full size on the spare.
-* ``redis-outage``: DP 2 with a heartbeat Redis the harness owns (``cluster.redis_url``), SIGSTOPped
+* ``redis-outage``: DP 2 with a heartbeat Redis the harness owns (``store.redis_url``), SIGSTOPped
   for 10 s once step 2 is logged, then SIGCONTed (rank 1 burns 0.25 s per forward, steps of ~1 s, so the
   run outlasts the outage). Detected: a ``store`` incident (reported); detect_s: stop -> the driver's "store
   outage" line (else the incident's detected_at); recovered: heartbeats resumed
@@ -83,7 +83,7 @@ BASE = [
     "train.tensorboard=false",
     "train.eval_batches=0",
     "optimizer.warmup_steps=1",
-    "checkpoint.restart_backoff_s=0",
+    "restart.backoff_s=0",
     "checkpoint.async_save=false",
     "checkpoint.interval=2",
 ]
@@ -320,7 +320,7 @@ def run_rank_hang(base: Path, extra: list[str]) -> Path:
             f"stability.min_hang_s={HANG_THRESHOLD_S}",
             "stability.progress_factor=5",
             "stability.straggler_beats=100",
-            "cluster.hang_timeout_s=120",
+            "stability.hang_timeout_s=120",
             "checkpoint.upload_timeout_s=10",
         ],
         base,
@@ -430,7 +430,7 @@ def run_bad_node(base: Path, extra: list[str]) -> Path:
         "bad-node",
         [
             *TWO_BY_FOUR,
-            "cluster.spare_nodes=1",
+            "restart.spare_nodes=1",
             f"fault.kill_node={BAD_NODE}",
             f"fault.kill_at_step={BAD_NODE_STEP}",
             f"fault.bad_node={BAD_NODE}",
@@ -475,7 +475,7 @@ def run_redis_outage(base: Path, extra: list[str]) -> Path:
             "redis-outage",
             [
                 "parallelism=dp2",
-                f"cluster.redis_url={server.url}",
+                f"store.redis_url={server.url}",
                 f"fault.slow_rank={SLOW_RANK}",
                 "fault.slow_s=0.25",
                 "stability.heartbeat_s=0.5",

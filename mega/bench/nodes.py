@@ -47,7 +47,7 @@ SLURM = [
     "launcher.slurm.exclusive=false",
     "launcher.slurm.mem=null",
     "launcher.slurm.stop_timeout_s=30",
-    "checkpoint.restart_backoff_s=0",
+    "restart.backoff_s=0",
 ]
 
 
@@ -86,7 +86,7 @@ def run_nodes(
         run_dir,
     )
     if restarts is not None:  # a fault row: the run must relaunch, from a checkpoint every 2 steps
-        cfg.checkpoint.max_restarts, cfg.checkpoint.interval = restarts, 2
+        cfg.restart.max_restarts, cfg.checkpoint.interval = restarts, 2
     index = common.prepare_data(cfg)
     common.log(
         f"nodes: {n} node(s) x {procs} ranks ({LAYOUT}, {steps} steps){' in network namespaces' if netns and n > 1 else ''}"
@@ -104,7 +104,7 @@ def run_nodes(
         common.log(f"nodes: {n} node(s) failed: {e}")
         from mega.metrics import read_metrics
 
-        metrics, attempts, completed = read_metrics(run_dir), cfg.checkpoint.max_restarts + 1, False
+        metrics, attempts, completed = read_metrics(run_dir), cfg.restart.max_restarts + 1, False
     finally:
         stop.set()
         watcher.join()

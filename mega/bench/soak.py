@@ -228,11 +228,11 @@ LAYOUT = [
     "launcher=local-nodes",
     "cluster.nodes=2",
     "cluster.procs_per_node=4",
-    "cluster.spare_nodes=1",
+    "restart.spare_nodes=1",
     "train.tensorboard=false",
     "train.eval_batches=0",
     "optimizer.warmup_steps=1",
-    "checkpoint.restart_backoff_s=0",
+    "restart.backoff_s=0",
     "checkpoint.interval=4",
     "stability.heartbeat_s=1",
     "stability.min_hang_s=15",
@@ -409,12 +409,12 @@ def bench_soak(
     try:
         os.environ.update(s3.env())
         with RedisServer() as redis:
-            common_overrides = [*LAYOUT, f"cluster.redis_url={redis.url}", *extra]
+            common_overrides = [*LAYOUT, f"store.redis_url={redis.url}", *extra]
             step_s = step_s or _calibrate_step_s(out, common_overrides, s3)
             steps = max(8, int(minutes * 60 / step_s))
             schedule = fault_schedule(minutes, mtbf_s, seed)
             fault_overrides, schedule = config_faults(schedule, step_s, 4, steps)
-            common_overrides.insert(len(LAYOUT), f"checkpoint.max_restarts={len(schedule) + 3}")
+            common_overrides.insert(len(LAYOUT), f"restart.max_restarts={len(schedule) + 3}")
             run = _run_soak(out, steps, schedule, [*common_overrides, *fault_overrides], redis, s3, seed)
             _run_reference(out, steps, common_overrides, s3, run["index"])
             weights = _final_weights(out, steps, s3)

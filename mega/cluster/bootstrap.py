@@ -3,11 +3,11 @@
 MegaScale (NSDI'24, section 3.5) found job start-up dominated by the rendezvous store and by
 building the many communicator groups of 3D parallelism; both are measured here before training:
 
-* ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``cluster.redis_url`` / a local
+* ``verify_store(cfg)``: start the store (TCPStore, or RedisStore on ``store.redis_url`` / a local
   redis-server), connect a client, time set/get/add/wait round trips.
 * ``time_process_groups(cfg)`` (started by mega/launch/node_jobs.py): a job on every node (``python -m mega.cluster.bootstrap``, one
   torchrun agent per node) over the config's world that times ``init_process_group`` (over
-  ``cluster.store``) and megatron-core's model-parallel groups (built the ``cluster.group_init``
+  ``store.kind``) and megatron-core's model-parallel groups (built the ``cluster.group_init``
   way, mega/cluster/parallel_groups.py) and reports the slowest rank, overall and per node:
   {"pg_init_s", "model_parallel_init_s", "world_size", "store", "group_init", "nodes", "ranks",
   "phases", "job_s"}, with start-up broken down by phase (``PHASES``: process start, imports, import
@@ -75,10 +75,10 @@ def verify_store(cfg: MegaConfig) -> dict[str, Any]:
     "set_ms", "get_ms", "add_ms", "wait_ms" (medians), "connect_ms"}.
     """
     c = cfg.cluster
-    if c.store == "redis":
+    if cfg.store.kind == "redis":
         return _verify_redis_store(cfg)
-    if c.store != "tcp":
-        raise ValueError(f"cluster.store: unknown store {c.store!r}")
+    if cfg.store.kind != "tcp":
+        raise ValueError(f"store.kind: unknown store {cfg.store.kind!r}")
 
     server = start_tcp_store(c.master_addr, c.master_port, timeout_s=c.pg_timeout_s)
     start = time.perf_counter()
@@ -92,7 +92,7 @@ def verify_store(cfg: MegaConfig) -> dict[str, Any]:
 
 
 def _verify_redis_store(cfg: MegaConfig) -> dict[str, Any]:
-    """verify_store for cluster.store=redis: cluster.redis_url, else a local redis-server.
+    """verify_store for store.kind=redis: store.redis_url, else a local redis-server.
 
     Two RedisStore clients in a throwaway namespace play the tcp branch's server and client; the
     namespace is dropped afterwards and a local server stopped. The host/port reported are the
@@ -223,7 +223,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
             "pg_init_s": max(r["pg_init_s"] for r in rows),
             "model_parallel_init_s": max(r["model_parallel_init_s"] for r in rows),
             "world_size": len(rows),
-            "store": cfg.cluster.store,
+            "store": cfg.store.kind,
             "group_init": cfg.cluster.group_init,
             "ranks": rows,
             "nodes": [

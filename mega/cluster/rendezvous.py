@@ -1,11 +1,11 @@
 """How the ranks of one job reach the rendezvous store: the launcher side and the rank side.
 
-* ``rendezvous_env(cfg)`` (launcher side): with ``cluster.store=redis`` the launcher passes the
+* ``rendezvous_env(cfg)`` (launcher side): with ``store.kind=redis`` the launcher passes the
   Redis URL (password split off into ``$MEGA_REDIS_PASSWORD``), a job id and the attempt to the
   ranks through the environment, starting a local redis-server for the job when no URL is
   configured; tcp needs nothing (torchrun's store).
 * ``init_process_group(cfg)`` (rank side): ``torch.distributed.init_process_group`` over the
-  configured store, optionally recording every store operation (``cluster.record_store``).
+  configured store, optionally recording every store operation (``store.record``).
 * ``drop_attempt_keys``: an attempt's Redis namespace, deleted once its ranks are gone.
 """
 
@@ -28,7 +28,7 @@ from mega.rank_env import REDIS_PASSWORD_ENV
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
-# What a launcher hands its ranks for cluster.store=redis (never the config: it is saved to disk)
+# What a launcher hands its ranks for store.kind=redis (never the config: it is saved to disk)
 REDIS_URL_ENV = "MEGA_REDIS_URL"  # the server's URL, without a password
 JOB_ID_ENV = "MEGA_JOB_ID"  # one per launch: the store namespace of this job
 
@@ -50,11 +50,11 @@ def split_redis_password(url: str) -> tuple[str, str | None]:
 
 
 def without_secrets(cfg: MegaConfig) -> MegaConfig:
-    """cfg with any password removed from cluster.redis_url: what may be saved next to a run."""
-    if cfg.cluster.redis_url is None:
+    """cfg with any password removed from store.redis_url: what may be saved next to a run."""
+    if cfg.store.redis_url is None:
         return cfg
-    public, _ = split_redis_password(cfg.cluster.redis_url)
-    return dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, redis_url=public))
+    public, _ = split_redis_password(cfg.store.redis_url)
+    return dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, redis_url=public))
 
 
 def public_env(env: dict[str, str]) -> dict[str, str]:
@@ -66,15 +66,15 @@ def public_env(env: dict[str, str]) -> dict[str, str]:
 def rendezvous_env(
     cfg: MegaConfig, job_id: str | None = None, host: str = "127.0.0.1"
 ) -> Iterator[dict[str, str]]:
-    """Environment the ranks of one job need to reach ``cluster.store``, valid inside the block.
+    """Environment the ranks of one job need to reach the store (``store.kind``), valid inside the block.
 
     tcp: nothing (ranks use torchrun's store, ``env://``). redis: ``MEGA_REDIS_URL`` (without a
     password), ``MEGA_REDIS_PASSWORD`` when the URL had one, ``MEGA_JOB_ID``; without
-    ``cluster.redis_url`` a local redis-server runs for the block, listening on ``host`` (the
+    ``store.redis_url`` a local redis-server runs for the block, listening on ``host`` (the
     launch backend's ``server_host``: the bridge address for network-namespace nodes). The
     launcher adds ``MEGA_ATTEMPT`` per launch. Nothing here is printed: the values may be secret.
     """
-    if cfg.cluster.store != "redis":
+    if cfg.store.kind != "redis":
         yield {}
         return
     with redis_server_url(cfg, host=host) as url:
@@ -87,14 +87,14 @@ def rendezvous_env(
 
 @contextlib.contextmanager
 def redis_server_url(cfg: MegaConfig, host: str = "127.0.0.1") -> Iterator[str]:
-    """``cluster.redis_url``, or the URL of a local redis-server on ``host`` running for the block."""
-    c = cfg.cluster
-    if c.redis_url is not None:
-        yield c.redis_url
+    """``store.redis_url``, or the URL of a local redis-server on ``host`` running for the block."""
+    s = cfg.store
+    if s.redis_url is not None:
+        yield s.redis_url
         return
-    if not c.start_local_redis:
+    if not s.start_local_redis:
         raise ValueError(
-            "cluster.redis_url: cluster.store=redis needs cluster.redis_url or cluster.start_local_redis=true"
+            "store.redis_url: store.kind=redis needs store.redis_url or store.start_local_redis=true"
         )
     import ipaddress
     import secrets
@@ -130,31 +130,31 @@ def drop_attempt_keys(store_env: dict[str, str], attempt: int) -> int | None:
 
 
 def init_process_group(cfg: MegaConfig, record: bool | None = None):
-    """Rank side: ``torch.distributed.init_process_group`` over ``cluster.store``.
+    """Rank side: ``torch.distributed.init_process_group`` over the store of ``store.kind``.
 
     tcp: torchrun's store (``env://``). redis: a ``RedisStore`` on ``$MEGA_REDIS_URL`` in the
     namespace of ``$MEGA_JOB_ID`` and ``$MEGA_ATTEMPT``, rank and world size from torchrun.
     Returns the ``RecordingStore`` every store operation goes through when ``record`` (default:
-    ``cluster.record_store``) is set (``dump_store_traffic`` writes it), else None.
+    ``store.record``) is set (``dump_store_traffic`` writes it), else None.
     """
     import torch.distributed as dist
 
     from mega.cluster.backend_flags import backend_flags
 
-    c = cfg.cluster
+    kind = cfg.store.kind
     backend = backend_flags(cfg).process_group_backend  # on GPUs gloo too, for host tensors
-    record = c.record_store if record is None else record
-    timeout = timedelta(seconds=c.pg_timeout_s)
-    if c.store != "redis" and not record:
+    record = cfg.store.record if record is None else record
+    timeout = timedelta(seconds=cfg.cluster.pg_timeout_s)
+    if kind != "redis" and not record:
         dist.init_process_group(backend, timeout=timeout)
         return None
-    if c.store == "redis":
+    if kind == "redis":
         from mega.store import RedisStore
 
         url, job_id = os.environ.get(REDIS_URL_ENV), os.environ.get(JOB_ID_ENV)
         if not url or not job_id:
             raise RuntimeError(
-                f"cluster.store=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
+                f"store.kind=redis: ${REDIS_URL_ENV} and ${JOB_ID_ENV} are not set; "
                 "launch ranks through mega.launch (run_training) or mega.cluster.bootstrap"
             )
         store = RedisStore(url, job_id=job_id, attempt=rank_env.attempt(), timeout=timeout)
@@ -177,7 +177,7 @@ def init_process_group(cfg: MegaConfig, record: bool | None = None):
 def dump_store_traffic(cfg: MegaConfig, recorder, part: str) -> Path | None:
     """Write what ``recorder`` saw so far to ``<train.run_dir>/store-traffic/<part>/rank-<r>.json``
     (``mega.store.recording.load_recordings`` reads a directory back); None without a recorder or
-    without ``cluster.record_store``."""
-    if recorder is None or not cfg.cluster.record_store:
+    without ``store.record``."""
+    if recorder is None or not cfg.store.record:
         return None
     return recorder.dump(Path(cfg.train.run_dir) / "store-traffic" / part)

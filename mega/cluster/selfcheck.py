@@ -17,10 +17,10 @@ This module is both:
   failure of the job itself (a dead rank, a timeout, no result file) into an unhealthy verdict.
 
 Floors (``selfcheck_floors``) come from the cluster preset's hardware facts, so that a degraded
-node fails: GEMM >= ``selfcheck_gemm_fraction`` x ``peak_tflops``; a rank's intra-node all-to-all
->= ``selfcheck_nvlink_fraction`` x one direction of ``nvlink_gb_per_s``; a node pair's exchange >=
-``selfcheck_nic_fraction`` x ``node_nic_gb_per_s``. Without the facts (the CPU presets) the
-absolute ``cluster.selfcheck_min_*`` apply.
+node fails: GEMM >= ``selfcheck.gemm_fraction`` x ``peak_tflops``; a rank's intra-node all-to-all
+>= ``selfcheck.nvlink_fraction`` x one direction of ``nvlink_gb_per_s``; a node pair's exchange >=
+``selfcheck.nic_fraction`` x ``node_nic_gb_per_s``. Without the facts (the CPU presets) the
+absolute ``selfcheck.min_*`` apply.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from mega import faults
 if TYPE_CHECKING:
     import torch
 
-    from mega.config import ClusterConfig
+    from mega.config import MegaConfig
 
 # float32 GEMM error relative to the float64 reference, normalized by the largest output entry:
 # correct hardware stays near 1e-6; silent data corruption is orders of magnitude above this.
@@ -62,46 +62,45 @@ DEFAULT_TIMEOUT_S = 180.0  # the whole job; a node that needs longer than this i
 # Floors
 
 
-def selfcheck_floors(c: ClusterConfig) -> dict[str, Any]:
-    """The floors of ``c`` and, for each, what it was derived from (named in every verdict)."""
+def selfcheck_floors(cfg: MegaConfig) -> dict[str, Any]:
+    """The floors of ``cfg.selfcheck`` on ``cfg.cluster``'s hardware and, for each, what it was
+    derived from (named in every verdict)."""
+    c, sc = cfg.cluster, cfg.selfcheck
     nvlink_one_way = c.nvlink_gb_per_s and c.nvlink_gb_per_s / 2 * 1e3  # the datasheet counts both directions
-    checks = [  # floor, tag, fraction key, hardware figure in the floor's unit (None: unknown), as read, absolute key
+    checks = [  # floor, tag, fraction key, hardware figure in the floor's unit (None: unknown), as read
         (
             "min_gemm_gflops",
             "gemm",
-            "selfcheck_gemm_fraction",
+            "gemm_fraction",
             c.peak_tflops and c.peak_tflops * 1e3,
             f"cluster.peak_tflops={c.peak_tflops}",
-            "selfcheck_min_gemm_gflops",
         ),
         (
             "min_alltoall_mb_per_s",
             "alltoall",
-            "selfcheck_nvlink_fraction",
+            "nvlink_fraction",
             nvlink_one_way,
             f"cluster.nvlink_gb_per_s={c.nvlink_gb_per_s}/2",
-            "selfcheck_min_alltoall_mb_per_s",
         ),
         (
             "min_inter_node_mb_per_s",
             "inter_node",
-            "selfcheck_nic_fraction",
+            "nic_fraction",
             c.node_nic_gb_per_s and c.node_nic_gb_per_s * 1e3,
             f"{c.nics_per_node} x cluster.nic_gbit_per_s={c.nic_gbit_per_s}/8",
-            "selfcheck_min_inter_node_mb_per_s",
         ),
     ]
     floors: dict[str, Any] = {"max_gemm_rel_err": MAX_GEMM_REL_ERR}
-    for floor, tag, fraction_key, figure, figure_text, absolute_key in checks:
+    for floor, tag, fraction_key, figure, figure_text in checks:
         if figure:
-            fraction = getattr(c, fraction_key)
+            fraction = getattr(sc, fraction_key)
             floors[floor], floors[f"{tag}_from"] = (
                 fraction * figure,
-                f"cluster.{fraction_key}={fraction:g} x {figure_text}",
+                f"selfcheck.{fraction_key}={fraction:g} x {figure_text}",
             )
-        else:
-            value = getattr(c, absolute_key)
-            floors[floor], floors[f"{tag}_from"] = value, f"cluster.{absolute_key}={value:g}"
+        else:  # the absolute floor has the floor's own name
+            value = getattr(sc, floor)
+            floors[floor], floors[f"{tag}_from"] = value, f"selfcheck.{floor}={value:g}"
     return floors
 
 
@@ -482,7 +481,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mega.cluster.selfcheck", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="result.json written by rank 0")
-    p.add_argument("--floors", required=True, help="JSON of selfcheck_floors(cluster)")
+    p.add_argument("--floors", required=True, help="JSON of selfcheck_floors(cfg)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="process-group timeout")
     return p.parse_args(argv)

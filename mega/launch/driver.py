@@ -4,7 +4,7 @@ newest in-memory copies or ``latest`` when any fails.
 A run is ``cluster.nodes`` torchrun agents started by the launch backend (mega/launch/backend.py);
 ranks are processes, never in-process work. The driver owns membership: it starts every node's
 agent for an attempt, watches them (a node's agent exiting, a stall of ``metrics.jsonl`` for
-``cluster.hang_timeout_s``), and on any failure stops every node's agent and ranks and relaunches
+``stability.hang_timeout_s``), and on any failure stops every node's agent and ranks and relaunches
 all nodes, with bounded attempts and exponential backoff: the ranks restore the newest complete
 in-memory copies (mega/checkpoint/memory.py), else the durable ``latest``.
 
@@ -138,7 +138,7 @@ class LoopState:
 
     cfg: MegaConfig  # the next attempt's config (after an eviction or a lost host: other or fewer nodes)
     attempt: int  # the next attempt's number over the run's life (its logs, store keys, MEGA_ATTEMPT)
-    failures: int = 0  # attempts that ended short of train.steps: checkpoint.max_restarts bounds them
+    failures: int = 0  # attempts that ended short of train.steps: restart.max_restarts bounds them
     requeues: int = 0  # attempts ended by Slurm's signal: launcher.slurm.max_requeues bounds them
     history: tuple[dict, ...] = ()  # one row per attempt of this launch (TrainingResult.history)
 
@@ -221,13 +221,13 @@ def launch_attempt(launch: Launch, state: LoopState) -> Attempt:
 
 def watch_attempt(launch: Launch, attempt: Attempt) -> JobOutcome:
     """Run the attempt's job on the nodes until it ends (mega.launch.watch.run_job): a node's agent
-    exits, the metrics stall for ``cluster.hang_timeout_s``, or the watcher sees a hang."""
+    exits, the metrics stall for ``stability.hang_timeout_s``, or the watcher sees a hang."""
     n = attempt.number
     return run_job(
         launch.nodes.backend,
         attempt.job,
         progress_file=launch.run_dir / METRICS_FILE,
-        stall_timeout_s=attempt.cfg.cluster.hang_timeout_s,
+        stall_timeout_s=attempt.cfg.stability.hang_timeout_s,
         on_poll=lambda: launch.run.beat() or launch.book.poll() or attempt.watcher.poll(),
         on_failure=lambda o: launch.log(f"attempt {n}: {o.reason}; stopping every node"),
     )
@@ -322,7 +322,7 @@ def requeue(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) ->
 def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
     """After a failed attempt: the next membership (hosts Slurm lost, else a rollback's skipped
     batch, else a diagnosis that may evict nodes), the incidents filed, the run record written.
-    Raises TrainingFailed once ``checkpoint.max_restarts`` restarts are spent."""
+    Raises TrainingFailed once ``restart.max_restarts`` restarts are spent."""
     n, cfg, nodes, run, log = attempt.number, attempt.cfg, launch.nodes, launch.run, launch.log
     outcome, final_step = ended.outcome, ended.final_step
     if outcome.ok:  # every agent exited 0 short of train.steps: not a success
@@ -331,7 +331,7 @@ def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: E
         f"attempt {n}: training {_short(outcome)} at step {final_step}; "
         f"logs: {_logs(attempt.job, cfg.cluster.nodes, outcome)}"
     )
-    restarts_left = state.failures <= cfg.checkpoint.max_restarts
+    restarts_left = state.failures <= cfg.restart.max_restarts
     diagnosed = None
     lost = _exclude_lost_hosts(nodes, log, n)  # Slurm: hosts it holds down never come back in this run
     if lost:
@@ -383,8 +383,8 @@ def diagnose(
 
 
 def backoff(launch: Launch, state: LoopState, attempt: int) -> None:
-    """Wait before the next attempt: ``checkpoint.restart_backoff_s``, doubling per failure."""
-    seconds = state.cfg.checkpoint.restart_backoff_s * 2 ** (state.failures - 1)
+    """Wait before the next attempt: ``restart.backoff_s``, doubling per failure."""
+    seconds = state.cfg.restart.backoff_s * 2 ** (state.failures - 1)
     driver_mark(launch.run_dir, "backoff", attempt=attempt, seconds=seconds)
     time.sleep(seconds)
 
@@ -405,7 +405,7 @@ def _preempted(outcome: JobOutcome) -> bool:
 
 def _exclude_lost_hosts(nodes: Nodes, log: Callable[[str], None], attempt: int) -> list[str]:
     """On Slurm: the attempt's hosts Slurm holds down go into ``--exclude`` of every later attempt;
-    with fewer usable nodes than the run needs it shrinks to ``cluster.min_nodes`` or more (DP
+    with fewer usable nodes than the run needs it shrinks to ``restart.min_nodes`` or more (DP
     shrinks), else the same size lands on a spare. Other backends: nothing ([])."""
     backend = nodes.backend
     if not hasattr(backend, "lost_hosts"):
@@ -415,10 +415,10 @@ def _exclude_lost_hosts(nodes: Nodes, log: Callable[[str], None], attempt: int) 
         backend.exclude(host)
     if not lost:
         return []
-    c = nodes.cfg.cluster
+    c, min_nodes = nodes.cfg.cluster, nodes.cfg.restart.min_nodes
     usable = backend.usable_nodes()
     note = f"attempt {attempt}: Slurm holds {', '.join(lost)} down; excluded from every later attempt"
-    if usable < c.nodes and c.min_nodes is not None and usable >= c.min_nodes:
+    if usable < c.nodes and min_nodes is not None and usable >= min_nodes:
         nodes.cfg = membership.resize(nodes.cfg, usable)
         backend.resize(nodes.cfg)
         note += f"; continuing on {usable} node(s), dp {nodes.cfg.parallelism.dp}"

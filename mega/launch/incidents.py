@@ -228,7 +228,7 @@ class IncidentFiler:
         relaunch = (
             "relaunch from latest"
             if restarts_left
-            else f"none: no restart left (checkpoint.max_restarts={self.cfg.checkpoint.max_restarts}); run failed"
+            else f"none: no restart left (restart.max_restarts={self.cfg.restart.max_restarts}); run failed"
         )
         selfcheck = self._selfcheck(diagnosed)
         if rollback is not None:

@@ -61,10 +61,10 @@ class InClusterWatch:
         w = self.watcher
         verdict = w.poll()
         if not verdict and w.last_progress is not None and not any(b.get("closed") for b in w.beats.values()):
-            # under a driver, its stall check owns the cap (cluster.hang_timeout_s); here nobody else does
+            # under a driver, its stall check owns the cap (stability.hang_timeout_s); here nobody else does
             stalled = time.time() - w.last_progress
-            if stalled > self.cfg.cluster.hang_timeout_s and not any(i.kind == "hang" for i in w.incidents):
-                verdict = w._declare_hang(time.time(), stalled, self.cfg.cluster.hang_timeout_s)
+            if stalled > self.cfg.stability.hang_timeout_s and not any(i.kind == "hang" for i in w.incidents):
+                verdict = w._declare_hang(time.time(), stalled, self.cfg.stability.hang_timeout_s)
         return self.stop(verdict) if verdict else None
 
     def stop(self, reason: str) -> dict:

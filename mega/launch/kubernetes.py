@@ -6,10 +6,10 @@
 * ``launcher.kubernetes.workload=jobset`` (default): a JobSet (jobset.x-k8s.io/v1alpha2) of one
   replicated job, an indexed Job of one pod per node (completion index = node rank), queued in Kueue
   (``kueue.x-k8s.io/queue-name``, created suspended: admitted as a gang), with
-  ``failurePolicy.maxRestarts = checkpoint.max_restarts`` and its own headless Service (pod 0,
+  ``failurePolicy.maxRestarts = restart.max_restarts`` and its own headless Service (pod 0,
   ``<jobset>-node-0-0.<jobset>``, is the rendezvous master);
 * ``workload=job``: the built-in fallback, a headless Service and an indexed Job with the same pod
-  failure policy (restarts counted by ``backoffLimit = nodes x checkpoint.max_restarts``).
+  failure policy (restarts counted by ``backoffLimit = nodes x restart.max_restarts``).
 
 Which exit means what (``POD_FAILURE_RULES``): a pod disrupted (preemption, drain, eviction:
 the ``DisruptionTarget`` condition) or whose ranks saved and exited on a signal (85) restarts
@@ -103,13 +103,13 @@ def _data_index(job: JobSpec) -> str | None:
 
 
 def check(cfg: MegaConfig, job: JobSpec | None = None) -> None:
-    k, c = cfg.launcher.kubernetes, cfg.cluster
+    k = cfg.launcher.kubernetes
     _check_basics(cfg)
-    if c.store == "redis" and c.redis_url is None:
+    if cfg.store.kind == "redis" and cfg.store.redis_url is None:
         raise ConfigError(
-            "cluster.redis_url",
-            "launcher=kubernetes with cluster.store=redis needs a Redis "
-            "server the pods reach: set cluster.redis_url",
+            "store.redis_url",
+            "launcher=kubernetes with store.kind=redis needs a Redis "
+            "server the pods reach: set store.redis_url",
         )
     if k.rdma.enabled and not k.rdma.resources:
         raise ConfigError(
@@ -156,15 +156,11 @@ def _check_basics(cfg: MegaConfig) -> None:
 
 
 def _check_secrets(cfg: MegaConfig, job: JobSpec | None) -> None:
-    k, c = cfg.launcher.kubernetes, cfg.cluster
-    if (
-        c.redis_url is not None
-        and rendezvous.split_redis_password(c.redis_url)[1] is not None
-        and not k.redis_secret
-    ):
+    k, c, url = cfg.launcher.kubernetes, cfg.cluster, cfg.store.redis_url
+    if url is not None and rendezvous.split_redis_password(url)[1] is not None and not k.redis_secret:
         raise ConfigError(
             "launcher.kubernetes.redis_secret",
-            "the Redis password must come from a Secret (key 'password'), not from cluster.redis_url",
+            "the Redis password must come from a Secret (key 'password'), not from store.redis_url",
         )
     for name in sorted(c.env):
         if _SECRET.search(name):
@@ -242,7 +238,7 @@ def _secret_env(name: str, secret: str, key: str) -> dict:
 
 
 def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
-    c, k = cfg.cluster, cfg.launcher.kubernetes
+    c, st, k = cfg.cluster, cfg.store, cfg.launcher.kubernetes
     field = lambda name, path: {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env = [
         field("NODE_RANK", f"metadata.annotations['{_INDEX_ANNOTATION}']"),
@@ -267,17 +263,17 @@ def _env(cfg: MegaConfig, n: dict[str, str], job: JobSpec) -> list[dict]:
                 if v is not None
             }
         )
-    if c.redis_url is not None:
-        public, _ = rendezvous.split_redis_password(c.redis_url)
-        if c.store == "redis":
+    if st.redis_url is not None:
+        public, _ = rendezvous.split_redis_password(st.redis_url)
+        if st.kind == "redis":
             plain.setdefault(rendezvous.REDIS_URL_ENV, public)
         if cfg.stability.enabled:  # the heartbeat channel: one prefix for the run, over every restart
             plain.update({heartbeat_redis.URL_ENV: public, heartbeat_redis.PREFIX_ENV: f"mega:hb:{n['run']}"})
     env += [{"name": name, "value": value} for name, value in sorted(plain.items())]
     if k.redis_secret:
-        if c.store == "redis":
+        if st.kind == "redis":
             env.append(_secret_env(rank_env.REDIS_PASSWORD_ENV, k.redis_secret, "password"))
-        if cfg.stability.enabled and c.redis_url is not None:
+        if cfg.stability.enabled and st.redis_url is not None:
             env.append(_secret_env(heartbeat_redis.PASSWORD_ENV, k.redis_secret, "password"))
     if k.s3_secret:
         env += [
@@ -442,7 +438,7 @@ def _job_spec(cfg: MegaConfig, n: dict[str, str], job: JobSpec, python: str) -> 
         "completions": c.nodes,
         "parallelism": c.nodes,
         # JobSet: any counted pod failure fails the Job at once and JobSet restarts every pod
-        "backoffLimit": c.nodes * cfg.checkpoint.max_restarts if fallback else 0,
+        "backoffLimit": c.nodes * cfg.restart.max_restarts if fallback else 0,
         "podFailurePolicy": pod_failure_policy(k.workload),
         "template": pod_template(cfg, n, job, python),
     }
@@ -461,7 +457,7 @@ def _jobset(cfg: MegaConfig, n: dict[str, str], job: JobSpec, python: str, meta:
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
         "startupPolicy": {"startupPolicyOrder": "AnyOrder"},  # one replicated job: every pod at once
         "failurePolicy": {
-            "maxRestarts": cfg.checkpoint.max_restarts,
+            "maxRestarts": cfg.restart.max_restarts,
             "rules": [
                 {
                     "name": "disrupted-or-saved",

@@ -50,7 +50,7 @@ def run_selfcheck(
     out_dir.mkdir(parents=True, exist_ok=True)
     result_path = out_dir / "result.json"
     result_path.unlink(missing_ok=True)  # a stale verdict must never pass for this run's
-    floors = selfcheck_floors(c)
+    floors = selfcheck_floors(cfg)
     # collectives give up a little before the job does, so a dead peer shows as a rank error
     pg_timeout = max(10.0, min(float(c.pg_timeout_s), timeout_s - 10.0))
     args = [
@@ -145,7 +145,7 @@ def time_process_groups(
     (teardown)}. ``model_parallel_init_s`` is megatron-core's group creation only: every import
     happens before the ranks line up, and it is the sum of the ``mp_*`` phases. Files (config
     without secrets, result, logs) go to out_dir, by default ``<train.run_dir>/bootstrap``. The job
-    rendezvouses over ``cluster.store`` (its own job id). Raises RuntimeError when the job fails or
+    rendezvouses over ``store.kind`` (its own job id). Raises RuntimeError when the job fails or
     times out.
     """
     c = cfg.cluster

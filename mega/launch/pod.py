@@ -87,7 +87,7 @@ def _selfcheck(agent: list[str], cfg, node: int, attempt: int, client, prefix: s
         "--out",
         str(out),
         "--floors",
-        json.dumps(selfcheck_floors(cfg.cluster)),
+        json.dumps(selfcheck_floors(cfg)),
         "--device",
         cfg.cluster.device,
         "--timeout-s",

@@ -24,8 +24,8 @@ def hand_job(cfg: MegaConfig, data_index: str, config_path: str, attempt: int = 
     """The JobSpec of attempt ``attempt`` as the driver would hand it to a backend; the store's
     namespace is this job's own (no driver hands one out)."""
     env = {}
-    if cfg.cluster.store == "redis" and cfg.cluster.redis_url:
-        public, _ = rendezvous.split_redis_password(cfg.cluster.redis_url)
+    if cfg.store.kind == "redis" and cfg.store.redis_url:
+        public, _ = rendezvous.split_redis_password(cfg.store.redis_url)
         env = {rendezvous.REDIS_URL_ENV: public, rendezvous.JOB_ID_ENV: rendezvous.new_job_id(cfg)}
     return training_job(
         cfg, config_path, data_index, attempt, env, log_dir=Path(cfg.train.run_dir).absolute()

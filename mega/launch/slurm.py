@@ -95,11 +95,11 @@ def check(cfg: MegaConfig) -> None:
         _check_numa_binding(cfg)
     if s.max_requeues < 0:
         raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
-    if cfg.cluster.store == "redis" and cfg.cluster.redis_url is None and not cfg.cluster.start_local_redis:
+    if cfg.store.kind == "redis" and cfg.store.redis_url is None and not cfg.store.start_local_redis:
         raise ConfigError(
-            "cluster.redis_url",
-            "launcher=slurm with cluster.store=redis needs a Redis server "
-            "every node reaches: set cluster.redis_url or cluster.start_local_redis",
+            "store.redis_url",
+            "launcher=slurm with store.kind=redis needs a Redis server "
+            "every node reaches: set store.redis_url or store.start_local_redis",
         )
 
 

@@ -5,7 +5,6 @@ turns it into artifacts)."""
 from __future__ import annotations
 
 import base64
-import json
 import math
 import statistics
 from pathlib import Path
@@ -58,7 +57,7 @@ def straggler_threshold(run_dir: Path) -> float:
 
     path = run_dir / "config.json"
     if path.exists():
-        saved = mega_config.from_dict(json.loads(path.read_text()), validate_config=False)
+        saved = mega_config.load(path, validate_config=False)
         return saved.stability.straggler_factor
     return mega_config.StabilityConfig().straggler_factor
 

@@ -77,7 +77,7 @@ SIZE_PROBE_MODEL = [
 # cold processes: RankSampler finds the ranks by their command line (a warm rank shows its zygote's)
 RUN = [
     "checkpoint.interval=0",
-    "checkpoint.max_restarts=0",
+    "restart.max_restarts=0",
     "train.tensorboard=false",
     "optimizer.warmup_steps=1",
     "launcher.warm_processes=false",

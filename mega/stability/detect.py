@@ -3,7 +3,7 @@ incidents (mega.stability.incident).
 
 * **hang**: no rank's step advanced for ``stability.progress_factor`` x the median step time, at
   least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s`` while a rank saves), at
-  most ``cluster.hang_timeout_s``; or, sooner, for ``silent_after_s`` when one rank's heartbeat
+  most ``stability.hang_timeout_s``; or, sooner, for ``silent_after_s`` when one rank's heartbeat
   stopped while a peer still beats (a stopped or dead process: its heartbeat thread cannot run).
   Counted from the first step seen (start-up and restore are bounded by the ranks' own
   timeouts). ``localise`` names the culprit; ``poll`` returns the reason, and the driver stops
@@ -15,7 +15,7 @@ incidents (mega.stability.incident).
 * **store**: the heartbeat Redis does not answer for longer than ``2 x stability.heartbeat_s``
   (at least 4 socket timeouts). While it is out, and until every rank seen before has beaten
   again, the watcher is blind: no hang is declared from stale heartbeats and they are no straggler
-  evidence (``cluster.hang_timeout_s``'s stall check on metrics.jsonl still bounds a real hang).
+  evidence (``stability.hang_timeout_s``'s stall check on metrics.jsonl still bounds a real hang).
   When every rank beat again after Redis answered (or after ``silent_after_s`` without some: then
   those are silent and hang detection takes over), or when the attempt ends, the outage is one
   incident, action "reported": training never waits on Redis.
@@ -243,12 +243,15 @@ class Watcher:
 
     def threshold_s(self) -> float:
         limit = hang_threshold_s(
-            self.step_times[-50:], self.s.progress_factor, self.s.min_hang_s, self.cfg.cluster.hang_timeout_s
+            self.step_times[-50:],
+            self.s.progress_factor,
+            self.s.min_hang_s,
+            self.s.hang_timeout_s,
         )
         if any(b.get("phase") == "checkpoint" for b in self.beats.values()):
             # a save blocks the step for up to checkpoint.upload_timeout_s by design (synchronous
             # saves, the wait for the previous upload): not a hang until that is over too
-            limit = min(limit + self.cfg.checkpoint.upload_timeout_s, self.cfg.cluster.hang_timeout_s)
+            limit = min(limit + self.cfg.checkpoint.upload_timeout_s, self.s.hang_timeout_s)
         return limit
 
     def _hang(self, now: float) -> str | None:
@@ -256,15 +259,15 @@ class Watcher:
             return None
         if any(b.get("closed") for b in self.beats.values()):
             # a rank finished its training loop (its last beat): no more steps will come; the
-            # teardown is bounded by the launcher (cluster.hang_timeout_s, the job's exit)
+            # teardown is bounded by the launcher (stability.hang_timeout_s, the job's exit)
             return None
         stalled = now - self.last_progress
         limit = self.threshold_s()
         if self._silent_amid_beating(now):  # a frozen or dead rank: no need to wait out the step-time rule
             limit = min(limit, self.silent_after_s)
-        # at the cap, cluster.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and
+        # at the cap, stability.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and
         # close() localises it then: one verdict per hang, never two racing
-        if stalled <= limit or limit >= self.cfg.cluster.hang_timeout_s:
+        if stalled <= limit or limit >= self.s.hang_timeout_s:
             return None
         return self._declare_hang(now, stalled, limit)
 

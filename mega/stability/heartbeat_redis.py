@@ -78,17 +78,17 @@ def client_from_env(env: dict[str, str] | None = None):
 def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
     """Environment that points the ranks at the heartbeat Redis, valid inside the block.
 
-    ``cluster.store=redis``: the store's server (``store_env`` from ``rendezvous_env``). Otherwise
-    ``cluster.redis_url`` when set, else a local redis-server started for the block on ``host``
+    ``store.kind=redis``: the store's server (``store_env`` from ``rendezvous_env``). Otherwise
+    ``store.redis_url`` when set, else a local redis-server started for the block on ``host``
     (mega.cluster.rendezvous.redis_server_url). Empty when ``stability.enabled`` is off or no
-    Redis may be started (``cluster.start_local_redis=false`` without a URL).
+    Redis may be started (``store.start_local_redis=false`` without a URL).
     """
     from mega import rank_env
     from mega.cluster import rendezvous
 
-    c = cfg.cluster
+    s = cfg.store
     prefix = f"mega:hb:{secrets.token_hex(6)}"
-    if not cfg.stability.enabled or (c.store != "redis" and c.redis_url is None and not c.start_local_redis):
+    if not cfg.stability.enabled or (s.kind != "redis" and s.redis_url is None and not s.start_local_redis):
         yield {}
         return
     if store_env.get(rendezvous.REDIS_URL_ENV):

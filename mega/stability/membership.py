@@ -1,13 +1,13 @@
 """Which nodes run next: diagnosis before a restart, eviction, spares, and shrinking DP.
 
 When a node's ranks die (the driver's ``JobOutcome.failed_nodes``) and the run has a membership
-policy (``cluster.spare_nodes`` > 0 or ``cluster.min_nodes`` set), the nodes of the failed attempt
+policy (``restart.spare_nodes`` > 0 or ``restart.min_nodes`` set), the nodes of the failed attempt
 run the self-check (mega/cluster/selfcheck.py: GEMM, the intra-node all-to-all, node-pair
 exchanges) before the restart, as MegaScale does (NSDI'24, section 4.3). A node whose verdict is
 unhealthy is evicted for the rest of the run:
 
 * a spare takes its place (same node count, same layout): the run continues at full size;
-* with no spare left the run continues on fewer nodes when ``cluster.min_nodes`` allows: the
+* with no spare left the run continues on fewer nodes when ``restart.min_nodes`` allows: the
   model-parallel group (TP x PP) is unchanged, DP shrinks with the world, and the global batch
   stays the same through more microbatches per step. The data order depends on the step only, so
   the loss curve continues (to fp32 summation order), restored from ``latest`` through the
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class CannotContinue(RuntimeError):
-    """Neither a spare nor ``cluster.min_nodes`` lets the run go on without its evicted nodes."""
+    """Neither a spare nor ``restart.min_nodes`` lets the run go on without its evicted nodes."""
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Membership:
     @classmethod
     def initial(cls, cfg: MegaConfig) -> Membership:
         n = cfg.cluster.nodes
-        return cls(list(range(n)), list(range(n, n + cfg.cluster.spare_nodes)))
+        return cls(list(range(n)), list(range(n, n + cfg.restart.spare_nodes)))
 
     def job_rank(self, physical: int) -> int | None:
         """The job's node rank of a physical node (None: not in the job)."""
@@ -54,7 +54,7 @@ class Membership:
 
 def diagnosis_enabled(cfg: MegaConfig) -> bool:
     """Whether a node failure is diagnosed: only where a verdict can change who runs next."""
-    return cfg.cluster.spare_nodes > 0 or cfg.cluster.min_nodes is not None
+    return cfg.restart.spare_nodes > 0 or cfg.restart.min_nodes is not None
 
 
 def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
@@ -67,7 +67,7 @@ def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
     if world % mp:
         raise CannotContinue(
             f"{nodes} nodes x {c.procs_per_node} ranks = {world} is not a multiple of "
-            f"tp*pp={p.tp}*{p.pp} (cluster.min_nodes={c.min_nodes})"
+            f"tp*pp={p.tp}*{p.pp} (restart.min_nodes={cfg.restart.min_nodes})"
         )
     new = copy.deepcopy(cfg)
     new.cluster.nodes = nodes
@@ -100,16 +100,16 @@ def decide(cfg: MegaConfig, members: Membership, bad: list[int]) -> Decision:
             nodes[nodes.index(k)] = replaced[k]
         else:
             nodes.remove(k)
-    floor = cfg.cluster.min_nodes if cfg.cluster.min_nodes is not None else cfg.cluster.nodes
+    floor = cfg.restart.min_nodes if cfg.restart.min_nodes is not None else cfg.cluster.nodes
     if len(nodes) < floor:
         floor_text = (
-            f"cluster.min_nodes={cfg.cluster.min_nodes}"
-            if cfg.cluster.min_nodes is not None
-            else "cluster.min_nodes=null (never shrink)"
+            f"restart.min_nodes={cfg.restart.min_nodes}"
+            if cfg.restart.min_nodes is not None
+            else "restart.min_nodes=null (never shrink)"
         )
         raise CannotContinue(
             f"node(s) {bad} failed the self-check; {len(nodes)} healthy node(s) left, no spare "
-            f"(cluster.spare_nodes={cfg.cluster.spare_nodes}), and {floor_text} does not allow {len(nodes)}"
+            f"(restart.spare_nodes={cfg.restart.spare_nodes}), and {floor_text} does not allow {len(nodes)}"
         )
     new_cfg = cfg if len(nodes) == len(members.nodes) else resize(cfg, len(nodes))
     if new_cfg is cfg:  # same layout on other nodes: the drills of the old nodes end too

@@ -1,7 +1,7 @@
 """Rendezvous stores beyond torch's TCPStore: ``RedisStore`` and a local ``RedisServer``.
 
 A store here is a ``torch.distributed.Store``: the small key-value service ranks meet through
-(``cluster.store``). Checkpoint files go to ``mega.storage``, a different thing.
+(``store.kind``). Checkpoint files go to ``mega.storage``, a different thing.
 
 Names resolve lazily: ``mega.store.redis_server`` (server, URL helpers) imports neither torch nor
 redis-py at import time, so config validation can use it cheaply; ``RedisStore`` needs torch.

@@ -12,7 +12,7 @@ the C++ side calls back into this Python object for each operation::
 
 Keys are recorded as the wrapped store sees them, i.e. with torch's ``PrefixStore`` prefixes
 (``"<group name>/cpu/rank_3"``). Training and bootstrap ranks record through it with
-``cluster.record_store=true`` (``mega.cluster.rendezvous.init_process_group``), writing
+``store.record=true`` (``mega.cluster.rendezvous.init_process_group``), writing
 ``<train.run_dir>/store-traffic/<part>/rank-<r>.json`` once their groups exist.
 
 Blocking operations are recorded when they are issued (before they block), so a recording taken

@@ -344,7 +344,7 @@ class RedisStore(dist.Store):
         how = "with a password" if self._fields["password"] else "without a password"
         return RedisAuthError(
             f"Redis at {self.address} refused {who} {how}: {self._scrub(err)} "
-            "(check cluster.redis_url or $MEGA_REDIS_PASSWORD)"
+            "(check store.redis_url or $MEGA_REDIS_PASSWORD)"
         )
 
     def _scrub(self, err: Exception) -> str:
