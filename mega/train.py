@@ -381,7 +381,7 @@ def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> Ran
         # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
         beat=heartbeat.start(cfg),
         skips=rollback.steps_to_skip(cfg),  # batches never trained on (docs/stability.md)
-        losses=rollback.LossWindow(cfg),  # recent losses: the spike rule
+        losses=rollback.LossWindow.resumed(cfg, start_step),  # recent losses: the spike rule
         verdicts=rollback.verdict_group(),  # a gloo group of the training thread's own
         me=node.identity(),
         start_step=start_step,

@@ -114,6 +114,28 @@ def test_spike_rule_is_a_robust_z_score_of_increases_only():
     assert not _window(losses, spike_z=0).is_spike(50.0)
 
 
+def test_a_restart_judges_spikes_with_the_window_of_the_run_without_it(tmp_path):
+    """A relaunch from step 24 rebuilds the window from metrics.jsonl: the losses of the good
+    steps up to 24 (a skipped step's NaN and a failed attempt's steps past 24 left out), so the
+    spike right after the restart is flagged as the uninterrupted run flags it."""
+    cfg = compose([f"train.run_dir={tmp_path}", "stability.spike_window=8"])
+    uninterrupted = rollback.LossWindow(cfg)
+    rows = []
+    for step in range(1, 25):
+        loss = float("nan") if step == 20 else 5.0 + 0.01 * (step % 5)  # step 20 skipped
+        rows.append({"step": step, "attempt": 0, "loss": loss})
+        if math.isfinite(loss):
+            uninterrupted.add(loss)
+    # the attempt that failed after step 24 logged steps 25-27; the relaunch redoes them
+    rows += [{"step": s, "attempt": 0, "loss": 9.0} for s in (25, 26, 27)]
+    rows += [{"step": 23, "attempt": 1, "loss": rows[22]["loss"]}]  # a repeated step: the last wins
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    resumed = rollback.LossWindow.resumed(cfg, 24)
+    assert list(resumed.losses) == list(uninterrupted.losses) and len(resumed.losses) == 8
+    assert resumed.is_spike(8.0) and uninterrupted.is_spike(8.0)
+    assert not rollback.LossWindow(cfg).is_spike(8.0)  # an empty window would let it through
+
+
 @pytest.mark.slow
 def test_curve_after_skip_equals_a_run_that_never_saw_the_batch(runs):
     _, (drill, _), (reference, _) = runs

@@ -78,6 +78,20 @@ class LossWindow:
         self.z_max, self.min_increase, self.min_steps = s.spike_z, s.spike_min_increase, s.spike_min_steps
         self.losses: deque[float] = deque(maxlen=s.spike_window)
 
+    @classmethod
+    def resumed(cls, cfg: MegaConfig, start_step: int) -> LossWindow:
+        """The window an uninterrupted run has after ``start_step`` steps: the losses of the good
+        steps up to it, as logged (the logging rank's own floats; a bad step is never logged, a
+        skipped one logs NaN). A restart judges the next losses exactly as the run without the
+        restart would: a spike right after a relaunch is still a spike."""
+        from mega.metrics import read_metrics
+
+        window = cls(cfg)
+        for row in read_metrics(cfg.train.run_dir):
+            if row["step"] <= start_step and math.isfinite(row.get("loss", math.nan)):
+                window.add(row["loss"])
+        return window
+
     def z_score(self, loss: float) -> float | None:
         """The loss's robust z-score against the window, None until the window has min_steps."""
         if len(self.losses) < self.min_steps:
