@@ -33,31 +33,40 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_SCRATCH / "torchinductor")
 
 
+def _session_dir(tmp_path_factory) -> Path:
+    """This session's temporary directory that the xdist workers share (not older sessions')."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
-    """One data cache for the session (MEGA_TEST_DATA_CACHE to keep it between sessions)."""
+    """One data cache for the session, shared by the xdist workers (mega.data's preparation locks
+    what it writes; MEGA_TEST_DATA_CACHE to keep it between sessions)."""
     keep = os.environ.get("MEGA_TEST_DATA_CACHE")
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        return Path(keep)
-    return tmp_path_factory.mktemp("data-cache")
+    cache = Path(keep) if keep else _session_dir(tmp_path_factory) / "data-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
 def data_index(data_cache) -> Path:
-    """index.json of the default corpus tokenized for the tiny model (vocab 512), prepared once."""
+    """index.json of the default corpus tokenized for the tiny model (vocab 512), prepared once per
+    session: the worker that comes second waits for it (one download, one tokenizer training)."""
+    from filelock import FileLock
+
     from mega.config import DataConfig
     from mega.data import prepare_dataset
 
-    return prepare_dataset(DataConfig(cache_dir=str(data_cache)), vocab_size=512, progress=False)
+    (data_cache / ".locks").mkdir(exist_ok=True)
+    with FileLock(str(data_cache / ".locks" / "tests-data-index")):
+        return prepare_dataset(DataConfig(cache_dir=str(data_cache)), vocab_size=512, progress=False)
 
 
-@pytest.fixture(scope="session")
-def single_process_reference(tmp_path_factory, data_index, data_cache):
-    """The tiny model trained REFERENCE_STEPS steps in one process: the curve that layouts,
-    evictions and recoveries are compared with (a run's checkpoints and evaluation do not change
-    its losses). Trained once per session: the xdist workers share it through a lock in their
-    common temporary directory. Has ``run_dir`` and ``metrics``."""
+def _shared_reference(tmp_path_factory, data_index, data_cache, name: str, overrides: list[str]):
+    """The tiny model trained REFERENCE_STEPS steps with ``overrides`` (no checkpoints), once per
+    session: the xdist workers share it through a lock in their common temporary directory.
+    Has ``run_dir``, ``metrics`` and ``attempts``."""
     from types import SimpleNamespace
 
     from filelock import FileLock
@@ -65,17 +74,35 @@ def single_process_reference(tmp_path_factory, data_index, data_cache):
 
     from mega.metrics import read_metrics
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, not older ones'
-    run_dir = shared / "single-process-reference"
-    with FileLock(str(shared / "single-process-reference.lock")):
+    shared = _session_dir(tmp_path_factory)
+    run_dir = shared / name
+    with FileLock(str(shared / f"{name}.lock")):
         if not (run_dir / "done").exists():
-            overrides = ["parallelism=single", "checkpoint.interval=0"]
-            tiny_run(
+            overrides = [*overrides, "checkpoint.interval=0"]
+            result = tiny_run(
                 run_dir, data_index, data_cache, overrides, steps=REFERENCE_STEPS, log=lambda message: None
             )
-            (run_dir / "done").touch()
-    return SimpleNamespace(run_dir=run_dir, metrics=read_metrics(run_dir))
+            (run_dir / "done").write_text(json.dumps({"attempts": result.attempts}))
+    done = json.loads((run_dir / "done").read_text())
+    return SimpleNamespace(run_dir=run_dir, metrics=read_metrics(run_dir), attempts=done["attempts"])
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory, data_index, data_cache):
+    """The tiny model in one process: the curve that layouts, evictions and recoveries are
+    compared with (a run's checkpoints and evaluation do not change its losses)."""
+    return _shared_reference(
+        tmp_path_factory, data_index, data_cache, "single-process-reference", ["parallelism=single"]
+    )
+
+
+@pytest.fixture(scope="session")
+def one_node_3d_reference(tmp_path_factory, data_index, data_cache):
+    """TP2xPP2xDP2 as 8 ranks of one node (launcher=local): the losses every node layout of that
+    parallelism (local nodes, Slurm nodes) must reproduce bit for bit."""
+    return _shared_reference(
+        tmp_path_factory, data_index, data_cache, "one-node-3d-reference", ["parallelism=tp2-pp2-dp2"]
+    )
 
 
 @pytest.fixture

@@ -189,3 +189,23 @@ def test_write_results_tap_reports_each_piece_and_passes_results_on():
     failed = megatron_io.WriteResultsTap(Queue())
     failed.put(RuntimeError("worker died"))
     assert failed.pieces() == {}
+
+
+def test_the_writers_results_queue_is_in_process_and_starts_no_process(monkeypatch):
+    """megatron's writer takes its results queue from ``_get_write_results_queue()``: once mega has
+    set it, that is an in-process ``queue.Queue`` (put from the writer's thread, read with
+    ``get_nowait`` by the finalisation), and getting it starts no process (megatron's own would
+    spawn a Manager server importing the rank's ``__main__``)."""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    before = set(multiprocessing.active_children())
+    megatron_io.use_in_process_results_queue()
+    results = filesystem_async._get_write_results_queue()
+    assert type(results) is queue.Queue and filesystem_async._get_write_results_queue() is results
+    results.put({0: ["written"]})
+    assert results.get_nowait() == {0: ["written"]}
+    assert set(multiprocessing.active_children()) == before

@@ -194,14 +194,10 @@ def train(run_dir, data_index, data_cache, overrides, log=print, steps=STEPS):
 
 
 @pytest.fixture(scope="module")
-def one_node(tmp_path_factory, data_index, data_cache):
-    """TP2xPP2xDP2 as 8 ranks of one node: the losses every node layout must reproduce bit for bit."""
-    return train(
-        tmp_path_factory.mktemp("one-node"),
-        data_index,
-        data_cache,
-        ["parallelism=tp2-pp2-dp2", "checkpoint.interval=0"],
-    )
+def one_node(one_node_3d_reference):
+    """TP2xPP2xDP2 as 8 ranks of one node: the losses every node layout must reproduce bit for bit
+    (conftest: shared with tests/test_slurm_cluster.py)."""
+    return one_node_3d_reference
 
 
 @pytest.fixture(scope="module")

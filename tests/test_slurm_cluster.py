@@ -100,11 +100,10 @@ def _job_ids(run_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def local_losses(tmp_path_factory, data_index):
-    """The same layout on one node under launcher=local: the reference curve."""
-    run_dir = tmp_path_factory.mktemp("slurm-ref") / "run"
-    cfg = compose([*LAYOUT, "cluster.procs_per_node=8", f"train.run_dir={run_dir}", "train.steps=4"])
-    return [m["loss"] for m in run_training(cfg, data_index, log=lambda _: None).metrics]
+def local_losses(one_node_3d_reference):
+    """The same layout on one node under launcher=local: the reference curve (conftest: shared with
+    tests/test_launch.py)."""
+    return [m["loss"] for m in one_node_3d_reference.metrics]
 
 
 def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_out_of_slurm(

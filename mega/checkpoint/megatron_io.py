@@ -1,6 +1,14 @@
 """Where mega's checkpoints plug into megatron-core's dist_checkpointing (and torch DCP under it).
 
-Three seams, each a small object megatron calls, none a patch of megatron's code:
+Four seams, each a small object megatron calls or reads, none a patch of megatron's code:
+
+* ``use_in_process_results_queue``: the queue megatron's asynchronous writer reports its write
+  results on. megatron creates it on first use as a ``multiprocessing`` Manager queue of the spawn
+  context, because its own async caller runs the writer in another process; starting that
+  Manager spawns a server process that imports the rank's ``__main__`` (mega.train: torch and
+  megatron), seconds of every rank's first save of every attempt. mega runs the writer in the
+  rank's stage-2 thread (the writer puts its results from the calling thread), so an in-process
+  queue carries them.
 
 * ``WriteResultsTap``: stands in for megatron's results queue in the asynchronous writer's
   arguments. It sees this rank's write results -- (file, offset, length) of every serialised
@@ -25,6 +33,7 @@ fails ``tests/test_checkpoint_seams.py``.
 from __future__ import annotations
 
 import io
+import queue
 from contextlib import contextmanager
 from functools import partial
 
@@ -38,6 +47,10 @@ RELIED_ON_SOURCES = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.get_save_function_and_args": "0ff91ddb4e33e526",
     "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.write_preloaded_data_multiproc": "bef05e8d525e7eed",
     "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.write_preloaded_data": "0aef9e6cbe573e10",
+    # use_in_process_results_queue: the module-level queue is made on first use only, and read
+    # with get_nowait() by the finalisation
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:_get_write_results_queue": "349269cbdd569d41",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.retrieve_write_results": "2eea63c5350046e0",
     # optimizer_load_request mirrors the first, is called by the second, is read by the third.
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fully_reshardable": "e888c7cccb71525a",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict": "2d70893ff7c08a35",
@@ -54,7 +67,16 @@ _OPTIMIZER_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # as get_parameter_s
 
 
 # ---------------------------------------------------------------------------------------------
-# Save: which bytes of each file hold which serialised item
+# Save: the writer's results queue, and which bytes of each file hold which serialised item
+
+
+def use_in_process_results_queue() -> None:
+    """Make megatron's write-results queue an in-process ``queue.Queue`` (see the module
+    docstring) unless it already has one; before the first save of the process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 class WriteResultsTap:

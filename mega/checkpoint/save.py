@@ -242,6 +242,7 @@ class Checkpointer:
         # cached and validated by megatron after two saves (megatron's
         # --ckpt-assume-constant-structure); the sharding is validated on the first save only.
         self._strategy = _save_strategy()
+        megatron_io.use_in_process_results_queue()
         self._validated = False
         self._durable = self._latest_now()  # what `latest` names: the last durable checkpoint
 
