@@ -65,6 +65,8 @@ def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") 
         "",
         *(["# launcher.slurm.setup", *s.setup, ""] if s.setup else []),
         *_exported_env(cfg, job),
+        "# the secrets (mode 0600, written by the submitter): the driver and each step's tasks read them",
+        "# shellcheck source=/dev/null",
         READ_PRIVATE_ENV,
         f"exec {python} -m {job.module} {shlex.join(job.args)}",
         "",

@@ -8,8 +8,8 @@ the first N hosts of the allocation that are not excluded: a lost host is left o
 step's ``--nodelist`` and a spare takes its place, with no new submission and no queue wait. The
 job is submitted with ``--no-kill``, so Slurm does not end it when one of its nodes fails.
 
-* ``stop()``: ``scancel`` of the step and a bounded wait for ``srun``; a node whose task reported
-  nothing by then (no exit file: a killed task reports its SIGTERM) is lost, named by
+* ``stop()``: SIGTERM to the step (each node's task reports it in its exit file, then ends) and a
+  bounded wait for ``srun``; a node whose task reported nothing by then is lost, named by
   ``lost_hosts()`` like a node Slurm holds down.
 * Steps may overlap (``--overlap``): a step left on a lost node until Slurm judges it does not hold
   the next step's CPUs on the live ones.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -119,21 +120,26 @@ class SlurmStepBackend(SlurmBackend):
         ]
 
     def stop(self) -> None:
-        """``scancel`` the step and wait for ``srun``, at most ``stop_timeout_s``; nodes whose task
-        reported nothing by then are lost (``lost_hosts``)."""
-        if self._ended():
-            self._stuck_hosts = self._silent_hosts()
-            return
-        if steps := self._step_ids():
-            _slurm("scancel", *steps, check=False)
-        else:
-            self._srun.terminate()  # the step is not in squeue (yet): srun passes SIGTERM to the tasks
-        try:
-            self._srun.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            self._srun.kill()
-            self._srun.wait(30)
-        self._stuck_hosts = self._silent_hosts()
+        """SIGTERM to the step's tasks (each reports it, then ends), a wait for ``srun`` of at most
+        ``stop_timeout_s``, then ``scancel`` of the step; nodes whose task reported nothing are lost
+        (``lost_hosts``), never this driver's own."""
+        if not self._ended():
+            steps = self._step_ids()
+            if steps:
+                _slurm("scancel", "--signal=TERM", *steps, check=False)
+            else:
+                self._srun.terminate()  # the step is not in squeue yet: srun ends it
+            try:
+                self._srun.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.log(
+                    f"step {self._step_name} of job {self.job_id}: still running after SIGTERM; cancelling it"
+                )
+                if steps:
+                    _slurm("scancel", *steps, check=False)
+                self._srun.kill()
+                self._srun.wait(30)
+        self._stuck_hosts = [h for h in self._silent_hosts() if h != socket.gethostname()]
         if self._stuck_hosts:
             self.log(
                 f"step {self._step_name} of job {self.job_id}: no report from {', '.join(self._stuck_hosts)}"
