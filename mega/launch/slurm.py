@@ -275,13 +275,13 @@ def render_sbatch(
     ]
     if cfg.launcher.slurm.setup:
         lines += ["# launcher.slurm.setup", *cfg.launcher.slurm.setup, ""]
-    lines += _exported_env(cfg, job)
+    lines += exported_env(cfg, job)
     lines += _signal_and_master(cfg, python, exit_dir, log_dir)
-    lines += _srun_nodes(cfg, job, _node_task(cfg, job, python, exit_dir))
+    lines += _srun_nodes(cfg, job, node_task(cfg, job, python, exit_dir))
     return "\n".join(lines)
 
 
-def _node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str:
+def node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str:
     """``_NODE_TASK`` for this job: its agent's command line, log and exit files, each node's own
     (``$SLURM_NODEID``) expanded by that node's bash."""
     placeholders = {
@@ -314,7 +314,7 @@ def job_env(cfg: MegaConfig, job: JobSpec) -> dict[str, str]:
     return env
 
 
-def _exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
+def exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
     """``export`` lines of ``cluster.env`` and the attempt's variables (never a secret)."""
     env = job_env(cfg, job)
     if not env:
@@ -410,7 +410,9 @@ class SlurmError(RuntimeError):
     pass
 
 
-def _slurm(*argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = None, check: bool = True) -> str:
+def slurm_command(
+    *argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = None, check: bool = True
+) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
@@ -426,7 +428,7 @@ def _slurm(*argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = Non
 
 def job_info(job_id: str) -> dict[str, str]:
     """``scontrol show job`` as a dict (JobState, NodeList, ExcHNodeList, ...); {} once Slurm forgot it."""
-    out = _slurm("scontrol", "show", "job", "-o", job_id, check=False)
+    out = slurm_command("scontrol", "show", "job", "-o", job_id, check=False)
     fields = {}
     for m in re.finditer(r"(\w+(?:/\w+)?)=(\S*)", out):
         fields.setdefault(m.group(1), m.group(2))
@@ -442,10 +444,10 @@ def hostnames(nodelist: str) -> list[str]:
     """``node[1-3]`` -> [node1, node2, node3] (Slurm's order: node rank k runs on the k-th)."""
     if not nodelist or nodelist == "(null)":
         return []
-    return _slurm("scontrol", "show", "hostnames", nodelist).split()
+    return slurm_command("scontrol", "show", "hostnames", nodelist).split()
 
 
-def _unusable(state: str) -> bool:
+def unusable(state: str) -> bool:
     """A node state (``sinfo %t``) a job cannot run on: down, drained, failing, or not responding (*)."""
     return state.endswith("*") or bool(re.match(r"(down|drain|drng|fail|maint|unk|npc)", state))
 
@@ -465,7 +467,7 @@ ENDED = {
 
 def controller_address() -> str:
     """The address of slurmctld (``SlurmctldHost`` in the configuration the clients read)."""
-    out = _slurm("scontrol", "show", "config")
+    out = slurm_command("scontrol", "show", "config")
     m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out, re.M)
     if not m:
         raise SlurmError("`scontrol show config` names no SlurmctldHost")
@@ -583,7 +585,7 @@ class SlurmBackend:
         path = attempt_dir / "job.sbatch"
         path.write_text(script)
         submit_env = {k: v for k, v in os.environ.items() if not is_secret(k)}
-        self.job_id = _slurm("sbatch", "--parsable", str(path), env=submit_env).strip().split(";")[0]
+        self.job_id = slurm_command("sbatch", "--parsable", str(path), env=submit_env).strip().split(";")[0]
         self._hosts = []
         self._stuck_hosts = []
         (attempt_dir / "job_id").write_text(self.job_id)
@@ -617,9 +619,9 @@ class SlurmBackend:
         hosts = self.hosts()
         if not hosts:
             return []
-        out = _slurm("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
+        out = slurm_command("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
         bad = {
-            n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)
+            n for n, state in (line.split() for line in out.splitlines() if line.strip()) if unusable(state)
         }
         return [h for h in hosts if h in bad or h in self._stuck_hosts]
 
@@ -628,10 +630,10 @@ class SlurmBackend:
         argv = ["sinfo", "-h", "-N", "-o", "%N %t"]
         if self.cfg.launcher.slurm.partition:
             argv += ["-p", self.cfg.launcher.slurm.partition]
-        out = _slurm(*argv, check=False)
+        out = slurm_command(*argv, check=False)
         states = dict(line.split() for line in out.splitlines() if line.strip())
         excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
-        return sum(1 for n, st in states.items() if n not in excluded and not _unusable(st))
+        return sum(1 for n, st in states.items() if n not in excluded and not unusable(st))
 
     def resize(self, cfg: MegaConfig) -> None:
         """Later attempts run ``cfg`` (fewer nodes after a loss, mega.stability.membership.resize)."""
@@ -648,7 +650,7 @@ class SlurmBackend:
             return
         self.hosts()  # while Slurm still knows the job
         if not self._ended() and any(c is None for c in self.poll().values()):
-            _slurm("scancel", self.job_id, check=False)
+            slurm_command("scancel", self.job_id, check=False)
         deadline = time.monotonic() + self.stop_timeout_s
         while (info := job_info(self.job_id)) and info.get("JobState") not in ENDED:
             if time.monotonic() > deadline:
@@ -671,7 +673,7 @@ class SlurmBackend:
         """``scancel`` every queued or running job of this run (its script lies under this run's
         ``slurm/``) and wait, bounded, until Slurm says they ended: a recovery calls it before it
         submits, so one run never has two jobs writing the same checkpoints."""
-        out = _slurm("squeue", "-h", "-o", "%i %o")
+        out = slurm_command("squeue", "-h", "-o", "%i %o")
         ids = [
             i
             for i, command in (line.split(None, 1) for line in out.splitlines() if " " in line.strip())
@@ -679,7 +681,7 @@ class SlurmBackend:
         ]
         if not ids:
             return []
-        _slurm("scancel", *ids, check=False)
+        slurm_command("scancel", *ids, check=False)
         deadline = time.monotonic() + self.stop_timeout_s
         while time.monotonic() < deadline:
             if all(not (info := job_info(i)) or info.get("JobState") in ENDED for i in ids):

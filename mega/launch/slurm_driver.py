@@ -28,7 +28,7 @@ from mega.launch.slurm import (
     ENDED,
     READ_PRIVATE_ENV,
     SlurmBackend,
-    _exported_env,
+    exported_env,
     job_state,
     sbatch_directives,
 )
@@ -64,7 +64,7 @@ def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") 
         "set -euo pipefail",
         "",
         *(["# launcher.slurm.setup", *s.setup, ""] if s.setup else []),
-        *_exported_env(cfg, job),
+        *exported_env(cfg, job),
         "# the secrets (mode 0600, written by the submitter): the driver and each step's tasks read them",
         "# shellcheck source=/dev/null",
         READ_PRIVATE_ENV,

@@ -30,13 +30,13 @@ from mega import ports
 from mega.launch.backend import JobSpec
 from mega.launch.slurm import (
     SlurmBackend,
-    _node_task,
-    _slurm,
-    _unusable,
     hostnames,
     is_secret,
     job_env,
+    node_task,
+    slurm_command,
     srun_argv,
+    unusable,
 )
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class SlurmStepBackend(SlurmBackend):
             "--overlap",
             "bash",
             "-c",
-            _node_task(self.cfg, public, sys.executable, self._exit_dir),
+            node_task(self.cfg, public, sys.executable, self._exit_dir),
         ]
         (attempt_dir / "srun.sh").write_text(shlex.join(argv) + "\n")  # for a person to read
         with open(attempt_dir / "srun.log", "ab") as out:
@@ -112,7 +112,7 @@ class SlurmStepBackend(SlurmBackend):
         return self._srun is None or self._srun.poll() is not None
 
     def _step_ids(self) -> list[str]:
-        out = _slurm("squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j", check=False)
+        out = slurm_command("squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j", check=False)
         return [
             i
             for i, name in (line.split(None, 1) for line in out.splitlines() if " " in line)
@@ -126,7 +126,7 @@ class SlurmStepBackend(SlurmBackend):
         if not self._ended():
             steps = self._step_ids()
             if steps:
-                _slurm("scancel", "--signal=TERM", *steps, check=False)
+                slurm_command("scancel", "--signal=TERM", *steps, check=False)
             else:
                 self._srun.terminate()  # the step is not in squeue yet: srun ends it
             try:
@@ -136,7 +136,7 @@ class SlurmStepBackend(SlurmBackend):
                     f"step {self._step_name} of job {self.job_id}: still running after SIGTERM; cancelling it"
                 )
                 if steps:
-                    _slurm("scancel", *steps, check=False)
+                    slurm_command("scancel", *steps, check=False)
                 self._srun.kill()
                 self._srun.wait(30)
         self._stuck_hosts = [h for h in self._silent_hosts() if h != socket.gethostname()]
@@ -151,10 +151,10 @@ class SlurmStepBackend(SlurmBackend):
 
     def usable_nodes(self) -> int:
         """Hosts of the allocation that are up and not excluded."""
-        out = _slurm("sinfo", "-h", "-N", "-n", ",".join(self.allocated), "-o", "%N %t", check=False)
+        out = slurm_command("sinfo", "-h", "-N", "-n", ",".join(self.allocated), "-o", "%N %t", check=False)
         states = dict(line.split() for line in out.splitlines() if line.strip())
         excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
-        return sum(1 for h in self.allocated if h not in excluded and not _unusable(states.get(h, "down")))
+        return sum(1 for h in self.allocated if h not in excluded and not unusable(states.get(h, "down")))
 
     def cancel_run_jobs(self) -> list[str]:
         """Nothing: the submitting process cancelled the run's old jobs before it submitted this one."""
