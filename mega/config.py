@@ -364,6 +364,11 @@ class SlurmConfig:
     # CPUs, no GPU) runs in; null: the cluster's default partition. Not the GPU partition: a driver
     # would hold a GPU node for days doing nothing.
     driver_partition: str | None = None
+    # Where the driver of a run runs: "host", where the flow runs (each attempt its own sbatch job);
+    # "allocation", on the first node of one batch job that holds the run's nodes (each attempt an
+    # srun step of that job). docs/cluster.md
+    driver: str = choice("host", "allocation")
+    spare_nodes: int = 0  # driver=allocation: extra nodes in the job that replace lost ones
 
 
 @dataclass

@@ -13,8 +13,16 @@ import pytest
 
 from mega.launch import slurm_local
 
-SUBNET = "10.216.0.0/24"  # apart from the launcher's defaults and `slurm_local up`'s own
-NET_ID = "slurmt"
+# apart from the launcher's defaults and `slurm_local up`'s own; another pair lets two sessions on
+# one machine each run a cluster of their own
+SUBNET = os.environ.get("MEGA_TEST_SLURM_SUBNET", "10.216.0.0/24")
+NET_ID = os.environ.get("MEGA_TEST_SLURM_NET_ID", "slurmt")
+
+
+def host(k: int) -> str:
+    """Node k's hostname in the session's cluster."""
+    return f"mega-{NET_ID}-n{k}"
+
 
 needs_slurm = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("slurmctld") is None or shutil.which("munged") is None,

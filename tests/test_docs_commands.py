@@ -48,8 +48,9 @@ ENTRY_POINTS: dict[str, Callable[[list[str]], object]] = {
     "mega.bench.tp_overlap": _check("mega.bench.tp_overlap", "parse_args"),
 }
 # Started by mega itself with a JSON spec (docs name it to say what runs): it must exist.
-# mega.train: the rank program torchrun agents start with a resolved config.
-INTERNAL_MODULES = {"mega.data.loader", "mega.train"}
+# mega.train: the rank program torchrun agents start with a resolved config; mega.launch.in_allocation:
+# the driver a Slurm job of launcher.slurm.driver=allocation starts on its first node.
+INTERNAL_MODULES = {"mega.data.loader", "mega.train", "mega.launch.in_allocation"}
 # Other people's programs: the repository paths they are given must exist.
 EXTERNAL_MODULES = {"pip", "pytest"}
 # (shell builtins that docs show setting up a session count too)

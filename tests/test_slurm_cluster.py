@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import needs_slurm, slurm_cluster  # noqa: F401 - the fixture
+from slurm_cluster import host, needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 from mega.config import compose
-from mega.launch import slurm, slurm_local
+from mega.launch import netns, slurm, slurm_local
 from mega.launch.driver import run_training
 from mega.metrics import read_metrics
 from mega.stability.incident import read_incidents
@@ -138,9 +138,7 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
     assert "mega-run-train-attempt0" in watch.names
     hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}  # the self-check's Slurm job
-    assert summary["selfcheck"]["healthy"] and hosts == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}, (
-        summary
-    )
+    assert summary["selfcheck"]["healthy"] and hosts == {(0, host(0)), (1, host(1))}, summary
 
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert max(abs(a - b) for a, b in zip(losses, local_losses, strict=True)) <= 1e-6, (losses, local_losses)
@@ -150,7 +148,7 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
         for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
         for line in p.read_text().splitlines()
     ]
-    assert {(p["node"], p["host"]) for p in procs} == {(0, "mega-slurmt-n0"), (1, "mega-slurmt-n1")}
+    assert {(p["node"], p["host"]) for p in procs} == {(0, host(0)), (1, host(1))}
     beats = json.loads((run_dir / "heartbeats-attempt0.json").read_text())
     assert sorted(int(r) for r, b in beats["ranks"].items() if b["sent"] > 0) == list(range(8))
 
@@ -161,7 +159,8 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert {"MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD"} <= set(
         watch.secrets
     )  # the ranks read them there
-    assert "MEGA_REDIS_URL=redis://10.216.0.1:" in stored  # the job's environment is in Slurm ...
+    bridge = netns.plan(slurm_cluster.subnet, slurm_cluster.nodes, slurm_cluster.net_id).bridge_address
+    assert f"MEGA_REDIS_URL=redis://{bridge}:" in stored  # the job's environment is in Slurm ...
     for value in [S3_SECRET, *(v.strip("'") for v in watch.secrets.values())]:
         assert value not in stored and value not in script  # ... its secrets are not
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
@@ -224,7 +223,7 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     [inc] = read_incidents(run_dir)
     assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
     c = inc["culprit"]
-    assert (c["rank"], c["node"], c["host"], c["reason"]) == (1, 1, "mega-slurmt-n1", "silent"), c
+    assert (c["rank"], c["node"], c["host"], c["reason"]) == (1, 1, host(1), "silent"), c
     first, second = _job_ids(run_dir)
     assert slurm.job_info(first)["JobState"] == "CANCELLED"  # ended by the driver, before the next submission
     assert slurm.job_info(second)["JobState"] == "COMPLETED"
@@ -332,15 +331,15 @@ def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_c
     assert killed.get(1) and killed.get(2), f"nodes killed: {sorted(killed)}"
     assert result.final_step == 6, result.history
     assert [h.get("excluded_hosts") for h in result.history[-3:]] == [
-        ["mega-slurmt-n1"],
-        ["mega-slurmt-n2"],
+        [host(1)],
+        [host(2)],
         None,
     ]
     spare, shrunk = (slurm.job_info(j) for j in _job_ids(run_dir)[-2:])
-    assert spare["ExcNodeList"] == "mega-slurmt-n1"
-    assert slurm.hostnames(spare["NodeList"]) == ["mega-slurmt-n0", "mega-slurmt-n2"]
-    assert slurm.hostnames(shrunk["ExcNodeList"]) == ["mega-slurmt-n1", "mega-slurmt-n2"]
-    assert slurm.hostnames(shrunk["NodeList"]) == ["mega-slurmt-n0"] and shrunk["NumNodes"] == "1"
+    assert spare["ExcNodeList"] == host(1)
+    assert slurm.hostnames(spare["NodeList"]) == [host(0), host(2)]
+    assert slurm.hostnames(shrunk["ExcNodeList"]) == [host(1), host(2)]
+    assert slurm.hostnames(shrunk["NodeList"]) == [host(0)] and shrunk["NumNodes"] == "1"
     assert any("continuing on 1 node(s), dp 1" in line for line in said), said
     last = json.loads((run_dir / "config.json").read_text())
     assert (last["cluster"]["nodes"], last["parallelism"]["dp"]) == (1, 1)
@@ -381,6 +380,77 @@ def test_a_recovery_cancels_the_runs_live_job_before_it_submits_and_no_other(
         assert slurm.job_info(jobs["other"])["JobState"] == "RUNNING"
     finally:
         subprocess.run(["scancel", *jobs.values()], timeout=30)
+
+
+IN_ALLOCATION = ["launcher.slurm.driver=allocation", "launcher.slurm.signal_grace_s=0"]
+# 2 nodes and a spare in one job; checkpoints every 2 steps
+ALLOCATION_RUN = ["train.steps=4", "checkpoint.interval=2", "restart.backoff_s=0"]
+
+
+@pytest.fixture(scope="module")
+def allocation_run(slurm_cluster, tmp_path_factory, data_index):
+    """One run with launcher.slurm.driver=allocation (2 nodes + 1 spare, dp2) in which node 1 dies
+    at step 2 (every process in its namespace), and the jobs squeue showed meanwhile."""
+    run_dir = tmp_path_factory.mktemp("slurm-alloc") / "run"
+    cfg = _drill_cfg(
+        run_dir,
+        *ALLOCATION_RUN,
+        "launcher.slurm.stop_timeout_s=5",
+        "launcher.slurm.spare_nodes=1",
+        *IN_ALLOCATION,
+    )
+    killed: dict[int, list[int]] = {}
+    killer = _when_step(run_dir, 2, lambda: killed.update({1: slurm_local.kill_node(slurm_cluster, 1)}), None)
+    watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
+    watch.start()
+    said: list[str] = []
+    try:
+        result = run_training(cfg, data_index, log=said.append)
+    finally:
+        watch.halt.set()
+        watch.join(10)
+        killer.join(10)
+        if killed:
+            slurm_local.restart_node(slurm_cluster, 1)
+    assert killed.get(1), "node 1 was never killed"
+    return run_dir, result, said, watch.names
+
+
+def test_the_driver_in_the_allocation_runs_on_its_first_node_with_one_job_for_the_run(
+    allocation_run, tmp_path, data_index
+):
+    """driver=allocation: one Slurm job for the whole run (its relaunch included), whose first node
+    runs the driver (its log passed on to the submitter's); the losses equal one local node's (dp2),
+    the relaunch after the lost node continuing the same curve."""
+    run_dir, result, said, names = allocation_run
+    assert result.final_step == 4, result.history
+    assert names == {"mega-run-driver"}  # one job, never one per attempt
+    [job_id] = _job_ids(run_dir)
+    assert f"driver on {host(0)} in Slurm job {job_id}" in said, said[:5]
+    assert slurm.job_info(job_id)["JobState"] == "COMPLETED"
+    one_node = [o for o in DRILL if not o.startswith("cluster.procs_per_node")] + ["cluster.procs_per_node=2"]
+    local = compose([*one_node, *ALLOCATION_RUN, f"train.run_dir={tmp_path / 'ref'}"])
+    reference = [m["loss"] for m in run_training(local, data_index, log=lambda _: None).metrics]
+    losses = {m["step"]: m["loss"] for m in result.metrics}  # a step redone after the loss: its last row
+    assert max(abs(losses[i + 1] - ref) for i, ref in enumerate(reference)) <= 1e-6, (losses, reference)
+
+
+def test_in_the_allocation_a_lost_node_is_replaced_by_its_spare_in_a_new_step_of_the_same_job(allocation_run):
+    """Node 1 lost: the driver excludes its host and the next attempt is an srun step of the same
+    job on the first node and the spare (no second submission, no queue wait)."""
+    run_dir, result, said, _ = allocation_run
+    assert [h.get("excluded_hosts") for h in result.history[-2:]] == [[host(1)], None], result.history
+    assert any("the next attempt runs on a spare" in line for line in said), said
+    last = result.history[-1]["attempt"]
+    step = (run_dir / "slurm" / f"train-attempt{last}" / "srun.sh").read_text()
+    assert f"--nodelist={host(0)},{host(2)}" in step, step
+    hosts = {
+        json.loads(line)["host"]
+        for p in run_dir.glob(f"nodes/*/procs-attempt{last}.jsonl")
+        for line in p.read_text().splitlines()
+    }
+    assert hosts == {host(0), host(2)}
+    assert len(_job_ids(run_dir)) == 1
 
 
 def test_down_leaves_no_process_of_the_cluster_behind():

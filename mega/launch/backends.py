@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from mega.config import ConfigError
 from mega.launch.local_nodes import LocalNodesBackend
 from mega.launch.slurm import SlurmBackend
+from mega.launch.slurm_steps import SlurmStepBackend, inside_allocation
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -20,8 +21,8 @@ def backend_for(cfg: MegaConfig, run_dir: str | Path) -> Backend:
     name = cfg.launcher.name
     if name in ("local", "local-nodes"):
         return LocalNodesBackend(cfg, Path(run_dir))
-    if name == "slurm":
-        return SlurmBackend(cfg, Path(run_dir))
+    if name == "slurm":  # the driver inside the run's allocation starts srun steps of it
+        return SlurmStepBackend(cfg, run_dir) if inside_allocation(cfg) else SlurmBackend(cfg, Path(run_dir))
     if name == "kubernetes":
         raise ConfigError(
             "launcher.name",

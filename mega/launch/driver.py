@@ -30,7 +30,7 @@ from mega.checkpoint import describe_source, latest_durable, restore_source
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.goodput.marks import driver_mark
-from mega.launch import incidents, runs
+from mega.launch import incidents, runs, slurm_driver, slurm_steps
 from mega.launch.backend import JobSpec, server_host, training_job
 from mega.launch.nodes import Nodes
 from mega.launch.slurm import PREEMPTED
@@ -85,6 +85,8 @@ def run_training(
 
     entered = time.time()
     heldout.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
+    if slurm_steps.drives_in_allocation(cfg) and not slurm_steps.inside_allocation(cfg):
+        return _in_allocation(cfg, index_path, log, flow_run_id=flow_run_id, recovery=recovery)
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with (
@@ -95,6 +97,7 @@ def run_training(
             target_steps=cfg.train.steps,
             flow_run_id=flow_run_id,
             recovery=recovery,
+            claim=not slurm_steps.inside_allocation(cfg),  # the submitting process holds it
         ) as run,
         contextlib.closing(Nodes(cfg, run_dir)) as nodes,
         rendezvous.rendezvous_env(cfg, host=server_host(nodes.backend)) as store_env,
@@ -112,6 +115,21 @@ def run_training(
             driver_mark(run_dir, "end")
         run.finish("completed", result.final_step)
         return result
+
+
+def _in_allocation(cfg: MegaConfig, index_path: Path, log: Callable[[str], None], **kwargs) -> TrainingResult:
+    """launcher.slurm.driver=allocation: this loop runs in the run's own batch job, on its first
+    node (mega.launch.slurm_driver); here, its result once the job ended."""
+    try:
+        r = slurm_driver.run_driver_job(cfg, index_path, log, **kwargs)
+    except slurm_driver.DriverJobFailed as e:
+        raise TrainingFailed(str(e)) from None
+    if "error" in r:
+        raise TrainingFailed(r["error"])
+    run_dir = Path(cfg.train.run_dir)
+    return TrainingResult(
+        run_dir, r["attempts"], r["final_step"], read_metrics(run_dir), r["init"], r["history"]
+    )
 
 
 @dataclass(frozen=True)

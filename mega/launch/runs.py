@@ -23,6 +23,7 @@ Every write is atomic (temporary file, fsync, rename): a reader sees the old rec
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -241,6 +242,7 @@ def track(
     target_steps: int,
     flow_run_id: str | None = None,
     recovery: bool = False,
+    claim: bool = True,
 ) -> Iterator[RunTracker]:
     """Claim ``run_dir`` and record it as training for the block.
 
@@ -248,10 +250,11 @@ def track(
     recovery count when this is a recovery. Leaving the block: normally the caller has called ``finish``; an ``Exception`` records
     ``failed`` with its message; Ctrl-C records ``stopped`` (an operator's choice, never
     recovered); any other exit (the process being terminated) leaves ``training``, so that
-    recovery restarts the run once this process is gone.
+    recovery restarts the run once this process is gone. ``claim=False``: another process holds the
+    claim for this one (the submitter of a Slurm job whose driver this is).
     """
     run_dir = Path(run_dir).absolute()
-    with hold(run_dir, "recovery" if recovery else "launcher"):
+    with hold(run_dir, "recovery" if recovery else "launcher") if claim else contextlib.nullcontext():
         try:
             previous = read_record(run_dir)
         except RunRecordError:

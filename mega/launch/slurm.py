@@ -93,6 +93,14 @@ def check(cfg: MegaConfig) -> None:
         )
     if s.numa_binding is not None:
         _check_numa_binding(cfg)
+    if s.driver == "allocation":
+        _check_driver_in_allocation(cfg)
+    elif s.spare_nodes:
+        raise ConfigError(
+            "launcher.slurm.spare_nodes",
+            "spares are nodes of the driver's own allocation (launcher.slurm.driver=allocation); with "
+            "driver=host a relaunch gets other nodes of the partition (--exclude of the lost ones)",
+        )
     if s.max_requeues < 0:
         raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
     if cfg.store.kind == "redis" and cfg.store.redis_url is None and not cfg.store.start_local_redis:
@@ -100,6 +108,31 @@ def check(cfg: MegaConfig) -> None:
             "store.redis_url",
             "launcher=slurm with store.kind=redis needs a Redis server "
             "every node reaches: set store.redis_url or store.start_local_redis",
+        )
+
+
+def _check_driver_in_allocation(cfg: MegaConfig) -> None:
+    """What the driver inside the allocation (mega.launch.slurm_steps) does not do."""
+    s = cfg.launcher.slurm
+    if s.spare_nodes < 0:
+        raise ConfigError("launcher.slurm.spare_nodes", f"must be >= 0, got {s.spare_nodes}")
+    if s.signal_grace_s:
+        raise ConfigError(
+            "launcher.slurm.signal_grace_s",
+            "with launcher.slurm.driver=allocation the time-limit warning is not handled (the ranks "
+            "would save, but the job is not requeued): set it to 0, or use driver=host",
+        )
+    if s.container_image:
+        raise ConfigError(
+            "launcher.slurm.container_image",
+            "with launcher.slurm.driver=allocation the driver runs on the first node outside any "
+            "container: use driver=host with a container image",
+        )
+    if cfg.store.redis_url and rendezvous.split_redis_password(cfg.store.redis_url)[1] is not None:
+        raise ConfigError(
+            "store.redis_url",
+            "with launcher.slurm.driver=allocation the driver reads its config from the run "
+            "directory: put the password in $MEGA_REDIS_PASSWORD, not in the URL",
         )
 
 
@@ -152,11 +185,22 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
 # are gone (a rank installs its handler once it is up), write the exit code: PREEMPTED when the
 # agent failed after the signal (its ranks saved and exited), 0 when they finished anyway. After the
 # signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save.
+# A SIGTERM (scancel, the end of the job) is reported as 143: a node that reports nothing was lost.
 # run by the batch shell when launcher.rdzv_port=0 (python - <<heredoc): prints a free port
 _PORTS_SOURCE = Path(ports.__file__).read_text()
 
+# the shell line that reads the secrets file into the environment (a node's task, the driver's job)
+READ_PRIVATE_ENV = (
+    'if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi'
+)
+
 _NODE_TASK = """mkdir -p @LOGDIR@ @EXITDIR@
-if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi
+@READ_PRIVATE_ENV@
+report() {
+  printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$1" "$(hostname)" > @EXIT@.tmp
+  mv @EXIT@.tmp @EXIT@
+}
+trap 'report 143; exit 143' TERM
 signalled=0
 trap 'signalled=1' USR1
 (trap '' USR1; exec @AGENT@ >> @LOG@ 2>&1) &
@@ -168,8 +212,7 @@ while kill -0 "$agent" 2>/dev/null; do
 done
 rc=0; wait "$agent" || rc=$?
 if [ "$signalled" = 1 ] && [ "$rc" != 0 ]; then rc=@PREEMPTED@; fi
-printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$rc" "$(hostname)" > @EXIT@.tmp
-mv @EXIT@.tmp @EXIT@
+report "$rc"
 if [ "$rc" = @PREEMPTED@ ]; then exit 0; fi
 exit "$rc"
 """
@@ -181,10 +224,13 @@ def job_name(job: JobSpec) -> str:
     return f"mega-{Path(job.log_dir).absolute().name}-{job.name}"
 
 
-def sbatch_directives(cfg: MegaConfig, job: JobSpec, exclude: list[str] = ()) -> list[str]:
-    c, s = cfg.cluster, cfg.launcher.slurm
+def sbatch_directives(
+    cfg: MegaConfig, job: JobSpec, exclude: list[str] = (), nodes: int | None = None
+) -> list[str]:
+    """``#SBATCH`` options of ``job`` on ``nodes`` nodes (default ``cluster.nodes``)."""
+    s = cfg.launcher.slurm
     log_dir = Path(job.log_dir).absolute()
-    d = [f"--job-name={job_name(job)}", f"--nodes={c.nodes}", "--ntasks-per-node=1"]
+    d = [f"--job-name={job_name(job)}", f"--nodes={nodes or cfg.cluster.nodes}", "--ntasks-per-node=1"]
     if gpus := gpus_per_node(cfg):
         d.append(f"--gpus-per-node={gpus}")
     if s.cpus_per_task:
@@ -229,13 +275,13 @@ def render_sbatch(
     ]
     if cfg.launcher.slurm.setup:
         lines += ["# launcher.slurm.setup", *cfg.launcher.slurm.setup, ""]
-    lines += _exported_env(cfg, job)
+    lines += exported_env(cfg, job)
     lines += _signal_and_master(cfg, python, exit_dir, log_dir)
-    lines += _srun_nodes(cfg, job, _node_task(cfg, job, python, exit_dir))
+    lines += _srun_nodes(cfg, job, node_task(cfg, job, python, exit_dir))
     return "\n".join(lines)
 
 
-def _node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str:
+def node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str:
     """``_NODE_TASK`` for this job: its agent's command line, log and exit files, each node's own
     (``$SLURM_NODEID``) expanded by that node's bash."""
     placeholders = {
@@ -257,14 +303,20 @@ def _node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> st
     }.items():
         task = task.replace(key, _shell_word(value, placeholders))
     task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
-    return task.replace("@PREEMPTED@", str(PREEMPTED))
+    return task.replace("@PREEMPTED@", str(PREEMPTED)).replace("@READ_PRIVATE_ENV@", READ_PRIVATE_ENV)
 
 
-def _exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
-    """``export`` lines of ``cluster.env`` and the attempt's variables (never a secret)."""
+def job_env(cfg: MegaConfig, job: JobSpec) -> dict[str, str]:
+    """What every node's task gets in its environment: ``cluster.env`` and the job's variables."""
     env = {**cfg.cluster.env, **job.env}
     if cfg.launcher.slurm.signal_grace_s:
         env[exit_signal.ENV] = "USR1"  # the ranks save and exit on it (mega/stability/exit_signal.py)
+    return env
+
+
+def exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
+    """``export`` lines of ``cluster.env`` and the attempt's variables (never a secret)."""
+    env = job_env(cfg, job)
     if not env:
         return []
     return [
@@ -297,19 +349,28 @@ def _signal_and_master(cfg: MegaConfig, python: str, exit_dir: Path, log_dir: Pa
     ]
 
 
-def _srun_nodes(cfg: MegaConfig, job: JobSpec, task: str) -> list[str]:
-    """``srun`` of one ``task`` per node, in the background, and the wait for it that lets the batch
-    shell take Slurm's warning meanwhile."""
+def srun_argv(cfg: MegaConfig, job: JobSpec, node_cpus: str, nodelist: list[str] = ()) -> list[str]:
+    """``srun`` of one task per node of ``job`` (before the task's command): ``node_cpus`` CPUs per
+    task unless ``launcher.slurm.cpus_per_task`` says; ``nodelist``: these hosts of the allocation."""
     s, nodes = cfg.launcher.slurm, cfg.cluster.nodes
     # srun no longer passes the job's --cpus-per-task on (Slurm >= 22.05): each task gets its node's cores
-    cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
+    cpus = str(s.cpus_per_task) if s.cpus_per_task else node_cpus
     srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     srun.append(f"--cpus-per-task={cpus}")
+    if nodelist:
+        srun.append(f"--nodelist={','.join(nodelist)}")
     if s.container_image:
         srun += [
             f"--container-image={s.container_image}",
             f"--container-mounts={','.join(_mounts(cfg, job))}",
         ]
+    return srun
+
+
+def _srun_nodes(cfg: MegaConfig, job: JobSpec, task: str) -> list[str]:
+    """``srun`` of one ``task`` per node, in the background, and the wait for it that lets the batch
+    shell take Slurm's warning meanwhile."""
+    srun = srun_argv(cfg, job, '"$SLURM_CPUS_ON_NODE"')
     return [
         "# One task per node, each a torchrun agent whose node rank is its SLURM_NODEID; a node that",
         "# fails ends every node (--kill-on-bad-exit). The single quotes are meant: each node's bash",
@@ -349,7 +410,9 @@ class SlurmError(RuntimeError):
     pass
 
 
-def _slurm(*argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = None, check: bool = True) -> str:
+def slurm_command(
+    *argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = None, check: bool = True
+) -> str:
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
@@ -365,26 +428,31 @@ def _slurm(*argv: str, timeout_s: float = 60.0, env: dict[str, str] | None = Non
 
 def job_info(job_id: str) -> dict[str, str]:
     """``scontrol show job`` as a dict (JobState, NodeList, ExcHNodeList, ...); {} once Slurm forgot it."""
-    out = _slurm("scontrol", "show", "job", "-o", job_id, check=False)
+    out = slurm_command("scontrol", "show", "job", "-o", job_id, check=False)
     fields = {}
     for m in re.finditer(r"(\w+(?:/\w+)?)=(\S*)", out):
         fields.setdefault(m.group(1), m.group(2))
     return fields if fields.get("JobId") == job_id else {}
 
 
+def job_state(job_id: str) -> str | None:
+    """The job's state (RUNNING, COMPLETED, ...); None once Slurm forgot it."""
+    return job_info(job_id).get("JobState")
+
+
 def hostnames(nodelist: str) -> list[str]:
     """``node[1-3]`` -> [node1, node2, node3] (Slurm's order: node rank k runs on the k-th)."""
     if not nodelist or nodelist == "(null)":
         return []
-    return _slurm("scontrol", "show", "hostnames", nodelist).split()
+    return slurm_command("scontrol", "show", "hostnames", nodelist).split()
 
 
-def _unusable(state: str) -> bool:
+def unusable(state: str) -> bool:
     """A node state (``sinfo %t``) a job cannot run on: down, drained, failing, or not responding (*)."""
     return state.endswith("*") or bool(re.match(r"(down|drain|drng|fail|maint|unk|npc)", state))
 
 
-_ENDED = {
+ENDED = {
     "COMPLETED",
     "FAILED",
     "CANCELLED",
@@ -399,7 +467,7 @@ _ENDED = {
 
 def controller_address() -> str:
     """The address of slurmctld (``SlurmctldHost`` in the configuration the clients read)."""
-    out = _slurm("scontrol", "show", "config")
+    out = slurm_command("scontrol", "show", "config")
     m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out, re.M)
     if not m:
         raise SlurmError("`scontrol show config` names no SlurmctldHost")
@@ -485,7 +553,20 @@ class SlurmBackend:
     def start(self, job: JobSpec) -> None:
         if self.job_id is not None and self.job_id != self.left_to_slurm and not self._ended():
             raise RuntimeError(f"Slurm job {self.job_id} is still running: stop() it first")
-        secrets = {k: v for k, v in {**os.environ, **job.env}.items() if is_secret(k)}
+        public = self.private(job)
+        self._exit_dir = self.folder / job.name / "exit"
+        shutil.rmtree(self._exit_dir, ignore_errors=True)
+        self.submit(
+            job.name,
+            render_sbatch(
+                self.cfg, public, python=sys.executable, exclude=self.excluded, exit_dir=self._exit_dir
+            ),
+        )
+
+    def private(self, job: JobSpec) -> JobSpec:
+        """``job`` without its secrets, which go (with this process's) to the secrets file, named by
+        ``MEGA_PRIVATE_ENV_FILE`` in the returned job's environment."""
+        self._write_secrets({k: v for k, v in {**os.environ, **job.env}.items() if is_secret(k)})
         public = JobSpec(
             job.module,
             list(job.args),
@@ -494,22 +575,21 @@ class SlurmBackend:
             job.name,
         )
         public.env["MEGA_PRIVATE_ENV_FILE"] = str(self.secrets_file)
-        self._write_secrets(secrets)
-        attempt_dir = self.folder / job.name
-        self._exit_dir = attempt_dir / "exit"
-        shutil.rmtree(self._exit_dir, ignore_errors=True)
+        return public
+
+    def submit(self, name: str, script: str) -> str:
+        """``sbatch`` of ``script`` (kept as ``slurm/<name>/job.sbatch``, its id in ``job_id`` there),
+        with an environment free of secrets (slurmctld stores it)."""
+        attempt_dir = self.folder / name
         attempt_dir.mkdir(parents=True, exist_ok=True)
-        script = attempt_dir / "job.sbatch"
-        script.write_text(
-            render_sbatch(
-                self.cfg, public, python=sys.executable, exclude=self.excluded, exit_dir=self._exit_dir
-            )
-        )
-        submit_env = {k: v for k, v in os.environ.items() if not is_secret(k)}  # slurmctld stores it
-        self.job_id = _slurm("sbatch", "--parsable", str(script), env=submit_env).strip().split(";")[0]
+        path = attempt_dir / "job.sbatch"
+        path.write_text(script)
+        submit_env = {k: v for k, v in os.environ.items() if not is_secret(k)}
+        self.job_id = slurm_command("sbatch", "--parsable", str(path), env=submit_env).strip().split(";")[0]
         self._hosts = []
         self._stuck_hosts = []
         (attempt_dir / "job_id").write_text(self.job_id)
+        return self.job_id
 
     def _write_secrets(self, secrets: dict[str, str]) -> None:
         self.secrets_file.parent.mkdir(parents=True, exist_ok=True)
@@ -539,9 +619,9 @@ class SlurmBackend:
         hosts = self.hosts()
         if not hosts:
             return []
-        out = _slurm("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
+        out = slurm_command("sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %t", check=False)
         bad = {
-            n for n, state in (line.split() for line in out.splitlines() if line.strip()) if _unusable(state)
+            n for n, state in (line.split() for line in out.splitlines() if line.strip()) if unusable(state)
         }
         return [h for h in hosts if h in bad or h in self._stuck_hosts]
 
@@ -550,10 +630,10 @@ class SlurmBackend:
         argv = ["sinfo", "-h", "-N", "-o", "%N %t"]
         if self.cfg.launcher.slurm.partition:
             argv += ["-p", self.cfg.launcher.slurm.partition]
-        out = _slurm(*argv, check=False)
+        out = slurm_command(*argv, check=False)
         states = dict(line.split() for line in out.splitlines() if line.strip())
         excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
-        return sum(1 for n, st in states.items() if n not in excluded and not _unusable(st))
+        return sum(1 for n, st in states.items() if n not in excluded and not unusable(st))
 
     def resize(self, cfg: MegaConfig) -> None:
         """Later attempts run ``cfg`` (fewer nodes after a loss, mega.stability.membership.resize)."""
@@ -561,7 +641,7 @@ class SlurmBackend:
 
     def _ended(self) -> bool:
         info = job_info(self.job_id)
-        return not info or info.get("JobState") in _ENDED
+        return not info or info.get("JobState") in ENDED
 
     def stop(self) -> None:
         """``scancel`` the attempt and wait until Slurm says it ended; a job left COMPLETING after
@@ -570,9 +650,9 @@ class SlurmBackend:
             return
         self.hosts()  # while Slurm still knows the job
         if not self._ended() and any(c is None for c in self.poll().values()):
-            _slurm("scancel", self.job_id, check=False)
+            slurm_command("scancel", self.job_id, check=False)
         deadline = time.monotonic() + self.stop_timeout_s
-        while (info := job_info(self.job_id)) and info.get("JobState") not in _ENDED:
+        while (info := job_info(self.job_id)) and info.get("JobState") not in ENDED:
             if time.monotonic() > deadline:
                 self.log(
                     f"slurm job {self.job_id} is still {info.get('JobState')} {self.stop_timeout_s:g} s after "
@@ -593,7 +673,7 @@ class SlurmBackend:
         """``scancel`` every queued or running job of this run (its script lies under this run's
         ``slurm/``) and wait, bounded, until Slurm says they ended: a recovery calls it before it
         submits, so one run never has two jobs writing the same checkpoints."""
-        out = _slurm("squeue", "-h", "-o", "%i %o")
+        out = slurm_command("squeue", "-h", "-o", "%i %o")
         ids = [
             i
             for i, command in (line.split(None, 1) for line in out.splitlines() if " " in line.strip())
@@ -601,10 +681,10 @@ class SlurmBackend:
         ]
         if not ids:
             return []
-        _slurm("scancel", *ids, check=False)
+        slurm_command("scancel", *ids, check=False)
         deadline = time.monotonic() + self.stop_timeout_s
         while time.monotonic() < deadline:
-            if all(not (info := job_info(i)) or info.get("JobState") in _ENDED for i in ids):
+            if all(not (info := job_info(i)) or info.get("JobState") in ENDED for i in ids):
                 break
             time.sleep(1.0)
         else:

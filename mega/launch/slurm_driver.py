@@ -1,0 +1,142 @@
+"""launcher.slurm.driver=allocation, the submitting side: one batch job for the whole run.
+
+``run_driver_job`` submits one ``sbatch`` job of ``cluster.nodes`` + ``launcher.slurm.spare_nodes``
+nodes (``--no-kill``: a failed node does not end it) whose script runs the driver on the job's
+first node: ``python -m mega.launch.in_allocation --config ... --data-index ...``, the restart loop
+of ``run_training`` with each attempt an ``srun`` step of the same job (mega/launch/slurm_steps.py).
+The submitting process (a login host, the flow) holds the run's claim (mega.launch.runs.hold),
+passes the driver's log on as it grows, waits until Slurm says the job ended, and reads the
+driver's result from the run directory (a shared filesystem). Secrets take the path of every Slurm
+job: the private env file (mega/launch/slurm.py), never the script or the job's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mega import config as mega_config
+from mega.cluster import rendezvous
+from mega.launch import runs
+from mega.launch.backend import JobSpec
+from mega.launch.slurm import (
+    ENDED,
+    READ_PRIVATE_ENV,
+    SlurmBackend,
+    exported_env,
+    job_state,
+    sbatch_directives,
+)
+from mega.launch.slurm_steps import INSIDE_ENV
+
+if TYPE_CHECKING:
+    from mega.config import MegaConfig
+
+DRIVER = "driver"  # the job's name part and its folder under <run_dir>/slurm/
+RESULT_FILE = "result.json"  # the driver's TrainingResult (without metrics), or {"error": ...}
+
+
+class DriverJobFailed(RuntimeError):
+    pass
+
+
+def result_path(run_dir: str | Path) -> Path:
+    return Path(run_dir).absolute() / "slurm" / DRIVER / RESULT_FILE
+
+
+def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") -> str:
+    """The run's one batch script: the nodes (with spares), the setup lines, the secrets file read
+    into the driver's environment, then the driver (``job``) on the first node."""
+    s = cfg.launcher.slurm
+    nodes = cfg.cluster.nodes + s.spare_nodes
+    lines = [
+        "#!/bin/bash",
+        f"# mega: the driver of one training run and its {nodes} node(s) ({cfg.cluster.nodes} + "
+        f"{s.spare_nodes} spare), rendered by mega.launch.slurm_driver.",
+        "# The driver runs here, on the first node; each attempt is an srun step of this job.",
+        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, nodes=nodes)),
+        "#SBATCH --no-kill",
+        "set -euo pipefail",
+        "",
+        *(["# launcher.slurm.setup", *s.setup, ""] if s.setup else []),
+        *exported_env(cfg, job),
+        "# the secrets (mode 0600, written by the submitter): the driver and each step's tasks read them",
+        "# shellcheck source=/dev/null",
+        READ_PRIVATE_ENV,
+        f"exec {python} -m {job.module} {shlex.join(job.args)}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def driver_job(cfg: MegaConfig, index_path: Path, *, recovery: bool, flow_run_id: str | None) -> JobSpec:
+    """The driver's job: its config saved without secrets next to the run, and its arguments."""
+    run_dir = Path(cfg.train.run_dir).absolute()
+    config_path = run_dir / "slurm" / DRIVER / "config.json"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    mega_config.save(rendezvous.without_secrets(cfg), config_path)
+    args = ["--config", str(config_path), "--data-index", str(Path(index_path).absolute())]
+    args += ["--recovery"] if recovery else []
+    args += ["--flow-run-id", flow_run_id] if flow_run_id else []
+    return JobSpec("mega.launch.in_allocation", args, {INSIDE_ENV: "1"}, run_dir, DRIVER)
+
+
+def run_driver_job(
+    cfg: MegaConfig,
+    index_path: Path,
+    log: Callable[[str], None] = print,
+    *,
+    recovery: bool = False,
+    flow_run_id: str | None = None,
+    poll_s: float = 2.0,
+) -> dict:
+    """Submit the run's job, wait for it and return the driver's result (``RESULT_FILE``); raises
+    DriverJobFailed when the job ended without one (its state and log named)."""
+    run_dir = Path(cfg.train.run_dir).absolute()
+    with runs.hold(run_dir, "slurm driver job (launcher.slurm.driver=allocation)"):
+        backend = SlurmBackend(cfg, run_dir, log=log)
+        if recovery and (cancelled := backend.cancel_run_jobs()):
+            log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
+        result_path(run_dir).unlink(missing_ok=True)
+        job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
+        job_id = backend.submit(DRIVER, render_driver_sbatch(cfg, job, sys.executable))
+        log(f"submitted Slurm job {job_id}: the driver and {cfg.cluster.nodes} node(s) of this run")
+        try:
+            _wait(job_id, run_dir / f"slurm-{job_id}.out", log, poll_s)
+        except BaseException:
+            backend.cancel_run_jobs()  # Ctrl-C or an error here: the job does not run on unwatched
+            raise
+        finally:
+            backend.secrets_file.unlink(missing_ok=True)
+    try:
+        return json.loads(result_path(run_dir).read_text())
+    except (OSError, ValueError):
+        state = job_state(job_id) or "(forgotten by Slurm)"
+        raise DriverJobFailed(
+            f"Slurm job {job_id} ended {state} without the driver's result; see {run_dir}/slurm-{job_id}.out"
+        ) from None
+
+
+def _wait(job_id: str, driver_log: Path, log: Callable[[str], None], poll_s: float) -> None:
+    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``."""
+    seen, partial = 0, b""
+    while True:
+        ended = job_state(job_id) in (None, *ENDED)  # first: once ended, the log is complete
+        if driver_log.exists():
+            with open(driver_log, "rb") as f:
+                f.seek(seen)
+                new = f.read()
+            seen += len(new)
+            *lines, partial = (partial + new).split(b"\n")
+            for line in lines:
+                log(line.decode(errors="replace"))
+        if ended:
+            if partial:
+                log(partial.decode(errors="replace"))
+            return
+        time.sleep(poll_s)
