@@ -161,8 +161,9 @@ def measure_cpu_gemm_flops(n: int = 512, seconds: float = 0.3, dtype: torch.dtyp
     import torch
 
     dtype = dtype or torch.float32
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+    gen = torch.Generator().manual_seed(0)  # its own: a measurement never moves training's RNG
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     with torch.no_grad():
         torch.matmul(a, b, out=out)  # warm-up: thread pool start and first-touch of the buffers

@@ -187,6 +187,24 @@ def test_verdict_and_the_failure_budget(base_cfgs, code, codes, final_step, step
     assert state.history[-1]["attempt"] == 7 and state.history[-1]["final_step"] == final_step
 
 
+def test_the_cpu_peak_an_attempt_measured_goes_to_the_next_attempt_of_its_size(loop, tmp_path, monkeypatch):
+    from mega import rank_env
+
+    launch, state, _ = loop([([1], {0: 1}), ([2], {0: 1})])
+    attempt = driver.launch_attempt(launch, state)
+    assert rank_env.PEAK_FLOPS_ENV not in attempt.job.env  # the first attempt measures
+    (tmp_path / "init.json").write_text(json.dumps({"peak_flops": 2.5e10, "world_size": 1}))
+    ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+    state = driver.counted(state, attempt, ended)
+    env = driver.launch_attempt(launch, state).job.env
+    monkeypatch.setenv(rank_env.PEAK_FLOPS_ENV, env[rank_env.PEAK_FLOPS_ENV])
+    assert rank_env.peak_flops(1) == 2.5e10  # what the ranks of the relaunch read
+    assert rank_env.peak_flops(2) is None  # measured at another size: measured again
+    # an attempt that died before measuring (no init.json) hands on the one before it
+    state = driver.counted(state, attempt, Ended(outcome(1, {0: 1}), 1, [], {}))
+    assert dict(state.carried) == {rank_env.PEAK_FLOPS_ENV: env[rank_env.PEAK_FLOPS_ENV]}
+
+
 def test_requeue_is_bounded_by_its_own_budget(loop, tmp_path):
     launch, state, _ = loop()
     attempt = driver.Attempt(0, state.cfg, None, None)

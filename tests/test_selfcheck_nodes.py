@@ -5,11 +5,15 @@ network-namespace nodes (root; skipped with the reason otherwise)."""
 from __future__ import annotations
 
 import ipaddress
+import os
+import subprocess
+import sys
 
 import pytest
 from helpers import free_subnet, needs_root
 
 from mega.cluster.selfcheck import (
+    _gemm_check,
     cluster_verdict,
     pair_bandwidths,
     pair_rounds,
@@ -66,6 +70,37 @@ def _pair(a: int, b: int, seconds: float) -> list[dict]:
         }
         for x, y in ((a, b), (b, a))
     ]
+
+
+# Stops the process ``argv[1]`` for 20 ms out of every 22 (a host shared by dozens of busy processes),
+# for at most 20 s; SIGTERM (or the deadline) leaves it running.
+PREEMPTER = """
+import os, signal, sys, time
+pid, end = int(sys.argv[1]), time.monotonic() + 20
+signal.signal(signal.SIGTERM, lambda *_: (os.kill(pid, signal.SIGCONT), sys.exit(0)))
+print("ready", flush=True)
+while time.monotonic() < end:
+    os.kill(pid, signal.SIGSTOP); time.sleep(0.02); os.kill(pid, signal.SIGCONT); time.sleep(0.002)
+os.kill(pid, signal.SIGCONT)
+"""
+
+
+def test_a_preempted_cpu_rank_keeps_its_gemm_rate():
+    """A CPU rank that runs 2 ms in every 22 reports the GEMM rate of its CPU seconds, not of the
+    wall time it waited: a healthy node on a loaded host passes the GEMM floor."""
+    import torch
+
+    cpu = torch.device("cpu")
+    free = _gemm_check(cpu, 64, 256, torch.float32)["gemm_gflops"]
+    helper = subprocess.Popen([sys.executable, "-c", PREEMPTER, str(os.getpid())], stdout=subprocess.PIPE)
+    try:
+        assert helper.stdout.readline() == b"ready\n"
+        row = _gemm_check(cpu, 64, 256, torch.float32, min_time_s=0.5)
+    finally:
+        helper.terminate()
+        helper.wait(timeout=30)
+    assert row["gemm_gflops_mean"] < 0.5 * free  # the wall clock saw the stops
+    assert row["gemm_gflops"] > 0.5 * free
 
 
 def test_a_node_with_slow_links_is_blamed_not_its_peers():

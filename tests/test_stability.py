@@ -328,6 +328,56 @@ def test_no_hang_once_a_rank_closed_its_heartbeat(redis_url):
     assert w.incidents == []
 
 
+@pytest.mark.parametrize("device_mb", [None, 512.0])
+def test_a_rank_still_computing_is_slow_not_hung(redis_url, device_mb):
+    """Every rank beats at step 3 long past the step rule (min_hang_s 5 s). On CPU, rank 2's
+    training thread keeps using CPU (a slow step on a loaded machine) while its peers wait in a
+    collective (flat): no hang, however long; once its CPU time is flat too (deadlocked), a hang
+    min_hang_s after it was last seen computing. On a GPU (device_mb) a synchronisation may spin
+    the CPU while the device is stuck: CPU time proves nothing and the step rule holds."""
+    import redis
+
+    prefix = f"mega:hb:test-busy-{device_mb}"
+    r = redis.Redis.from_url(redis_url)
+    ids = grid()
+    for rank, ident in ids.items():
+        r.set(heartbeat_redis.id_key(prefix, 0, rank), json.dumps(ident))
+    clock, cpu = [NOW], dict.fromkeys(ids, 1.0)
+    env = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: prefix}
+    w = Watcher(
+        _cfg(heartbeat_s=1, min_hang_s=5, progress_factor=10), env, 0, lambda s: None, lambda: clock[0]
+    )
+
+    def publish(step, computing=()):
+        for rank in ids:
+            cpu[rank] += 0.02 if rank in computing else 0.0001  # 2% of a core: load 100 on 2 cores
+            rec = {"rank": rank, "time": clock[0], "step": step, "step_s": 0.2, "compute_s": 0.1}
+            rec.update(seq={"world": step}, train_cpu_s=cpu[rank], device_mb=device_mb)
+            r.set(heartbeat_redis.beat_key(prefix, 0, rank), json.dumps(rec))
+
+    def run(seconds, computing=()):
+        for _ in range(seconds):
+            publish(3, computing)
+            if reason := w.poll():
+                return reason
+            clock[0] += 1.0
+
+    for step in range(1, 4):
+        publish(step)
+        assert w.poll() is None
+        clock[0] += 1.0
+    stepped = clock[0] - 1.0
+    if device_mb is not None:
+        assert run(20, computing={2}).startswith("hung") and clock[0] - stepped == 6
+        return
+    assert run(20, computing={2}) is None and w.incidents == []  # 20 s: four times min_hang_s
+    computed = clock[0] - 1.0
+    assert run(10).startswith("hung") and clock[0] - computed == 6
+    [inc] = w.incidents
+    assert inc.evidence["stalled_s"] == clock[0] - stepped and inc.evidence["computed_s_ago"] == 6
+    w.client.close()
+
+
 def test_store_outage_open_at_close_is_recorded_unresumed_with_the_summary(tmp_path):
     """Redis still down when the attempt ends: the store incident says not resumed; the heartbeat
     summary file holds the last beats the watcher saw."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mega import config as mega_config
+from mega import rank_env
 from mega.checkpoint import describe_source, latest_durable, restore_source
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
@@ -159,6 +160,7 @@ class LoopState:
     failures: int = 0  # attempts that ended short of train.steps: restart.max_restarts bounds them
     requeues: int = 0  # attempts ended by Slurm's signal: launcher.slurm.max_requeues bounds them
     history: tuple[dict, ...] = ()  # one row per attempt of this launch (TrainingResult.history)
+    carried: tuple[tuple[str, str], ...] = ()  # environment the last attempt hands the next (its CPU peak)
 
     def noted(self, **fields) -> LoopState:
         """This state with ``fields`` added to the last attempt's history row."""
@@ -229,7 +231,11 @@ def launch_attempt(launch: Launch, state: LoopState) -> Attempt:
         + (f"; `latest` is {latest}" if latest else "")
     )
     (launch.run_dir / "init.json").unlink(missing_ok=True)  # written anew by this attempt's rank 0
-    env = {**launch.store_env, rollback.SKIP_ENV: rollback.skip_env(run.record.skipped_steps)}
+    env = {
+        **launch.store_env,
+        **dict(state.carried),
+        rollback.SKIP_ENV: rollback.skip_env(run.record.skipped_steps),
+    }
     job = training_job(cfg, launch.config_path, launch.index_path, n, env)
     watcher = Watcher(cfg, job.env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
     driver_mark(launch.run_dir, "launch", attempt=n)
@@ -296,8 +302,13 @@ def counted(state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
     }
     done = ended.final_step >= attempt.cfg.train.steps
     failed = not (_preempted(o) or (o.ok and done))
+    peak = rank_env.peak_flops_env(ended.init.get("peak_flops"), ended.init.get("world_size"))
     return replace(
-        state, attempt=attempt.number + 1, failures=state.failures + failed, history=(*state.history, row)
+        state,
+        attempt=attempt.number + 1,
+        failures=state.failures + failed,
+        history=(*state.history, row),
+        carried=tuple(peak.items()) or state.carried,  # an attempt that died before measuring: the last one's
     )
 
 

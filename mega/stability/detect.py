@@ -1,10 +1,15 @@
 """The driver's watcher: reads every rank's heartbeat each poll of the job and turns them into
 incidents (mega.stability.incident).
 
-* **hang**: no rank's step advanced for ``stability.progress_factor`` x the median step time, at
-  least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s`` while a rank saves), at
-  most ``stability.hang_timeout_s``; or, sooner, for ``silent_after_s`` when one rank's heartbeat
-  stopped while a peer still beats (a stopped or dead process: its heartbeat thread cannot run).
+* **hang**: no rank's step advanced, and no rank computed, for ``stability.progress_factor`` x
+  the median step time, at least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s``
+  while a rank saves), at most ``stability.hang_timeout_s``; or, sooner, no step for
+  ``silent_after_s`` when one rank's heartbeat stopped while a peer still beats (a stopped or dead
+  process: its heartbeat thread cannot run). "Computed": a rank trained on CPU whose training
+  thread used CPU between two beats (``train_cpu_s``) is slow, not hung, however long its step
+  takes on a loaded machine; a hung rank (deadlocked, sleeping, stopped) and the peers waiting on
+  it in a collective use none. On a GPU a synchronisation may spin the CPU while the device is
+  stuck, so there only steps count.
   Counted from the first step seen (start-up and restore are bounded by the ranks' own
   timeouts). ``localise`` names the culprit; ``poll`` returns the reason, and the driver stops
   the attempt and relaunches from ``latest``.
@@ -37,6 +42,9 @@ from mega.stability.incident import Incident
 from mega.stability.localise import localise
 
 SUMMARY = "heartbeats-attempt{attempt}.json"  # <run_dir>/..., written by Watcher.close
+# Training-thread CPU per wall second that counts as computing: a thread blocked in a collective or
+# a sleep uses ~0; a computing one gets its share of the cores (2% on 2 cores at load 100).
+BUSY_FRACTION = 0.005
 
 
 def hang_threshold_s(step_times: list[float], progress_factor: float, min_s: float, max_s: float) -> float:
@@ -87,7 +95,9 @@ class Watcher:
         self.step_times: list[float] = []
         self.compute: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
         self.max_step: int | None = None
-        self.last_progress: float | None = None
+        self.last_progress: float | None = None  # when the step last advanced
+        self.last_work: float | None = None  # when a rank was last seen computing (train_cpu_s)
+        self.cpu_seen: dict[int, tuple[float, float]] = {}  # rank -> (beat time, train_cpu_s)
         self.next_read = 0.0
         self.read_errors = 0
         self.incidents: list[Incident] = []
@@ -240,6 +250,24 @@ class Watcher:
                 if self.max_step is not None and b.get("step_s"):
                     self.step_times.append(b["step_s"])
                 self.max_step, self.last_progress = step, now
+        if self._computing():
+            self.last_work = now
+
+    def _computing(self) -> list[int]:
+        """CPU-trained ranks whose training thread used at least ``BUSY_FRACTION`` of a core
+        between their last two beats seen (each pair of beats counted once)."""
+        out = []
+        for r, b in self.beats.items():
+            t, cpu = b.get("time"), b.get("train_cpu_s")
+            if t is None or cpu is None or b.get("device_mb") is not None:
+                continue
+            prev = self.cpu_seen.get(r)
+            if prev is not None and t <= prev[0]:
+                continue  # no new beat since the last read
+            self.cpu_seen[r] = (t, cpu)
+            if prev is not None and cpu - prev[1] >= BUSY_FRACTION * (t - prev[0]):
+                out.append(r)
+        return out
 
     def threshold_s(self) -> float:
         limit = hang_threshold_s(
@@ -264,10 +292,12 @@ class Watcher:
         stalled = now - self.last_progress
         limit = self.threshold_s()
         if self._silent_amid_beating(now):  # a frozen or dead rank: no need to wait out the step-time rule
-            limit = min(limit, self.silent_after_s)
+            limit, idle = min(limit, self.silent_after_s), stalled
+        else:  # a rank still computing is slow, not hung
+            idle = now - max(self.last_progress, self.last_work or self.last_progress)
         # at the cap, stability.hang_timeout_s's own stall check (metrics.jsonl) ends the attempt, and
         # close() localises it then: one verdict per hang, never two racing
-        if stalled <= limit or limit >= self.s.hang_timeout_s:
+        if idle <= limit or limit >= self.s.hang_timeout_s:
             return None
         return self._declare_hang(now, stalled, limit)
 
@@ -292,6 +322,7 @@ class Watcher:
             "threshold_s": round(limit, 3),
             "median_step_s": statistics.median(self.step_times) if self.step_times else None,
             "silent_after_s": self.silent_after_s,
+            "computed_s_ago": None if self.last_work is None else round(now - self.last_work, 3),
             "read_errors": self.read_errors,
             "ranks": {
                 r: {
@@ -300,6 +331,7 @@ class Watcher:
                     "phase": b.get("phase"),
                     "doing": b.get("doing"),
                     "seq": b.get("seq"),
+                    "train_cpu_s": b.get("train_cpu_s"),
                 }
                 for r, b in sorted(self.beats.items())
             },

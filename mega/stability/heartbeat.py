@@ -5,8 +5,10 @@ A heartbeat is one small JSON value (``SET key value EX ttl``): the last finishe
 grad norm, step and compute time, tokens/s, the phase the rank is in now (mega.obs's recorder: a
 watcher thread may read it), RSS and device memory, and the sequence number of every process group
 it belongs to (torch's per-group collective counter, ``ProcessGroup._get_sequence_number_for_group``:
-it counts the collectives this rank has entered, on gloo and NCCL alike). A rank stuck in compute stops counting
-while its peers enter the next collective; a stopped rank stops beating. The driver's watcher
+it counts the collectives this rank has entered, on gloo and NCCL alike), and the CPU time of the
+training thread (``train_cpu_s``: rising while it computes, flat while it waits or sleeps). A rank
+stuck in compute stops counting while its peers enter the next collective; a stopped rank stops
+beating. The driver's watcher
 (mega.stability.detect) reads both. The thread also writes the rank's identity: rank, node,
 host, TP/PP/DP coordinates and the ranks of each of its groups, first thing and again after any
 dropped write (the Redis may have come back empty).
@@ -119,13 +121,16 @@ class Heartbeat:
         self.cpu_ns = 0  # this thread's CPU time (heartbeat overhead)
         self.started = time.time()  # when the thread started: its wall time is the overhead's denominator
         self._t0 = time.monotonic()
+        self._train_clock: int | None = None  # the training thread's CPU clock, set by start()
         self._id_pending = True  # the identity is (re)written by the thread until a write goes through
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mega-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
-        """Starts the thread; never touches Redis itself (a Redis down at start costs nothing)."""
+        """Starts the thread; never touches Redis itself (a Redis down at start costs nothing).
+        Called from the training thread: its CPU clock is the one each beat reads."""
         self.started, self._t0 = time.time(), time.monotonic()
+        self._train_clock = time.pthread_getcpuclockid(threading.get_ident())
         self._thread.start()
         return self
 
@@ -159,10 +164,19 @@ class Heartbeat:
             "sent": self.sent,
             "dropped": self.dropped,
             "cpu_s": self.cpu_ns * 1e-9,
+            "train_cpu_s": self._train_cpu_s(),
             "started": self.started,
             "up_s": time.monotonic() - self._t0,
             "closed": self._stop.is_set(),
         }  # the training loop is over: silence from now on is no hang
+
+    def _train_cpu_s(self) -> float | None:
+        if self._train_clock is None:
+            return None
+        try:
+            return time.clock_gettime(self._train_clock)
+        except OSError:  # the training thread is gone (the process is exiting)
+            return None
 
     def beat(self) -> bool:
         """One heartbeat (and the identity while it is owed); False when Redis did not take it."""
