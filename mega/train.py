@@ -423,7 +423,7 @@ def run_step(r: RankRun, step: int) -> None:
     if bad:  # nothing of this step is logged or saved: the driver relaunches from `latest`
         if r.memory is not None:
             r.memory.discard()  # the rollback goes back to `latest`, past the in-memory copies
-        rollback.request_rollback(cfg, done, bad, r.checkpointer)
+        rollback.request_rollback(cfg, done, bad, r.checkpointer, r.start_step, r.skips)
     if heldout.due(cfg, done):
         # evaluation is not training: out of the step's timeline
         with obs.paused(), marks.span("validation"):

@@ -136,6 +136,18 @@ def test_a_restart_judges_spikes_with_the_window_of_the_run_without_it(tmp_path)
     assert not rollback.LossWindow(cfg).is_spike(8.0)  # an empty window would let it through
 
 
+def test_a_bad_step_right_after_a_restore_goes_back_one_checkpoint_and_skips_to_it():
+    names = ["iter_0000016", "iter_0000020", "iter_0000024"]
+    # restored 24, skipped 25 (the first rollback), 26 spiked: the damage is in iter_0000024
+    first = {"step": 26, "restored_step": 24, "first_after_restore": True}
+    assert rollback.further_back(first, names) == ("iter_0000020", [21, 22, 23, 24])
+    # a step trained since the restore: `latest` was good, nothing more to do
+    assert rollback.further_back({**first, "first_after_restore": False}, names) == (None, [])
+    # no older checkpoint, or the attempt restored nothing
+    assert rollback.further_back(first, ["iter_0000024"]) == (None, [])
+    assert rollback.further_back({**first, "restored_step": 0}, names) == (None, [])
+
+
 @pytest.mark.slow
 def test_curve_after_skip_equals_a_run_that_never_saw_the_batch(runs):
     _, (drill, _), (reference, _) = runs

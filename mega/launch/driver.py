@@ -348,6 +348,28 @@ def requeue(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) ->
     return state
 
 
+def _roll_back_further(cfg: MegaConfig, run, request: dict, log, n: int) -> None:
+    """A bad step right after the attempt's restore: `latest` holds the damage. Point `latest`
+    at the checkpoint before it (the ranks remove the newer ones as they restore) and skip the
+    batches in between (rollback.further_back)."""
+    from mega.checkpoint.common import open_store
+
+    store = open_store(cfg)
+    try:
+        target, steps = rollback.further_back(request, store.list_checkpoints())
+        if target is not None:
+            store.write_latest(target)
+    except StorageError as e:
+        log(f"attempt {n}: could not roll back past `latest` ({e}); relaunching from it")
+        return
+    if target is None:
+        return
+    why = f"rolled back past step {request['restored_step']}: {request['what']} right after restoring it"
+    known = {row["step"] for row in run.record.skipped_steps}
+    run.record.skipped_steps += [{**request, "step": s, "what": why} for s in steps if s not in known]
+    log(f"attempt {n}: {why}; `latest` is now {target}, skipping steps {steps[0]}-{steps[-1]}")
+
+
 def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
     """After a failed attempt: the next membership (hosts Slurm lost, else a rollback's skipped
     batch, else a diagnosis that may evict nodes), the incidents filed, the run record written.
@@ -372,6 +394,7 @@ def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: E
             f"attempt {n}: step {request['step']}: {request['what']}; rolling back to `latest` "
             "and skipping the step's batch"
         )
+        _roll_back_further(cfg, run, request, log, n)
     elif not lost and restarts_left:  # lost hosts: Slurm gives other nodes (spares) or fewer, no check
         suspects = incidents.suspect_nodes(outcome, attempt.watcher.incidents)  # failed, hung
         if suspects and membership.diagnosis_enabled(cfg):

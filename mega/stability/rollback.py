@@ -146,16 +146,26 @@ def check_step(result: dict, window: LossWindow, group) -> dict[str, bool] | Non
     return {"loss": bool(flags[0]), "grad_norm": bool(flags[1]), "spike": bool(flags[2])}
 
 
-def request_rollback(cfg: MegaConfig, step: int, bad: dict[str, bool], checkpointer: Any) -> None:
-    """Every rank: record the bad step (rank 0), commit the save in flight (collective), exit."""
+def request_rollback(
+    cfg: MegaConfig,
+    step: int,
+    bad: dict[str, bool],
+    checkpointer: Any,
+    start_step: int = 0,
+    skips: set[int] = frozenset(),
+) -> None:
+    """Every rank: record the bad step (rank 0), commit the save in flight (collective), exit.
+    ``start_step``: the step this attempt restored; ``skips``: the steps it skips. A bad step
+    with no step trained since the restore says the restored checkpoint itself is bad
+    (``first_after_restore``): the driver goes back further (``further_back``)."""
     import torch.distributed as dist
 
     attempt = rank_env.attempt()
     if dist.get_rank() == 0:
         what = " and ".join("loss spike" if k == "spike" else f"{k} not finite" for k, v in bad.items() if v)
-        write_request(
-            cfg.train.run_dir, {"step": step, "attempt": attempt, "what": what, "time": time.time()}
-        )
+        first = start_step > 0 and all(s in skips for s in range(start_step + 1, step))
+        row = {"step": step, "attempt": attempt, "what": what, "time": time.time()}
+        write_request(cfg.train.run_dir, {**row, "restored_step": start_step, "first_after_restore": first})
         print(
             f"[mega] step {step}: {what}; rolling back to the last durable checkpoint and skipping its batch",
             file=sys.stderr,
@@ -185,6 +195,24 @@ def take(run_dir: str | Path, attempt: int) -> dict | None:
         return None
     path.unlink(missing_ok=True)
     return row if row.get("attempt") == attempt else None
+
+
+def further_back(request: dict, checkpoints: list[str]) -> tuple[str | None, list[int]]:
+    """A bad step right after a restore (no step trained since): the damage is in the restored
+    checkpoint (a spike shows one step after the update that caused it, and the save in flight
+    was committed with that update). Returns the newest complete checkpoint before it, and the
+    steps after that one up to the restored step, whose batches are skipped so that the replay
+    does not make the same update again ((None, []): not such a step, or no older checkpoint)."""
+    from mega.storage import step_of
+
+    restored = request.get("restored_step", 0)
+    if not request.get("first_after_restore") or not restored:
+        return None, []
+    older = [n for n in checkpoints if step_of(n) < restored]
+    if not older:
+        return None, []
+    target = max(older, key=step_of)
+    return target, list(range(step_of(target) + 1, restored + 1))
 
 
 def skip_env(skipped: list[dict]) -> str:
