@@ -116,8 +116,11 @@ def _gemm_check(
     whole time is ``gemm_gflops_mean``). A device that is really slow (throttled, degraded) is slow
     in every window; a process the OS preempted for a while on a busy host is not (seen: a healthy
     CPU node measured 0.38 GFLOP/s on average under a loaded test run, against 4.8 on its peer).
-    On a CPU a window is timed in the process's CPU seconds: on a host shared by dozens of busy
-    processes no window runs unpreempted (seen: 0.29-0.37 GFLOP/s per wall second at load 50-67)."""
+    On a CPU a window is timed in CPU seconds: on a host shared by dozens of busy processes no
+    window runs unpreempted (seen: 0.29-0.37 GFLOP/s per wall second at load 50-67). It is one
+    thread's GEMM timed by that thread's clock: with several threads, one that waits at torch's
+    parallel barrier for a descheduled peer spins and bills CPU time for no work (seen: 2.5 against
+    217 GFLOP/s per process CPU second under a loaded test run), so the rate is per core."""
     import torch
 
     gen = torch.Generator().manual_seed(1234)  # same matrices on every rank: comparable rows
@@ -135,22 +138,29 @@ def _gemm_check(
 
     a = torch.randn(time_n, time_n, generator=gen).to(device=device, dtype=time_dtype)
     b = torch.randn(time_n, time_n, generator=gen).to(device=device, dtype=time_dtype)
-    a @ b  # warm-up (kernel selection, clocks)
-    _sync(device)
-    flop = 2 * time_n**3
-    clock = time.process_time if device.type == "cpu" else time.perf_counter
-    reps, best, start = 0, 0.0, time.perf_counter()
-    window = clock()
-    while True:  # repeat until the timing is long enough to trust
-        a @ b
-        reps += 1
-        if reps % 4 == 0:
-            _sync(device)
-            now, ticks = time.perf_counter(), clock()
-            best = max(best, 4 * flop / max(ticks - window, 1e-9))
-            window, elapsed = ticks, now - start
-            if elapsed >= min_time_s:
-                break
+    on_cpu = device.type == "cpu"
+    threads = torch.get_num_threads()
+    if on_cpu:
+        torch.set_num_threads(1)
+    try:
+        a @ b  # warm-up (kernel selection, clocks)
+        _sync(device)
+        flop = 2 * time_n**3
+        clock = time.thread_time if on_cpu else time.perf_counter
+        reps, best, start = 0, 0.0, time.perf_counter()
+        window = clock()
+        while True:  # repeat until the timing is long enough to trust
+            a @ b
+            reps += 1
+            if reps % 4 == 0:
+                _sync(device)
+                now, ticks = time.perf_counter(), clock()
+                best = max(best, 4 * flop / max(ticks - window, 1e-9))
+                window, elapsed = ticks, now - start
+                if elapsed >= min_time_s:
+                    break
+    finally:
+        torch.set_num_threads(threads)
     return {
         "gemm_max_rel_err": rel_err,
         "gemm_gflops": best / 1e9,
