@@ -258,6 +258,16 @@ def test_cuda_attention_flops_match_the_models_attention_term(composer):
     )
 
 
+def test_attention_prior_is_per_device():
+    """Hopper's fused-attention prior is FlashAttention-2's H100 figure (Dao 2023: up to 335 TFLOP/s
+    forward + backward) over the dense bf16 peak, not the A100's share; fits and measurements start
+    from it."""
+    for key in ("H100 SXM", "H200"):
+        assert device.prior(key).attention_efficiency == pytest.approx(335 / 989.4, abs=0.005)
+        assert device.unfitted(key).attention_efficiency == device.prior(key).attention_efficiency
+    assert device.prior("A100").attention_efficiency == device.ATTENTION_EFFICIENCY == 0.6
+
+
 def test_calibration_file_round_trip_and_bad_values(tmp_path):
     cal = device.prior("H100 SXM").replace(gemm_efficiency=0.65, source="test")
     path = device.save(cal, tmp_path / "cal.json", {"note": "x"})

@@ -28,8 +28,8 @@ from typing import Any
 # straggler spread and the step overhead on all rows, least squares of the MFU error in points.
 # validate never uses these: it fits again without the source it predicts.
 FITTED = {
-    "A100": {"gemm_efficiency": 0.7368, "straggler_sigma": 0.0257, "step_overhead_s": 0.041},
-    "H100 SXM": {"gemm_efficiency": 0.611, "straggler_sigma": 0.0257, "step_overhead_s": 0.041},
+    "A100": {"gemm_efficiency": 0.7349, "straggler_sigma": 0.0282, "step_overhead_s": 0.041},
+    "H100 SXM": {"gemm_efficiency": 0.6298, "straggler_sigma": 0.0282, "step_overhead_s": 0.041},
 }
 # Device types with rows in tests/fixtures/published (validate re-derives this from the fixtures).
 VALIDATED = ("A100", "H100 SXM")
@@ -39,6 +39,10 @@ VALIDATED = ("A100", "H100 SXM")
 # backward (Dao 2023, section 4.1), counting the FLOPs a causal kernel executes (half the s x s
 # square), as mega.perf.step charges them; the middle of that range.
 ATTENTION_EFFICIENCY = 0.6
+# Hopper (GH100: H100 SXM, H200): the same paper measures up to 335 TFLOP/s forward + backward on an
+# H100 (its A100 kernels, no Hopper-specific instructions): 335 / 989.4 of the dense bf16 peak. A
+# standalone causal-SDPA loop on one H200 gave 0.26-0.51 by sequence length (docs/perf-model.md).
+PRIOR_ATTENTION = {"H100 SXM": 0.34, "H200": 0.34}
 # streaming kernels reach ~85% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
 MEMORY_EFFICIENCY = 0.85
 # NCCL bus bandwidth over NVLink against the datasheet per-direction figure (nccl-tests
@@ -110,7 +114,11 @@ class DeviceCalibration:
 def prior(device: str | None) -> DeviceCalibration:
     """The built-in calibration of a device type (``FITTED`` over the priors)."""
     key = device or "unknown"
-    values = {"gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM), **FITTED.get(key, {})}
+    values = {
+        "gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM),
+        "attention_efficiency": PRIOR_ATTENTION.get(key, ATTENTION_EFFICIENCY),
+        **FITTED.get(key, {}),
+    }
     return DeviceCalibration(
         key, **values, source="built-in (mega/perf/device.py)", validated=key in VALIDATED
     )
@@ -119,7 +127,12 @@ def prior(device: str | None) -> DeviceCalibration:
 def unfitted(device: str) -> DeviceCalibration:
     """The prior alone (no fit on published runs): what validate starts from."""
     source = f"prior ({PRIOR_SOURCE[device]})" if device in PRIOR_SOURCE else "prior"
-    return DeviceCalibration(device, gemm_efficiency=PRIOR_GEMM.get(device, DEFAULT_GEMM), source=source)
+    return DeviceCalibration(
+        device,
+        gemm_efficiency=PRIOR_GEMM.get(device, DEFAULT_GEMM),
+        attention_efficiency=PRIOR_ATTENTION.get(device, ATTENTION_EFFICIENCY),
+        source=source,
+    )
 
 
 def load(path: str | Path) -> DeviceCalibration:
