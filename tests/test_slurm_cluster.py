@@ -229,31 +229,38 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     assert slurm.job_info(second)["JobState"] == "COMPLETED"
 
 
+@pytest.mark.parametrize("driver", ["host", "allocation"])
 def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
-    slurm_cluster, tmp_path, data_index
+    slurm_cluster, tmp_path, data_index, driver
 ):
-    """The short partition, a 2-minute limit and ``--signal=B:USR1@90``: slurmctld's own timer sends
+    """The short partition, a 3-minute limit and ``--signal=B:USR1@150``: slurmctld's own timer sends
     the warning. It checks limits every 30 s and sends a warning due before the next check at once,
     so here it comes within about 30 s of the job's start (Slurm's documented "up to 60 s early"),
     possibly before the ranks run. Standing in for a long first step, rank 0 is frozen (SIGSTOP) from
     its start until the warning has come (the batch shell's file), so the warning comes before step 1
     ends whatever the machine's load. The ranks finish step 1, save it and exit; the driver resubmits
-    from that save without spending a restart (max_restarts=0); the next job runs step 2 (warned
-    too, it saves and ends, or ends before its warning)."""
+    from that save without spending a restart (max_restarts=0) -- in its allocation, it requeues its
+    own job, which runs again under the same id -- and the next run does step 2 (warned too, it
+    saves and ends, or ends before its warning)."""
     from mega.cluster.node import read_processes
+    from mega.launch import slurm_steps
 
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
         "train.steps=2",
         "launcher.slurm.partition=short",
-        "launcher.slurm.time=2",
-        "launcher.slurm.signal_grace_s=90",
+        "launcher.slurm.time=3",  # 150 s after the warning: the driver's start, the ranks' and their save
+        "launcher.slurm.signal_grace_s=150",
         "checkpoint.interval=100",
         "restart.max_restarts=0",
         "stability.min_hang_s=120",
+        f"launcher.slurm.driver={driver}",
     )
-    warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
+    if driver == "host":
+        warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
+    else:  # the driver job's file (removed when the requeued job starts again: seen is enough)
+        warned = slurm_steps.warning_file(run_dir)
     frozen: dict = {}
 
     def freeze_rank0_until_warned():
@@ -264,12 +271,12 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
                 os.kill(procs[0], signal.SIGSTOP)
                 frozen["pid"] = procs[0]
             time.sleep(0.2)
-        if frozen:
+        frozen["warned"] = warned.exists()
+        if "pid" in frozen:
             # the node tasks see the warning file and pass SIGUSR1 on (resent every 2 s): let it
             # reach every rank before rank 0 runs on, or two quick steps finish the run first
             time.sleep(3)
             os.kill(frozen["pid"], signal.SIGCONT)
-        frozen["warned"] = warned.exists()
 
     freezer = threading.Thread(target=freeze_rank0_until_warned, daemon=True)
     freezer.start()
@@ -279,7 +286,9 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
         freezer.join(30)
     assert frozen.get("warned"), "slurmctld never sent the warning"
     first_job = slurm.job_info(_job_ids(run_dir)[0])
-    assert first_job["Partition"] == "short" and first_job["TimeLimit"] == "00:02:00"
+    assert first_job["Partition"] == "short" and first_job["TimeLimit"] == "00:03:00"
+    if driver == "allocation":  # one job, requeued once by its driver, completed in its second run
+        assert (len(_job_ids(run_dir)), first_job["Restarts"], first_job["JobState"]) == (1, "1", "COMPLETED")
     assert result.final_step == 2
     first, second = result.history
     assert first.get("requeued") and first["final_step"] == 1, result.history
@@ -382,7 +391,7 @@ def test_a_recovery_cancels_the_runs_live_job_before_it_submits_and_no_other(
         subprocess.run(["scancel", *jobs.values()], timeout=30)
 
 
-IN_ALLOCATION = ["launcher.slurm.driver=allocation", "launcher.slurm.signal_grace_s=0"]
+IN_ALLOCATION = ["launcher.slurm.driver=allocation"]
 # 2 nodes and a spare in one job; checkpoints every 2 steps
 ALLOCATION_RUN = ["train.steps=4", "checkpoint.interval=2", "restart.backoff_s=0"]
 
@@ -396,7 +405,7 @@ def allocation_run(slurm_cluster, tmp_path_factory, data_index):
         run_dir,
         *ALLOCATION_RUN,
         "launcher.slurm.stop_timeout_s=5",
-        "launcher.slurm.spare_nodes=1",
+        "restart.spare_nodes=1",
         *IN_ALLOCATION,
     )
     killed: dict[int, list[int]] = {}
