@@ -365,10 +365,10 @@ class SlurmConfig:
     # CPUs, no GPU) runs in; null: the cluster's default partition. Not the GPU partition: a driver
     # would hold a GPU node for days doing nothing.
     driver_partition: str | None = None
-    # Where the driver of a run runs: "host", where the flow runs (each attempt its own sbatch job);
-    # "allocation", on the first node of one batch job that holds the run's nodes (each attempt an
-    # srun step of that job). docs/cluster.md
-    driver: str = choice("host", "allocation")  # allocation: the job holds restart.spare_nodes more nodes
+    # Where the driver of a run runs: "allocation", on the first node of one batch job that holds the
+    # run's nodes and restart.spare_nodes more (each attempt an srun step of that job); "host", where
+    # the flow runs (each attempt its own sbatch job). docs/cluster.md
+    driver: str = choice("allocation", "host")
 
 
 @dataclass

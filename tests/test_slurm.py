@@ -57,6 +57,7 @@ SCRIPTS = {
         "parallelism.dp=4",
         "parallelism.global_batch_size=32",
         "launcher.slurm.container_image=nvcr.io/x/mega:1",
+        "launcher.slurm.driver=host",  # the driver in the allocation runs outside any container
         "launcher.slurm.exclusive=false",
         "launcher.rdzv_port=0",
         "launcher.slurm.mem=null",
@@ -114,6 +115,7 @@ def test_secrets_and_bad_settings_never_reach_a_script(tmp_path):
         "cluster=h100-8x",
         "store.kind=redis",
         f"store.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0",
+        "launcher.slurm.driver=host",  # in the allocation a password in the URL is refused (below)
     )
     script = slurm.render_sbatch(cfg, _job(cfg, MEGA_REDIS_URL="redis://10.0.0.5:6379/0"))
     assert PASSWORD not in script and "MEGA_REDIS_URL=redis://10.0.0.5:6379/0" in script

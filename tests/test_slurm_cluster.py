@@ -19,7 +19,7 @@ import pytest
 from slurm_cluster import host, needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 from mega.config import compose
-from mega.launch import netns, slurm, slurm_local
+from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
 from mega.metrics import read_metrics
 from mega.stability.incident import read_incidents
@@ -109,11 +109,12 @@ def local_losses(one_node_3d_reference):
 def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_out_of_slurm(
     slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch
 ):
-    """flows.pretrain with launcher=slurm, tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the self-check and
-    the training run as Slurm jobs (squeue) on two hosts of their own, the losses equal
-    launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge, and neither the
-    Redis password nor an S3 secret is in anything Slurm stores or the script."""
+    """flows.pretrain with launcher=slurm (the driver in the run's job), tp2-pp2-dp2 on 2 Slurm nodes
+    x 4 ranks: the self-check and the training run as Slurm jobs (squeue) on two hosts of their own,
+    the losses equal launcher=local's, every rank's heartbeats reach the driver's Redis on the first
+    node, and neither the Redis password nor an S3 secret is in anything Slurm stores or the scripts."""
     from flows.pretrain import pretrain
+    from mega.launch import slurm_steps
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     run_dir = tmp_path / "run"
@@ -136,7 +137,7 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert state.is_completed(), state
     summary = state.result()
     assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
-    assert "mega-run-train-attempt0" in watch.names
+    assert "mega-run-driver" in watch.names and "mega-run-train-attempt0" not in watch.names  # one job
     hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}  # the self-check's Slurm job
     assert summary["selfcheck"]["healthy"] and hosts == {(0, host(0)), (1, host(1))}, summary
 
@@ -153,14 +154,15 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert sorted(int(r) for r, b in beats["ranks"].items() if b["sent"] > 0) == list(range(8))
 
     stored = watch.stored
-    script = (run_dir / "slurm" / "train-attempt0" / "job.sbatch").read_text()
+    script = "".join(
+        (run_dir / "slurm" / name).read_text() for name in ("driver/job.sbatch", "train-attempt0/srun.sh")
+    )
     assert watch.modes == {0o600}
     assert watch.secrets["AWS_SECRET_ACCESS_KEY"] == repr(S3_SECRET).strip("'")
     assert {"MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD"} <= set(
         watch.secrets
     )  # the ranks read them there
-    bridge = netns.plan(slurm_cluster.subnet, slurm_cluster.nodes, slurm_cluster.net_id).bridge_address
-    assert f"MEGA_REDIS_URL=redis://{bridge}:" in stored  # the job's environment is in Slurm ...
+    assert f"export {slurm_steps.INSIDE_ENV}=1" in stored  # the driver job's script is in Slurm ...
     for value in [S3_SECRET, *(v.strip("'") for v in watch.secrets.values())]:
         assert value not in stored and value not in script  # ... its secrets are not
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
@@ -191,8 +193,8 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     slurm_cluster, tmp_path, data_index
 ):
     """SIGSTOP rank 1 (node 1's only rank) after step 3: the watcher's hang incident names that rank,
-    node 1 and its host; the driver cancels the attempt's Slurm job and a new job resumes from
-    the in-memory copies (or step 2's save) and finishes."""
+    node 1 and its host; the driver (in the run's job) cancels the attempt's step and a new step of
+    the same job resumes from the in-memory copies (or step 2's save) and finishes."""
     from mega.bench.faults import stop_rank_when
 
     run_dir = tmp_path / "run"
@@ -224,9 +226,10 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
     c = inc["culprit"]
     assert (c["rank"], c["node"], c["host"], c["reason"]) == (1, 1, host(1), "silent"), c
-    first, second = _job_ids(run_dir)
-    assert slurm.job_info(first)["JobState"] == "CANCELLED"  # ended by the driver, before the next submission
-    assert slurm.job_info(second)["JobState"] == "COMPLETED"
+    [job_id] = _job_ids(run_dir)
+    assert slurm.job_info(job_id)["JobState"] == "COMPLETED"
+    steps = [(run_dir / "slurm" / f"train-attempt{h['attempt']}" / "srun.log") for h in result.history]
+    assert all(p.exists() for p in steps), result.history  # one srun step per attempt
 
 
 @pytest.mark.parametrize("driver", ["host", "allocation"])
@@ -304,13 +307,15 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
 
 
 def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_cluster, tmp_path, data_index):
-    """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
-    ``--exclude`` of its host and Slurm gives the third node (the spare). Then the spare dies too:
-    no usable node is left beyond the first, so with ``restart.min_nodes=1`` the run goes on on one
-    node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes."""
+    """driver=host: node 1 dies mid-run (every process in its namespace killed): the driver
+    relaunches with ``--exclude`` of its host and Slurm gives the third node (the spare). Then the
+    spare dies too: no usable node is left beyond the first, so with ``restart.min_nodes=1`` the run
+    goes on on one node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes.
+    (In the allocation: ``allocation_run`` below.)"""
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
+        "launcher.slurm.driver=host",
         "train.steps=6",
         "checkpoint.interval=2",
         "launcher.slurm.stop_timeout_s=5",
