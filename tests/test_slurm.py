@@ -434,3 +434,16 @@ def test_the_driver_in_the_allocation_is_one_batch_script_or_a_named_refusal(tmp
 
     with pytest.raises(ConfigError, match="container_image"):
         slurm.check(_cfg(tmp_path, *base, alloc, "launcher.slurm.container_image=x:1"))
+
+
+def test_the_submitter_notices_when_the_driver_job_lost_its_first_node(monkeypatch):
+    """--no-kill: Slurm takes a lost first node out of the running job and the job lives on without
+    its driver; the submitter names that node (and stops waiting) instead of waiting for the limit."""
+    from mega.launch import slurm_driver
+
+    monkeypatch.setattr(slurm_driver, "hostnames", lambda nodelist: {"n[1-2]": ["n1", "n2"]}[nodelist])
+    lost = {"JobState": "RUNNING", "BatchHost": "n0", "NodeList": "n[1-2]"}
+    assert slurm_driver.driver_lost(lost) == "n0"
+    assert slurm_driver.driver_lost({**lost, "BatchHost": "n1"}) is None
+    assert slurm_driver.driver_lost({**lost, "JobState": "PENDING"}) is None  # requeued: no host yet
+    assert slurm_driver.driver_lost({}) is None  # forgotten by Slurm

@@ -33,6 +33,8 @@ from mega.launch.slurm import (
     READ_PRIVATE_ENV,
     SlurmBackend,
     exported_env,
+    hostnames,
+    job_info,
     job_state,
     sbatch_directives,
     wait_in_background,
@@ -131,11 +133,27 @@ def run_driver_job(
         ) from None
 
 
+def driver_lost(info: dict[str, str]) -> str | None:
+    """The driver's host when Slurm took it out of the still running job (``job_info``): with
+    ``--no-kill`` the job lives on without its driver, which nothing would end before the time limit."""
+    batch = info.get("BatchHost")
+    if info.get("JobState") != "RUNNING" or not batch or batch == "(null)":
+        return None
+    return None if batch in hostnames(info.get("NodeList", "")) else batch
+
+
 def _wait(job_id: str, driver_log: Path, log: Callable[[str], None], poll_s: float) -> None:
-    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``."""
+    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``. Raises
+    DriverJobFailed when the job lost its driver's node (the caller cancels the job)."""
     seen, partial = 0, b""
     while True:
-        ended = job_state(job_id) in (None, *ENDED)  # first: once ended, the log is complete
+        info = job_info(job_id)
+        ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
+        if lost := driver_lost(info):
+            raise DriverJobFailed(
+                f"Slurm job {job_id} lost its first node {lost}, where its driver ran; the job is cancelled "
+                "(a recovery restarts the run from `latest`)"
+            )
         if driver_log.exists():
             with open(driver_log, "rb") as f:
                 f.seek(seen)
