@@ -32,6 +32,7 @@ from mega.launch.slurm import (
     ENDED,
     READ_PRIVATE_ENV,
     SlurmBackend,
+    SlurmError,
     exported_env,
     hostnames,
     job_info,
@@ -139,7 +140,10 @@ def driver_lost(info: dict[str, str]) -> str | None:
     batch = info.get("BatchHost")
     if info.get("JobState") != "RUNNING" or not batch or batch == "(null)":
         return None
-    return None if batch in hostnames(info.get("NodeList", "")) else batch
+    try:
+        return None if batch in hostnames(info.get("NodeList", "")) else batch
+    except SlurmError:  # scontrol did not answer this time: judged at the next poll
+        return None
 
 
 def _wait(job_id: str, driver_log: Path, log: Callable[[str], None], poll_s: float) -> None:
