@@ -7,6 +7,7 @@ in ``validate``, which rejects inconsistent settings with a ``ConfigError`` nami
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -364,11 +365,10 @@ class SlurmConfig:
     # CPUs, no GPU) runs in; null: the cluster's default partition. Not the GPU partition: a driver
     # would hold a GPU node for days doing nothing.
     driver_partition: str | None = None
-    # Where the driver of a run runs: "host", where the flow runs (each attempt its own sbatch job);
-    # "allocation", on the first node of one batch job that holds the run's nodes (each attempt an
-    # srun step of that job). docs/cluster.md
-    driver: str = choice("host", "allocation")
-    spare_nodes: int = 0  # driver=allocation: extra nodes in the job that replace lost ones
+    # Where the driver of a run runs: "allocation", on the first node of one batch job that holds the
+    # run's nodes and restart.spare_nodes more (each attempt an srun step of that job); "host", where
+    # the flow runs (each attempt its own sbatch job). docs/cluster.md
+    driver: str = choice("allocation", "host")
 
 
 @dataclass
@@ -853,6 +853,7 @@ MOVED_KEYS = {
     "checkpoint.max_restarts": "restart.max_restarts",
     "checkpoint.restart_backoff_s": "restart.backoff_s",
     "cluster.hang_timeout_s": "stability.hang_timeout_s",
+    "launcher.slurm.spare_nodes": "restart.spare_nodes",
 }
 
 
@@ -871,12 +872,24 @@ def check_moved(overrides: list[str]) -> None:
 
 def upgrade_saved(data: dict[str, Any]) -> dict[str, Any]:
     """A saved config (``save``) with every key of ``MOVED_KEYS`` at its new place."""
-    data = {name: dict(section) if isinstance(section, dict) else section for name, section in data.items()}
+    data = copy.deepcopy(data)
     for old, new in MOVED_KEYS.items():
-        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
-        if isinstance(data.get(old_section), dict) and old_key in data[old_section]:
-            value = data[old_section].pop(old_key)
-            data.setdefault(new_section, {}).setdefault(new_key, value)
+        *old_path, old_key = old.split(".")
+        *new_path, new_key = new.split(".")
+        section = _saved_section(data, old_path)
+        if isinstance(section, dict) and old_key in section:
+            value = section.pop(old_key)
+            _saved_section(data, new_path, create=True).setdefault(new_key, value)
+    return data
+
+
+def _saved_section(data: dict[str, Any], path: list[str], create: bool = False) -> dict | None:
+    """The nested dict at ``path`` of a saved config (made where missing when ``create``)."""
+    for name in path:
+        if create:
+            data = data.setdefault(name, {})
+        elif not isinstance(data := data.get(name), dict):
+            return None
     return data
 
 

@@ -26,9 +26,22 @@ from mega.config import (
 
 
 def _is_field(dotted: str) -> bool:
-    section, name = dotted.split(".")
-    hints = typing.get_type_hints(MegaConfig)
-    return section in hints and name in {f.name for f in dataclasses.fields(hints[section])}
+    *sections, name = dotted.split(".")
+    cls = MegaConfig
+    for section in sections:
+        hints = typing.get_type_hints(cls)
+        if section not in hints:
+            return False
+        cls = hints[section]
+    return name in {f.name for f in dataclasses.fields(cls)}
+
+
+def _section(data: dict, dotted: str) -> tuple[dict, str]:
+    """The dict holding the key ``dotted`` of a saved config, and the key's name there."""
+    *sections, name = dotted.split(".")
+    for section in sections:
+        data = data[section]
+    return data, name
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED_KEYS.items()))
@@ -45,6 +58,11 @@ def test_each_moved_key_names_a_field_of_the_schema_and_its_old_key_fails(old, n
     [
         (["cluster.spare_nodes=1"], "cluster.spare_nodes", "restart.spare_nodes"),
         (["model=tiny", "checkpoint.max_restarts=2"], "checkpoint.max_restarts", "restart.max_restarts"),
+        (
+            ["launcher=slurm", "launcher.slurm.spare_nodes=1"],
+            "launcher.slurm.spare_nodes",
+            "restart.spare_nodes",
+        ),
     ],
 )
 def test_compose_with_an_old_override_names_the_new_key(overrides, key, new):
@@ -97,15 +115,27 @@ def test_a_config_saved_before_the_move_loads_with_its_values_in_their_new_place
     )
     old = to_dict(cfg)  # the same config in the layout earlier versions saved
     for old_key, new_key in MOVED_KEYS.items():
-        (osec, oname), (nsec, nname) = old_key.split("."), new_key.split(".")
-        old[osec][oname] = old[nsec].pop(nname)
+        (old_section, old_name), (new_section, new_name) = _section(old, old_key), _section(old, new_key)
+        if new_name in new_section:  # a key that moved twice (two old places, one new) is saved once
+            old_section[old_name] = new_section.pop(new_name)
     for section in ("store", "selfcheck", "restart"):
         assert not old.pop(section)
     (tmp_path / "config.json").write_text(json.dumps(old))
     assert load(tmp_path / "config.json") == cfg
     save(cfg, tmp_path / "new.json")  # and what is saved now has no old key
     saved = json.loads((tmp_path / "new.json").read_text())
-    assert not [k for k in MOVED_KEYS if k.split(".")[1] in saved[k.split(".")[0]]]
+    assert not [k for k in MOVED_KEYS if _section(saved, k)[1] in _section(saved, k)[0]]
+
+
+def test_a_saved_slurm_spare_count_loads_as_the_one_spare_nodes_field(tmp_path):
+    """The allocation's spares (launcher.slurm.spare_nodes) and the membership's are one field."""
+    data = to_dict(from_dict({}))
+    data["launcher"]["slurm"]["spare_nodes"] = 2
+    del data["restart"]["spare_nodes"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert load(tmp_path / "config.json").restart.spare_nodes == 2
+    with pytest.raises(ConfigError, match="launcher.slurm.spare_nodes: moved to restart.spare_nodes"):
+        from_dict({"launcher": {"slurm": {"spare_nodes": 1}}})
 
 
 def test_the_cli_refuses_an_old_override_with_exit_2_naming_the_new_key():

@@ -217,6 +217,29 @@ def test_requeue_is_bounded_by_its_own_budget(loop, tmp_path):
     assert runs.read_record(tmp_path).state == "failed"
 
 
+def test_in_its_allocation_the_driver_requeues_its_job_and_the_next_run_continues_its_budgets(
+    loop, tmp_path, monkeypatch
+):
+    """driver=allocation: a requeue ends this driver (JobRequeued, the run record still training)
+    with what the job's next run continues from: the same budgets, history, config and excluded
+    hosts (through JSON, as mega.launch.in_allocation hands them on)."""
+    launch, state, _ = loop(backend=SlurmLike(tmp_path, (), [], 1))
+    launch.nodes.backend.exclude("node-b")
+    monkeypatch.setattr(driver.slurm_steps, "inside_allocation", lambda cfg: True)
+    attempt = driver.Attempt(3, state.cfg, None, None)
+    ended = Ended(outcome(PREEMPTED, {0: PREEMPTED}), 2, [], {})
+    state = replace(state, attempt=4, failures=1, history=({"attempt": 3},))
+    with pytest.raises(driver.JobRequeued) as requeued:
+        driver.requeue(launch, state, attempt, ended)
+    assert runs.read_record(tmp_path).state == "training"
+    carried = json.loads(json.dumps(requeued.value.carried))
+    again = SlurmLike(tmp_path, (), [], 1)
+    resumed = driver._first_state(state.cfg, 4, Nodes(state.cfg, tmp_path, again), carried)
+    assert (resumed.failures, resumed.requeues, resumed.attempt) == (1, 1, 4)
+    assert resumed.history == ({"attempt": 3, "requeued": True},) and resumed.cfg == state.cfg
+    assert again.excluded == ["node-b"]
+
+
 def test_prepare_restart_spends_the_failure_budget_then_fails(loop, tmp_path):
     launch, state, _ = loop([([1, 2], {0: 1}), ([3], {0: 1})])
     for failures in (1, 2):

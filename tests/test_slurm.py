@@ -57,6 +57,7 @@ SCRIPTS = {
         "parallelism.dp=4",
         "parallelism.global_batch_size=32",
         "launcher.slurm.container_image=nvcr.io/x/mega:1",
+        "launcher.slurm.driver=host",  # the driver in the allocation runs outside any container
         "launcher.slurm.exclusive=false",
         "launcher.rdzv_port=0",
         "launcher.slurm.mem=null",
@@ -114,6 +115,7 @@ def test_secrets_and_bad_settings_never_reach_a_script(tmp_path):
         "cluster=h100-8x",
         "store.kind=redis",
         f"store.redis_url=redis://:{PASSWORD}@10.0.0.5:6379/0",
+        "launcher.slurm.driver=host",  # in the allocation a password in the URL is refused (below)
     )
     script = slurm.render_sbatch(cfg, _job(cfg, MEGA_REDIS_URL="redis://10.0.0.5:6379/0"))
     assert PASSWORD not in script and "MEGA_REDIS_URL=redis://10.0.0.5:6379/0" in script
@@ -405,12 +407,13 @@ def test_the_hydra_sweep_preset_submits_through_the_plugin(tmp_path, slurm_bin):
 
 def test_the_driver_in_the_allocation_is_one_batch_script_or_a_named_refusal(tmp_path):
     """launcher.slurm.driver=allocation: one script for the run -- its nodes and spares, --no-kill,
-    the secrets file read, then the driver's module on the first node; what this mode does not do
-    (the time-limit warning, a container, spares without it) is refused naming the key."""
-    from mega.launch import slurm_driver
+    --requeue with its log appended to, the secrets file read, Slurm's warning turned into the file
+    the steps' node tasks watch, then the driver's module in the background; what this mode does not
+    do (a container) is refused naming the key."""
+    from mega.launch import slurm_driver, slurm_steps
 
     base, alloc = SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation"
-    cfg = _cfg(tmp_path, *base, alloc, "launcher.slurm.signal_grace_s=0", "launcher.slurm.spare_nodes=1")
+    cfg = _cfg(tmp_path, *base, alloc, "launcher.slurm.signal_grace_s=300", "restart.spare_nodes=1")
     job = slurm_driver.driver_job(cfg, tmp_path / "index.json", recovery=True, flow_run_id="f-1")
     job.env["MEGA_PRIVATE_ENV_FILE"] = str(tmp_path / "secrets.env")
     script = slurm_driver.render_driver_sbatch(cfg, job, "/venv/bin/python")
@@ -419,18 +422,28 @@ def test_the_driver_in_the_allocation_is_one_batch_script_or_a_named_refusal(tmp
     check = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
     directives = [line.split(" ", 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
-    assert {"--nodes=3", "--no-kill", "--job-name=mega-run-driver"} <= set(directives)
-    assert not any(d.startswith("--signal") for d in directives)
-    last = script.splitlines()[-1]
-    assert last.startswith("exec /venv/bin/python -m mega.launch.in_allocation --config ")
-    assert last.endswith(f"--data-index {tmp_path}/index.json --recovery --flow-run-id f-1")
-    assert script.index(slurm.READ_PRIVATE_ENV) < script.index(last)  # the driver reads the secrets too
+    expected = {"--nodes=3", "--no-kill", "--requeue", "--open-mode=append", "--signal=B:USR1@300"}
+    assert expected | {"--job-name=mega-run-driver"} <= set(directives) and "--no-requeue" not in directives
+    [driver] = [line for line in script.splitlines() if "-m mega.launch.in_allocation" in line]
+    assert driver.startswith("(trap '' USR1; exec /venv/bin/python -m mega.launch.in_allocation --config ")
+    assert driver.endswith(f"--data-index {tmp_path}/index.json --recovery --flow-run-id f-1) &")
+    assert script.index(slurm.READ_PRIVATE_ENV) < script.index(driver)  # the driver reads the secrets too
+    warned = slurm_steps.warning_file(cfg.train.run_dir)
+    assert f"trap 'touch {warned}' USR1" in script and script.index(f"rm -f {warned}") < script.index(driver)
     assert json.loads(Path(job.args[1]).read_text())["launcher"]["slurm"]["driver"] == "allocation"
 
-    for extra, key in [
-        ([alloc], "launcher.slurm.signal_grace_s"),  # the default: a warning 120 s before the limit
-        ([alloc, "launcher.slurm.signal_grace_s=0", "launcher.slurm.container_image=x:1"], "container_image"),
-        (["launcher.slurm.spare_nodes=1"], "spare_nodes"),  # driver=host
-    ]:
-        with pytest.raises(ConfigError, match=key):
-            slurm.check(_cfg(tmp_path, *base, *extra))
+    with pytest.raises(ConfigError, match="container_image"):
+        slurm.check(_cfg(tmp_path, *base, alloc, "launcher.slurm.container_image=x:1"))
+
+
+def test_the_submitter_notices_when_the_driver_job_lost_its_first_node(monkeypatch):
+    """--no-kill: Slurm takes a lost first node out of the running job and the job lives on without
+    its driver; the submitter names that node (and stops waiting) instead of waiting for the limit."""
+    from mega.launch import slurm_driver
+
+    monkeypatch.setattr(slurm_driver, "hostnames", lambda nodelist: {"n[1-2]": ["n1", "n2"]}[nodelist])
+    lost = {"JobState": "RUNNING", "BatchHost": "n0", "NodeList": "n[1-2]"}
+    assert slurm_driver.driver_lost(lost) == "n0"
+    assert slurm_driver.driver_lost({**lost, "BatchHost": "n1"}) is None
+    assert slurm_driver.driver_lost({**lost, "JobState": "PENDING"}) is None  # requeued: no host yet
+    assert slurm_driver.driver_lost({}) is None  # forgotten by Slurm

@@ -19,7 +19,7 @@ import pytest
 from slurm_cluster import host, needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 
 from mega.config import compose
-from mega.launch import netns, slurm, slurm_local
+from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
 from mega.metrics import read_metrics
 from mega.stability.incident import read_incidents
@@ -109,11 +109,12 @@ def local_losses(one_node_3d_reference):
 def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_out_of_slurm(
     slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch
 ):
-    """flows.pretrain with launcher=slurm, tp2-pp2-dp2 on 2 Slurm nodes x 4 ranks: the self-check and
-    the training run as Slurm jobs (squeue) on two hosts of their own, the losses equal
-    launcher=local's, every rank's heartbeats reach the driver's Redis on the bridge, and neither the
-    Redis password nor an S3 secret is in anything Slurm stores or the script."""
+    """flows.pretrain with launcher=slurm (the driver in the run's job), tp2-pp2-dp2 on 2 Slurm nodes
+    x 4 ranks: the self-check and the training run as Slurm jobs (squeue) on two hosts of their own,
+    the losses equal launcher=local's, every rank's heartbeats reach the driver's Redis on the first
+    node, and neither the Redis password nor an S3 secret is in anything Slurm stores or the scripts."""
     from flows.pretrain import pretrain
+    from mega.launch import slurm_steps
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
     run_dir = tmp_path / "run"
@@ -136,7 +137,7 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert state.is_completed(), state
     summary = state.result()
     assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
-    assert "mega-run-train-attempt0" in watch.names
+    assert "mega-run-driver" in watch.names and "mega-run-train-attempt0" not in watch.names  # one job
     hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}  # the self-check's Slurm job
     assert summary["selfcheck"]["healthy"] and hosts == {(0, host(0)), (1, host(1))}, summary
 
@@ -153,14 +154,15 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert sorted(int(r) for r, b in beats["ranks"].items() if b["sent"] > 0) == list(range(8))
 
     stored = watch.stored
-    script = (run_dir / "slurm" / "train-attempt0" / "job.sbatch").read_text()
+    script = "".join(
+        (run_dir / "slurm" / name).read_text() for name in ("driver/job.sbatch", "train-attempt0/srun.sh")
+    )
     assert watch.modes == {0o600}
     assert watch.secrets["AWS_SECRET_ACCESS_KEY"] == repr(S3_SECRET).strip("'")
     assert {"MEGA_REDIS_PASSWORD", "MEGA_HEARTBEAT_PASSWORD"} <= set(
         watch.secrets
     )  # the ranks read them there
-    bridge = netns.plan(slurm_cluster.subnet, slurm_cluster.nodes, slurm_cluster.net_id).bridge_address
-    assert f"MEGA_REDIS_URL=redis://{bridge}:" in stored  # the job's environment is in Slurm ...
+    assert f"export {slurm_steps.INSIDE_ENV}=1" in stored  # the driver job's script is in Slurm ...
     for value in [S3_SECRET, *(v.strip("'") for v in watch.secrets.values())]:
         assert value not in stored and value not in script  # ... its secrets are not
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
@@ -191,8 +193,8 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     slurm_cluster, tmp_path, data_index
 ):
     """SIGSTOP rank 1 (node 1's only rank) after step 3: the watcher's hang incident names that rank,
-    node 1 and its host; the driver cancels the attempt's Slurm job and a new job resumes from
-    the in-memory copies (or step 2's save) and finishes."""
+    node 1 and its host; the driver (in the run's job) cancels the attempt's step and a new step of
+    the same job resumes from the in-memory copies (or step 2's save) and finishes."""
     from mega.bench.faults import stop_rank_when
 
     run_dir = tmp_path / "run"
@@ -224,36 +226,44 @@ def test_a_hung_rank_on_node_1_is_named_with_its_host_its_job_cancelled_and_a_ne
     assert inc["kind"] == "hang" and inc["action"] == "relaunch from latest"
     c = inc["culprit"]
     assert (c["rank"], c["node"], c["host"], c["reason"]) == (1, 1, host(1), "silent"), c
-    first, second = _job_ids(run_dir)
-    assert slurm.job_info(first)["JobState"] == "CANCELLED"  # ended by the driver, before the next submission
-    assert slurm.job_info(second)["JobState"] == "COMPLETED"
+    [job_id] = _job_ids(run_dir)
+    assert slurm.job_info(job_id)["JobState"] == "COMPLETED"
+    steps = [(run_dir / "slurm" / f"train-attempt{h['attempt']}" / "srun.log") for h in result.history]
+    assert all(p.exists() for p in steps), result.history  # one srun step per attempt
 
 
+@pytest.mark.parametrize("driver", ["host", "allocation"])
 def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
-    slurm_cluster, tmp_path, data_index
+    slurm_cluster, tmp_path, data_index, driver
 ):
-    """The short partition, a 2-minute limit and ``--signal=B:USR1@90``: slurmctld's own timer sends
+    """The short partition, a 3-minute limit and ``--signal=B:USR1@150``: slurmctld's own timer sends
     the warning. It checks limits every 30 s and sends a warning due before the next check at once,
     so here it comes within about 30 s of the job's start (Slurm's documented "up to 60 s early"),
     possibly before the ranks run. Standing in for a long first step, rank 0 is frozen (SIGSTOP) from
     its start until the warning has come (the batch shell's file), so the warning comes before step 1
     ends whatever the machine's load. The ranks finish step 1, save it and exit; the driver resubmits
-    from that save without spending a restart (max_restarts=0); the next job runs step 2 (warned
-    too, it saves and ends, or ends before its warning)."""
+    from that save without spending a restart (max_restarts=0) -- in its allocation, it requeues its
+    own job, which runs again under the same id -- and the next run does step 2 (warned too, it
+    saves and ends, or ends before its warning)."""
     from mega.cluster.node import read_processes
+    from mega.launch import slurm_steps
 
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
         "train.steps=2",
         "launcher.slurm.partition=short",
-        "launcher.slurm.time=2",
-        "launcher.slurm.signal_grace_s=90",
+        "launcher.slurm.time=3",  # 150 s after the warning: the driver's start, the ranks' and their save
+        "launcher.slurm.signal_grace_s=150",
         "checkpoint.interval=100",
         "restart.max_restarts=0",
         "stability.min_hang_s=120",
+        f"launcher.slurm.driver={driver}",
     )
-    warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
+    if driver == "host":
+        warned = run_dir / "slurm" / "train-attempt0" / "exit" / "signalled"
+    else:  # the driver job's file (removed when the requeued job starts again: seen is enough)
+        warned = slurm_steps.warning_file(run_dir)
     frozen: dict = {}
 
     def freeze_rank0_until_warned():
@@ -264,12 +274,12 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
                 os.kill(procs[0], signal.SIGSTOP)
                 frozen["pid"] = procs[0]
             time.sleep(0.2)
-        if frozen:
+        frozen["warned"] = warned.exists()
+        if "pid" in frozen:
             # the node tasks see the warning file and pass SIGUSR1 on (resent every 2 s): let it
             # reach every rank before rank 0 runs on, or two quick steps finish the run first
             time.sleep(3)
             os.kill(frozen["pid"], signal.SIGCONT)
-        frozen["warned"] = warned.exists()
 
     freezer = threading.Thread(target=freeze_rank0_until_warned, daemon=True)
     freezer.start()
@@ -279,7 +289,9 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
         freezer.join(30)
     assert frozen.get("warned"), "slurmctld never sent the warning"
     first_job = slurm.job_info(_job_ids(run_dir)[0])
-    assert first_job["Partition"] == "short" and first_job["TimeLimit"] == "00:02:00"
+    assert first_job["Partition"] == "short" and first_job["TimeLimit"] == "00:03:00"
+    if driver == "allocation":  # one job, requeued once by its driver, completed in its second run
+        assert (len(_job_ids(run_dir)), first_job["Restarts"], first_job["JobState"]) == (1, "1", "COMPLETED")
     assert result.final_step == 2
     first, second = result.history
     assert first.get("requeued") and first["final_step"] == 1, result.history
@@ -295,13 +307,15 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
 
 
 def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_cluster, tmp_path, data_index):
-    """Node 1 dies mid-run (every process in its namespace killed): the driver relaunches with
-    ``--exclude`` of its host and Slurm gives the third node (the spare). Then the spare dies too:
-    no usable node is left beyond the first, so with ``restart.min_nodes=1`` the run goes on on one
-    node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes."""
+    """driver=host: node 1 dies mid-run (every process in its namespace killed): the driver
+    relaunches with ``--exclude`` of its host and Slurm gives the third node (the spare). Then the
+    spare dies too: no usable node is left beyond the first, so with ``restart.min_nodes=1`` the run
+    goes on on one node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes.
+    (In the allocation: ``allocation_run`` below.)"""
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
+        "launcher.slurm.driver=host",
         "train.steps=6",
         "checkpoint.interval=2",
         "launcher.slurm.stop_timeout_s=5",
@@ -382,7 +396,7 @@ def test_a_recovery_cancels_the_runs_live_job_before_it_submits_and_no_other(
         subprocess.run(["scancel", *jobs.values()], timeout=30)
 
 
-IN_ALLOCATION = ["launcher.slurm.driver=allocation", "launcher.slurm.signal_grace_s=0"]
+IN_ALLOCATION = ["launcher.slurm.driver=allocation"]
 # 2 nodes and a spare in one job; checkpoints every 2 steps
 ALLOCATION_RUN = ["train.steps=4", "checkpoint.interval=2", "restart.backoff_s=0"]
 
@@ -396,7 +410,7 @@ def allocation_run(slurm_cluster, tmp_path_factory, data_index):
         run_dir,
         *ALLOCATION_RUN,
         "launcher.slurm.stop_timeout_s=5",
-        "launcher.slurm.spare_nodes=1",
+        "restart.spare_nodes=1",
         *IN_ALLOCATION,
     )
     killed: dict[int, list[int]] = {}

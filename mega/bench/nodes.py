@@ -47,6 +47,7 @@ SLURM = [
     "launcher.slurm.exclusive=false",
     "launcher.slurm.mem=null",
     "launcher.slurm.stop_timeout_s=30",
+    "launcher.slurm.driver=host",  # node-loss: the relaunch is a new job on a node of the partition
     "restart.backoff_s=0",
 ]
 

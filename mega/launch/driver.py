@@ -47,6 +47,17 @@ class TrainingFailed(RuntimeError):
     pass
 
 
+class JobRequeued(BaseException):
+    """Raised by the driver in its Slurm allocation when Slurm's warning ended an attempt: the whole
+    job goes back to the queue for a new time limit (mega.launch.in_allocation requeues it once this
+    driver has let go of its servers) and its next run continues from ``carried``. Not an
+    Exception: the run record stays ``training``."""
+
+    def __init__(self, carried: dict):
+        super().__init__("requeue the driver's Slurm job")
+        self.carried = carried
+
+
 @dataclass
 class TrainingResult:
     run_dir: Path
@@ -72,6 +83,7 @@ def run_training(
     flow_run_id: str | None = None,
     recovery: bool = False,
     on_incident: Callable[[dict], None] | None = None,
+    carried: dict | None = None,
 ) -> TrainingResult:
     """Train to ``train.steps``; when any node's ranks die or hang, restart all from ``latest``.
 
@@ -80,7 +92,8 @@ def run_training(
     ``recovery`` marks a restart by the recovery flow; attempt numbers continue the run's own
     (so a fault drill of attempt 0 does not strike again, and no attempt log is overwritten).
     ``on_incident``: called with each incident (mega.launch.incidents) when it is
-    filed and again when the next attempt's first step recovers it (``stage``).
+    filed and again when the next attempt's first step recovers it (``stage``). ``carried``: what
+    the driver of a requeued Slurm job handed on (``JobRequeued``): its config and budgets.
     """
     from mega import heldout
 
@@ -90,6 +103,7 @@ def run_training(
         return _in_allocation(cfg, index_path, log, flow_run_id=flow_run_id, recovery=recovery)
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = mega_config.from_dict(carried["config"]) if carried else cfg  # after a shrink: fewer nodes
     with (
         runs.track(
             run_dir,
@@ -111,11 +125,39 @@ def run_training(
         driver_mark(run_dir, "start", hb_env, t_entered=entered)  # the goodput ledger (docs/goodput.md)
         launch = Launch(run_dir, index_path, log, run, nodes, {**store_env, **hb_env}, book)
         try:
-            result = train_with_restarts(launch, LoopState(cfg, attempt=run.record.attempts))
+            result = train_with_restarts(launch, _first_state(cfg, run.record.attempts, nodes, carried))
         finally:
             driver_mark(run_dir, "end")
         run.finish("completed", result.final_step)
         return result
+
+
+def _first_state(cfg: MegaConfig, attempt: int, nodes: Nodes, carried: dict | None) -> LoopState:
+    """The loop's state before its first attempt: fresh, or as a requeued job's driver left it."""
+    state = LoopState(cfg, attempt=attempt)
+    if not carried:
+        return state
+    for host in carried["excluded_hosts"]:
+        nodes.backend.exclude(host)
+    return replace(
+        state,
+        failures=carried["failures"],
+        requeues=carried["requeues"],
+        history=tuple(carried["history"]),
+        carried=tuple(carried["env"].items()),
+    )
+
+
+def _carried(state: LoopState, nodes: Nodes) -> dict:
+    """What the next run of a requeued driver job continues with (``_first_state``)."""
+    return {
+        "config": mega_config.to_dict(rendezvous.without_secrets(state.cfg)),
+        "failures": state.failures,
+        "requeues": state.requeues,
+        "history": list(state.history),
+        "env": dict(state.carried),
+        "excluded_hosts": list(getattr(nodes.backend, "excluded", [])),
+    }
 
 
 def _in_allocation(cfg: MegaConfig, index_path: Path, log: Callable[[str], None], **kwargs) -> TrainingResult:
@@ -332,8 +374,9 @@ def finish(launch: Launch, state: LoopState, ended: Ended) -> TrainingResult:
 
 
 def requeue(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) -> LoopState:
-    """Slurm ended the attempt (time limit or preemption) after its ranks saved: resubmit, up to
-    ``launcher.slurm.max_requeues`` times. No incident: a scheduled end, not a fault."""
+    """Slurm ended the attempt (time limit or preemption) after its ranks saved: resubmit (in the
+    allocation: requeue the driver's job), up to ``launcher.slurm.max_requeues`` times. No incident:
+    a scheduled end, not a fault."""
     state = replace(state, requeues=state.requeues + 1).noted(requeued=True)
     launch.run.save()
     limit = attempt.cfg.launcher.slurm.max_requeues
@@ -345,6 +388,8 @@ def requeue(launch: Launch, state: LoopState, attempt: Attempt, ended: Ended) ->
         failed = TrainingFailed(f"requeued {state.requeues} times (launcher.slurm.max_requeues={limit})")
         launch.run.finish("failed", ended.final_step, error=str(failed))
         raise failed
+    if slurm_steps.inside_allocation(attempt.cfg):  # the job itself goes back to the queue
+        raise JobRequeued(_carried(state, launch.nodes))
     return state
 
 

@@ -12,7 +12,8 @@ setup lines, the master (the batch host: the allocation's first node) with a por
   steps before ``srun`` started one would be lost); it creates ``<exit dir>/signalled``, which every
   node's task watches and answers by passing SIGUSR1 to its ranks: they finish the step,
   save a checkpoint and exit; the node reports ``PREEMPTED`` and the driver resubmits from that
-  save, counted apart from failures (``launcher.slurm.max_requeues``).
+  save (in its allocation: requeues its own job), counted apart from failures
+  (``launcher.slurm.max_requeues``).
 * Secrets (passwords, tokens, ``AWS_SECRET_ACCESS_KEY``...) are never in the script nor in the
   environment ``sbatch`` sends to slurmctld (which stores it): they go to a file readable only by
   the user (``launcher.slurm.secrets_dir``, default the run's ``slurm/``), which each node's task
@@ -95,12 +96,6 @@ def check(cfg: MegaConfig) -> None:
         _check_numa_binding(cfg)
     if s.driver == "allocation":
         _check_driver_in_allocation(cfg)
-    elif s.spare_nodes:
-        raise ConfigError(
-            "launcher.slurm.spare_nodes",
-            "spares are nodes of the driver's own allocation (launcher.slurm.driver=allocation); with "
-            "driver=host a relaunch gets other nodes of the partition (--exclude of the lost ones)",
-        )
     if s.max_requeues < 0:
         raise ConfigError("launcher.slurm.max_requeues", f"must be >= 0, got {s.max_requeues}")
     if cfg.store.kind == "redis" and cfg.store.redis_url is None and not cfg.store.start_local_redis:
@@ -114,14 +109,6 @@ def check(cfg: MegaConfig) -> None:
 def _check_driver_in_allocation(cfg: MegaConfig) -> None:
     """What the driver inside the allocation (mega.launch.slurm_steps) does not do."""
     s = cfg.launcher.slurm
-    if s.spare_nodes < 0:
-        raise ConfigError("launcher.slurm.spare_nodes", f"must be >= 0, got {s.spare_nodes}")
-    if s.signal_grace_s:
-        raise ConfigError(
-            "launcher.slurm.signal_grace_s",
-            "with launcher.slurm.driver=allocation the time-limit warning is not handled (the ranks "
-            "would save, but the job is not requeued): set it to 0, or use driver=host",
-        )
     if s.container_image:
         raise ConfigError(
             "launcher.slurm.container_image",
@@ -225,9 +212,10 @@ def job_name(job: JobSpec) -> str:
 
 
 def sbatch_directives(
-    cfg: MegaConfig, job: JobSpec, exclude: list[str] = (), nodes: int | None = None
+    cfg: MegaConfig, job: JobSpec, exclude: list[str] = (), nodes: int | None = None, requeue: bool = False
 ) -> list[str]:
-    """``#SBATCH`` options of ``job`` on ``nodes`` nodes (default ``cluster.nodes``)."""
+    """``#SBATCH`` options of ``job`` on ``nodes`` nodes (default ``cluster.nodes``); ``requeue``:
+    Slurm may run the job again (same id, its log appended to), else the driver resubmits."""
     s = cfg.launcher.slurm
     log_dir = Path(job.log_dir).absolute()
     d = [f"--job-name={job_name(job)}", f"--nodes={nodes or cfg.cluster.nodes}", "--ntasks-per-node=1"]
@@ -247,8 +235,11 @@ def sbatch_directives(
         d.append(f"--exclude={','.join(hosts)}")
     if s.signal_grace_s:
         d.append(f"--signal=B:USR1@{s.signal_grace_s}")
-    # the driver resubmits (with --exclude, a new attempt number); Slurm's own requeue would not
-    d += ["--no-requeue", f"--output={log_dir}/slurm-%j.out"]
+    if requeue:
+        d += ["--requeue", "--open-mode=append"]
+    else:  # the driver resubmits (with --exclude, a new attempt number); Slurm's own requeue would not
+        d.append("--no-requeue")
+    d.append(f"--output={log_dir}/slurm-%j.out")
     return d
 
 
@@ -281,9 +272,12 @@ def render_sbatch(
     return "\n".join(lines)
 
 
-def node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str:
+def node_task(
+    cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path, signalled: Path | None = None
+) -> str:
     """``_NODE_TASK`` for this job: its agent's command line, log and exit files, each node's own
-    (``$SLURM_NODEID``) expanded by that node's bash."""
+    (``$SLURM_NODEID``) expanded by that node's bash; ``signalled``: the file of Slurm's warning
+    (``warning_trap``; default ``<exit_dir>/signalled``)."""
     placeholders = {
         "@NODE_RANK@": "SLURM_NODEID",
         "@MASTER_ADDR@": "MASTER_ADDR",
@@ -299,7 +293,7 @@ def node_task(cfg: MegaConfig, job: JobSpec, python: str, exit_dir: Path) -> str
         "@EXITDIR@": str(exit_dir),
         "@LOG@": str(log),
         "@EXIT@": str(exit_dir / "node-@NODE_RANK@.json"),
-        "@SIGNALLED@": str(exit_dir / "signalled"),
+        "@SIGNALLED@": str(signalled or exit_dir / "signalled"),
     }.items():
         task = task.replace(key, _shell_word(value, placeholders))
     task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
@@ -327,16 +321,41 @@ def exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
     ]
 
 
+def warning_trap(signalled: Path) -> list[str]:
+    """The batch shell's lines that turn Slurm's warning into the file ``signalled`` (removed first:
+    a requeued job starts unwarned), which every node's task (``node_task``) watches."""
+    q = shlex.quote(str(signalled))
+    return [
+        "# Slurm's warning (--signal=B:USR1) comes to this shell, from the job's start on: it leaves a file",
+        "# every node's task watches and answers by passing SIGUSR1 to its ranks.",
+        f"mkdir -p {shlex.quote(str(signalled.parent))}",
+        f"rm -f {q}",
+        f"trap 'touch {q}' USR1",
+        "",
+    ]
+
+
+def wait_in_background(pid_var: str) -> list[str]:
+    """The batch shell's wait for its background child ``$pid_var`` (started with SIGUSR1 ignored)
+    that lets the shell take Slurm's warning meanwhile, then its exit with the child's code."""
+    return [
+        "# each trapped signal ends a `wait` early, so wait again until the child has ended, then exit as it did.",
+        f"{pid_var}=$!",
+        "while :; do",
+        f'  rc=0; wait "${pid_var}" || rc=$?',
+        f'  kill -0 "${pid_var}" 2>/dev/null || break',
+        "done",
+        'exit "$rc"',
+        "",
+    ]
+
+
 def _signal_and_master(cfg: MegaConfig, python: str, exit_dir: Path, log_dir: Path) -> list[str]:
     """The batch shell's trap of Slurm's warning, and the rendezvous master (the first node)."""
     # rdzv_port=0: mega/ports.py, its source in the script (the batch host may lack mega: containers)
     port = str(cfg.launcher.rdzv_port) if cfg.launcher.rdzv_port else f"$({python} - <<'MEGA_PORTS'"
     return [
-        "# Slurm's warning (--signal=B:USR1) comes to this shell, from the job's start on: it leaves a file",
-        "# every node's task watches and answers by passing SIGUSR1 to its ranks.",
-        f"mkdir -p {shlex.quote(str(exit_dir))}",
-        f"trap 'touch {shlex.quote(str(exit_dir / 'signalled'))}' USR1",
-        "",
+        *warning_trap(exit_dir / "signalled"),
         "# The master is the batch host, the first node of the allocation: node 0's agent serves the",
         "# rendezvous there, on a port free there. (sed reads every line: `head -n 1` would let",
         "# scontrol die of SIGPIPE, fatal under pipefail.)",
@@ -379,15 +398,8 @@ def _srun_nodes(cfg: MegaConfig, job: JobSpec, task: str) -> list[str]:
         "(trap '' USR1; exec " + " ".join(srun) + " \\",
         f"  bash -c {shlex.quote(task)}) &",
         "",
-        "# srun runs in the background (SIGUSR1 ignored): this shell stays free to take the warning; each",
-        "# trapped signal ends a `wait` early, so wait again until srun has ended, then exit as it did.",
-        "srun_pid=$!",
-        "while :; do",
-        '  rc=0; wait "$srun_pid" || rc=$?',
-        '  kill -0 "$srun_pid" 2>/dev/null || break',
-        "done",
-        'exit "$rc"',
-        "",
+        "# srun runs in the background (SIGUSR1 ignored): this shell stays free to take the warning;",
+        *wait_in_background("srun_pid"),
     ]
 
 

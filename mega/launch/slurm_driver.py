@@ -1,6 +1,6 @@
 """launcher.slurm.driver=allocation, the submitting side: one batch job for the whole run.
 
-``run_driver_job`` submits one ``sbatch`` job of ``cluster.nodes`` + ``launcher.slurm.spare_nodes``
+``run_driver_job`` submits one ``sbatch`` job of ``cluster.nodes`` + ``restart.spare_nodes``
 nodes (``--no-kill``: a failed node does not end it) whose script runs the driver on the job's
 first node: ``python -m mega.launch.in_allocation --config ... --data-index ...``, the restart loop
 of ``run_training`` with each attempt an ``srun`` step of the same job (mega/launch/slurm_steps.py).
@@ -8,6 +8,10 @@ The submitting process (a login host, the flow) holds the run's claim (mega.laun
 passes the driver's log on as it grows, waits until Slurm says the job ended, and reads the
 driver's result from the run directory (a shared filesystem). Secrets take the path of every Slurm
 job: the private env file (mega/launch/slurm.py), never the script or the job's environment.
+The job is ``--requeue``: Slurm's warning (``--signal=B:USR1@<launcher.slurm.signal_grace_s>``)
+reaches the batch shell, whose file each step's node tasks pass on to the ranks (as in
+mega/launch/slurm.py); the driver then requeues the job (mega/launch/in_allocation.py), whose next
+run (same id, its log appended to) resumes from the ranks' save.
 """
 
 from __future__ import annotations
@@ -28,16 +32,20 @@ from mega.launch.slurm import (
     ENDED,
     READ_PRIVATE_ENV,
     SlurmBackend,
+    SlurmError,
     exported_env,
+    hostnames,
+    job_info,
     job_state,
     sbatch_directives,
+    wait_in_background,
+    warning_trap,
 )
-from mega.launch.slurm_steps import INSIDE_ENV
+from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, driver_dir, warning_file
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
-DRIVER = "driver"  # the job's name part and its folder under <run_dir>/slurm/
 RESULT_FILE = "result.json"  # the driver's TrainingResult (without metrics), or {"error": ...}
 
 
@@ -46,20 +54,20 @@ class DriverJobFailed(RuntimeError):
 
 
 def result_path(run_dir: str | Path) -> Path:
-    return Path(run_dir).absolute() / "slurm" / DRIVER / RESULT_FILE
+    return driver_dir(run_dir) / RESULT_FILE
 
 
 def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") -> str:
     """The run's one batch script: the nodes (with spares), the setup lines, the secrets file read
     into the driver's environment, then the driver (``job``) on the first node."""
-    s = cfg.launcher.slurm
-    nodes = cfg.cluster.nodes + s.spare_nodes
+    s, spares = cfg.launcher.slurm, cfg.restart.spare_nodes
+    nodes = cfg.cluster.nodes + spares
     lines = [
         "#!/bin/bash",
         f"# mega: the driver of one training run and its {nodes} node(s) ({cfg.cluster.nodes} + "
-        f"{s.spare_nodes} spare), rendered by mega.launch.slurm_driver.",
+        f"{spares} spare), rendered by mega.launch.slurm_driver.",
         "# The driver runs here, on the first node; each attempt is an srun step of this job.",
-        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, nodes=nodes)),
+        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, nodes=nodes, requeue=True)),
         "#SBATCH --no-kill",
         "set -euo pipefail",
         "",
@@ -68,8 +76,11 @@ def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") 
         "# the secrets (mode 0600, written by the submitter): the driver and each step's tasks read them",
         "# shellcheck source=/dev/null",
         READ_PRIVATE_ENV,
-        f"exec {python} -m {job.module} {shlex.join(job.args)}",
         "",
+        *warning_trap(warning_file(cfg.train.run_dir)),
+        "# The driver runs in the background (SIGUSR1 ignored): this shell stays free to take the warning;",
+        f"(trap '' USR1; exec {python} -m {job.module} {shlex.join(job.args)}) &",
+        *wait_in_background("driver_pid"),
     ]
     return "\n".join(lines)
 
@@ -77,7 +88,7 @@ def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") 
 def driver_job(cfg: MegaConfig, index_path: Path, *, recovery: bool, flow_run_id: str | None) -> JobSpec:
     """The driver's job: its config saved without secrets next to the run, and its arguments."""
     run_dir = Path(cfg.train.run_dir).absolute()
-    config_path = run_dir / "slurm" / DRIVER / "config.json"
+    config_path = driver_dir(run_dir) / "config.json"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     mega_config.save(rendezvous.without_secrets(cfg), config_path)
     args = ["--config", str(config_path), "--data-index", str(Path(index_path).absolute())]
@@ -103,6 +114,7 @@ def run_driver_job(
         if recovery and (cancelled := backend.cancel_run_jobs()):
             log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
         result_path(run_dir).unlink(missing_ok=True)
+        (driver_dir(run_dir) / CARRIED_FILE).unlink(missing_ok=True)  # an earlier launch's
         job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
         job_id = backend.submit(DRIVER, render_driver_sbatch(cfg, job, sys.executable))
         log(f"submitted Slurm job {job_id}: the driver and {cfg.cluster.nodes} node(s) of this run")
@@ -122,11 +134,30 @@ def run_driver_job(
         ) from None
 
 
+def driver_lost(info: dict[str, str]) -> str | None:
+    """The driver's host when Slurm took it out of the still running job (``job_info``): with
+    ``--no-kill`` the job lives on without its driver, which nothing would end before the time limit."""
+    batch = info.get("BatchHost")
+    if info.get("JobState") != "RUNNING" or not batch or batch == "(null)":
+        return None
+    try:
+        return None if batch in hostnames(info.get("NodeList", "")) else batch
+    except SlurmError:  # scontrol did not answer this time: judged at the next poll
+        return None
+
+
 def _wait(job_id: str, driver_log: Path, log: Callable[[str], None], poll_s: float) -> None:
-    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``."""
+    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``. Raises
+    DriverJobFailed when the job lost its driver's node (the caller cancels the job)."""
     seen, partial = 0, b""
     while True:
-        ended = job_state(job_id) in (None, *ENDED)  # first: once ended, the log is complete
+        info = job_info(job_id)
+        ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
+        if lost := driver_lost(info):
+            raise DriverJobFailed(
+                f"Slurm job {job_id} lost its first node {lost}, where its driver ran; the job is cancelled "
+                "(a recovery restarts the run from `latest`)"
+            )
         if driver_log.exists():
             with open(driver_log, "rb") as f:
                 f.seek(seen)

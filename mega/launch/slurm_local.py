@@ -17,7 +17,8 @@
   spool and logs. ``export SLURM_CONF=<dir>/slurm.conf`` points ``sinfo``/``sbatch`` at it
   (``status`` prints it).
 * Two partitions: ``debug`` (default, no time limit) and ``short`` (``MaxTime=5`` minutes), where
-  time-limit and ``--signal`` drills run.
+  time-limit and ``--signal`` drills run; a requeued job runs again after 31 s (``cred_expire=30``
+  in ``AuthInfo``; Slurm's default is 120 s).
 * ``up`` returns once ``sinfo`` shows every node idle, or fails within ``--timeout`` seconds naming
   what did not come up, with the tail of its log, and removes what it started. ``down`` stops every
   daemon by the pid recorded in ``<dir>/cluster.json`` and deletes the namespaces, bridge and files.
@@ -98,7 +99,8 @@ SlurmctldPort={state.ctl_port}
 SlurmdPort={state.slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={r / "munge" / "munge.socket"}
+# cred_expire: a requeued job waits this long (plus 1 s) before it runs again (Slurm's default: 120 s)
+AuthInfo=socket={r / "munge" / "munge.socket"},cred_expire=30
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={r / "state"}
@@ -111,6 +113,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 SchedulerType=sched/backfill
+# a requeued job, eligible again after cred_expire, starts at the next backfill pass: every 5 s, not 30
+SchedulerParameters=bf_interval=5
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides

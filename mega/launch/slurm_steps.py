@@ -1,7 +1,7 @@
 """launcher.slurm.driver=allocation, inside the job: each attempt one ``srun`` job step.
 
 The run's batch job (mega/launch/slurm_driver.py renders it) holds ``cluster.nodes`` +
-``launcher.slurm.spare_nodes`` nodes and runs the driver on its first node; ``SlurmStepBackend``
+``restart.spare_nodes`` nodes and runs the driver on its first node; ``SlurmStepBackend``
 is that driver's backend. An attempt is ``srun --nodes=N --nodelist=<hosts> ... bash -c <node task>``
 (the node task of mega/launch/slurm.py: secrets file, exit files, one torchrun agent per node) on
 the first N hosts of the allocation that are not excluded: a lost host is left out of the next
@@ -44,6 +44,19 @@ if TYPE_CHECKING:
 
 # set by the driver job's script: this process is the driver inside its own allocation
 INSIDE_ENV = "MEGA_SLURM_DRIVER_JOB"
+DRIVER = "driver"  # the job's name part and its folder under <run_dir>/slurm/
+# what a driver whose job Slurm requeues hands the next run of the job (mega.launch.in_allocation)
+CARRIED_FILE = "requeued.json"
+
+
+def driver_dir(run_dir: str | Path) -> Path:
+    """``<run_dir>/slurm/driver``: the driver job's script, config, result and warning file."""
+    return Path(run_dir).absolute() / "slurm" / DRIVER
+
+
+def warning_file(run_dir: str | Path) -> Path:
+    """The file the driver job's shell leaves on Slurm's warning: each step's node tasks watch it."""
+    return driver_dir(run_dir) / "signalled"
 
 
 def drives_in_allocation(cfg: MegaConfig) -> bool:
@@ -101,7 +114,7 @@ class SlurmStepBackend(SlurmBackend):
             "--overlap",
             "bash",
             "-c",
-            node_task(self.cfg, public, sys.executable, self._exit_dir),
+            node_task(self.cfg, public, sys.executable, self._exit_dir, warning_file(self.folder.parent)),
         ]
         (attempt_dir / "srun.sh").write_text(shlex.join(argv) + "\n")  # for a person to read
         with open(attempt_dir / "srun.log", "ab") as out:
@@ -155,6 +168,10 @@ class SlurmStepBackend(SlurmBackend):
         states = dict(line.split() for line in out.splitlines() if line.strip())
         excluded = {*self.excluded, *self.cfg.launcher.slurm.exclude}
         return sum(1 for h in self.allocated if h not in excluded and not unusable(states.get(h, "down")))
+
+    def close(self) -> None:
+        """Stop the step; the secrets file stays: it is the submitter's, read again by a requeued job."""
+        self.stop()
 
     def cancel_run_jobs(self) -> list[str]:
         """Nothing: the submitting process cancelled the run's old jobs before it submitted this one."""
