@@ -12,17 +12,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
 from mega.config import (
-    CONF_DIR,
     ConfigError,
     MegaConfig,
-    check_moved,
     compose,
     from_container,
-    register_schema,
+    run_hydra_main,
     sweep_jobs,
     to_dict,
 )
@@ -59,15 +56,4 @@ def check_args(argv: list[str]) -> list[MegaConfig]:
 def main(run_job: Callable[[dict[str, Any]], Any]) -> None:
     """Run Hydra over ``sys.argv``; each job calls ``run_job`` with its resolved config (the caller
     passes the flow, so that this module imports neither it nor Prefect)."""
-    try:  # Hydra would only say the key is unknown: name where it moved to
-        check_moved([a for a in sys.argv[1:] if not a.startswith("-")])
-    except ConfigError as err:
-        print(f"pretrain: invalid config: {err}", file=sys.stderr)
-        sys.exit(2)
-    register_schema()  # typed conf/ and the ${mega.mul:...} resolver, before Hydra composes
-
-    @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-    def _hydra_job(dcfg: DictConfig) -> Any:
-        return run_job(_resolved(dcfg))
-
-    _hydra_job()
+    run_hydra_main(lambda dcfg: run_job(_resolved(dcfg)), "pretrain")

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1016,6 +1018,54 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except HydraException as err:
         raise _wrap_hydra_error(err) from None
+
+
+def _reraise(err: Exception) -> None:
+    raise err
+
+
+def run_hydra_main(job: Callable[[Any], Any], prog: str) -> None:
+    """``hydra.main`` over ``conf/`` with ``job``, ``sys.argv`` as Hydra reads it, except that a key
+    of ``MOVED_KEYS`` -- in an override or in a preset, a ``--config-dir`` one too -- exits 2 naming
+    its new place, where Hydra would say only that the schema lacks it. Other errors: Hydra's report."""
+    import os
+    import sys
+
+    import hydra
+    from hydra._internal.utils import run_and_report
+    from hydra.errors import HydraException
+
+    full_error = "HYDRA_FULL_ERROR"  # set: Hydra raises a composition error instead of printing it
+    ours = os.environ.get(full_error) != "1"
+
+    def _job(dcfg: Any) -> Any:
+        if ours:
+            os.environ.pop(full_error, None)  # the job's own errors get Hydra's usual report
+        result = job(dcfg)
+        if ours:
+            os.environ[full_error] = "1"  # the next job of a sweep is composed next
+        return result
+
+    try:
+        check_moved([a for a in sys.argv[1:] if not a.startswith("-")])
+        register_schema()
+        os.environ[full_error] = "1"
+        hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_job)()
+    except ConfigError as err:
+        print(f"{prog}: invalid config: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (HydraException, OmegaConfBaseException) as err:
+        wrapped = _wrap_hydra_error(err) if isinstance(err, HydraException) else _wrap_omegaconf_error(err)
+        if wrapped.key in MOVED_KEYS:
+            print(f"{prog}: invalid config: {wrapped}", file=sys.stderr)
+            sys.exit(2)
+        if not ours:
+            raise
+        os.environ.pop(full_error, None)
+        run_and_report(functools.partial(_reraise, err))  # prints as Hydra does and exits 1
+    finally:
+        if ours:
+            os.environ.pop(full_error, None)
 
 
 def from_container(dcfg: Any, validate_config: bool = True) -> MegaConfig:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mega.config import CONF_DIR, ConfigError
+from mega.config import ConfigError, run_hydra_main
 
 _STATE: dict[str, Any] = {}
 
@@ -173,11 +173,6 @@ def _hydra_job(dcfg: Any) -> dict[str, Any]:
 
 
 def _multirun(overrides: list[str]) -> int:
-    import hydra
-
-    from mega.config import register_schema
-
-    register_schema()
     # Sweep jobs write only plan.json; no training run directory is involved. Logging is left
     # as the caller set it: Hydra's "disabled" preset would disable every logger that exists.
     defaults = [
@@ -188,11 +183,10 @@ def _multirun(overrides: list[str]) -> int:
     ]
     given = {o.split("=", 1)[0] for o in overrides}
     argv = [a for a in defaults if a.split("=", 1)[0] not in given] + overrides
-    main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_hydra_job)
     saved = sys.argv
     sys.argv = [saved[0], "-m", *argv]
     try:
-        main()
+        run_hydra_main(_hydra_job, "plan")
     finally:
         sys.argv = saved
     return 0

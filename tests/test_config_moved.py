@@ -147,3 +147,26 @@ def test_the_cli_refuses_an_old_override_with_exit_2_naming_the_new_key():
     )
     assert proc.returncode == 2, proc.stderr
     assert "cluster.spare_nodes: moved to restart.spare_nodes" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["mega.plan", "-m", "model=tiny", "cluster.min_nodes=1,2"],  # a sweep, composed by Hydra
+        ["flows.pretrain", "--config-dir", "{conf}", "cluster=mine"],  # a user's preset
+        ["flows.pretrain", "--config-dir", "{conf}", "-m", "cluster=mine,local-cpu"],
+    ],
+)
+def test_hydra_entry_points_name_the_new_key_of_an_old_one(tmp_path, argv):
+    (tmp_path / "cluster").mkdir()
+    preset = (mega_config.CONF_DIR / "cluster" / "h100-8x.yaml").read_text() + "min_nodes: 1\n"
+    (tmp_path / "cluster" / "mine.yaml").write_text(preset)
+    proc = subprocess.run(
+        [sys.executable, "-m", *(a.format(conf=tmp_path) for a in argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.endswith("invalid config: cluster.min_nodes: moved to restart.min_nodes\n")

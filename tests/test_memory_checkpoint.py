@@ -4,7 +4,7 @@ launcher=local-nodes, 2 nodes x 1 rank, DP 2, the tiny model, 6 steps; durable (
 saves at steps 3 and 6 to a file store, in-memory copies after every step. Each node's copies
 live in its own directory under a tmpfs directory of this module. Four launches:
 
-* ``reference``: no fault, no in-memory copies: the uninterrupted run.
+* ``reference``: no fault, no in-memory copies: the uninterrupted run (on one node of 2 ranks).
 * ``rank``: rank 1 is killed at the start of step 6 (5 done): the restart restores step 5 (or 4,
   when the kill beat the copy of step 5) from the copies, not the durable step 3.
 * ``node``: node 1 dies at the start of step 6 and fails its self-check; its directory is
@@ -107,8 +107,11 @@ def runs(tmp_path_factory, data_index, data_cache):
     memory_dir = Path("/dev/shm") / f"mega-test-{uuid.uuid4().hex[:8]}"
     out = {}
     try:
+        # one node of two ranks: the losses and weights of 2 nodes x 1 rank, one zygote fewer
+        one_node = ["launcher=local", "cluster.nodes=1", "cluster.procs_per_node=2"]
         out["reference"] = run_training(
-            _cfg(root / "reference", data_cache, memory_dir, ["checkpoint.memory_interval=0"]), data_index
+            _cfg(root / "reference", data_cache, memory_dir, ["checkpoint.memory_interval=0", *one_node]),
+            data_index,
         )
         kill_rank = ["fault.kill_rank=1", f"fault.kill_at_step={KILL_AT}"]
         out["rank"] = run_training(_cfg(root / "rank", data_cache, memory_dir, kill_rank), data_index)

@@ -17,13 +17,14 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+from mega.ports import free_ports
 
 INSTALL_HINT = "install it with `apt-get install redis-server` (infra/install.sh does this when run as root)"
 
@@ -88,12 +89,6 @@ def find_redis_server() -> str:
     return path
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """One local redis-server process; also a context manager (``with RedisServer() as srv``).
 
@@ -155,7 +150,7 @@ class RedisServer:
         fixed_port = self.port
         last_error = ""
         for _ in range(1 if fixed_port else 5):  # a free port can be taken before redis binds it
-            port = fixed_port or _free_port(self.host)
+            port = fixed_port or free_ports(1, self.host)[0]
             self._dir = Path(tempfile.mkdtemp(prefix="mega-redis-"))
             conf = self._dir / "redis.conf"
             conf.touch(mode=0o600)
