@@ -469,7 +469,7 @@ def _trained_after(run_dir: Path, attempt: int) -> bool:
     """Whether an attempt after ``attempt`` logged a step (the tail of metrics.jsonl)."""
     from mega.stability.logscan import read_tail
 
-    for line in read_tail(run_dir / METRICS_FILE, 4096).splitlines()[-4:]:
+    for line in read_tail(run_dir / METRICS_FILE, 16384).splitlines()[-8:]:
         with contextlib.suppress(ValueError):
             if json.loads(line).get("attempt", 0) > attempt:
                 return True
