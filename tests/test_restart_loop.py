@@ -277,11 +277,15 @@ class CheckBackend(ScriptedBackend):
     node healthy but the one the drill's environment names (``fault.bad_node``, as the real
     check's ranks read it)."""
 
+    made = 0  # backends made: one per size, kept for every check of that size
+
     def __init__(self, cfg, out_dir: Path):
-        super().__init__(out_dir, [([], dict.fromkeys(range(cfg.cluster.nodes), 0))])
+        super().__init__(out_dir, [])
         self.nodes = cfg.cluster.nodes
+        CheckBackend.made += 1
 
     def start(self, job) -> None:
+        self.script = [([], dict.fromkeys(range(self.nodes), 0))]
         super().start(job)
         bad = job.env.get(faults.SELFCHECK_BAD_NODE_ENV)
         rows = [
@@ -294,6 +298,7 @@ class CheckBackend(ScriptedBackend):
 
 def fail_node_1(loop, extra=(), script=()):
     """Attempt 0 on 2 nodes with one spare: node 1's agent fails; through prepare_restart."""
+    CheckBackend.made = 0
     launch, state, backend = loop([([1, 2], {0: None, 1: 1}), *script], nodes=2)
     for o in ["restart.spare_nodes=1", *extra]:
         key, value = o.split("=")
@@ -324,6 +329,7 @@ def test_a_checked_spare_takes_a_failed_nodes_place_at_once_and_the_node_is_chec
     assert not check.thread.is_alive()
     settled = driver.settle_checks(launch, after)
     assert settled.history[-1]["evicted"] == [1]
+    assert CheckBackend.made == 1 and len(launch.nodes._aside_backends[1].jobs) == 2  # spare, then node 1
     record = runs.read_record(tmp_path)
     assert [(e["node"], e["attempt"], e["replaced_by"]) for e in record.evicted_nodes] == [(1, 0, 2)]
     assert record.membership == {"nodes": [0, 2], "spares": [], "evicted": [1]}

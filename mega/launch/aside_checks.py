@@ -5,7 +5,8 @@ A node failure must not wait for a verdict: the driver puts a spare that passed 
 the suspect's place and relaunches at once (mega.launch.nodes). The suspect is checked here, off
 the recovery path, and comes back only as a spare, and only if it passes; a node that fails is
 evicted. Each check is ``run_selfcheck`` (mega.launch.node_jobs) on a backend of its own, sized to
-the nodes it checks. A suspects' check is held back until the relaunch logs a step or the driver
+the nodes it checks, which the driver keeps for the next check of that size (its zygotes import
+once). A suspects' check is held back until the relaunch logs a step or the driver
 releases it (``release``): on one machine the nodes share the CPU, and the check must not slow
 the recovery it was taken off.
 """
@@ -16,12 +17,10 @@ import copy
 import threading
 import time
 from collections.abc import Callable
-from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mega import faults
-from mega.launch.backends import backend_for
 from mega.launch.node_jobs import run_selfcheck
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ class AsideCheck:
     """The self-check of physical nodes ``physical`` (not in the job), in a thread.
 
     ``attempt``: the attempt whose failure set them aside (None: spares at start-up), ``replaced``:
-    each one's spare in the job; ``backend_for``: the backend of the check's job (closed after);
+    each one's spare in the job; ``backend``: the (open) backend of a job of the check's size;
     ``ready``:
     holds the check back until it is true (or ``release``); ``cfg``: the config whose drills apply
     (``fault.bad_node`` names a physical node)."""
@@ -55,10 +54,10 @@ class AsideCheck:
         attempt: int | None = None,
         replaced: dict[int, int] | None = None,
         ready: Callable[[], bool] = lambda: True,
-        backend_for: Callable[[MegaConfig, Path], Backend] = backend_for,
+        backend: Callable[[MegaConfig], Backend],
     ):
         self.physical, self.out_dir, self.attempt, self.ready = list(physical), Path(out_dir), attempt, ready
-        self.replaced, self.backend_for = dict(replaced or {}), backend_for
+        self.replaced, self.backend = dict(replaced or {}), backend
         self.cfg = copy.deepcopy(cfg)
         self.cfg.cluster.nodes = len(self.physical)  # a job of the checked nodes only
         self.bad_node = faults.selfcheck_bad_node(
@@ -78,8 +77,8 @@ class AsideCheck:
         if self.cancelled.is_set():
             return
         try:
-            with closing(self.backend_for(self.cfg, self.out_dir)) as backend:
-                self.result = run_selfcheck(self.cfg, self.out_dir, backend=backend, bad_node=self.bad_node)
+            backend = self.backend(self.cfg)
+            self.result = run_selfcheck(self.cfg, self.out_dir, backend=backend, bad_node=self.bad_node)
         except Exception as e:  # never silent: the nodes stay unverified, so out of the run
             self.error = f"{type(e).__name__}: {e}"
 

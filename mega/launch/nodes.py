@@ -31,7 +31,8 @@ class Nodes:
         self.members = Membership.initial(cfg)
         self.backend: Backend = backend or backend_for(cfg, self.run_dir)
         self.aside: list[AsideCheck] = []  # checks of nodes outside the job, in flight
-        self.aside_backend = backend_for  # their jobs' backend (a test's scripted one)
+        self.aside_backend = backend_for  # makes their jobs' backends (a test's scripted one)
+        self._aside_backends: dict[int, Backend] = {}  # by node count, kept: warm zygotes import once
 
     def check_spares(self, log: Callable[[str], None]) -> None:
         """Self-check the spares beside the first attempt: a spare trains only after it passed
@@ -40,7 +41,7 @@ class Nodes:
             spares = list(self.members.spares)
             self.aside.append(
                 AsideCheck(
-                    self.cfg, spares, self.run_dir / "diagnosis" / "spares", backend_for=self.aside_backend
+                    self.cfg, spares, self.run_dir / "diagnosis" / "spares", backend=self._aside_backend_of
                 )
             )
             log(f"self-check of spare node(s) {spares} beside the run")
@@ -63,12 +64,20 @@ class Nodes:
             attempt=attempt,
             replaced=decision.replaced,
             ready=trained,
-            backend_for=self.aside_backend,
+            backend=self._aside_backend_of,
         )
         self.aside.append(check)
         log(f"attempt {attempt}: node(s) {', '.join(map(str, physical))} failed; {decision.note}")
         self.cfg, self.members = decision.cfg, decision.membership
         return decision
+
+    def _aside_backend_of(self, cfg: MegaConfig) -> Backend:
+        """The backend of checks beside the run on ``cfg.cluster.nodes`` nodes (one check runs at a
+        time: a check starts only after ``settle``)."""
+        n = cfg.cluster.nodes
+        if n not in self._aside_backends:
+            self._aside_backends[n] = self.aside_backend(cfg, self.run_dir / "diagnosis")
+        return self._aside_backends[n]
 
     def settle(self, log: Callable[[str], None]) -> list[dict]:
         """Wait for the checks beside the run (held-back ones start now) and apply their verdicts:
@@ -148,4 +157,6 @@ class Nodes:
     def close(self) -> None:
         for check in self.aside:
             check.cancel()
+        for backend in self._aside_backends.values():
+            backend.close()
         self.backend.close()
