@@ -209,3 +209,60 @@ def test_the_writers_results_queue_is_in_process_and_starts_no_process(monkeypat
     results.put({0: ["written"]})
     assert results.get_nowait() == {0: ["written"]}
     assert set(multiprocessing.active_children()) == before
+
+
+def test_the_writer_runs_in_the_calling_thread_and_writes_what_megatrons_forking_writer_does(
+    tmp_path, monkeypatch
+):
+    """``write_in_this_thread`` against megatron's own ``write_preloaded_data_multiproc`` (which
+    forks a writer per bucket) on the same buckets: the same bytes in each file, the same
+    (offset, length) per item; and no process started."""
+    import io
+    import multiprocessing
+    import queue
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    def buckets(d):
+        torch.manual_seed(0)
+        tensors = [
+            (WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR), torch.randn(1000 + i)) for i in range(3)
+        ]
+        small = [(WriteItem(MetadataIndex("b"), WriteItemType.BYTE_IO), io.BytesIO(b"common state"))]
+        return [
+            (str(d / "__0_0.distcp"), "__0_0.distcp", (small, tensors[:2])),
+            (str(d / "__0_1.distcp"), "__0_1.distcp", ([], tensors[2:])),
+        ]
+
+    def run(d, in_thread):
+        d.mkdir()
+        fn = partial(
+            FileSystemWriterAsync.write_preloaded_data_multiproc, [_StorageWriterTransforms()], False
+        )
+        results = queue.Queue()
+        request = SimpleNamespace(async_fn=fn, async_fn_args=[0, buckets(d), results], async_fn_kwargs={})
+        if in_thread:
+            megatron_io.write_in_this_thread(request)
+        else:
+            fn(*request.async_fn_args)
+        out = results.get_nowait()
+        pieces = {
+            k: [(r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length) for r in v]
+            for k, v in out.items()
+        }
+        return pieces, {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+    forked = run(tmp_path / "forked", in_thread=False)
+
+    def no_fork(self):
+        raise AssertionError("a writer process was started")
+
+    monkeypatch.setattr(multiprocessing.context.ForkProcess, "start", no_fork)
+    here = run(tmp_path / "here", in_thread=True)
+    assert here == forked and len(here[0]) == 2 and len(here[0][0]) == 3

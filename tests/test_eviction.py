@@ -2,7 +2,8 @@
 
 Unit tests: who runs next, given the nodes that failed their self-check and the config. Drills
 (CPU, real processes, launcher=local-nodes, 2 nodes x 1 rank, DP 2): node 1 dies at step 2 and
-fails its self-check; it is evicted and recorded; with a spare the run finishes at full size, and
+fails its self-check; it is evicted and recorded; with a spare (checked at start-up) in its place
+at once and node 1 checked beside the relaunch the run finishes at full size, and
 without one (restart.min_nodes=1) on one node with DP 1 and twice the microbatches, the global
 batch unchanged: both losses match an independent one-process reference within 2e-5 per step."""
 
@@ -51,6 +52,15 @@ def test_a_spare_takes_the_evicted_nodes_place():
     assert (d.cfg.cluster.nodes, d.cfg.parallelism.dp) == (2, 4)  # full size
     assert (d.cfg.fault.bad_node, d.cfg.fault.kill_node) == (None, None)  # the drill ends with the old node
     assert "node 1 evicted, spare node 2 in its place" in d.note
+
+
+def test_swap_puts_spares_in_the_suspects_places_without_evicting_them():
+    cfg = nodes_cfg(extra=["restart.spare_nodes=1", "fault.bad_node=1"])
+    d = membership.swap(cfg, Membership.initial(cfg), [1])
+    assert (d.membership.nodes, d.membership.spares, d.membership.evicted) == ([0, 2], [], [])
+    assert d.replaced == {1: 2} and d.evicted == [] and d.cfg.fault.bad_node is None
+    assert "node 1 set aside for a self-check" in d.note
+    assert membership.swap(cfg, Membership.initial(cfg), [0, 1]) is None  # two suspects, one spare
 
 
 def test_without_a_spare_dp_shrinks_and_the_global_batch_stays():
@@ -169,6 +179,8 @@ def reference(single_process_reference):
 
 
 def assert_evicted(run_dir, result, replaced_by):
+    """With a spare: it took node 1's place at once (it passed its check at start-up) and node 1
+    was checked beside the relaunch; without one: both nodes were checked before it."""
     first, second = result.history
     assert first["failed_nodes"] == [1] and first["evicted"] == [1]
     assert second["restored"] == "iter_0000002"
@@ -177,7 +189,12 @@ def assert_evicted(run_dir, result, replaced_by):
     assert (row["node"], row["attempt"], row["replaced_by"]) == (1, 0, replaced_by)
     assert any("fault.bad_node" in r for r in row["reasons"]), row  # the self-check's own verdict
     verdict = json.loads(open(row["selfcheck"]).read())
-    assert [n["healthy"] for n in verdict["nodes"]] == [True, False]  # node 0 passed the same check
+    aside = replaced_by is not None
+    assert [n["healthy"] for n in verdict["nodes"]] == ([False] if aside else [True, False])
+    if aside:
+        spares = json.loads((run_dir / "diagnosis" / "spares" / "result.json").read_text())
+        assert [n["healthy"] for n in spares["nodes"]] == [True]  # the spare passed before it trained
+        assert first["set_aside"] == [1]
     # the node's death and its eviction are incidents, both recovered by the next attempt
     by_kind = {i["kind"]: i for i in read_incidents(run_dir) if i["kind"] != "straggler"}
     assert sorted(by_kind) == ["eviction", "rank-exit"]
@@ -185,14 +202,17 @@ def assert_evicted(run_dir, result, replaced_by):
     assert (died["culprit"]["rank"], died["culprit"]["node"]) == (1, 1) and "killed by SIGKILL" in died[
         "diagnosis"
     ]
-    assert "self-check of node 1: unhealthy" in died["diagnosis"]
+    assert aside or "self-check of node 1: unhealthy" in died["diagnosis"]  # aside: checked after
     assert evicted["culprit"]["node"] == 1 and "fault.bad_node" in evicted["diagnosis"]
     assert evicted["action"] == (
         f"evicted node 1, spare node {replaced_by} in its place"
         if replaced_by is not None
         else "evicted node 1; continuing on 1 nodes (dp 2 -> 1, same global batch)"
     )
-    assert died["time_to_recover_s"] > 0 and evicted["time_to_recover_s"] > 0
+    assert died["time_to_recover_s"] > 0
+    assert (
+        evicted["time_to_recover_s"] == 0 if aside else evicted["time_to_recover_s"] > 0
+    )  # aside: ran on already
     return record
 
 
@@ -202,7 +222,7 @@ def test_bad_node_is_evicted_and_a_spare_keeps_full_size(tmp_path, data_index, d
     record = assert_evicted(tmp_path, result, replaced_by=2)
     assert record.membership == {"nodes": [0, 2], "spares": [], "evicted": [1]}
     assert json.loads((tmp_path / "config.json").read_text())["parallelism"]["dp"] == 2  # full size
-    assert any("node 1 evicted, spare node 2 in its place" in line for line in logs), logs
+    assert any("spare node 2 in node 1's place, node 1 set aside" in line for line in logs), logs
     assert_same_curve(result.metrics, reference, RTOL)
 
 

@@ -117,8 +117,15 @@ NODES2 = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4"]
 
 
 SLEEPER = textwrap.dedent("""
-    import json, os, subprocess, sys, time
+    import json, os, signal, subprocess, sys, time
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # in the rank's group
+    def late(*_):  # rank 0, stopped: starts one more process, out of every signalled group, and leaves
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        with open(os.path.join(os.environ["SLEEPER_DIR"], "late.pid"), "w") as f:
+            f.write(str(p.pid))
+        os._exit(0)
+    if os.environ["RANK"] == "0":
+        signal.signal(signal.SIGTERM, late)
     out = os.path.join(os.environ["SLEEPER_DIR"], os.environ["RANK"] + ".json")
     with open(out + ".tmp", "w") as f:
         json.dump({"pid": os.getpid(), "helper": helper.pid, "node": int(os.environ["GROUP_RANK"]),
@@ -131,7 +138,8 @@ SLEEPER = textwrap.dedent("""
 @pytest.mark.slow
 def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
     """torch starts each rank in a session of its own: killing a node's agent leaves its ranks
-    (and what they started) running. stop() finds them by the job's mark and kills their groups."""
+    (and what they started) running. stop() finds them by the job's mark and kills their groups,
+    and what a rank starts while it stops (rank 0's late process, in a session of its own)."""
     (tmp_path / "sleeper.py").write_text(SLEEPER)
     cfg = from_dict(
         {
@@ -169,7 +177,8 @@ def test_stop_kills_every_rank_even_after_its_agent_died(tmp_path):
         started = time.monotonic()
         backend.stop()
         assert time.monotonic() - started < 30
-        everyone = [p for r in ranks for p in (r["pid"], r["helper"])] + list(agents.values())
+        late = int((tmp_path / "late.pid").read_text())  # forked after stop() scanned: found by a rescan
+        everyone = [p for r in ranks for p in (r["pid"], r["helper"])] + list(agents.values()) + [late]
         assert not [p for p in everyone if pid_alive(p)], "a process outlived stop()"
         assert backend.poll() == {} and backend.processes() == {}
     finally:

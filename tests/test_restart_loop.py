@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from mega import faults
 from mega.config import compose
 from mega.launch import driver, incidents, runs
 from mega.launch.driver import REQUEUE, RESTART, Ended, Launch, LoopState, TrainingFailed
@@ -21,6 +22,7 @@ from mega.launch.slurm import PREEMPTED
 from mega.launch.watch import JobOutcome
 from mega.rank_env import ATTEMPT_ENV
 from mega.stability import rollback
+from mega.stability.membership import Membership
 
 STEPS = 4
 
@@ -291,6 +293,88 @@ def test_diagnose_evicts_the_node_the_self_check_blames_and_the_next_attempt_run
     record = runs.read_record(tmp_path)
     assert [e["node"] for e in record.evicted_nodes] == [1] and record.membership["nodes"] == [0]
     assert [i["kind"] for i in record.incidents] == ["rank-exit", "eviction"]
+
+
+class CheckBackend(ScriptedBackend):
+    """The backend of a self-check beside the run: its job exits 0 and writes a verdict, every
+    node healthy but the one the drill's environment names (``fault.bad_node``, as the real
+    check's ranks read it)."""
+
+    made = 0  # backends made: one per size, kept for every check of that size
+
+    def __init__(self, cfg, out_dir: Path):
+        super().__init__(out_dir, [])
+        self.nodes = cfg.cluster.nodes
+        CheckBackend.made += 1
+
+    def start(self, job) -> None:
+        self.script = [([], dict.fromkeys(range(self.nodes), 0))]
+        super().start(job)
+        bad = job.env.get(faults.SELFCHECK_BAD_NODE_ENV)
+        rows = [
+            {"node": k, "healthy": str(k) != bad, "reasons": [] if str(k) != bad else ["gemm"]}
+            for k in range(self.nodes)
+        ]
+        out = Path(job.args[job.args.index("--out") + 1])
+        out.write_text(json.dumps({"healthy": bad is None, "reasons": [], "nodes": rows}))
+
+
+def fail_node_1(loop, extra=(), script=()):
+    """Attempt 0 on 2 nodes with one spare: node 1's agent fails; through prepare_restart."""
+    CheckBackend.made = 0
+    launch, state, backend = loop([([1, 2], {0: None, 1: 1}), *script], nodes=2)
+    for o in ["restart.spare_nodes=1", *extra]:
+        key, value = o.split("=")
+        section, name = key.split(".")
+        setattr(getattr(launch.nodes.cfg, section), name, int(value))
+    launch.nodes.members = Membership.initial(launch.nodes.cfg)
+    launch.nodes.aside_backend = CheckBackend
+    launch.nodes.check_spares(launch.log)
+    attempt = driver.launch_attempt(launch, replace(state, cfg=launch.nodes.cfg))
+    ended = driver.collect_outcome(launch, attempt, driver.watch_attempt(launch, attempt))
+    after = driver.prepare_restart(launch, driver.counted(state, attempt, ended), attempt, ended)
+    return launch, after, backend
+
+
+def test_a_checked_spare_takes_a_failed_nodes_place_at_once_and_the_node_is_checked_beside_the_run(
+    loop, tmp_path
+):
+    launch, after, backend = fail_node_1(loop, ["fault.bad_node=1"])
+    assert [j.module for j in backend.jobs] == ["mega.train"]  # no self-check before the relaunch
+    assert launch.nodes.members == Membership([0, 2], [], [])  # node 1 set aside: not evicted yet
+    assert after.history[-1]["set_aside"] == [1] and after.cfg.cluster.nodes == 2
+    assert after.cfg.fault.bad_node is None  # the relaunch runs clean
+    [check] = launch.nodes.aside
+    assert check.physical == [1] and check.thread.is_alive()  # held back until the relaunch trains
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "attempt": 1, "time": 0}) + "\n")
+    check.thread.join(10)
+    assert not check.thread.is_alive()
+    settled = driver.settle_checks(launch, after)
+    assert settled.history[-1]["evicted"] == [1]
+    assert CheckBackend.made == 1 and len(launch.nodes._aside_backends[1].jobs) == 2  # spare, then node 1
+    record = runs.read_record(tmp_path)
+    assert [(e["node"], e["attempt"], e["replaced_by"]) for e in record.evicted_nodes] == [(1, 0, 2)]
+    assert record.membership == {"nodes": [0, 2], "spares": [], "evicted": [1]}
+    [evicted] = [i for i in record.incidents if i["kind"] == "eviction"]
+    assert evicted["culprit_node"] == 1
+
+
+def test_a_set_aside_node_that_passes_its_check_is_a_spare_again(loop, tmp_path):
+    launch, after, _ = fail_node_1(loop)
+    driver.settle_checks(launch, after)  # releases the held-back check and waits for it
+    assert launch.nodes.members == Membership([0, 2], [1], [])
+    assert runs.read_record(tmp_path).evicted_nodes == []
+
+
+def test_a_spare_that_fails_its_check_never_trains_and_the_nodes_are_checked_first(loop, tmp_path):
+    # the spare (node 2) fails its start-up check; node 1 fails, and its self-check job fails too
+    launch, after, backend = fail_node_1(loop, ["fault.bad_node=2"], script=[([], {0: None, 1: 1})])
+    assert [j.module for j in backend.jobs] == ["mega.train", "mega.cluster.selfcheck"]
+    assert launch.nodes.members == Membership([0], [], [2, 1])  # restart.min_nodes=1: DP shrinks
+    assert after.cfg.cluster.nodes == 1
+    kinds = [(i["kind"], i["culprit_node"]) for i in runs.read_record(tmp_path).incidents]
+    assert ("eviction", 2) in kinds and ("eviction", 1) in kinds
 
 
 # -- the loop -----------------------------------------------------------------------------------

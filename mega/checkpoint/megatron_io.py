@@ -1,6 +1,6 @@
 """Where mega's checkpoints plug into megatron-core's dist_checkpointing (and torch DCP under it).
 
-Four seams, each a small object megatron calls or reads, none a patch of megatron's code:
+Five seams, each a small object megatron calls or reads, none a patch of megatron's code:
 
 * ``use_in_process_results_queue``: the queue megatron's asynchronous writer reports its write
   results on. megatron creates it on first use as a ``multiprocessing`` Manager queue of the spawn
@@ -10,6 +10,8 @@ Four seams, each a small object megatron calls or reads, none a patch of megatro
   rank's stage-2 thread (the writer puts its results from the calling thread), so an in-process
   queue carries them.
 
+* ``write_in_this_thread``: runs megatron's asynchronous writer in the stage-2 thread instead of
+  the process it forks per save (its docstring says why).
 * ``WriteResultsTap``: stands in for megatron's results queue in the asynchronous writer's
   arguments. It sees this rank's write results -- (file, offset, length) of every serialised
   tensor and object -- so stage 2 can hash each piece while it uploads the file (the manifest's
@@ -112,6 +114,38 @@ def tap_write_results(request) -> WriteResultsTap | None:
     tap = WriteResultsTap(args[2])
     args[2] = tap
     return tap
+
+
+def write_in_this_thread(request) -> None:
+    """Run megatron's asynchronous writer (``FileSystemWriterAsync.write_preloaded_data_multiproc``,
+    ``request.async_fn``) without its fork: each write bucket goes through megatron's
+    ``write_preloaded_data`` in the calling thread (stage 2's), and the results reach the queue
+    as the forking writer puts them ({bucket: [WriteResult]}, or the exception).
+
+    Why: the fork copies the rank's page tables (torch, megatron, the model), and while the child
+    writes, every page the training thread touches is copied -- CPU that training pays, on no
+    counter (the child's own CPU is not the rank's either). The staging files are not fsynced:
+    they are uploaded, then deleted; durability is the store's."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    fn = request.async_fn
+    if getattr(fn, "func", None) is not FileSystemWriterAsync.write_preloaded_data_multiproc:
+        fn(*request.async_fn_args, **request.async_fn_kwargs)  # another writer: as megatron calls it
+        return
+    transform_list, use_msc = fn.args
+    _, buckets, results = request.async_fn_args  # [rank, write_buckets, results_queue]
+    write = FileSystemWriterAsync.write_preloaded_data.__wrapped__  # without the GC pause its fork needs
+    out: dict | Exception = {}
+    for i, bucket in enumerate(buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)  # the writer takes its token back when done
+        write(transform_list, i, bucket, local, count, False, **({"use_msc": True} if use_msc else {}))
+        _, written = local.get()
+        if isinstance(written, Exception):
+            out = written
+            break
+        out[i] = written
+    results.put(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -417,7 +417,7 @@ class Checkpointer:
             job.cpu["build"] = spent()
             if job.request.async_fn is not None:
                 # megatron's writer (FileSystemWriterAsync): this rank's shards into the staging dir
-                job.request.async_fn(*job.request.async_fn_args, **job.request.async_fn_kwargs)
+                megatron_io.write_in_this_thread(job.request)
             torch.save(job.rng, job.path / job.files[-1])
             job.cpu["serialise"] = spent() - job.cpu.get("build", 0.0)
         except BaseException as e:

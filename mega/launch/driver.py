@@ -240,6 +240,7 @@ DONE, REQUEUE, RESTART = "done", "requeue", "restart"
 def train_with_restarts(launch: Launch, state: LoopState) -> TrainingResult:
     """The restart loop: launch, watch, collect, then finish, requeue or restart (backoff first).
     Raises TrainingFailed when a budget is spent or the nodes cannot go on."""
+    launch.nodes.check_spares(launch.log)  # beside the first attempt: a spare is checked before it trains
     while True:
         attempt = launch_attempt(launch, state)
         ended = collect_outcome(launch, attempt, watch_attempt(launch, attempt))
@@ -366,8 +367,10 @@ def verdict(ended: Ended, cfg: MegaConfig) -> str:
 
 def finish(launch: Launch, state: LoopState, ended: Ended) -> TrainingResult:
     """``train.steps`` reached: file what is left (an incident the attempt recovered) and report;
-    ``attempts`` counts every attempt but those Slurm's signal ended."""
+    ``attempts`` counts every attempt but those Slurm's signal ended. The checks beside the run
+    end first: a node set aside is evicted or a spare again in the record."""
     launch.book.end(ended.outcome, ended.final_step)
+    state = settle_checks(launch, state)
     return TrainingResult(
         launch.run_dir, state.failures + 1, ended.final_step, ended.metrics, ended.init, list(state.history)
     )
@@ -462,12 +465,20 @@ def prepare_restart(launch: Launch, state: LoopState, attempt: Attempt, ended: E
 def diagnose(
     launch: Launch, state: LoopState, n: int, suspects: list[int], outcome: JobOutcome, final_step: int
 ) -> tuple[LoopState, incidents.Diagnosed]:
-    """Self-check the suspected nodes and evict the unhealthy (mega.launch.nodes); raises
-    TrainingFailed when the run cannot go on without them."""
+    """A spare that passed its self-check in each suspected node's place at once, the suspects
+    checked beside the next attempt (local backends, spares free: no verdict awaited, so no
+    diagnosis now); else self-check the nodes now and evict the unhealthy (mega.launch.nodes).
+    Raises TrainingFailed when the run cannot go on without them."""
     nodes, run = launch.nodes, launch.run
+    t_diagnose = time.time()
+    state = settle_checks(launch, state)
+    if (
+        swapped := nodes.swap_out(n, suspects, launch.log, lambda: _trained_after(launch.run_dir, n))
+    ) is not None:
+        driver_mark(launch.run_dir, "diagnose", attempt=n, seconds=time.time() - t_diagnose)
+        return state.noted(set_aside=sorted(swapped.replaced)), None
     diagnosed = incidents.Diagnosed(list(suspects), list(nodes.members.nodes), nodes.cfg.parallelism.dp)
     try:
-        t_diagnose = time.time()
         evicted = nodes.diagnose(n, suspects, launch.log)
         driver_mark(launch.run_dir, "diagnose", attempt=n, seconds=time.time() - t_diagnose)
     except membership.CannotContinue as e:
@@ -477,6 +488,37 @@ def diagnose(
     run.record.evicted_nodes += evicted
     diagnosed.after(evicted, nodes.members.nodes, nodes.cfg.parallelism.dp)
     return state.noted(evicted=[e["node"] for e in evicted]), diagnosed
+
+
+def settle_checks(launch: Launch, state: LoopState) -> LoopState:
+    """The verdicts of the self-checks beside the run (mega.launch.aside_checks): evicted nodes
+    into the run record, each an incident, and into the history row of the attempt that set
+    them aside."""
+    rows = launch.nodes.settle(launch.log)
+    if not rows:
+        return state
+    launch.run.record.evicted_nodes += rows
+    launch.run.record.membership = launch.nodes.as_record()
+    launch.book.evicted_aside(rows)
+    history = [
+        {**h, "evicted": [r["node"] for r in rows if r["attempt"] == h["attempt"]]}
+        if any(r["attempt"] == h["attempt"] for r in rows)
+        else h
+        for h in state.history
+    ]
+    launch.run.save()
+    return replace(state, history=tuple(history))
+
+
+def _trained_after(run_dir: Path, attempt: int) -> bool:
+    """Whether an attempt after ``attempt`` logged a step (the tail of metrics.jsonl)."""
+    from mega.stability.logscan import read_tail
+
+    for line in read_tail(run_dir / METRICS_FILE, 16384).splitlines()[-8:]:
+        with contextlib.suppress(ValueError):
+            if json.loads(line).get("attempt", 0) > attempt:
+                return True
+    return False
 
 
 def backoff(launch: Launch, state: LoopState, attempt: int) -> None:

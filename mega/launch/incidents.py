@@ -218,6 +218,29 @@ class IncidentFiler:
             out.append(inc)
         return out
 
+    def evicted_aside(self, rows: list[dict]) -> None:
+        """Nodes a self-check beside the run evicted (mega.launch.aside_checks): a spare before
+        it trained, or a suspect set aside for a spare. Filed when the verdict comes; the run
+        went on without them before it, so nothing is left to recover (0 s)."""
+        for row in rows:
+            k, spare = row["node"], row["attempt"] is None
+            inc = Incident(
+                "eviction",
+                row["attempt"] if not spare else 0,
+                _now(),
+                f"{'spare ' if spare else ''}node {k} failed its self-check",
+                {"rank": None, "node": k, "host": None, "reason": "self-check"},
+                {"row": row, "selfcheck": row["selfcheck"]},
+                f"evicted spare node {k} before it trained"
+                if spare
+                else f"evicted node {k}, spare node {row['replaced_by']} in its place",
+                diagnosis="; ".join(row["reasons"]) or None,
+                time_to_recover_s=0.0,
+            )
+            path = inc.write(self.run_dir)
+            self.run.record.incidents.append(inc.brief(path))
+            self._save(path, inc, "detected")
+
     def _faults(
         self, outcome, final_step, rollback, diagnosed, restarts_left, watcher_incidents
     ) -> list[Incident]:

@@ -1,5 +1,6 @@
 """The run's nodes as the driver holds them: the membership (mega.stability.membership), the
-config it implies, and the launch backend that starts them."""
+config it implies, the launch backend that starts them, and the self-checks of nodes beside the
+job (mega.launch.aside_checks: the spares, and suspects set aside for a spare)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mega import faults
+from mega.launch.aside_checks import AsideCheck, checks_aside
 from mega.launch.backends import backend_for
 from mega.launch.node_jobs import run_selfcheck
-from mega.stability.membership import Membership, decide, selfcheck_verdicts
+from mega.stability.membership import Decision, Membership, decide, selfcheck_verdicts, swap
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -28,6 +30,88 @@ class Nodes:
         self.run_dir = Path(run_dir)
         self.members = Membership.initial(cfg)
         self.backend: Backend = backend or backend_for(cfg, self.run_dir)
+        self.aside: list[AsideCheck] = []  # checks of nodes outside the job, in flight
+        self.aside_backend = backend_for  # makes their jobs' backends (a test's scripted one)
+        self._aside_backends: dict[int, Backend] = {}  # by node count, kept: warm zygotes import once
+
+    def check_spares(self, log: Callable[[str], None]) -> None:
+        """Self-check the spares beside the first attempt: a spare trains only after it passed
+        (``settle``). Local backends only; elsewhere a node failure checks every node first."""
+        if self.members.spares and checks_aside(self.cfg):
+            spares = list(self.members.spares)
+            self.aside.append(
+                AsideCheck(
+                    self.cfg, spares, self.run_dir / "diagnosis" / "spares", backend=self._aside_backend_of
+                )
+            )
+            log(f"self-check of spare node(s) {spares} beside the run")
+
+    def swap_out(
+        self, attempt: int, suspects: list[int], log: Callable[[str], None], trained: Callable[[], bool]
+    ) -> Decision | None:
+        """Spares that passed their check in the places of job nodes ``suspects`` at once; the
+        suspects' own check runs beside the next attempt once ``trained()`` (its first step). None
+        when this launcher cannot check nodes aside or too few spares are free."""
+        physical = [self.members.nodes[k] for k in suspects]
+        decision = swap(self.cfg, self.members, physical) if checks_aside(self.cfg) else None
+        if decision is None:
+            return None
+        out = self.run_dir / "diagnosis" / f"attempt{attempt}"
+        check = AsideCheck(
+            self.cfg,
+            physical,
+            out,
+            attempt=attempt,
+            replaced=decision.replaced,
+            ready=trained,
+            backend=self._aside_backend_of,
+        )
+        self.aside.append(check)
+        log(f"attempt {attempt}: node(s) {', '.join(map(str, physical))} failed; {decision.note}")
+        self.cfg, self.members = decision.cfg, decision.membership
+        return decision
+
+    def _aside_backend_of(self, cfg: MegaConfig) -> Backend:
+        """The backend of checks beside the run on ``cfg.cluster.nodes`` nodes (one check runs at a
+        time: a check starts only after ``settle``)."""
+        n = cfg.cluster.nodes
+        if n not in self._aside_backends:
+            self._aside_backends[n] = self.aside_backend(cfg, self.run_dir / "diagnosis")
+        return self._aside_backends[n]
+
+    def settle(self, log: Callable[[str], None]) -> list[dict]:
+        """Wait for the checks beside the run (held-back ones start now) and apply their verdicts:
+        a node that passed is a spare (again), one that failed is evicted. Returns the evicted
+        rows for the run record (``attempt`` None: a spare at start-up)."""
+        rows = []
+        for check in self.aside:
+            check.release()
+        for check in self.aside:
+            for k, v in check.verdicts().items():
+                rows += self._apply(check, k, v, log)
+        self.aside = []
+        return rows
+
+    def _apply(self, check: AsideCheck, node: int, verdict: dict, log: Callable[[str], None]) -> list[dict]:
+        m, spare = self.members, node in self.members.spares
+        if verdict["healthy"]:
+            if not spare:
+                m.spares.append(node)
+            log(f"self-check beside the run: node {node} healthy; a spare")
+            return []
+        if spare:
+            m.spares.remove(node)
+        m.evicted.append(node)
+        log(f"self-check beside the run: node {node} unhealthy, evicted ({'; '.join(verdict['reasons'])})")
+        return [
+            {
+                "node": node,
+                "attempt": check.attempt,
+                "reasons": verdict["reasons"],
+                "replaced_by": check.replaced.get(node),
+                "selfcheck": check.result_path,
+            }
+        ]
 
     def diagnose(self, attempt: int, suspects: list[int], log: Callable[[str], None]) -> list[dict]:
         """Self-check the nodes after attempt ``attempt`` failed on job nodes ``suspects``; evict
@@ -71,4 +155,8 @@ class Nodes:
         return asdict(self.members)
 
     def close(self) -> None:
+        for check in self.aside:
+            check.cancel()
+        for backend in self._aside_backends.values():
+            backend.close()
         self.backend.close()

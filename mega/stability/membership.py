@@ -22,7 +22,7 @@ Under ``launcher=local-nodes`` a spare is one more agent slot on this machine.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mega import faults
@@ -129,6 +129,21 @@ def decide(cfg: MegaConfig, members: Membership, bad: list[int]) -> Decision:
     return Decision(
         Membership(nodes, spares, members.evicted + bad), new_cfg, bad, replaced, "; ".join(parts)
     )
+
+
+def swap(cfg: MegaConfig, members: Membership, suspects: list[int]) -> Decision | None:
+    """Spares in the places of the physical nodes ``suspects`` before any verdict on them (pure):
+    the suspects leave the job but are not evicted (a self-check beside the run decides: evicted,
+    or a spare again). None when fewer spares than suspects are free."""
+    suspects = [k for k in members.nodes if k in suspects]
+    if not suspects or len(members.spares) < len(suspects):
+        return None
+    d = decide(cfg, members, suspects)
+    note = "; ".join(
+        f"spare node {d.replaced[k]} in node {k}'s place, node {k} set aside for a self-check"
+        for k in suspects
+    )
+    return Decision(replace(d.membership, evicted=list(members.evicted)), d.cfg, [], d.replaced, note)
 
 
 def selfcheck_verdicts(result: dict, members: Membership) -> dict[int, dict]:
