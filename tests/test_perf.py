@@ -103,7 +103,7 @@ def test_published_mfu_counts_causal_attention_whole(published_cases):
     attention counted over the whole s x s square) at that time within 1%, and without sliding windows
     closer to it than the count with the causal half taken off: the rows are compared on their
     sources' own convention (the hardware's time charges a causal kernel only the half it computes)."""
-    rows = [c for c in published_cases if c.fixture["metric"] == "mfu" and "step_s" in c.row]
+    rows = [c for c in published_cases if _printed_mfu(c) is not None and "step_s" in c.row]
     assert {c.fixture["file"] for c in rows} == {"megascale2024-table2.json", "nemotron4-2024-table2.json"}
     for case in rows:
         m, p = case.plan.cfg.model, case.plan.cfg.parallelism
@@ -114,9 +114,30 @@ def test_published_mfu_counts_causal_attention_whole(published_cases):
             3 * 4 * keys * m.hidden_size * p.global_batch_size * m.seq_length
         )  # as mega.flops counts it
         whole, halved = case.flops / per_second, (case.flops - attention / 2) / per_second
-        assert whole == pytest.approx(case.row["value"], rel=0.01), case.row["id"]
+        printed = _printed_mfu(case)
+        assert whole == pytest.approx(printed, rel=0.01), case.row["id"]
         if m.window_size is None:  # (MegaScale's own rows: sliding windows, the two counts 0.7% apart)
-            assert abs(whole - case.row["value"]) < abs(halved - case.row["value"]), case.row["id"]
+            assert abs(whole - printed) < abs(halved - printed), case.row["id"]
+
+
+def _printed_mfu(case) -> float | None:
+    return case.row["value"] if case.fixture["metric"] == "mfu" else case.row.get("mfu")
+
+
+def test_megascale_is_compared_by_throughput_not_by_its_own_flop_count(published_cases):
+    """MegaScale Table 2 prints iteration time, tokens/s and MFU. The throughput is the comparison: it
+    agrees with the iteration time within the printed rounding (8.9 s: 0.6%), and the paper's MFU
+    counts the baseline's FLOPs as mega.flops does but MegaScale's sliding-window model 0.4% lower."""
+    rows = [c for c in published_cases if c.fixture["file"] == "megascale2024-table2.json"]
+    assert len(rows) == 16 and rows[0].fixture["metric"] == "tokens_per_s"
+    paper_count = {"megatron-lm": [], "megascale": []}
+    for case in rows:
+        at_printed_time = case.flops / (case.row["step_s"] * case.gpus * case.peak)
+        assert case.published_mfu == pytest.approx(at_printed_time, rel=0.006), case.row["id"]
+        paper_count[case.row["system"]].append(case.row["mfu"] / at_printed_time)
+    baseline, megascale = (sum(v) / len(v) for v in paper_count.values())
+    assert baseline == pytest.approx(1.0, abs=0.002)
+    assert 0.99 < megascale < 0.998
 
 
 def _work_and_constant(rows: list[dict]) -> tuple[float, float]:
@@ -156,7 +177,7 @@ def test_megascale_times_split_into_work_per_replica_and_a_per_step_constant():
 def test_megascale_growth_with_dp_at_equal_work_per_replica_differs_between_systems(published_results):
     """docs/perf-model.md: MegaScale Table 2's rows at 768 and 6,144 GPUs (1,024 and 8,192) share the
     layout and the samples per replica (64; 48) and differ only in dp (12 -> 96; 16 -> 128). The
-    published step grows by -2.3%/+3.2% for the baseline and +7.0%/+7.5% for MegaScale; the model
+    published step grows by -2.5%/+3.3% for the baseline and +6.1%/+7.6% for MegaScale; the model
     grows both by the same 2-3% (its dp-dependent terms are shared), so a term growing with dp
     cannot bring both systems within 2% of the published growth."""
     rows = {r.name: r for r in published_results if r.source.startswith("Jiang")}

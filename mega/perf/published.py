@@ -10,7 +10,8 @@ calibrated on like any other row); ``miss_held_out`` (on a row or the whole fixt
 known of an error that appears only when the source is predicted from the others.
 
 Metrics, all turned into MFU by mega.flops' count for the comparison: ``mfu`` (as published),
-``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tflops_per_gpu``
+``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tokens_per_s``
+(throughput: the step is the global batch's tokens / throughput), ``tflops_per_gpu``
 (achieved TFLOP/s per GPU counting recomputation, Narayanan et al.'s eq. 3: MFU = value x model
 FLOPs / FLOPs with recompute / peak). ``flops_overrides`` change the model for its FLOP count only
 (Llama 3: 126 layers in 128 layer slots).
@@ -39,7 +40,7 @@ from mega.perf.planner import KNOBS, evaluate, settle_precision
 from mega.perf.step import predict
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "published"
-METRICS = ("step_s", "mfu", "tflops_per_gpu")
+METRICS = ("step_s", "tokens_per_s", "mfu", "tflops_per_gpu")
 TARGET_PTS = 3.0  # every row within +-3 MFU points
 TARGET_MAE_PTS = 1.5
 
@@ -89,6 +90,9 @@ class Case:
             return value
         if metric == "step_s":
             return self.flops / (value * self.gpus * self.peak)
+        if metric == "tokens_per_s":
+            p, m = self.plan.cfg.parallelism, self.plan.cfg.model
+            return self.flops * value / (p.global_batch_size * m.seq_length) / (self.gpus * self.peak)
         m = self.plan.cfg.model
         recompute_flops = model_flops_per_token(m, recompute=True) / model_flops_per_token(m)
         return value * 1e12 / recompute_flops / self.peak
