@@ -130,14 +130,14 @@ def test_healthy_verdicts_change_nothing_and_map_to_physical_nodes():
     members = Membership([0, 2], [], [1])  # after a first eviction: job node 1 is physical node 2
     result = {
         "nodes": [
-            {"node": 0, "healthy": True, "reasons": []},
-            {"node": 1, "healthy": False, "reasons": ["rank 1: GEMM"]},
+            {"node": 0, "healthy": False, "reasons": ["link to node 1: 1.0 MB/s below 10"]},
+            {"node": 1, "healthy": False, "reasons": ["local rank 1: GEMM", "link to node 0: wrong data"]},
         ]
     }
-    verdicts = membership.selfcheck_verdicts(result, members)
+    verdicts = membership.selfcheck_verdicts(result, members)  # the job's node 1 named as node 2
     assert verdicts == {
-        0: {"healthy": True, "reasons": []},
-        2: {"healthy": False, "reasons": ["rank 1: GEMM"]},
+        0: {"healthy": False, "reasons": ["link to node 2: 1.0 MB/s below 10"]},
+        2: {"healthy": False, "reasons": ["local rank 1: GEMM", "link to node 0: wrong data"]},
     }
     d = decide(cfg, members, [5])  # not a member
     assert d.membership is members and d.cfg is cfg and d.evicted == []

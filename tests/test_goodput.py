@@ -238,3 +238,37 @@ def test_a_relaunch_is_cut_into_its_steps_by_the_slowest_rank(tmp_path):
     assert row["steps_s"]["stop"] == 0.5 and row["steps_s"]["driver"] == 0.5
     assert row["steps_s"]["agents_to_ranks"] == 1.25  # launch -> rank 1's process
     assert row["total_s"] == 6.25 == round(sum(row["steps_s"].values()), 3)
+
+
+def test_a_rank_fault_waits_for_the_attempt_after_the_one_the_last_ended(tmp_path):
+    """The soak's harness never strikes a rank of an attempt a rank fault already ended (its
+    relaunch would absorb the fault: neither detected nor survived)."""
+    import json
+    import subprocess
+    import sys
+
+    from mega.bench.soak import Harness
+
+    def rank_of(attempt: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        path = tmp_path / "nodes" / "0" / f"procs-attempt{attempt}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"rank": 0, "node": 0, "pid": proc.pid}) + "\n")
+        return proc
+
+    harness = Harness(tmp_path, [], redis_pid=0, s3=None, seed=0)
+    first = rank_of(0)
+    assert harness._strike("rank-kill") == {"struck": True, "rank": 0, "node": 0}
+    assert first.wait(timeout=10) == -9
+    survivor = rank_of(0)  # attempt 0 still has a live rank: being torn down, not a target
+    try:
+        assert harness._live_ranks() == []
+        gone = rank_of(1)  # the relaunch's rank, already gone: nothing to strike yet
+        gone.kill()
+        gone.wait(timeout=10)
+        assert harness._live_ranks() == []
+        relaunch = rank_of(1)
+        assert [(r["attempt"], r["pid"]) for r in harness._live_ranks()] == [(1, relaunch.pid)]
+        relaunch.kill()
+    finally:
+        survivor.kill()

@@ -77,6 +77,8 @@ FLOORS = selfcheck_floors(from_dict({"selfcheck": {"min_gemm_gflops": 1.0, "min_
         ([{**ROW, "alltoall_mb_per_s": None}], 1, None),  # one rank: no bandwidth to judge
         ([ROW], 2, "1 of 2 ranks reported"),
         ([{**ROW, "error": "RuntimeError: gloo timeout"}], 1, "rank 0: check failed: RuntimeError"),
+        # the device on the node, not the check job's global rank (a spare's check has other ranks)
+        ([{**ROW, "rank": 5, "local_rank": 1, "error": "OSError"}], 1, "local rank 1: check failed: OSError"),
         ([{**ROW, "gemm_max_rel_err": 0.5}], 1, "wrong results"),
         ([{**ROW, "alltoall_ok": False}], 1, "all-to-all delivered wrong data"),
         ([{**ROW, "alltoall_mb_per_s": 0.1}], 1, "selfcheck.min_alltoall_mb_per_s=1"),

@@ -279,6 +279,10 @@ class Harness:
         self.run_dir, self.schedule, self.redis_pid, self.s3 = run_dir, schedule, redis_pid, s3
         self.rng = np.random.default_rng(seed + 1)
         self.done: list[dict] = []
+        # the attempt the last rank fault ended: the next rank fault waits for a newer one (one
+        # struck at a dying attempt is absorbed by its relaunch, and would be neither detected nor
+        # a fault the run survived)
+        self.ended_attempt = -1
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -287,6 +291,8 @@ class Harness:
         self.thread.start()
 
     def _live_ranks(self) -> list[dict]:
+        """The live ranks of the newest attempt, if it is newer than the one the last rank fault
+        ended; each row with its ``attempt``."""
         import os
 
         from mega.cluster.node import read_processes
@@ -295,7 +301,9 @@ class Harness:
             int(p.name.split("attempt")[1].split(".")[0])
             for p in self.run_dir.glob("nodes/*/procs-attempt*.jsonl")
         )
-        procs = read_processes(self.run_dir, attempts[-1]) if attempts else []
+        if not attempts or attempts[-1] <= self.ended_attempt:
+            return []
+        procs = [{**p, "attempt": attempts[-1]} for p in read_processes(self.run_dir, attempts[-1])]
         alive = []
         for p in procs:
             try:
@@ -335,6 +343,8 @@ class Harness:
                 return {"struck": False, "why": "no live rank"}
             ranks = self._live_ranks()
         victim = ranks[int(self.rng.integers(len(ranks)))] if ranks else None
+        if kind in ("rank-kill", "rank-hang", "node-kill"):
+            self.ended_attempt = victim["attempt"]
         if kind == "rank-kill":
             os.kill(victim["pid"], signal.SIGKILL)
         elif kind == "rank-hang":

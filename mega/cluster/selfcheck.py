@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -334,13 +335,14 @@ def _check_rank(device_kind: str, rank: int, local_rank: int, world: int, intra_
 
 
 def node_verdict(rows: list[dict[str, Any]], *, expected_ranks: int, floors: dict[str, Any]) -> dict:
-    """healthy / reasons for one node's ranks; each reason names the rank and the floor it missed
+    """healthy / reasons for one node's ranks; each reason names the rank (its local rank: the
+    device on the node, which the check job and the training job share) and the floor it missed
     (with the config keys the floor came from)."""
     reasons: list[str] = []
     if len(rows) != expected_ranks:
         reasons.append(f"{len(rows)} of {expected_ranks} ranks reported")
     for row in sorted(rows, key=lambda r: r["rank"]):
-        who = f"rank {row['rank']}"
+        who = f"local rank {row['local_rank']}" if "local_rank" in row else f"rank {row['rank']}"
         if row.get("error"):
             reasons.append(f"{who}: check failed: {row['error']}")
             continue
@@ -394,6 +396,15 @@ def pair_bandwidths(pair_rows: list[dict[str, Any]], floors: dict[str, Any]) -> 
             }
         )
     return out
+
+
+LINK_REASON = re.compile(r"link to node (\d+)")
+
+
+def on_physical_nodes(reasons: list[str], nodes: list[int]) -> list[str]:
+    """A check job's reasons with its node indices (``link to node j``) named as the physical
+    nodes the job ran on (``nodes[j]``), the numbering the driver's membership and log use."""
+    return [LINK_REASON.sub(lambda m: f"link to node {nodes[int(m[1])]}", r) for r in reasons]
 
 
 def cluster_verdict(

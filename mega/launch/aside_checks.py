@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mega import faults
+from mega.cluster.selfcheck import on_physical_nodes
 from mega.launch.node_jobs import run_selfcheck
 
 if TYPE_CHECKING:
@@ -39,11 +40,11 @@ def checks_aside(cfg: MegaConfig) -> bool:
 class AsideCheck:
     """The self-check of physical nodes ``physical`` (not in the job), in a thread.
 
-    ``attempt``: the attempt whose failure set them aside (None: spares at start-up), ``replaced``:
-    each one's spare in the job; ``backend``: the (open) backend of a job of the check's size;
-    ``ready``:
-    holds the check back until it is true (or ``release``); ``cfg``: the config whose drills apply
-    (``fault.bad_node`` names a physical node)."""
+    ``attempt``: the attempt whose failure set them aside (None: spares at start-up);
+    ``replaced``: each one's spare in the job; ``backend``: the (open) backend of a job of the
+    check's size; ``ready``: holds the check back until it is true, ``release`` is called, or
+    ``HOLD_S`` has passed (a relaunch that never trains must not keep its suspects unjudged);
+    ``cfg``: the config whose drills apply (``fault.bad_node`` names a physical node)."""
 
     def __init__(
         self,
@@ -97,7 +98,7 @@ class AsideCheck:
         return {
             p: {
                 "healthy": rows.get(i, {}).get("healthy") is True,
-                "reasons": rows.get(i, {}).get("reasons")
+                "reasons": on_physical_nodes(rows.get(i, {}).get("reasons") or [], self.physical)
                 or ([] if rows.get(i, {}).get("healthy") else [why]),
             }
             for i, p in enumerate(self.physical)

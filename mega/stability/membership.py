@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mega import faults
+from mega.cluster.selfcheck import on_physical_nodes
 from mega.config import ConfigError, validate
 
 if TYPE_CHECKING:
@@ -150,7 +151,10 @@ def selfcheck_verdicts(result: dict, members: Membership) -> dict[int, dict]:
     """The self-check's per-node verdicts keyed by physical node: healthy True/False/None (None:
     not judged, e.g. the job died before a verdict) and the reasons."""
     return {
-        members.nodes[row["node"]]: {"healthy": row["healthy"], "reasons": row["reasons"]}
+        members.nodes[row["node"]]: {
+            "healthy": row["healthy"],
+            "reasons": on_physical_nodes(row["reasons"], members.nodes),
+        }
         for row in result["nodes"]
         if row["node"] < len(members.nodes)
     }
