@@ -193,7 +193,9 @@ def test_full_recompute_adds_the_layers_forward_with_its_exposed_all_reduces(
     CheckpointFunction: the same code on the same stream), its tensor-parallel all-reduces exposed
     as in the forward while the backward hides its own under the weight-gradient GEMMs. Korthikanti
     et al. measured what that costs a layer of their 22B model, 39% "as opposed to the expected 33%"
-    of the FLOPs, for that reason, and 36% for 530B and 1T."""
+    of the FLOPs, for that reason, and 36% for 530B and 1T. Their Table 5 runs recompute every
+    layer: Figure 7 puts full recomputation's activations at 2sbh per layer of all L (~8-10% of the
+    TP baseline), and the microbatch-level partial recomputation of Appendix C is reported apart."""
     (_, cfg, hw), (_, cfg_none, _) = (
         _korthikanti_layer(composer, model, micro_batch, rec, "false", extra) for rec in ("full", "null")
     )
