@@ -371,6 +371,10 @@ class SlurmConfig:
     # run's nodes and restart.spare_nodes more (each attempt an srun step of that job); "host", where
     # the flow runs (each attempt its own sbatch job). docs/cluster.md
     driver: str = choice("allocation", "host")
+    # driver=allocation: the driver self-checks every node of its job (spares too) in an srun step
+    # before the first training step and excludes the unhealthy (mega/launch/slurm_preflight.py);
+    # the flow then submits no self-check job of its own. false: no check in the allocation.
+    selfcheck: bool = True
 
 
 @dataclass

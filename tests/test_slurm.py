@@ -447,3 +447,58 @@ def test_the_submitter_notices_when_the_driver_job_lost_its_first_node(monkeypat
     assert slurm_driver.driver_lost({**lost, "BatchHost": "n1"}) is None
     assert slurm_driver.driver_lost({**lost, "JobState": "PENDING"}) is None  # requeued: no host yet
     assert slurm_driver.driver_lost({}) is None  # forgotten by Slurm
+
+
+def test_the_allocations_self_check_excludes_unhealthy_hosts_onto_spares_or_fewer_nodes(tmp_path):
+    """The verdict of the self-check step in the allocation (mega.launch.slurm_preflight): an
+    unhealthy host is excluded and the run keeps its size on a spare, or shrinks to
+    restart.min_nodes (DP shrinks), or cannot go on (the reasons named); a host the check could
+    not judge stays; a check that judged none unhealthy yet failed ends the run, unless Slurm's
+    warning ended it."""
+    from mega.launch import slurm_preflight as pre
+    from mega.stability.membership import CannotContinue
+
+    hosts = ["n0", "n1", "n2"]
+
+    def result(*healthy):
+        reasons = [f"node {k}: slow" for k, h in enumerate(healthy) if h is False]
+        rows = [
+            {"node": k, "healthy": h, "reasons": ["slow"] if h is False else []}
+            for k, h in enumerate(healthy)
+        ]
+        return {"healthy": all(healthy), "reasons": reasons or ["no verdict"], "nodes": rows}
+
+    assert pre.judged(result(True, False, None), hosts) == (["n1"], {"n1": ["slow"]})
+    with pytest.raises(CannotContinue, match="no verdict"):
+        pre.judged(result(None, None, None), hosts)
+    assert pre.judged(result(None, None, None), hosts, warned=True) == ([], {})
+
+    base = [*SCRIPTS["cpu-2nodes"], "parallelism=tp2-pp2-dp2", "fault.bad_node=1"]
+    spare = _cfg(tmp_path, *base, "restart.spare_nodes=1")
+    cfg, note = pre._next_config(spare, 2, ["n1"], result(True, False, True))
+    assert cfg.cluster.nodes == 2 and cfg.fault.bad_node is None and "spares take their places" in note
+    shrink = _cfg(tmp_path, *base, "restart.min_nodes=1")
+    cfg, note = pre._next_config(shrink, 1, ["n1"], result(True, False))
+    assert (cfg.cluster.nodes, cfg.parallelism.dp) == (1, 1) and "dp 1" in note
+    with pytest.raises(CannotContinue, match=r"n1 excluded .* restart.min_nodes=None\): node 1: slow"):
+        pre._next_config(_cfg(tmp_path, *base), 1, ["n1"], result(True, False))
+    assert pre._node_of(hosts, ["n0", "n2"], 2) == 1 and pre._node_of(hosts, ["n0", "n2"], 1) is None
+
+
+def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
+    """The driver in the allocation writes its self-check verdict to the run directory; the
+    submitter's wait passes each new version on once (the flow publishes it), a half-written
+    file never."""
+    from mega.launch import slurm_driver
+
+    path, seen = tmp_path / "preflight.json", []
+    verdicts = slurm_driver._Verdicts(path, seen.append)
+    verdicts.poll()
+    path.write_text('{"healthy": tr')
+    verdicts.poll()
+    path.write_text('{"healthy": true}')
+    verdicts.poll()
+    verdicts.poll()
+    os.utime(path, ns=(1, 1))  # the requeued job's driver checked its nodes again
+    verdicts.poll()
+    assert seen == [{"healthy": True}, {"healthy": True}]

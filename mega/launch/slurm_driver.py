@@ -41,6 +41,7 @@ from mega.launch.slurm import (
     wait_in_background,
     warning_trap,
 )
+from mega.launch.slurm_preflight import verdict_path
 from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, driver_dir, warning_file
 
 if TYPE_CHECKING:
@@ -105,9 +106,12 @@ def run_driver_job(
     recovery: bool = False,
     flow_run_id: str | None = None,
     poll_s: float = 2.0,
+    on_selfcheck: Callable[[dict], None] | None = None,
 ) -> dict:
     """Submit the run's job, wait for it and return the driver's result (``RESULT_FILE``); raises
-    DriverJobFailed when the job ended without one (its state and log named)."""
+    DriverJobFailed when the job ended without one (its state and log named). ``on_selfcheck``:
+    called with each verdict of the driver's self-check of its nodes (mega.launch.slurm_preflight)
+    as it appears."""
     run_dir = Path(cfg.train.run_dir).absolute()
     with runs.hold(run_dir, "slurm driver job (launcher.slurm.driver=allocation)"):
         backend = SlurmBackend(cfg, run_dir, log=log)
@@ -115,11 +119,12 @@ def run_driver_job(
             log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
         result_path(run_dir).unlink(missing_ok=True)
         (driver_dir(run_dir) / CARRIED_FILE).unlink(missing_ok=True)  # an earlier launch's
+        verdict_path(run_dir).unlink(missing_ok=True)
         job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
         job_id = backend.submit(DRIVER, render_driver_sbatch(cfg, job, sys.executable))
         log(f"submitted Slurm job {job_id}: the driver and {cfg.cluster.nodes} node(s) of this run")
         try:
-            _wait(job_id, run_dir / f"slurm-{job_id}.out", log, poll_s)
+            _wait(job_id, run_dir, log, poll_s, _Verdicts(verdict_path(run_dir), on_selfcheck))
         except BaseException:
             backend.cancel_run_jobs()  # Ctrl-C or an error here: the job does not run on unwatched
             raise
@@ -146,11 +151,32 @@ def driver_lost(info: dict[str, str]) -> str | None:
         return None
 
 
-def _wait(job_id: str, driver_log: Path, log: Callable[[str], None], poll_s: float) -> None:
-    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``. Raises
-    DriverJobFailed when the job lost its driver's node (the caller cancels the job)."""
+class _Verdicts:
+    """Passes each new verdict of the driver's self-check (a new version of ``path``) to ``on``."""
+
+    def __init__(self, path: Path, on: Callable[[dict], None] | None):
+        self.path, self.on, self.seen = path, on, None
+
+    def poll(self) -> None:
+        try:
+            stamp = self.path.stat().st_mtime_ns
+            if self.on is None or stamp == self.seen:
+                return
+            verdict = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # not there yet, or being written: the next poll
+            return
+        self.seen = stamp
+        self.on(verdict)
+
+
+def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float, verdicts: _Verdicts) -> None:
+    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log`` and
+    each self-check verdict on. Raises DriverJobFailed when the job lost its driver's node (the
+    caller cancels the job)."""
+    driver_log = run_dir / f"slurm-{job_id}.out"
     seen, partial = 0, b""
     while True:
+        verdicts.poll()
         info = job_info(job_id)
         ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
         if lost := driver_lost(info):
