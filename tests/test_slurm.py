@@ -502,3 +502,39 @@ def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
     os.utime(path, ns=(1, 1))  # the requeued job's driver checked its nodes again
     verdicts.poll()
     assert seen == [{"healthy": True}, {"healthy": True}]
+
+
+def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_budgets(tmp_path):
+    """The submitter after the job lost its first node: the next job asks for one node fewer (a
+    spare of the job used) with the host in --exclude, and its driver continues from the lost
+    driver's last loop state with that attempt counted as a failure; with no spare of the job or
+    no restart left, the run fails for a recovery (the reason named)."""
+    from mega.launch import slurm_driver, slurm_steps
+
+    base = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.max_restarts=1"]
+    cfg = _cfg(tmp_path, *base, "restart.spare_nodes=1")
+    run_dir = Path(cfg.train.run_dir)
+    folder = slurm_steps.driver_dir(run_dir)
+    folder.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"attempts": 3}))
+    loop = {"config": {}, "failures": 0, "requeues": 2, "history": [{"attempt": 1}], "env": {}}
+    (folder / slurm_steps.LOOP_FILE).write_text(json.dumps({**loop, "excluded_hosts": ["n3"]}))
+    said = []
+    slurm_driver._resubmission(cfg, run_dir, ["n0"], "job 7 lost its first node n0", said.append)
+    carried = json.loads((folder / slurm_steps.CARRIED_FILE).read_text())
+    assert (carried["failures"], carried["requeues"], carried["excluded_hosts"]) == (1, 2, ["n0", "n3"])
+    assert carried["history"][-1] == {
+        "attempt": 2,
+        "reason": "job 7 lost its first node n0",
+        "excluded_hosts": ["n0"],
+    }
+    assert "resubmitted without n0 (failure 1)" in said[-1]
+    job = slurm_driver.driver_job(cfg, tmp_path / "index.json", recovery=False, flow_run_id=None)
+    script = slurm_driver.render_driver_sbatch(cfg, job, nodes=2, exclude=["n0"])
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --exclude=n0\n" in script
+
+    with pytest.raises(slurm_driver.DriverJobFailed, match="no spare of the job left"):
+        slurm_driver._resubmission(cfg, run_dir, ["n0", "n1"], "lost n1", said.append)
+    (folder / slurm_steps.LOOP_FILE).write_text(json.dumps({**loop, "failures": 1, "excluded_hosts": []}))
+    with pytest.raises(slurm_driver.DriverJobFailed, match=r"restart.max_restarts=1: a recovery restarts"):
+        slurm_driver._resubmission(cfg, run_dir, ["n0"], "lost n0", said.append)

@@ -483,6 +483,63 @@ def test_in_the_allocation_a_lost_node_is_replaced_by_its_spare_in_a_new_step_of
     assert len(_job_ids(run_dir)) == 1
 
 
+def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_the_run_goes_on(
+    slurm_cluster, tmp_path, data_index
+):
+    """One rank on one node and a spare in the driver's job: the first node (the driver's and the
+    rank's) dies after step 2. Once Slurm drops that host from the job, the submitter cancels the
+    job and submits a new one of one node with the host in ``--exclude``; its driver continues the
+    lost driver's loop (the attempt numbers go on, the lost attempt counted as a failure) from the
+    last save, and the run finishes."""
+    run_dir = tmp_path / "run"
+    on_one = [o for o in ON_SLURM if not o.startswith("cluster.nodes")]
+    cfg = compose(
+        [
+            *[o for o in DRILL if not o.startswith(("parallelism", "cluster.procs"))],
+            *on_one,
+            "parallelism=single",
+            "cluster.nodes=1",
+            "cluster.procs_per_node=1",
+            "restart.spare_nodes=1",
+            "train.steps=3",
+            "checkpoint.interval=1",
+            "checkpoint.async_save=false",
+            "restart.backoff_s=0",
+            "launcher.slurm.stop_timeout_s=5",
+            *IN_ALLOCATION,
+            f"train.run_dir={run_dir}",
+        ]
+    )
+    killed: dict[int, list[int]] = {}
+
+    def kill_the_drivers_node():
+        first = _job_ids(run_dir)[0]
+        k = int(slurm.job_info(first)["BatchHost"].rsplit("n", 1)[1])
+        killed[k] = slurm_local.kill_node(slurm_cluster, k)
+
+    killer = _when_step(run_dir, 2, kill_the_drivers_node, 0)
+    said: list[str] = []
+    try:
+        result = run_training(cfg, data_index, log=said.append)
+    finally:
+        killer.join(10)
+        for k in killed:
+            slurm_local.restart_node(slurm_cluster, k)
+    [lost] = [host(k) for k in killed]
+    assert result.final_step == 3 and result.attempts == 2, result.history
+    assert result.history[0]["excluded_hosts"] == [lost], result.history
+    assert any(f"resubmitted without {lost} (failure 1)" in line for line in said), said
+    jobs = [line.split()[3].rstrip(":") for line in said if line.startswith("submitted Slurm job ")]
+    first_job, second = (slurm.job_info(j) for j in jobs)
+    assert first_job["JobState"] != "RUNNING" and second["JobState"] == "COMPLETED", (first_job, second)
+    assert second["ExcNodeList"] == lost and lost not in slurm.hostnames(second["NodeList"]), second
+    assert second["NumNodes"] == "1"
+    last = result.history[-1]
+    assert last["attempt"] > result.history[0]["attempt"] and last["restored"].endswith(("1", "2")), last
+    steps = {r["step"] for r in read_metrics(run_dir)}
+    assert steps == {1, 2, 3}
+
+
 def test_down_leaves_no_process_of_the_cluster_behind():
     """``slurm_local.down`` (also the fixture's teardown) with a job step running: slurmstepd
     outlives its slurmd and rewrites its command line, yet down ends it, the job's processes and

@@ -248,6 +248,7 @@ def train_with_restarts(launch: Launch, state: LoopState) -> TrainingResult:
     launch.nodes.check_spares(launch.log)  # beside the first attempt: a spare is checked before it trains
     state = check_allocation(launch, state)  # Slurm, the driver in its job: every node checked first
     while True:
+        _keep_loop_state(launch, state)
         attempt = launch_attempt(launch, state)
         ended = collect_outcome(launch, attempt, watch_attempt(launch, attempt))
         state = counted(state, attempt, ended)
@@ -259,6 +260,15 @@ def train_with_restarts(launch: Launch, state: LoopState) -> TrainingResult:
             continue
         state = prepare_restart(launch, state, attempt, ended)
         backoff(launch, state, attempt.number)
+
+
+def _keep_loop_state(launch: Launch, state: LoopState) -> None:
+    """In the run's Slurm allocation: the loop's state before each attempt, for the submitter to
+    carry into a new job if this one loses the driver's node (mega.launch.slurm_driver)."""
+    if slurm_steps.inside_allocation(state.cfg):
+        path = slurm_steps.driver_dir(launch.run_dir) / slurm_steps.LOOP_FILE
+        path.with_suffix(".tmp").write_text(json.dumps(_carried(state, launch.nodes), default=str))
+        path.with_suffix(".tmp").replace(path)
 
 
 def check_allocation(launch: Launch, state: LoopState) -> LoopState:

@@ -42,7 +42,7 @@ from mega.launch.slurm import (
     warning_trap,
 )
 from mega.launch.slurm_preflight import verdict_path
-from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, driver_dir, warning_file
+from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, LOOP_FILE, driver_dir, warning_file
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -54,21 +54,32 @@ class DriverJobFailed(RuntimeError):
     pass
 
 
+class DriverLost(DriverJobFailed):
+    """The job lost its first node, where its driver ran (``host``)."""
+
+    def __init__(self, message: str, host: str):
+        super().__init__(message)
+        self.host = host
+
+
 def result_path(run_dir: str | Path) -> Path:
     return driver_dir(run_dir) / RESULT_FILE
 
 
-def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") -> str:
-    """The run's one batch script: the nodes (with spares), the setup lines, the secrets file read
-    into the driver's environment, then the driver (``job``) on the first node."""
+def render_driver_sbatch(
+    cfg: MegaConfig, job: JobSpec, python: str = "python", nodes: int | None = None, exclude: list[str] = ()
+) -> str:
+    """The run's one batch script: the nodes (with spares; ``nodes`` after a lost driver's node,
+    ``exclude``), the setup lines, the secrets file read into the driver's environment, then the
+    driver (``job``) on the first node."""
     s, spares = cfg.launcher.slurm, cfg.restart.spare_nodes
-    nodes = cfg.cluster.nodes + spares
+    nodes = nodes or cfg.cluster.nodes + spares
     lines = [
         "#!/bin/bash",
         f"# mega: the driver of one training run and its {nodes} node(s) ({cfg.cluster.nodes} + "
         f"{spares} spare), rendered by mega.launch.slurm_driver.",
         "# The driver runs here, on the first node; each attempt is an srun step of this job.",
-        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, nodes=nodes, requeue=True)),
+        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude, nodes=nodes, requeue=True)),
         "#SBATCH --no-kill",
         "set -euo pipefail",
         "",
@@ -117,14 +128,25 @@ def run_driver_job(
         backend = SlurmBackend(cfg, run_dir, log=log)
         if recovery and (cancelled := backend.cancel_run_jobs()):
             log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
-        result_path(run_dir).unlink(missing_ok=True)
-        (driver_dir(run_dir) / CARRIED_FILE).unlink(missing_ok=True)  # an earlier launch's
+        for path in (result_path(run_dir), *(driver_dir(run_dir) / f for f in (CARRIED_FILE, LOOP_FILE))):
+            path.unlink(missing_ok=True)  # an earlier launch's
         verdict_path(run_dir).unlink(missing_ok=True)
-        job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
-        job_id = backend.submit(DRIVER, render_driver_sbatch(cfg, job, sys.executable))
-        log(f"submitted Slurm job {job_id}: the driver and {cfg.cluster.nodes} node(s) of this run")
+        verdicts, lost = _Verdicts(verdict_path(run_dir), on_selfcheck), []
         try:
-            _wait(job_id, run_dir, log, poll_s, _Verdicts(verdict_path(run_dir), on_selfcheck))
+            while True:  # one job, or one more each time a job loses its driver's node
+                job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
+                nodes = cfg.cluster.nodes + cfg.restart.spare_nodes - len(lost)
+                script = render_driver_sbatch(cfg, job, sys.executable, nodes=nodes, exclude=lost)
+                job_id = backend.submit(DRIVER, script)
+                log(f"submitted Slurm job {job_id}: the driver and {nodes} node(s) of this run")
+                try:
+                    _wait(job_id, run_dir, log, poll_s, verdicts)
+                    break
+                except DriverLost as e:
+                    backend.cancel_run_jobs()
+                    lost.append(e.host)
+                    _resubmission(cfg, run_dir, lost, str(e), log)
+                    recovery = False
         except BaseException:
             backend.cancel_run_jobs()  # Ctrl-C or an error here: the job does not run on unwatched
             raise
@@ -137,6 +159,48 @@ def run_driver_job(
         raise DriverJobFailed(
             f"Slurm job {job_id} ended {state} without the driver's result; see {run_dir}/slurm-{job_id}.out"
         ) from None
+
+
+def _resubmission(
+    cfg: MegaConfig, run_dir: Path, lost: list[str], why: str, log: Callable[[str], None]
+) -> None:
+    """After the job lost its driver's node: what the next job's driver continues with (the lost
+    driver's last loop state, ``LOOP_FILE``, with the lost attempt counted as a failure and the
+    lost hosts excluded) in ``CARRIED_FILE``. Raises DriverJobFailed (for a recovery) when no spare
+    of the job is left to replace the node or the failure budget is spent."""
+    loop = driver_dir(run_dir) / LOOP_FILE
+    carried = json.loads(loop.read_text()) if loop.exists() else _fresh(cfg)
+    carried["failures"] += 1
+    carried["excluded_hosts"] = sorted({*carried["excluded_hosts"], *lost})
+    carried["history"].append(
+        {"attempt": _last_attempt(run_dir), "reason": why, "excluded_hosts": [lost[-1]]}
+    )
+    spares = cfg.restart.spare_nodes - len(lost)
+    if spares < 0 or carried["failures"] > cfg.restart.max_restarts:
+        budget = (
+            f"restart.max_restarts={cfg.restart.max_restarts}" if spares >= 0 else "no spare of the job left"
+        )
+        raise DriverJobFailed(
+            f"{why}; the job is cancelled ({budget}: a recovery restarts the run from `latest`)"
+        )
+    (driver_dir(run_dir) / CARRIED_FILE).write_text(json.dumps(carried, default=str))
+    log(
+        f"{why}; the job is cancelled and the run resubmitted without {', '.join(lost)} (failure {carried['failures']})"
+    )
+
+
+def _fresh(cfg: MegaConfig) -> dict:
+    """The loop state of a driver lost before its first attempt."""
+    config = mega_config.to_dict(rendezvous.without_secrets(cfg))
+    return {"config": config, "failures": 0, "requeues": 0, "history": [], "env": {}, "excluded_hosts": []}
+
+
+def _last_attempt(run_dir: Path) -> int | None:
+    """The number of the run's last launched attempt (its record), None before any."""
+    try:
+        return json.loads((run_dir / "run.json").read_text())["attempts"] - 1
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def driver_lost(info: dict[str, str]) -> str | None:
@@ -180,10 +244,7 @@ def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float,
         info = job_info(job_id)
         ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
         if lost := driver_lost(info):
-            raise DriverJobFailed(
-                f"Slurm job {job_id} lost its first node {lost}, where its driver ran; the job is cancelled "
-                "(a recovery restarts the run from `latest`)"
-            )
+            raise DriverLost(f"Slurm job {job_id} lost its first node {lost}, where its driver ran", lost)
         if driver_log.exists():
             with open(driver_log, "rb") as f:
                 f.seek(seen)
