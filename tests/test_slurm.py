@@ -505,10 +505,12 @@ def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
 
 
 def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_budgets(tmp_path):
-    """The submitter after the job lost its first node: the next job asks for one node fewer (a
-    spare of the job used) with the host in --exclude, and its driver continues from the lost
-    driver's last loop state with that attempt counted as a failure; with no spare of the job or
-    no restart left, the run fails for a recovery (the reason named)."""
+    """The submitter after the job lost its first node: the next job excludes every host the run
+    lost, is one node smaller (a spare of the job used) or, with no spare left, shrinks the run to
+    restart.min_nodes (DP shrinks); its driver continues from the lost driver's last loop state
+    with that attempt counted as a failure. Without a spare or min_nodes, or with no restart left,
+    the run fails for a recovery (the reason named)."""
+    from mega.config import to_dict
     from mega.launch import slurm_driver, slurm_steps
 
     base = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.max_restarts=1"]
@@ -517,24 +519,35 @@ def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_bud
     folder = slurm_steps.driver_dir(run_dir)
     folder.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"attempts": 3}))
-    loop = {"config": {}, "failures": 0, "requeues": 2, "history": [{"attempt": 1}], "env": {}}
-    (folder / slurm_steps.LOOP_FILE).write_text(json.dumps({**loop, "excluded_hosts": ["n3"]}))
+
+    def lost_driver(failures, excluded):
+        loop = {"config": to_dict(cfg), "failures": failures, "requeues": 2, "history": [{"attempt": 1}]}
+        (folder / slurm_steps.LOOP_FILE).write_text(
+            json.dumps({**loop, "env": {}, "excluded_hosts": excluded})
+        )
+        (folder / slurm_steps.CARRIED_FILE).unlink(missing_ok=True)
+
     said = []
-    slurm_driver._resubmission(cfg, run_dir, ["n0"], "job 7 lost its first node n0", said.append)
+    lost_driver(0, [])
+    assert slurm_driver._resubmission(cfg, run_dir, "n0", "job 7 lost n0", said.append) == (2, ["n0"])
     carried = json.loads((folder / slurm_steps.CARRIED_FILE).read_text())
-    assert (carried["failures"], carried["requeues"], carried["excluded_hosts"]) == (1, 2, ["n0", "n3"])
-    assert carried["history"][-1] == {
-        "attempt": 2,
-        "reason": "job 7 lost its first node n0",
-        "excluded_hosts": ["n0"],
-    }
-    assert "resubmitted without n0 (failure 1)" in said[-1]
+    assert (carried["failures"], carried["requeues"], carried["excluded_hosts"]) == (1, 2, ["n0"])
+    assert carried["history"][-1] == {"attempt": 2, "reason": "job 7 lost n0", "excluded_hosts": ["n0"]}
+    assert carried["config"]["cluster"]["nodes"] == 2 and "resubmitted without n0 (failure 1)" in said[-1]
     job = slurm_driver.driver_job(cfg, tmp_path / "index.json", recovery=False, flow_run_id=None)
     script = slurm_driver.render_driver_sbatch(cfg, job, nodes=2, exclude=["n0"])
     assert "#SBATCH --nodes=2\n" in script and "#SBATCH --exclude=n0\n" in script
 
-    with pytest.raises(slurm_driver.DriverJobFailed, match="no spare of the job left"):
-        slurm_driver._resubmission(cfg, run_dir, ["n0", "n1"], "lost n1", said.append)
-    (folder / slurm_steps.LOOP_FILE).write_text(json.dumps({**loop, "failures": 1, "excluded_hosts": []}))
-    with pytest.raises(slurm_driver.DriverJobFailed, match=r"restart.max_restarts=1: a recovery restarts"):
-        slurm_driver._resubmission(cfg, run_dir, ["n0"], "lost n0", said.append)
+    lost_driver(0, ["n2"])  # the spare was used in the job already
+    with pytest.raises(
+        slurm_driver.DriverJobFailed, match=r"no spare of the job left, restart.min_nodes=None"
+    ):
+        slurm_driver._resubmission(cfg, run_dir, "n0", "lost n0", said.append)
+    shrink = _cfg(tmp_path, *base, "restart.spare_nodes=1", "restart.min_nodes=1")
+    assert slurm_driver._resubmission(shrink, run_dir, "n0", "lost n0", said.append) == (1, ["n0", "n2"])
+    carried = json.loads((folder / slurm_steps.CARRIED_FILE).read_text())
+    assert (carried["config"]["cluster"]["nodes"], carried["config"]["parallelism"]["dp"]) == (1, 1)
+    assert "continuing on 1 node(s)" in said[-1]
+    lost_driver(1, [])
+    with pytest.raises(slurm_driver.DriverJobFailed, match=r"restart.max_restarts=1\): a recovery"):
+        slurm_driver._resubmission(cfg, run_dir, "n0", "lost n0", said.append)

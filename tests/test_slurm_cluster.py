@@ -483,32 +483,24 @@ def test_in_the_allocation_a_lost_node_is_replaced_by_its_spare_in_a_new_step_of
     assert len(_job_ids(run_dir)) == 1
 
 
-def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_the_run_goes_on(
+def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_dp_shrinks(
     slurm_cluster, tmp_path, data_index
 ):
-    """One rank on one node and a spare in the driver's job: the first node (the driver's and the
-    rank's) dies after step 2. Once Slurm drops that host from the job, the submitter cancels the
-    job and submits a new one of one node with the host in ``--exclude``; its driver continues the
-    lost driver's loop (the attempt numbers go on, the lost attempt counted as a failure) from the
-    last save, and the run finishes."""
+    """dp2 on two nodes in the driver's job, no spare, ``restart.min_nodes=1``: the first node (the
+    driver's and rank 0's) dies after step 2. Once Slurm drops that host from the job, the
+    submitter cancels the job and submits one of a single node with the host in ``--exclude``;
+    its driver continues the lost driver's loop (attempt numbers go on, the lost attempt counted
+    as a failure) on one node (DP 2 -> 1, global batch kept) from the last save and finishes."""
     run_dir = tmp_path / "run"
-    on_one = [o for o in ON_SLURM if not o.startswith("cluster.nodes")]
-    cfg = compose(
-        [
-            *[o for o in DRILL if not o.startswith(("parallelism", "cluster.procs"))],
-            *on_one,
-            "parallelism=single",
-            "cluster.nodes=1",
-            "cluster.procs_per_node=1",
-            "restart.spare_nodes=1",
-            "train.steps=3",
-            "checkpoint.interval=1",
-            "checkpoint.async_save=false",
-            "restart.backoff_s=0",
-            "launcher.slurm.stop_timeout_s=5",
-            *IN_ALLOCATION,
-            f"train.run_dir={run_dir}",
-        ]
+    cfg = _drill_cfg(
+        run_dir,
+        "train.steps=3",
+        "checkpoint.interval=1",
+        "checkpoint.async_save=false",
+        "restart.backoff_s=0",
+        "restart.min_nodes=1",
+        "launcher.slurm.stop_timeout_s=5",
+        *IN_ALLOCATION,
     )
     killed: dict[int, list[int]] = {}
 
@@ -528,16 +520,17 @@ def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_the_r
     [lost] = [host(k) for k in killed]
     assert result.final_step == 3 and result.attempts == 2, result.history
     assert result.history[0]["excluded_hosts"] == [lost], result.history
-    assert any(f"resubmitted without {lost} (failure 1)" in line for line in said), said
+    assert any(f"resubmitted without {lost}, continuing on 1 node(s) (failure 1)" in x for x in said), said
     jobs = [line.split()[3].rstrip(":") for line in said if line.startswith("submitted Slurm job ")]
     first_job, second = (slurm.job_info(j) for j in jobs)
     assert first_job["JobState"] != "RUNNING" and second["JobState"] == "COMPLETED", (first_job, second)
-    assert second["ExcNodeList"] == lost and lost not in slurm.hostnames(second["NodeList"]), second
-    assert second["NumNodes"] == "1"
-    last = result.history[-1]
-    assert last["attempt"] > result.history[0]["attempt"] and last["restored"].endswith(("1", "2")), last
-    steps = {r["step"] for r in read_metrics(run_dir)}
-    assert steps == {1, 2, 3}
+    assert second["ExcNodeList"] == lost and second["NumNodes"] == "1", second
+    assert lost not in slurm.hostnames(second["NodeList"]), second
+    last = json.loads((run_dir / "config.json").read_text())
+    assert (last["cluster"]["nodes"], last["parallelism"]["dp"]) == (1, 1)
+    assert result.history[-1]["attempt"] > result.history[0]["attempt"], result.history
+    assert result.history[-1]["restored"].endswith(("1", "2")), result.history
+    assert {r["step"] for r in read_metrics(run_dir)} == {1, 2, 3}
 
 
 def test_down_leaves_no_process_of_the_cluster_behind():

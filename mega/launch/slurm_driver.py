@@ -46,6 +46,7 @@ from mega.launch.slurm import (
 )
 from mega.launch.slurm_preflight import verdict_path
 from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, LOOP_FILE, driver_dir, warning_file
+from mega.stability import membership
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -134,12 +135,12 @@ def run_driver_job(
         for path in (result_path(run_dir), *(driver_dir(run_dir) / f for f in (CARRIED_FILE, LOOP_FILE))):
             path.unlink(missing_ok=True)  # an earlier launch's
         verdict_path(run_dir).unlink(missing_ok=True)
-        verdicts, lost = _Verdicts(verdict_path(run_dir), on_selfcheck), []
+        verdicts = _Verdicts(verdict_path(run_dir), on_selfcheck)
+        nodes, exclude = cfg.cluster.nodes + cfg.restart.spare_nodes, []
         try:
             while True:  # one job, or one more each time a job loses its driver's node
                 job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
-                nodes = cfg.cluster.nodes + cfg.restart.spare_nodes - len(lost)
-                script = render_driver_sbatch(cfg, job, sys.executable, nodes=nodes, exclude=lost)
+                script = render_driver_sbatch(cfg, job, sys.executable, nodes=nodes, exclude=exclude)
                 job_id = backend.submit(DRIVER, script)
                 log(f"submitted Slurm job {job_id}: the driver and {nodes} node(s) of this run")
                 try:
@@ -147,8 +148,7 @@ def run_driver_job(
                     break
                 except DriverLost as e:
                     backend.cancel_run_jobs()
-                    lost.append(e.host)
-                    _resubmission(cfg, run_dir, lost, str(e), log)
+                    nodes, exclude = _resubmission(cfg, run_dir, e.host, str(e), log)
                     recovery = False
         except BaseException:
             backend.cancel_run_jobs()  # Ctrl-C or an error here: the job does not run on unwatched
@@ -165,31 +165,38 @@ def run_driver_job(
 
 
 def _resubmission(
-    cfg: MegaConfig, run_dir: Path, lost: list[str], why: str, log: Callable[[str], None]
-) -> None:
-    """After the job lost its driver's node: what the next job's driver continues with (the lost
-    driver's last loop state, ``LOOP_FILE``, with the lost attempt counted as a failure and the
-    lost hosts excluded) in ``CARRIED_FILE``. Raises DriverJobFailed (for a recovery) when no spare
-    of the job is left to replace the node or the failure budget is spent."""
-    loop = driver_dir(run_dir) / LOOP_FILE
-    carried = json.loads(loop.read_text()) if loop.exists() else _fresh(cfg)
-    carried["failures"] += 1
-    carried["excluded_hosts"] = sorted({*carried["excluded_hosts"], *lost})
-    carried["history"].append(
-        {"attempt": _last_attempt(run_dir), "reason": why, "excluded_hosts": [lost[-1]]}
-    )
-    spares = cfg.restart.spare_nodes - len(lost)
-    if spares < 0 or carried["failures"] > cfg.restart.max_restarts:
-        budget = (
-            f"restart.max_restarts={cfg.restart.max_restarts}" if spares >= 0 else "no spare of the job left"
-        )
-        raise DriverJobFailed(
-            f"{why}; the job is cancelled ({budget}: a recovery restarts the run from `latest`)"
-        )
-    (driver_dir(run_dir) / CARRIED_FILE).write_text(json.dumps(carried, default=str))
-    log(
-        f"{why}; the job is cancelled and the run resubmitted without {', '.join(lost)} (failure {carried['failures']})"
-    )
+    cfg: MegaConfig, run_dir: Path, host: str, why: str, log: Callable[[str], None]
+) -> tuple[int, list[str]]:
+    """After the job lost its driver's node ``host``: the next job's size and ``--exclude`` (every
+    host the run lost), and what its driver continues with in ``CARRIED_FILE``: the lost driver's
+    last loop state (``LOOP_FILE``), the lost attempt counted as a failure, the config shrunk to
+    the hosts left when no spare of the job is (``restart.min_nodes``). Raises DriverJobFailed (for
+    a recovery) when neither a spare nor ``restart.min_nodes`` fits or the failure budget is spent."""
+    d = driver_dir(run_dir)
+    source = next((p for p in (d / CARRIED_FILE, d / LOOP_FILE) if p.exists()), None)
+    carried = json.loads(source.read_text()) if source else _fresh(cfg)
+    excluded = sorted({*carried["excluded_hosts"], host})
+    carried.update(failures=carried["failures"] + 1, excluded_hosts=excluded)
+    carried["history"].append({"attempt": _last_attempt(run_dir), "reason": why, "excluded_hosts": [host]})
+    nodes = cfg.cluster.nodes + cfg.restart.spare_nodes - len(excluded)  # the job's hosts not lost
+    current = mega_config.from_dict(carried["config"])
+    if nodes < current.cluster.nodes:  # no spare of the job left
+        floor = cfg.restart.min_nodes
+        try:
+            if floor is None or nodes < floor:
+                raise membership.CannotContinue(f"no spare of the job left, restart.min_nodes={floor}")
+            carried["config"] = mega_config.to_dict(membership.resize(current, nodes))
+        except membership.CannotContinue as e:
+            raise DriverJobFailed(f"{why}; the job is cancelled ({e}): a recovery restarts the run") from None
+    if carried["failures"] > cfg.restart.max_restarts:
+        limit = f"restart.max_restarts={cfg.restart.max_restarts}"
+        raise DriverJobFailed(f"{why}; the job is cancelled ({limit}): a recovery restarts the run")
+    (d / CARRIED_FILE).write_text(json.dumps(carried, default=str))
+    (d / LOOP_FILE).unlink(missing_ok=True)  # the next driver writes its own
+    shrunk = f", continuing on {nodes} node(s)" if nodes < current.cluster.nodes else ""
+    left = f"without {', '.join(excluded)}{shrunk} (failure {carried['failures']})"
+    log(f"{why}; the job is cancelled and the run resubmitted {left}")
+    return nodes, excluded
 
 
 def _fresh(cfg: MegaConfig) -> dict:
