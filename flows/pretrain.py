@@ -1,5 +1,6 @@
 """The pretraining pipeline: prepare data -> node self-check -> bootstrap -> train -> report
-(loss curve; merged trace, heat map and stragglers).
+(loss curve; merged trace, heat map and stragglers). With the driver in the run's Slurm allocation
+the self-check is the job's first step, run by that driver (mega/launch/slurm_preflight.py).
 
 Two ways in, one composition per flow run:
 
@@ -27,6 +28,7 @@ if __name__ == "__main__":  # the CLI, before this module's imports: showing a c
     main(_cli_job)
     raise SystemExit(0)
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,8 @@ from prefect import flow, get_run_logger
 from mega.config import MegaConfig, compose, from_dict
 from mega.goodput import ledger as goodput_ledger
 from mega.goodput.marks import FlowMarks
+from mega.launch.slurm_preflight import verdict_path
+from mega.launch.slurm_steps import drives_in_allocation
 from tasks.bootstrap import check_rendezvous_store, time_process_group_init
 from tasks.data import prepare_data
 from tasks.observability import observability
@@ -64,12 +68,14 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
     marks = FlowMarks(run_dir)  # the goodput ledger's flow phases (docs/goodput.md)
     marks.start()
 
+    in_job = drives_in_allocation(cfg)  # Slurm: the driver checks its job's nodes as the job's first step
     with marks.task("prepare-data"):  # the data preparation overlaps the self-check
         data = prepare_data.submit(cfg.data, cfg.model.vocab_size)
-        with marks.task("node-selfcheck"):
-            node = node_selfcheck(
-                cfg, run_dir / "selfcheck"
-            )  # every node; raises NodeUnhealthy: nothing trains
+        if not in_job:
+            with marks.task("node-selfcheck"):
+                node = node_selfcheck(
+                    cfg, run_dir / "selfcheck"
+                )  # every node; raises NodeUnhealthy: nothing trains
         index_path = data.result()
     with marks.task("verify-store"):
         store = check_rendezvous_store(cfg)
@@ -77,7 +83,8 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         with marks.task("time-process-groups"):
             init = time_process_group_init(cfg, run_dir / "bootstrap")
     with marks.task("train"):
-        result = train(cfg, index_path)
+        result = train(cfg, index_path)  # in the allocation: publishes the driver's self-check
+    node = _allocation_selfcheck(run_dir) if in_job else node
     init = init if cfg.cluster.time_groups_job else result.init
     with marks.task("report"):
         summary = report(result.run_dir, title=f"{cfg.model.name} / {p.name}", metrics=result.metrics)
@@ -95,11 +102,13 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "parallelism": p.name,
         "world_size": p.world_size,
         "data_index": str(index_path),
-        "selfcheck": {
+        "selfcheck": node
+        and {
             "node": node["node"],
             "healthy": node["healthy"],
             "reasons": node["reasons"],
             "nodes": [{k: n[k] for k in ("node", "address", "healthy")} for n in node["nodes"]],
+            "excluded_hosts": node.get("excluded_hosts", []),
         },
         "store": store,
         "process_group_init": {
@@ -110,6 +119,12 @@ def pretrain(overrides: list[str] | None = None, config: dict[str, Any] | None =
         "observability": obs,
         "goodput": {k: ledger[k] for k in ("ettr", "wall_s", "unattributed_s")},
     }
+
+
+def _allocation_selfcheck(run_dir: Path) -> dict[str, Any] | None:
+    """The verdict of the driver's check of its Slurm job's nodes (None: launcher.slurm.selfcheck=false)."""
+    path = verdict_path(run_dir)
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def resolve_config(overrides: list[str] | None, config: dict[str, Any] | None) -> MegaConfig:

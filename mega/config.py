@@ -371,6 +371,10 @@ class SlurmConfig:
     # run's nodes and restart.spare_nodes more (each attempt an srun step of that job); "host", where
     # the flow runs (each attempt its own sbatch job). docs/cluster.md
     driver: str = choice("allocation", "host")
+    # driver=allocation: the driver self-checks every node of its job (spares too) in an srun step
+    # before the first training step and excludes the unhealthy (mega/launch/slurm_preflight.py);
+    # the flow then submits no self-check job of its own. false: no check in the allocation.
+    selfcheck: bool = True
 
 
 @dataclass
@@ -699,7 +703,8 @@ class FaultConfig:
     clock_skew_s: float = 0.0
     # Stability drills (mega/stability): every rank's loss is NaN at step nan_at_step (1-based, as
     # logged; attempt 0 only: a weight of every rank is poisoned, so the NaN is real arithmetic);
-    # node bad_node fails its self-check (its GEMM check reports a fault) in every diagnosis.
+    # node bad_node fails its self-check (its GEMM check reports a fault) in every diagnosis and in
+    # the check of a Slurm allocation's nodes (mega/launch/slurm_preflight.py).
     nan_at_step: int | None = None
     bad_node: int | None = None
     # ... and the last stage's final layer norm is scaled 30x before step spike_at_step (a loss spike).

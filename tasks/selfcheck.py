@@ -1,4 +1,8 @@
-"""Prefect task: the self-check of every node; an unhealthy node fails the flow before training."""
+"""Prefect task: the self-check of every node; an unhealthy node fails the flow before training.
+
+With the driver in the run's Slurm allocation the driver checks the job's nodes itself, as the
+job's first step (mega/launch/slurm_preflight.py); ``publish_selfcheck`` publishes its verdict,
+passed on from the train task, as the same artifacts."""
 
 from __future__ import annotations
 
@@ -24,23 +28,7 @@ class NodeUnhealthy(RuntimeError):
 def node_selfcheck(cfg: MegaConfig, out_dir: str | Path) -> dict[str, Any]:
     logger = get_run_logger()
     result = run_selfcheck(cfg, out_dir)
-    verdicts = ", ".join(
-        f"node {n['node']}: " + {True: "healthy", False: "UNHEALTHY", None: "not judged"}[n["healthy"]]
-        for n in result["nodes"]
-    )
-    verdict = "healthy" if result["healthy"] else "UNHEALTHY: " + "; ".join(result["reasons"])
-    create_table_artifact(
-        key="node-selfcheck",
-        table=verdict_table(result),
-        description=f"Self-check of {len(result['nodes'])} node(s) ({result['world_size']} ranks, "
-        f"{result['device']}): **{verdict}** ({verdicts})",
-    )
-    if result.get("pairs"):
-        create_table_artifact(
-            key="node-links",
-            table=pair_table(result),
-            description="Inter-node exchange per node pair (MB/s each way)",
-        )
+    publish_selfcheck(result)
     if not result["healthy"]:
         raise NodeUnhealthy("self-check failed: " + "; ".join(result["reasons"]))
     logger.info(
@@ -50,3 +38,26 @@ def node_selfcheck(cfg: MegaConfig, out_dir: str | Path) -> dict[str, Any]:
         result["elapsed_s"],
     )
     return result
+
+
+def publish_selfcheck(result: dict[str, Any]) -> None:
+    """The verdict's artifacts: one row per rank, and the node pairs' exchange rates; the hosts the
+    driver in the allocation excluded for it (``excluded_hosts``) in the description."""
+    verdicts = ", ".join(
+        f"node {n['node']}: " + {True: "healthy", False: "UNHEALTHY", None: "not judged"}[n["healthy"]]
+        for n in result["nodes"]
+    )
+    verdict = "healthy" if result["healthy"] else "UNHEALTHY: " + "; ".join(result["reasons"])
+    done = f" Then: {result['note']}." if result.get("note") else ""
+    create_table_artifact(
+        key="node-selfcheck",
+        table=verdict_table(result),
+        description=f"Self-check of {len(result['nodes'])} node(s) ({result['world_size']} ranks, "
+        f"{result['device']}): **{verdict}** ({verdicts}).{done}",
+    )
+    if result.get("pairs"):
+        create_table_artifact(
+            key="node-links",
+            table=pair_table(result),
+            description="Inter-node exchange per node pair (MB/s each way)",
+        )

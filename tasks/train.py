@@ -12,6 +12,7 @@ from mega import optional_packages
 from mega.config import MegaConfig
 from mega.launch import TrainingResult, run_training
 from tasks.incidents import publish_incident
+from tasks.selfcheck import publish_selfcheck
 
 
 # No Prefect retries: run_training already relaunches failed ranks from the latest checkpoint
@@ -32,6 +33,7 @@ def train(cfg: MegaConfig, index_path: Path) -> TrainingResult:
         log=logger.info,
         flow_run_id=flow_run_id and str(flow_run_id),
         on_incident=publish_incident,
+        on_selfcheck=publish_selfcheck,  # the driver's check of its Slurm allocation's nodes
     )
     create_table_artifact(
         key="training-run",

@@ -447,3 +447,107 @@ def test_the_submitter_notices_when_the_driver_job_lost_its_first_node(monkeypat
     assert slurm_driver.driver_lost({**lost, "BatchHost": "n1"}) is None
     assert slurm_driver.driver_lost({**lost, "JobState": "PENDING"}) is None  # requeued: no host yet
     assert slurm_driver.driver_lost({}) is None  # forgotten by Slurm
+
+
+def test_the_allocations_self_check_excludes_unhealthy_hosts_onto_spares_or_fewer_nodes(tmp_path):
+    """The verdict of the self-check step in the allocation (mega.launch.slurm_preflight): an
+    unhealthy host is excluded and the run keeps its size on a spare, or shrinks to
+    restart.min_nodes (DP shrinks), or cannot go on (the reasons named); a host the check could
+    not judge stays; a check that judged none unhealthy yet failed ends the run, unless Slurm's
+    warning ended it."""
+    from mega.launch import slurm_preflight as pre
+    from mega.stability.membership import CannotContinue
+
+    hosts = ["n0", "n1", "n2"]
+
+    def result(*healthy):
+        reasons = [f"node {k}: slow" for k, h in enumerate(healthy) if h is False]
+        rows = [
+            {"node": k, "healthy": h, "reasons": ["slow"] if h is False else []}
+            for k, h in enumerate(healthy)
+        ]
+        return {"healthy": all(healthy), "reasons": reasons or ["no verdict"], "nodes": rows}
+
+    assert pre.judged(result(True, False, None), hosts) == (["n1"], {"n1": ["slow"]})
+    with pytest.raises(CannotContinue, match="no verdict"):
+        pre.judged(result(None, None, None), hosts)
+    assert pre.judged(result(None, None, None), hosts, warned=True) == ([], {})
+
+    base = [*SCRIPTS["cpu-2nodes"], "parallelism=tp2-pp2-dp2", "fault.bad_node=1"]
+    spare = _cfg(tmp_path, *base, "restart.spare_nodes=1")
+    cfg, note = pre._next_config(spare, 2, ["n1"], result(True, False, True))
+    assert cfg.cluster.nodes == 2 and cfg.fault.bad_node is None and "spares take their places" in note
+    shrink = _cfg(tmp_path, *base, "restart.min_nodes=1")
+    cfg, note = pre._next_config(shrink, 1, ["n1"], result(True, False))
+    assert (cfg.cluster.nodes, cfg.parallelism.dp) == (1, 1) and "dp 1" in note
+    with pytest.raises(CannotContinue, match=r"n1 excluded .* restart.min_nodes=None\): node 1: slow"):
+        pre._next_config(_cfg(tmp_path, *base), 1, ["n1"], result(True, False))
+    assert pre._node_of(hosts, ["n0", "n2"], 2) == 1 and pre._node_of(hosts, ["n0", "n2"], 1) is None
+
+
+def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
+    """The driver in the allocation writes its self-check verdict to the run directory; the
+    submitter's wait passes each new version on once (the flow publishes it), a half-written
+    file never."""
+    from mega.launch import slurm_driver
+
+    path, seen = tmp_path / "preflight.json", []
+    verdicts = slurm_driver._Verdicts(path, seen.append)
+    verdicts.poll()
+    path.write_text('{"healthy": tr')
+    verdicts.poll()
+    path.write_text('{"healthy": true}')
+    verdicts.poll()
+    verdicts.poll()
+    os.utime(path, ns=(1, 1))  # the requeued job's driver checked its nodes again
+    verdicts.poll()
+    assert seen == [{"healthy": True}, {"healthy": True}]
+
+
+def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_budgets(tmp_path):
+    """The submitter after the job lost its first node: the next job excludes every host the run
+    lost, is one node smaller (a spare of the job used) or, with no spare left, shrinks the run to
+    restart.min_nodes (DP shrinks); its driver continues from the lost driver's last loop state
+    with that attempt counted as a failure. Without a spare or min_nodes, or with no restart left,
+    the run fails for a recovery (the reason named)."""
+    from mega.config import to_dict
+    from mega.launch import slurm_driver, slurm_steps
+
+    base = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.max_restarts=1"]
+    cfg = _cfg(tmp_path, *base, "restart.spare_nodes=1")
+    run_dir = Path(cfg.train.run_dir)
+    folder = slurm_steps.driver_dir(run_dir)
+    folder.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"attempts": 3}))
+
+    def lost_driver(failures, excluded):
+        loop = {"config": to_dict(cfg), "failures": failures, "requeues": 2, "history": [{"attempt": 1}]}
+        (folder / slurm_steps.LOOP_FILE).write_text(
+            json.dumps({**loop, "env": {}, "excluded_hosts": excluded})
+        )
+        (folder / slurm_steps.CARRIED_FILE).unlink(missing_ok=True)
+
+    said = []
+    lost_driver(0, [])
+    assert slurm_driver._resubmission(cfg, run_dir, "n0", "job 7 lost n0", said.append) == (2, ["n0"])
+    carried = json.loads((folder / slurm_steps.CARRIED_FILE).read_text())
+    assert (carried["failures"], carried["requeues"], carried["excluded_hosts"]) == (1, 2, ["n0"])
+    assert carried["history"][-1] == {"attempt": 2, "reason": "job 7 lost n0", "excluded_hosts": ["n0"]}
+    assert carried["config"]["cluster"]["nodes"] == 2 and "resubmitted without n0 (failure 1)" in said[-1]
+    job = slurm_driver.driver_job(cfg, tmp_path / "index.json", recovery=False, flow_run_id=None)
+    script = slurm_driver.render_driver_sbatch(cfg, job, nodes=2, exclude=["n0"])
+    assert "#SBATCH --nodes=2\n" in script and "#SBATCH --exclude=n0\n" in script
+
+    lost_driver(0, ["n2"])  # the spare was used in the job already
+    with pytest.raises(
+        slurm_driver.DriverJobFailed, match=r"no spare of the job left, restart.min_nodes=None"
+    ):
+        slurm_driver._resubmission(cfg, run_dir, "n0", "lost n0", said.append)
+    shrink = _cfg(tmp_path, *base, "restart.spare_nodes=1", "restart.min_nodes=1")
+    assert slurm_driver._resubmission(shrink, run_dir, "n0", "lost n0", said.append) == (1, ["n0", "n2"])
+    carried = json.loads((folder / slurm_steps.CARRIED_FILE).read_text())
+    assert (carried["config"]["cluster"]["nodes"], carried["config"]["parallelism"]["dp"]) == (1, 1)
+    assert "continuing on 1 node(s)" in said[-1]
+    lost_driver(1, [])
+    with pytest.raises(slurm_driver.DriverJobFailed, match=r"restart.max_restarts=1\): a recovery"):
+        slurm_driver._resubmission(cfg, run_dir, "n0", "lost n0", said.append)

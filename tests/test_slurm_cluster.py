@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from slurm_cluster import host, needs_slurm, slurm_cluster  # noqa: F401 - the fixture
+from test_flow import flow_run_records
 
 from mega.config import compose
 from mega.launch import slurm, slurm_local
@@ -48,6 +49,7 @@ DRILL = [
     "optimizer.warmup_steps=1",
     "cluster.pg_timeout_s=120",
     "cluster.procs_per_node=1",
+    "launcher.slurm.selfcheck=false",  # the flow's test checks the nodes in the allocation
 ]
 
 
@@ -110,9 +112,11 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     slurm_cluster, tmp_path, data_cache, local_losses, prefect_harness, monkeypatch
 ):
     """flows.pretrain with launcher=slurm (the driver in the run's job), tp2-pp2-dp2 on 2 Slurm nodes
-    x 4 ranks: the self-check and the training run as Slurm jobs (squeue) on two hosts of their own,
-    the losses equal launcher=local's, every rank's heartbeats reach the driver's Redis on the first
-    node, and neither the Redis password nor an S3 secret is in anything Slurm stores or the scripts."""
+    x 4 ranks and a spare: one Slurm job (squeue) whose first step self-checks its three hosts; node 1
+    fails (fault.bad_node), its host is excluded and the spare trains in its place, and the flow
+    publishes that verdict as its self-check artifact. The losses equal launcher=local's, every
+    rank's heartbeats reach the driver's Redis on the first node, and neither the Redis password
+    nor an S3 secret is in anything Slurm stores or the scripts."""
     from flows.pretrain import pretrain
     from mega.launch import slurm_steps
 
@@ -125,8 +129,10 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
         f"train.run_dir={run_dir}",
         "train.steps=4",
         f"data.cache_dir={data_cache}",
-        "store.kind=redis",
-    ]  # a local Redis, with a password, on the bridge
+        "store.kind=redis",  # a local Redis, with a password, on the bridge
+        "restart.spare_nodes=1",
+        "fault.bad_node=1",  # its self-check's GEMM check reports a fault
+    ]
     watch = _Watch(run_dir / "slurm" / "secrets.env", Path(slurm_cluster.root) / "state")
     watch.start()
     try:
@@ -137,9 +143,18 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert state.is_completed(), state
     summary = state.result()
     assert summary["training"]["attempts"] == 1 and summary["training"]["final_step"] == 4
-    assert "mega-run-driver" in watch.names and "mega-run-train-attempt0" not in watch.names  # one job
-    hosts = {(n["node"], n["address"]) for n in summary["selfcheck"]["nodes"]}  # the self-check's Slurm job
-    assert summary["selfcheck"]["healthy"] and hosts == {(0, host(0)), (1, host(1))}, summary
+    assert watch.names == {"mega-run-driver"}  # one job: no self-check job, no job per attempt
+    check = summary["selfcheck"]  # the job's first step, on each of its hosts
+    verdicts = {(n["node"], n["address"], n["healthy"]) for n in check["nodes"]}
+    assert verdicts == {(0, host(0), True), (1, host(1), False), (2, host(2), True)}, check
+    assert check["excluded_hosts"] == [host(1)] and not check["healthy"], check
+    step = (run_dir / "slurm" / "selfcheck" / "srun.sh").read_text()
+    assert f"--nodelist={host(0)},{host(1)},{host(2)}" in step and "--nodes=3" in step, step
+    _, artifacts = flow_run_records(state.state_details.flow_run_id)
+    [published] = [a for a in artifacts if a.key == "node-selfcheck"]
+    assert "UNHEALTHY" in published.description and f"{host(1)} excluded" in published.description
+    record = json.loads((run_dir / "run.json").read_text())
+    assert [(e["node"], e["host"]) for e in record["evicted_nodes"]] == [(1, host(1))], record
 
     losses = [m["loss"] for m in read_metrics(run_dir)]
     assert max(abs(a - b) for a, b in zip(losses, local_losses, strict=True)) <= 1e-6, (losses, local_losses)
@@ -149,13 +164,14 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
         for p in sorted(run_dir.glob("nodes/*/procs-attempt0.jsonl"))
         for line in p.read_text().splitlines()
     ]
-    assert {(p["node"], p["host"]) for p in procs} == {(0, host(0)), (1, host(1))}
+    assert {(p["node"], p["host"]) for p in procs} == {(0, host(0)), (1, host(2))}  # the spare
     beats = json.loads((run_dir / "heartbeats-attempt0.json").read_text())
     assert sorted(int(r) for r, b in beats["ranks"].items() if b["sent"] > 0) == list(range(8))
 
     stored = watch.stored
     script = "".join(
-        (run_dir / "slurm" / name).read_text() for name in ("driver/job.sbatch", "train-attempt0/srun.sh")
+        (run_dir / "slurm" / name).read_text()
+        for name in ("driver/job.sbatch", "selfcheck/srun.sh", "train-attempt0/srun.sh")
     )
     assert watch.modes == {0o600}
     assert watch.secrets["AWS_SECRET_ACCESS_KEY"] == repr(S3_SECRET).strip("'")
@@ -465,6 +481,56 @@ def test_in_the_allocation_a_lost_node_is_replaced_by_its_spare_in_a_new_step_of
     }
     assert hosts == {host(0), host(2)}
     assert len(_job_ids(run_dir)) == 1
+
+
+def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_dp_shrinks(
+    slurm_cluster, tmp_path, data_index
+):
+    """dp2 on two nodes in the driver's job, no spare, ``restart.min_nodes=1``: the first node (the
+    driver's and rank 0's) dies after step 2. Once Slurm drops that host from the job, the
+    submitter cancels the job and submits one of a single node with the host in ``--exclude``;
+    its driver continues the lost driver's loop (attempt numbers go on, the lost attempt counted
+    as a failure) on one node (DP 2 -> 1, global batch kept) from the last save and finishes."""
+    run_dir = tmp_path / "run"
+    cfg = _drill_cfg(
+        run_dir,
+        "train.steps=3",
+        "checkpoint.interval=1",
+        "checkpoint.async_save=false",
+        "restart.backoff_s=0",
+        "restart.min_nodes=1",
+        "launcher.slurm.stop_timeout_s=5",
+        *IN_ALLOCATION,
+    )
+    killed: dict[int, list[int]] = {}
+
+    def kill_the_drivers_node():
+        first = _job_ids(run_dir)[0]
+        k = int(slurm.job_info(first)["BatchHost"].rsplit("n", 1)[1])
+        killed[k] = slurm_local.kill_node(slurm_cluster, k)
+
+    killer = _when_step(run_dir, 2, kill_the_drivers_node, 0)
+    said: list[str] = []
+    try:
+        result = run_training(cfg, data_index, log=said.append)
+    finally:
+        killer.join(10)
+        for k in killed:
+            slurm_local.restart_node(slurm_cluster, k)
+    [lost] = [host(k) for k in killed]
+    assert result.final_step == 3 and result.attempts == 2, result.history
+    assert result.history[0]["excluded_hosts"] == [lost], result.history
+    assert any(f"resubmitted without {lost}, continuing on 1 node(s) (failure 1)" in x for x in said), said
+    jobs = [line.split()[3].rstrip(":") for line in said if line.startswith("submitted Slurm job ")]
+    first_job, second = (slurm.job_info(j) for j in jobs)
+    assert first_job["JobState"] != "RUNNING" and second["JobState"] == "COMPLETED", (first_job, second)
+    assert second["ExcNodeList"] == lost and second["NumNodes"] == "1", second
+    assert lost not in slurm.hostnames(second["NodeList"]), second
+    last = json.loads((run_dir / "config.json").read_text())
+    assert (last["cluster"]["nodes"], last["parallelism"]["dp"]) == (1, 1)
+    assert result.history[-1]["attempt"] > result.history[0]["attempt"], result.history
+    assert result.history[-1]["restored"].endswith(("1", "2")), result.history
+    assert {r["step"] for r in read_metrics(run_dir)} == {1, 2, 3}
 
 
 def test_down_leaves_no_process_of_the_cluster_behind():

@@ -31,7 +31,7 @@ from mega.checkpoint import describe_source, latest_durable, restore_source
 from mega.cluster import rendezvous
 from mega.config import MegaConfig
 from mega.goodput.marks import driver_mark
-from mega.launch import incidents, runs, slurm_driver, slurm_steps
+from mega.launch import incidents, runs, slurm_driver, slurm_preflight, slurm_steps
 from mega.launch.backend import JobSpec, server_host, training_job
 from mega.launch.nodes import Nodes
 from mega.launch.slurm import PREEMPTED
@@ -84,6 +84,7 @@ def run_training(
     recovery: bool = False,
     on_incident: Callable[[dict], None] | None = None,
     carried: dict | None = None,
+    on_selfcheck: Callable[[dict], None] | None = None,
 ) -> TrainingResult:
     """Train to ``train.steps``; when any node's ranks die or hang, restart all from ``latest``.
 
@@ -94,13 +95,17 @@ def run_training(
     ``on_incident``: called with each incident (mega.launch.incidents) when it is
     filed and again when the next attempt's first step recovers it (``stage``). ``carried``: what
     the driver of a requeued Slurm job handed on (``JobRequeued``): its config and budgets.
+    ``on_selfcheck``: called with the verdict of the self-check the driver runs in its Slurm
+    allocation (mega.launch.slurm_preflight) once it is in.
     """
     from mega import heldout
 
     entered = time.time()
     heldout.check_held_out(cfg, index_path)  # a dataset without held-out text fails here, not in every rank
     if slurm_steps.drives_in_allocation(cfg) and not slurm_steps.inside_allocation(cfg):
-        return _in_allocation(cfg, index_path, log, flow_run_id=flow_run_id, recovery=recovery)
+        return _in_allocation(
+            cfg, index_path, log, flow_run_id=flow_run_id, recovery=recovery, on_selfcheck=on_selfcheck
+        )
     run_dir = Path(cfg.train.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = mega_config.from_dict(carried["config"]) if carried else cfg  # after a shrink: fewer nodes
@@ -241,7 +246,9 @@ def train_with_restarts(launch: Launch, state: LoopState) -> TrainingResult:
     """The restart loop: launch, watch, collect, then finish, requeue or restart (backoff first).
     Raises TrainingFailed when a budget is spent or the nodes cannot go on."""
     launch.nodes.check_spares(launch.log)  # beside the first attempt: a spare is checked before it trains
+    state = check_allocation(launch, state)  # Slurm, the driver in its job: every node checked first
     while True:
+        _keep_loop_state(launch, state)
         attempt = launch_attempt(launch, state)
         ended = collect_outcome(launch, attempt, watch_attempt(launch, attempt))
         state = counted(state, attempt, ended)
@@ -253,6 +260,37 @@ def train_with_restarts(launch: Launch, state: LoopState) -> TrainingResult:
             continue
         state = prepare_restart(launch, state, attempt, ended)
         backoff(launch, state, attempt.number)
+
+
+def _keep_loop_state(launch: Launch, state: LoopState) -> None:
+    """In the run's Slurm allocation: the loop's state before each attempt, for the submitter to
+    carry into a new job if this one loses the driver's node (mega.launch.slurm_driver)."""
+    if slurm_steps.inside_allocation(state.cfg):
+        path = slurm_steps.driver_dir(launch.run_dir) / slurm_steps.LOOP_FILE
+        path.with_suffix(".tmp").write_text(json.dumps(_carried(state, launch.nodes), default=str))
+        path.with_suffix(".tmp").replace(path)
+
+
+def check_allocation(launch: Launch, state: LoopState) -> LoopState:
+    """In the run's Slurm allocation (``launcher.slurm.selfcheck``): self-check every node of the
+    job in a step of its own and go on without the unhealthy (mega.launch.slurm_preflight)."""
+    cfg = state.cfg
+    if not (slurm_steps.inside_allocation(cfg) and cfg.launcher.slurm.selfcheck):
+        return state
+    t0 = time.time()
+    try:
+        cfg, rows = slurm_preflight.check_allocation(cfg, launch.nodes.backend, launch.run_dir, launch.log)
+    except membership.CannotContinue as e:
+        launch.run.finish("failed", 0, error=str(e))
+        raise TrainingFailed(str(e)) from None
+    finally:  # the goodput ledger's "selfcheck"
+        driver_mark(launch.run_dir, "diagnose", seconds=time.time() - t0)
+    if rows:
+        launch.nodes.cfg = cfg
+        launch.nodes.backend.resize(cfg)
+        launch.run.record.evicted_nodes += rows
+        launch.run.save()
+    return replace(state, cfg=cfg)
 
 
 def launch_attempt(launch: Launch, state: LoopState) -> Attempt:

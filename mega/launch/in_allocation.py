@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _take_carried(run_dir: str | Path, log) -> dict | None:
-    """What the previous run of this requeued job left (None: the job's first run)."""
+    """What the previous run of this requeued job left, or the submitter for a job replacing one
+    that lost its driver's node (None: neither)."""
     path = driver_dir(run_dir) / CARRIED_FILE
     if not path.exists():
         if int(os.environ.get("SLURM_RESTART_COUNT", "0")):
@@ -79,9 +80,10 @@ def _take_carried(run_dir: str | Path, log) -> dict | None:
         return None
     carried = json.loads(path.read_text())
     path.unlink()
+    excluded = ", ".join(carried["excluded_hosts"]) or "none"
     log(
-        f"run {os.environ.get('SLURM_RESTART_COUNT')} of this requeued job: requeue {carried['requeues']}, "
-        f"{carried['failures']} failure(s) so far"
+        f"continuing the run (job run {os.environ.get('SLURM_RESTART_COUNT', '0')}): requeue "
+        f"{carried['requeues']}, {carried['failures']} failure(s) so far, hosts excluded: {excluded}"
     )
     return carried
 

@@ -8,6 +8,9 @@ The submitting process (a login host, the flow) holds the run's claim (mega.laun
 passes the driver's log on as it grows, waits until Slurm says the job ended, and reads the
 driver's result from the run directory (a shared filesystem). Secrets take the path of every Slurm
 job: the private env file (mega/launch/slurm.py), never the script or the job's environment.
+A job that loses its first node (the driver's: Slurm drops it from the still running job) is
+cancelled and replaced by a job of one node fewer with that host in ``--exclude``, whose driver
+continues the lost driver's loop state (``LOOP_FILE``, written before each attempt) from ``latest``.
 The job is ``--requeue``: Slurm's warning (``--signal=B:USR1@<launcher.slurm.signal_grace_s>``)
 reaches the batch shell, whose file each step's node tasks pass on to the ranks (as in
 mega/launch/slurm.py); the driver then requeues the job (mega/launch/in_allocation.py), whose next
@@ -41,7 +44,9 @@ from mega.launch.slurm import (
     wait_in_background,
     warning_trap,
 )
-from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, driver_dir, warning_file
+from mega.launch.slurm_preflight import verdict_path
+from mega.launch.slurm_steps import CARRIED_FILE, DRIVER, INSIDE_ENV, LOOP_FILE, driver_dir, warning_file
+from mega.stability import membership
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -53,21 +58,32 @@ class DriverJobFailed(RuntimeError):
     pass
 
 
+class DriverLost(DriverJobFailed):
+    """The job lost its first node, where its driver ran (``host``)."""
+
+    def __init__(self, message: str, host: str):
+        super().__init__(message)
+        self.host = host
+
+
 def result_path(run_dir: str | Path) -> Path:
     return driver_dir(run_dir) / RESULT_FILE
 
 
-def render_driver_sbatch(cfg: MegaConfig, job: JobSpec, python: str = "python") -> str:
-    """The run's one batch script: the nodes (with spares), the setup lines, the secrets file read
-    into the driver's environment, then the driver (``job``) on the first node."""
+def render_driver_sbatch(
+    cfg: MegaConfig, job: JobSpec, python: str = "python", nodes: int | None = None, exclude: list[str] = ()
+) -> str:
+    """The run's one batch script: the nodes (with spares; ``nodes`` after a lost driver's node,
+    ``exclude``), the setup lines, the secrets file read into the driver's environment, then the
+    driver (``job``) on the first node."""
     s, spares = cfg.launcher.slurm, cfg.restart.spare_nodes
-    nodes = cfg.cluster.nodes + spares
+    nodes = nodes or cfg.cluster.nodes + spares
     lines = [
         "#!/bin/bash",
         f"# mega: the driver of one training run and its {nodes} node(s) ({cfg.cluster.nodes} + "
         f"{spares} spare), rendered by mega.launch.slurm_driver.",
         "# The driver runs here, on the first node; each attempt is an srun step of this job.",
-        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, nodes=nodes, requeue=True)),
+        *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude, nodes=nodes, requeue=True)),
         "#SBATCH --no-kill",
         "set -euo pipefail",
         "",
@@ -105,21 +121,35 @@ def run_driver_job(
     recovery: bool = False,
     flow_run_id: str | None = None,
     poll_s: float = 2.0,
+    on_selfcheck: Callable[[dict], None] | None = None,
 ) -> dict:
     """Submit the run's job, wait for it and return the driver's result (``RESULT_FILE``); raises
-    DriverJobFailed when the job ended without one (its state and log named)."""
+    DriverJobFailed when the job ended without one (its state and log named). ``on_selfcheck``:
+    called with each verdict of the driver's self-check of its nodes (mega.launch.slurm_preflight)
+    as it appears."""
     run_dir = Path(cfg.train.run_dir).absolute()
     with runs.hold(run_dir, "slurm driver job (launcher.slurm.driver=allocation)"):
         backend = SlurmBackend(cfg, run_dir, log=log)
         if recovery and (cancelled := backend.cancel_run_jobs()):
             log(f"recovery: cancelled this run's Slurm job(s) {', '.join(cancelled)} before resubmitting")
-        result_path(run_dir).unlink(missing_ok=True)
-        (driver_dir(run_dir) / CARRIED_FILE).unlink(missing_ok=True)  # an earlier launch's
-        job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
-        job_id = backend.submit(DRIVER, render_driver_sbatch(cfg, job, sys.executable))
-        log(f"submitted Slurm job {job_id}: the driver and {cfg.cluster.nodes} node(s) of this run")
+        for path in (result_path(run_dir), *(driver_dir(run_dir) / f for f in (CARRIED_FILE, LOOP_FILE))):
+            path.unlink(missing_ok=True)  # an earlier launch's
+        verdict_path(run_dir).unlink(missing_ok=True)
+        verdicts = _Verdicts(verdict_path(run_dir), on_selfcheck)
+        nodes, exclude = cfg.cluster.nodes + cfg.restart.spare_nodes, []
         try:
-            _wait(job_id, run_dir / f"slurm-{job_id}.out", log, poll_s)
+            while True:  # one job, or one more each time a job loses its driver's node
+                job = backend.private(driver_job(cfg, index_path, recovery=recovery, flow_run_id=flow_run_id))
+                script = render_driver_sbatch(cfg, job, sys.executable, nodes=nodes, exclude=exclude)
+                job_id = backend.submit(DRIVER, script)
+                log(f"submitted Slurm job {job_id}: the driver and {nodes} node(s) of this run")
+                try:
+                    _wait(job_id, run_dir, log, poll_s, verdicts)
+                    break
+                except DriverLost as e:
+                    backend.cancel_run_jobs()
+                    nodes, exclude = _resubmission(cfg, run_dir, e.host, str(e), log)
+                    recovery = False
         except BaseException:
             backend.cancel_run_jobs()  # Ctrl-C or an error here: the job does not run on unwatched
             raise
@@ -134,6 +164,55 @@ def run_driver_job(
         ) from None
 
 
+def _resubmission(
+    cfg: MegaConfig, run_dir: Path, host: str, why: str, log: Callable[[str], None]
+) -> tuple[int, list[str]]:
+    """After the job lost its driver's node ``host``: the next job's size and ``--exclude`` (every
+    host the run lost), and what its driver continues with in ``CARRIED_FILE``: the lost driver's
+    last loop state (``LOOP_FILE``), the lost attempt counted as a failure, the config shrunk to
+    the hosts left when no spare of the job is (``restart.min_nodes``). Raises DriverJobFailed (for
+    a recovery) when neither a spare nor ``restart.min_nodes`` fits or the failure budget is spent."""
+    d = driver_dir(run_dir)
+    source = next((p for p in (d / CARRIED_FILE, d / LOOP_FILE) if p.exists()), None)
+    carried = json.loads(source.read_text()) if source else _fresh(cfg)
+    excluded = sorted({*carried["excluded_hosts"], host})
+    carried.update(failures=carried["failures"] + 1, excluded_hosts=excluded)
+    carried["history"].append({"attempt": _last_attempt(run_dir), "reason": why, "excluded_hosts": [host]})
+    nodes = cfg.cluster.nodes + cfg.restart.spare_nodes - len(excluded)  # the job's hosts not lost
+    current = mega_config.from_dict(carried["config"])
+    if nodes < current.cluster.nodes:  # no spare of the job left
+        floor = cfg.restart.min_nodes
+        try:
+            if floor is None or nodes < floor:
+                raise membership.CannotContinue(f"no spare of the job left, restart.min_nodes={floor}")
+            carried["config"] = mega_config.to_dict(membership.resize(current, nodes))
+        except membership.CannotContinue as e:
+            raise DriverJobFailed(f"{why}; the job is cancelled ({e}): a recovery restarts the run") from None
+    if carried["failures"] > cfg.restart.max_restarts:
+        limit = f"restart.max_restarts={cfg.restart.max_restarts}"
+        raise DriverJobFailed(f"{why}; the job is cancelled ({limit}): a recovery restarts the run")
+    (d / CARRIED_FILE).write_text(json.dumps(carried, default=str))
+    (d / LOOP_FILE).unlink(missing_ok=True)  # the next driver writes its own
+    shrunk = f", continuing on {nodes} node(s)" if nodes < current.cluster.nodes else ""
+    left = f"without {', '.join(excluded)}{shrunk} (failure {carried['failures']})"
+    log(f"{why}; the job is cancelled and the run resubmitted {left}")
+    return nodes, excluded
+
+
+def _fresh(cfg: MegaConfig) -> dict:
+    """The loop state of a driver lost before its first attempt."""
+    config = mega_config.to_dict(rendezvous.without_secrets(cfg))
+    return {"config": config, "failures": 0, "requeues": 0, "history": [], "env": {}, "excluded_hosts": []}
+
+
+def _last_attempt(run_dir: Path) -> int | None:
+    """The number of the run's last launched attempt (its record), None before any."""
+    try:
+        return json.loads((run_dir / "run.json").read_text())["attempts"] - 1
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def driver_lost(info: dict[str, str]) -> str | None:
     """The driver's host when Slurm took it out of the still running job (``job_info``): with
     ``--no-kill`` the job lives on without its driver, which nothing would end before the time limit."""
@@ -146,18 +225,36 @@ def driver_lost(info: dict[str, str]) -> str | None:
         return None
 
 
-def _wait(job_id: str, driver_log: Path, log: Callable[[str], None], poll_s: float) -> None:
-    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log``. Raises
-    DriverJobFailed when the job lost its driver's node (the caller cancels the job)."""
+class _Verdicts:
+    """Passes each new verdict of the driver's self-check (a new version of ``path``) to ``on``."""
+
+    def __init__(self, path: Path, on: Callable[[dict], None] | None):
+        self.path, self.on, self.seen = path, on, None
+
+    def poll(self) -> None:
+        try:
+            stamp = self.path.stat().st_mtime_ns
+            if self.on is None or stamp == self.seen:
+                return
+            verdict = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # not there yet, or being written: the next poll
+            return
+        self.seen = stamp
+        self.on(verdict)
+
+
+def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float, verdicts: _Verdicts) -> None:
+    """Until Slurm says the job ended: pass each new line of the driver's log on to ``log`` and
+    each self-check verdict on. Raises DriverJobFailed when the job lost its driver's node (the
+    caller cancels the job)."""
+    driver_log = run_dir / f"slurm-{job_id}.out"
     seen, partial = 0, b""
     while True:
+        verdicts.poll()
         info = job_info(job_id)
         ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
         if lost := driver_lost(info):
-            raise DriverJobFailed(
-                f"Slurm job {job_id} lost its first node {lost}, where its driver ran; the job is cancelled "
-                "(a recovery restarts the run from `latest`)"
-            )
+            raise DriverLost(f"Slurm job {job_id} lost its first node {lost}, where its driver ran", lost)
         if driver_log.exists():
             with open(driver_log, "rb") as f:
                 f.seek(seen)
