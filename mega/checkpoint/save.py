@@ -363,8 +363,9 @@ class Checkpointer:
         shards, hand it to rank 0 for the commit once every rank has uploaded, note when the commit
         is done. One small all-reduce per call while a save is in flight or committing (per loop,
         blocking). Returns whether some rank is retrying the store for it (every rank gets the same
-        answer); ``until_retrying``: blocking, stop as soon as that is so."""
-        while self._inflight is not None or self._committing:
+        answer); ``until_retrying``: blocking, stop as soon as that is so (else a blocking poll
+        returns once rank 0 has the commit: ``wait`` waits for it there)."""
+        while self._inflight is not None or (self._committing and (until_retrying or not blocking)):
             job = self._inflight
             flags = torch.tensor(
                 [
@@ -382,7 +383,7 @@ class Checkpointer:
                 self._committing = None if committed else self._committing
             else:
                 self._advance(job, all_written, all_finished, all_ok)
-                if all_finished and not blocking:
+                if all_finished and not until_retrying:
                     return False
             if not none_retrying and (until_retrying or not blocking):
                 return True
@@ -408,9 +409,11 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight is committed (or failed): collective."""
         self.poll(blocking=True)
-        if self._commit is not None:
+        if self._commit is not None:  # rank 0; the others wait for it in the all-reduce below
             self._commit.result()
             self._commit = None
+        if self._committing:
+            self.poll()  # one all-reduce: every rank learns that the commit is done
 
     def close(self) -> None:
         """Finish the last save and stop the stage-2 thread (collective)."""
