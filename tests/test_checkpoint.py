@@ -22,6 +22,7 @@ Synchronous saves (checkpoint.async_save=false) are what tests/test_training.py'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,6 +91,29 @@ def _outage(s3: SeaweedS3, run_dir, seen: dict) -> None:
     seen["back_at"] = time.time()
 
 
+@contextlib.contextmanager
+def _in_s3_env(s3: SeaweedS3, tmp):
+    """The store's credentials in this process's environment (the ranks inherit it) meanwhile."""
+    mp = pytest.MonkeyPatch()
+    try:
+        hermetic_s3_env(mp, s3, tmp)
+        yield tmp
+    finally:
+        mp.undo()
+
+
+def _train_during(chaos, s3: SeaweedS3, seen: dict, where: tuple, overrides: list[str], steps=STEPS):
+    """``train`` (run dir, data index, data cache, URI: ``where``) while ``chaos(s3, run dir,
+    seen)`` runs beside it; the store is running again afterwards."""
+    thread = threading.Thread(target=chaos, args=(s3, where[0], seen))
+    thread.start()
+    try:
+        return train(*where, overrides, steps=steps)
+    finally:
+        thread.join()
+        s3.start()
+
+
 class _Corrupter:
     """The launcher's log callback: when attempt 0 has died, corrupt the store before attempt 1."""
 
@@ -114,26 +138,17 @@ class _Corrupter:
 
 @pytest.fixture(scope="module")
 def runs(s3, tmp_path_factory, data_index, data_cache):
-    mp = pytest.MonkeyPatch()
-    tmp = tmp_path_factory.mktemp("ckpt-runs")
-    try:
-        hermetic_s3_env(mp, s3, tmp)
+    with _in_s3_env(s3, tmp_path_factory.mktemp("ckpt-runs")) as tmp:
         tag = uuid.uuid4().hex[:6]
         uris = {"reference": s3.uri(f"reference-{tag}"), "killed": s3.uri(f"killed-{tag}")}
         seen: dict = {}
-        chaos = threading.Thread(target=_outage, args=(s3, tmp / "reference", seen))
-        chaos.start()
-        try:
-            reference = train(
-                tmp / "reference",
-                data_index,
-                data_cache,
-                uris["reference"],
-                ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"],
-            )
-        finally:
-            chaos.join()
-            s3.start()
+        reference = _train_during(
+            _outage,
+            s3,
+            seen,
+            (tmp / "reference", data_index, data_cache, uris["reference"]),
+            ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"],
+        )
         corrupter = _Corrupter(s3, uris["killed"])
         killed = train(
             tmp / "killed",
@@ -158,8 +173,6 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
             "messages": corrupter.messages,
             "damaged": corrupter.done,
         }
-    finally:
-        mp.undo()
 
 
 def test_store_outage_longer_than_the_upload_timeout(runs):
@@ -274,28 +287,17 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def skipping(s3, tmp_path_factory, data_index, data_cache):
-    mp = pytest.MonkeyPatch()
-    tmp = tmp_path_factory.mktemp("ckpt-skip")
-    try:
-        hermetic_s3_env(mp, s3, tmp)
+    with _in_s3_env(s3, tmp_path_factory.mktemp("ckpt-skip")) as tmp:
         uri, seen = s3.uri(f"skip-{uuid.uuid4().hex[:6]}"), {}
-        chaos = threading.Thread(target=_short_outage, args=(s3, tmp / "run", seen))
-        chaos.start()
-        try:
-            result = train(
-                tmp / "run",
-                data_index,
-                data_cache,
-                uri,
-                ["checkpoint.upload_retry_s=0.5", "checkpoint.upload_timeout_s=60"],
-                steps=SKIP_STEPS,
-            )
-        finally:
-            chaos.join()
-            s3.start()
+        result = _train_during(
+            _short_outage,
+            s3,
+            seen,
+            (tmp / "run", data_index, data_cache, uri),
+            ["checkpoint.upload_retry_s=0.5", "checkpoint.upload_timeout_s=60"],
+            steps=SKIP_STEPS,
+        )
         yield {"result": result, "log": read_save_log(tmp / "run"), "seen": seen, "uri": uri}
-    finally:
-        mp.undo()
 
 
 def test_saves_due_while_the_previous_retries_are_skipped(skipping):
