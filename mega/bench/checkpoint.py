@@ -14,7 +14,11 @@ started here) or ``--storage``:
   steps/s is wall clock from the end of step 1 to the end of the last step (the saves at 10, 20
   fall inside, the one at the last step after it), from the ``time`` of each metrics row.
   ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
-  for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``.
+  for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``. Beside
+  them, measured inside each saving run (``save_costs``): ``save_cost_s``, what a save cost the
+  steps it overlapped, per mode, and ``save_cost_ratio`` (async / sync); ``none_rate_spread``,
+  the spread of the no-save runs, says what the end-to-end slowdowns can resolve; and
+  ``s3_server_cpu_s_per_run``, the CPU of the bench's own S3 server, which shares the cores.
 * In-memory copies: the fourth run, no saves, ``checkpoint.memory_interval=1``: the counted cost
   of a copy per rank (the training thread's wait plus the CPU of the copy thread and of the copy
   group's gloo threads, ``memory_copy_s``) and ``memory_overhead`` = that per step / the step time of the run without
