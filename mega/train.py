@@ -450,20 +450,22 @@ def after_step(r: RankRun, done: int) -> bool:
 
     cfg, marks = r.cfg, r.marks
     r.checkpointer.poll()  # advances the save in flight, if any (one small all-reduce)
-    interval = cfg.checkpoint.interval
+    interval, saved = cfg.checkpoint.interval, None
     if interval and (done % interval == 0 or done == cfg.train.steps):
         with obs.span("checkpoint"), marks.span("checkpoint"):
-            saved = r.checkpointer.save(done)
+            # a periodic save may be skipped while the previous one retries the store; the last never
+            saved = r.checkpointer.save(done, skippable=done < cfg.train.steps)
+        what = "skipped: " + saved["reason"] if saved.get("skipped") else "uploading in the background"
         r.logger.event(
             f"checkpoint {checkpoint.iteration_name(done)}: training blocked {saved['stall_s']:.3f}s "
-            f"(waited {saved['wait_s']:.3f}s for the previous save); uploading in the background"
+            f"(waited {saved['wait_s']:.3f}s for the previous save); {what}"
         )
     if r.memory is not None and r.memory.due(done) and done < cfg.train.steps:
         with obs.span("memory checkpoint", "checkpoint"), marks.span("checkpoint", memory=True):
             r.memory.copy(done)  # the memcpy; checksum and replication to the peer in the background
     r.session.after_step(done)  # every train.gc_interval steps: GC on every rank at this boundary
     if r.warned is not None and done < cfg.train.steps and r.warned.agreed(r.verdicts):
-        if not (interval and done % interval == 0):
+        if saved is None or saved.get("skipped"):  # the scheduler's save is never skipped
             with obs.span("checkpoint"), marks.span("checkpoint"):
                 r.checkpointer.save(done)
         r.logger.event(f"attempt {r.attempt}: signalled by the scheduler; saved step {done}, exiting")

@@ -159,3 +159,26 @@ def test_bench_bootstrap_prints_results_and_plot(tmp_path):
     assert result["targets"]["real_group_creation_s_tp2"]["measured"] is True
     assert result["layout"]["tp"] == 2 and result["layout"]["pp"] == 2
     assert os.path.getsize(result["plot"]) > 1000 and result["plot"].endswith(".png")
+
+
+def test_checkpoint_bench_attributes_each_save_the_steps_it_overlapped():
+    """save_costs against a hand-made run of 1 s steps: the first save (one-off costs) and one
+    committing after the last step are left out; the second blocked 0.3 s and slowed the one step
+    after it by 0.2 s while stage 2 ran, so it cost 0.5 s over two steps."""
+    from mega.bench.checkpoint import save_costs
+
+    ends = {1: 0.0, 2: 1.0, 3: 2.0, 4: 3.5, 5: 4.5, 6: 5.5, 7: 6.5, 8: 7.8, 9: 9.0, 10: 10.0}
+    metrics = [{"step": s, "time": t} for s, t in ends.items()]
+    log = [
+        {"event": "save", "step": 3, "time": 2.5, "stall_s": 0.5},
+        {"event": "committed", "step": 3, "time": 2.9},
+        {"event": "save", "step": 7, "time": 6.8, "stall_s": 0.3},
+        {"event": "retry", "time": 7.0},
+        {"event": "committed", "step": 7, "time": 8.0},
+        {"event": "save", "step": 10, "time": 10.1, "stall_s": 0.1},
+        {"event": "committed", "step": 10, "time": 11.0},
+    ]
+    got = save_costs(metrics, log)
+    assert got["clean_step_s"] == 1.0  # the mean of steps 2, 3, 5, 6, 7 and 10
+    assert got["overlapped_steps"] == [2]
+    assert got["cost_s"] == [pytest.approx(0.5)]

@@ -5,20 +5,27 @@ One module-scoped SeaweedFS; each run works under its own prefix. Three torchrun
 
 * ``reference``: asynchronous saves every 2 steps; the store is stopped right after start-up and
   stays down longer than ``checkpoint.upload_timeout_s``, so the step-2 save fails while training
-  goes on; it is started again when that failure is logged, and the step-4 save (retrying
-  meanwhile) and every later one are durable. Never restarted: its loss curve is the
-  uninterrupted one.
+  goes on; it is started again when that failure is logged. The periodic step-4 save comes due
+  while step 2's upload retries (or, waited for, starts to): skipped. The step-5 save is the
+  last: it waits for step 2's to give up, retries while the store comes back, and is durable.
+  Never restarted: its loss curve is the uninterrupted one.
 * ``killed``: asynchronous saves every step (each waits for the previous one's commit, so steps
   1-3 are durable when step 4's is made); rank 0 is SIGKILLed while stage 2 uploads the step-4
   checkpoint. Before the launcher restarts it, one shard of `latest` (step 3) is corrupted and
   one file of step 2 truncated: the restart refuses both and resumes from step 1.
+
+And ``skipping`` (fixture of its own): a store outage shorter than ``upload_timeout_s``, with
+periodic saves skipped while the step-2 save retries and taken again once it has committed.
 
 Synchronous saves (checkpoint.async_save=false) are what tests/test_training.py's drills use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -29,7 +36,7 @@ from botocore.config import Config
 from helpers import tiny_run
 from s3_env import hermetic_s3_env
 
-from mega.checkpoint import read_save_log
+from mega.checkpoint import iteration_name, read_save_log
 from mega.config import compose
 from mega.storage import open_storage
 from mega.storage.seaweed import SeaweedS3
@@ -84,6 +91,29 @@ def _outage(s3: SeaweedS3, run_dir, seen: dict) -> None:
     seen["back_at"] = time.time()
 
 
+@contextlib.contextmanager
+def _in_s3_env(s3: SeaweedS3, tmp):
+    """The store's credentials in this process's environment (the ranks inherit it) meanwhile."""
+    mp = pytest.MonkeyPatch()
+    try:
+        hermetic_s3_env(mp, s3, tmp)
+        yield tmp
+    finally:
+        mp.undo()
+
+
+def _train_during(chaos, s3: SeaweedS3, seen: dict, where: tuple, overrides: list[str], steps=STEPS):
+    """``train`` (run dir, data index, data cache, URI: ``where``) while ``chaos(s3, run dir,
+    seen)`` runs beside it; the store is running again afterwards."""
+    thread = threading.Thread(target=chaos, args=(s3, where[0], seen))
+    thread.start()
+    try:
+        return train(*where, overrides, steps=steps)
+    finally:
+        thread.join()
+        s3.start()
+
+
 class _Corrupter:
     """The launcher's log callback: when attempt 0 has died, corrupt the store before attempt 1."""
 
@@ -108,26 +138,17 @@ class _Corrupter:
 
 @pytest.fixture(scope="module")
 def runs(s3, tmp_path_factory, data_index, data_cache):
-    mp = pytest.MonkeyPatch()
-    tmp = tmp_path_factory.mktemp("ckpt-runs")
-    try:
-        hermetic_s3_env(mp, s3, tmp)
+    with _in_s3_env(s3, tmp_path_factory.mktemp("ckpt-runs")) as tmp:
         tag = uuid.uuid4().hex[:6]
         uris = {"reference": s3.uri(f"reference-{tag}"), "killed": s3.uri(f"killed-{tag}")}
         seen: dict = {}
-        chaos = threading.Thread(target=_outage, args=(s3, tmp / "reference", seen))
-        chaos.start()
-        try:
-            reference = train(
-                tmp / "reference",
-                data_index,
-                data_cache,
-                uris["reference"],
-                ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"],
-            )
-        finally:
-            chaos.join()
-            s3.start()
+        reference = _train_during(
+            _outage,
+            s3,
+            seen,
+            (tmp / "reference", data_index, data_cache, uris["reference"]),
+            ["checkpoint.upload_retry_s=0.5", f"checkpoint.upload_timeout_s={UPLOAD_TIMEOUT_S}"],
+        )
         corrupter = _Corrupter(s3, uris["killed"])
         killed = train(
             tmp / "killed",
@@ -152,15 +173,15 @@ def runs(s3, tmp_path_factory, data_index, data_cache):
             "messages": corrupter.messages,
             "damaged": corrupter.done,
         }
-    finally:
-        mp.undo()
 
 
 def test_store_outage_longer_than_the_upload_timeout(runs):
     """The store stayed down past checkpoint.upload_timeout_s: the step-2 save failed with an
     error naming the timeout, `latest` stayed where it was (nothing durable yet), training went
-    on meanwhile and was never restarted; the step-4 save, retrying while the store came back,
-    and the step-5 save are durable."""
+    on meanwhile and was never restarted. The periodic step-4 save came due while step 2's
+    upload retried: skipped at once instead of blocking training until step 2 gave up. The last
+    save (step 5) is never skipped: it waited for step 2 to give up, retried while the store came
+    back, and is the only durable checkpoint."""
     run_dir, outage = runs["tmp"] / "reference", runs["outage"]
     assert runs["reference"].attempts == 1
     assert "failed" in outage, "the save never gave up while the store was down"
@@ -174,11 +195,17 @@ def test_store_outage_longer_than_the_upload_timeout(runs):
     steps = {m["step"]: m["time"] for m in runs["reference"].metrics}
     saved = next(r for r in log if r["event"] == "save" and r["step"] == 2)
     assert saved["time"] < steps[3] < steps[4] < failed["time"]
-    assert [r["step"] for r in log if r["event"] == "committed"] == [4, 5]
-    assert any(r["event"] == "retry" and r["time"] > failed["time"] for r in log)  # step 4 waited it out
+    [skipped] = [r for r in log if r["event"] == "skipped"]
+    assert skipped["step"] == 4 and "iter_0000002" in skipped["reason"]
+    assert skipped["time"] < failed["time"] - UPLOAD_TIMEOUT_S / 2  # not blocked until the give-up
+    assert [r["step"] for r in log if r["event"] == "save"] == [2, 5]
+    last = next(r for r in log if r["event"] == "save" and r["step"] == 5)
+    assert last["time"] >= failed["time"]  # the last save waited for step 2's to give up
+    assert [r["step"] for r in log if r["event"] == "committed"] == [5]
+    assert any(r["event"] == "retry" and r["time"] > failed["time"] for r in log)  # step 5 waited it out
     store = open_storage(runs["uris"]["reference"])
     assert store.read_latest() == "iter_0000005"
-    assert store.list_checkpoints() == ["iter_0000004", "iter_0000005"]
+    assert store.list_checkpoints() == ["iter_0000005"]
     store.download_dir("iter_0000005", runs["tmp"] / "check")  # complete and verified
 
 
@@ -221,6 +248,82 @@ def test_corrupt_and_truncated_checkpoints_are_refused(runs):
     assert info["restore_bytes_read"] == damaged["good_bytes"]  # both ranks together, every byte once
     reads = [r["read_bytes"] for r in info["per_rank"]]
     assert all(0 < n < damaged["good_bytes"] for n in reads) and sum(reads) == damaged["good_bytes"]
+
+
+SKIP_STEPS = 20
+
+
+def _short_outage(s3: SeaweedS3, run_dir, seen: dict) -> None:
+    """Stop the store before the first save; once a save has been skipped, bring it back with the
+    ranks paused (SIGSTOP): a restart takes 3-8 s, 40-100 tiny steps, and the run must have
+    periodic saves left once the store answers. The pause changes nothing the checkpointer sees
+    but the clock (hence upload_timeout_s well above it)."""
+    from mega.cluster.node import read_processes
+
+    while not (run_dir / "init.json").exists():
+        time.sleep(0.05)
+    stopping = threading.Thread(target=s3.stop)  # a stop takes its 3 s grace: watch meanwhile
+    stopping.start()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not any(r["event"] == "skipped" for r in read_save_log(run_dir)):
+        time.sleep(0.02)
+    pids = [p["pid"] for p in read_processes(run_dir, 0)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        seen["paused_at_step"] = max((m["step"] for m in _metrics(run_dir)), default=0)
+        stopping.join()
+        s3.start()
+        seen["back_at"] = time.time()
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _metrics(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def skipping(s3, tmp_path_factory, data_index, data_cache):
+    with _in_s3_env(s3, tmp_path_factory.mktemp("ckpt-skip")) as tmp:
+        uri, seen = s3.uri(f"skip-{uuid.uuid4().hex[:6]}"), {}
+        result = _train_during(
+            _short_outage,
+            s3,
+            seen,
+            (tmp / "run", data_index, data_cache, uri),
+            ["checkpoint.upload_retry_s=0.5", "checkpoint.upload_timeout_s=60"],
+            steps=SKIP_STEPS,
+        )
+        yield {"result": result, "log": read_save_log(tmp / "run"), "seen": seen, "uri": uri}
+
+
+def test_saves_due_while_the_previous_retries_are_skipped(skipping):
+    """Every periodic save that came due while step 2's upload retried was skipped (recorded with
+    its reason), none queued; step 2's save committed once the store was back, and the periodic
+    saves after it were taken and committed again, the last one too. Never restarted."""
+    log, seen = skipping["log"], skipping["seen"]
+    assert skipping["result"].attempts == 1 and skipping["result"].final_step == SKIP_STEPS
+    assert "back_at" in seen, "the store was never brought back"
+    skipped = [r["step"] for r in log if r["event"] == "skipped"]
+    taken = [r["step"] for r in log if r["event"] == "save"]
+    committed = [r for r in log if r["event"] == "committed"]
+    assert skipped[0] == 4 and taken[0] == 2
+    assert all("iter_0000002" in r["reason"] for r in log if r["event"] == "skipped")
+    # every periodic save is accounted for: skipped while step 2 retried, taken after it committed
+    assert sorted(skipped + taken) == list(range(2, SKIP_STEPS + 1, 2))
+    assert max(skipped) < min(s for s in taken if s > 2), (skipped, taken)
+    first_commit = committed[0]
+    assert first_commit["step"] == 2 and first_commit["time"] > seen["back_at"]
+    assert all(r["time"] < first_commit["time"] for r in log if r["event"] == "skipped")
+    after = [s for s in taken if s > 2]
+    assert after and after[0] < SKIP_STEPS, ("no periodic save came due after the store was back", seen, log)
+    assert [r["step"] for r in committed] == taken  # each save taken is durable, none failed
+    assert not [r for r in log if r["event"] == "failed"]
+    store = open_storage(skipping["uri"])
+    assert store.read_latest() == iteration_name(SKIP_STEPS)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,11 @@ started here) or ``--storage``:
   steps/s is wall clock from the end of step 1 to the end of the last step (the saves at 10, 20
   fall inside, the one at the last step after it), from the ``time`` of each metrics row.
   ``train_slowdown`` = async run time / no-save run time - 1, ``sync_train_slowdown`` the same
-  for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``.
+  for the synchronous run; the target is ``train_slowdown <= sync_train_slowdown / 3``. Beside
+  them, measured inside each saving run (``save_costs``): ``save_cost_s``, what a save cost the
+  steps it overlapped, per mode, and ``save_cost_ratio`` (async / sync); ``none_rate_spread``,
+  the spread of the no-save runs, says what the end-to-end slowdowns can resolve; and
+  ``s3_server_cpu_s_per_run``, the CPU of the bench's own S3 server, which shares the cores.
 * In-memory copies: the fourth run, no saves, ``checkpoint.memory_interval=1``: the counted cost
   of a copy per rank (the training thread's wait plus the CPU of the copy thread and of the copy
   group's gloo threads, ``memory_copy_s``) and ``memory_overhead`` = that per step / the step time of the run without
@@ -161,8 +165,36 @@ def steps_per_s(metrics: list[dict]) -> float:
     return (last["step"] - first["step"]) / (last["time"] - first["time"])
 
 
+def save_costs(metrics: list[dict], log: list[dict]) -> dict:
+    """In-run attribution of what each save cost training, from one run's own records: the steps
+    whose wall-clock interval overlaps the save -- from its stage 1 to its commit or failure --
+    and the seconds they took beyond the mean step of the same run with no save in flight
+    (``clean_step_s``; the mean, not the median: step times are skewed, and a sum over the
+    overlapped steps is compared with it). Saves after the first (one-off start-up costs) whose commit falls within
+    the logged steps only. Unlike two runs' step rates, it is not moved by a load that drifts
+    between runs, only by load that changes within seconds."""
+    rows = sorted(metrics, key=lambda r: r["step"])
+    steps = [(a["time"], b["time"]) for a, b in zip(rows, rows[1:])]
+    ends = {r["step"]: r["time"] for r in log if r["event"] in ("committed", "failed")}
+    saves = [
+        (r["time"] - r["stall_s"], ends.get(r["step"], float("inf"))) for r in log if r["event"] == "save"
+    ]
+
+    def overlapped(w: tuple[float, float]) -> list[float]:
+        return [b - a for a, b in steps if a < w[1] and b > w[0]]
+
+    clean = [b - a for a, b in steps if not any(a < w[1] and b > w[0] for w in saves)]
+    base = statistics.mean(clean) if clean else float("nan")
+    timed = [w for w in saves[1:] if steps and w[1] <= steps[-1][1]]
+    return {
+        "cost_s": [sum(d - base for d in overlapped(w)) for w in timed],
+        "overlapped_steps": [len(overlapped(w)) for w in timed],
+        "clean_step_s": base,
+    }
+
+
 def _run_mode(overrides, steps, interval, mode, r, where, tmp: Path) -> tuple:
-    """One training run of ``mode`` in round ``r``: (its config, data index, steps/s)."""
+    """One training run of ``mode`` in round ``r``: (its config, data index, metrics rows)."""
     cfg = _compose(
         overrides,
         steps,
@@ -177,11 +209,12 @@ def _run_mode(overrides, steps, interval, mode, r, where, tmp: Path) -> tuple:
         mode, f"{mode} saves every {interval} steps to {where}"
     )
     common.log(f"checkpoint bench, round {r + 1}: {steps} steps, {what}")
-    return cfg, index, steps_per_s(common.train(cfg, index).metrics)
+    return cfg, index, common.train(cfg, index).metrics
 
 
-def _rounds(overrides, steps, interval, storage, repeats, modes, tmp: Path) -> dict:
-    """``repeats`` rounds of every mode in ``modes``, round r rotated by r; what each measured."""
+def _rounds(overrides, steps, interval, storage, repeats, modes, tmp: Path, server=None) -> dict:
+    """``repeats`` rounds of every mode in ``modes``, round r rotated by r; what each measured
+    (with the bench's own S3 ``server``: its CPU seconds during each run too)."""
     from mega.checkpoint import read_save_log
 
     out = {
@@ -189,19 +222,25 @@ def _rounds(overrides, steps, interval, storage, repeats, modes, tmp: Path) -> d
         "saves": {mode: [] for mode in ("sync", "async") if mode in modes},
         "copies": [],  # of the memory runs, per rank
         "commits": [],  # of the async runs
+        "costs": {mode: [] for mode in ("sync", "async") if mode in modes},  # save_costs of each run
+        "server_cpu_s": {mode: [] for mode in modes},
     }
     for r in range(repeats):
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
-            cfg, out["index"], rate = _run_mode(
+            server_cpu = server.cpu_s() if server is not None else 0.0
+            cfg, out["index"], metrics = _run_mode(
                 overrides, steps, interval, mode, r, f"{storage}/{mode}-{r}", tmp
             )
-            out["rates"][mode].append(rate)
+            out["rates"][mode].append(steps_per_s(metrics))
+            if server is not None:
+                out["server_cpu_s"][mode].append(server.cpu_s() - server_cpu)
             out["cfg"] = cfg
             # the first save of a run pays one-off start-up costs: left out of the timings
             log = read_save_log(cfg.train.run_dir)
             if mode == "memory":
                 out["copies"] += memory_costs(cfg.train.run_dir)
             if mode in out["saves"]:
+                out["costs"][mode].append(save_costs(metrics, log))
                 here = [x for x in log if x["event"] == "save"]
                 out["saves"][mode] += here[1:] or here
             if mode == "async":
@@ -247,6 +286,25 @@ def _save_figures(saves: dict, commits: list[dict], slowdown: dict) -> dict:
     }
 
 
+def _cost_figures(costs: dict, rates: dict) -> dict:
+    """The in-run attribution (``save_costs``) per save, medians over the runs' saves, beside the
+    spread of the no-save runs' step rates: what the end-to-end slowdowns can resolve."""
+    per_save = {m: [c for run in costs[m] for c in run["cost_s"]] for m in costs}
+    med = {m: statistics.median(v) if v else float("nan") for m, v in per_save.items()}
+    none = rates["none"]
+    return {
+        "save_cost_s": med,  # training time per save beyond the run's own clean steps
+        "save_cost_s_each": per_save,
+        "save_cost_ratio": med["async"] / med["sync"],  # the target's question, in-run
+        "save_cost_overlapped_steps": {
+            m: [n for run in costs[m] for n in run["overlapped_steps"]] for m in costs
+        },
+        "clean_step_s": {m: [run["clean_step_s"] for run in costs[m]] for m in costs},
+        # (max - min) / median of the no-save runs' steps/s: the noise of the end-to-end slowdowns
+        "none_rate_spread": (max(none) - min(none)) / statistics.median(none),
+    }
+
+
 def _restore_figures(restored: dict) -> dict:
     keys = ("restore_bytes_read", "naive_restore_bytes", "restore_peak_bytes_per_rank", "restore_s")
     return {"checkpoint_mb": restored["checkpoint_bytes"] / 1e6, **{k: restored[k] for k in keys}}
@@ -280,7 +338,7 @@ def bench_checkpoint(
                 os.environ.update(server.env())  # the ranks inherit the credential chain
                 storage = server.uri("bench")
             storage = storage.rstrip("/")
-            got = _rounds(overrides, steps, interval, storage, repeats, modes, tmp)
+            got = _rounds(overrides, steps, interval, storage, repeats, modes, tmp, server)
             saving = "async" in modes
             restored = _restore(overrides, steps, storage, repeats, got["index"], tmp) if saving else None
             upload_cpu = (
@@ -303,6 +361,9 @@ def bench_checkpoint(
     }
     if saving:
         out.update(_save_figures(got["saves"], got["commits"], slowdown), **_restore_figures(restored))
+        out.update(_cost_figures(got["costs"], got["rates"]))
+        if server is not None:  # the S3 server shares the cores: its CPU per run (3 saves in one)
+            out["s3_server_cpu_s_per_run"] = {m: statistics.median(v) for m, v in got["server_cpu_s"].items()}
         # the upload's CPU per MB in this process: the project's S3 client vs botocore's defaults
         out["upload_cpu_ms_per_mb"] = upload_cpu
     if "memory" in modes:

@@ -24,7 +24,9 @@ At most one save is in flight: the next one waits for it (that wait counts as st
 anywhere before ``latest`` moves leaves the previous ``latest`` in place. A store that is down
 makes the uploads retry every ``checkpoint.upload_retry_s`` while training goes on, for at most
 ``checkpoint.upload_timeout_s``: then that checkpoint fails (``latest`` unchanged) and the next
-one tries again.
+one tries again. A periodic save that comes due while the previous one retries (or while it is
+waited for, starts to) is skipped, not queued: every rank learns it from the same all-reduce of
+``poll``. The last save of a run and the scheduler's warning save always wait.
 """
 
 from __future__ import annotations
@@ -236,7 +238,11 @@ class Checkpointer:
         # fully_reshardable format off the training thread): distributed optimizer, async saves.
         self._defer_optimizer = self.ck.async_save and optimizer_snapshot.supported(optimizer)
         self._inflight: _InFlight | None = None
-        self._commit: Future | None = None
+        self._commit: Future | None = None  # rank 0: the commit of the last save, on the worker
+        # Every rank: the name of the save whose commit rank 0 runs until an all-reduce says it is done.
+        self._committing: str | None = None
+        # Set by this rank's stage-2 thread while a store operation waits to be tried again.
+        self._in_retry = False
         self._stop = threading.Event()
         # One strategy per run, reused: the save plan, which every save of a run shares, is
         # cached and validated by megatron after two saves (megatron's
@@ -259,10 +265,15 @@ class Checkpointer:
             return None
 
     # -- the training thread's side
-    def save(self, step: int) -> dict:
+    def save(self, step: int, skippable: bool = False) -> dict:
         """Stage 1 of a save (collective); returns what it cost: ``stall_s`` (training blocked,
-        including waiting for the previous save), ``wait_s``, ``snapshot_bytes``."""
+        including waiting for the previous save), ``wait_s``, ``snapshot_bytes``. A ``skippable``
+        save (a periodic one) is skipped instead -- ``skipped`` in the result -- when the previous
+        save is, or while it is waited for becomes, retrying a store that does not answer: waiting
+        for it would block training until the store is back or the upload gives up."""
         t0 = time.perf_counter()
+        if skippable and self.poll(blocking=True, until_retrying=True):
+            return self._skip(step, time.perf_counter() - t0)
         self.wait()  # at most one save in flight: bounded host memory
         waited = time.perf_counter() - t0
         record = {"event": "save", "step": step, "wait_s": waited}
@@ -313,6 +324,21 @@ class Checkpointer:
         self._record(record)
         return record
 
+    def _skip(self, step: int, waited: float) -> dict:
+        """A periodic save not taken: the previous one is retrying (identical on every rank: the
+        all-reduce of ``poll`` said so). In-memory copies on a peer keep covering a rank's loss."""
+        previous = self._inflight.name if self._inflight is not None else self._committing
+        record = {
+            "event": "skipped",
+            "step": step,
+            "reason": f"store unavailable: the previous save ({previous}) is retrying",
+            "wait_s": waited,
+            "stall_s": waited,
+            "skipped": True,
+        }
+        self._record(record)
+        return record
+
     def _plan(self, job: _InFlight, state: dict) -> None:
         """megatron's save plan (collective on the save group) -> job.request, job.files."""
         from megatron.core import dist_checkpointing
@@ -332,38 +358,62 @@ class Checkpointer:
             f"rng/rank{self.rank:05d}.pt"
         ]
 
-    def poll(self, blocking: bool = False) -> None:
+    def poll(self, blocking: bool = False, until_retrying: bool = False) -> bool:
         """Advance the save in flight (collective): finalise it once every rank has written its
-        shards, hand it to rank 0 for the commit once every rank has uploaded."""
-        while self._inflight is not None:
+        shards, hand it to rank 0 for the commit once every rank has uploaded, note when the commit
+        is done. One small all-reduce per call while a save is in flight or committing (per loop,
+        blocking). Returns whether some rank is retrying the store for it (every rank gets the same
+        answer); ``until_retrying``: blocking, stop as soon as that is so (else a blocking poll
+        returns once rank 0 has the commit: ``wait`` waits for it there)."""
+        while self._inflight is not None or (self._committing and (until_retrying or not blocking)):
             job = self._inflight
             flags = torch.tensor(
-                [job.written, job.uploaded or job.error is not None, job.error is None], dtype=torch.int32
+                [
+                    job is None or job.written,
+                    job is None or job.uploaded or job.error is not None,
+                    job is None or job.error is None,
+                    not self._in_retry,
+                    self._commit is None or self._commit.done(),
+                ],
+                dtype=torch.int32,
             )
             dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self._control)
-            all_written, all_finished, all_ok = (bool(x) for x in flags.tolist())
-            if all_written and job.request is not None:
-                request, job.request = job.request, None  # drops the snapshot once written
-                try:
-                    for fn in request.finalize_fns:  # megatron: gather write results, .metadata
-                        fn()
-                except Exception as e:
-                    self._log(f"{job.name}: finalising the shards failed: {e}")
-                    job.error = job.error or f"finalise: {e}"
-                    all_ok = False
-            if all_finished:
-                self._finish(job, all_ok)
-                return
+            all_written, all_finished, all_ok, none_retrying, committed = (bool(x) for x in flags.tolist())
+            if job is None:
+                self._committing = None if committed else self._committing
+            else:
+                self._advance(job, all_written, all_finished, all_ok)
+                if all_finished and not until_retrying:
+                    return False
+            if not none_retrying and (until_retrying or not blocking):
+                return True
             if not blocking:
-                return
+                return False
             time.sleep(0.02)
+        return False
+
+    def _advance(self, job: _InFlight, all_written: bool, all_finished: bool, all_ok: bool) -> None:
+        """The training thread's part of a save in flight, once every rank has written / finished."""
+        if all_written and job.request is not None:
+            request, job.request = job.request, None  # drops the snapshot once written
+            try:
+                for fn in request.finalize_fns:  # megatron: gather write results, .metadata
+                    fn()
+            except Exception as e:
+                self._log(f"{job.name}: finalising the shards failed: {e}")
+                job.error = job.error or f"finalise: {e}"
+                all_ok = False
+        if all_finished:
+            self._finish(job, all_ok)
 
     def wait(self) -> None:
         """Block until the save in flight is committed (or failed): collective."""
         self.poll(blocking=True)
-        if self._commit is not None:
+        if self._commit is not None:  # rank 0; the others wait for it in the all-reduce below
             self._commit.result()
             self._commit = None
+        if self._committing:
+            self.poll()  # one all-reduce: every rank learns that the commit is done
 
     def close(self) -> None:
         """Finish the last save and stop the stage-2 thread (collective)."""
@@ -378,6 +428,7 @@ class Checkpointer:
         ok = torch.tensor([int(all_ok and job.error is None)], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._control)
         self._inflight = None
+        self._committing = job.name if ok.item() else None  # poll goes on until rank 0 committed it
         if not ok.item():
             errors = [None] * dist.get_world_size() if self.rank == 0 else None
             dist.gather_object(job.error, errors, dst=0, group=self._control)
@@ -506,30 +557,34 @@ class Checkpointer:
         from mega.storage import StorageUnavailable
 
         first_failure = None
-        while True:
-            try:
-                return fn()
-            except StorageUnavailable as e:
-                now = time.monotonic()
-                first_failure = first_failure or now
-                left = self.ck.upload_timeout_s - (now - first_failure)
-                if left <= 0:
-                    raise StorageUnavailable(
-                        f"{what}: store unavailable for {now - first_failure:.1f}s "
-                        f"(checkpoint.upload_timeout_s={self.ck.upload_timeout_s:g}), "
-                        f"giving up on this checkpoint: {e}"
-                    ) from e
-                self._log(f"{what}: store unavailable, retrying in {self.ck.upload_retry_s:g}s: {e}")
-                self._record(
-                    {
-                        "event": "retry",
-                        "what": what,
-                        "error": type(e).__name__,
-                        "gives_up_at": time.time() + left,
-                    }
-                )
-                if self._stop.wait(min(self.ck.upload_retry_s, left)):
-                    raise
+        try:
+            while True:
+                try:
+                    return fn()
+                except StorageUnavailable as e:
+                    now = time.monotonic()
+                    first_failure = first_failure or now
+                    left = self.ck.upload_timeout_s - (now - first_failure)
+                    if left <= 0:
+                        raise StorageUnavailable(
+                            f"{what}: store unavailable for {now - first_failure:.1f}s "
+                            f"(checkpoint.upload_timeout_s={self.ck.upload_timeout_s:g}), "
+                            f"giving up on this checkpoint: {e}"
+                        ) from e
+                    self._in_retry = True  # poll tells every rank: a periodic save due is skipped
+                    self._log(f"{what}: store unavailable, retrying in {self.ck.upload_retry_s:g}s: {e}")
+                    self._record(
+                        {
+                            "event": "retry",
+                            "what": what,
+                            "error": type(e).__name__,
+                            "gives_up_at": time.time() + left,
+                        }
+                    )
+                    if self._stop.wait(min(self.ck.upload_retry_s, left)):
+                        raise
+        finally:
+            self._in_retry = False
 
     # -- bookkeeping
     def _record(self, row: dict) -> None:

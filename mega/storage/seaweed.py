@@ -86,6 +86,15 @@ class SeaweedS3:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def cpu_s(self) -> float:
+        """CPU seconds the running server (weed and any process it started) has used so far."""
+        import psutil
+
+        if not self.running:
+            raise RuntimeError("the SeaweedFS server is not running")
+        root = psutil.Process(self._proc.pid)
+        return sum(sum(p.cpu_times()[:2]) for p in (root, *root.children(recursive=True)))
+
     def _command(self) -> list[str]:
         p = self.ports
         args = [
