@@ -152,6 +152,7 @@ class Zygote:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.ending = False
+        self.pending = b""  # a lifeline line not yet complete
         self.saved = {s: signal.getsignal(s) for s in (signal.SIGCHLD, signal.SIGTERM)}
 
     def serve(self) -> Request | None:
@@ -170,7 +171,7 @@ class Zygote:
                 elif what == "wake":
                     os.read(self.wake_r, 4096)
                 elif what == "lifeline":
-                    self.ending = self.ending or not os.read(0, 4096)
+                    self._lifeline(os.read(0, 4096))
                 elif what == "request":
                     request = self._fork(key.fileobj)
                     if request is not None:
@@ -180,6 +181,22 @@ class Zygote:
             self._reap()
         self._shutdown()
         return None
+
+    def _lifeline(self, data: bytes) -> None:
+        """EOF ends the zygote; a line ``log PATH`` sends its own output to PATH from now on (the
+        log of the run it serves next: a process keeps its zygotes between runs, mega/warm/pool.py)."""
+        if not data:
+            self.ending = True
+            return
+        self.pending += data
+        *lines, self.pending = self.pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"log "):
+                log = os.open(line[4:], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                for fd in (1, 2):
+                    os.dup2(log, fd)
+                os.close(log)
+                print(f"zygote {os.getpid()}: serving again, on {self.sock_path}", flush=True)
 
     def _fork(self, conn: socket.socket) -> Request | None:
         self.selector.unregister(conn)
@@ -366,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()  # the imports' objects: never traversed by a fork's collector, so never copied by it
     zygote = Zygote(args.socket)
     print(
-        f"zygote: imported {len(sys.modules)} modules in {took:.2f} s; serving on {args.socket}", flush=True
+        f"zygote {os.getpid()}: imported {len(sys.modules)} modules in {took:.2f} s; serving on {args.socket}",
+        flush=True,
     )
     request = zygote.serve()
     if request is None:
