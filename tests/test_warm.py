@@ -151,6 +151,31 @@ def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):
     assert c.returncode == 1 and "NotForkSafe: importing started 1 native thread(s)" in c.stderr
 
 
+def test_pool_reuses_a_zygote_for_the_same_environment_only(tmp_path):
+    """A zygote given back is leased again for the same environment (its output now to the new
+    log), never for another; past ``idle_max`` the least recently used ends, and so does one given
+    back with ``keep=False`` or at ``close()``."""
+    from mega.warm.pool import ZygotePool
+
+    pool = ZygotePool(idle_max=1, preload="json")
+    env = {**os.environ, "WARM_TEST": "a"}
+    first = pool.lease(env, tmp_path / "first.log")
+    pool.give_back([first], keep=True)
+    again = pool.lease(env, tmp_path / "again.log")
+    other = pool.lease({**env, "WARM_TEST": "b"}, tmp_path / "other.log")
+    assert again is first and other.proc.pid != first.proc.pid
+    log = tmp_path / "again.log"
+    wait_for(lambda: log.exists() and "serving again" in log.read_text(), 30, "the log to move")
+    pool.give_back([again, other], keep=True)  # idle_max 1: `again` was used first, it ends
+    assert again.proc.wait(timeout=15) == 0 and other.proc.poll() is None and pool.idle == [other]
+    pool.close()
+    assert other.proc.wait(timeout=15) == 0 and pool.idle == []
+    last = pool.lease(env, tmp_path / "last.log")
+    pool.give_back([last], keep=False)
+    assert last.proc.poll() == 0 and pool.idle == []
+    pool.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # A rank killed mid-run, recovered on warm processes
 

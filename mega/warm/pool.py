@@ -56,8 +56,10 @@ def source_stamp() -> int:
 
 
 class ZygotePool:
-    def __init__(self, idle_max: int = IDLE_MAX):
+    def __init__(self, idle_max: int = IDLE_MAX, preload: str | None = None):
+        """``preload``: the zygotes' ``--preload`` (default: mega.warm.zygote.PRELOAD)."""
         self.idle_max = idle_max
+        self.preload = preload
         self.idle: list[Lease] = []  # least recently used first
         self.lock = threading.Lock()
         self.names = itertools.count()
@@ -80,7 +82,10 @@ class ZygotePool:
             if self.dir is None:
                 self.dir = tempfile.mkdtemp(prefix="mega-zygote-")
             sock = os.path.join(self.dir, f"{next(self.names)}.sock")
-        return Lease(_start(sock, env, log_path, prefix or []), sock, key)
+        argv = [*(prefix or []), sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock]
+        if self.preload:
+            argv += ["--preload", self.preload]
+        return Lease(_start(argv, sock, env, log_path), sock, key)
 
     def give_back(self, leases: list[Lease], keep: bool) -> None:
         """The zygotes a backend is done with (it stopped every fork): kept idle if ``keep`` (and
@@ -102,12 +107,11 @@ class ZygotePool:
             self.dir = None
 
 
-def _start(sock: str, env: dict[str, str], log_path: Path, prefix: list[str]) -> subprocess.Popen:
+def _start(argv: list[str], sock: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
     for stale in (sock, failed_path(sock)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(stale)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    argv = [*prefix, sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock]
     with open(log_path, "ab") as log:
         # stdin: its lifeline (EOF when the pool closes it or this process dies); own session: no Ctrl-C
         return subprocess.Popen(
