@@ -2,9 +2,11 @@
 megatron-core and mega once, then forks every torchrun agent and rank of every attempt on
 request, so that a relaunch pays a ``fork()`` (milliseconds) instead of the imports (seconds).
 
-**Design.** The launch backend starts one zygote per node with the node (mega/launch/local_nodes.py)
-and keeps it across attempts; its stdin is a pipe from the backend, and EOF there (the backend
-closed it, or died) ends the zygote and everything it forked. A process that should run warm is
+**Design.** The launch backend leases one zygote per node from its process's pool
+(mega/launch/local_nodes.py, mega/warm/pool.py) and keeps it across attempts; the pool keeps it for
+the process's next run from the same environment. Its stdin is a pipe from the pool: EOF there (the
+pool closed it, or the process died) ends the zygote and everything it forked; a line ``log PATH``
+sends its output to the log of the run it serves next. A process that should run warm is
 started as ``python -u -m mega.warm.client MODULE ARGS`` (the backend does so for the agent,
 torchrun for each rank); the client sends argv, environment, working directory and its
 stdin/stdout/stderr over a ``SOCK_SEQPACKET`` unix socket (one message each way, fds by
@@ -34,8 +36,10 @@ in the child: Python's ``random`` reseeds itself at fork, numpy's global RNG is 
 fixed import-time seed (no op ran). The rank module itself runs afresh as ``__main__``. What a
 fork does share with the zygote: ``PYTHONHASHSEED``'s hash secret and anything a module read from
 the environment at import time; the zygote's environment is therefore the agents' (the backend
-starts it with the node's environment and ``cluster.env``), and only the per-attempt variables
-(attempt number, store, torchrun's ranks) differ, which nothing reads at import. OpenMP reads
+starts it with the node's environment and ``cluster.env``), and only the variables set per node,
+run or attempt (mega.launch.local_nodes.ZYGOTE_UNSET, attempt number, store, torchrun's ranks)
+differ, which nothing reads at import. Serving changes nothing a later fork sees: each fork takes
+its client's fds, environment and cwd, and the zygote reaps every child and closes every connection. OpenMP reads
 ``OMP_NUM_THREADS`` when it loads: the zygote imports without it and each fork applies its own
 (``torch.set_num_threads``, torch's rule); numpy's OpenBLAS keeps the zygote's default pool size.
 A fork leaves without tearing down the modules (``_exit``).
