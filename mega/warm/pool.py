@@ -70,15 +70,9 @@ class ZygotePool:
         one of the same key, its output now to ``log_path``, else a new one logging there."""
         key = (tuple(prefix or ()), sys.executable, os.getcwd(), tuple(sorted(env.items())), source_stamp())
         with self.lock:
-            for i, lease in enumerate(self.idle):
-                if lease.key == key and lease.proc.poll() is None:
-                    del self.idle[i]
-                    try:
-                        lease.proc.stdin.write(f"log {log_path}\n".encode())
-                        lease.proc.stdin.flush()
-                        return lease
-                    except OSError:  # it died meanwhile
-                        _stop([lease])
+            kept = self._take(key)
+            if kept is not None and _move_log(kept, log_path):
+                return kept
             if self.dir is None:
                 self.dir = tempfile.mkdtemp(prefix="mega-zygote-")
             sock = os.path.join(self.dir, f"{next(self.names)}.sock")
@@ -86,6 +80,16 @@ class ZygotePool:
         if self.preload:
             argv += ["--preload", self.preload]
         return Lease(_start(argv, sock, env, log_path), sock, key)
+
+    def _take(self, key: tuple) -> Lease | None:
+        """The idle zygote of ``key``, out of the pool (ending the idle ones that died)."""
+        dead = [lease for lease in self.idle if lease.proc.poll() is not None]
+        self.idle = [lease for lease in self.idle if lease not in dead]
+        _stop(dead)  # removes their sockets
+        kept = next((lease for lease in self.idle if lease.key == key), None)
+        if kept is not None:
+            self.idle.remove(kept)
+        return kept
 
     def give_back(self, leases: list[Lease], keep: bool) -> None:
         """The zygotes a backend is done with (it stopped every fork): kept idle if ``keep`` (and
@@ -117,6 +121,18 @@ def _start(argv: list[str], sock: str, env: dict[str, str], log_path: Path) -> s
         return subprocess.Popen(
             argv, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+
+
+def _move_log(lease: Lease, log_path: Path) -> bool:
+    """Send the zygote's output to ``log_path`` from now on; False (and ended) if it died."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        lease.proc.stdin.write(f"log {log_path}\n".encode())
+        lease.proc.stdin.flush()
+        return True
+    except OSError:
+        _stop([lease])
+        return False
 
 
 def _stop(leases: list[Lease]) -> None:

@@ -196,7 +196,11 @@ class Zygote:
         *lines, self.pending = self.pending.split(b"\n")
         for line in lines:
             if line.startswith(b"log "):
-                log = os.open(line[4:], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                try:
+                    log = os.open(line[4:], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                except OSError as e:  # serve on, logging where it did
+                    print(f"zygote {os.getpid()}: cannot log to {line[4:]!r}: {e}", flush=True)
+                    continue
                 for fd in (1, 2):
                     os.dup2(log, fd)
                 os.close(log)
