@@ -101,12 +101,13 @@ class ZygotePool:
             del self.idle[: len(surplus)]
         _stop([lease for lease in leases if lease not in alive] + surplus)
 
-    def close(self) -> None:
-        """End every idle zygote (leased ones end with their backend)."""
+    def close(self, exiting: bool = False) -> None:
+        """End every idle zygote (leased ones end with their backend, or with this process:
+        ``exiting`` removes their sockets' directory too)."""
         with self.lock:
             idle, self.idle = self.idle, []
         _stop(idle)
-        if self.dir is not None and not any(True for _ in Path(self.dir).glob("*.sock")):
+        if self.dir is not None and (exiting or not any(Path(self.dir).glob("*.sock"))):
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
 
@@ -152,4 +153,4 @@ def _stop(leases: list[Lease]) -> None:
 
 
 POOL = ZygotePool()
-atexit.register(POOL.close)
+atexit.register(POOL.close, exiting=True)
