@@ -286,7 +286,8 @@ class Zygote:
             self._reap()
             time.sleep(0.01)
         self.listener.close()
-        os.unlink(self.sock_path)
+        if os.path.exists(self.sock_path):  # its directory may be gone with the process that owned it
+            os.unlink(self.sock_path)
 
     def _become_child(self, conn: socket.socket) -> None:
         """In the fork: drop everything of the zygote's loop; dies with the zygote."""
