@@ -223,7 +223,7 @@ def _zygote_pids(run_dir) -> set[int]:
 
 
 def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, data_cache):
-    """Two local nodes, warm, on the zygotes an earlier run of this process left: rank 1 SIGKILLs
+    """Two local nodes, warm, on the zygotes an earlier run of this process kept: rank 1 SIGKILLs
     itself at step 3, the driver relaunches every node on forks of the same zygotes, which restore
     their in-memory copies. The final weights and optimizer state equal, bit for bit, those of the
     same run uninterrupted on cold processes (launcher.warm_processes=false): neither a fork nor a
@@ -242,8 +242,11 @@ def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, da
     assert len(earlier) == 2 and earlier <= set(kept)
     assert not any(kept[pid] for pid in earlier), "a process of the earlier run outlived it"
     warm_dir = tmp_path / "warm"
-    warm = _train(warm_dir, data_index, data_cache, [*nodes, "fault.kill_rank=1", "fault.kill_at_step=3"])
-    assert _zygote_pids(warm_dir) == earlier
+    # launcher.keep_zygotes=false: this run's zygotes end with it
+    faults = ["fault.kill_rank=1", "fault.kill_at_step=3", "launcher.keep_zygotes=false"]
+    warm = _train(warm_dir, data_index, data_cache, [*nodes, *faults])
+    assert _zygote_pids(warm_dir) == earlier and not earlier & set(_kept_zygotes())
+    assert not [pid for pid in earlier if _alive(pid)]
     assert "serving again" in (warm_dir / "nodes" / "1" / "zygote.log").read_text()
     assert warm.attempts == 2 and warm.history[1]["restored"] in ("iter_0000002", "iter_0000003")
     assert warm.history[1]["restored_from"] == "memory-own", warm.history
