@@ -245,8 +245,9 @@ def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, da
     # launcher.keep_zygotes=false: this run's zygotes end with it
     faults = ["fault.kill_rank=1", "fault.kill_at_step=3", "launcher.keep_zygotes=false"]
     warm = _train(warm_dir, data_index, data_cache, [*nodes, *faults])
-    assert _zygote_pids(warm_dir) == earlier and not earlier & set(_kept_zygotes())
-    assert not [pid for pid in earlier if _alive(pid)]
+    served = _zygote_pids(warm_dir)  # kept ones: the earlier run's, or another earlier test's of this key
+    assert len(served) == 2 and served <= set(kept) and not served & set(_kept_zygotes())
+    assert not [pid for pid in served if _alive(pid)]
     assert "serving again" in (warm_dir / "nodes" / "1" / "zygote.log").read_text()
     assert warm.attempts == 2 and warm.history[1]["restored"] in ("iter_0000002", "iter_0000003")
     assert warm.history[1]["restored_from"] == "memory-own", warm.history
