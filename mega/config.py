@@ -440,6 +440,9 @@ class LauncherConfig:
     # zygote, which imported torch, megatron-core and mega once (mega/warm; docs/recovery.md#warm-processes).
     # false: each process starts cold (its own interpreter and imports). slurm/kubernetes: always cold.
     warm_processes: bool = True
+    # a run's zygotes stay after it for the next launch of this process from the same environment
+    # (a flow's self-check then its training; mega/warm/pool.py); false: they end with the run.
+    keep_zygotes: bool = True
     local_nodes: LocalNodesConfig = field(default_factory=LocalNodesConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)

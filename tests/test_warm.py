@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,6 +151,31 @@ def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):
     assert c.returncode == 1 and "NotForkSafe: importing started 1 native thread(s)" in c.stderr
 
 
+def test_pool_reuses_a_zygote_for_the_same_environment_only(tmp_path):
+    """A zygote given back is leased again for the same environment (its output now to the new
+    log), never for another; past ``idle_max`` the least recently used ends, and so does one given
+    back with ``keep=False`` or at ``close()``."""
+    from mega.warm.pool import ZygotePool
+
+    pool = ZygotePool(idle_max=1, preload="json")
+    env = {**os.environ, "WARM_TEST": "a"}
+    first = pool.lease(env, tmp_path / "first.log")
+    pool.give_back([first], keep=True)
+    again = pool.lease(env, tmp_path / "again.log")
+    other = pool.lease({**env, "WARM_TEST": "b"}, tmp_path / "other.log")
+    assert again is first and other.proc.pid != first.proc.pid
+    log = tmp_path / "again.log"
+    wait_for(lambda: log.exists() and "serving again" in log.read_text(), 30, "the log to move")
+    pool.give_back([again, other], keep=True)  # idle_max 1: `again` was used first, it ends
+    assert again.proc.wait(timeout=15) == 0 and other.proc.poll() is None and pool.idle == [other]
+    pool.close()
+    assert other.proc.wait(timeout=15) == 0 and pool.idle == []
+    last = pool.lease(env, tmp_path / "last.log")
+    pool.give_back([last], keep=False)
+    assert last.proc.poll() == 0 and pool.idle == []
+    pool.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # A rank killed mid-run, recovered on warm processes
 
@@ -182,27 +208,47 @@ def _forked_ranks(run_dir, attempt: int) -> set[int]:
     }
 
 
+def _kept_zygotes() -> dict[int, set[int]]:
+    """pid -> live descendants of each zygote this process keeps idle (mega/warm/pool.py)."""
+    from mega.launch.local_nodes import descendants
+    from mega.warm.pool import POOL
+
+    return {z.proc.pid: descendants([z.proc.pid]) for z in POOL.idle if z.proc.poll() is None}
+
+
+def _zygote_pids(run_dir) -> set[int]:
+    """The zygotes that served a two-node run, from their log lines (``zygote <pid>: ...``)."""
+    logs = [(run_dir / "nodes" / str(k) / "zygote.log").read_text() for k in (0, 1)]
+    return {int(pid) for log in logs for pid in re.findall(r"^zygote (\d+):", log, re.M)}
+
+
 def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, data_cache):
-    """Two local nodes, warm: rank 1 SIGKILLs itself at step 3, the driver relaunches every node
-    on forks of the same zygotes, which restore their in-memory copies. The final weights and optimizer state
-    equal, bit for bit, those of the same run uninterrupted on cold processes
-    (launcher.warm_processes=false): a fork carries nothing that changes the result."""
+    """Two local nodes, warm, on the zygotes an earlier run of this process kept: rank 1 SIGKILLs
+    itself at step 3, the driver relaunches every node on forks of the same zygotes, which restore
+    their in-memory copies. The final weights and optimizer state equal, bit for bit, those of the
+    same run uninterrupted on cold processes (launcher.warm_processes=false): neither a fork nor a
+    zygote that served another run carries anything that changes the result."""
     cold = _train(tmp_path / "cold", data_index, data_cache, ["launcher.warm_processes=false"])
     assert cold.attempts == 1 and not list((tmp_path / "cold").rglob("zygote.log"))
-    warm_dir = tmp_path / "warm"
-    warm = _train(
-        warm_dir,
+    nodes = ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=1"]
+    tiny_run(
+        tmp_path / "earlier",
         data_index,
         data_cache,
-        [
-            "launcher=local-nodes",
-            "cluster.nodes=2",
-            "cluster.procs_per_node=1",
-            "fault.kill_rank=1",
-            "fault.kill_at_step=3",
-        ],
+        [*nodes, "parallelism=dp2", "train.eval_batches=0"],
+        steps=2,
     )
-    # the in-memory copies of step 3 (or of 2 when the kill beat step 3's copy; the durable save is step 2)
+    earlier, kept = _zygote_pids(tmp_path / "earlier"), _kept_zygotes()
+    assert len(earlier) == 2 and earlier <= set(kept)
+    assert not any(kept[pid] for pid in earlier), "a process of the earlier run outlived it"
+    warm_dir = tmp_path / "warm"
+    # launcher.keep_zygotes=false: this run's zygotes end with it
+    faults = ["fault.kill_rank=1", "fault.kill_at_step=3", "launcher.keep_zygotes=false"]
+    warm = _train(warm_dir, data_index, data_cache, [*nodes, *faults])
+    served = _zygote_pids(warm_dir)  # kept ones: the earlier run's, or another earlier test's of this key
+    assert len(served) == 2 and served <= set(kept) and not served & set(_kept_zygotes())
+    assert not [pid for pid in served if _alive(pid)]
+    assert "serving again" in (warm_dir / "nodes" / "1" / "zygote.log").read_text()
     assert warm.attempts == 2 and warm.history[1]["restored"] in ("iter_0000002", "iter_0000003")
     assert warm.history[1]["restored_from"] == "memory-own", warm.history
     forks = [

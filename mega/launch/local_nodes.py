@@ -11,10 +11,11 @@ after a grace period) and returns only when none is left, however the job ended:
 session, an orphan of a dead agent, a helper of a rank.
 
 **Warm processes** (``launcher.warm_processes``, the default): each node has a zygote
-(mega/warm/zygote.py) started with the node's environment on the first attempt and kept until
-``close()``; the agents and ranks of every attempt are its forks. A fork's ``/proc/<pid>/environ``
-is the zygote's (no job mark), so ``processes()`` also counts every descendant of the zygotes:
-they serve this backend's one running job only.
+(mega/warm/zygote.py), leased from this process's pool (mega/warm/pool.py) on the first attempt
+and held until ``close()``, which gives it back (``launcher.keep_zygotes``: kept for the next
+launch); the agents and ranks of every attempt are its forks. A fork's ``/proc/<pid>/environ`` is
+the zygote's (no job mark), so ``processes()`` also counts every descendant of the zygotes: a
+leased zygote serves this backend's one running job only.
 """
 
 from __future__ import annotations
@@ -22,11 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +35,7 @@ from mega.launch.backend import JobSpec, agent_argv
 from mega.launch.runs import pid_alive
 from mega.ports import free_ports
 from mega.warm import client as warm_client
+from mega.warm import pool as warm_pool
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
@@ -46,6 +45,9 @@ MARK_ENV = "MEGA_JOB_MARK"
 TERM_GRACE_S = 5.0  # SIGTERM -> SIGKILL
 KILL_WAIT_S = 20.0  # after SIGKILL: a process still there by then is stuck in the kernel
 NETNS_RDZV_PORT = 29500  # node 0's namespace is empty: any fixed port is free there
+# Not in a zygote's environment (its forks get theirs from their client): set per node, launch or
+# test, and read by functions at run time, never at import (pytest names the running test).
+ZYGOTE_UNSET = (MARK_ENV, NODE_ADDR_ENV, RANKS_ON_HOST_ENV, "PYTEST_CURRENT_TEST")
 
 
 class StopFailed(RuntimeError):
@@ -131,8 +133,7 @@ class LocalNodesBackend:
         self._agents: dict[int, subprocess.Popen] = {}
         self._logs: list[IO[bytes]] = []
         self.warm = cfg.launcher.warm_processes
-        self._zygotes: dict[int, subprocess.Popen] = {}
-        self._zygote_dir: str | None = None  # short: a unix socket path has at most 107 bytes
+        self._zygotes: dict[int, warm_pool.Lease] = {}
 
     # -- addresses -------------------------------------------------------------------------------
 
@@ -175,7 +176,7 @@ class LocalNodesBackend:
         env = {**self._node_env(k), **job.env, MARK_ENV: f"{self.token}/{k}"}
         if self.warm:
             env[warm_client.SOCKET_ENV] = self._zygote(k)
-            env[warm_client.PID_ENV] = str(self._zygotes[k].pid)
+            env[warm_client.PID_ENV] = str(self._zygotes[k].proc.pid)
         argv = self.agent_prefix + agent_argv(self.cfg, k, addr, port, job, warm=self.warm)
         if self.network:
             argv = self.network.exec_prefix(k) + argv
@@ -219,56 +220,40 @@ class LocalNodesBackend:
         """pid -> node of every live process of the running job (agents, ranks, their helpers)."""
         found = marked_processes(self.token) if self.token else {}
         for k, zygote in self._zygotes.items():  # a fork's environ is its zygote's: no mark
-            found.update(dict.fromkeys(descendants([zygote.pid]) - set(found), k))
+            found.update(dict.fromkeys(descendants([zygote.proc.pid]) - set(found), k))
         return found
 
     # -- warm processes --------------------------------------------------------------------------
 
     def _zygote(self, k: int) -> str:
-        """Node k's zygote socket; starts the zygote (the node's environment, cluster.env) unless it
-        runs. The first clients wait for its imports (mega.warm.client.WAIT_ENV)."""
-        if self._zygote_dir is None:
-            self._zygote_dir = tempfile.mkdtemp(prefix="mega-zygote-")
-        sock = os.path.join(self._zygote_dir, f"{k}.sock")
-        zygote = self._zygotes.get(k)
-        if zygote is not None and zygote.poll() is None:
-            return sock
-        for stale in (sock, warm_client.failed_path(sock)):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
+        """Node k's zygote socket; leases one from this process's pool (mega/warm/pool.py) unless
+        node k holds a live one. The first clients of a new one wait for its imports
+        (mega.warm.client.WAIT_ENV)."""
+        lease = self._zygotes.get(k)
+        if lease is not None and lease.proc.poll() is None:
+            return lease.sock
+        if lease is not None:
+            warm_pool.POOL.give_back([self._zygotes.pop(k)], keep=False)
         log_path = (self.run_dir / "nodes" / str(k) if self.nodes > 1 else self.run_dir) / "zygote.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock]
-        if self.network:
-            argv = self.network.exec_prefix(k) + argv
-        env = {**self._node_env(k), **self.cfg.cluster.env, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log:
-            # stdin: its lifeline (EOF when this backend closes it or dies); own session: no Ctrl-C
-            self._zygotes[k] = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return sock
+        prefix = self.network.exec_prefix(k) if self.network else []
+        self._zygotes[k] = warm_pool.POOL.lease(self._zygote_env(k), log_path, prefix)
+        return self._zygotes[k].sock
 
-    def _stop_zygotes(self) -> None:
-        """EOF on each zygote's lifeline ends it and its forks; SIGKILL after TERM_GRACE_S."""
-        for zygote in self._zygotes.values():
-            with contextlib.suppress(OSError):
-                zygote.stdin.close()
-        for zygote in self._zygotes.values():
-            try:
-                zygote.wait(timeout=TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                zygote.kill()
-                zygote.wait(timeout=KILL_WAIT_S)
+    def _zygote_env(self, k: int) -> dict[str, str]:
+        """The node's environment with ``cluster.env``, less what varies per node, launch or test
+        and is read at run time only (ZYGOTE_UNSET): one zygote serves any node and run of this
+        process with the same environment; its forks get their own values."""
+        env = {**self._node_env(k), **self.cfg.cluster.env, "PYTHONUNBUFFERED": "1"}
+        for name in ZYGOTE_UNSET:
+            env.pop(name, None)
+        return env
+
+    def _release_zygotes(self, keep: bool) -> None:
+        """Give the nodes' zygotes back to the pool: kept for the next launch if ``keep`` (every
+        fork stopped, no network namespace to outlive, ``launcher.keep_zygotes``), else ended."""
+        keep = keep and self.network is None and self.cfg.launcher.keep_zygotes
+        warm_pool.POOL.give_back(list(self._zygotes.values()), keep)
         self._zygotes.clear()
-        if self._zygote_dir is not None:
-            shutil.rmtree(self._zygote_dir, ignore_errors=True)
-            self._zygote_dir = None
 
     def stop(self) -> None:
         """SIGTERM every process group of the job, SIGKILL what is left after TERM_GRACE_S; on
@@ -308,10 +293,12 @@ class LocalNodesBackend:
         return pids
 
     def close(self) -> None:
+        stopped = False
         try:
             self.stop()
+            stopped = True
         finally:
-            self._stop_zygotes()
+            self._release_zygotes(keep=stopped)
             if self.network is not None:
                 self.network.close()
                 self.network = None

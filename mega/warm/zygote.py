@@ -2,9 +2,11 @@
 megatron-core and mega once, then forks every torchrun agent and rank of every attempt on
 request, so that a relaunch pays a ``fork()`` (milliseconds) instead of the imports (seconds).
 
-**Design.** The launch backend starts one zygote per node with the node (mega/launch/local_nodes.py)
-and keeps it across attempts; its stdin is a pipe from the backend, and EOF there (the backend
-closed it, or died) ends the zygote and everything it forked. A process that should run warm is
+**Design.** The launch backend leases one zygote per node from its process's pool
+(mega/launch/local_nodes.py, mega/warm/pool.py) and keeps it across attempts; the pool keeps it for
+the process's next run from the same environment. Its stdin is a pipe from the pool: EOF there (the
+pool closed it, or the process died) ends the zygote and everything it forked; a line ``log PATH``
+sends its output to the log of the run it serves next. A process that should run warm is
 started as ``python -u -m mega.warm.client MODULE ARGS`` (the backend does so for the agent,
 torchrun for each rank); the client sends argv, environment, working directory and its
 stdin/stdout/stderr over a ``SOCK_SEQPACKET`` unix socket (one message each way, fds by
@@ -34,8 +36,10 @@ in the child: Python's ``random`` reseeds itself at fork, numpy's global RNG is 
 fixed import-time seed (no op ran). The rank module itself runs afresh as ``__main__``. What a
 fork does share with the zygote: ``PYTHONHASHSEED``'s hash secret and anything a module read from
 the environment at import time; the zygote's environment is therefore the agents' (the backend
-starts it with the node's environment and ``cluster.env``), and only the per-attempt variables
-(attempt number, store, torchrun's ranks) differ, which nothing reads at import. OpenMP reads
+starts it with the node's environment and ``cluster.env``), and only the variables set per node,
+run or attempt (mega.launch.local_nodes.ZYGOTE_UNSET, attempt number, store, torchrun's ranks)
+differ, which nothing reads at import. Serving changes nothing a later fork sees: each fork takes
+its client's fds, environment and cwd, and the zygote reaps every child and closes every connection. OpenMP reads
 ``OMP_NUM_THREADS`` when it loads: the zygote imports without it and each fork applies its own
 (``torch.set_num_threads``, torch's rule); numpy's OpenBLAS keeps the zygote's default pool size.
 A fork leaves without tearing down the modules (``_exit``).
@@ -152,6 +156,7 @@ class Zygote:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.ending = False
+        self.pending = b""  # a lifeline line not yet complete
         self.saved = {s: signal.getsignal(s) for s in (signal.SIGCHLD, signal.SIGTERM)}
 
     def serve(self) -> Request | None:
@@ -170,7 +175,7 @@ class Zygote:
                 elif what == "wake":
                     os.read(self.wake_r, 4096)
                 elif what == "lifeline":
-                    self.ending = self.ending or not os.read(0, 4096)
+                    self._lifeline(os.read(0, 4096))
                 elif what == "request":
                     request = self._fork(key.fileobj)
                     if request is not None:
@@ -180,6 +185,26 @@ class Zygote:
             self._reap()
         self._shutdown()
         return None
+
+    def _lifeline(self, data: bytes) -> None:
+        """EOF ends the zygote; a line ``log PATH`` sends its own output to PATH from now on (the
+        log of the run it serves next: a process keeps its zygotes between runs, mega/warm/pool.py)."""
+        if not data:
+            self.ending = True
+            return
+        self.pending += data
+        *lines, self.pending = self.pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"log "):
+                try:
+                    log = os.open(line[4:], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                except OSError as e:  # serve on, logging where it did
+                    print(f"zygote {os.getpid()}: cannot log to {line[4:]!r}: {e}", flush=True)
+                    continue
+                for fd in (1, 2):
+                    os.dup2(log, fd)
+                os.close(log)
+                print(f"zygote {os.getpid()}: serving again, on {self.sock_path}", flush=True)
 
     def _fork(self, conn: socket.socket) -> Request | None:
         self.selector.unregister(conn)
@@ -261,7 +286,8 @@ class Zygote:
             self._reap()
             time.sleep(0.01)
         self.listener.close()
-        os.unlink(self.sock_path)
+        if os.path.exists(self.sock_path):  # its directory may be gone with the process that owned it
+            os.unlink(self.sock_path)
 
     def _become_child(self, conn: socket.socket) -> None:
         """In the fork: drop everything of the zygote's loop; dies with the zygote."""
@@ -366,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.freeze()  # the imports' objects: never traversed by a fork's collector, so never copied by it
     zygote = Zygote(args.socket)
     print(
-        f"zygote: imported {len(sys.modules)} modules in {took:.2f} s; serving on {args.socket}", flush=True
+        f"zygote {os.getpid()}: imported {len(sys.modules)} modules in {took:.2f} s; serving on {args.socket}",
+        flush=True,
     )
     request = zygote.serve()
     if request is None:
