@@ -306,9 +306,13 @@ def prepare_process(cfg: MegaConfig) -> tuple[dict, dict]:
 
 def build_and_restore(cfg: MegaConfig, data_index: str, marks, launch_env: dict, patched: dict):
     """Build the trainer, record what this rank runs with, and restore ``latest`` (or the newest
-    in-memory copy). Returns (trainer, held-out batches, in-memory copies, start step, peak FLOP/s)."""
+    in-memory copy). Returns (trainer, held-out batches, in-memory copies, start step, peak FLOP/s,
+    heartbeat). The heartbeat starts once the groups exist: a rank stopped in the set-up or the
+    restore is then a silent rank amid beating peers to the driver's watcher, not a wait for the
+    process group's timeout."""
     from mega import checkpoint
     from mega.cluster import node
+    from mega.stability import heartbeat
 
     t_build = marks.now()
     trainer = build(cfg, data_index)
@@ -319,6 +323,7 @@ def build_and_restore(cfg: MegaConfig, data_index: str, marks, launch_env: dict,
         t_build,
         t_build + trainer.init_times["pg_init_s"] + trainer.init_times["model_parallel_init_s"],
     )
+    beat = heartbeat.start(cfg)  # to the driver's watcher: step, phase, group sequence numbers
     held_out = heldout.held_out_dataset(cfg, data_index)  # None with train.eval_batches=0
     node.record_process(Path(cfg.train.run_dir), rank_env.attempt())  # which pid ran where
     trainer.init_times["nodes"] = node.gather_table()
@@ -340,7 +345,7 @@ def build_and_restore(cfg: MegaConfig, data_index: str, marks, launch_env: dict,
         finally:  # the ledger says where the attempt resumed from: memory-own, memory-peer, durable
             marks.phase("restore", t_restore, source=checkpoint.restore_source(info))
         trainer.init_times["restore"] = info
-    return trainer, held_out, memory, start_step, peak
+    return trainer, held_out, memory, start_step, peak, beat
 
 
 def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> RankRun:
@@ -350,7 +355,6 @@ def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> Ran
     from mega.cluster import node
     from mega.metrics import MetricsLogger
     from mega.obs.session import Session
-    from mega.stability import heartbeat
 
     launch_env, patched = prepare_process(cfg)
     attempt = rank_env.attempt()
@@ -358,7 +362,7 @@ def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> Ran
     marks = goodput_marks.RankMarks(
         cfg.train.run_dir, attempt, int(os.environ.get("RANK", "0")), main_t or time.time()
     )
-    trainer, held_out, memory, start_step, peak = build_and_restore(
+    trainer, held_out, memory, start_step, peak, beat = build_and_restore(
         cfg, data_index, marks, launch_env, patched
     )
     run_dir = Path(cfg.train.run_dir)
@@ -382,8 +386,7 @@ def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> Ran
         logger,
         # span recorder + clock offsets + megatron instrumentation + controlled GC (docs/observability.md)
         session=Session.start(cfg),
-        # to the driver's watcher: step, phase, group sequence numbers (docs/stability.md)
-        beat=heartbeat.start(cfg),
+        beat=beat,  # docs/stability.md
         skips=rollback.steps_to_skip(cfg),  # batches never trained on (docs/stability.md)
         losses=rollback.LossWindow.resumed(cfg, start_step),  # recent losses: the spike rule
         verdicts=rollback.verdict_group(),  # a gloo group of the training thread's own

@@ -170,6 +170,57 @@ def test_watcher_declares_a_hang_and_names_the_silent_rank(redis_url, tmp_path):
     assert inc.evidence["threshold_s"] == w.silent_after_s == 3 and inc.evidence["last_step"] == 3
 
 
+def test_before_the_first_step_a_stopped_rank_is_a_hang_and_a_slow_restore_is_not(redis_url):
+    """The ranks beat from group creation on, through the restore (no step yet): every rank
+    beating is no hang however long it takes; one silent amid beating peers is, after
+    silent_after_s; one that never beat is, once its peers have beaten for min_hang_s."""
+    import redis
+
+    cfg = _cfg(heartbeat_s=1, min_hang_s=8, progress_factor=10)
+    r = redis.Redis.from_url(redis_url)
+    ids = grid()
+
+    def watcher(prefix):
+        for rank, ident in ids.items():
+            r.set(heartbeat_redis.id_key(prefix, 0, rank), json.dumps(ident))
+        env = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: prefix}
+        return Watcher(cfg, env, attempt=0, log=lambda s: None, clock=lambda: clock[0])
+
+    def publish(prefix, skip=()):
+        for rank in ids:
+            if rank not in skip:
+                rec = {"rank": rank, "time": clock[0], "phase": "restore", "seq": {}}
+                r.set(heartbeat_redis.beat_key(prefix, 0, rank), json.dumps(rec))
+
+    clock = [NOW]
+    w = watcher("mega:hb:startup1")
+    for _ in range(30):  # a restore of 30 s, every rank beating: slow, not hung
+        publish("mega:hb:startup1")
+        assert w.poll() is None
+        clock[0] += 1.0
+    silent_at = clock[0] - 1.0
+    for _ in range(8):  # rank 5 stopped (SIGSTOP) mid-restore
+        publish("mega:hb:startup1", skip={5})
+        if reason := w.poll():
+            break
+        clock[0] += 1.0
+    assert reason is not None and "before the first step" in reason and "rank 5 (node 1" in reason
+    assert clock[0] - silent_at == pytest.approx(w.silent_after_s + 1)
+
+    clock = [NOW]
+    w = watcher("mega:hb:startup2")
+    first = clock[0]
+    for _ in range(20):  # rank 3 stopped before its first beat
+        publish("mega:hb:startup2", skip={3})
+        if reason := w.poll():
+            break
+        clock[0] += 1.0
+    assert reason is not None and "rank(s) 3 never beat" in reason, reason
+    assert clock[0] - first == pytest.approx(cfg.stability.min_hang_s + 1)
+    [inc] = w.incidents
+    assert inc.kind == "hang" and inc.evidence["never_beat"] == [3] and inc.evidence["last_step"] is None
+
+
 def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):
     """The heartbeat's Redis goes away: writes are dropped within the socket timeout, never raise;
     when it is back (same port), they go through again."""

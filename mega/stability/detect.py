@@ -10,8 +10,10 @@ incidents (mega.stability.incident).
   takes on a loaded machine; a hung rank (deadlocked, sleeping, stopped) and the peers waiting on
   it in a collective use none. On a GPU a synchronisation may spin the CPU while the device is
   stuck, so there only steps count.
-  Counted from the first step seen (start-up and restore are bounded by the ranks' own
-  timeouts). ``localise`` names the culprit; ``poll`` returns the reason, and the driver stops
+  Counted from the first step seen. Before it (the ranks beat from the end of group creation,
+  through the restore) only a stopped or dead rank is a hang: one silent for ``silent_after_s``
+  while a peer beats, or one that never beat while its peers have for ``stability.min_hang_s``; a
+  slow restore is bounded by the ranks' own timeouts. ``localise`` names the culprit; ``poll`` returns the reason, and the driver stops
   the attempt and relaunches from ``latest``.
 * **straggler**: a rank whose compute time per step is above ``stability.straggler_factor`` x its
   peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
@@ -96,6 +98,7 @@ class Watcher:
         self.compute: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
         self.max_step: int | None = None
         self.last_progress: float | None = None  # when the step last advanced
+        self.first_beat: float | None = None  # when a beat of this attempt was first seen
         self.last_work: float | None = None  # when a rank was last seen computing (train_cpu_s)
         self.cpu_seen: dict[int, tuple[float, float]] = {}  # rank -> (beat time, train_cpu_s)
         self.next_read = 0.0
@@ -240,6 +243,8 @@ class Watcher:
     # -- progress, hangs, stragglers -------------------------------------------------------------
 
     def _progress(self, now: float) -> None:
+        if self.first_beat is None and self.beats:
+            self.first_beat = now
         for r, b in self.beats.items():
             step = b.get("step")
             if step is None:
@@ -283,8 +288,10 @@ class Watcher:
         return limit
 
     def _hang(self, now: float) -> str | None:
-        if self.last_progress is None or any(i.kind == "hang" for i in self.incidents):
+        if any(i.kind == "hang" for i in self.incidents):
             return None
+        if self.last_progress is None:
+            return self._startup_hang(now)
         if any(b.get("closed") for b in self.beats.values()):
             # a rank finished its training loop (its last beat): no more steps will come; the
             # teardown is bounded by the launcher (stability.hang_timeout_s, the job's exit)
@@ -301,6 +308,22 @@ class Watcher:
             return None
         return self._declare_hang(now, stalled, limit)
 
+    def _startup_hang(self, now: float) -> str | None:
+        """Before the first step: a rank stopped or dead while its peers beat (they wait for it in
+        a collective of the set-up or the restore until their process group's timeout, minutes).
+        A rank that never beat counts once its peers have beaten for ``min_hang_s``: group creation
+        is collective, so every rank starts its heartbeat within moments of the others."""
+        if self.first_beat is None:
+            return None
+        stalled = now - self.first_beat
+        if self._silent_amid_beating(now):
+            return self._declare_hang(now, stalled, self.silent_after_s)
+        never = [r for r in range(self.world) if r not in self.beats]
+        ages = [now - b.get("time", now) for b in self.beats.values()]
+        if never and stalled > self.s.min_hang_s and min(ages) <= self.s.heartbeat_s:
+            return self._declare_hang(now, stalled, self.s.min_hang_s, never=never)
+        return None
+
     def _silent_amid_beating(self, now: float) -> bool:
         """Some rank's heartbeat stopped (none for ``silent_after_s``) while another beat within
         ``heartbeat_s``: that process is stopped or gone (its heartbeat thread cannot run), not
@@ -313,11 +336,18 @@ class Watcher:
         return len(ages) > 1 and max(ages) > self.silent_after_s and min(ages) <= self.s.heartbeat_s
 
     def _declare_hang(
-        self, now: float, stalled: float, limit: float, silence_ref: float | None = None
+        self,
+        now: float,
+        stalled: float,
+        limit: float,
+        silence_ref: float | None = None,
+        never: list[int] | None = None,
     ) -> str:
+        """``never``: ranks that never beat (before the first step; no identity to localise)."""
         culprit = localise(self.identities, self.beats, silence_ref or now, self.silent_after_s)
         evidence = {
             "last_step": self.max_step,
+            "never_beat": never or [],
             "stalled_s": round(stalled, 3),
             "threshold_s": round(limit, 3),
             "median_step_s": statistics.median(self.step_times) if self.step_times else None,
@@ -336,8 +366,13 @@ class Watcher:
                 for r, b in sorted(self.beats.items())
             },
         }
-        summary = f"no step for {stalled:.1f} s after step {self.max_step} (threshold {limit:.1f} s); " + (
-            culprit.describe() if culprit else "culprit not found"
+        where = f"after step {self.max_step}" if self.max_step is not None else "before the first step"
+        summary = f"no step for {stalled:.1f} s {where} (threshold {limit:.1f} s); " + (
+            f"rank(s) {', '.join(map(str, never))} never beat"
+            if never
+            else culprit.describe()
+            if culprit
+            else "culprit not found"
         )
         self.incidents.append(
             Incident(
