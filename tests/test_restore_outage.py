@@ -3,6 +3,8 @@ process (a gloo group of one rank: rank 0 reads and broadcasts, as in a job).
 
 * The store stays down: ``restore`` gives up after ``checkpoint.upload_timeout_s`` with an error
   naming the store and that key, having logged one line per retry round.
+* In-memory copies (one rank's, a real MemoryCheckpoints) are used without waiting for the store,
+  although `latest` (step 4) is newer than they are (step 1): `latest` is unknown.
 * The store comes back while the restore waits: the same read of `latest` (and the list of older
   checkpoints) succeeds and returns what the store holds.
 
@@ -94,6 +96,48 @@ def test_restore_gives_up_after_the_upload_timeout_naming_the_store(world, seawe
     assert retry_lines and all("retrying in 0.5s" in m for _, m in retry_lines)
     times = [t for t, _ in retry_lines]
     assert all(b - a >= RETRY_S for a, b in zip(times, times[1:]))
+
+
+def test_in_memory_copies_do_not_wait_for_the_store(world, seaweed, retry_lines, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from mega.checkpoint import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "layout", lambda: {"tp": 1})  # no megatron groups here
+
+    class Optimizer:  # the parts of megatron's DistributedOptimizer a copy reads (no shard of its own)
+        def __init__(self, params):
+            self.optimizer = torch.optim.SGD(params, lr=1.0)
+            self.model_param_group_index_map = {}
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    seaweed.stop()
+    cfg = _cfg(world, timeout_s=60)
+    cfg.checkpoint.memory_dir = str(world["tmp"] / "shm")
+    model = torch.nn.Linear(8, 8)
+    scheduler = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
+    memory = memory_module.MemoryCheckpoints(cfg, [model], Optimizer(model.parameters()), scheduler)
+    try:
+        memory.copy(1)
+        memory._idle.wait(10)
+        copied = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        t0 = time.monotonic()
+        step, info = restore_module.restore(cfg, [model], None, scheduler, memory=memory)
+        assert time.monotonic() - t0 < 30  # the store's own quick attempts, not upload_timeout_s
+    finally:
+        memory.close()
+    assert step == 1 and info["source"] == "memory"
+    assert torch.equal(model.weight, copied)
+    assert not retry_lines  # nothing waited for the store
 
 
 def test_restore_waits_for_the_store_and_reads_latest_once_it_is_back(world, seaweed, retry_lines):
