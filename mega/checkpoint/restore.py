@@ -151,8 +151,8 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 def _restore_from(
+    cfg,
     store,
-    retry,
     name: str,
     local_dir: Path,
     model_chunks,
@@ -163,11 +163,12 @@ def _restore_from(
     audit: dict | None,
 ) -> tuple[int, PieceExchange]:
     """Collective: load checkpoint ``name`` through a PieceExchange; (step, the exchange).
-    ``retry(what, fn)``: every store read goes through it (``_waiting``)."""
+    Every store access waits for a store that does not answer (``_waiting``)."""
     from megatron.core import parallel_state as ps
 
     from mega.storage import CorruptCheckpoint
 
+    retry = _waiting(cfg, store)
     manifest = _on_rank0(lambda: retry(f"restore: manifest of {name}", lambda: store.read_manifest(name)))
     group = ps.get_data_parallel_group()
     exchange = PieceExchange(store, manifest, group, device, share=share, retry=retry)
@@ -317,16 +318,7 @@ def _try_candidate(cfg, store, name, model_chunks, optimizer, scheduler, info, l
     device = _restore_device(cfg)
     try:
         step, exchange = _restore_from(
-            store,
-            _waiting(cfg, store),
-            name,
-            local_dir,
-            model_chunks,
-            optimizer,
-            scheduler,
-            device,
-            True,
-            audit,
+            cfg, store, name, local_dir, model_chunks, optimizer, scheduler, device, True, audit
         )
     except CorruptCheckpoint as e:
         log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
@@ -414,16 +406,7 @@ def _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, devic
     local_dir.mkdir(parents=True)
     try:
         _, exchange = _restore_from(
-            store,
-            _waiting(cfg, store),
-            name,
-            local_dir,
-            model_chunks,
-            optimizer,
-            scheduler,
-            device,
-            False,
-            None,
+            cfg, store, name, local_dir, model_chunks, optimizer, scheduler, device, False, None
         )
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
