@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,6 +47,43 @@ def open_store(cfg):
     if uri.startswith("s3://") and cfg.checkpoint.s3_endpoint_url:
         opts["endpoint_url"] = cfg.checkpoint.s3_endpoint_url
     return open_storage(uri, **opts)
+
+
+def retry_unavailable(
+    ck,
+    store,
+    what: str,
+    fn: Callable,
+    log: Callable[[str], None],
+    on_wait: Callable[[Exception, float], None] | None = None,
+    stop: threading.Event | None = None,
+    then: str = "giving up",
+):
+    """``fn()`` (an operation on ``store``), tried again every ``checkpoint.upload_retry_s`` while
+    the store does not answer (``StorageUnavailable``), for at most ``checkpoint.upload_timeout_s``
+    (``ck``: the checkpoint config); then StorageUnavailable naming the store and the bound. Other
+    errors go to the caller. One ``log`` line per round; ``on_wait(error, seconds left)`` before
+    each wait; ``stop`` set ends a wait, re-raising the store's error."""
+    from mega.storage import StorageUnavailable
+
+    first_failure = None
+    while True:
+        try:
+            return fn()
+        except StorageUnavailable as e:
+            now = time.monotonic()
+            first_failure = first_failure or now
+            left = ck.upload_timeout_s - (now - first_failure)
+            if left <= 0:
+                raise StorageUnavailable(
+                    f"{what}: store {store.uri} unavailable for {now - first_failure:.1f}s "
+                    f"(checkpoint.upload_timeout_s={ck.upload_timeout_s:g}), {then}: {e}"
+                ) from e
+            if on_wait is not None:
+                on_wait(e, left)
+            log(f"{what}: store unavailable, retrying in {ck.upload_retry_s:g}s: {e}")
+            if (stop or threading.Event()).wait(min(ck.upload_retry_s, left)):
+                raise
 
 
 def staging_root(cfg) -> Path:

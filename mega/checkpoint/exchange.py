@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mega.storage import CorruptCheckpoint, StorageError
+from mega.storage import CorruptCheckpoint, StorageError, StorageUnavailable
 from mega.storage.base import MAX_SPAN, entry_of
 
 Piece = tuple[str, int, int]  # (path in the checkpoint, offset, length)
@@ -57,10 +57,12 @@ class ExchangeStats:
 class PieceExchange:
     """The pieces of checkpoint ``manifest.name`` this rank needs, from ``store`` through its DP
     ``group`` (see the module docstring). ``device``: where collectives' tensors live (CUDA with
-    NCCL, CPU with gloo)."""
+    NCCL, CPU with gloo). ``retry(what, fn)``: runs this rank's reads, trying them again while the
+    store does not answer (restore's bounded wait; default: once)."""
 
-    def __init__(self, store, manifest, group, device: torch.device, share: bool = True):
+    def __init__(self, store, manifest, group, device: torch.device, share: bool = True, retry=None):
         self.store, self.manifest = store, manifest
+        self._retry = retry or (lambda what, fn: fn())
         self.group = group
         self.group_ranks = dist.get_process_group_ranks(group)
         self.me = self.group_ranks.index(dist.get_rank())
@@ -108,10 +110,13 @@ class PieceExchange:
         me = self.me if self.share else 0
         readers, needers = _assign([set(n) for n in needs])
         if error is None:
-            try:
-                self._read([p for p, r in readers.items() if r == me])
+            to_read, kept = [p for p, r in readers.items() if r == me], set()
+            try:  # a retry reads only the pieces the failed round did not get
+                self._retry(f"read of {self.manifest.name}", lambda: self._read(to_read, kept))
             except CorruptCheckpoint as e:
                 error = ("corrupt", e.name, e.relpath, e.reason)
+            except StorageUnavailable as e:
+                error = ("unavailable", self.manifest.name, None, str(e))
             except Exception as e:
                 error = ("storage", self.manifest.name, None, f"{type(e).__name__}: {e}")
         errors = [None] * dist.get_world_size()
@@ -122,15 +127,15 @@ class PieceExchange:
             kind, name, relpath, reason = bad[0]
             if kind == "corrupt":
                 raise CorruptCheckpoint(name, relpath, reason)
-            raise StorageError(reason)
+            raise (StorageUnavailable if kind == "unavailable" else StorageError)(reason)
         if self.share:
             self._pass_on(readers, needers)
 
-    def _read(self, pieces: list[Piece]) -> None:
-        """Fetch and verify ``pieces`` from the store: ranged reads of up to MAX_SPAN bytes of
-        adjacent pieces, READ_THREADS at a time."""
+    def _read(self, pieces: list[Piece], kept: set) -> None:
+        """Fetch and verify ``pieces`` not in ``kept`` from the store (adding them to it): ranged
+        reads of up to MAX_SPAN bytes of adjacent pieces, READ_THREADS at a time."""
         by_file: dict[str, list[tuple[int, int]]] = {}
-        for path, offset, length in sorted(pieces):
+        for path, offset, length in sorted(set(pieces) - kept):
             by_file.setdefault(path, []).append((offset, length))
         batches = []
         for path, spans in by_file.items():
@@ -148,6 +153,7 @@ class PieceExchange:
             path, spans = job
             for (offset, length), view in zip(spans, self.store.read_pieces(self.manifest, path, spans)):
                 self._keep((path, offset, length), view, "store")
+                kept.add((path, offset, length))
 
         with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
             for f in [pool.submit(read, b) for b in batches]:

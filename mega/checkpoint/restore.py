@@ -15,9 +15,10 @@ checkpoint -- and loads the first one that verifies:
    sent to the DP peers that need them.
 
 A corrupt or torn checkpoint is refused naming the file (every rank takes the same decision) and
-the next candidate is tried. Nothing is unpickled except with ``weights_only=True`` (RNG files,
-the shards) and by torch's own reader of dist_checkpointing's ``.metadata``, after that file's
-sha256 matched the manifest.
+the next candidate is tried. A store that does not answer is waited for, bounded as saves wait
+for it (``_waiting``); the in-memory copies do not wait for it (``_memory_first``). Nothing is
+unpickled except with ``weights_only=True`` (RNG files, the shards) and by torch's own reader of
+dist_checkpointing's ``.metadata``, after that file's sha256 matched the manifest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +44,7 @@ from mega.checkpoint.common import (
     layout,
     model_state,
     open_store,
+    retry_unavailable,
     set_rng_state,
     staging_root,
 )
@@ -114,24 +117,25 @@ def _stage_files(exchange: PieceExchange, paths: list[str], local_dir: Path) -> 
         exchange.stats.hold(piece[2])  # on disk now, still held by this rank
 
 
-def _broadcast_manifest(store, name: str):
-    """Rank 0 reads the manifest, every rank gets it (or the same error)."""
-    from mega.storage import CorruptCheckpoint, StorageError
+def _on_rank0(fn: Callable):
+    """Collective: rank 0 runs ``fn`` (store reads), every rank gets its result or the same error:
+    all ranks go on, or all fail."""
+    from mega.storage import CorruptCheckpoint, StorageError, StorageUnavailable
 
     box = [None]
     if dist.get_rank() == 0:
         try:
-            box = [("ok", store.read_manifest(name))]
+            box = [("ok", fn())]
         except CorruptCheckpoint as e:
             box = [("corrupt", (e.name, e.relpath, e.reason))]
         except StorageError as e:
-            box = [("storage", str(e))]
+            box = [("unavailable" if isinstance(e, StorageUnavailable) else "storage", str(e))]
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "corrupt":
         raise CorruptCheckpoint(*value)
-    if kind == "storage":
-        raise StorageError(value)
+    if kind in ("unavailable", "storage"):
+        raise (StorageUnavailable if kind == "unavailable" else StorageError)(value)
     return value
 
 
@@ -147,6 +151,7 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 def _restore_from(
+    cfg,
     store,
     name: str,
     local_dir: Path,
@@ -157,13 +162,16 @@ def _restore_from(
     share: bool,
     audit: dict | None,
 ) -> tuple[int, PieceExchange]:
-    """Collective: load checkpoint ``name`` through a PieceExchange; (step, the exchange)."""
+    """Collective: load checkpoint ``name`` through a PieceExchange; (step, the exchange).
+    Every store access waits for a store that does not answer (``_waiting``)."""
     from megatron.core import parallel_state as ps
 
     from mega.storage import CorruptCheckpoint
 
-    manifest = _broadcast_manifest(store, name)
-    exchange = PieceExchange(store, manifest, ps.get_data_parallel_group(), device, share=share)
+    retry = _waiting(cfg, store)
+    manifest = _on_rank0(lambda: retry(f"restore: manifest of {name}", lambda: store.read_manifest(name)))
+    group = ps.get_data_parallel_group()
+    exchange = PieceExchange(store, manifest, group, device, share=share, retry=retry)
     listed = {e.path for e in manifest.files}
     if META_FILE not in listed:  # the same manifest on every rank: the same decision
         raise CorruptCheckpoint(name, META_FILE, "not in the manifest")
@@ -214,30 +222,65 @@ def _rank0_log(message: str) -> None:  # every rank takes the same decisions: ra
         print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
 
 
-def _candidates(store, log: Callable[[str], None]) -> list[str]:
-    """Collective: `latest`, then each older complete checkpoint (rank 0 reads the store, every
-    rank gets the list). A complete checkpoint newer than `latest` is removed."""
+def _rank_log(message: str) -> None:  # a rank waiting for the store on its own reads
+    print(f"[checkpoint] rank {dist.get_rank()}: {message}", file=sys.stderr, flush=True)
+
+
+def _waiting(cfg, store) -> Callable:
+    """``retry(what, fn)`` for every durable-store read of a restore: tried again while the store
+    does not answer, the way saves wait for it (``retry_unavailable``: every
+    checkpoint.upload_retry_s, at most checkpoint.upload_timeout_s). A rank that waits holds its
+    peers in the next collective: cluster.pg_timeout_s bounds that (300 s against 120 s, the
+    defaults). One line per round from each waiting rank."""
+    return partial(retry_unavailable, cfg.checkpoint, store, log=_rank_log)
+
+
+def _once(what: str, fn: Callable):
+    return fn()
+
+
+def _list_candidates(store, log: Callable[[str], None]) -> list[str]:
+    """Rank 0: `latest`, then each older complete checkpoint; a complete checkpoint newer than
+    `latest` is removed."""
     from mega.storage import step_of
 
-    candidates = [None]
-    if dist.get_rank() == 0:
-        latest = store.read_latest()
-        names = []
-        if latest is not None:
-            complete = store.list_checkpoints()
-            names = [latest] + [n for n in reversed(complete) if step_of(n) < step_of(latest)]
-            for n in complete:
-                if step_of(n) > step_of(latest):
-                    # Committed but never made `latest` (a crash in between): not durable by the
-                    # protocol, and this run will save that step again.
-                    log(f"removing {n}: newer than `latest` ({latest}), never made durable")
-                    store.delete(n)
-        candidates = [names]
-    dist.broadcast_object_list(candidates, src=0)
-    return candidates[0]
+    latest = store.read_latest()
+    if latest is None:
+        return []
+    complete = store.list_checkpoints()
+    for n in complete:
+        if step_of(n) > step_of(latest):
+            # Committed but never made `latest` (a crash in between): not durable by the
+            # protocol, and this run will save that step again.
+            log(f"removing {n}: newer than `latest` ({latest}), never made durable")
+            store.delete(n)
+    return [latest] + [n for n in reversed(complete) if step_of(n) < step_of(latest)]
 
 
-def _from_memory(memory, candidates: list[str], t0: float, log) -> tuple[int | None, dict]:
+def _candidates(store, log: Callable[[str], None], retry: Callable = _once) -> list[str]:
+    """Collective: ``_list_candidates`` (rank 0 reads the store through ``retry``, every rank gets
+    the list or the same error)."""
+    return _on_rank0(lambda: retry("restore: read `latest`", lambda: _list_candidates(store, log)))
+
+
+def _memory_first(memory, store, t0: float, log) -> tuple[int | None, dict, list[str] | None]:
+    """Collective: the in-memory copies when usable: (step or None, record, the durable candidates,
+    None when the store did not answer). They are used when not older than `latest`. A store that
+    does not answer at once (its own quick retries) is not waited for: `latest` is unknown and the
+    newest complete copies are used whatever their step (one older than `latest` redoes the steps
+    since, on the same curve); only when they are unusable does the restore wait for the store."""
+    from mega.storage import StorageUnavailable
+
+    try:
+        candidates = _candidates(store, log)
+    except StorageUnavailable as e:
+        log(f"`latest` unknown, trying the in-memory copies first: {e}")
+        candidates = None
+    step, info = _from_memory(memory, candidates, t0, log)
+    return step, info, candidates
+
+
+def _from_memory(memory, candidates: list[str] | None, t0: float, log) -> tuple[int | None, dict]:
     """Collective: the in-memory copies when usable; (step, restore record) or (None, why not)."""
     from mega.storage import step_of
 
@@ -275,7 +318,7 @@ def _try_candidate(cfg, store, name, model_chunks, optimizer, scheduler, info, l
     device = _restore_device(cfg)
     try:
         step, exchange = _restore_from(
-            store, name, local_dir, model_chunks, optimizer, scheduler, device, True, audit
+            cfg, store, name, local_dir, model_chunks, optimizer, scheduler, device, True, audit
         )
     except CorruptCheckpoint as e:
         log(f"refusing {name}: {e}; falling back to the previous complete checkpoint")
@@ -311,28 +354,31 @@ def restore(
     cfg, model_chunks, optimizer, scheduler, log: Callable[[str], None] | None = None, memory=None
 ) -> tuple[int, dict]:
     """Collective: load the newest complete in-memory copy (``memory``, a MemoryCheckpoints) when
-    it is not older than ``latest``; else ``latest`` from the durable store, falling back to the
-    previous complete checkpoint when it is refused. Returns (step to start from, what was done;
+    it is not older than ``latest`` (``_memory_first``); else ``latest`` from the durable store,
+    falling back to the previous complete checkpoint when it is refused. A store that does not
+    answer is waited for, bounded (``_waiting``). Returns (step to start from, what was done;
     ``memory``: why the in-memory copies were or were not used)."""
     log = log or _rank0_log
     store = open_store(cfg)
     t0 = time.perf_counter()
-    candidates = _candidates(store, log)
-    memory_info = None
+    candidates = memory_info = None
     if memory is not None:
-        step, memory_info = _from_memory(memory, candidates, t0, log)
+        step, memory_info, candidates = _memory_first(memory, store, t0, log)
         if step is not None:
             return step, memory_info
+    if candidates is None:
+        candidates = _candidates(store, log, _waiting(cfg, store))
     info: dict = {"refused": [], "source": "durable", **({"memory": memory_info} if memory_info else {})}
     for name in candidates:
         exchange = _try_candidate(cfg, store, name, model_chunks, optimizer, scheduler, info, log, t0)
         if exchange is None:
             continue
         totals = _totals(exchange.stats)
-        if info["refused"] and dist.get_rank() == 0:
+        if info["refused"]:
             # The refused ones are newer than this; this run saves their steps again, and the
             # store must not keep pointing at a checkpoint that cannot be read.
-            store.write_latest(name)
+            retry = _waiting(cfg, store)
+            _on_rank0(lambda: retry(f"restore: `latest` -> {name}", lambda: store.write_latest(name)))
             log(f"`latest` moved back to {name}")
         info.update(
             checkpoint_bytes=exchange.manifest.total_bytes,
@@ -360,7 +406,7 @@ def _naive_reference(cfg, store, name, model_chunks, optimizer, scheduler, devic
     local_dir.mkdir(parents=True)
     try:
         _, exchange = _restore_from(
-            store, name, local_dir, model_chunks, optimizer, scheduler, device, False, None
+            cfg, store, name, local_dir, model_chunks, optimizer, scheduler, device, False, None
         )
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)

@@ -56,6 +56,7 @@ from mega.checkpoint.common import (
     layout,
     model_state,
     open_store,
+    retry_unavailable,
     rng_state,
     sharded_state,
     staging_root,
@@ -553,36 +554,18 @@ class Checkpointer:
 
     def _retrying(self, what: str, fn):
         """Run a store operation until the store answers, for at most checkpoint.upload_timeout_s
-        of it not answering; other errors go to the caller."""
-        from mega.storage import StorageUnavailable
+        of it not answering (``retry_unavailable``); other errors go to the caller."""
 
-        first_failure = None
+        def waiting(e: Exception, left: float) -> None:
+            self._in_retry = True  # poll tells every rank: a periodic save due is skipped
+            self._record(
+                {"event": "retry", "what": what, "error": type(e).__name__, "gives_up_at": time.time() + left}
+            )
+
         try:
-            while True:
-                try:
-                    return fn()
-                except StorageUnavailable as e:
-                    now = time.monotonic()
-                    first_failure = first_failure or now
-                    left = self.ck.upload_timeout_s - (now - first_failure)
-                    if left <= 0:
-                        raise StorageUnavailable(
-                            f"{what}: store unavailable for {now - first_failure:.1f}s "
-                            f"(checkpoint.upload_timeout_s={self.ck.upload_timeout_s:g}), "
-                            f"giving up on this checkpoint: {e}"
-                        ) from e
-                    self._in_retry = True  # poll tells every rank: a periodic save due is skipped
-                    self._log(f"{what}: store unavailable, retrying in {self.ck.upload_retry_s:g}s: {e}")
-                    self._record(
-                        {
-                            "event": "retry",
-                            "what": what,
-                            "error": type(e).__name__,
-                            "gives_up_at": time.time() + left,
-                        }
-                    )
-                    if self._stop.wait(min(self.ck.upload_retry_s, left)):
-                        raise
+            return retry_unavailable(
+                self.ck, self.store, what, fn, self._log, waiting, self._stop, "giving up on this checkpoint"
+            )
         finally:
             self._in_retry = False
 

@@ -1,0 +1,161 @@
+"""A restore while the checkpoint store (the session's real SeaweedFS) does not answer, in one
+process (a gloo group of one rank: rank 0 reads and broadcasts, as in a job).
+
+* The store stays down: ``restore`` gives up after ``checkpoint.upload_timeout_s`` with an error
+  naming the store and that key, having logged one line per retry round.
+* In-memory copies (one rank's, a real MemoryCheckpoints) are used without waiting for the store,
+  although `latest` (step 4) is newer than they are (step 1): `latest` is unknown.
+* The store comes back while the restore waits: the same read of `latest` (and the list of older
+  checkpoints) succeeds and returns what the store holds.
+
+The end-to-end save path under an outage is tests/test_checkpoint.py's; both paths wait through
+``mega.checkpoint.common.retry_unavailable``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+import uuid
+
+import pytest
+import torch.distributed as dist
+from s3_env import hermetic_s3_env
+
+from mega.config import compose
+from mega.storage import StorageUnavailable, open_storage
+
+restore_module = importlib.import_module("mega.checkpoint.restore")  # the package exports `restore`
+RETRY_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def world(seaweed, tmp_path_factory):
+    """The store's credentials in the environment, one gloo rank, and two checkpoints committed
+    under a prefix of this module's; the store is running again afterwards."""
+    mp = pytest.MonkeyPatch()
+    tmp = tmp_path_factory.mktemp("restore-outage")
+    hermetic_s3_env(mp, seaweed, tmp)
+    uri = seaweed.uri(f"restore-outage-{uuid.uuid4().hex[:6]}")
+    store = open_storage(uri)
+    for step in (2, 4):
+        local = tmp / f"iter_{step:07d}"
+        local.mkdir()
+        (local / "mega.json").write_text(f'{{"step": {step}}}')
+        store.upload_dir(local, local.name)
+    store.write_latest("iter_0000004")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield {"uri": uri, "tmp": tmp}
+    finally:
+        dist.destroy_process_group()
+        mp.undo()
+        seaweed.start()
+
+
+def _cfg(world, timeout_s: float):
+    return compose(
+        [
+            f"checkpoint.storage_uri={world['uri']}",
+            f"checkpoint.upload_retry_s={RETRY_S}",
+            f"checkpoint.upload_timeout_s={timeout_s}",
+            f"train.run_dir={world['tmp'] / 'run'}",
+        ]
+    )
+
+
+@pytest.fixture
+def retry_lines(monkeypatch):
+    """What the waiting rank logs, line by line (and still printed)."""
+    lines: list[tuple[float, str]] = []
+    printed = restore_module._rank_log
+
+    def keep(message: str) -> None:
+        lines.append((time.monotonic(), message))
+        printed(message)
+
+    monkeypatch.setattr(restore_module, "_rank_log", keep)
+    return lines
+
+
+def test_restore_gives_up_after_the_upload_timeout_naming_the_store(world, seaweed, retry_lines):
+    seaweed.stop()
+    cfg = _cfg(world, timeout_s=1)
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailable) as err:
+        restore_module.restore(cfg, [], None, None)
+    waited = time.monotonic() - t0
+    message = str(err.value)
+    assert "restore: read `latest`" in message and world["uri"] in message
+    assert "checkpoint.upload_timeout_s=1" in message and "giving up" in message
+    assert seaweed.endpoint_url in message  # the endpoint, never the keys
+    assert seaweed.env()["AWS_SECRET_ACCESS_KEY"] not in message
+    assert waited >= 1
+    # one line per round: the rounds are at least upload_retry_s apart
+    assert retry_lines and all("retrying in 0.5s" in m for _, m in retry_lines)
+    times = [t for t, _ in retry_lines]
+    assert all(b - a >= RETRY_S for a, b in zip(times, times[1:]))
+
+
+def test_in_memory_copies_do_not_wait_for_the_store(world, seaweed, retry_lines, monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from mega.checkpoint import memory as memory_module
+
+    monkeypatch.setattr(memory_module, "layout", lambda: {"tp": 1})  # no megatron groups here
+
+    seaweed.stop()
+    cfg = _cfg(world, timeout_s=60)
+    cfg.checkpoint.memory_dir = str(world["tmp"] / "shm")
+    model = torch.nn.Linear(8, 8)
+    scheduler = SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None)
+    # what a copy reads of megatron's DistributedOptimizer (no optimizer shard of its own here)
+    optimizer = SimpleNamespace(
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        model_param_group_index_map={},
+        state_dict=dict,
+        load_state_dict=lambda state: None,
+    )
+    memory = memory_module.MemoryCheckpoints(cfg, [model], optimizer, scheduler)
+    try:
+        memory.copy(1)
+        memory._idle.wait(10)
+        copied = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.zero_()
+        t0 = time.monotonic()
+        step, info = restore_module.restore(cfg, [model], None, scheduler, memory=memory)
+        assert time.monotonic() - t0 < 45  # the store's own quick attempts, not upload_timeout_s
+    finally:
+        memory.close()
+    assert step == 1 and info["source"] == "memory"
+    assert torch.equal(model.weight, copied)
+    assert not retry_lines  # nothing waited for the store
+
+
+def test_restore_waits_for_the_store_and_reads_latest_once_it_is_back(world, seaweed, retry_lines):
+    seaweed.stop()
+    cfg = _cfg(world, timeout_s=60)
+    store = restore_module.open_store(cfg)
+    back: dict = {}
+
+    def bring_back() -> None:
+        deadline = time.monotonic() + 60
+        while not retry_lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+        back["waiting_seen"] = bool(retry_lines)
+        seaweed.start()
+        back["at"] = time.monotonic()
+
+    thread = threading.Thread(target=bring_back)
+    thread.start()
+    try:
+        candidates = restore_module._candidates(store, print, restore_module._waiting(cfg, store))
+    finally:
+        thread.join()
+    assert back["waiting_seen"], "the restore never waited for the store"
+    assert candidates == ["iter_0000004", "iter_0000002"]  # `latest`, then the older complete one
+    assert all("restore: read `latest`: store unavailable" in m for _, m in retry_lines)
