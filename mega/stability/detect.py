@@ -310,21 +310,22 @@ class Watcher:
 
     def _startup_hang(self, now: float) -> str | None:
         """Before the first step: a rank stopped or dead while its peers beat (they wait for it in
-        a collective of the set-up or the restore until their process group's timeout, minutes).
-        A rank that never beat counts once its peers have beaten for ``min_hang_s``: group creation
-        is collective, so every rank starts its heartbeat within moments of the others."""
+        a collective of the set-up or the restore until their process group's timeout, minutes):
+        silent, or never beaten, for ``min_hang_s`` while its peers beat. Not ``silent_after_s`` as
+        in training: a rank's first seconds (its heartbeat's first connection, the set-up's work on
+        a loaded host) may leave a gap of a few beats that is no hang."""
         if self.first_beat is None:
             return None
         stalled = now - self.first_beat
-        if self._silent_amid_beating(now):
-            return self._declare_hang(now, stalled, self.silent_after_s)
+        if self._silent_amid_beating(now, after_s=self.s.min_hang_s):
+            return self._declare_hang(now, stalled, self.s.min_hang_s)
         never = [r for r in range(self.world) if r not in self.beats]
         ages = [now - b.get("time", now) for b in self.beats.values()]
         if never and stalled > self.s.min_hang_s and min(ages) <= self.s.heartbeat_s:
             return self._declare_hang(now, stalled, self.s.min_hang_s, never=never)
         return None
 
-    def _silent_amid_beating(self, now: float) -> bool:
+    def _silent_amid_beating(self, now: float, after_s: float | None = None) -> bool:
         """Some rank's heartbeat stopped (none for ``silent_after_s``) while another beat within
         ``heartbeat_s``: that process is stopped or gone (its heartbeat thread cannot run), not
         slow; the machine and the store are fine (its peers beat). A rank whose last beat shows
@@ -333,7 +334,8 @@ class Watcher:
         last = self.cfg.train.steps
         live = [b for b in self.beats.values() if not b.get("closed") and (b.get("step") or 0) < last]
         ages = [now - b.get("time", now) for b in live]
-        return len(ages) > 1 and max(ages) > self.silent_after_s and min(ages) <= self.s.heartbeat_s
+        after_s = self.silent_after_s if after_s is None else max(after_s, self.silent_after_s)
+        return len(ages) > 1 and max(ages) > after_s and min(ages) <= self.s.heartbeat_s
 
     def _declare_hang(
         self,
