@@ -184,6 +184,22 @@ def test_the_flow_on_two_slurm_nodes_trains_as_one_local_node_and_keeps_secrets_
     assert not (run_dir / "slurm" / "secrets.env").exists()  # gone once the run ended
 
 
+def _when_started(run_dir: Path, action, attempt: int, timeout_s: float = 300.0) -> threading.Thread:
+    """A thread that calls ``action()`` once a rank of ``attempt`` recorded its process."""
+
+    def wait():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(run_dir.glob(f"nodes/*/procs-attempt{attempt}.jsonl")):
+                action()
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
 def _when_step(
     run_dir: Path, step: int, action, attempt: int | None = 0, timeout_s: float = 300.0
 ) -> threading.Thread:
@@ -345,8 +361,8 @@ def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_c
         # (an attempt that failed on its own before the kills adds one)
         attempt = max((r.get("attempt", 0) for r in read_metrics(run_dir)), default=0)
         killed[k] = slurm_local.kill_node(slurm_cluster, k)
-        if k == 1:
-            killers.append(_when_step(run_dir, 4, lambda: kill(2), attempt + 1))
+        if k == 1:  # as soon as the next attempt's ranks run: its steps after the resume take < 1 s
+            killers.append(_when_started(run_dir, lambda: kill(2), attempt + 1))
 
     killers = [_when_step(run_dir, 2, lambda: kill(1), None)]
     said: list[str] = []
