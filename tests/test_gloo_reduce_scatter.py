@@ -4,7 +4,7 @@ gloo runs ``reduce_scatter_tensor`` as an all-reduce. mega routes megatron's two
 on gloo through megatron's all-to-all reduce-scatter instead: the DDP gradient buckets by
 megatron's own flag (``backend_flags.grad_reduce_scatter_all_to_all``), sequence parallelism's by
 ``mega.megatron_cpu``. Two gloo ranks run in a network namespace of their own, so that the
-loopback counter sees their traffic only; each side's result is checked against the sum of both
+TCP payload counted over its sockets is their traffic only; each side's result is checked against the sum of both
 ranks' inputs, which every rank regenerates from the other's seed.
 """
 
@@ -17,17 +17,20 @@ import textwrap
 
 PROBE = textwrap.dedent(
     """
-    import json, os, queue, sys, time, warnings
+    import json, os, queue, re, subprocess, sys, time, warnings
     warnings.filterwarnings("ignore")
     import torch, torch.distributed as dist, torch.multiprocessing as mp
 
-    def lo_bytes():
-        return next(int(l.split()[1]) for l in open("/proc/net/dev") if l.strip().startswith("lo:"))
+    def received_bytes():
+        # TCP payload bytes every socket of the namespace has received, each byte once: a
+        # retransmission under load or a header is not counted (the loopback counter counts both)
+        out = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, check=True).stdout
+        return sum(int(b) for b in re.findall(r"bytes_received:(\d+)", out))
 
     def measured(fn):
-        dist.barrier(); before = lo_bytes()
+        dist.barrier(); before = received_bytes()
         fn()
-        dist.barrier(); return lo_bytes() - before
+        dist.barrier(); return received_bytes() - before
 
     def data(rank, n):
         return torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
@@ -111,7 +114,7 @@ PROBE = textwrap.dedent(
 def run_probe(tmp_path) -> dict:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    # a network namespace of its own: the loopback counter counts the two ranks' bytes only
+    # a network namespace of its own: its sockets carry the two ranks' bytes only
     out = subprocess.run(
         ["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {sys.executable} {script}"],
         capture_output=True,
