@@ -566,6 +566,11 @@ class CheckpointConfig:
     # goes on and `latest` keeps naming the last durable one. Below stability.hang_timeout_s, since
     # the next save waits for this one.
     upload_timeout_s: float = 120.0
+    # One S3 request: a server that accepts connections but does not answer fails it after
+    # s3_timeout_s (each socket read or write), tried s3_attempts times, so that one request ends
+    # within ``s3_request_bound_s`` and upload_timeout_s bounds the whole wait (store_wait_bound_s).
+    s3_timeout_s: float = 20.0
+    s3_attempts: int = 3
     # In-memory copies (mega/checkpoint/memory.py): every N steps each rank's shard into node-local
     # shared memory, replicated to a rank on the next node (one node: its own copy, which a killed
     # rank restores); a restart restores the newest complete one when it is not older than
@@ -575,8 +580,32 @@ class CheckpointConfig:
     memory_interval: int = 1
     memory_dir: str = "/dev/shm/mega"  # node-local tmpfs: copies outlive the rank processes
 
+    S3_CONNECT_TIMEOUT_S = 5.0
+
+    def s3_request_bound_s(self) -> float:
+        """The longest one request to the durable store takes before it counts as unavailable:
+        every attempt's connect and socket timeouts, plus botocore's back-off between attempts (at
+        most 2^(k-1) s after attempt k; mega.storage.s3); 0 for a file store."""
+        if not (self.storage_uri or "").startswith("s3://"):
+            return 0.0
+        backoff = sum(2.0 ** (k - 1) for k in range(1, self.s3_attempts))
+        return self.s3_attempts * (self.S3_CONNECT_TIMEOUT_S + self.s3_timeout_s) + backoff
+
+    def store_wait_bound_s(self) -> float:
+        """The longest a rank waits for a store that does not answer (a save's upload, a restore's
+        read): retried for upload_timeout_s, and the last request may have begun just before."""
+        return self.upload_timeout_s + self.s3_request_bound_s()
+
     def validate(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", "must be >= 0")
+        _require(
+            isinstance(self.s3_attempts, int) and self.s3_attempts >= 1,
+            "checkpoint.s3_attempts",
+            f"must be an integer >= 1, got {self.s3_attempts!r}",
+        )
+        _require(
+            self.s3_timeout_s > 0, "checkpoint.s3_timeout_s", f"must be positive, got {self.s3_timeout_s}"
+        )
         _require(
             isinstance(self.memory_interval, int) and self.memory_interval >= 0,
             "checkpoint.memory_interval",
@@ -1292,11 +1321,24 @@ def _run_fits_steps(cfg: MegaConfig) -> None:
             "train.precision",
             "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu",
         )
+    ck = cfg.checkpoint
+    waits = f"{ck.store_wait_bound_s():g} s for a store that does not answer (upload_timeout_s={ck.upload_timeout_s:g}"
+    if ck.s3_request_bound_s():
+        waits += f", plus one S3 request: {ck.s3_request_bound_s():g} s)"
+    else:
+        waits += ")"
     _require(
-        not cfg.checkpoint.interval or cfg.checkpoint.upload_timeout_s < hang_s,
+        not ck.interval or ck.store_wait_bound_s() < hang_s,
         "checkpoint.upload_timeout_s",
-        f"must be below stability.hang_timeout_s={hang_s} (a save waiting on a dead store "
-        f"would look like a hang), got {cfg.checkpoint.upload_timeout_s:g}",
+        f"a save waits up to {waits}: that must be below stability.hang_timeout_s={hang_s:g} "
+        "(a save waiting on a dead store would look like a hang)",
+    )
+    _require(
+        not ck.load or ck.store_wait_bound_s() < c.pg_timeout_s,
+        "checkpoint.upload_timeout_s",
+        f"a restore waits up to {waits} while its peers wait in a collective that fails after "
+        f"cluster.pg_timeout_s={c.pg_timeout_s:g} s: lower it (or checkpoint.s3_timeout_s/s3_attempts), "
+        "or raise cluster.pg_timeout_s",
     )
 
 

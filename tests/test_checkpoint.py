@@ -339,6 +339,8 @@ def test_saves_due_while_the_previous_retries_are_skipped(skipping):
         ("checkpoint.upload_retry_s=0", "checkpoint.upload_retry_s"),
         ("checkpoint.upload_timeout_s=1", "checkpoint.upload_timeout_s"),  # below upload_retry_s (5)
         ("checkpoint.upload_timeout_s=900", "checkpoint.upload_timeout_s"),  # above stability.hang_timeout_s
+        ("checkpoint.s3_attempts=0", "checkpoint.s3_attempts"),
+        ("checkpoint.s3_timeout_s=0", "checkpoint.s3_timeout_s"),
         ("fault.mode=kill_in_upload", None),  # no kill_rank: nothing to check
     ],
 )
@@ -352,6 +354,23 @@ def test_checkpoint_config_is_checked_before_launch(override, key):
         compose([override])
     assert err.value.key == key
     assert "secret" not in str(err.value)
+
+
+def test_a_restores_wait_for_the_store_must_end_before_its_peers_collective_fails():
+    """Rank 0 waits for an unanswering store up to upload_timeout_s plus one S3 request's bound
+    (s3_attempts x (5 s connect + s3_timeout_s) + back-off) while its peers wait in a collective
+    bounded by cluster.pg_timeout_s: a config where the collective fails first is refused."""
+    from mega.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:  # 120 + 3 x (5 + 20) + 1 + 2 = 198 s
+        compose(["checkpoint=s3", "cluster.pg_timeout_s=190"])
+    assert err.value.key == "checkpoint.upload_timeout_s"
+    assert "198 s" in str(err.value) and "cluster.pg_timeout_s=190" in str(err.value)
+    compose(["checkpoint=s3", "cluster.pg_timeout_s=190", "checkpoint.s3_timeout_s=10"])  # 168 s
+    compose(["checkpoint=s3", "cluster.pg_timeout_s=190", "checkpoint.load=false"])  # no restore
+    with pytest.raises(ConfigError):  # a file store: upload_timeout_s alone
+        compose(["cluster.pg_timeout_s=120"])
+    compose(["cluster.pg_timeout_s=121"])
 
 
 def test_kill_in_upload_needs_a_step_that_saves():

@@ -53,7 +53,13 @@ def test_agent_argv_one_local_node_is_standalone():
 
 def test_agent_argv_of_node_k_rendezvous_on_node_0():
     cfg = compose(
-        ["launcher=local-nodes", "cluster.nodes=2", "cluster.procs_per_node=4", "cluster.pg_timeout_s=90"]
+        [
+            "launcher=local-nodes",
+            "cluster.nodes=2",
+            "cluster.procs_per_node=4",
+            "cluster.pg_timeout_s=90",
+            "checkpoint.upload_timeout_s=60",  # a restore's wait for the store ends before pg_timeout_s
+        ]
     )
     argv = agent_argv(cfg, 1, "10.1.2.2", 29511, JobSpec("mega.cluster.selfcheck", ["--out", "r.json"]))
     assert argv[3:] == [

@@ -159,3 +159,45 @@ def test_restore_waits_for_the_store_and_reads_latest_once_it_is_back(world, sea
     assert back["waiting_seen"], "the restore never waited for the store"
     assert candidates == ["iter_0000004", "iter_0000002"]  # `latest`, then the older complete one
     assert all("restore: read `latest`: store unavailable" in m for _, m in retry_lines)
+
+
+@pytest.fixture
+def black_hole():
+    """An S3 endpoint that accepts connections and never answers (a hung server, a dead proxy)."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for s in [server, *held]:
+        s.close()
+
+
+def test_a_store_that_never_answers_ends_the_wait_within_its_bound(world, black_hole, retry_lines):
+    """Each request to the store is bounded (checkpoint.s3_timeout_s per socket wait, s3_attempts
+    tries), so the restore gives up within checkpoint.store_wait_bound_s(), as configured."""
+    cfg = _cfg(world, timeout_s=1)
+    cfg.checkpoint.s3_endpoint_url = black_hole
+    cfg.checkpoint.s3_timeout_s, cfg.checkpoint.s3_attempts = 1.0, 2
+    bound = cfg.checkpoint.store_wait_bound_s()
+    assert bound == 1 + 2 * (5 + 1) + 1  # upload_timeout_s + 2 x (connect + socket timeout) + back-off
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailable) as err:
+        restore_module.restore(cfg, [], None, None)
+    waited = time.monotonic() - t0
+    assert "ReadTimeout" in str(err.value) and black_hole in str(err.value)
+    assert 2 <= waited < bound, waited  # two 1 s socket waits at least; botocore's defaults: 300 s

@@ -34,6 +34,7 @@ LAYOUT = [
     "parallelism=tp2-pp2-dp2",
     "optimizer.warmup_steps=1",
     "cluster.pg_timeout_s=120",
+    "checkpoint.upload_timeout_s=30",  # a restore's wait for the store ends before pg_timeout_s
 ]
 ON_SLURM = [
     "launcher=slurm",
@@ -48,6 +49,7 @@ DRILL = [
     "parallelism=dp2",
     "optimizer.warmup_steps=1",
     "cluster.pg_timeout_s=120",
+    "checkpoint.upload_timeout_s=30",  # a restore's wait for the store ends before pg_timeout_s
     "cluster.procs_per_node=1",
     "launcher.slurm.selfcheck=false",  # the flow's test checks the nodes in the allocation
 ]

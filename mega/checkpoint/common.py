@@ -43,9 +43,15 @@ def open_store(cfg):
     from mega.storage import open_storage
 
     uri = storage_uri(cfg)
-    opts = {}
-    if uri.startswith("s3://") and cfg.checkpoint.s3_endpoint_url:
-        opts["endpoint_url"] = cfg.checkpoint.s3_endpoint_url
+    ck, opts = cfg.checkpoint, {}
+    if uri.startswith("s3://"):  # bounded requests: ck.s3_request_bound_s()
+        opts = {
+            "max_attempts": ck.s3_attempts,
+            "connect_timeout": ck.S3_CONNECT_TIMEOUT_S,
+            "read_timeout": ck.s3_timeout_s,
+        }
+        if ck.s3_endpoint_url:
+            opts["endpoint_url"] = ck.s3_endpoint_url
     return open_storage(uri, **opts)
 
 
@@ -61,18 +67,23 @@ def retry_unavailable(
 ):
     """``fn()`` (an operation on ``store``), tried again every ``checkpoint.upload_retry_s`` while
     the store does not answer (``StorageUnavailable``), for at most ``checkpoint.upload_timeout_s``
-    (``ck``: the checkpoint config); then StorageUnavailable naming the store and the bound. Other
+    (``ck``: the checkpoint config), counted from when the store stopped answering, so that the
+    wait ends within ``ck.store_wait_bound_s()``; then StorageUnavailable naming the store and the
+    bound. Other
     errors go to the caller. One ``log`` line per round; ``on_wait(error, seconds left)`` before
     each wait; ``stop`` set ends a wait, re-raising the store's error."""
     from mega.storage import StorageUnavailable
 
     first_failure = None
     while True:
+        tried = time.monotonic()
         try:
             return fn()
         except StorageUnavailable as e:
             now = time.monotonic()
-            first_failure = first_failure or now
+            # A request to a store that stopped answering fails only after its own timeouts: the
+            # outage began that long ago at most (and not before this try).
+            first_failure = first_failure or max(tried, now - ck.s3_request_bound_s())
             left = ck.upload_timeout_s - (now - first_failure)
             if left <= 0:
                 raise StorageUnavailable(

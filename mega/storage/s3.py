@@ -140,7 +140,10 @@ class S3Storage(CheckpointStorage):
             multipart_threshold=multipart_threshold,
             multipart_chunksize=multipart_chunksize,
             max_concurrency=max_concurrency,
-            num_download_attempts=max_attempts,
+            # A download broken mid-stream fails as one request does (botocore already retried
+            # the request max_attempts times): the caller's bounded retry tries again, and one
+            # request's bound (connect + read timeouts per attempt) bounds the operation's too.
+            num_download_attempts=1,
             preferred_transfer_client="classic",  # the CRT client cannot read through HashingReader
         )
 
