@@ -504,6 +504,22 @@ def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
     assert seen == [{"healthy": True}, {"healthy": True}]
 
 
+def test_the_submitter_passes_on_a_verdict_written_just_before_the_job_ended(tmp_path, monkeypatch):
+    """A check that fails ends the job within seconds of its verdict: the wait that sees the job
+    ended still passes that verdict on (the flow publishes why the run did not train)."""
+    from mega.launch import slurm_driver
+
+    path, seen = tmp_path / "preflight.json", []
+
+    def job_info(job_id):  # the driver wrote its verdict, then its job ended, since the last poll
+        path.write_text('{"healthy": false}')
+        return {"JobState": "FAILED"}
+
+    monkeypatch.setattr(slurm_driver, "job_info", job_info)
+    slurm_driver._wait("7", tmp_path, print, 0.01, slurm_driver._Verdicts(path, seen.append))
+    assert seen == [{"healthy": False}]
+
+
 def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_budgets(tmp_path):
     """The submitter after the job lost its first node: the next job excludes every host the run
     lost, is one node smaller (a spare of the job used) or, with no spare left, shrinks the run to

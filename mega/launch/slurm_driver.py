@@ -250,9 +250,11 @@ def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float,
     driver_log = run_dir / f"slurm-{job_id}.out"
     seen, partial = 0, b""
     while True:
-        verdicts.poll()
         info = job_info(job_id)
-        ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
+        # first: once ended, the log and the verdicts are complete (a verdict written just
+        # before the job ended, a failed check's, is passed on before the wait returns)
+        ended = not info or info.get("JobState") in ENDED
+        verdicts.poll()
         if lost := driver_lost(info):
             raise DriverLost(f"Slurm job {job_id} lost its first node {lost}, where its driver ran", lost)
         if driver_log.exists():
