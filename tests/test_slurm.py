@@ -567,3 +567,21 @@ def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_bud
     lost_driver(1, [])
     with pytest.raises(slurm_driver.DriverJobFailed, match=r"restart.max_restarts=1\): a recovery"):
         slurm_driver._resubmission(cfg, run_dir, "n0", "lost n0", said.append)
+
+
+def test_a_driver_lost_before_its_first_attempt_hands_on_what_it_was_carried(tmp_path):
+    """The replacement job's driver takes the carried state at its start and writes its own loop
+    state only before its first attempt (after its nodes' self-check): a job that loses its first
+    node in between is resubmitted with the carried failures and excluded hosts, not afresh."""
+    from mega.launch import in_allocation, slurm_driver, slurm_steps
+
+    base = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.max_restarts=3"]
+    cfg = _cfg(tmp_path, *base, "restart.spare_nodes=2")
+    run_dir = Path(cfg.train.run_dir)
+    slurm_steps.driver_dir(run_dir).mkdir(parents=True)
+    assert slurm_driver._resubmission(cfg, run_dir, "n0", "job 7 lost n0", print) == (3, ["n0"])
+    carried = in_allocation._take_carried(run_dir, print)  # job 8's driver starts, then loses n1
+    assert (carried["failures"], carried["excluded_hosts"]) == (1, ["n0"])
+    assert slurm_driver._resubmission(cfg, run_dir, "n1", "job 8 lost n1", print) == (2, ["n0", "n1"])
+    again = in_allocation._take_carried(run_dir, print)
+    assert (again["failures"], again["excluded_hosts"]) == (2, ["n0", "n1"])
