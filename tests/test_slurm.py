@@ -485,6 +485,37 @@ def test_the_allocations_self_check_excludes_unhealthy_hosts_onto_spares_or_fewe
     assert pre._node_of(hosts, ["n0", "n2"], 2) == 1 and pre._node_of(hosts, ["n0", "n2"], 1) is None
 
 
+def test_a_self_check_that_ends_the_run_leaves_its_verdict_for_the_submitter(tmp_path, monkeypatch):
+    """The allocation's check finds a host unhealthy and no spare or restart.min_nodes to go on:
+    the run fails (CannotContinue), and the verdict, with why the run cannot go on, is in the
+    file the submitter passes on to the flow (its only report of the check)."""
+    from mega.launch import slurm_preflight as pre
+    from mega.launch import slurm_steps
+    from mega.stability.membership import CannotContinue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[0-1]")
+    monkeypatch.setattr(slurm_steps, "hostnames", lambda nodelist: ["n0", "n1"])
+    cfg = _cfg(tmp_path, *SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation")
+    run_dir = Path(cfg.train.run_dir)
+
+    def run_selfcheck(cfg, out, **kwargs):  # the check's verdict: node 1 slow
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [
+            {"node": 0, "healthy": True, "reasons": []},
+            {"node": 1, "healthy": False, "reasons": ["slow"]},
+        ]
+        return {"healthy": False, "reasons": ["node 1: slow"], "nodes": rows, "elapsed_s": 1.0}
+
+    monkeypatch.setattr(pre, "run_selfcheck", run_selfcheck)
+    backend = slurm_steps.SlurmStepBackend(cfg, run_dir)
+    with pytest.raises(CannotContinue, match="restart.min_nodes=None"):
+        pre.check_allocation(cfg, backend, run_dir, print)
+    verdict = json.loads(pre.verdict_path(run_dir).read_text())
+    assert verdict["healthy"] is False and verdict["excluded_hosts"] == ["n1"]
+    assert verdict["note"].startswith("the run cannot go on: n1 excluded")
+
+
 def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
     """The driver in the allocation writes its self-check verdict to the run directory; the
     submitter's wait passes each new version on once (the flow publishes it), a half-written

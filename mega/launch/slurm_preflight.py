@@ -57,14 +57,17 @@ def check_allocation(
     log(f"self-check of the job's {len(hosts)} node(s) ({', '.join(hosts)}) before the first training step")
     bad_node = faults.selfcheck_bad_node(cfg, lambda p: _node_of(backend.allocated, hosts, p))
     result = run_selfcheck(every, out, backend=checker, bad_node=bad_node)  # run_job stops the step
-    bad, reasons = judged(result, hosts, warned=warning_file(run_dir).exists())
-    for host in bad:
-        backend.exclude(host)
-    cfg, note = _next_config(cfg, len(hosts) - len(bad), bad, result)
+    bad: list[str] = []
+    try:
+        bad, reasons = judged(result, hosts, warned=warning_file(run_dir).exists())
+        for host in bad:
+            backend.exclude(host)
+        cfg, note = _next_config(cfg, len(hosts) - len(bad), bad, result)
+    except CannotContinue as e:  # the verdict that ends the run is published too
+        _write_verdict(run_dir, result, hosts, bad, f"the run cannot go on: {e}")
+        raise
     log(f"self-check {'passed' if result['healthy'] else 'failed'} in {result['elapsed_s']:.1f} s; {note}")
-    tmp = verdict_path(run_dir).with_suffix(".tmp")  # whole or not at all for the submitter's reads
-    tmp.write_text(json.dumps({**result, "hosts": hosts, "excluded_hosts": bad, "note": note}))
-    tmp.replace(verdict_path(run_dir))
+    _write_verdict(run_dir, result, hosts, bad, note)
     rows = [
         {
             "node": backend.allocated.index(h),
@@ -77,6 +80,12 @@ def check_allocation(
         for h in bad
     ]
     return cfg, rows
+
+
+def _write_verdict(run_dir: str | Path, result: dict, hosts: list[str], bad: list[str], note: str) -> None:
+    tmp = verdict_path(run_dir).with_suffix(".tmp")  # whole or not at all for the submitter's reads
+    tmp.write_text(json.dumps({**result, "hosts": hosts, "excluded_hosts": bad, "note": note}))
+    tmp.replace(verdict_path(run_dir))
 
 
 def _node_of(allocated: list[str], hosts: list[str], physical: int) -> int | None:
