@@ -516,6 +516,31 @@ def test_a_self_check_that_ends_the_run_leaves_its_verdict_for_the_submitter(tmp
     assert verdict["note"].startswith("the run cannot go on: n1 excluded")
 
 
+def test_an_excluded_hosts_reasons_name_the_jobs_nodes_not_the_checks(tmp_path, monkeypatch):
+    """With a host of the job left out of the check (launcher.slurm.exclude), the check's node k
+    is not the job's node k: the evicted row names a link's other end as the job's node, as the
+    row itself does."""
+    from mega.launch import slurm_preflight as pre
+    from mega.launch import slurm_steps
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[0-3]")
+    monkeypatch.setattr(slurm_steps, "hostnames", lambda nodelist: ["n0", "n1", "n2", "n3"])
+    over = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.spare_nodes=1"]
+    cfg = _cfg(tmp_path, *over, "launcher.slurm.exclude=[n0]")
+    run_dir = Path(cfg.train.run_dir)
+
+    def run_selfcheck(cfg, out, **kwargs):  # checked n1, n2, n3: its node 1 (n2) slow towards node 2 (n3)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [{"node": k, "healthy": k != 1, "reasons": []} for k in range(3)]
+        rows[1]["reasons"] = ["link to node 2: 5 MB/s"]
+        return {"healthy": False, "reasons": ["node 1: link to node 2"], "nodes": rows, "elapsed_s": 1.0}
+
+    monkeypatch.setattr(pre, "run_selfcheck", run_selfcheck)
+    _, rows = pre.check_allocation(cfg, slurm_steps.SlurmStepBackend(cfg, run_dir), run_dir, print)
+    assert [(r["node"], r["host"], r["reasons"]) for r in rows] == [(2, "n2", ["link to node 3: 5 MB/s"])]
+
+
 def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
     """The driver in the allocation writes its self-check verdict to the run directory; the
     submitter's wait passes each new version on once (the flow publishes it), a half-written

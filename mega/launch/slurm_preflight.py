@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mega import faults
+from mega.cluster.selfcheck import on_physical_nodes
 from mega.launch.node_jobs import run_selfcheck
 from mega.launch.slurm_steps import SlurmStepBackend, warning_file
 from mega.stability.membership import CannotContinue, resize
@@ -68,12 +69,13 @@ def check_allocation(
         raise
     log(f"self-check {'passed' if result['healthy'] else 'failed'} in {result['elapsed_s']:.1f} s; {note}")
     _write_verdict(run_dir, result, hosts, bad, note)
+    physical = [backend.allocated.index(h) for h in hosts]  # the check's node k: the job's host hosts[k]
     rows = [
         {
             "node": backend.allocated.index(h),
             "host": h,
             "attempt": None,
-            "reasons": reasons[h],
+            "reasons": on_physical_nodes(reasons[h], physical),
             "replaced_by": None,
             "selfcheck": str(verdict_path(run_dir)),
         }
