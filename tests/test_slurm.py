@@ -576,6 +576,21 @@ def test_the_submitter_passes_on_a_verdict_written_just_before_the_job_ended(tmp
     assert seen == [{"healthy": False}]
 
 
+def test_a_verdict_that_cannot_be_published_does_not_end_the_wait(tmp_path):
+    """Publishing the verdict (Prefect's API) failing is logged; the submitter goes on waiting for
+    the job instead of cancelling it, as an incident's publication failing does not stop a run."""
+    from mega.launch import slurm_driver
+
+    path, said = tmp_path / "preflight.json", []
+    path.write_text('{"healthy": true}')
+
+    def publish(verdict):
+        raise ConnectionError("Prefect API unreachable")
+
+    slurm_driver._Verdicts(path, publish, said.append).poll()
+    assert len(said) == 1 and "on_selfcheck failed: ConnectionError: Prefect API unreachable" in said[0]
+
+
 def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_budgets(tmp_path):
     """The submitter after the job lost its first node: the next job excludes every host the run
     lost, is one node smaller (a spare of the job used) or, with no spare left, shrinks the run to

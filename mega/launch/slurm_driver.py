@@ -135,7 +135,7 @@ def run_driver_job(
         for path in (result_path(run_dir), *(driver_dir(run_dir) / f for f in (CARRIED_FILE, LOOP_FILE))):
             path.unlink(missing_ok=True)  # an earlier launch's
         verdict_path(run_dir).unlink(missing_ok=True)
-        verdicts = _Verdicts(verdict_path(run_dir), on_selfcheck)
+        verdicts = _Verdicts(verdict_path(run_dir), on_selfcheck, log)
         nodes, exclude = cfg.cluster.nodes + cfg.restart.spare_nodes, []
         try:
             while True:  # one job, or one more each time a job loses its driver's node
@@ -226,10 +226,11 @@ def driver_lost(info: dict[str, str]) -> str | None:
 
 
 class _Verdicts:
-    """Passes each new verdict of the driver's self-check (a new version of ``path``) to ``on``."""
+    """Passes each new verdict of the driver's self-check (a new version of ``path``) to ``on``;
+    ``on`` failing (a report not published) is logged: it never stops the wait, nor the job."""
 
-    def __init__(self, path: Path, on: Callable[[dict], None] | None):
-        self.path, self.on, self.seen = path, on, None
+    def __init__(self, path: Path, on: Callable[[dict], None] | None, log: Callable[[str], None] = print):
+        self.path, self.on, self.log, self.seen = path, on, log, None
 
     def poll(self) -> None:
         try:
@@ -240,7 +241,10 @@ class _Verdicts:
         except (OSError, ValueError):  # not there yet, or being written: the next poll
             return
         self.seen = stamp
-        self.on(verdict)
+        try:
+            self.on(verdict)
+        except Exception as e:
+            self.log(f"self-check verdict {self.path}: on_selfcheck failed: {type(e).__name__}: {e}")
 
 
 def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float, verdicts: _Verdicts) -> None:
