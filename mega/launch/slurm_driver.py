@@ -10,7 +10,8 @@ driver's result from the run directory (a shared filesystem). Secrets take the p
 job: the private env file (mega/launch/slurm.py), never the script or the job's environment.
 A job that loses its first node (the driver's: Slurm drops it from the still running job) is
 cancelled and replaced by a job of one node fewer with that host in ``--exclude``, whose driver
-continues the lost driver's loop state (``LOOP_FILE``, written before each attempt) from ``latest``.
+continues the lost driver's loop state (``LOOP_FILE``: as carried, then before each attempt) from
+``latest``.
 The job is ``--requeue``: Slurm's warning (``--signal=B:USR1@<launcher.slurm.signal_grace_s>``)
 reaches the batch shell, whose file each step's node tasks pass on to the ranks (as in
 mega/launch/slurm.py); the driver then requeues the job (mega/launch/in_allocation.py), whose next
