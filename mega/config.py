@@ -563,8 +563,8 @@ class CheckpointConfig:
     keep_last: int = 3  # complete checkpoints kept in the store (the one `latest` names always is)
     upload_retry_s: float = 5.0  # store unreachable: wait this long, then try the upload again
     # Store unreachable this long (retrying every upload_retry_s): that checkpoint fails, training
-    # goes on and `latest` keeps naming the last durable one. Below stability.hang_timeout_s, since
-    # the next save waits for this one.
+    # goes on and `latest` keeps naming the last durable one. With one S3 request
+    # (store_wait_bound_s) below stability.hang_timeout_s, since the next save waits for this one.
     upload_timeout_s: float = 120.0
     # One S3 request: a server that accepts connections but does not answer fails it after
     # s3_timeout_s (each socket read or write), tried s3_attempts times, so that one request ends

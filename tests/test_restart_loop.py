@@ -242,6 +242,25 @@ def test_in_its_allocation_the_driver_requeues_its_job_and_the_next_run_continue
     assert again.excluded == ["node-b"]
 
 
+def test_a_requeued_run_whose_nodes_fail_their_check_keeps_its_last_step(loop, tmp_path, monkeypatch):
+    """driver=allocation: the job's next run checks its nodes again; a check that ends the run
+    records it failed at the step it had reached, not at step 0."""
+    from mega.stability.membership import CannotContinue
+
+    launch, state, _ = loop(backend=SlurmLike(tmp_path, (), [], 1))
+    launch.run.beat(final_step=3)
+    monkeypatch.setattr(driver.slurm_steps, "inside_allocation", lambda cfg: True)
+
+    def check(cfg, backend, run_dir, log):
+        raise CannotContinue("no healthy node left")
+
+    monkeypatch.setattr(driver.slurm_preflight, "check_allocation", check)
+    with pytest.raises(TrainingFailed, match="no healthy node left"):
+        driver.check_allocation(launch, state)
+    record = runs.read_record(tmp_path)
+    assert (record.state, record.final_step) == ("failed", 3)
+
+
 def test_prepare_restart_spends_the_failure_budget_then_fails(loop, tmp_path):
     launch, state, _ = loop([([1, 2], {0: 1}), ([3], {0: 1})])
     for failures in (1, 2):

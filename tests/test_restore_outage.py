@@ -18,6 +18,7 @@ import importlib
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -163,7 +164,8 @@ def test_restore_waits_for_the_store_and_reads_latest_once_it_is_back(world, sea
 
 @pytest.fixture
 def black_hole():
-    """An S3 endpoint that accepts connections and never answers (a hung server, a dead proxy)."""
+    """An S3 endpoint that accepts connections and never answers (a hung server, a dead proxy):
+    ``url``, and ``held``, the connections it accepted."""
     import socket
 
     server = socket.create_server(("127.0.0.1", 0))
@@ -180,7 +182,7 @@ def black_hole():
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    yield SimpleNamespace(url=f"http://127.0.0.1:{server.getsockname()[1]}", held=held)
     stop.set()
     thread.join()
     for s in [server, *held]:
@@ -191,7 +193,7 @@ def test_a_store_that_never_answers_ends_the_wait_within_its_bound(world, black_
     """Each request to the store is bounded (checkpoint.s3_timeout_s per socket wait, s3_attempts
     tries), so the restore gives up within checkpoint.store_wait_bound_s(), as configured."""
     cfg = _cfg(world, timeout_s=1)
-    cfg.checkpoint.s3_endpoint_url = black_hole
+    cfg.checkpoint.s3_endpoint_url = black_hole.url
     cfg.checkpoint.s3_timeout_s, cfg.checkpoint.s3_attempts = 1.0, 2
     bound = cfg.checkpoint.store_wait_bound_s()
     assert bound == 1 + 2 * (5 + 1) + 1  # upload_timeout_s + 2 x (connect + socket timeout) + back-off
@@ -199,5 +201,23 @@ def test_a_store_that_never_answers_ends_the_wait_within_its_bound(world, black_
     with pytest.raises(StorageUnavailable) as err:
         restore_module.restore(cfg, [], None, None)
     waited = time.monotonic() - t0
-    assert "ReadTimeout" in str(err.value) and black_hole in str(err.value)
+    assert "ReadTimeout" in str(err.value) and black_hole.url in str(err.value)
     assert 2 <= waited < bound, waited  # two 1 s socket waits at least; botocore's defaults: 300 s
+
+
+def test_an_s3_request_is_tried_s3_attempts_times_in_all(black_hole, monkeypatch, tmp_path):
+    """checkpoint.s3_attempts counts every try of a request, the first included, as the store
+    wait's bound (s3_request_bound_s) does: a store that never answers is connected to that many
+    times (botocore's own ``max_attempts`` counts retries after the first)."""
+    from mega.checkpoint.common import open_store
+
+    hermetic_s3_env(
+        monkeypatch,
+        SimpleNamespace(env=lambda: {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}),
+        tmp_path,
+    )
+    over = ["checkpoint.storage_uri=s3://bucket/run", f"checkpoint.s3_endpoint_url={black_hole.url}"]
+    cfg = compose([*over, "checkpoint.s3_timeout_s=0.5", "checkpoint.s3_attempts=2"])
+    with pytest.raises(StorageUnavailable, match="after 2 attempts"):
+        open_store(cfg).read_latest()
+    assert len(black_hole.held) == 2

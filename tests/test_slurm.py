@@ -485,6 +485,62 @@ def test_the_allocations_self_check_excludes_unhealthy_hosts_onto_spares_or_fewe
     assert pre._node_of(hosts, ["n0", "n2"], 2) == 1 and pre._node_of(hosts, ["n0", "n2"], 1) is None
 
 
+def test_a_self_check_that_ends_the_run_leaves_its_verdict_for_the_submitter(tmp_path, monkeypatch):
+    """The allocation's check finds a host unhealthy and no spare or restart.min_nodes to go on:
+    the run fails (CannotContinue), and the verdict, with why the run cannot go on, is in the
+    file the submitter passes on to the flow (its only report of the check)."""
+    from mega.launch import slurm_preflight as pre
+    from mega.launch import slurm_steps
+    from mega.stability.membership import CannotContinue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[0-1]")
+    monkeypatch.setattr(slurm_steps, "hostnames", lambda nodelist: ["n0", "n1"])
+    cfg = _cfg(tmp_path, *SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation")
+    run_dir = Path(cfg.train.run_dir)
+
+    def run_selfcheck(cfg, out, **kwargs):  # the check's verdict: node 1 slow
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [
+            {"node": 0, "healthy": True, "reasons": []},
+            {"node": 1, "healthy": False, "reasons": ["slow"]},
+        ]
+        return {"healthy": False, "reasons": ["node 1: slow"], "nodes": rows, "elapsed_s": 1.0}
+
+    monkeypatch.setattr(pre, "run_selfcheck", run_selfcheck)
+    backend = slurm_steps.SlurmStepBackend(cfg, run_dir)
+    with pytest.raises(CannotContinue, match="restart.min_nodes=None"):
+        pre.check_allocation(cfg, backend, run_dir, print)
+    verdict = json.loads(pre.verdict_path(run_dir).read_text())
+    assert verdict["healthy"] is False and verdict["excluded_hosts"] == ["n1"]
+    assert verdict["note"].startswith("the run cannot go on: n1 excluded")
+
+
+def test_an_excluded_hosts_reasons_name_the_jobs_nodes_not_the_checks(tmp_path, monkeypatch):
+    """With a host of the job left out of the check (launcher.slurm.exclude), the check's node k
+    is not the job's node k: the evicted row names a link's other end as the job's node, as the
+    row itself does."""
+    from mega.launch import slurm_preflight as pre
+    from mega.launch import slurm_steps
+
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[0-3]")
+    monkeypatch.setattr(slurm_steps, "hostnames", lambda nodelist: ["n0", "n1", "n2", "n3"])
+    over = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.spare_nodes=1"]
+    cfg = _cfg(tmp_path, *over, "launcher.slurm.exclude=[n0]")
+    run_dir = Path(cfg.train.run_dir)
+
+    def run_selfcheck(cfg, out, **kwargs):  # checked n1, n2, n3: its node 1 (n2) slow towards node 2 (n3)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [{"node": k, "healthy": k != 1, "reasons": []} for k in range(3)]
+        rows[1]["reasons"] = ["link to node 2: 5 MB/s"]
+        return {"healthy": False, "reasons": ["node 1: link to node 2"], "nodes": rows, "elapsed_s": 1.0}
+
+    monkeypatch.setattr(pre, "run_selfcheck", run_selfcheck)
+    _, rows = pre.check_allocation(cfg, slurm_steps.SlurmStepBackend(cfg, run_dir), run_dir, print)
+    assert [(r["node"], r["host"], r["reasons"]) for r in rows] == [(2, "n2", ["link to node 3: 5 MB/s"])]
+
+
 def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
     """The driver in the allocation writes its self-check verdict to the run directory; the
     submitter's wait passes each new version on once (the flow publishes it), a half-written
@@ -502,6 +558,37 @@ def test_the_submitter_passes_each_new_self_check_verdict_on_once(tmp_path):
     os.utime(path, ns=(1, 1))  # the requeued job's driver checked its nodes again
     verdicts.poll()
     assert seen == [{"healthy": True}, {"healthy": True}]
+
+
+def test_the_submitter_passes_on_a_verdict_written_just_before_the_job_ended(tmp_path, monkeypatch):
+    """A check that fails ends the job within seconds of its verdict: the wait that sees the job
+    ended still passes that verdict on (the flow publishes why the run did not train)."""
+    from mega.launch import slurm_driver
+
+    path, seen = tmp_path / "preflight.json", []
+
+    def job_info(job_id):  # the driver wrote its verdict, then its job ended, since the last poll
+        path.write_text('{"healthy": false}')
+        return {"JobState": "FAILED"}
+
+    monkeypatch.setattr(slurm_driver, "job_info", job_info)
+    slurm_driver._wait("7", tmp_path, print, 0.01, slurm_driver._Verdicts(path, seen.append))
+    assert seen == [{"healthy": False}]
+
+
+def test_a_verdict_that_cannot_be_published_does_not_end_the_wait(tmp_path):
+    """Publishing the verdict (Prefect's API) failing is logged; the submitter goes on waiting for
+    the job instead of cancelling it, as an incident's publication failing does not stop a run."""
+    from mega.launch import slurm_driver
+
+    path, said = tmp_path / "preflight.json", []
+    path.write_text('{"healthy": true}')
+
+    def publish(verdict):
+        raise ConnectionError("Prefect API unreachable")
+
+    slurm_driver._Verdicts(path, publish, said.append).poll()
+    assert len(said) == 1 and "on_selfcheck failed: ConnectionError: Prefect API unreachable" in said[0]
 
 
 def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_budgets(tmp_path):
@@ -551,3 +638,21 @@ def test_a_job_that_lost_its_drivers_node_is_resubmitted_without_it_with_its_bud
     lost_driver(1, [])
     with pytest.raises(slurm_driver.DriverJobFailed, match=r"restart.max_restarts=1\): a recovery"):
         slurm_driver._resubmission(cfg, run_dir, "n0", "lost n0", said.append)
+
+
+def test_a_driver_lost_before_its_first_attempt_hands_on_what_it_was_carried(tmp_path):
+    """The replacement job's driver takes the carried state at its start and writes its own loop
+    state only before its first attempt (after its nodes' self-check): a job that loses its first
+    node in between is resubmitted with the carried failures and excluded hosts, not afresh."""
+    from mega.launch import in_allocation, slurm_driver, slurm_steps
+
+    base = [*SCRIPTS["cpu-2nodes"], "launcher.slurm.driver=allocation", "restart.max_restarts=3"]
+    cfg = _cfg(tmp_path, *base, "restart.spare_nodes=2")
+    run_dir = Path(cfg.train.run_dir)
+    slurm_steps.driver_dir(run_dir).mkdir(parents=True)
+    assert slurm_driver._resubmission(cfg, run_dir, "n0", "job 7 lost n0", print) == (3, ["n0"])
+    carried = in_allocation._take_carried(run_dir, print)  # job 8's driver starts, then loses n1
+    assert (carried["failures"], carried["excluded_hosts"]) == (1, ["n0"])
+    assert slurm_driver._resubmission(cfg, run_dir, "n1", "job 8 lost n1", print) == (2, ["n0", "n1"])
+    again = in_allocation._take_carried(run_dir, print)
+    assert (again["failures"], again["excluded_hosts"]) == (2, ["n0", "n1"])

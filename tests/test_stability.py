@@ -102,6 +102,22 @@ def test_hang_threshold_is_k_times_the_median_step_within_bounds():
     assert hang_threshold_s([], 10, 5, 600) == 5
 
 
+def test_a_save_waiting_for_a_silent_s3_store_is_given_its_whole_bound_before_a_hang():
+    """A blocking save waits for an S3 store that accepts connections and never answers up to
+    ``store_wait_bound_s`` (upload_timeout_s and the request under way then): while a rank is in
+    its ``checkpoint`` phase the hang threshold allows all of it, not upload_timeout_s alone."""
+    from mega.config import compose
+
+    over = ["model=tiny", "parallelism=tp2-pp2-dp2", "checkpoint.storage_uri=s3://bucket/run"]
+    cfg = compose([*over, "stability.min_hang_s=60", "stability.hang_timeout_s=600"])
+    w = Watcher(cfg, {}, attempt=0, log=lambda s: None)
+    w.beats = {0: {"phase": "train"}, 1: {"phase": "train"}}
+    assert w.threshold_s() == 60
+    w.beats[1]["phase"] = "checkpoint"
+    assert cfg.checkpoint.store_wait_bound_s() > cfg.checkpoint.upload_timeout_s
+    assert w.threshold_s() == 60 + cfg.checkpoint.store_wait_bound_s()
+
+
 def test_straggler_needs_every_one_of_the_last_steps_slow():
     rows = {s: {0: 1.0, 1: 1.1, 2: 0.9, 3: 3.0} for s in range(1, 5)}
     assert list(stragglers(rows, factor=1.5, beats=3)) == [3]

@@ -176,6 +176,22 @@ def test_pool_reuses_a_zygote_for_the_same_environment_only(tmp_path):
     pool.close()
 
 
+def test_closing_the_pool_leaves_a_leased_zygote_that_is_still_starting_its_socket(tmp_path):
+    """``close()`` ends the idle zygotes only: one leased a moment ago, that has not bound its
+    socket yet, still gets the directory its socket goes in, and serves."""
+    from mega.warm.pool import ZygotePool
+
+    pool = ZygotePool(preload="json")
+    leased = pool.lease(dict(os.environ), tmp_path / "zygote.log")
+    pool.close()
+    wait_for(lambda: os.path.exists(leased.sock) or leased.proc.poll() is not None, 60, "its socket")
+    assert leased.proc.poll() is None and os.path.exists(leased.sock)
+    directory = os.path.dirname(leased.sock)
+    pool.give_back([leased], keep=False)
+    pool.close()
+    assert leased.proc.poll() == 0 and not os.path.exists(directory)
+
+
 # ---------------------------------------------------------------------------------------------
 # A rank killed mid-run, recovered on warm processes
 

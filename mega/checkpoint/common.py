@@ -69,9 +69,8 @@ def retry_unavailable(
     the store does not answer (``StorageUnavailable``), for at most ``checkpoint.upload_timeout_s``
     (``ck``: the checkpoint config), counted from when the store stopped answering, so that the
     wait ends within ``ck.store_wait_bound_s()``; then StorageUnavailable naming the store and the
-    bound. Other
-    errors go to the caller. One ``log`` line per round; ``on_wait(error, seconds left)`` before
-    each wait; ``stop`` set ends a wait, re-raising the store's error."""
+    bound. Other errors go to the caller. One ``log`` line per round; ``on_wait(error, seconds
+    left)`` before each wait; ``stop`` set ends a wait, re-raising the store's error."""
     from mega.storage import StorageUnavailable
 
     first_failure = None

@@ -230,8 +230,8 @@ def _waiting(cfg, store) -> Callable:
     """``retry(what, fn)`` for every durable-store read of a restore: tried again while the store
     does not answer, the way saves wait for it (``retry_unavailable``: every
     checkpoint.upload_retry_s, at most checkpoint.upload_timeout_s). A rank that waits holds its
-    peers in the next collective: cluster.pg_timeout_s bounds that (300 s against 120 s, the
-    defaults). One line per round from each waiting rank."""
+    peers in the next collective, which fails after cluster.pg_timeout_s: the config keeps
+    ``store_wait_bound_s`` below it. One line per round from each waiting rank."""
     return partial(retry_unavailable, cfg.checkpoint, store, log=_rank_log)
 
 
@@ -266,9 +266,10 @@ def _candidates(store, log: Callable[[str], None], retry: Callable = _once) -> l
 def _memory_first(memory, store, t0: float, log) -> tuple[int | None, dict, list[str] | None]:
     """Collective: the in-memory copies when usable: (step or None, record, the durable candidates,
     None when the store did not answer). They are used when not older than `latest`. A store that
-    does not answer at once (its own quick retries) is not waited for: `latest` is unknown and the
-    newest complete copies are used whatever their step (one older than `latest` redoes the steps
-    since, on the same curve); only when they are unusable does the restore wait for the store."""
+    does not answer one request (with its own retries: ``s3_request_bound_s``) is not waited for:
+    `latest` is unknown and the newest complete copies are used whatever their step (one older
+    than `latest` redoes the steps since, on the same curve); only when they are unusable does the
+    restore wait for the store."""
     from mega.storage import StorageUnavailable
 
     try:

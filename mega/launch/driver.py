@@ -280,8 +280,8 @@ def check_allocation(launch: Launch, state: LoopState) -> LoopState:
     t0 = time.time()
     try:
         cfg, rows = slurm_preflight.check_allocation(cfg, launch.nodes.backend, launch.run_dir, launch.log)
-    except membership.CannotContinue as e:
-        launch.run.finish("failed", 0, error=str(e))
+    except membership.CannotContinue as e:  # the run keeps its last step (a requeued job's is not 0)
+        launch.run.finish("failed", error=str(e))
         raise TrainingFailed(str(e)) from None
     finally:  # the goodput ledger's "selfcheck"
         driver_mark(launch.run_dir, "diagnose", seconds=time.time() - t0)

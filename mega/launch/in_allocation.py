@@ -26,7 +26,7 @@ from mega import config as mega_config
 from mega.launch.driver import JobRequeued, TrainingFailed, run_training
 from mega.launch.slurm import SlurmError, slurm_command
 from mega.launch.slurm_driver import result_path
-from mega.launch.slurm_steps import CARRIED_FILE, driver_dir
+from mega.launch.slurm_steps import CARRIED_FILE, LOOP_FILE, driver_dir
 
 REQUEUE_WAIT_S = 60.0  # after `scontrol requeue`: Slurm ends this process with the job's first run
 
@@ -79,7 +79,9 @@ def _take_carried(run_dir: str | Path, log) -> dict | None:
             log("this job was requeued by Slurm, not by its driver: resuming from `latest`")
         return None
     carried = json.loads(path.read_text())
-    path.unlink()
+    # the loop state until this driver writes its own: a submitter that loses this job's first
+    # node before then carries it on (mega.launch.slurm_driver._resubmission), not a fresh one
+    path.replace(path.with_name(LOOP_FILE))
     excluded = ", ".join(carried["excluded_hosts"]) or "none"
     log(
         f"continuing the run (job run {os.environ.get('SLURM_RESTART_COUNT', '0')}): requeue "

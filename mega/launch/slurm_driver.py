@@ -10,7 +10,8 @@ driver's result from the run directory (a shared filesystem). Secrets take the p
 job: the private env file (mega/launch/slurm.py), never the script or the job's environment.
 A job that loses its first node (the driver's: Slurm drops it from the still running job) is
 cancelled and replaced by a job of one node fewer with that host in ``--exclude``, whose driver
-continues the lost driver's loop state (``LOOP_FILE``, written before each attempt) from ``latest``.
+continues the lost driver's loop state (``LOOP_FILE``: as carried, then before each attempt) from
+``latest``.
 The job is ``--requeue``: Slurm's warning (``--signal=B:USR1@<launcher.slurm.signal_grace_s>``)
 reaches the batch shell, whose file each step's node tasks pass on to the ranks (as in
 mega/launch/slurm.py); the driver then requeues the job (mega/launch/in_allocation.py), whose next
@@ -135,7 +136,7 @@ def run_driver_job(
         for path in (result_path(run_dir), *(driver_dir(run_dir) / f for f in (CARRIED_FILE, LOOP_FILE))):
             path.unlink(missing_ok=True)  # an earlier launch's
         verdict_path(run_dir).unlink(missing_ok=True)
-        verdicts = _Verdicts(verdict_path(run_dir), on_selfcheck)
+        verdicts = _Verdicts(verdict_path(run_dir), on_selfcheck, log)
         nodes, exclude = cfg.cluster.nodes + cfg.restart.spare_nodes, []
         try:
             while True:  # one job, or one more each time a job loses its driver's node
@@ -226,10 +227,11 @@ def driver_lost(info: dict[str, str]) -> str | None:
 
 
 class _Verdicts:
-    """Passes each new verdict of the driver's self-check (a new version of ``path``) to ``on``."""
+    """Passes each new verdict of the driver's self-check (a new version of ``path``) to ``on``;
+    ``on`` failing (a report not published) is logged: it never stops the wait, nor the job."""
 
-    def __init__(self, path: Path, on: Callable[[dict], None] | None):
-        self.path, self.on, self.seen = path, on, None
+    def __init__(self, path: Path, on: Callable[[dict], None] | None, log: Callable[[str], None] = print):
+        self.path, self.on, self.log, self.seen = path, on, log, None
 
     def poll(self) -> None:
         try:
@@ -240,7 +242,10 @@ class _Verdicts:
         except (OSError, ValueError):  # not there yet, or being written: the next poll
             return
         self.seen = stamp
-        self.on(verdict)
+        try:
+            self.on(verdict)
+        except Exception as e:
+            self.log(f"self-check verdict {self.path}: on_selfcheck failed: {type(e).__name__}: {e}")
 
 
 def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float, verdicts: _Verdicts) -> None:
@@ -250,9 +255,11 @@ def _wait(job_id: str, run_dir: Path, log: Callable[[str], None], poll_s: float,
     driver_log = run_dir / f"slurm-{job_id}.out"
     seen, partial = 0, b""
     while True:
-        verdicts.poll()
         info = job_info(job_id)
-        ended = not info or info.get("JobState") in ENDED  # first: once ended, the log is complete
+        # first: once ended, the log and the verdicts are complete (a verdict written just
+        # before the job ended, a failed check's, is passed on before the wait returns)
+        ended = not info or info.get("JobState") in ENDED
+        verdicts.poll()
         if lost := driver_lost(info):
             raise DriverLost(f"Slurm job {job_id} lost its first node {lost}, where its driver ran", lost)
         if driver_log.exists():

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mega import faults
+from mega.cluster.selfcheck import on_physical_nodes
 from mega.launch.node_jobs import run_selfcheck
 from mega.launch.slurm_steps import SlurmStepBackend, warning_file
 from mega.stability.membership import CannotContinue, resize
@@ -57,26 +58,36 @@ def check_allocation(
     log(f"self-check of the job's {len(hosts)} node(s) ({', '.join(hosts)}) before the first training step")
     bad_node = faults.selfcheck_bad_node(cfg, lambda p: _node_of(backend.allocated, hosts, p))
     result = run_selfcheck(every, out, backend=checker, bad_node=bad_node)  # run_job stops the step
-    bad, reasons = judged(result, hosts, warned=warning_file(run_dir).exists())
-    for host in bad:
-        backend.exclude(host)
-    cfg, note = _next_config(cfg, len(hosts) - len(bad), bad, result)
+    bad: list[str] = []
+    try:
+        bad, reasons = judged(result, hosts, warned=warning_file(run_dir).exists())
+        for host in bad:
+            backend.exclude(host)
+        cfg, note = _next_config(cfg, len(hosts) - len(bad), bad, result)
+    except CannotContinue as e:  # the verdict that ends the run is published too
+        _write_verdict(run_dir, result, hosts, bad, f"the run cannot go on: {e}")
+        raise
     log(f"self-check {'passed' if result['healthy'] else 'failed'} in {result['elapsed_s']:.1f} s; {note}")
-    tmp = verdict_path(run_dir).with_suffix(".tmp")  # whole or not at all for the submitter's reads
-    tmp.write_text(json.dumps({**result, "hosts": hosts, "excluded_hosts": bad, "note": note}))
-    tmp.replace(verdict_path(run_dir))
+    _write_verdict(run_dir, result, hosts, bad, note)
+    physical = [backend.allocated.index(h) for h in hosts]  # the check's node k: the job's host hosts[k]
     rows = [
         {
             "node": backend.allocated.index(h),
             "host": h,
             "attempt": None,
-            "reasons": reasons[h],
+            "reasons": on_physical_nodes(reasons[h], physical),
             "replaced_by": None,
             "selfcheck": str(verdict_path(run_dir)),
         }
         for h in bad
     ]
     return cfg, rows
+
+
+def _write_verdict(run_dir: str | Path, result: dict, hosts: list[str], bad: list[str], note: str) -> None:
+    tmp = verdict_path(run_dir).with_suffix(".tmp")  # whole or not at all for the submitter's reads
+    tmp.write_text(json.dumps({**result, "hosts": hosts, "excluded_hosts": bad, "note": note}))
+    tmp.replace(verdict_path(run_dir))
 
 
 def _node_of(allocated: list[str], hosts: list[str], physical: int) -> int | None:

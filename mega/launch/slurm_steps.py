@@ -47,8 +47,8 @@ INSIDE_ENV = "MEGA_SLURM_DRIVER_JOB"
 DRIVER = "driver"  # the job's name part and its folder under <run_dir>/slurm/
 # what a driver whose job Slurm requeues hands the next run of the job (mega.launch.in_allocation)
 CARRIED_FILE = "requeued.json"
-# the driver's loop state before each attempt: what the submitter carries into a new job when this
-# job loses the driver's node (mega.launch.slurm_driver)
+# the driver's loop state (what it was carried at its start, then before each attempt): what the
+# submitter carries into a new job when this job loses the driver's node (mega.launch.slurm_driver)
 LOOP_FILE = "loop.json"
 
 

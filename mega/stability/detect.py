@@ -2,19 +2,20 @@
 incidents (mega.stability.incident).
 
 * **hang**: no rank's step advanced, and no rank computed, for ``stability.progress_factor`` x
-  the median step time, at least ``stability.min_hang_s`` (plus ``checkpoint.upload_timeout_s``
-  while a rank saves), at most ``stability.hang_timeout_s``; or, sooner, no step for
-  ``silent_after_s`` when one rank's heartbeat stopped while a peer still beats (a stopped or dead
-  process: its heartbeat thread cannot run). "Computed": a rank trained on CPU whose training
-  thread used CPU between two beats (``train_cpu_s``) is slow, not hung, however long its step
-  takes on a loaded machine; a hung rank (deadlocked, sleeping, stopped) and the peers waiting on
-  it in a collective use none. On a GPU a synchronisation may spin the CPU while the device is
-  stuck, so there only steps count.
+  the median step time, at least ``stability.min_hang_s`` (plus the store's wait bound,
+  ``CheckpointConfig.store_wait_bound_s``, while a rank saves), at most
+  ``stability.hang_timeout_s``; or, sooner, no step for ``silent_after_s`` when one rank's
+  heartbeat stopped while a peer still beats (a stopped or dead process: its heartbeat thread
+  cannot run). "Computed": a rank trained on CPU whose training thread used CPU between two
+  beats (``train_cpu_s``) is slow, not hung, however long its step takes on a loaded machine; a
+  hung rank (deadlocked, sleeping, stopped) and the peers waiting on it in a collective use
+  none. On a GPU a synchronisation may spin the CPU while the device is stuck, so there only
+  steps count.
   Counted from the first step seen. Before it (the ranks beat from the end of group creation,
-  through the restore) only a stopped or dead rank is a hang: one silent for ``silent_after_s``
-  while a peer beats, or one that never beat while its peers have for ``stability.min_hang_s``; a
-  slow restore is bounded by the ranks' own timeouts. ``localise`` names the culprit; ``poll`` returns the reason, and the driver stops
-  the attempt and relaunches from ``latest``.
+  through the restore) only a stopped or dead rank is a hang: one silent, or one that never beat,
+  for ``stability.min_hang_s`` while its peers beat (``_startup_hang``); a slow restore is bounded
+  by the ranks' own timeouts. ``localise`` names the culprit; ``poll`` returns the reason, and
+  the driver stops the attempt and relaunches from ``latest``.
 * **straggler**: a rank whose compute time per step is above ``stability.straggler_factor`` x its
   peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
   attempt, no restart.
@@ -282,9 +283,10 @@ class Watcher:
             self.s.hang_timeout_s,
         )
         if any(b.get("phase") == "checkpoint" for b in self.beats.values()):
-            # a save blocks the step for up to checkpoint.upload_timeout_s by design (synchronous
-            # saves, the wait for the previous upload): not a hang until that is over too
-            limit = min(limit + self.cfg.checkpoint.upload_timeout_s, self.s.hang_timeout_s)
+            # a save blocks the step while it waits for a store that does not answer, by design
+            # (synchronous saves, the wait for the previous upload): up to upload_timeout_s and the
+            # S3 request under way then (store_wait_bound_s); not a hang until that is over too
+            limit = min(limit + self.cfg.checkpoint.store_wait_bound_s(), self.s.hang_timeout_s)
         return limit
 
     def _hang(self, now: float) -> str | None:

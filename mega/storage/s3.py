@@ -116,7 +116,9 @@ class S3Storage(CheckpointStorage):
         # path-style addressing works on all of them; virtual hosts need DNS set up for it.
         custom = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         config = Config(
-            retries={"max_attempts": max_attempts, "mode": "standard"},
+            # every try counted, the first included (botocore's "max_attempts" counts the retries
+            # after it): the bound of one request (CheckpointConfig.s3_request_bound_s) is exact
+            retries={"total_max_attempts": max_attempts, "mode": "standard"},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             max_pool_connections=max(10, max_concurrency + 2),
@@ -140,7 +142,7 @@ class S3Storage(CheckpointStorage):
             multipart_threshold=multipart_threshold,
             multipart_chunksize=multipart_chunksize,
             max_concurrency=max_concurrency,
-            # A download broken mid-stream fails as one request does (botocore already retried
+            # A download broken mid-stream fails as one request does (botocore already tried
             # the request max_attempts times): the caller's bounded retry tries again, and one
             # request's bound (connect + read timeouts per attempt) bounds the operation's too.
             num_download_attempts=1,

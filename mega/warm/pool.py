@@ -61,6 +61,7 @@ class ZygotePool:
         self.idle_max = idle_max
         self.preload = preload
         self.idle: list[Lease] = []  # least recently used first
+        self.leased = 0  # leased and not given back: their sockets live in ``dir``
         self.lock = threading.Lock()
         self.names = itertools.count()
         self.dir: str | None = None  # short: a unix socket path has at most 107 bytes
@@ -72,14 +73,21 @@ class ZygotePool:
         with self.lock:
             kept = self._take(key)
             if kept is not None and _move_log(kept, log_path):
+                self.leased += 1
                 return kept
             if self.dir is None:
                 self.dir = tempfile.mkdtemp(prefix="mega-zygote-")
             sock = os.path.join(self.dir, f"{next(self.names)}.sock")
+            self.leased += 1
         argv = [*(prefix or []), sys.executable, "-u", "-m", "mega.warm.zygote", "--socket", sock]
         if self.preload:
             argv += ["--preload", self.preload]
-        return Lease(_start(argv, sock, env, log_path), sock, key)
+        try:
+            return Lease(_start(argv, sock, env, log_path), sock, key)
+        except BaseException:
+            with self.lock:
+                self.leased -= 1
+            raise
 
     def _take(self, key: tuple) -> Lease | None:
         """The idle zygote of ``key``, out of the pool (ending the idle ones that died)."""
@@ -95,6 +103,7 @@ class ZygotePool:
         """The zygotes a backend is done with (it stopped every fork): kept idle if ``keep`` (and
         alive), else ended."""
         with self.lock:
+            self.leased -= len(leases)
             alive = [lease for lease in leases if keep and lease.proc.poll() is None]
             self.idle += alive
             surplus = self.idle[: max(0, len(self.idle) - self.idle_max)]
@@ -103,13 +112,15 @@ class ZygotePool:
 
     def close(self, exiting: bool = False) -> None:
         """End every idle zygote (leased ones end with their backend, or with this process:
-        ``exiting`` removes their sockets' directory too)."""
+        ``exiting`` removes their sockets' directory too; else it stays while one is leased, which
+        may not have bound its socket yet)."""
         with self.lock:
             idle, self.idle = self.idle, []
         _stop(idle)
-        if self.dir is not None and (exiting or not any(Path(self.dir).glob("*.sock"))):
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir = None
+        with self.lock:
+            if self.dir is not None and (exiting or not self.leased):
+                shutil.rmtree(self.dir, ignore_errors=True)
+                self.dir = None
 
 
 def _start(argv: list[str], sock: str, env: dict[str, str], log_path: Path) -> subprocess.Popen:
