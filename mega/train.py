@@ -389,7 +389,7 @@ def setup(cfg: MegaConfig, data_index: str, main_t: float | None, warned) -> Ran
         beat=beat,  # docs/stability.md
         skips=rollback.steps_to_skip(cfg),  # batches never trained on (docs/stability.md)
         losses=rollback.LossWindow.resumed(cfg, start_step),  # recent losses: the spike rule
-        verdicts=rollback.verdict_group(),  # a gloo group of the training thread's own
+        verdicts=rollback.verdict_group(cfg),  # a gloo group of the training thread's own
         me=node.identity(),
         start_step=start_step,
         attempt=attempt,

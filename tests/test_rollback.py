@@ -178,8 +178,9 @@ def _verdict_worker(rank: int, port: int, out: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
     )  # a wrong pairing errors out, never hangs the suite
     ps.is_pipeline_last_stage = lambda ignore_virtual=False: True  # no model here: every rank holds a loss
-    group = rollback.verdict_group()
-    window = rollback.LossWindow(compose(["model=tiny"]))
+    cfg = compose(["model=tiny", "cluster.pg_timeout_s=20", "checkpoint.load=false"])
+    group = rollback.verdict_group(cfg)
+    window = rollback.LossWindow(cfg)
     side = {}
 
     def stage2():
@@ -243,3 +244,25 @@ def test_sample_ledger_lists_the_skipped_batches_and_the_rest_once(runs):
     drill_led = ledger.build(root / "drill")
     assert {(x["attempt"], x["step"]) for x in drill_led["lost_steps"]} >= {(0, 3), (0, NAN_AT)}
     assert drill_led["ledger_s"]["lost_work"] > 0 and drill_led["ledger_s"]["fault_detection"] > 0
+
+
+def test_the_side_groups_fail_after_the_configured_timeout_not_torchs_default():
+    """Every gloo group of mega's own (saves, save checks, in-memory copies, rollback verdicts)
+    comes from gloo_side_group: it fails after cluster.pg_timeout_s as the world group does;
+    dist.new_group alone would wait torch's default 30 minutes."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch, torch.distributed as dist\n"
+        "from mega.config import compose\n"
+        "from mega.cluster.rendezvous import gloo_side_group\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "timeout = lambda g: g._get_backend(torch.device('cpu')).options._timeout.total_seconds()\n"
+        "print(timeout(gloo_side_group(compose(['cluster.pg_timeout_s=7', 'checkpoint.load=false']))), timeout(dist.new_group(backend='gloo')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["7.0", "1800.0"]
+    sources = " ".join(p.read_text() for p in Path(rollback.__file__).parents[1].rglob("*.py"))
+    assert "new_group(backend=" not in sources.replace('dist.new_group(backend="gloo", timeout=', "")

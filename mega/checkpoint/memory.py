@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from mega import rank_env
 from mega.checkpoint.common import iteration_name, layout, rng_state, set_rng_state, threads, threads_cpu_s
+from mega.cluster.rendezvous import gloo_side_group
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (a typed view of the slot needs alignment)
 STATS_DIR = "memory-checkpoints"  # <run_dir>/memory-checkpoints/rank<R>.json: what the copies cost
@@ -133,7 +134,7 @@ class MemoryCheckpoints:
         self.dir = node_dir(cfg)
         self._log = log or (lambda m: print(f"[memory-checkpoint] {m}", file=sys.stderr, flush=True))
         before = threads()
-        self.group = dist.new_group(backend="gloo")  # only copies and their restore use it
+        self.group = gloo_side_group(cfg)  # only copies and their restore use it
         self._gloo_threads = threads() - before  # its transport threads: the exchange's CPU runs there
         self.stats = _Stats()
         self._slots: dict[tuple[int, int], torch.Tensor] = {}  # (owner rank, slot) -> mapped file

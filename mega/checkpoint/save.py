@@ -64,6 +64,7 @@ from mega.checkpoint.common import (
     threads_cpu_s,
 )
 from mega.cluster.backend_flags import backend_flags
+from mega.cluster.rendezvous import gloo_side_group
 
 SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
 STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
@@ -229,12 +230,12 @@ class Checkpointer:
         # megatron plans a save with collectives on the default group; here they run on this gloo
         # group instead (mega/checkpoint/save_group.py), which only saves use: stage 2 plans in its
         # own thread while the training thread goes on, and no communicator serves two threads.
-        self._save_group = dist.new_group(backend="gloo")
+        self._save_group = gloo_side_group(cfg)
         # The training thread's own checks on saves in flight (poll, finish) use this group:
         # stage 2 may be running collectives on the save group at the same time (the save plan
         # of a deferred save), and a communicator must never be shared by two threads.
         # gloo: the flags live in host memory, on GPUs too.
-        self._control = dist.new_group(backend="gloo")
+        self._control = gloo_side_group(cfg)
         # Build the optimizer's state dict in stage 2, from a host copy (the gather of the
         # fully_reshardable format off the training thread): distributed optimizer, async saves.
         self._defer_optimizer = self.ck.async_save and optimizer_snapshot.supported(optimizer)

@@ -7,6 +7,7 @@
 * ``init_process_group(cfg)`` (rank side): ``torch.distributed.init_process_group`` over the
   configured store, optionally recording every store operation (``store.record``).
 * ``drop_attempt_keys``: an attempt's Redis namespace, deleted once its ranks are gone.
+* ``gloo_side_group(cfg)`` (rank side): a gloo group for one thread's own collectives.
 """
 
 from __future__ import annotations
@@ -172,6 +173,15 @@ def init_process_group(cfg: MegaConfig, record: bool | None = None):
         store = recorder = RecordingStore(store, rank=rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return recorder
+
+
+def gloo_side_group(cfg: MegaConfig):
+    """A gloo group of every rank for one thread's own collectives (a save's stage 2, the save
+    checks, in-memory copies, the rollback verdicts), failing after ``cluster.pg_timeout_s`` as the
+    world group does: torch gives a new group its 30-minute default otherwise. Collective."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.cluster.pg_timeout_s))
 
 
 def dump_store_traffic(cfg: MegaConfig, recorder, part: str) -> Path | None:

@@ -114,14 +114,14 @@ class LossWindow:
         self.losses.append(loss)
 
 
-def verdict_group():
+def verdict_group(cfg):
     """The group ``check_step`` reduces over (collective: every rank, once, at start-up): a gloo
     group of the training thread's own: two threads' collectives on one group pair up with the
     wrong peers (a deadlock seen under load), so no group is shared with another thread; and the
     flags are a CPU tensor, which NCCL cannot reduce."""
-    import torch.distributed as dist
+    from mega.cluster.rendezvous import gloo_side_group
 
-    return dist.new_group(backend="gloo")
+    return gloo_side_group(cfg)
 
 
 def check_step(result: dict, window: LossWindow, group) -> dict[str, bool] | None:
