@@ -18,7 +18,7 @@ from mega.perf.hardware import Hardware, Link
 from mega.perf.memory import buckets
 from mega.perf.planner import hardware_for, settle_precision
 from mega.perf.scale import expected_max_normal, straggler_s, tree_all_reduce_s
-from mega.perf.step import Stack, causal_keys, effective_overlap, layer_unit, predict
+from mega.perf.step import MEGA, Stack, causal_keys, effective_overlap, layer_unit, predict
 from mega.plan import main as plan_main
 
 # MegaScale Table 2's 175B layout (TP8 PP8 VPP6, batch 6144), knobs fixed so only the scale moves.
@@ -235,18 +235,20 @@ STACK_2021 = Stack(
 def test_unfused_gradient_accumulation_is_one_pass_over_the_stage_parameters(composer):
     """Without gradient_accumulation_fusion the wgrad GEMM writes a 16-bit gradient and a separate
     kernel adds it into the main gradient: per microbatch, every parameter of the stage read (2 B),
-    and the main gradient read and written (2 x 2 B with a 16-bit buffer, 2 x 4 B with fp32). On
-    1T's PP64 the slowest (last) stage holds 2 layers, 2 x 12 h^2 / 8 parameters per rank, and the
-    output layer's 51,200 x h / 8."""
+    and the main gradient read and written (2 x 2 B with SC'21's 16-bit buffer, 2 x 4 B with fp32,
+    as mega trains: megatron-core's DDP hook main_grad.add_(grad)). On 1T's PP64 the slowest (last)
+    stage holds 2 layers, 2 x 12 h^2 / 8 parameters per rank, and the output layer's 51,200 x h / 8."""
     _, cfg, hw = _korthikanti_layer(composer, "gpt-1t", 1, "full", "false", pp=64)
     h, mb = 25600, cfg.parallelism.num_microbatches
     params = 2 * 12 * h * h / 8 + 51200 * h / 8
-    for main_bytes in (2, 4):
-        stack = dataclasses.replace(STACK_2021, main_grad_bytes=main_bytes)
+    for stack, per_param in ((STACK_2021, 2 + 2 * 2), (MEGA, 2 + 2 * 4), (Stack(), 0)):
         term = predict(cfg, hw, stack=stack).breakdown()["grad_accumulation"]["seconds"]
-        per_microbatch = params * (2 + 2 * main_bytes) / (2.039e12 * device.prior("A100").memory_efficiency)
-        assert term == pytest.approx(mb * per_microbatch, rel=0.03)
-    assert predict(cfg, hw).breakdown()["grad_accumulation"]["seconds"] == 0.0  # fused (megatron-core)
+        per_microbatch = params * per_param / (2.039e12 * device.prior("A100").memory_efficiency)
+        assert term == pytest.approx(mb * per_microbatch, rel=0.03, abs=1e-12)
+    assert (
+        predict(cfg, hw).breakdown()["grad_accumulation"]
+        == predict(cfg, hw, stack=MEGA).breakdown()["grad_accumulation"]
+    )
 
 
 def test_data_parallel_reduction_moves_the_main_gradient_dtype(composer):

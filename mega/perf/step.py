@@ -69,7 +69,9 @@ class Stack:
         return 0 if self.grad_accumulation_fusion else dtype + 2 * self.main_grad_bytes
 
 
-MEGATRON_CORE = Stack()
+# mega's own training: megatron-core with gradient_accumulation_fusion off (mega/model.py keeps
+# CUDA-only kernels off), fp32 main gradients under bf16/fp16 (grad_reduce_in_fp32)
+MEGA = Stack(grad_accumulation_fusion=False)
 
 
 @dataclass
@@ -280,7 +282,7 @@ def tp_collective_seconds(
     return fwd, bwd
 
 
-def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGATRON_CORE) -> Unit:
+def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> Unit:
     """One transformer layer, one microbatch, one tensor-parallel rank."""
     g = layer_gemms(cfg, hw, dtype)
     attn_f, attn_b = attention_seconds(cfg, hw, dtype)
@@ -311,7 +313,7 @@ def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     return Unit(fwd, bwd, Pass())
 
 
-def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGATRON_CORE) -> Unit:
+def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> Unit:
     """Final LayerNorm, output layer (column-parallel over the vocabulary) and the vocab-parallel
     cross entropy in fp32 on the last stage."""
     m, p = cfg.model, cfg.parallelism
@@ -420,9 +422,7 @@ def accumulation_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack
     ]
 
 
-def stages_of(
-    cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float, stack: Stack = MEGATRON_CORE
-) -> list[Stage]:
+def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float, stack: Stack = MEGA) -> list[Stage]:
     p = cfg.parallelism
     pp, vpp = p.pp, p.chunks_per_stage
     n = cfg.model.num_layers // pp
@@ -711,11 +711,11 @@ def core_sharing_term(hw: Hardware, world: int, busy_s: float, step_s: float) ->
 
 
 def predict(
-    cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, stack: Stack = MEGATRON_CORE
+    cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, stack: Stack = MEGA
 ) -> Prediction:
     """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
     device (default the cluster's dense bf16 peak, or the calibrated GEMM rate on a CPU).
-    ``stack``: the training software's differences from megatron-core (published runs)."""
+    ``stack``: the training software as the model charges it (default mega's; published runs: theirs)."""
     cfg = effective_overlap(cfg)
     m, p = cfg.model, cfg.parallelism
     dtype = DTYPE_BYTES[precision_of(cfg)]
