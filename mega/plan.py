@@ -257,7 +257,12 @@ def _validate_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--fixtures", default=str(published.DEFAULT_DIR))
     parser.add_argument("--plot", default=None, help="write the predicted-vs-published PNG here")
-    parser.add_argument("--rounds", type=int, default=1, help="coordinate-descent rounds of each fit")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=published.FIT_ROUNDS,
+        help="at most this many coordinate-descent rounds per fit (each stops once converged)",
+    )
     parser.add_argument("--json", action="store_true")
     return parser
 

@@ -9,8 +9,8 @@ on) or ``miss`` (a known model error beyond +-3 points with what is known of its
 calibrated on like any other row); ``miss_held_out`` (on a row or the whole fixture) says what is
 known of an error that appears only when the source is predicted from the others.
 
-Metrics, all turned into MFU by mega.flops' count for the comparison: ``mfu`` (as published),
-``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tokens_per_s``
+Metrics (the fixture's ``metric``, or a row's own), all turned into MFU by mega.flops' count for
+the comparison: ``mfu`` (as published), ``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tokens_per_s``
 (throughput: the step is the global batch's tokens / throughput), ``tflops_per_gpu``
 (achieved TFLOP/s per GPU counting recomputation, Narayanan et al.'s eq. 3: MFU = value x model
 FLOPs / FLOPs with recompute / peak). ``flops_overrides`` change the model for its FLOP count only
@@ -37,9 +37,10 @@ from mega.perf import device, hardware
 from mega.perf.configs import Composer
 from mega.perf.device import DeviceCalibration
 from mega.perf.planner import KNOBS, evaluate, settle_precision
-from mega.perf.step import predict
+from mega.perf.step import Stack, predict
 
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "published"
+STACK_KEYS = tuple(f.name for f in dataclasses.fields(Stack))
 METRICS = ("step_s", "tokens_per_s", "mfu", "tflops_per_gpu")
 TARGET_PTS = 3.0  # every row within +-3 MFU points
 TARGET_MAE_PTS = 1.5
@@ -53,8 +54,9 @@ def load(directory: Path = DEFAULT_DIR) -> list[dict[str, Any]]:
         for key in ("source", "group", "metric", "mfu_convention", "rows"):
             if key not in data:
                 raise ValueError(f"{path}: missing {key!r}")
-        if data["metric"] not in METRICS:
-            raise ValueError(f"{path}: metric {data['metric']!r} is not one of {METRICS}")
+        for metric in {data["metric"], *(row.get("metric", data["metric"]) for row in data["rows"])}:
+            if metric not in METRICS:
+                raise ValueError(f"{path}: metric {metric!r} is not one of {METRICS}")
         fixtures.append(data)
     return fixtures
 
@@ -85,7 +87,7 @@ class Case:
 
     @property
     def published_mfu(self) -> float:
-        metric, value = self.fixture["metric"], self.row["value"]
+        metric, value = self.row.get("metric", self.fixture["metric"]), self.row["value"]
         if metric == "mfu":
             return value
         if metric == "step_s":
@@ -102,8 +104,10 @@ class Case:
         return self.flops / (self.published_mfu * self.gpus * self.peak)
 
     @property
-    def p2p_scatter_gather(self) -> bool:
-        return self.fixture.get("system", {}).get("p2p_scatter_gather", False)
+    def stack(self) -> Stack:
+        """The source's software as the step model charges it (fixture ``system``)."""
+        system = self.fixture.get("system", {})
+        return Stack(**{k: system[k] for k in STACK_KEYS if k in system})
 
     @property
     def memory_known(self) -> str | None:
@@ -112,20 +116,23 @@ class Case:
         return self.fixture.get("system", {}).get("memory_known")
 
 
-def cases(fixtures: list[dict[str, Any]]) -> list[Case]:
+def cases(fixtures: list[dict[str, Any]], composer: Composer | None = None) -> list[Case]:
+    """The fixtures' rows composed, under ``composer``'s Hydra initialisation when one is open."""
+    if composer is None:
+        with Composer() as own:
+            return cases(fixtures, own)
     out = []
-    with Composer() as composer:
-        for fx in fixtures:
-            for row in fx["rows"]:
-                overrides = [*fx.get("common", []), *row["overrides"]]
-                plan = composer.plan(overrides)
-                plan.given -= set(fx.get("open", []))  # unpublished knobs: the planner chooses them
-                settle_precision(plan)
-                flops_cfg = composer.plan([*overrides, *fx.get("flops_overrides", [])]).cfg
-                flops = model_flops_per_step(flops_cfg)
-                out.append(
-                    Case(fx, row, plan, flops, device_key(plan.cfg.cluster.device_name or "") or "unknown")
-                )
+    for fx in fixtures:
+        for row in fx["rows"]:
+            overrides = [*fx.get("common", []), *row["overrides"]]
+            plan = composer.plan(overrides)
+            plan.given -= set(fx.get("open", []))  # unpublished knobs: the planner chooses them
+            settle_precision(plan)
+            flops_cfg = composer.plan([*overrides, *fx.get("flops_overrides", [])]).cfg
+            flops = model_flops_per_step(flops_cfg)
+            out.append(
+                Case(fx, row, plan, flops, device_key(plan.cfg.cluster.device_name or "") or "unknown")
+            )
     return out
 
 
@@ -180,7 +187,7 @@ def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str
         hw,
         case.peak,
         memory_known=bool(case.memory_known),
-        p2p_scatter_gather=case.p2p_scatter_gather,
+        stack=case.stack,
     )
     p, m = ev.cfg.parallelism, ev.cfg.model
     given = {
@@ -242,7 +249,7 @@ def freeze_knobs(todo: list[Case]) -> None:
                 hw,
                 case.peak,
                 memory_known=bool(case.memory_known),
-                p2p_scatter_gather=case.p2p_scatter_gather,
+                stack=case.stack,
             ).cfg
 
 
@@ -250,9 +257,7 @@ def _loss(todo: list[Case], calibrations: Calibrations) -> float:
     total = 0.0
     for case in todo:
         assert case.cfg is not None
-        step = predict(
-            case.cfg, _hardware(case, calibrations), case.peak, p2p_scatter_gather=case.p2p_scatter_gather
-        ).step_s
+        step = predict(case.cfg, _hardware(case, calibrations), case.peak, stack=case.stack).step_s
         total += (100 * (case.flops / (step * case.gpus * case.peak) - case.published_mfu)) ** 2
     return total
 
@@ -274,6 +279,9 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, tol: float) -> fl
     return (a + b) / 2
 
 
+# Coordinate descent stops once a round moves no parameter by more than its tolerance; the GEMM
+# efficiency and the straggler spread trade off, so it takes 6-8 rounds on the published rows.
+FIT_ROUNDS = 12
 # (parameter, per device or shared, search range, tolerance)
 FIT_PARAMETERS = (
     ("gemm_efficiency", True, (0.4, 1.0), 0.005),
@@ -282,10 +290,11 @@ FIT_PARAMETERS = (
 )
 
 
-def fit(todo: list[Case], rounds: int = 2) -> Calibrations:
+def fit(todo: list[Case], rounds: int = FIT_ROUNDS) -> Calibrations:
     """Per-device calibrations minimising the squared MFU-point errors of ``todo``: the GEMM
     efficiency of each device type on its own rows, the straggler spread and the per-step host
-    overhead shared by all (coordinate descent, golden-section search per parameter)."""
+    overhead shared by all (coordinate descent, golden-section search per parameter), for at most
+    ``rounds`` rounds: it stops early once a round moves no parameter by more than its tolerance."""
     freeze_knobs(todo)
     devices = sorted({c.device for c in todo})
     sources = {d: sorted({c.source for c in todo if c.device == d}) for d in devices}
@@ -294,6 +303,7 @@ def fit(todo: list[Case], rounds: int = 2) -> Calibrations:
         for d in devices
     }
     for _ in range(rounds):
+        before = dict(cals)
         for name, per_device, (lo, hi), tol in FIT_PARAMETERS:
             groups = [[d] for d in devices] if per_device else [devices]
             for group in groups:
@@ -305,6 +315,12 @@ def fit(todo: list[Case], rounds: int = 2) -> Calibrations:
 
                 best = _golden(loss, lo, hi, tol)
                 cals.update({d: cals[d].replace(**{name: round(best, 4)}) for d in group})
+        if all(
+            abs(getattr(cals[d], name) - getattr(before[d], name)) <= tol
+            for d in devices
+            for name, _, _, tol in FIT_PARAMETERS
+        ):
+            break
     return cals
 
 
@@ -315,7 +331,7 @@ def explained(case: Case) -> bool:
 
 
 def leave_one_source_out(
-    todo: list[Case], rounds: int = 2
+    todo: list[Case], rounds: int = FIT_ROUNDS
 ) -> tuple[list[RowResult], dict[str, Calibrations]]:
     """Each source predicted with the calibration fitted on all the others' explained rows; a device
     type with no such rows elsewhere keeps its prior (``calibrated_on`` empty)."""
@@ -411,7 +427,7 @@ def plot(results: list[RowResult], path: str | Path) -> Path:
 
 
 def validate(
-    directory: Path = DEFAULT_DIR, plot_path: str | Path | None = None, rounds: int = 2
+    directory: Path = DEFAULT_DIR, plot_path: str | Path | None = None, rounds: int = FIT_ROUNDS
 ) -> dict[str, Any]:
     todo = cases(load(directory))
     results, fits = leave_one_source_out(todo, rounds)

@@ -32,6 +32,48 @@ from mega.perf.scale import straggler_s
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+@dataclass(frozen=True)
+class Stack:
+    """What a run's training software does in the ways the step model charges differently:
+    ``Stack()`` is Megatron-LM as run since 2022 (and NeMo); the published runs on older stacks
+    say how theirs differ (tests/fixtures/published, ``system``).
+
+    ``p2p_scatter_gather``: Megatron-LM's 2021-22 pipeline optimization (Narayanan et al. SC'21
+    section 4.1): without sequence parallelism each TP rank sends 1/tp of the activation over its
+    NIC and the receiving stage all-gathers it over NVLink; megatron-core sends the whole tensor
+    from every TP rank.
+    ``grad_accumulation_fusion``: the wgrad GEMM accumulates into the main-gradient buffer in its
+    epilogue (Megatron-LM's default since 2022-02, Transformer Engine). Without it the GEMM writes
+    a 16-bit gradient that a separate kernel adds into the buffer (Megatron-LM's DDP hook
+    ``main_grad.add_(grad)``, autograd's accumulation of ``.grad``): one memory-bound pass over the
+    stage's parameters per microbatch.
+    ``main_grad_bytes``: the main-gradient buffer's element size, which the data-parallel reduction
+    moves: 4 (megatron-core under bf16/fp16, ``grad_reduce_in_fp32``), 2 (Megatron-LM's fp16 runs
+    without ``--accumulate-allreduce-grads-in-fp32``, DeepSpeed's fp16 engine).
+    ``tp_backward_overlap``: the column-parallel layers' backward all-reduce runs asynchronously
+    under the weight-gradient GEMM (Megatron-LM since 2021-09, megatron-core); without it every TP
+    collective of the backward is exposed."""
+
+    p2p_scatter_gather: bool = False
+    grad_accumulation_fusion: bool = True
+    main_grad_bytes: int = 4
+    tp_backward_overlap: bool = True
+
+    def __post_init__(self) -> None:
+        if self.main_grad_bytes not in (2, 4):
+            raise ValueError(f"main_grad_bytes must be 2 or 4, not {self.main_grad_bytes!r}")
+
+    def accumulation_bytes(self, dtype: int) -> int:
+        """Bytes moved per parameter and microbatch outside the GEMM: the GEMM's gradient read,
+        the main gradient read and written (0 when fused)."""
+        return 0 if self.grad_accumulation_fusion else dtype + 2 * self.main_grad_bytes
+
+
+# mega's own training: megatron-core with gradient_accumulation_fusion off (mega/model.py keeps
+# CUDA-only kernels off), fp32 main gradients under bf16/fp16 (grad_reduce_in_fp32)
+MEGA = Stack(grad_accumulation_fusion=False)
+
+
 @dataclass
 class Term:
     """One line of the breakdown: ``seconds`` on the step's critical path; for communication
@@ -198,9 +240,12 @@ def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[floa
     return hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
 
 
-def tp_collective_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, g: LayerGemms) -> tuple[Pass, Pass]:
+def tp_collective_seconds(
+    cfg: MegaConfig, hw: Hardware, dtype: int, g: LayerGemms, async_backward: bool = True
+) -> tuple[Pass, Pass]:
     """Tensor-parallel collectives of a layer over the microbatch's activation: (forward, backward)
-    passes holding only their exposed, total and core seconds."""
+    passes holding only their exposed, total and core seconds. ``async_backward``: the column-parallel
+    backward collectives run under the dgrad/wgrad GEMMs (``Stack.tp_backward_overlap``)."""
     m, p = cfg.model, cfg.parallelism
     t = p.tp
     if t == 1:
@@ -225,23 +270,24 @@ def tp_collective_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, g: LayerGem
             f_exp = _exposed(ag, c_f, t, chunked, False) + _exposed(rs, r_f, t, chunked, False)
             b_exp = (
                 _exposed(ag, r_d, t, chunked, False)
-                + _exposed(ag, c_d, t, chunked, True)
-                + _exposed(rs, c_w, t, chunked, True)
+                + _exposed(ag, c_d, t, chunked, async_backward)
+                + _exposed(rs, c_w, t, chunked, async_backward)
             )
             fwd = fwd + Pass(tp_exposed=f_exp, tp_total=ag + rs, comm_cpu=agc + rsc)
             bwd = bwd + Pass(tp_exposed=b_exp, tp_total=2 * ag + rs, comm_cpu=2 * agc + rsc)
         else:
             fwd = fwd + Pass(tp_exposed=_exposed(ar, r_f, t, chunked, False), tp_total=ar, comm_cpu=arc)
-            bwd = bwd + Pass(tp_exposed=_exposed(ar, c_w, t, chunked, True), tp_total=ar, comm_cpu=arc)
+            b_exp = _exposed(ar, c_w, t, chunked, async_backward)
+            bwd = bwd + Pass(tp_exposed=b_exp, tp_total=ar, comm_cpu=arc)
     return fwd, bwd
 
 
-def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
+def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> Unit:
     """One transformer layer, one microbatch, one tensor-parallel rank."""
     g = layer_gemms(cfg, hw, dtype)
     attn_f, attn_b = attention_seconds(cfg, hw, dtype)
     elem_f, elem_b = elementwise_seconds(cfg, hw, dtype)
-    tp_f, tp_b = tp_collective_seconds(cfg, hw, dtype, g)
+    tp_f, tp_b = tp_collective_seconds(cfg, hw, dtype, g, stack.tp_backward_overlap)
     ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if cfg.parallelism.tp > 1 else 0.0)
     gemm_f, gemm_b = sum(g.fwd.values()), sum(g.dgrad.values()) + sum(g.wgrad.values())
     forward = Pass(gemm_f, attn_f, elem_f, overhead=ovh) + tp_f
@@ -267,7 +313,7 @@ def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     return Unit(fwd, bwd, Pass())
 
 
-def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
+def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> Unit:
     """Final LayerNorm, output layer (column-parallel over the vocabulary) and the vocab-parallel
     cross entropy in fp32 on the last stage."""
     m, p = cfg.model, cfg.parallelism
@@ -291,7 +337,7 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
         c_f, c_b = 0.0, hw.collective_s("all_reduce", act, t)
         cpu_b = hw.collective_cpu_s("all_reduce", act, t)
     wgrad = hw.gemm_s(h, vocab // t, tokens, dtype_bytes=dtype)
-    b_exposed = _exposed(c_b, wgrad, t, False, True)
+    b_exposed = _exposed(c_b, wgrad, t, False, stack.tp_backward_overlap)
     fwd = Pass(
         gemm=gemm_f,
         elementwise=hw.elementwise_s(norm + 6 * logits, 6),
@@ -337,6 +383,7 @@ class Stage:
     extra: Pass  # embedding (first stage), output layer and loss (last stage)
     overhead: float  # host cost per microbatch and chunk
     p2p: float  # blocking pipeline messages on the critical path
+    accumulate: float = 0.0  # adding the microbatch's weight gradients into the main gradients
 
     @property
     def layers(self) -> Pass:
@@ -344,7 +391,14 @@ class Stage:
 
     @property
     def total(self) -> float:
-        return self.layers.total + self.recompute.total + self.extra.total + self.overhead + self.p2p
+        return (
+            self.layers.total
+            + self.recompute.total
+            + self.extra.total
+            + self.overhead
+            + self.p2p
+            + self.accumulate
+        )
 
     @property
     def busy(self) -> float:
@@ -354,12 +408,28 @@ class Stage:
         return self.total - self.p2p - sum(x.tp_exposed for x in parts) + sum(x.comm_cpu for x in parts)
 
 
-def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Stage]:
+def accumulation_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack) -> list[float]:
+    """Per stage, seconds per microbatch of adding the weight gradients into the main-gradient
+    buffer when the wgrad GEMM does not (``Stack.grad_accumulation_fusion``): one add per parameter
+    tensor (each layer's weights and biases), memory-bound."""
+    nbytes = stack.accumulation_bytes(dtype)
+    if nbytes == 0:
+        return [0.0] * cfg.parallelism.pp
+    tensors = cfg.model.num_layers // cfg.parallelism.pp * 12
+    return [
+        hw.stream_s(n * nbytes, tensors)
+        for n in stage_params(cfg.model, cfg.parallelism.tp, cfg.parallelism.pp)
+    ]
+
+
+def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float, stack: Stack = MEGA) -> list[Stage]:
     p = cfg.parallelism
     pp, vpp = p.pp, p.chunks_per_stage
     n = cfg.model.num_layers // pp
-    layer, emb, head = layer_unit(cfg, hw, dtype), embedding_unit(cfg, hw, dtype), logits_unit(cfg, hw, dtype)
+    layer, emb = layer_unit(cfg, hw, dtype, stack), embedding_unit(cfg, hw, dtype)
+    head = logits_unit(cfg, hw, dtype, stack)
     blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else 2 * vpp * p2p  # each chunk: one message each way
+    accumulate = accumulation_seconds(cfg, hw, dtype, stack)
     out = []
     for stage in range(pp):
         extra = Pass()
@@ -376,6 +446,7 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float) -> list[Sta
                 extra,
                 overhead,
                 blocking,
+                accumulate[stage],
             )
         )
     return out
@@ -428,6 +499,12 @@ def pipeline_terms(
             f"model.recompute={m.recompute}: forward work redone in the backward",
         ),
         Term(
+            "grad_accumulation",
+            mb * st.accumulate,
+            "adding each microbatch's weight gradients into the main gradients outside the wgrad GEMM: "
+            "a memory-bound pass over the stage's parameters per microbatch (0 when fused)",
+        ),
+        Term(
             "host_overhead",
             mb * (lay.overhead + ext.overhead + st.overhead),
             "host (Python) time the device does not hide: per layer and per microbatch/chunk",
@@ -475,14 +552,14 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
 
 
 def data_parallel_terms(
-    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float
+    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float, main_grad_bytes: int = 4
 ) -> tuple[list[Term], float, float]:
     """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
     optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params_rank = max(stage_params(m, tp, pp))
-    grad_bytes = params_rank * 4  # fp32 main gradients
+    grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
     n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
     if p.use_distributed_optimizer:
         rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
@@ -519,8 +596,8 @@ def data_parallel_terms(
         Term(
             "dp_grad_reduce",
             rs_exposed,
-            f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB fp32 "
-            f"gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
+            f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB "
+            f"{8 * main_grad_bytes}-bit gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
             total_s=rs_total,
         ),
         Term("optimizer", opt_s, opt_what),
@@ -634,22 +711,20 @@ def core_sharing_term(hw: Hardware, world: int, busy_s: float, step_s: float) ->
 
 
 def predict(
-    cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, p2p_scatter_gather: bool = False
+    cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, stack: Stack = MEGA
 ) -> Prediction:
     """Step time, MFU and memory of ``cfg`` on ``hw``. ``mfu_peak_flops``: the MFU denominator per
     device (default the cluster's dense bf16 peak, or the calibrated GEMM rate on a CPU).
-
-    ``p2p_scatter_gather``: Megatron-LM's 2021-22 pipeline optimization (Narayanan et al. SC'21
-    section 4.1): without sequence parallelism each TP rank sends 1/tp of the activation over its
-    NIC and the receiving stage all-gathers it over NVLink. megatron-core, and so mega, sends the
-    whole tensor from every TP rank (the default). Only the published Megatron-LM rows set it."""
+    ``stack``: the training software as the model charges it (default mega's; published runs: theirs)."""
     cfg = effective_overlap(cfg)
     m, p = cfg.model, cfg.parallelism
     dtype = DTYPE_BYTES[precision_of(cfg)]
-    p2p, p2p_bytes = p2p_seconds(cfg, hw, dtype, p2p_scatter_gather)
-    stages = stages_of(cfg, hw, dtype, p2p)
+    p2p, p2p_bytes = p2p_seconds(cfg, hw, dtype, stack.p2p_scatter_gather)
+    stages = stages_of(cfg, hw, dtype, p2p, stack)
     terms = pipeline_terms(cfg, hw, stages, p2p, p2p_bytes)
-    dp_terms, opt_s, dp_cpu = data_parallel_terms(cfg, hw, dtype, stages, bubble=terms[-1].seconds)
+    dp_terms, opt_s, dp_cpu = data_parallel_terms(
+        cfg, hw, dtype, stages, bubble=terms[-1].seconds, main_grad_bytes=stack.main_grad_bytes
+    )
     once = per_step_terms(cfg, hw)
     terms += dp_terms + once
     terms += stragglers_term(hw, p.dp, sum(t.seconds for t in terms))
