@@ -195,15 +195,29 @@ def pytest_runtest_logreport(report):
 
 # In-memory checkpoint copies (checkpoint.memory_dir, default in /dev/shm) of runs that never
 # finished (a drill's given-up run, a killed driver) stay in tmpfs by design: a recovery may use
-# them. The suite's own are removed when it ends (those made since it started).
+# them. The suite's own are removed when it ends: made since it started, by a run under this
+# session's base temporary directory or whose run directory is gone (never another process's
+# live run: a training job or another test session beside this one).
 _MEMORY_COPIES = Path(CheckpointConfig.memory_dir)
 _copies_before = set(_MEMORY_COPIES.iterdir()) if _MEMORY_COPIES.is_dir() else set()
 
 
+def _the_suites_copies(run: Path, basetemp: Path) -> bool:
+    from mega.checkpoint.memory import OWNER_FILE
+
+    try:
+        owner = Path((run / OWNER_FILE).read_text())
+    except OSError:
+        return False
+    return owner.is_relative_to(basetemp) or not owner.exists()
+
+
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput") and _MEMORY_COPIES.is_dir():
+        basetemp = session.config._tmp_path_factory.getbasetemp()
         for run in set(_MEMORY_COPIES.iterdir()) - _copies_before:
-            shutil.rmtree(run, ignore_errors=True)
+            if _the_suites_copies(run, basetemp):
+                shutil.rmtree(run, ignore_errors=True)
     out = os.environ.get("MEGA_TEST_DURATIONS")
     if out and not hasattr(session.config, "workerinput"):  # the controller, which sees every report
         Path(out).write_text(

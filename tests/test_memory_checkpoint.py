@@ -85,7 +85,7 @@ class _BetweenAttempts:
 
 def _node_dirs(cfg) -> dict[int, Path]:
     run = Path(cfg.checkpoint.memory_dir) / run_dir_id(cfg)
-    return {int(d.name.removeprefix("node")): d for d in run.iterdir()}
+    return {int(d.name.removeprefix("node")): d for d in run.glob("node*")}
 
 
 def _flip_a_byte_of_rank0s_copies(cfg) -> str:
@@ -268,6 +268,7 @@ def test_the_optimizer_step_waits_for_the_copy_in_flight(tmp_path, monkeypatch):
     cfg = SimpleNamespace(
         checkpoint=SimpleNamespace(memory_interval=1, memory_dir=str(tmp_path / "shm")),
         train=SimpleNamespace(run_dir=str(tmp_path / "run")),
+        cluster=SimpleNamespace(pg_timeout_s=60),
     )
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -296,3 +297,76 @@ def test_the_optimizer_step_waits_for_the_copy_in_flight(tmp_path, monkeypatch):
         memory.close()
     finally:
         dist.destroy_process_group()
+
+
+COPY_FAILS_PROBE = """
+import json, os, shutil, sys, threading, time, types
+import torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def rank_main(rank, root, port, out):
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", GROUP_RANK=str(rank))
+    from mega.checkpoint import memory as m
+    from mega.config import compose
+    m.layout = lambda: {"tp": 1}  # no megatron groups here
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg = compose([f"checkpoint.memory_dir={root}/shm", f"train.run_dir={root}/run",
+                   "cluster.pg_timeout_s=60", "checkpoint.load=false"])
+    model = torch.nn.Linear(64, 64)
+    opt = types.SimpleNamespace(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), state_dict=dict)
+    sched = types.SimpleNamespace(state_dict=dict)
+    copies = m.MemoryCheckpoints(cfg, [model], opt, sched)
+    ok = copies._setup({n: p.detach() for n, p in model.named_parameters()})
+    t0 = time.monotonic()
+    for step in (1, 2, 3, 4):
+        if step == 3 and rank == 1:  # rank 1's files are removed (tmpfs cleaned) before its copy
+            shutil.rmtree(copies.dir)
+        copies.copy(step)
+        copies._idle.wait()
+    held = m.complete_copies(copies.dir, 2)
+    out.put((rank, {"ok": ok, "errors": copies.stats.errors, "replicated": copies.stats.replicated,
+                    "seconds": time.monotonic() - t0,
+                    "held": {o: sorted(c["step"] for c in cs) for o, cs in held.items()}}))
+    copies.close(keep=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    root, port = sys.argv[1], int(sys.argv[2])
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, root, port, out)) for r in range(2)]
+    [p.start() for p in procs]
+    results = dict(out.get(timeout=90) for _ in procs)
+    [p.join(30) for p in procs]
+    print("RESULT", json.dumps(results))
+"""
+
+
+def test_a_copy_that_fails_on_one_rank_does_not_hold_up_its_peer(tmp_path, free_port):
+    """Rank 1's copy files are removed before its step-3 copy (an operator cleaning the tmpfs):
+    that copy fails on rank 1, which still takes part in the exchange, sending nothing, so that
+    rank 0's copy thread (waiting for it) and training go on at once; rank 1's next copy maps its
+    files anew and the step-4 copies are complete on both nodes."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(COPY_FAILS_PROBE)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=Path(__file__).parents[1],
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))[7:])
+    r0, r1 = results["0"], results["1"]
+    assert r0["ok"] and r1["ok"]
+    assert (r0["errors"], r1["errors"]) == (0, 1), results
+    assert r0["seconds"] < 30 and r1["seconds"] < 30, results  # the side group fails only after 60 s
+    # rank 0 kept rank 1's copies of steps 1, 2 and 4 (3 failed); rank 1 lost what it held with its
+    # files, and rank 0's step-3 copy with them (received into a removed file: not kept)
+    assert (r0["replicated"], r1["replicated"]) == (3, 3), results
+    assert r0["held"]["1"] == [1, 4] and r1["held"] == {"0": [4], "1": [4]}, results

@@ -52,6 +52,9 @@ from mega.cluster.rendezvous import gloo_side_group
 
 ALIGN = 64  # bytes: every tensor starts at a multiple (a typed view of the slot needs alignment)
 STATS_DIR = "memory-checkpoints"  # <run_dir>/memory-checkpoints/rank<R>.json: what the copies cost
+# <memory_dir>/<run id>/run_dir: the run that owns the copies there (the id is a hash of it), for
+# whoever looks after the shared tmpfs
+OWNER_FILE = "run_dir"
 
 
 def run_dir_id(cfg) -> str:
@@ -158,8 +161,14 @@ class MemoryCheckpoints:
         if not cfg.checkpoint.memory_interval or not optimizer_snapshot.supported(optimizer):
             return None
         memory = cls(cfg, model_chunks, optimizer, scheduler)
-        if rank_env.attempt() == 0 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            shutil.rmtree(memory.dir, ignore_errors=True)  # a new run: nothing there is of it
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            if rank_env.attempt() == 0:
+                shutil.rmtree(memory.dir, ignore_errors=True)  # a new run: nothing there is of it
+            owner = memory.dir.parent / OWNER_FILE
+            owner.parent.mkdir(parents=True, exist_ok=True)
+            tmp = owner.with_name(f"{OWNER_FILE}.{os.getpid()}")  # nodes sharing a machine write it too
+            tmp.write_text(str(Path(cfg.train.run_dir).absolute()))
+            os.replace(tmp, owner)
         dist.barrier(group=memory.group)
         return memory
 
@@ -296,6 +305,8 @@ class MemoryCheckpoints:
                 shutil.rmtree(self._rank_dir(self.source), ignore_errors=True)
             for empty in (self.dir, self.dir.parent):  # the last rank out removes the run's directories
                 try:
+                    if empty == self.dir.parent and [p.name for p in empty.iterdir()] == [OWNER_FILE]:
+                        (empty / OWNER_FILE).unlink()
                     empty.rmdir()
                 except OSError:
                     pass
@@ -313,6 +324,7 @@ class MemoryCheckpoints:
                 self._complete(*job)
             except Exception as e:
                 self.stats.errors += 1
+                self._slots.clear()  # its files may be gone (tmpfs cleaned): the next copy maps them anew
                 self._log(f"rank {self.rank}: copy of step {job[0]} failed: {type(e).__name__}: {e}")
             finally:
                 self.stats.background_cpu_s += time.thread_time() - c0
@@ -335,38 +347,59 @@ class MemoryCheckpoints:
             self._read.set()
 
     def _complete(self, step: int, slot_no: int, rng: dict, filled: tuple | None) -> None:
-        slot, small = filled or self._fill(slot_no, rng)
-        marker = json.dumps(
-            {
-                "step": step,
-                "owner": self.rank,
-                "nbytes": self._size,
-                "crc32": _crc(slot, small),
-                "small": base64.b64encode(small).decode(),
-                **self._meta,
-            }
-        ).encode()
-        self._write_marker(self._marker(self.rank, slot_no), marker)
+        """The copy's marker, then the exchange with the peers. A copy that fails here (tmpfs
+        full, its files removed) still takes part in the exchange, sending nothing: the peer's
+        copy thread waits for it, and its training thread for that thread."""
+        slot, marker, failed = None, b"", None
+        try:
+            slot, small = filled or self._fill(slot_no, rng)
+            marker = json.dumps(
+                {
+                    "step": step,
+                    "owner": self.rank,
+                    "nbytes": self._size,
+                    "crc32": _crc(slot, small),
+                    "small": base64.b64encode(small).decode(),
+                    **self._meta,
+                }
+            ).encode()
+            self._write_marker(self._marker(self.rank, slot_no), marker)
+        except OSError as e:
+            slot, marker, failed = None, b"", e
         if self.peer is not None:
             self._exchange(slot_no, slot, marker)
+        if failed is not None:
+            raise failed
 
-    def _exchange(self, slot_no: int, slot: torch.Tensor, marker: bytes) -> None:
-        """Send my copy to my peer, receive my source's into its slot here (same slot number)."""
-        self._marker(self.source, slot_no).unlink(missing_ok=True)
-        held = self._slot(self.source, slot_no, self._source_size)
+    def _exchange(self, slot_no: int, slot: torch.Tensor | None, marker: bytes) -> None:
+        """Send my copy to my peer, receive my source's into its slot here (same slot number). The
+        markers' sizes go first: an empty one (a failed copy) is followed by nothing, in either
+        direction, so that every send meets its receive."""
         sizes = torch.tensor([len(marker)], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
         self._pair(sizes[0], sizes[1])
-        got = torch.empty(int(sizes[1]), dtype=torch.uint8)
-        self._pair(torch.frombuffer(bytearray(marker), dtype=torch.uint8), got)
-        self._pair(slot, held)
-        self._write_marker(self._marker(self.source, slot_no), got.numpy().tobytes())
-        self.stats.replicated += 1
+        sending, incoming = bool(marker), int(sizes[1])
+        got = torch.empty(incoming, dtype=torch.uint8)
+        mine = torch.frombuffer(bytearray(marker), dtype=torch.uint8) if sending else None
+        self._pair(mine, got if incoming else None)
+        held, kept = self._holding(slot_no) if incoming else (None, False)
+        self._pair(slot if sending else None, held)
+        if kept:
+            self._write_marker(self._marker(self.source, slot_no), got.numpy().tobytes())
+            self.stats.replicated += 1
 
-    def _pair(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        works = [
-            dist.isend(send, self.peer, group=self.group),
-            dist.irecv(recv, self.source, group=self.group),
-        ]
+    def _holding(self, slot_no: int) -> tuple[torch.Tensor, bool]:
+        """Where my source's copy goes: its slot here (torn until its marker is written), or a
+        buffer thrown away when the slot cannot be had (the bytes still have to be received)."""
+        try:
+            self._marker(self.source, slot_no).unlink(missing_ok=True)
+            return self._slot(self.source, slot_no, self._source_size), True
+        except OSError as e:
+            self._log(f"rank {self.rank}: cannot hold rank {self.source}'s copy: {type(e).__name__}: {e}")
+            return torch.empty(self._source_size, dtype=torch.uint8), False
+
+    def _pair(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+        works = [dist.isend(send, self.peer, group=self.group)] if send is not None else []
+        works += [dist.irecv(recv, self.source, group=self.group)] if recv is not None else []
         for w in works:
             w.wait()
 
