@@ -229,7 +229,7 @@ def _when_step(
             ):
                 action()
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)  # the tiny model's next step and its save can take less than half a second
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
