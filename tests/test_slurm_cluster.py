@@ -99,6 +99,21 @@ class _Watch(threading.Thread):
             self.halt.wait(1.0)
 
 
+def _lose_node(cluster, k: int) -> list[int]:
+    """Node k dies (every process in its namespace killed) and is marked DOWN at once, as a node
+    health check would: Slurm's own notice of a silent slurmd takes 30-40 s here (SlurmdTimeout and
+    its retries), which the driver only waits out. (Drills that strike without it: the first loss
+    of the lost-node drill and ``allocation_run``.)"""
+    pids = slurm_local.kill_node(cluster, k)
+    subprocess.run(
+        ["scontrol", "update", f"nodename={cluster.hostnames[k]}", "state=down", "reason=mega-drill"],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    return pids
+
+
 def _job_ids(run_dir: Path) -> list[str]:
     return [p.read_text() for p in sorted((run_dir / "slurm").glob("*/job_id"))]
 
@@ -216,7 +231,7 @@ def _when_step(
             ):
                 action()
                 return
-            time.sleep(0.5)
+            time.sleep(0.1)  # the tiny model's next step and its save can take less than half a second
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
@@ -343,9 +358,9 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
 def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_cluster, tmp_path, data_index):
     """driver=host: node 1 dies mid-run (every process in its namespace killed): the driver
     relaunches with ``--exclude`` of its host and Slurm gives the third node (the spare). Then the
-    spare dies too: no usable node is left beyond the first, so with ``restart.min_nodes=1`` the run
-    goes on on one node (DP 2 -> 1, global batch kept) with both lost hosts excluded, and finishes.
-    (In the allocation: ``allocation_run`` below.)"""
+    spare dies too (marked DOWN at once: ``_lose_node``): no usable node is left beyond the first,
+    so with ``restart.min_nodes=1`` the run goes on on one node (DP 2 -> 1, global batch kept) with
+    both lost hosts excluded, and finishes. (In the allocation: ``allocation_run`` below.)"""
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
@@ -362,7 +377,7 @@ def test_a_lost_node_goes_to_the_spare_and_with_no_spare_left_dp_shrinks(slurm_c
         # node 2 (the spare) dies in the attempt after the one node 1 died in, whatever the numbers
         # (an attempt that failed on its own before the kills adds one)
         attempt = max((r.get("attempt", 0) for r in read_metrics(run_dir)), default=0)
-        killed[k] = slurm_local.kill_node(slurm_cluster, k)
+        killed[k] = (slurm_local.kill_node if k == 1 else _lose_node)(slurm_cluster, k)
         if k == 1:  # as soon as the next attempt's ranks run: its steps after the resume take < 1 s
             killers.append(_when_started(run_dir, lambda: kill(2), attempt + 1))
 
@@ -505,10 +520,11 @@ def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_dp_sh
     slurm_cluster, tmp_path, data_index
 ):
     """dp2 on two nodes in the driver's job, no spare, ``restart.min_nodes=1``: the first node (the
-    driver's and rank 0's) dies after step 2. Once Slurm drops that host from the job, the
-    submitter cancels the job and submits one of a single node with the host in ``--exclude``;
-    its driver continues the lost driver's loop (attempt numbers go on, the lost attempt counted
-    as a failure) on one node (DP 2 -> 1, global batch kept) from the last save and finishes."""
+    driver's and rank 0's) dies after step 2 (marked DOWN at once: ``_lose_node``). Once Slurm
+    drops that host from the job, the submitter cancels the job and submits one of a single node
+    with the host in ``--exclude``; its driver continues the lost driver's loop (attempt numbers go
+    on, the lost attempt counted as a failure) on one node (DP 2 -> 1, global batch kept) from the
+    last save and finishes."""
     run_dir = tmp_path / "run"
     cfg = _drill_cfg(
         run_dir,
@@ -525,7 +541,7 @@ def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_dp_sh
     def kill_the_drivers_node():
         first = _job_ids(run_dir)[0]
         k = int(slurm.job_info(first)["BatchHost"].rsplit("n", 1)[1])
-        killed[k] = slurm_local.kill_node(slurm_cluster, k)
+        killed[k] = _lose_node(slurm_cluster, k)
 
     killer = _when_step(run_dir, 2, kill_the_drivers_node, 0)
     said: list[str] = []

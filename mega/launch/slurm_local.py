@@ -17,7 +17,7 @@
   spool and logs. ``export SLURM_CONF=<dir>/slurm.conf`` points ``sinfo``/``sbatch`` at it
   (``status`` prints it).
 * Two partitions: ``debug`` (default, no time limit) and ``short`` (``MaxTime=5`` minutes), where
-  time-limit and ``--signal`` drills run; a requeued job runs again after 31 s (``cred_expire=30``
+  time-limit and ``--signal`` drills run; a requeued job runs again after 11 s (``cred_expire=10``
   in ``AuthInfo``; Slurm's default is 120 s).
 * ``up`` returns once ``sinfo`` shows every node idle, or fails within ``--timeout`` seconds naming
   what did not come up, with the tail of its log, and removes what it started. ``down`` stops every
@@ -99,8 +99,9 @@ SlurmctldPort={state.ctl_port}
 SlurmdPort={state.slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-# cred_expire: a requeued job waits this long (plus 1 s) before it runs again (Slurm's default: 120 s)
-AuthInfo=socket={r / "munge" / "munge.socket"},cred_expire=30
+# cred_expire: a requeued job waits this long (plus 1 s) before it runs again (Slurm's default: 120 s;
+# a step's credential lives as long: ample for a launch on this machine)
+AuthInfo=socket={r / "munge" / "munge.socket"},cred_expire=10
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={r / "state"}
@@ -373,8 +374,11 @@ def kill_node(state: ClusterState, k: int) -> list[int]:
 
 
 def restart_node(state: ClusterState, k: int, timeout_s: float = 120.0) -> None:
-    """Start node k's slurmd again and return it to service; returns once that node is idle."""
+    """Start node k's slurmd again and return it to service; returns once that node is idle. The
+    node is marked DOWN first: Slurm may not have noticed its loss yet (SlurmdTimeout), and a node
+    it still counts as completing a job would wait for that before it returns."""
     host = state.hostnames[k]
+    _run(["scontrol", "update", f"nodename={host}", "state=down", "reason=mega-restart"], state.env())
     _start_slurmd(state, _network(state), k)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and node_states(state).get(host) not in ("idle", "down", "down*"):
