@@ -238,6 +238,50 @@ def test_before_the_first_step_a_stopped_rank_is_a_hang_and_a_slow_restore_is_no
     assert inc.kind == "hang" and inc.evidence["never_beat"] == [3] and inc.evidence["last_step"] is None
 
 
+def test_before_the_first_step_a_silent_rank_its_node_sees_not_running_is_a_hang_at_silent_after_s(
+    redis_url,
+):
+    """The node's witness (mega.stability.liveness: the warm client's reports of its rank's
+    process) tells a rank that does not run from one whose heartbeat thread is starved: the first
+    is declared after silent_after_s, the second only after min_hang_s, as without a witness."""
+    import redis
+
+    cfg = _cfg(heartbeat_s=1, min_hang_s=12, progress_factor=10)
+    r = redis.Redis.from_url(redis_url)
+    ids = grid()
+
+    def run(prefix: str, proc) -> tuple[float, Watcher]:
+        """Every rank beats for 5 s, then rank 5 goes silent; its node reports ``proc(seconds since
+        its last beat)``. Returns the seconds since rank 5's last beat at the verdict."""
+        for rank, ident in ids.items():
+            r.set(heartbeat_redis.id_key(prefix, 0, rank), json.dumps(ident))
+        env = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: prefix}
+        w = Watcher(cfg, env, attempt=0, log=lambda s: None, clock=lambda: clock[0])
+        clock, silent_at = [NOW], NOW + 5
+        while clock[0] < NOW + 40:
+            for rank in ids:
+                if rank != 5 or clock[0] <= silent_at:
+                    rec = {"rank": rank, "time": clock[0], "phase": "restore", "seq": {}}
+                    r.set(heartbeat_redis.beat_key(prefix, 0, rank), json.dumps(rec))
+            report = {"time": clock[0], "pid": 4242, **proc(max(0.0, clock[0] - silent_at))}
+            r.set(heartbeat_redis.proc_key(prefix, 0, 5), json.dumps(report))
+            if w.poll():
+                return clock[0] - silent_at, w
+            clock[0] += 1.0
+        raise AssertionError("no verdict")
+
+    stopped_after, w = run("mega:hb:live1", lambda quiet: {"state": "T", "still_s": quiet})
+    assert stopped_after == w.silent_after_s + 1 < cfg.stability.min_hang_s
+    [inc] = w.incidents
+    assert "rank 5 (node 1" in inc.summary and inc.evidence["processes"][5]["state"] == "T"
+    # silent, but its process computes (CPU time moving: still_s stays 0): starved, not stopped
+    starved_after, _ = run("mega:hb:live2", lambda quiet: {"state": "R", "still_s": 0.0})
+    assert starved_after == cfg.stability.min_hang_s + 1
+    # a sleeping process that used no CPU for two beats is not running either (blocked, deadlocked)
+    asleep_after, _ = run("mega:hb:live3", lambda quiet: {"state": "S", "still_s": quiet})
+    assert asleep_after == w.silent_after_s + 1
+
+
 def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):
     """The heartbeat's Redis goes away: writes are dropped within the socket timeout, never raise;
     when it is back (same port), they go through again."""

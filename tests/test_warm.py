@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -37,6 +38,8 @@ CHILD = textwrap.dedent("""
         sys.exit(int(sys.argv[2]))
     if what == "kill-self":
         os.kill(os.getpid(), signal.SIGKILL)
+    while what == "spin":
+        pass
     time.sleep(120)
 """)
 
@@ -66,11 +69,11 @@ def zygote(tmp_path_factory):
     assert not os.path.exists(sock)
 
 
-def _run(zygote, *args, **kw) -> subprocess.Popen:
-    d, env, _ = zygote
+def _run(zygote, *args, env: dict | None = None, **kw) -> subprocess.Popen:
+    d, zygote_env, _ = zygote
     return subprocess.Popen(
         [sys.executable, "-u", "-m", "mega.warm.client", "warmchild", *args],
-        env=env,
+        env={**zygote_env, **(env or {})},
         cwd=d,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -125,6 +128,51 @@ def test_signals_are_relayed_and_a_killed_client_takes_its_fork_along(zygote):
     p.kill()
     p.wait(timeout=30)
     wait_for(lambda: not _alive(pid), 10, "the fork of a SIGKILLed client to die")
+
+
+def test_a_ranks_client_reports_whether_its_fork_runs(zygote, redis_url):
+    """mega.stability.liveness: the client of a torchrun worker (RANK, LOCAL_RANK) writes its fork's
+    process state to the heartbeat Redis every interval: a computing fork's CPU time moves, a
+    stopped one's stands still, and the watcher's rule reads it as not running. The agent's client
+    (no RANK) writes nothing."""
+    import redis
+
+    from mega import rank_env
+    from mega.stability import heartbeat_redis, liveness
+
+    prefix = "mega:hb:warm-liveness"
+    hb = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: prefix}
+    worker = {
+        **hb,
+        heartbeat_redis.INTERVAL_ENV: "0.2",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        rank_env.ATTEMPT_ENV: "2",
+    }
+    r = redis.Redis.from_url(redis_url)
+    key = heartbeat_redis.proc_key(prefix, 2, 3)
+
+    def report() -> dict:
+        value = r.get(key)
+        return json.loads(value) if value else {}
+
+    agent = _run(zygote, "sleep", env=hb)
+    p = _run(zygote, "spin", env=worker)
+    pid = int(p.stdout.readline().split()[1])
+    try:
+        wait_for(lambda: report().get("cpu_s", 0) > 0.3, 30, "the spinning fork's CPU time to be reported")
+        running = report()
+        assert running["pid"] == pid and running["state"] == "R" and running["still_s"] < 0.2
+        assert not liveness.not_running(running, time.time(), 0.2)
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: report().get("still_s", 0) >= 0.5, 30, "the stopped fork's CPU to stand still")
+        stopped = report()
+        assert stopped["state"] == "T" and liveness.not_running(stopped, time.time(), 0.2)
+        assert [k.decode() for k in r.keys(prefix + "*")] == [key]  # the agent's client wrote nothing
+    finally:
+        for client_proc in (p, agent):
+            client_proc.kill()
+            client_proc.wait(timeout=30)
 
 
 def test_zygote_refuses_an_import_that_starts_a_thread(tmp_path):

@@ -13,8 +13,9 @@ incidents (mega.stability.incident).
   steps count.
   Counted from the first step seen. Before it (the ranks beat from the end of group creation,
   through the restore) only a stopped or dead rank is a hang: one silent, or one that never beat,
-  for ``stability.min_hang_s`` while its peers beat (``_startup_hang``); a slow restore is bounded
-  by the ranks' own timeouts. ``localise`` names the culprit; ``poll`` returns the reason, and
+  while its peers beat (``_startup_hang``): for ``silent_after_s`` when its node's warm client
+  reports its process not running (mega.stability.liveness), else for ``stability.min_hang_s``;
+  a slow restore is bounded by the ranks' own timeouts. ``localise`` names the culprit; ``poll`` returns the reason, and
   the driver stops the attempt and relaunches from ``latest``.
 * **straggler**: a rank whose compute time per step is above ``stability.straggler_factor`` x its
   peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mega.stability import heartbeat_redis
+from mega.stability import heartbeat_redis, liveness
 from mega.stability.incident import Incident
 from mega.stability.localise import localise
 
@@ -95,6 +96,7 @@ class Watcher:
         self.client_url = hb_env.get(heartbeat_redis.URL_ENV, "")
         self.identities: dict[int, dict] = {}
         self.beats: dict[int, dict] = {}  # latest heartbeat seen per rank (kept after its key expires)
+        self.procs: dict[int, dict] = {}  # latest process state per rank from its node (liveness)
         self.step_times: list[float] = []
         self.compute: dict[int, dict[int, float]] = {}  # step -> rank -> compute_s
         self.max_step: int | None = None
@@ -143,12 +145,15 @@ class Watcher:
                 ids = self.client.mget([heartbeat_redis.id_key(self.prefix, self.attempt, r) for r in ranks])
                 self.identities.update({r: json.loads(v) for r, v in zip(ranks, ids) if v})
             values = self.client.mget([heartbeat_redis.beat_key(self.prefix, self.attempt, r) for r in ranks])
+            procs = self.client.mget([heartbeat_redis.proc_key(self.prefix, self.attempt, r) for r in ranks])
         except (redis.RedisError, OSError):
             self.read_errors += 1
             return False
-        for r, v in zip(ranks, values):
+        for r, v, p in zip(ranks, values, procs):
             if v:
                 self.beats[r] = json.loads(v)
+            if p:
+                self.procs[r] = json.loads(p)
         return True
 
     # -- the store ------------------------------------------------------------------------------
@@ -313,19 +318,37 @@ class Watcher:
     def _startup_hang(self, now: float) -> str | None:
         """Before the first step: a rank stopped or dead while its peers beat (they wait for it in
         a collective of the set-up or the restore until their process group's timeout, minutes):
-        silent, or never beaten, for ``min_hang_s`` while its peers beat. Not ``silent_after_s`` as
-        in training: a rank's first seconds (its heartbeat's first connection, the set-up's work on
-        a loaded host) may leave a gap of a few beats that is no hang."""
+        silent, or never beaten, while its peers beat. For ``silent_after_s`` when its node reports
+        its process not running (mega.stability.liveness: no CPU at all, stopped or dead);
+        otherwise for ``min_hang_s``: a rank's first seconds (its heartbeat's first connection, the
+        set-up's work holding the GIL on a loaded host) may leave a gap of a few beats that is no
+        hang."""
         if self.first_beat is None:
             return None
         stalled = now - self.first_beat
+        peers_beat = any(now - b.get("time", now) <= self.s.heartbeat_s for b in self.beats.values())
+        never = [r for r in range(self.world) if r not in self.beats]
+        stopped = [
+            r for r in self._silent(now) if liveness.not_running(self.procs.get(r), now, self.s.heartbeat_s)
+        ]
+        if stopped and peers_beat and stalled > self.silent_after_s:
+            limit = self.silent_after_s
+            return self._declare_hang(now, stalled, limit, never=[r for r in never if r in stopped] or None)
         if self._silent_amid_beating(now, after_s=self.s.min_hang_s):
             return self._declare_hang(now, stalled, self.s.min_hang_s)
-        never = [r for r in range(self.world) if r not in self.beats]
-        ages = [now - b.get("time", now) for b in self.beats.values()]
-        if never and stalled > self.s.min_hang_s and min(ages) <= self.s.heartbeat_s:
+        if never and stalled > self.s.min_hang_s and peers_beat:
             return self._declare_hang(now, stalled, self.s.min_hang_s, never=never)
         return None
+
+    def _silent(self, now: float) -> list[int]:
+        """Ranks not beaten within ``silent_after_s``, or never, whose training loop is not done."""
+        last = self.cfg.train.steps
+        done = {r for r, b in self.beats.items() if b.get("closed") or (b.get("step") or 0) >= last}
+        return [
+            r
+            for r in range(self.world)
+            if r not in done and now - self.beats.get(r, {}).get("time", float("-inf")) > self.silent_after_s
+        ]
 
     def _silent_amid_beating(self, now: float, after_s: float | None = None) -> bool:
         """Some rank's heartbeat stopped (none for ``silent_after_s``) while another beat within
@@ -358,6 +381,9 @@ class Watcher:
             "silent_after_s": self.silent_after_s,
             "computed_s_ago": None if self.last_work is None else round(now - self.last_work, 3),
             "read_errors": self.read_errors,
+            "processes": {
+                r: self.procs[r] for r in self._silent(now) if r in self.procs
+            },  # their nodes' view
             "ranks": {
                 r: {
                     "age_s": round(now - b["time"], 3),

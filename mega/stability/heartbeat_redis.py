@@ -1,8 +1,9 @@
 """Where heartbeats go: the Redis of the run, its key names and the environment that hands it to
 the ranks. Both sides (ranks, driver) use these; neither may ever block on Redis for long.
 
-Keys of one attempt: ``<prefix>:<attempt>:id:<rank>`` (a rank's identity, written once) and
-``<prefix>:<attempt>:hb:<rank>`` (its latest heartbeat, with expiry). ``<prefix>`` is unique per
+Keys of one attempt: ``<prefix>:<attempt>:id:<rank>`` (a rank's identity, written once),
+``<prefix>:<attempt>:hb:<rank>`` (its latest heartbeat, with expiry) and
+``<prefix>:<attempt>:proc:<rank>`` (its process state as its node sees it, mega.stability.liveness). ``<prefix>`` is unique per
 driver launch (on Kubernetes: per run), so one Redis can serve many runs. The other direction, for a
 watcher that cannot stop the ranks itself (mega/launch/incluster_watch.py): ``stop_key`` tells
 every rank of an attempt to exit with ``RESTART_EXIT_CODE``; ``generation_key`` numbers the next.
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 URL_ENV = "MEGA_HEARTBEAT_URL"  # redis:// URL without a password (logged nowhere anyway)
 PASSWORD_ENV = "MEGA_HEARTBEAT_PASSWORD"
 PREFIX_ENV = "MEGA_HEARTBEAT_PREFIX"
+INTERVAL_ENV = "MEGA_HEARTBEAT_S"  # stability.heartbeat_s, for the ranks' warm clients (liveness)
 TIMEOUT_S = 0.5  # every Redis call of a heartbeat or the watcher: connect and read bounded by this
 
 
@@ -42,6 +44,11 @@ def id_key(prefix: str, attempt: int, rank: int) -> str:
 
 def beat_key(prefix: str, attempt: int, rank: int) -> str:
     return f"{prefix}:{attempt}:hb:{rank}"
+
+
+def proc_key(prefix: str, attempt: int, rank: int) -> str:
+    """A rank's process state as its node's warm client reads it (mega/stability/liveness.py)."""
+    return f"{prefix}:{attempt}:proc:{rank}"
 
 
 def client(url: str, password: str | None = None):
@@ -88,18 +95,19 @@ def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> It
 
     s = cfg.store
     prefix = f"mega:hb:{secrets.token_hex(6)}"
+    interval = str(cfg.stability.heartbeat_s)
     if not cfg.stability.enabled or (s.kind != "redis" and s.redis_url is None and not s.start_local_redis):
         yield {}
         return
     if store_env.get(rendezvous.REDIS_URL_ENV):
-        env = {URL_ENV: store_env[rendezvous.REDIS_URL_ENV], PREFIX_ENV: prefix}
+        env = {URL_ENV: store_env[rendezvous.REDIS_URL_ENV], PREFIX_ENV: prefix, INTERVAL_ENV: interval}
         if store_env.get(rank_env.REDIS_PASSWORD_ENV):
             env[PASSWORD_ENV] = store_env[rank_env.REDIS_PASSWORD_ENV]
         yield env
         return
     with rendezvous.redis_server_url(cfg, host=host) as url:
         public, password = rendezvous.split_redis_password(url)
-        env = {URL_ENV: public, PREFIX_ENV: prefix}
+        env = {URL_ENV: public, PREFIX_ENV: prefix, INTERVAL_ENV: interval}
         if password is not None:
             env[PASSWORD_ENV] = password
         yield env

@@ -11,7 +11,10 @@ working directory and stdin/stdout/stderr (``socket.send_fds``), and then:
 * exits as the forked process did: its exit code, or killed by the same signal (torchrun and the
   driver read ``-N`` as "killed by signal N");
 * if the client itself is SIGKILLed, the zygote sees its connection close and SIGKILLs the forked
-  process's group: nothing outlives its client.
+  process's group: nothing outlives its client;
+* for a rank of a run with heartbeats, reports the forked process's state and CPU time to the
+  heartbeat Redis every heartbeat interval (mega/stability/liveness.py): the node's witness of
+  whether a silent rank runs at all.
 
 The forked process gets ``MEGA_AGENT_PID`` (this client's parent: for a rank, its torchrun
 agent) since its own parent is the zygote. Drills that strike "the rank" use the pid the rank
@@ -28,6 +31,7 @@ import sys
 import time
 
 from mega import rank_env
+from mega.stability import liveness
 
 SOCKET_ENV = "MEGA_ZYGOTE_SOCKET"  # the node's zygote's unix socket (set by the launch backend)
 PID_ENV = "MEGA_ZYGOTE_PID"  # its pid: a client stops waiting for a zygote that died
@@ -105,6 +109,8 @@ def run(module: str, args: list[str]) -> int:
             child = reply["pid"]
             for sig in pending:
                 relay(sig, None)
+            if reporter := liveness.reporter_from_env(child, env):
+                reporter.start()
         elif "error" in reply:
             print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
             return 1
