@@ -221,3 +221,64 @@ def test_an_s3_request_is_tried_s3_attempts_times_in_all(black_hole, monkeypatch
     with pytest.raises(StorageUnavailable, match="after 2 attempts"):
         open_store(cfg).read_latest()
     assert len(black_hole.held) == 2
+
+
+def test_a_chain_of_store_operations_waits_one_upload_timeout_in_all(world, black_hole):
+    """A checkpoint's store operations (upload, commit, `latest`, retention) share one wait budget
+    (``StoreWait``): after the store did not answer for a while during the first, the next one
+    waits only what is left of ``checkpoint.upload_timeout_s``, so the chain ends within one bound."""
+    import copy
+
+    from mega.checkpoint.common import StoreWait, open_store, retry_unavailable
+
+    cfg = _cfg(world, timeout_s=2)
+    cfg.checkpoint.s3_timeout_s, cfg.checkpoint.s3_attempts = 0.2, 1
+    silent_cfg = copy.deepcopy(cfg)
+    silent_cfg.checkpoint.s3_endpoint_url = black_hole.url
+    store, silent = open_store(cfg), open_store(silent_cfg)
+    down = [True]
+    timer = threading.Timer(1.0, lambda: down.__setitem__(0, False))  # the store answers again at 1 s
+    timer.start()
+    wait, lines = StoreWait(), []
+
+    def read_latest():
+        return (silent if down[0] else store).read_latest()
+
+    assert retry_unavailable(cfg.checkpoint, store, "commit", read_latest, lines.append, wait=wait) == (
+        "iter_0000004"
+    )
+    assert wait.unanswered_s >= 1.0 and lines
+    t0 = time.monotonic()
+    with pytest.raises(StorageUnavailable, match=r"unavailable for (2|3)\.\ds") as err:
+        retry_unavailable(cfg.checkpoint, store, "`latest`", silent.read_latest, lines.append, wait=wait)
+    waited = time.monotonic() - t0
+    assert waited < 1.5, waited  # what was left of the 2 s, not 2 s of its own
+    assert "`latest`" in str(err.value) and "checkpoint.upload_timeout_s=2" in str(err.value)
+
+
+def _rank0_error_worker(rank: int, port: int, out: str) -> None:
+    import json
+    import os
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    try:
+        restore_module._on_rank0(lambda: json.loads("{not json"))
+        got = "no error"
+    except Exception as e:
+        got = f"{type(e).__name__}: {e}"
+    with open(f"{out}/rank{rank}.txt", "w") as f:
+        f.write(got)
+    dist.destroy_process_group()
+
+
+def test_an_error_of_rank_0_that_is_no_storage_error_reaches_every_rank(tmp_path, free_port):
+    """rank 0's own error (here a `latest` that is no JSON) is raised on rank 0 as it is and on
+    rank 1 as an error naming it, within the same broadcast: no rank waits for a rank 0 gone."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank0_error_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = ((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert rank0.startswith("JSONDecodeError: Expecting property name")
+    assert rank1 == f"RuntimeError: restore: rank 0 failed: {rank0}"

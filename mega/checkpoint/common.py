@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +56,15 @@ def open_store(cfg):
     return open_storage(uri, **opts)
 
 
+@dataclass
+class StoreWait:
+    """The seconds a chain of store operations has waited for a store that did not answer: the
+    operations sharing one (a checkpoint's upload, commit, `latest` and retention) wait at most
+    ``checkpoint.upload_timeout_s`` of the store not answering in all, not that much each."""
+
+    unanswered_s: float = 0.0
+
+
 def retry_unavailable(
     ck,
     store,
@@ -64,29 +74,33 @@ def retry_unavailable(
     on_wait: Callable[[Exception, float], None] | None = None,
     stop: threading.Event | None = None,
     then: str = "giving up",
+    wait: StoreWait | None = None,
 ):
     """``fn()`` (an operation on ``store``), tried again every ``checkpoint.upload_retry_s`` while
     the store does not answer (``StorageUnavailable``), for at most ``checkpoint.upload_timeout_s``
     (``ck``: the checkpoint config), counted from when the store stopped answering, so that the
     wait ends within ``ck.store_wait_bound_s()``; then StorageUnavailable naming the store and the
-    bound. Other errors go to the caller. One ``log`` line per round; ``on_wait(error, seconds
-    left)`` before each wait; ``stop`` set ends a wait, re-raising the store's error."""
+    bound. ``wait``: the chain this operation belongs to (its earlier operations' waits count).
+    Other errors go to the caller. One ``log`` line per round; ``on_wait(error, seconds left)``
+    before each wait; ``stop`` set ends a wait, re-raising the store's error."""
     from mega.storage import StorageUnavailable
 
+    wait = wait or StoreWait()
     first_failure = None
     while True:
         tried = time.monotonic()
         try:
-            return fn()
+            result = fn()
         except StorageUnavailable as e:
             now = time.monotonic()
             # A request to a store that stopped answering fails only after its own timeouts: the
             # outage began that long ago at most (and not before this try).
             first_failure = first_failure or max(tried, now - ck.s3_request_bound_s())
-            left = ck.upload_timeout_s - (now - first_failure)
+            unanswered = wait.unanswered_s + now - first_failure
+            left = ck.upload_timeout_s - unanswered
             if left <= 0:
                 raise StorageUnavailable(
-                    f"{what}: store {store.uri} unavailable for {now - first_failure:.1f}s "
+                    f"{what}: store {store.uri} unavailable for {unanswered:.1f}s "
                     f"(checkpoint.upload_timeout_s={ck.upload_timeout_s:g}), {then}: {e}"
                 ) from e
             if on_wait is not None:
@@ -94,6 +108,10 @@ def retry_unavailable(
             log(f"{what}: store unavailable, retrying in {ck.upload_retry_s:g}s: {e}")
             if (stop or threading.Event()).wait(min(ck.upload_retry_s, left)):
                 raise
+        else:
+            if first_failure is not None:
+                wait.unanswered_s += tried - first_failure
+            return result
 
 
 def staging_root(cfg) -> Path:

@@ -119,10 +119,11 @@ def _stage_files(exchange: PieceExchange, paths: list[str], local_dir: Path) -> 
 
 def _on_rank0(fn: Callable):
     """Collective: rank 0 runs ``fn`` (store reads), every rank gets its result or the same error:
-    all ranks go on, or all fail."""
+    all ranks go on, or all fail. Any other error of rank 0 is raised there as it is and on the
+    other ranks as a RuntimeError naming it (not as a broken collective once rank 0 is gone)."""
     from mega.storage import CorruptCheckpoint, StorageError, StorageUnavailable
 
-    box = [None]
+    box, error = [None], None
     if dist.get_rank() == 0:
         try:
             box = [("ok", fn())]
@@ -130,12 +131,18 @@ def _on_rank0(fn: Callable):
             box = [("corrupt", (e.name, e.relpath, e.reason))]
         except StorageError as e:
             box = [("unavailable" if isinstance(e, StorageUnavailable) else "storage", str(e))]
+        except Exception as e:
+            box, error = [("other", f"{type(e).__name__}: {e}")], e
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "corrupt":
         raise CorruptCheckpoint(*value)
     if kind in ("unavailable", "storage"):
         raise (StorageUnavailable if kind == "unavailable" else StorageError)(value)
+    if kind == "other":
+        if error is not None:
+            raise error
+        raise RuntimeError(f"restore: rank 0 failed: {value}")
     return value
 
 

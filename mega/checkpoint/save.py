@@ -52,6 +52,7 @@ from mega.checkpoint import megatron_io, save_group
 from mega.checkpoint.common import (
     META_FILE,
     SHARDING_METADATA,
+    StoreWait,
     iteration_name,
     layout,
     model_state,
@@ -194,6 +195,7 @@ class _InFlight:
     entries: list = field(default_factory=list)
     uploaded_bytes: int = 0
     cpu: dict = field(default_factory=dict)  # stage 2's CPU seconds: build, serialise, upload (incl. hashing)
+    store_wait: StoreWait = field(default_factory=StoreWait)  # its store operations' one wait budget
 
 
 class Checkpointer:
@@ -481,6 +483,7 @@ class Checkpointer:
         pieces = job.tap.pieces() if job.tap is not None else {}
         try:
             job.entries = self._retrying(
+                job,
                 f"upload of {job.name}",
                 lambda: self.store.upload_files(
                     job.path,
@@ -508,11 +511,13 @@ class Checkpointer:
             have = {e.path for e in entries}
             extras = [rel for rel, _ in local_files(job.path) if rel not in have]  # common.pt, .metadata, ...
             entries = entries + self._retrying(
-                f"upload of {job.name}", lambda: self.store.upload_files(job.path, job.name, extras)
+                job, f"upload of {job.name}", lambda: self.store.upload_files(job.path, job.name, extras)
             )
             uploaded += sum(e.size for e in entries if e.path in extras)
-            manifest = self._retrying(f"commit of {job.name}", lambda: self.store.commit(job.name, entries))
-            self._retrying(f"`latest` -> {job.name}", lambda: self.store.write_latest(job.name))
+            manifest = self._retrying(
+                job, f"commit of {job.name}", lambda: self.store.commit(job.name, entries)
+            )
+            self._retrying(job, f"`latest` -> {job.name}", lambda: self.store.write_latest(job.name))
         except StorageError as e:
             self._failed(job, str(e))
             return
@@ -539,7 +544,7 @@ class Checkpointer:
             f"{seconds:.2f}s after stage 1)"
         )
         try:  # `latest` has moved: a retention that fails leaves old checkpoints, nothing worse
-            deleted = self._retrying("retention", lambda: self.store.apply_retention(self.ck.keep_last))
+            deleted = self._retrying(job, "retention", lambda: self.store.apply_retention(self.ck.keep_last))
         except StorageError as e:
             self._log(f"retention after {job.name} failed, old checkpoints stay until the next save: {e}")
             return
@@ -553,9 +558,10 @@ class Checkpointer:
         )
         self._log(f"{job.name} not saved, `latest` unchanged ({self._durable or 'none yet'}): {error}")
 
-    def _retrying(self, what: str, fn):
-        """Run a store operation until the store answers, for at most checkpoint.upload_timeout_s
-        of it not answering (``retry_unavailable``); other errors go to the caller."""
+    def _retrying(self, job: _InFlight, what: str, fn):
+        """Run a store operation of ``job`` until the store answers, for at most
+        checkpoint.upload_timeout_s of it not answering over all of the job's operations
+        (``retry_unavailable``, ``job.store_wait``); other errors go to the caller."""
 
         def waiting(e: Exception, left: float) -> None:
             self._in_retry = True  # poll tells every rank: a periodic save due is skipped
@@ -565,7 +571,15 @@ class Checkpointer:
 
         try:
             return retry_unavailable(
-                self.ck, self.store, what, fn, self._log, waiting, self._stop, "giving up on this checkpoint"
+                self.ck,
+                self.store,
+                what,
+                fn,
+                self._log,
+                waiting,
+                self._stop,
+                "giving up on this checkpoint",
+                job.store_wait,
             )
         finally:
             self._in_retry = False
