@@ -358,6 +358,65 @@ def check_save_kill_resume(runs: Runs, optimizer: str) -> None:
         report_dtypes("dtype_fwd_bwd", result)
 
 
+@guarded("warm_memory_resume")
+def check_warm_memory_resume(runs: Runs) -> None:
+    """(4b) recovery on the device in seconds: a rank killed before step 5 is relaunched as a fork
+    of the node's zygote (which imported torch and megatron-core without initialising CUDA) and
+    restores its newest in-memory copy (host memory, every step) onto the device: the steps after
+    it give the losses of an uninterrupted cold run (warm processes off, no copies) bit for bit."""
+    from mega.goodput import recovery
+
+    cluster = ["cluster=h100-8x-cpu-twin", "cluster.procs_per_node=1"] if runs.dry_run else []
+    overrides = [
+        *cluster,
+        "parallelism=single",
+        "train.precision=bf16",
+        "parallelism.global_batch_size=4",
+        "train.steps=6",
+        "checkpoint.interval=2",
+        "checkpoint.async_save=true",
+    ]
+    warm = runs.train(
+        "warm-memory",
+        1,
+        [
+            *overrides,
+            "launcher.warm_processes=true",
+            "checkpoint.memory_interval=1",
+            "fault.kill_rank=0",
+            "fault.kill_at_step=5",
+        ],
+    )
+    cold = runs.train(
+        "cold-reference", 1, [*overrides, "launcher.warm_processes=false", "checkpoint.memory_interval=0"]
+    )
+    restore = warm.init.get("restore", {})
+    after = {r["step"]: r["loss"] for r in rows_of(warm.run_dir) if r["attempt"] == 1}
+    reference = {r["step"]: r["loss"] for r in rows_of(cold.run_dir)}
+    zygote_log = warm.run_dir / "zygote.log"
+    forks = zygote_log.read_text().count("python -m mega.train") if zygote_log.exists() else 0
+    step = restore.get("step") or 0
+    ok = (
+        warm.attempts == 2
+        and restore.get("source") == "memory"
+        and step >= 3  # the copy of step 4 may still be in flight when the rank dies: then step 3's
+        and sorted(after) == list(range(step + 1, 7))
+        and all(after[s] == reference.get(s) for s in after)
+        and forks >= 2
+        and finite(rows_of(warm.run_dir))
+    )
+    emit(
+        "warm_memory_resume",
+        ok,
+        attempts=warm.attempts,
+        restore={k: restore.get(k) for k in ("checkpoint", "source", "restore_s")},
+        forks_of_mega_train=forks,
+        recoveries=recovery.recoveries(warm.run_dir),  # the relaunch, step by step (docs/recovery.md)
+        after=[after[s] for s in sorted(after)],
+        reference=[reference.get(s) for s in sorted(after)],
+    )
+
+
 @guarded("tp_overlap")
 def check_tp_overlap(runs: Runs, python: str) -> None:
     """(5) TP overlap none/ring/symm_mem/te, sequential and parallel block: every backend's output
@@ -661,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = Runs(args.out, args.cpu_dry_run, ngpu)
     if args.cpu_dry_run:
         check_save_kill_resume(runs, "lamb")  # also dtype_fwd_bwd and rank_env, from the same run
+        check_warm_memory_resume(runs)
         for name in (
             "layouts",
             "save_kill_resume_adam",
@@ -676,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         check_layouts(runs)
         check_save_kill_resume(runs, "lamb")
         check_save_kill_resume(runs, "adam")
+        check_warm_memory_resume(runs)
         check_tp_overlap(runs, python)
         check_sliding_window(runs, python)
         check_selfcheck(runs, python)

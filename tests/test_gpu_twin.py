@@ -51,7 +51,14 @@ def _python() -> str:
 def test_the_smoke_script_passes_on_the_twin(smoke):
     assert smoke["rc"] == 0, (smoke["checks"], smoke["stderr"])
     checks = smoke["checks"]
-    for name in ("versions", "save_kill_resume_lamb", "dtype_fwd_bwd", "rank_env", "summary"):
+    for name in (
+        "versions",
+        "save_kill_resume_lamb",
+        "warm_memory_resume",
+        "dtype_fwd_bwd",
+        "rank_env",
+        "summary",
+    ):
         assert checks[name]["ok"] is True, checks[name]
     # what needs GPUs says so, and is not a failure
     assert {n for n, row in checks.items() if row.get("skipped") == "cpu dry run"} == {
