@@ -174,6 +174,11 @@ class LocalNodesBackend:
         log_path = job.log_path(k, self.nodes)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self._node_env(k), **job.env, MARK_ENV: f"{self.token}/{k}"}
+        if self.warm and self._zygote_failed(k):
+            # its clients started cold and said why (the attempt's log): every later attempt of
+            # this launch starts cold at once, not after another zygote's imports fail again
+            self.warm = False
+            self._release_zygotes(keep=False)
         if self.warm:
             env[warm_client.SOCKET_ENV] = self._zygote(k)
             env[warm_client.PID_ENV] = str(self._zygotes[k].proc.pid)
@@ -238,6 +243,11 @@ class LocalNodesBackend:
         prefix = self.network.exec_prefix(k) if self.network else []
         self._zygotes[k] = warm_pool.POOL.lease(self._zygote_env(k), log_path, prefix)
         return self._zygotes[k].sock
+
+    def _zygote_failed(self, k: int) -> bool:
+        """Node k's zygote could not start (``NotForkSafe``: it wrote why and exited)."""
+        lease = self._zygotes.get(k)
+        return lease is not None and os.path.exists(warm_client.failed_path(lease.sock))
 
     def _zygote_env(self, k: int) -> dict[str, str]:
         """The node's environment with ``cluster.env``, less what varies per node, launch or test

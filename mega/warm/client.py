@@ -10,6 +10,8 @@ working directory and stdin/stdout/stderr (``socket.send_fds``), and then:
   the forked process, whose pid the zygote answers with;
 * exits as the forked process did: its exit code, or killed by the same signal (torchrun and the
   driver read ``-N`` as "killed by signal N");
+* when there is no zygote to fork from (it could not start: ``NotForkSafe``; it died; it never
+  came within ``MEGA_ZYGOTE_WAIT_S``), becomes the process itself (exec), started cold;
 * if the client itself is SIGKILLed, the zygote sees its connection close and SIGKILLs the forked
   process's group: nothing outlives its client;
 * for a rank of a run with heartbeats, reports the forked process's state and CPU time to the
@@ -76,13 +78,27 @@ def connect(sock_path: str, wait_s: float, pid: int | None = None) -> socket.soc
         time.sleep(0.02)
 
 
+def run_cold(module: str, args: list[str], why: str) -> None:
+    """No zygote to fork from (it could not start, died, or never came): become ``python -m module
+    args`` in this process (exec: same pid, environment and stdio), as a cold launch would have
+    started it. A warm process is only faster; without one the run goes on. Said once per node
+    (by the agent's client and local rank 0's), not by every rank."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"mega.warm.client: {why}; starting python -m {module} cold", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-u", "-m", module, *args])
+
+
 def run(module: str, args: list[str]) -> int:
     """Have the zygote fork ``python -m module args``; return its exit code (-N: signal N)."""
     sock_path = os.environ.get(SOCKET_ENV)
     if not sock_path:
         raise RuntimeError(f"{SOCKET_ENV} is not set: this client runs under a launch backend's zygote")
     pid = os.environ.get(PID_ENV)
-    conn = connect(sock_path, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)), int(pid) if pid else None)
+    try:
+        conn = connect(sock_path, float(os.environ.get(WAIT_ENV, DEFAULT_WAIT_S)), int(pid) if pid else None)
+    except RuntimeError as e:
+        run_cold(module, args, str(e))
     env = {**os.environ, AGENT_PID_ENV: str(os.getppid())}
     pending: list[int] = []  # signals that came before the fork's pid
 
