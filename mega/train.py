@@ -29,8 +29,11 @@ from mega.overlap import pp_dp
 from mega.stability import exit_signal, rollback
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
-# process the checkpoint writer spawns, which re-imports this module); the train task says it once
-optional_packages.quiet_megatron(cuda=torch.cuda.is_available())
+# process the checkpoint writer spawns, which re-imports this module); the train task says it once.
+# The CPU-only filter waits for the config's device (main): probing the device here would start
+# the CUDA driver (torch.cuda.is_available() falls back to cudaGetDeviceCount where NVML cannot
+# count), and a warm zygote importing this module could then not fork ranks that use CUDA.
+optional_packages.quiet_megatron(cuda=True)
 
 # Variables that CUDA reads when it initialises: each rank's value, as launched, goes to init.json.
 LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
@@ -518,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     main_t = time.time()  # the imports are done
     args = parser.parse_args(argv)
     cfg = mega_config.load(args.config)
+    optional_packages.quiet_megatron(cuda=cfg.cluster.device == "cuda")
     try:
         code = run(cfg, args.data_index, main_t)
     finally:
