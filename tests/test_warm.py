@@ -328,3 +328,56 @@ def test_rank_killed_recovers_on_warm_processes_bitwise(tmp_path, data_index, da
     assert got.keys() == want.keys() and len(want) > 10
     assert [k for k in want if isinstance(want[k], torch.Tensor) and not torch.equal(got[k], want[k])] == []
     assert [m["loss"] for m in warm.metrics] == [m["loss"] for m in cold.metrics]
+
+
+def test_the_zygotes_imports_leave_torch_compile_to_the_forks():
+    """megatron-core decorates its fused kernels with ``torch.compile`` at import; the decoration
+    imports ``torch._inductor.runtime.benchmarking``, which starts the CUDA driver on a GPU node (an
+    H200, torch 2.11): the zygote could then fork no CUDA rank. Its imports defer each such compile
+    to the function's first call (``deferred_compile``) and leave ``torch.compile`` as it was. This
+    fails when megatron-core or torch reach that module another way at import."""
+    probe = textwrap.dedent("""
+        import json, sys
+        from mega.warm import zygote
+        zygote.preload()
+        import torch
+        from megatron.core import jit
+        from megatron.core.fusions import fused_bias_gelu
+        print(json.dumps({
+            "benchmarking": "torch._inductor.runtime.benchmarking" in sys.modules,
+            "jit_fuser_deferred": jit.jit_fuser.__name__ == "compile_",
+            "bias_gelu_deferred": getattr(fused_bias_gelu.bias_gelu, "deferred_compile", False),
+            "torch_compile_restored": torch.compile.__module__ == "torch",
+        }))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {
+        "benchmarking": False,
+        "jit_fuser_deferred": True,
+        "bias_gelu_deferred": True,
+        "torch_compile_restored": True,
+    }
+
+
+def test_a_deferred_compile_compiles_at_the_first_call_with_the_given_arguments():
+    from mega.warm.zygote import deferred_compile
+
+    calls = []
+
+    def real_compile(model, **kwargs):
+        calls.append(kwargs)
+        return torch.compile(model, **{"backend": "eager", **kwargs})  # eager: no code generation here
+
+    @deferred_compile(real_compile)
+    def double(x):
+        return 2 * x
+
+    fused = deferred_compile(real_compile)(backend="eager")(lambda x: x + 1)  # @torch.compile(...) form
+    assert calls == [] and double.__name__ == "double"
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    assert torch.equal(fused(torch.zeros(2)), torch.ones(2))
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    assert calls == [{}, {"backend": "eager"}]  # once each, at the first call
+    module = torch.nn.Linear(2, 2)
+    assert isinstance(deferred_compile(real_compile)(module), torch._dynamo.eval_frame.OptimizedModule)

@@ -24,7 +24,8 @@ standard-library loop with no such coupling, and the client needs no torch impor
 
 **Why a fork carries nothing that changes the result.** The zygote only imports (``PRELOAD``):
 it runs no torch op, never touches CUDA (``torch.cuda.is_available()`` at import goes through
-NVML: ``PYTORCH_NVML_BASED_CUDA_CHECK``), creates no process group, seeds nothing. Before it
+NVML: ``PYTORCH_NVML_BASED_CUDA_CHECK``; functions decorated with ``torch.compile`` while it
+imports compile at their first call: ``deferred_compile``), creates no process group, seeds nothing. Before it
 serves it checks that it has exactly one native thread (no OpenMP/intra-op pool, no gloo
 thread: a fork copies only the forking thread, and a pool's locks would be copied mid-use; numpy's
 OpenBLAS pool is shut down by its own fork handler) and
@@ -51,8 +52,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import ctypes
+import functools
 import gc
 import importlib
+import inspect
 import json
 import os
 import runpy
@@ -118,14 +121,54 @@ def native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def deferred_compile(real_compile):
+    """``torch.compile`` for the zygote's imports: a plain function decorated while importing is
+    compiled at its first call (in a fork), by ``real_compile`` with the same arguments.
+
+    Why: megatron-core decorates its fused kernels with ``torch.compile`` at import
+    (``megatron.core.jit.jit_fuser``). The decoration alone builds the backend's config, importing
+    ``torch._inductor.compile_fx`` and with it ``torch._inductor.runtime.benchmarking``, which on a
+    CUDA node (torch 2.11, an H200) starts the CUDA driver: a process whose driver has started
+    cannot fork ranks that use CUDA. Compiling is lazy anyway (torch.compile compiles at the first
+    call), so the fork runs what a cold process runs. Anything else (a module, ``mode=`` only)
+    goes to ``real_compile`` at once."""
+
+    def compile_(model=None, **kwargs):
+        if model is None:  # @torch.compile(...) with arguments only
+            return lambda fn: compile_(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return real_compile(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args, **kw):
+            nonlocal compiled
+            if compiled is None:
+                compiled = real_compile(model, **kwargs)
+            return compiled(*args, **kw)
+
+        call.deferred_compile = True
+        return call
+
+    return compile_
+
+
 def preload(modules: tuple[str, ...] = PRELOAD) -> float:
     """Import ``modules``; NotForkSafe if that started a thread or CUDA. Returns the seconds taken."""
     t0 = time.perf_counter()
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # is_available() without initialising CUDA
     for name in THREAD_ENV:
         os.environ.pop(name, None)
-    for name in modules:
-        importlib.import_module(name)
+    torch = importlib.import_module("torch") if modules == PRELOAD else sys.modules.get("torch")
+    real_compile = torch.compile if torch is not None else None
+    if torch is not None:
+        torch.compile = deferred_compile(real_compile)
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        if torch is not None:
+            torch.compile = real_compile
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise NotForkSafe("importing initialised CUDA: a forked rank could not use it")
