@@ -334,13 +334,18 @@ def test_the_zygotes_imports_leave_torch_compile_to_the_forks():
     """megatron-core decorates its fused kernels with ``torch.compile`` at import; the decoration
     imports ``torch._inductor.runtime.benchmarking``, which starts the CUDA driver on a GPU node (an
     H200, torch 2.11): the zygote could then fork no CUDA rank. Its imports defer each such compile
-    to the function's first call (``deferred_compile``) and leave ``torch.compile`` as it was. This
-    fails when megatron-core or torch reach that module another way at import."""
+    to the function's first call (``deferred_compile``) and leave ``torch.compile`` as it was; and
+    none asks for the device count (``torch.cuda.is_available()`` started the driver there too).
+    This fails when megatron-core, torch or mega reach either at import another way."""
     probe = textwrap.dedent("""
         import json, sys
+        import torch
+        probes = []
+        for name in ("is_available", "device_count"):  # each may start the driver (cudaGetDeviceCount)
+            real = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, lambda *a, _n=name, _r=real: probes.append(_n) or _r(*a))
         from mega.warm import zygote
         zygote.preload()
-        import torch
         from megatron.core import jit
         from megatron.core.fusions import fused_bias_gelu
         print(json.dumps({
@@ -348,6 +353,7 @@ def test_the_zygotes_imports_leave_torch_compile_to_the_forks():
             "jit_fuser_deferred": jit.jit_fuser.__name__ == "compile_",
             "bias_gelu_deferred": getattr(fused_bias_gelu.bias_gelu, "deferred_compile", False),
             "torch_compile_restored": torch.compile.__module__ == "torch",
+            "device_probes": probes,
         }))
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -357,6 +363,7 @@ def test_the_zygotes_imports_leave_torch_compile_to_the_forks():
         "jit_fuser_deferred": True,
         "bias_gelu_deferred": True,
         "torch_compile_restored": True,
+        "device_probes": [],
     }
 
 
