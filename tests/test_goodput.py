@@ -211,6 +211,36 @@ def test_not_struck_says_why():
     ]
 
 
+def test_a_strike_that_fails_is_reported_and_the_harness_strikes_on(tmp_path, monkeypatch):
+    """The soak harness's thread survives a strike that raises (the victim exited between being
+    chosen and struck): that fault is reported with why, the next one is struck on time."""
+    from mega.bench.soak import Harness, _not_struck
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # training has started: fault times count from now
+    schedule = [
+        {"at_s": 0.0, "kind": "rank-kill", "how": "harness"},
+        {"at_s": 0.2, "kind": "redis-stop", "how": "harness"},
+    ]
+    outcomes = iter([ProcessLookupError("[Errno 3] No such process"), {"struck": True}])
+
+    def strike(kind):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    harness = Harness(tmp_path, schedule, redis_pid=0, s3=None, seed=0)
+    monkeypatch.setattr(harness, "_strike", strike)
+    harness.start()
+    harness.thread.join(timeout=10)
+    assert not harness.thread.is_alive()
+    failed, struck = harness.done
+    assert struck["kind"] == "redis-stop" and struck["struck"] is True
+    assert [f["why"] for f in _not_struck(schedule, harness.done, [struck])] == [
+        "harness: ProcessLookupError: [Errno 3] No such process"
+    ]
+
+
 def test_a_relaunch_is_cut_into_its_steps_by_the_slowest_rank(tmp_path):
     """mega.goodput.recovery: verdict -> first step of the relaunch, each boundary the latest rank's."""
     from mega.goodput.recovery import STEPS, recoveries

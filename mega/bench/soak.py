@@ -328,7 +328,11 @@ class Harness:
                 if self.stop.wait(0.2):
                     return
             at = time.time()  # the fault's start (an outage or a straggler lasts seconds more)
-            struck = {**f, **self._strike(f["kind"]), "time": at}
+            try:
+                struck = {**f, **self._strike(f["kind"]), "time": at}
+            except Exception as e:  # e.g. the victim exited between choosing and striking it
+                self.done.append({**f, "struck": False, "why": f"harness: {type(e).__name__}: {e}"})
+                continue  # the next faults are still struck, and the result says why this one was not
             self.done.append(struck)
             self._record(struck)
 
