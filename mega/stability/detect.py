@@ -15,8 +15,8 @@ incidents (mega.stability.incident).
   through the restore) only a stopped or dead rank is a hang: one silent, or one that never beat,
   while its peers beat (``_startup_hang``): for ``silent_after_s`` when its node's warm client
   reports its process not running (mega.stability.liveness), else for ``stability.min_hang_s``;
-  a slow restore is bounded by the ranks' own timeouts. ``localise`` names the culprit; ``poll`` returns the reason, and
-  the driver stops the attempt and relaunches from ``latest``.
+  a slow restore is bounded by the ranks' own timeouts. ``localise`` names the culprit; ``poll``
+  returns the reason, and the driver stops the attempt and relaunches from ``latest``.
 * **straggler**: a rank whose compute time per step is above ``stability.straggler_factor`` x its
   peers' median for ``stability.straggler_beats`` steps in a row: reported once per rank and
   attempt, no restart.
@@ -381,9 +381,8 @@ class Watcher:
             "silent_after_s": self.silent_after_s,
             "computed_s_ago": None if self.last_work is None else round(now - self.last_work, 3),
             "read_errors": self.read_errors,
-            "processes": {
-                r: self.procs[r] for r in self._silent(now) if r in self.procs
-            },  # their nodes' view
+            # the silent ranks' process state as their nodes saw it (mega.stability.liveness)
+            "processes": {r: self.procs[r] for r in self._silent(now) if r in self.procs},
             "ranks": {
                 r: {
                     "age_s": round(now - b["time"], 3),

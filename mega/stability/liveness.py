@@ -10,9 +10,9 @@ heartbeat intervals is not starved: it is not running.
 The witness is the warm client (mega/warm/client.py): torchrun's stand-in for the rank, on the
 same node, idle while it waits for the rank to exit. Every ``stability.heartbeat_s`` its thread
 reads the rank's ``/proc/<pid>/stat`` and writes ``{time, pid, state, cpu_s, still_s}``
-(``still_s``: how long the process's CPU time has not moved) to ``heartbeat_redis.proc_key``, bounded as every
-heartbeat write (heartbeat_redis.TIMEOUT_S, dropped on failure). Without warm processes there is no
-witness and the ``min_hang_s`` rule stands.
+(``still_s``: how long the process's CPU time has not moved) to ``heartbeat_redis.proc_key``,
+bounded as every heartbeat write (heartbeat_redis.TIMEOUT_S, dropped on failure). Without warm
+processes there is no witness and the ``min_hang_s`` rule stands.
 """
 
 from __future__ import annotations
