@@ -152,6 +152,27 @@ def test_dp_reduce_tail_is_at_least_one_bucket(composer):
     assert term["seconds"] < term["total_s"]  # the rest hides under the backward
 
 
+def test_megascale_dp_reduce_leaves_the_last_chunk_exposed(composer):
+    """MegaScale (section 3.2) reduce-scatters each model chunk's gradients after the chunk's
+    backward, so the last chunk's, 1/vpp of the whole, cannot be hidden; the earlier chunks' hide in
+    the drain, (vpp - 1)/vpp of the bubble. megatron-core's buckets start during the backward."""
+    overrides = [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=384", "parallelism.dp=48"]
+    plan = composer.plan(overrides)
+    settle_precision(plan)
+    hw, peak = hardware_for(plan.cfg)
+    megatron_core = predict(plan.cfg, hw, peak, stack=Stack()).breakdown()
+    per_chunk = predict(plan.cfg, hw, peak, stack=Stack(dp_reduce_per_chunk=True)).breakdown()
+    total, vpp = per_chunk["dp_grad_reduce"]["total_s"], 6
+    drain = (vpp - 1) / vpp * per_chunk["pp_bubble"]["seconds"]
+    assert total == megatron_core["dp_grad_reduce"]["total_s"]
+    assert per_chunk["dp_grad_reduce"]["seconds"] == pytest.approx(max(total / vpp, total - drain))
+    assert megatron_core["dp_grad_reduce"]["seconds"] < per_chunk["dp_grad_reduce"]["seconds"]
+    (fx,) = [f for f in published.load() if f["file"].startswith("megascale")]
+    stacks = {row["id"]: published.Case(fx, row, plan=None).stack for row in fx["rows"]}
+    assert stacks["175b-megascale-3072"] == Stack(dp_reduce_per_chunk=True)
+    assert stacks["175b-megatron-3072"] == Stack()
+
+
 def _korthikanti_layer(composer, model, micro_batch, recompute, sp, extra=(), pp=1):
     """Korthikanti et al. 2022 Table 3's layout of ``model`` on TP8 (no data parallelism)."""
     nodes = {"gpt-22b": 1, "gpt-530b": 35, "gpt-1t": 64}[model] if pp > 1 else 1

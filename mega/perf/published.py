@@ -105,8 +105,9 @@ class Case:
 
     @property
     def stack(self) -> Stack:
-        """The source's software as the step model charges it (fixture ``system``)."""
-        system = self.fixture.get("system", {})
+        """The source's software as the step model charges it (fixture ``system``, and a row's own
+        ``stack`` where a source compares two systems)."""
+        system = {**self.fixture.get("system", {}), **self.row.get("stack", {})}
         return Stack(**{k: system[k] for k in STACK_KEYS if k in system})
 
     @property

@@ -60,13 +60,18 @@ class Stack:
     messages per microbatch on a stage's critical path, where megatron's batched isend/irecv pairs
     pay two. Its partitioned activations (``p2p_scatter_gather``) come with partitioned gradients
     and a freed output that the sender gathers again before its backward (engine.py
-    ``_exec_backward_pass``): three all-gathers per microbatch, not two."""
+    ``_exec_backward_pass``): three all-gathers per microbatch, not two.
+    ``dp_reduce_per_chunk``: the overlapped gradient reduce-scatter of a model chunk starts after the
+    chunk's backward (MegaScale, Jiang et al. NSDI'24 section 3.2: "the last reduce-scatter
+    operation cannot be hidden"), not bucket by bucket during it (megatron-core): the last chunk's
+    reduce-scatter, 1/vpp of the whole, waits at the end of the step."""
 
     p2p_scatter_gather: bool = False
     grad_accumulation_fusion: bool = True
     main_grad_bytes: int = 4
     tp_backward_overlap: bool = True
     p2p_unbatched: bool = False
+    dp_reduce_per_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.main_grad_bytes not in (2, 4):
@@ -581,13 +586,14 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
 
 
 def data_parallel_terms(
-    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float, main_grad_bytes: int = 4
+    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float, stack: Stack = MEGA
 ) -> tuple[list[Term], float, float]:
     """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
     optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params_rank = max(stage_params(m, tp, pp))
+    main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
     n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
     if p.use_distributed_optimizer:
@@ -606,7 +612,10 @@ def data_parallel_terms(
         # buckets reduce as the last microbatch's backward produces them (the first stage's first
         # chunk finishes last); with interleaving the chunks done earlier reduce during the drain
         last_backward = (first.backward.total + first.recompute.total) / vpp
-        rs_exposed = max(rs_total / n_buckets, rs_total - last_backward - (vpp - 1) / vpp * bubble)
+        if stack.dp_reduce_per_chunk:  # each chunk's reduce-scatter after its backward: the last one waits
+            rs_exposed = max(rs_total / vpp, rs_total - (vpp - 1) / vpp * bubble)
+        else:
+            rs_exposed = max(rs_total / n_buckets, rs_total - last_backward - (vpp - 1) / vpp * bubble)
     else:
         rs_exposed = rs_total
     opt_s, opt_what = optimizer_seconds(cfg, hw, dtype, params_rank)
@@ -752,7 +761,7 @@ def predict(
     stages = stages_of(cfg, hw, dtype, msg, stack)
     terms = pipeline_terms(cfg, hw, stages, msg)
     dp_terms, opt_s, dp_cpu = data_parallel_terms(
-        cfg, hw, dtype, stages, bubble=terms[-1].seconds, main_grad_bytes=stack.main_grad_bytes
+        cfg, hw, dtype, stages, bubble=terms[-1].seconds, stack=stack
     )
     once = per_step_terms(cfg, hw)
     terms += dp_terms + once
