@@ -17,7 +17,7 @@ from mega.perf.configs import Composer
 from mega.perf.hardware import Hardware, Link
 from mega.perf.memory import buckets
 from mega.perf.planner import hardware_for, settle_precision
-from mega.perf.scale import expected_max_normal, straggler_s, tree_all_reduce_s
+from mega.perf.scale import expected_max_normal, interleaved_bubble_fraction, straggler_s, tree_all_reduce_s
 from mega.perf.step import MEGA, Stack, causal_keys, effective_overlap, layer_unit, predict
 from mega.plan import main as plan_main
 
@@ -150,6 +150,27 @@ def test_dp_reduce_tail_is_at_least_one_bucket(composer):
     assert n_buckets == math.ceil(max(stage_params(cfg.model, 8, 8)) / 6 / 192e6) + 5
     assert term["seconds"] >= term["total_s"] / n_buckets - 1e-12
     assert term["seconds"] < term["total_s"]  # the rest hides under the backward
+
+
+def test_megascale_dp_reduce_leaves_the_last_chunk_exposed(composer):
+    """MegaScale (section 3.2) reduce-scatters each model chunk's gradients after the chunk's
+    backward, so the last chunk's, 1/vpp of the whole, cannot be hidden; the earlier chunks' hide in
+    the drain, (vpp - 1)/vpp of the bubble. megatron-core's buckets start during the backward."""
+    overrides = [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=384", "parallelism.dp=48"]
+    plan = composer.plan(overrides)
+    settle_precision(plan)
+    hw, peak = hardware_for(plan.cfg)
+    megatron_core = predict(plan.cfg, hw, peak, stack=Stack()).breakdown()
+    per_chunk = predict(plan.cfg, hw, peak, stack=Stack(dp_reduce_per_chunk=True)).breakdown()
+    total, vpp = per_chunk["dp_grad_reduce"]["total_s"], 6
+    drain = (vpp - 1) / vpp * per_chunk["pp_bubble"]["seconds"]
+    assert total == megatron_core["dp_grad_reduce"]["total_s"]
+    assert per_chunk["dp_grad_reduce"]["seconds"] == pytest.approx(max(total / vpp, total - drain))
+    assert megatron_core["dp_grad_reduce"]["seconds"] < per_chunk["dp_grad_reduce"]["seconds"]
+    (fx,) = [f for f in published.load() if f["file"].startswith("megascale")]
+    stacks = {row["id"]: published.Case(fx, row, plan=None).stack for row in fx["rows"]}
+    assert stacks["175b-megascale-3072"] == Stack(dp_reduce_per_chunk=True)
+    assert stacks["175b-megatron-3072"] == Stack()
 
 
 def _korthikanti_layer(composer, model, micro_batch, recompute, sp, extra=(), pp=1):
@@ -291,6 +312,65 @@ def test_backward_tp_all_reduce_is_exposed_without_the_async_overlap(composer):
     assert hidden.tp_exposed == 0.0 and hidden.tp_total == pytest.approx(2 * ring)
     assert exposed.tp_exposed == pytest.approx(2 * ring)
     assert exposed.total - hidden.total == pytest.approx(2 * ring)
+
+
+def test_deepspeed_pipeline_messages_are_sent_one_at_a_time(composer):
+    """DeepSpeed's pipeline engine (MT-NLG's and BLOOM's) passes each tensor with its own blocking
+    send or recv: per microbatch a stage waits on four transfers of the activation's 1/8 over its
+    NIC (activation in and gradient out in its forward slot, activation out and gradient in in its
+    backward slot) and three NVLink all-gathers of the whole activation (the activation and the
+    gradient received, its own output gathered again before the backward); megatron's batched
+    pairs wait on two of each. 530B on TP8 PP35, micro-batch 1: b s h x 2 B = 2048 x 20480 x 2."""
+    _, cfg, hw = _korthikanti_layer(composer, "gpt-530b", 1, "full", "false", pp=35)
+    act, t = 2048 * 20480 * 2, 8
+    transfer = hw.inter.latency_s + act / t / hw.inter.bytes_per_s
+    gather = (t - 1) * hw.intra.latency_s + (t - 1) / t * act / hw.intra.bytes_per_s
+    mb = cfg.parallelism.num_microbatches
+    batched = Stack(p2p_scatter_gather=True)
+    unbatched = dataclasses.replace(batched, p2p_unbatched=True)
+    p2p = {s: predict(cfg, hw, stack=s).breakdown()["pp_p2p"]["seconds"] for s in (batched, unbatched)}
+    assert p2p[batched] == pytest.approx(mb * 2 * (transfer + gather))
+    assert p2p[unbatched] == pytest.approx(mb * (4 * transfer + 3 * gather))
+    for name in ("mtnlg2022.json", "bloom2022-tr11.json"):
+        (fx,) = [f for f in published.load() if f["file"] == name]
+        assert fx["system"]["p2p_unbatched"] and fx["system"]["p2p_scatter_gather"]
+
+
+def _deepspeed_train_schedule_s(stages: int, microbatches: int, fwd: float, bwd: float) -> float:
+    """Makespan of DeepSpeed's ``TrainSchedule`` (deepspeed/runtime/pipe/schedule.py): 2 (m + p - 1)
+    slots; in slot k stage s runs a forward when k and s have the same parity, else a backward, of
+    the microbatch its formula names (none outside 0..m-1); a forward slot exchanges with the
+    previous stage and a backward slot with the next one, blocking, so both start when both have
+    finished their previous slot."""
+
+    def microbatch(k: int, s: int) -> tuple[int, bool]:
+        if k % 2 == s % 2:
+            return k // 2 - s // 2, True
+        if k % 2 == 0:
+            return k // 2 - stages + (s + 1) // 2, False
+        return (k - 1) // 2 - stages + 1 + s // 2, False
+
+    end = [0.0] * stages
+    for k in range(2 * (microbatches + stages - 1)):
+        slots = [microbatch(k, s) for s in range(stages)]
+        start = []
+        for s, (_, forward) in enumerate(slots):
+            peer = s - 1 if forward else s + 1
+            start.append(max(end[s], end[peer]) if 0 <= peer < stages else end[s])
+        end = [
+            t + ((fwd if forward else bwd) if 0 <= mb < microbatches else 0.0)
+            for t, (mb, forward) in zip(start, slots)
+        ]
+    return max(end)
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (12, 128), (35, 240)])
+def test_deepspeed_train_schedule_has_the_1f1b_bubble(stages, microbatches):
+    """DeepSpeed's alternating forward/backward slots take as long as 1F1B: (m + p - 1)(F + B),
+    the bubble the model charges its rows ((pp - 1) microbatch-times, vpp = 1)."""
+    fwd, bwd = 1.0, 3.0  # full recomputation: the backward redoes the forward
+    expected = microbatches * (fwd + bwd) * (1 + interleaved_bubble_fraction(stages, 1, microbatches))
+    assert _deepspeed_train_schedule_s(stages, microbatches, fwd, bwd) == pytest.approx(expected)
 
 
 def test_sc21_and_korthikanti_runs_of_one_layout_agree_once_each_stack_is_charged(composer):

@@ -3,8 +3,9 @@
 A fixture transcribes one source: where it comes from (paper, table, organisation, device), the
 system's differences from megatron-core that the model knows (``system``), the overrides shared by
 its rows (``common``), the knobs the source does not publish (``open``: the planner chooses them as
-a user would, the best that fits), and per row the layout overrides and the published value. A row
-may carry ``unexplained`` (why the model cannot describe that run: it is reported, never calibrated
+a user would, the best that fits), and per row the layout overrides and the published value (and
+``stack``, the row's own ``system`` facts, where a source compares two systems). A row may carry
+``unexplained`` (why the model cannot describe that run: it is reported, never calibrated
 on) or ``miss`` (a known model error beyond +-3 points with what is known of its cause: reported,
 calibrated on like any other row); ``miss_held_out`` (on a row or the whole fixture) says what is
 known of an error that appears only when the source is predicted from the others.
@@ -105,8 +106,9 @@ class Case:
 
     @property
     def stack(self) -> Stack:
-        """The source's software as the step model charges it (fixture ``system``)."""
-        system = self.fixture.get("system", {})
+        """The source's software as the step model charges it (fixture ``system``, and a row's own
+        ``stack`` where a source compares two systems)."""
+        system = {**self.fixture.get("system", {}), **self.row.get("stack", {})}
         return Stack(**{k: system[k] for k in STACK_KEYS if k in system})
 
     @property

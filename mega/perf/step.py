@@ -52,12 +52,26 @@ class Stack:
     without ``--accumulate-allreduce-grads-in-fp32``, DeepSpeed's fp16 engine).
     ``tp_backward_overlap``: the column-parallel layers' backward all-reduce runs asynchronously
     under the weight-gradient GEMM (Megatron-LM since 2021-09, megatron-core); without it every TP
-    collective of the backward is exposed."""
+    collective of the backward is exposed.
+    ``p2p_unbatched``: DeepSpeed's pipeline engine (``deepspeed/runtime/pipe``, 0.5.5 of 2021-10 and
+    2022's) passes each tensor with its own blocking ``torch.distributed`` send or recv, one after
+    the other (schedule.py ``TrainSchedule``: a forward slot receives the activation, then sends the
+    previous gradient; a backward slot sends the activation, then receives the gradient): four
+    messages per microbatch on a stage's critical path, where megatron's batched isend/irecv pairs
+    pay two. Its partitioned activations (``p2p_scatter_gather``) come with partitioned gradients
+    and a freed output that the sender gathers again before its backward (engine.py
+    ``_exec_backward_pass``): three all-gathers per microbatch, not two.
+    ``dp_reduce_per_chunk``: the overlapped gradient reduce-scatter of a model chunk starts after the
+    chunk's backward (MegaScale, Jiang et al. NSDI'24 section 3.2: "the last reduce-scatter
+    operation cannot be hidden"), not bucket by bucket during it (megatron-core): the last chunk's
+    reduce-scatter, 1/vpp of the whole, waits at the end of the step."""
 
     p2p_scatter_gather: bool = False
     grad_accumulation_fusion: bool = True
     main_grad_bytes: int = 4
     tp_backward_overlap: bool = True
+    p2p_unbatched: bool = False
+    dp_reduce_per_chunk: bool = False
 
     def __post_init__(self) -> None:
         if self.main_grad_bytes not in (2, 4):
@@ -355,12 +369,33 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) 
     return Unit(fwd, bwd, Pass())
 
 
-def p2p_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, scatter_gather: bool) -> tuple[float, float]:
-    """(seconds, bytes) of one pipeline message: a microbatch's activation to the next stage, whose
-    ranks are tp*dp away (megatron's tp-cp-ep-dp-pp rank order); across nodes one rank's NIC."""
+@dataclass(frozen=True)
+class Message:
+    """One pipeline message: a microbatch's activation (or its gradient) to the neighbour stage."""
+
+    transfer_s: float  # the send itself
+    gather_s: float  # the receiver's all-gather of a message split over the TP ranks (scatter-gather)
+    nbytes: float  # bytes each rank sends
+
+    @property
+    def seconds(self) -> float:
+        return self.transfer_s + self.gather_s
+
+    def blocking_per_chunk(self, stack: Stack) -> float:
+        """Seconds a stage waits on its messages per microbatch and model chunk when they are not
+        overlapped: one each way (megatron), or four sends/recvs and three all-gathers in turn
+        (``Stack.p2p_unbatched``)."""
+        if stack.p2p_unbatched:
+            return 4 * self.transfer_s + 3 * self.gather_s
+        return 2 * self.seconds
+
+
+def p2p_message(cfg: MegaConfig, hw: Hardware, dtype: int, scatter_gather: bool) -> Message:
+    """One pipeline message to the next stage, whose ranks are tp*dp away (megatron's
+    tp-cp-ep-dp-pp rank order); across nodes one rank's NIC."""
     m, p = cfg.model, cfg.parallelism
     if p.pp == 1:
-        return 0.0, 0.0
+        return Message(0.0, 0.0, 0.0)
     activation = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
     nbytes = activation / (p.tp if (p.sequence_parallel or scatter_gather) else 1)
     stride = p.tp * p.dp
@@ -368,9 +403,10 @@ def p2p_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, scatter_gather: bool)
         seconds = hw.inter.latency_s + nbytes / hw.inter.bytes_per_s
     else:
         seconds = hw.collective_s("send", nbytes, p.pp, stride=stride)
-    if scatter_gather and not p.sequence_parallel:
-        seconds += hw.collective_s("all_gather", activation, p.tp)
-    return seconds, nbytes
+    gather = (
+        hw.collective_s("all_gather", activation, p.tp) if scatter_gather and not p.sequence_parallel else 0.0
+    )
+    return Message(seconds, gather, nbytes)
 
 
 @dataclass
@@ -422,13 +458,13 @@ def accumulation_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack
     ]
 
 
-def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float, stack: Stack = MEGA) -> list[Stage]:
+def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: Stack = MEGA) -> list[Stage]:
     p = cfg.parallelism
     pp, vpp = p.pp, p.chunks_per_stage
     n = cfg.model.num_layers // pp
     layer, emb = layer_unit(cfg, hw, dtype, stack), embedding_unit(cfg, hw, dtype)
     head = logits_unit(cfg, hw, dtype, stack)
-    blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else 2 * vpp * p2p  # each chunk: one message each way
+    blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else vpp * msg.blocking_per_chunk(stack)
     accumulate = accumulation_seconds(cfg, hw, dtype, stack)
     out = []
     for stage in range(pp):
@@ -452,9 +488,7 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, p2p: float, stack: Stac
     return out
 
 
-def pipeline_terms(
-    cfg: MegaConfig, hw: Hardware, stages: list[Stage], p2p: float, p2p_bytes: float
-) -> list[Term]:
+def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Message) -> list[Term]:
     """The microbatches through the slowest stage, term by term, then the bubble."""
     m, p = cfg.model, cfg.parallelism
     pp, vpp, mb = p.pp, p.chunks_per_stage, p.num_microbatches
@@ -462,7 +496,7 @@ def pipeline_terms(
     st = stages[slowest]
     lay, ext = st.layers, st.extra
     avg = sum(x.total for x in stages) / pp
-    fill = 2 * (pp - 1) * p2p if (pp > 1 and p.overlap_p2p_comm) else 0.0
+    fill = 2 * (pp - 1) * msg.seconds if (pp > 1 and p.overlap_p2p_comm) else 0.0
     return [
         Term(
             "gemm",
@@ -512,14 +546,14 @@ def pipeline_terms(
         Term(
             "pp_p2p",
             mb * st.p2p + fill,
-            f"pipeline send/recv of {p2p_bytes / 2**20:.1f} MiB per microbatch and chunk, each way "
+            f"pipeline send/recv of {msg.nbytes / 2**20:.1f} MiB per microbatch and chunk, each way "
             f"(overlap_p2p_comm={p.overlap_p2p_comm}"
             + (
                 ": only the fill/drain is exposed)"
                 if p.overlap_p2p_comm
                 else ": blocking, on the critical path)"
             ),
-            total_s=mb * 2 * vpp * p2p,
+            total_s=mb * max(st.p2p, 2 * vpp * msg.seconds),
         ),
         Term(
             "pp_bubble",
@@ -552,13 +586,14 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
 
 
 def data_parallel_terms(
-    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float, main_grad_bytes: int = 4
+    cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float, stack: Stack = MEGA
 ) -> tuple[list[Term], float, float]:
     """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
     optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params_rank = max(stage_params(m, tp, pp))
+    main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
     n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
     if p.use_distributed_optimizer:
@@ -577,7 +612,10 @@ def data_parallel_terms(
         # buckets reduce as the last microbatch's backward produces them (the first stage's first
         # chunk finishes last); with interleaving the chunks done earlier reduce during the drain
         last_backward = (first.backward.total + first.recompute.total) / vpp
-        rs_exposed = max(rs_total / n_buckets, rs_total - last_backward - (vpp - 1) / vpp * bubble)
+        if stack.dp_reduce_per_chunk:  # each chunk's reduce-scatter after its backward: the last one waits
+            rs_exposed = max(rs_total / vpp, rs_total - (vpp - 1) / vpp * bubble)
+        else:
+            rs_exposed = max(rs_total / n_buckets, rs_total - last_backward - (vpp - 1) / vpp * bubble)
     else:
         rs_exposed = rs_total
     opt_s, opt_what = optimizer_seconds(cfg, hw, dtype, params_rank)
@@ -719,17 +757,17 @@ def predict(
     cfg = effective_overlap(cfg)
     m, p = cfg.model, cfg.parallelism
     dtype = DTYPE_BYTES[precision_of(cfg)]
-    p2p, p2p_bytes = p2p_seconds(cfg, hw, dtype, stack.p2p_scatter_gather)
-    stages = stages_of(cfg, hw, dtype, p2p, stack)
-    terms = pipeline_terms(cfg, hw, stages, p2p, p2p_bytes)
+    msg = p2p_message(cfg, hw, dtype, stack.p2p_scatter_gather)
+    stages = stages_of(cfg, hw, dtype, msg, stack)
+    terms = pipeline_terms(cfg, hw, stages, msg)
     dp_terms, opt_s, dp_cpu = data_parallel_terms(
-        cfg, hw, dtype, stages, bubble=terms[-1].seconds, main_grad_bytes=stack.main_grad_bytes
+        cfg, hw, dtype, stages, bubble=terms[-1].seconds, stack=stack
     )
     once = per_step_terms(cfg, hw)
     terms += dp_terms + once
     terms += stragglers_term(hw, p.dp, sum(t.seconds for t in terms))
     once_s = sum(t.seconds for t in once if t.name != "embedding_sync")
-    busy_s = busy_seconds(cfg, hw, stages, p2p_bytes, opt_s + once_s + dp_cpu)
+    busy_s = busy_seconds(cfg, hw, stages, msg.nbytes, opt_s + once_s + dp_cpu)
     terms += core_sharing_term(hw, p.world_size, busy_s, sum(t.seconds for t in terms))
     step_s = sum(t.seconds for t in terms)
 
