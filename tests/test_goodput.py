@@ -204,7 +204,7 @@ def test_not_struck_says_why():
     ]
     struck = [done[0]]
     assert [(f["kind"], f["why"]) for f in _not_struck(schedule, done, struck)] == [
-        ("nan", "step 9 not trained by the attempt it was set for"),
+        ("nan", "step 9 not trained while the config's drills were armed"),
         ("straggler", "no live rank"),
         ("nan", "not injected (one per soak)"),
         ("s3-stop", "the run ended first"),

@@ -548,8 +548,8 @@ def _result(
 
 
 def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> list[dict]:
-    """Scheduled faults that never struck, and why (the run ended first, a config fault's step
-    never trained in attempt 0, a second one of a kind, no live rank)."""
+    """Scheduled faults that never struck, and why (the run ended first, a config fault's step not
+    trained while the drills were armed, a second one of a kind, no live rank)."""
     hit = {(f["kind"], f.get("at_s")) for f in struck}
     tried = {(f["kind"], f["at_s"]): f.get("why") for f in done}
     out = []
@@ -561,7 +561,9 @@ def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> l
         elif f["how"] == "harness":
             why = tried.get((f["kind"], f["at_s"])) or "the run ended first"
         else:
-            why = f"step {f.get('step')} not trained by the attempt it was set for"
+            # config drills end when a spare (or fewer nodes) takes over (membership.decide disarms
+            # them: they were aimed at the old nodes); a kill in a save strikes in attempt 0 only
+            why = f"step {f.get('step')} not trained while the config's drills were armed"
         out.append({"kind": f["kind"], "at_s": f["at_s"], "why": why})
     return out
 
