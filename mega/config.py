@@ -734,7 +734,8 @@ class FaultConfig:
     clock_skew_rank: int | None = None
     clock_skew_s: float = 0.0
     # Stability drills (mega/stability): every rank's loss is NaN at step nan_at_step (1-based, as
-    # logged; attempt 0 only: a weight of every rank is poisoned, so the NaN is real arithmetic);
+    # logged; once: the rollback skips that step; a weight of every rank is poisoned, so the NaN is
+    # real arithmetic; it outlives a change of nodes, faults.disarm);
     # node bad_node fails its self-check (its GEMM check reports a fault) in every diagnosis and in
     # the check of a Slurm allocation's nodes (mega/launch/slurm_preflight.py).
     nan_at_step: int | None = None

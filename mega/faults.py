@@ -184,9 +184,15 @@ def selfcheck_bad_node(cfg: MegaConfig, job_rank: Callable[[int], int]) -> int |
     return None if bad is None else job_rank(bad)
 
 
+# Drills aimed at the model's numbers at a step (every rank's arithmetic), not at a node or a rank
+STEP_DRILLS = ("nan_at_step", "spike_at_step")
+
+
 def disarm(cfg: MegaConfig) -> None:
-    """End every config fault of ``cfg`` (in place): they were aimed at another layout."""
-    cfg.fault = FaultConfig()
+    """End the config faults of ``cfg`` aimed at nodes or ranks (in place): other nodes, or fewer,
+    run in their place now. A NaN or a loss spike at a step (``STEP_DRILLS``) stays armed: it
+    strikes whichever nodes train that step, as the chaos soak's schedule means it to."""
+    cfg.fault = FaultConfig(**{name: getattr(cfg.fault, name) for name in STEP_DRILLS})
 
 
 def selfcheck_env(fail_rank: int | None = None, bad_node: int | None = None) -> dict[str, str]:

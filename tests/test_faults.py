@@ -92,8 +92,11 @@ def test_config_faults_strike_only_their_rank_step_and_first_attempt(tmp_path, m
 
     cfg.fault.clock_skew_rank, cfg.fault.clock_skew_s = 0, 1.5
     assert (faults.clock_skew_ns(cfg, 0), faults.clock_skew_ns(cfg, 1)) == (1_500_000_000, 0)
+    cfg.fault.nan_at_step, cfg.fault.spike_at_step = 4, 6
     faults.disarm(cfg)
     assert faults.slow_forward(cfg, 1) is None and faults.clock_skew_ns(cfg, 0) == 0
+    assert cfg.fault.mode == "kill" and cfg.fault.kill_rank is None  # the rank-aimed drills end
+    assert (cfg.fault.nan_at_step, cfg.fault.spike_at_step) == (4, 6)  # the model's do not
 
 
 def test_a_killed_rank_records_its_fault(tmp_path):

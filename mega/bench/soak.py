@@ -561,8 +561,8 @@ def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> l
         elif f["how"] == "harness":
             why = tried.get((f["kind"], f["at_s"])) or "the run ended first"
         else:
-            # config drills end when a spare (or fewer nodes) takes over (membership.decide disarms
-            # them: they were aimed at the old nodes); a kill in a save strikes in attempt 0 only
+            # a kill in a save strikes in attempt 0 only, and ends when a spare (or fewer nodes) takes
+            # over (faults.disarm); a NaN or spike step may be skipped by an earlier rollback
             why = f"step {f.get('step')} not trained while the config's drills were armed"
         out.append({"kind": f["kind"], "at_s": f["at_s"], "why": why})
     return out

@@ -60,8 +60,8 @@ def diagnosis_enabled(cfg: MegaConfig) -> bool:
 
 def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
     """``cfg`` on ``nodes`` nodes of the same size: TP and PP kept, DP = world / (TP x PP), the
-    global batch kept (more microbatches per step). Injected faults end here (they were aimed at
-    the old layout). CannotContinue names the setting that rules the size out."""
+    global batch kept (more microbatches per step). Injected faults aimed at nodes or ranks end
+    here (faults.disarm). CannotContinue names the setting that rules the size out."""
     c, p = cfg.cluster, cfg.parallelism
     world = nodes * c.procs_per_node
     mp = p.tp * p.pp
