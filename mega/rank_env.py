@@ -12,6 +12,9 @@ import os
 ATTEMPT_ENV = "MEGA_ATTEMPT"  # the attempt's number over the run's life: logs, store keys, fault drills
 REDIS_PASSWORD_ENV = "MEGA_REDIS_PASSWORD"  # RedisStore's fallback when the URL has no password
 AGENT_PID_ENV = "MEGA_AGENT_PID"  # the torchrun agent's pid where the rank is not its child (warm forks)
+# A module whose ``watch(pid, env)`` each warm client runs for the process it forked (the heartbeat
+# environment names mega.stability.liveness): mega.warm stays below the packages that plug in here.
+CLIENT_HOOK_ENV = "MEGA_CLIENT_HOOK"
 PEAK_FLOPS_ENV = "MEGA_PEAK_FLOPS"  # "<FLOP/s>@<world size>": the previous attempt's measured CPU peak
 
 

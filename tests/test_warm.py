@@ -138,17 +138,13 @@ def test_a_ranks_client_reports_whether_its_fork_runs(zygote, redis_url):
     import redis
 
     from mega import rank_env
+    from mega.config import compose
     from mega.stability import heartbeat_redis, liveness
 
-    prefix = "mega:hb:warm-liveness"
-    hb = {heartbeat_redis.URL_ENV: redis_url, heartbeat_redis.PREFIX_ENV: prefix}
-    worker = {
-        **hb,
-        heartbeat_redis.INTERVAL_ENV: "0.2",
-        "RANK": "3",
-        "LOCAL_RANK": "1",
-        rank_env.ATTEMPT_ENV: "2",
-    }
+    cfg = compose([f"store.redis_url={redis_url}", "stability.heartbeat_s=0.2"])
+    with heartbeat_redis.heartbeat_env(cfg, {}) as hb:  # what the launcher hands the ranks
+        prefix = hb[heartbeat_redis.PREFIX_ENV]
+    worker = {**hb, "RANK": "3", "LOCAL_RANK": "1", rank_env.ATTEMPT_ENV: "2"}
     r = redis.Redis.from_url(redis_url)
     key = heartbeat_redis.proc_key(prefix, 2, 3)
 

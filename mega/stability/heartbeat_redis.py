@@ -95,19 +95,23 @@ def heartbeat_env(cfg, store_env: dict[str, str], host: str = "127.0.0.1") -> It
 
     s = cfg.store
     prefix = f"mega:hb:{secrets.token_hex(6)}"
-    interval = str(cfg.stability.heartbeat_s)
+    # the ranks' warm clients report their process state (mega.stability.liveness) every heartbeat
+    witness = {
+        INTERVAL_ENV: str(cfg.stability.heartbeat_s),
+        rank_env.CLIENT_HOOK_ENV: "mega.stability.liveness",
+    }
     if not cfg.stability.enabled or (s.kind != "redis" and s.redis_url is None and not s.start_local_redis):
         yield {}
         return
     if store_env.get(rendezvous.REDIS_URL_ENV):
-        env = {URL_ENV: store_env[rendezvous.REDIS_URL_ENV], PREFIX_ENV: prefix, INTERVAL_ENV: interval}
+        env = {URL_ENV: store_env[rendezvous.REDIS_URL_ENV], PREFIX_ENV: prefix, **witness}
         if store_env.get(rank_env.REDIS_PASSWORD_ENV):
             env[PASSWORD_ENV] = store_env[rank_env.REDIS_PASSWORD_ENV]
         yield env
         return
     with rendezvous.redis_server_url(cfg, host=host) as url:
         public, password = rendezvous.split_redis_password(url)
-        env = {URL_ENV: public, PREFIX_ENV: prefix, INTERVAL_ENV: interval}
+        env = {URL_ENV: public, PREFIX_ENV: prefix, **witness}
         if password is not None:
             env[PASSWORD_ENV] = password
         yield env

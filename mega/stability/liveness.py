@@ -85,6 +85,13 @@ class Reporter:
             self._stop.wait(self.interval_s)
 
 
+def watch(pid: int, env: dict[str, str]) -> None:
+    """The warm client's hook (``rank_env.CLIENT_HOOK_ENV``, set by ``heartbeat_redis.heartbeat_env``):
+    report ``pid``'s state while it runs, if it is a rank of a run with heartbeats."""
+    if reporter := reporter_from_env(pid, env):
+        reporter.start()
+
+
 def reporter_from_env(pid: int, env: dict[str, str]) -> Reporter | None:
     """The reporter of a torchrun worker (``RANK`` and ``LOCAL_RANK`` set) whose run has heartbeats;
     None for anything else (the agent itself, a run without heartbeats)."""

@@ -14,9 +14,9 @@ working directory and stdin/stdout/stderr (``socket.send_fds``), and then:
   came within ``MEGA_ZYGOTE_WAIT_S``), becomes the process itself (exec), started cold;
 * if the client itself is SIGKILLed, the zygote sees its connection close and SIGKILLs the forked
   process's group: nothing outlives its client;
-* for a rank of a run with heartbeats, reports the forked process's state and CPU time to the
-  heartbeat Redis every heartbeat interval (mega/stability/liveness.py): the node's witness of
-  whether a silent rank runs at all.
+* runs ``watch(pid, env)`` of the module ``$MEGA_CLIENT_HOOK`` names, if any, for the forked
+  process: a run with heartbeats names mega.stability.liveness, which reports a rank's process
+  state to the heartbeat Redis (the node's witness of whether a silent rank runs at all).
 
 The forked process gets ``MEGA_AGENT_PID`` (this client's parent: for a rank, its torchrun
 agent) since its own parent is the zygote. Drills that strike "the rank" use the pid the rank
@@ -25,6 +25,7 @@ records itself (mega.cluster.node.record_process), never this client's.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -33,7 +34,6 @@ import sys
 import time
 
 from mega import rank_env
-from mega.stability import liveness
 
 SOCKET_ENV = "MEGA_ZYGOTE_SOCKET"  # the node's zygote's unix socket (set by the launch backend)
 PID_ENV = "MEGA_ZYGOTE_PID"  # its pid: a client stops waiting for a zygote that died
@@ -125,8 +125,8 @@ def run(module: str, args: list[str]) -> int:
             child = reply["pid"]
             for sig in pending:
                 relay(sig, None)
-            if reporter := liveness.reporter_from_env(child, env):
-                reporter.start()
+            if hook := env.get(rank_env.CLIENT_HOOK_ENV):
+                importlib.import_module(hook).watch(child, env)
         elif "error" in reply:
             print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
             return 1
