@@ -126,7 +126,10 @@ def run(module: str, args: list[str]) -> int:
             for sig in pending:
                 relay(sig, None)
             if hook := env.get(rank_env.CLIENT_HOOK_ENV):
-                importlib.import_module(hook).watch(child, env)
+                try:
+                    importlib.import_module(hook).watch(child, env)
+                except Exception as e:  # a witness that cannot start costs the run nothing
+                    print(f"mega.warm.client: {hook}.watch failed: {type(e).__name__}: {e}", file=sys.stderr)
         elif "error" in reply:
             print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
             return 1
