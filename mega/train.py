@@ -30,9 +30,9 @@ from mega.stability import exit_signal, rollback
 
 # megatron-core warns about every optional GPU package it lacks, in every rank (and every helper
 # process the checkpoint writer spawns, which re-imports this module); the train task says it once.
-# The CPU-only filter waits for the config's device (main): probing the device here would start
-# the CUDA driver (torch.cuda.is_available() falls back to cudaGetDeviceCount where NVML cannot
-# count), and a warm zygote importing this module could then not fork ranks that use CUDA.
+# The CPU-only filter waits for the config's device (main): probing the device here started the
+# CUDA driver on an H200 node (torch.cuda.is_available(), with PYTORCH_NVML_BASED_CUDA_CHECK=1
+# too), and a warm zygote importing this module could then not fork ranks that use CUDA.
 optional_packages.quiet_megatron(cuda=True)
 
 # Variables that CUDA reads when it initialises: each rank's value, as launched, goes to init.json.

@@ -54,15 +54,12 @@ class Reporter:
     def __init__(self, env: dict[str, str], key: str, pid: int, interval_s: float):
         self.env, self.key, self.pid, self.interval_s = env, key, pid, interval_s
         self.ttl_s = max(2, int(round(10 * interval_s)))  # a dead run's keys go by themselves
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # never set: the thread ends with its process, or the rank
         self._thread = threading.Thread(target=self._run, name="mega-liveness", daemon=True)
 
     def start(self) -> Reporter:
         self._thread.start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def _run(self) -> None:
         import redis  # here, not in the client's main thread: it relays signals meanwhile
