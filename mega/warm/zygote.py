@@ -25,7 +25,8 @@ standard-library loop with no such coupling, and the client needs no torch impor
 **Why a fork carries nothing that changes the result.** The zygote only imports (``PRELOAD``):
 it runs no torch op, never touches CUDA (``torch.cuda.is_available()`` at import goes through
 NVML: ``PYTORCH_NVML_BASED_CUDA_CHECK``; functions decorated with ``torch.compile`` while it
-imports compile at their first call: ``deferred_compile``), creates no process group, seeds nothing. Before it
+imports compile at their first call: ``deferred_compile``), creates no process group, seeds
+nothing. Before it
 serves it checks that it has exactly one native thread (no OpenMP/intra-op pool, no gloo
 thread: a fork copies only the forking thread, and a pool's locks would be copied mid-use; numpy's
 OpenBLAS pool is shut down by its own fork handler) and
@@ -130,8 +131,9 @@ def deferred_compile(real_compile):
     ``torch._inductor.compile_fx`` and with it ``torch._inductor.runtime.benchmarking``, which on a
     CUDA node (torch 2.11, an H200) starts the CUDA driver: a process whose driver has started
     cannot fork ranks that use CUDA. Compiling is lazy anyway (torch.compile compiles at the first
-    call), so the fork runs what a cold process runs. Anything else (a module, ``mode=`` only)
-    goes to ``real_compile`` at once."""
+    call), so the fork runs what a cold process runs. What is not a plain function (a module)
+    goes to ``real_compile`` at once. Applied to the default ``PRELOAD`` (the set that imports
+    megatron-core); a zygote of other modules imports them as they are."""
 
     def compile_(model=None, **kwargs):
         if model is None:  # @torch.compile(...) with arguments only
