@@ -49,6 +49,9 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # None = multi-head attention (no GQA)
     ffn_hidden_size: int | None = None  # None = 4 * hidden_size
+    # The MLP's activation: "gelu" (GPT: fc1 h -> ffn, GeLU, fc2 ffn -> h); "swiglu" (Llama,
+    # PaLM: fc1 h -> 2 ffn, SiLU(gate) * up, fc2 ffn -> h; megatron-core's gated_linear_unit)
+    activation: str = choice("gelu", "swiglu")
     seq_length: int = 32
     vocab_size: int = 512  # tokenizer vocabulary; the embedding is padded (see padded_vocab_size)
     make_vocab_size_divisible_by: int = 128
@@ -72,6 +75,11 @@ class ModelConfig:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def fc1_size(self) -> int:
+        """Output width of the MLP's first matrix: the gate and the up projection under SwiGLU."""
+        return 2 * self.ffn if self.activation == "swiglu" else self.ffn
 
     @property
     def padded_vocab_size(self) -> int:

@@ -51,7 +51,7 @@ def model_flops_per_token(
 
     qkv = 2 * h * (h + 2 * kv)
     projection = 2 * h * h
-    mlp = 2 * 2 * h * model.ffn  # h -> ffn and ffn -> h
+    mlp = 2 * h * (model.fc1_size + model.ffn)  # h -> ffn (gate and up under SwiGLU), ffn -> h
     windowed, full = attention_layer_counts(model.num_layers, window, full_attention_every)
     s_window = s if window is None else min(window + 1, s)
     layers_forward = (

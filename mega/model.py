@@ -39,6 +39,8 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn,
+        gated_linear_unit=m.activation == "swiglu",
+        activation_func=torch.nn.functional.silu if m.activation == "swiglu" else torch.nn.functional.gelu,
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -181,6 +183,7 @@ def init_layout_invariant(model: MegatronModule, seed: int, std: float) -> None:
     """
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
+    gated = model.config.gated_linear_unit
     with torch.no_grad():
         for name, param in global_parameter_names(model).items():
             if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
@@ -199,6 +202,10 @@ def init_layout_invariant(model: MegatronModule, seed: int, std: float) -> None:
                 full_shape[param.partition_dim] *= tp_size
             gen = torch.Generator().manual_seed(_seed_of(seed, name))
             full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * std
-            if partitioned:
+            if partitioned and gated and ".mlp.linear_fc1." in name:
+                # megatron's SwiGLU fc1 holds [gate; up] rows on every TP rank (its
+                # sharded_state_dict splits them so): each half is split on its own
+                full = torch.cat([half.chunk(tp_size, dim=0)[tp_rank] for half in full.chunk(2, dim=0)])
+            elif partitioned:
                 full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
             param.copy_(full.to(param.dtype))

@@ -1,5 +1,6 @@
 """mega.flops: the model-FLOPs formula, the peak table and the MFU arithmetic."""
 
+import dataclasses
 import math
 import time
 
@@ -35,6 +36,27 @@ def test_formula_matches_a_hand_count(small_gqa_model):
     assert model_flops_per_token(small_gqa_model) == 3 * (layers + logits) == 12288
     # full recompute runs the layers' forward again, not the logits
     assert model_flops_per_token(small_gqa_model, recompute=True) == 12288 + layers
+
+
+def test_swiglu_counts_three_mlp_matrices(small_gqa_model):
+    """SwiGLU's gate and up projections (h -> ffn each) and down projection (ffn -> h)."""
+    gelu = model_flops_per_token(small_gqa_model)
+    swiglu = model_flops_per_token(dataclasses.replace(small_gqa_model, activation="swiglu"))
+    # one more h x ffn matmul per layer: 2 * 8 * 16 forward, 2 layers, x3 for the backward
+    assert swiglu - gelu == 3 * 2 * (2 * 8 * 16)
+
+
+def test_llama3_405b_has_its_published_parameter_count():
+    """Llama 3's 405B (Llama Team 2024, Table 3: 126 layers, dimension 16,384, FFN 53,248 SwiGLU, 8 KV
+    heads, 128,256-token vocabulary, untied embeddings): 405,853,388,800 parameters in the released
+    weights, against the memory model's count less mega's learned position embeddings (Llama's RoPE
+    has none); mega's linear biases, which Llama has not, add 0.006%."""
+    from mega.perf.memory import model_params
+
+    m = compose(["model=llama3-405b", "model.num_layers=126"]).model
+    positions = m.seq_length * m.hidden_size
+    assert model_params(m) - positions == pytest.approx(405_853_388_800, rel=1e-4)
+    assert model_params(dataclasses.replace(m, activation="gelu")) < 0.75 * model_params(m)
 
 
 def test_sliding_window_counts_only_the_window(small_gqa_model):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from comm_count import counting_communication
 from helpers import free_port, tiny_run
+from megatron_world import build, loss, start_world, stop_world, use_tp
 
 from mega.config import ConfigError, compose, from_dict
 
@@ -29,39 +29,6 @@ MODEL = {
     "block": "parallel",
 }
 MICRO_BATCH = 2
-
-
-def _start_world(rank: int, world_size: int, port: int) -> None:
-    """A gloo world of CPU processes with megatron's CPU adaptations, as mega.train sets up."""
-    import torch.distributed as dist
-
-    from mega import megatron_cpu, megatron_fixes
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    megatron_fixes.apply()
-    megatron_cpu.apply()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-
-
-def _use_tp(tp: int) -> None:
-    """(Re)build megatron's process groups for tensor-parallel size `tp` (the rest is DP)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    torch.manual_seed(0)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-
-
-def _stop_world() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _config(tp: int, seed: int = 1234, sp: bool = False, **model):
@@ -84,21 +51,8 @@ def _config(tp: int, seed: int = 1234, sp: bool = False, **model):
     )
 
 
-def _build(cfg):
-    from mega.model import build_model_chunks, transformer_config
-
-    return build_model_chunks(cfg, transformer_config(cfg))[0]
-
-
-def _tokens() -> torch.Tensor:
-    gen = torch.Generator().manual_seed(7)
-    return torch.randint(0, MODEL["vocab_size"], (MICRO_BATCH, MODEL["seq_length"]), generator=gen)
-
-
 def _loss(model) -> float:
-    tokens = _tokens()
-    positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
-    return model(tokens, positions, None, labels=tokens).mean().item()
+    return loss(model, MODEL["vocab_size"], MODEL["seq_length"], MICRO_BATCH)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,14 +62,14 @@ def _loss(model) -> float:
 def _worker(rank: int, port: int, out_dir: str) -> None:
     """One 2-process gloo job (a process costs ~10 s to import megatron here): TP=2 checks, then
     the same processes regrouped as TP=1 x DP=2 for the reference checks."""
-    _start_world(rank, 2, port)
-    _use_tp(2)
+    start_world(rank, 2, port)
+    use_tp(2)
     tp2 = _tp2_checks(out_dir)
-    _use_tp(1)
+    use_tp(1)
     tp1 = _tp1_checks(out_dir)
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps({"tp2": tp2, "tp1": tp1}))
-    _stop_world()
+    stop_world()
 
 
 def _tp2_checks(out_dir: str) -> dict:
@@ -128,7 +82,7 @@ def _tp2_checks(out_dir: str) -> dict:
     results = {}
     for block in ("sequential", "parallel"):
         for sp in (False, True):
-            model = _build(_config(2, block=block, sp=sp))
+            model = build(_config(2, block=block, sp=sp))
             seq = MODEL["seq_length"] // (2 if sp else 1)  # the residual stream is split under SP
             hidden = torch.randn(seq, MICRO_BATCH, MODEL["hidden_size"], requires_grad=True)
             with counting_communication() as forward:
@@ -140,7 +94,7 @@ def _tp2_checks(out_dir: str) -> dict:
                 "backward": dict(backward),
                 "loss": _loss(model),
             }
-    parallel = _build(_config(2))
+    parallel = build(_config(2))
     Path(out_dir, "ckpt").mkdir(exist_ok=True)
     dist_checkpointing.save(parallel.sharded_state_dict(metadata=dict(SHARDING_METADATA)), out_dir + "/ckpt")
     return results
@@ -177,7 +131,7 @@ def _tp1_checks(out_dir: str) -> dict:
 
     results = {}
 
-    model = _build(_config(1))
+    model = build(_config(1))
     layer = model.decoder.layers[0]
     with torch.no_grad():  # non-trivial LayerNorm and biases, which the init sets to 1 and 0
         gen = torch.Generator().manual_seed(3)
@@ -189,19 +143,19 @@ def _tp1_checks(out_dir: str) -> dict:
     results["layer_output_scale"] = y.abs().max().item()
     results["has_pre_mlp_layernorm"] = any("pre_mlp_layernorm" in n for n, _ in layer.named_parameters())
 
-    results["loss"] = {block: _loss(_build(_config(1, block=block))) for block in ("sequential", "parallel")}
+    results["loss"] = {block: _loss(build(_config(1, block=block))) for block in ("sequential", "parallel")}
 
     # Resharding round trip: the TP=2 parallel model (seed 1234) into a TP=1 one built from another
     # seed must give exactly a TP=1 model built from seed 1234.
-    target = _build(_config(1, seed=99))
+    target = build(_config(1, seed=99))
     sharded = target.sharded_state_dict(metadata=dict(SHARDING_METADATA))
     state = dist_checkpointing.load(sharded, out_dir + "/ckpt")
     target.load_state_dict(state)
-    want = dict(_build(_config(1)).named_parameters())
+    want = dict(build(_config(1)).named_parameters())
     results["checkpoint_max_abs_diff"] = max(
         (p - want[n]).abs().max().item() for n, p in target.named_parameters()
     )
-    sequential = _build(_config(1, block="sequential"))
+    sequential = build(_config(1, block="sequential"))
     results["parallel_keys"] = sorted(k for k in sharded if not k.endswith("_extra_state"))
     results["sequential_keys"] = sorted(
         k

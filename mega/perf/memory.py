@@ -29,7 +29,7 @@ def layer_params(m: ModelConfig, tp: int) -> float:
     h, f, kv = m.hidden_size, m.ffn, kv_size(m)
     qkv = h * (h + 2 * kv) / tp + (h + 2 * kv) / tp
     proj = h * h / tp + h
-    fc1 = h * f / tp + f / tp
+    fc1 = (h + 1) * m.fc1_size / tp
     fc2 = f * h / tp + h
     norms = (1 if m.block == "parallel" else 2) * 2 * h  # LayerNorm weight + bias, replicated
     return qkv + proj + fc1 + fc2 + norms
@@ -68,8 +68,9 @@ def activation_bytes_per_layer(
     replicated = tokens * h * (dtype_bytes * norms + dtype_bytes * norms + 2 * hidden_mask)
     if m.block == "parallel":
         replicated = tokens * h * (dtype_bytes + dtype_bytes + 2 * hidden_mask)
-    # Split by TP: Q, K, V, the attention output (projection input), the MLP's two inner tensors.
-    split = tokens * dtype_bytes * (h + 2 * kv + h + 2 * f)
+    # Split by TP: Q, K, V, the attention output (projection input), the MLP's inner tensors
+    # (fc1's output, gate and up under SwiGLU, and the activation's output, fc2's input).
+    split = tokens * dtype_bytes * (h + 2 * kv + h + m.fc1_size + f)
     # Attention scores: softmax output (+ dropout mask and output); none with fused attention or
     # selective recomputation (recomputed in the backward).
     scores = 0.0

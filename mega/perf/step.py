@@ -206,7 +206,7 @@ def layer_gemms(cfg: MegaConfig, hw: Hardware, dtype: int) -> LayerGemms:
     shapes = {
         "qkv": (tokens, (h + 2 * kv) // t, h),
         "proj": (tokens, h, h // t),
-        "fc1": (tokens, f // t, h),
+        "fc1": (tokens, m.fc1_size // t, h),
         "fc2": (tokens, h, f // t),
     }
     return LayerGemms(
@@ -250,7 +250,7 @@ def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[floa
         h_bytes, kernels = rows * h * (2 * dtype + 4 * dtype + 2 * mask), 3
     else:
         h_bytes, kernels = rows * h * (2 * 2 * dtype + 2 * (3 * dtype + mask)), 5
-    elem_bytes = h_bytes + tokens * f / t * 2 * dtype
+    elem_bytes = h_bytes + tokens * (m.fc1_size + f) / t * dtype  # the activation reads fc1's output
     return hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
 
 
