@@ -62,6 +62,7 @@ from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
+from mega import procstat
 from mega.cluster.parallel_groups import READY_BARRIER_PREFIX
 
 __all__ = [
@@ -944,8 +945,8 @@ def _server_cpu(redis_url: str | None, server: TCPStoreServer | None) -> float |
 
     try:
         if server is not None and server.proc is not None:
-            fields = open(f"/proc/{server.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            stat = procstat.read(server.proc.pid)
+            return None if stat is None else stat.cpu_s
         if redis_url is not None:
             import redis
 

@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from mega import procstat
 from mega.goodput import clock
 
 DIR = "goodput"
@@ -132,15 +133,15 @@ def _process_starts() -> dict:
     """When this process and its parent (the torchrun agent) were created, on the host clock:
     ``/proc/<pid>/stat``'s start time (clock ticks since boot) against CLOCK_BOOTTIME now."""
     try:
-        hz = os.sysconf("SC_CLK_TCK")
         now, since_boot = time.time(), time.clock_gettime(time.CLOCK_BOOTTIME)
-
-        def created(pid: int) -> float:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return now - (since_boot - int(fields[19]) / hz)  # field 22 of stat(5): starttime
-
         from mega.cluster.node import agent_pid
 
-        return {"created_t": created(os.getpid()), "agent_created_t": created(agent_pid())}
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux: the ledger counts from the launch
+        mine, agent = procstat.read(os.getpid()), procstat.read(agent_pid())
+    except (OSError, ValueError, AttributeError):
+        mine = agent = None
+    if mine is None or agent is None:  # not Linux: the ledger counts from the launch
         return {"created_t": None, "agent_created_t": None}
+    return {
+        "created_t": now - (since_boot - mine.start_s),
+        "agent_created_t": now - (since_boot - agent.start_s),
+    }

@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from mega import procstat
 from mega.cluster.node import NODE_ADDR_ENV, RANKS_ON_HOST_ENV
 from mega.launch.backend import JobSpec, agent_argv
 from mega.launch.runs import pid_alive
@@ -74,12 +75,9 @@ def descendants(roots: list[int]) -> set[int]:
     """Every live process below ``roots`` (children, their children, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if state != "Z":  # a zombie is gone; its parent reaps it
-            children.setdefault(int(ppid), []).append(int(proc.name))
+        stat = procstat.read(int(proc.name))
+        if stat is not None and stat.state != "Z":  # a zombie is gone; its parent reaps it
+            children.setdefault(stat.ppid, []).append(int(proc.name))
     found: set[int] = set()
     todo = list(roots)
     while todo:

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from mega import procstat
+
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
 STATES = ("training", "completed", "failed", "stopped")
@@ -325,11 +327,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    stat = procstat.read(pid)
+    return stat is None or stat.state != "Z"  # no stat to read (no /proc): kill(0) answered
 
 
 def processes_of(config_path: str | Path) -> list[int]:

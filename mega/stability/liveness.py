@@ -18,24 +18,13 @@ processes there is no witness and the ``min_hang_s`` rule stands.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
-from mega import rank_env
+from mega import procstat, rank_env
 from mega.stability import heartbeat_redis
 
 STILL_BEATS = 2  # heartbeat intervals without any CPU that make a silent process "not running"
-
-
-def proc_stat(pid: int) -> tuple[str, float] | None:
-    """(state letter, user + system CPU seconds) of ``pid`` from /proc; None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
-    except (OSError, IndexError):
-        return None
-    return fields[0], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def not_running(report: dict | None, now: float, heartbeat_s: float) -> bool:
@@ -67,13 +56,13 @@ class Reporter:
         client, _ = heartbeat_redis.client_from_env(self.env)
         last_cpu, still_since = None, time.time()
         while not self._stop.is_set():
-            stat = proc_stat(self.pid)
+            stat = procstat.read(self.pid)
             if stat is None:
                 return
-            now = time.time()
-            if stat[1] != last_cpu:
-                last_cpu, still_since = stat[1], now
-            record = {"time": now, "pid": self.pid, "state": stat[0], "cpu_s": stat[1]}
+            now, cpu_s = time.time(), stat.cpu_s
+            if cpu_s != last_cpu:
+                last_cpu, still_since = cpu_s, now
+            record = {"time": now, "pid": self.pid, "state": stat.state, "cpu_s": cpu_s}
             record["still_s"] = round(now - still_since, 3)
             try:
                 client.set(self.key, json.dumps(record), ex=self.ttl_s)
