@@ -52,6 +52,11 @@ class ModelConfig:
     # The MLP's activation: "gelu" (GPT: fc1 h -> ffn, GeLU, fc2 ffn -> h); "swiglu" (Llama,
     # PaLM: fc1 h -> 2 ffn, SiLU(gate) * up, fc2 ffn -> h; megatron-core's gated_linear_unit)
     activation: str = choice("gelu", "swiglu")
+    normalization: str = choice("LayerNorm", "RMSNorm")  # RMSNorm: Llama's, a weight and no bias
+    # "learned_absolute": a learned vector per position (GPT); "rope": rotary embeddings of the
+    # queries and keys (Llama), with base period rotary_base (Llama 3: 500000)
+    position_embedding: str = choice("learned_absolute", "rope")
+    rotary_base: int = 10000
     seq_length: int = 32
     vocab_size: int = 512  # tokenizer vocabulary; the embedding is padded (see padded_vocab_size)
     make_vocab_size_divisible_by: int = 128
@@ -88,7 +93,14 @@ class ModelConfig:
 
     def validate(self) -> None:
         _positive_ints(
-            self, "model", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"
+            self,
+            "model",
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "vocab_size",
+            "rotary_base",
         )
         _require(
             self.hidden_size % self.num_attention_heads == 0,

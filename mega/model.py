@@ -39,6 +39,7 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn,
+        normalization=m.normalization,
         gated_linear_unit=m.activation == "swiglu",
         activation_func=torch.nn.functional.silu if m.activation == "swiglu" else torch.nn.functional.gelu,
         hidden_dropout=m.hidden_dropout,
@@ -81,7 +82,7 @@ def layer_spec(cfg: MegaConfig) -> ModuleSpec:
     """megatron-core's local GPT layer, with mega's co-design choices plugged in by spec:
     the core attention behind sliding windows, the fused LayerNorm and flash-attn of
     ``model.fused_ops``, and ``model.block=parallel``."""
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(normalization=cfg.model.normalization)
     attention = spec.submodules.self_attention
     if cfg.model.fused_ops:
         core_attention = fused.core_attention_class(cfg, resolve_precision(cfg))
@@ -89,7 +90,7 @@ def layer_spec(cfg: MegaConfig) -> ModuleSpec:
         core_attention = core_attention_class(cfg, resolve_precision(cfg))
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=core_attention))
     spec = replace(spec, submodules=replace(spec.submodules, self_attention=attention))
-    if cfg.model.fused_ops:
+    if fused_norm(cfg):
         norm = fused.layer_norm_class(cfg)
         spec = replace(
             spec, submodules=replace(spec.submodules, input_layernorm=norm, pre_mlp_layernorm=norm)
@@ -100,13 +101,19 @@ def layer_spec(cfg: MegaConfig) -> ModuleSpec:
     return tp_overlap.layer_spec(cfg, spec)
 
 
+def fused_norm(cfg: MegaConfig) -> bool:
+    """Whether ``model.fused_ops`` swaps in the fused LayerNorm; an RMSNorm stays megatron's
+    (torch's ``RMSNorm``): the fused classes mega can fall back to are LayerNorms."""
+    return cfg.model.fused_ops and cfg.model.normalization == "LayerNorm"
+
+
 def decoder_spec(
     cfg: MegaConfig, tcfg: TransformerConfig, vp_stage: int | None
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec, or with ``model.fused_ops`` the block's submodules, so that the final
     LayerNorm is the fused one too (megatron picks its own for a bare layer spec)."""
     spec = layer_spec(cfg)
-    if not cfg.model.fused_ops:
+    if not fused_norm(cfg):
         return spec
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(tcfg, vp_stage=vp_stage),
@@ -129,7 +136,8 @@ def build_model_chunks(cfg: MegaConfig, tcfg: TransformerConfig) -> list[GPTMode
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=cfg.model.tie_embeddings,
-            position_embedding_type="learned_absolute",
+            position_embedding_type=cfg.model.position_embedding,
+            rotary_base=cfg.model.rotary_base,
             vp_stage=stage,
         )
         if cfg.model.init == "layout_invariant":

@@ -31,21 +31,28 @@ def layer_params(m: ModelConfig, tp: int) -> float:
     proj = h * h / tp + h
     fc1 = (h + 1) * m.fc1_size / tp
     fc2 = f * h / tp + h
-    norms = (1 if m.block == "parallel" else 2) * 2 * h  # LayerNorm weight + bias, replicated
+    norms = (1 if m.block == "parallel" else 2) * norm_params(m)
     return qkv + proj + fc1 + fc2 + norms
+
+
+def norm_params(m: ModelConfig) -> int:
+    """One norm's parameters, replicated over TP: a LayerNorm's weight and bias, an RMSNorm's weight."""
+    return (2 if m.normalization == "LayerNorm" else 1) * m.hidden_size
 
 
 def stage_params(m: ModelConfig, tp: int, pp: int) -> list[float]:
     """Parameters per tensor-parallel rank of each pipeline stage. The first stage holds the word
-    and position embeddings, the last the final LayerNorm and the output layer (a copy of the word
+    and (learned) position embeddings, the last the final LayerNorm and the output layer (a copy of the word
     embeddings when they are tied and pp > 1, its own weights otherwise)."""
     per_stage = m.num_layers // pp * layer_params(m, tp)
     embedding = m.padded_vocab_size * m.hidden_size / tp
     stages = [per_stage] * pp
-    stages[0] += embedding + m.seq_length * m.hidden_size
+    stages[0] += embedding + (
+        m.seq_length * m.hidden_size if m.position_embedding == "learned_absolute" else 0
+    )
     if pp > 1 or not m.tie_embeddings:
         stages[-1] += embedding
-    stages[-1] += 2 * m.hidden_size
+    stages[-1] += norm_params(m)
     return stages
 
 
