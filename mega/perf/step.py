@@ -240,8 +240,9 @@ def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float,
 
 
 def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
-    """(forward, backward) seconds of LayerNorm(s), bias-dropout-add(s) and bias-GeLU; the
-    h-sized tensors are split by SP, the parallel block has one LayerNorm and one residual add."""
+    """(forward, backward) seconds of LayerNorm(s), bias-dropout-add(s), bias-GeLU (SwiGLU) and
+    RoPE; the h-sized tensors are split by SP, the parallel block has one LayerNorm and one
+    residual add. RoPE rotates the rank's queries and keys in place: read and written once."""
     m, p = cfg.model, cfg.parallelism
     t, h, f, tokens = p.tp, m.hidden_size, m.ffn, p.micro_batch_size * m.seq_length
     rows = tokens / t if p.sequence_parallel else tokens
@@ -251,6 +252,9 @@ def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[floa
     else:
         h_bytes, kernels = rows * h * (2 * 2 * dtype + 2 * (3 * dtype + mask)), 5
     elem_bytes = h_bytes + tokens * (m.fc1_size + f) / t * dtype  # the activation reads fc1's output
+    if m.position_embedding == "rope":
+        elem_bytes += tokens * (h + kv_size(m)) / t * 2 * dtype
+        kernels += 2
     return hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
 
 
