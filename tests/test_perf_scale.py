@@ -573,6 +573,12 @@ def test_cuda_calibration_derivation_from_measurements():
     peak = 989.4e12
     shapes = calibrate_cuda.layer_gemm_shapes(4096, 16384, 4096, 4096, tps=(1, 8))
     assert (4096, 3 * 4096, 4096) in shapes and (4096, 4096, 16384 // 8) in shapes
+    # TP8 under SwiGLU: fc1 is 4096 x 2 x 16384 / 8, every other GEMM as before
+    gelu, swiglu = (
+        set(calibrate_cuda.layer_gemm_shapes(4096, 16384, 4096, 4096, tps=(8,), swiglu=g))
+        for g in (False, True)
+    )
+    assert swiglu - gelu == {(4096, 4096, 4096)}
     # GEMMs at exactly 0.7 x peak x the model's shape factor -> 0.7
     gemms = [
         {

@@ -50,15 +50,16 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
 
 
 def layer_gemm_shapes(
-    hidden: int, ffn: int, kv: int, tokens: int, tps=(1, 2, 4, 8)
+    hidden: int, ffn: int, kv: int, tokens: int, tps=(1, 2, 4, 8), swiglu: bool = False
 ) -> list[tuple[int, int, int]]:
-    """(m, n, k) of a layer's GEMMs (forward, dgrad, wgrad) for each tensor-parallel size."""
+    """(m, n, k) of a layer's GEMMs (forward, dgrad, wgrad) for each tensor-parallel size; under
+    SwiGLU fc1 computes the gate and the up projection in one GEMM."""
     shapes = set()
     for t in tps:
         for rows, cols, inner in (
             (tokens, (hidden + 2 * kv) // t, hidden),
             (tokens, hidden, hidden // t),
-            (tokens, ffn // t, hidden),
+            (tokens, (2 if swiglu else 1) * ffn // t, hidden),
             (tokens, hidden, ffn // t),
         ):
             shapes |= {(rows, cols, inner), (rows, inner, cols), (inner, cols, rows)}
@@ -236,6 +237,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     parser.add_argument("--hidden", type=int, default=12288)
     parser.add_argument("--ffn", type=int, default=None)
+    parser.add_argument("--swiglu", action="store_true", help="a SwiGLU MLP: fc1 is hidden x 2 ffn")
     parser.add_argument("--heads", type=int, default=96)
     parser.add_argument("--kv-heads", type=int, default=None)
     parser.add_argument("--seq", type=int, default=2048)
@@ -264,7 +266,7 @@ def main(argv: list[str]) -> int:
     h, d = args.hidden, args.hidden // args.heads
     kv = (args.kv_heads or args.heads) * d
     tokens = args.seq * args.micro_batch
-    gemms = bench_gemms(layer_gemm_shapes(h, args.ffn or 4 * h, kv, tokens))
+    gemms = bench_gemms(layer_gemm_shapes(h, args.ffn or 4 * h, kv, tokens, swiglu=args.swiglu))
     attention = bench_attention(args.seq, max(1, args.heads // 8), d, args.micro_batch)
     memory = bench_memory()
     collectives, multi_node = [], False
