@@ -46,16 +46,25 @@ def test_swiglu_counts_three_mlp_matrices(small_gqa_model):
     assert swiglu - gelu == 3 * 2 * (2 * 8 * 16)
 
 
-def test_llama3_405b_has_its_published_parameter_count():
-    """Llama 3's 405B (Llama Team 2024, Table 3: 126 layers, dimension 16,384, FFN 53,248 SwiGLU, 8 KV
-    heads, 128,256-token vocabulary, untied embeddings): 405,853,388,800 parameters in the released
-    weights, against the memory model's count (RMSNorm, RoPE: no position embeddings); mega's
-    linear biases, which Llama has not, add 0.006%."""
+@pytest.mark.parametrize(
+    "preset, layers, released",
+    [
+        ("llama3-8b", 32, 8_030_261_248),
+        ("llama3-70b", 80, 70_553_706_496),
+        ("llama3-405b", 126, 405_853_388_800),
+    ],
+)
+def test_llama3_presets_have_the_released_parameter_counts(preset, layers, released):
+    """Llama 3's released weights (Llama Team 2024, Table 3: SwiGLU, GQA with 8 KV heads, RMSNorm,
+    RoPE, untied 128,256-token embeddings) against the memory model's count, less the linear biases
+    mega's layers carry and Llama's do not (QKV, projection, fc1 and fc2: h + 2 kv + h + 2 ffn + h)."""
     from mega.perf.memory import model_params
 
-    m = compose(["model=llama3-405b", "model.num_layers=126"]).model
-    assert model_params(m) == pytest.approx(405_853_388_800, rel=1e-4)
-    assert model_params(dataclasses.replace(m, activation="gelu")) < 0.75 * model_params(m)
+    m = compose([f"model={preset}", f"model.num_layers={layers}"]).model
+    kv = m.hidden_size * m.num_query_groups // m.num_attention_heads
+    biases = layers * (3 * m.hidden_size + 2 * kv + 2 * m.ffn)
+    assert model_params(m) - biases == released
+    assert model_params(dataclasses.replace(m, activation="gelu")) < 0.8 * model_params(m)
 
 
 def test_sliding_window_counts_only_the_window(small_gqa_model):
