@@ -734,8 +734,9 @@ class TrainConfig:
 @dataclass
 class FaultConfig:
     """Fault injection for tests and drills: at one step of the first attempt, one rank is killed
-    (``mode=kill``, SIGKILL) or stops making progress (``mode=hang``), or is killed while it uploads
-    the checkpoint of step ``kill_at_step`` (``mode=kill_in_upload``)."""
+    (``mode=kill``, SIGKILL) or stops making progress (``mode=hang``); or, once per run, it is
+    killed while it uploads the checkpoint of step ``kill_at_step`` (``mode=kill_in_upload``: in
+    the first attempt that uploads it). Where and when each strikes: mega/faults.py."""
 
     kill_rank: int | None = None
     kill_at_step: int | None = None

@@ -25,10 +25,16 @@ hook                  called from                                armed by
 ``disarm``            mega/stability/membership.py               (ends the drills of an old layout)
 ====================  =========================================  ======================================
 
-Config faults strike in attempt 0 only (``$MEGA_ATTEMPT``), so a relaunch runs clean; ``bad_node``
-breaks its node's self-check in every diagnosis. A fault that strikes says so on stderr
-(``[fault] ...``, which mega/stability/logscan.py looks for) and appends a row to
-``<run_dir>/faults.jsonl`` (when, where, whom: the goodput ledger and the fault bench read it).
+A kill, hang or agent kill at a step strikes in attempt 0 only (``$MEGA_ATTEMPT``), so a relaunch
+runs clean; the drills aimed at a rank or node end when other nodes, or fewer, take over
+(``disarm``). A NaN or spike strikes whichever attempt trains its step (a rollback skips that step:
+once). The kill in a save strikes once per run, in the first attempt whose rank ``kill_rank``
+uploads step ``kill_at_step``, and outlives a change of nodes while that rank exists:
+``during_upload`` looks in ``faults.jsonl`` for its own row (the run directory is one for every
+node: local nodes share it, Slurm nodes see it on the shared file system). ``bad_node`` breaks its
+node's self-check in every diagnosis. A fault that strikes says so on stderr (``[fault] ...``, which
+mega/stability/logscan.py looks for) and appends a row to ``<run_dir>/faults.jsonl`` (when, where,
+whom: the goodput ledger, the soak and the fault bench read it).
 
 This module imports nothing of mega but the config, so every layer may call it.
 """
@@ -39,6 +45,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -153,21 +160,42 @@ def slow_forward(cfg: MegaConfig, rank: int) -> Callable[[], None] | None:
     return burn
 
 
-def during_upload(cfg: MegaConfig, rank: int, step: int) -> Callable[[int, int], None] | None:
+def _struck(run_dir: str | Path, kind: str, step: int) -> bool:
+    """Whether ``<run_dir>/faults.jsonl`` records a ``kind`` fault at ``step`` (any attempt, node)."""
+    try:
+        lines = (Path(run_dir) / "faults.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn last line of a killed writer
+        if row.get("kind") == kind and row.get("step") == step:
+            return True
+    return False
+
+
+def during_upload(cfg: MegaConfig, me: dict[str, Any], step: int) -> Callable[[int, int], None] | None:
     """A progress callback for the upload of step ``step``'s checkpoint (None unless armed):
-    ``fault.mode=kill_in_upload`` SIGKILLs ``fault.kill_rank`` once part of it is in the store."""
+    ``fault.mode=kill_in_upload`` SIGKILLs ``fault.kill_rank`` once part of it is in the store,
+    unless the run's ``faults.jsonl`` says it struck already (in any attempt). ``me``: the rank's
+    ``mega.cluster.node.identity()``."""
     f = cfg.fault
-    if not (
-        f.mode == "kill_in_upload"
-        and f.kill_rank == rank
-        and f.kill_at_step == step
-        and rank_env.attempt() == 0
-    ):
+    if not (f.mode == "kill_in_upload" and f.kill_rank == me["rank"] and f.kill_at_step == step):
         return None
+    run_dir = cfg.train.run_dir
+    if _struck(run_dir, "kill_in_upload", step):  # once per run: a relaunch's save of the step runs clean
+        return None
+    first = threading.Lock()  # the store reports progress from several threads: one strikes
 
     def kill(done: int, total: int) -> None:
-        if done > 0:  # part of the upload is in the store, the rest never will be
-            _say(f"kill_in_upload: rank {rank} during stage 2 of step {step} ({done}/{total} bytes sent)")
+        if done > 0 and first.acquire(blocking=False):  # part of it is in the store, the rest never will be
+            _say(
+                f"kill_in_upload: rank {me['rank']} during stage 2 of step {step} ({done}/{total} bytes sent)"
+            )
+            # closed (so in the file) before the kill: the next attempt's save of the step reads it
+            _record(run_dir, me, "kill_in_upload", step, os.getpid())
             os.kill(os.getpid(), signal.SIGKILL)
 
     return kill
@@ -190,9 +218,17 @@ STEP_DRILLS = ("nan_at_step", "spike_at_step")
 
 def disarm(cfg: MegaConfig) -> None:
     """End the config faults of ``cfg`` aimed at nodes or ranks (in place): other nodes, or fewer,
-    run in their place now. A NaN or a loss spike at a step (``STEP_DRILLS``) stays armed: it
-    strikes whichever nodes train that step, as the chaos soak's schedule means it to."""
-    cfg.fault = FaultConfig(**{name: getattr(cfg.fault, name) for name in STEP_DRILLS})
+    run in their place now (``cfg`` is the new layout). A NaN or a loss spike at a step
+    (``STEP_DRILLS``) stays armed: it strikes whichever nodes train that step, as the chaos soak's
+    schedule means it to. So does the kill in a save while its rank is in the new world (a spare
+    takes the global ranks of the node it replaces; fewer nodes may leave the rank out, a rank the
+    config's validation refuses): ``during_upload`` strikes it once per run, in whichever attempt
+    uploads its step first."""
+    f = cfg.fault
+    keep = {name: getattr(f, name) for name in STEP_DRILLS}
+    if f.mode == "kill_in_upload" and f.kill_rank is not None and f.kill_rank < cfg.parallelism.world_size:
+        keep.update(mode=f.mode, kill_rank=f.kill_rank, kill_at_step=f.kill_at_step)
+    cfg.fault = FaultConfig(**keep)
 
 
 def selfcheck_env(fail_rank: int | None = None, bad_node: int | None = None) -> dict[str, str]:

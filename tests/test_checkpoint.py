@@ -213,6 +213,9 @@ def test_kill_during_upload_keeps_latest_and_resumes_on_the_same_curve(runs):
     killed = runs["killed"]
     log0 = (runs["tmp"] / "killed" / "train-attempt0.log").read_text()
     assert "[fault] kill_in_upload: rank 0 during stage 2 of step 4" in log0
+    # the strike's row, written before the kill, kept attempt 1's save of step 4 clean
+    faults = [json.loads(x) for x in (runs["tmp"] / "killed" / "faults.jsonl").read_text().splitlines()]
+    assert [(f["kind"], f["step"], f["rank"], f["attempt"]) for f in faults] == [("kill_in_upload", 4, 0, 0)]
     assert killed.attempts == 2
     # `latest` did not move to the half-uploaded step-4 checkpoint; the driver reports what the
     # ranks restored (step 1: see below), not what `latest` named.

@@ -77,12 +77,8 @@ def test_config_faults_strike_only_their_rank_step_and_first_attempt(tmp_path, m
     faults.at_step_start(cfg, 3, {**me, "rank": 1}, os.getpid)  # a relaunch runs clean
     assert not (tmp_path / "faults.jsonl").exists()
 
-    assert faults.during_upload(cfg, 1, 3) is None  # mode=hang strikes at the step, not the upload
-    cfg.fault.mode = "kill_in_upload"
-    assert faults.during_upload(cfg, 1, 3) is None  # attempt 1
+    assert faults.during_upload(cfg, {**me, "rank": 1}, 3) is None  # mode=hang strikes at the step
     monkeypatch.setenv("MEGA_ATTEMPT", "0")
-    assert faults.during_upload(cfg, 0, 3) is None and faults.during_upload(cfg, 1, 4) is None
-    assert callable(faults.during_upload(cfg, 1, 3))
 
     cfg.fault.slow_rank, cfg.fault.slow_s = 1, 0.05
     assert faults.slow_forward(cfg, 0) is None
@@ -97,6 +93,49 @@ def test_config_faults_strike_only_their_rank_step_and_first_attempt(tmp_path, m
     assert faults.slow_forward(cfg, 1) is None and faults.clock_skew_ns(cfg, 0) == 0
     assert cfg.fault.mode == "kill" and cfg.fault.kill_rank is None  # the rank-aimed drills end
     assert (cfg.fault.nan_at_step, cfg.fault.spike_at_step) == (4, 6)  # the model's do not
+
+
+def test_a_kill_in_a_save_strikes_in_the_first_attempt_that_uploads_its_step(tmp_path, monkeypatch):
+    """Attempt 1 uploads step 3 (attempt 0 ended before its save): it strikes there, records its
+    row and dies; the next attempt's save of step 3 reads the row and runs clean."""
+    me = {"rank": 1, "node": 0, "local_rank": 1, "pid": 0}
+    cfg = drill(tmp_path, kill_rank=1, kill_at_step=3, mode="kill_in_upload")
+    monkeypatch.setenv("MEGA_ATTEMPT", "1")
+    assert faults.during_upload(cfg, {**me, "rank": 0}, 3) is None  # another rank
+    assert faults.during_upload(cfg, me, 4) is None  # another step
+    code = (
+        "import os, sys; from mega import faults; from tests.test_faults import drill\n"
+        f"cfg = drill({str(tmp_path)!r}, kill_rank=1, kill_at_step=3, mode='kill_in_upload')\n"
+        "kill = faults.during_upload(cfg, {'rank': 1, 'node': 0, 'local_rank': 1, 'pid': os.getpid()}, 3)\n"
+        "kill(0, 100)\n"  # nothing in the store yet: the upload goes on
+        "print('alive', flush=True)\n"
+        "kill(10, 100)\n"
+        "sys.exit(0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == -9 and proc.stdout == "alive\n", proc.stderr
+    assert "[fault] kill_in_upload: rank 1 during stage 2 of step 3 (10/100 bytes sent)" in proc.stderr
+    (row,) = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert (row["kind"], row["step"], row["rank"], row["attempt"]) == ("kill_in_upload", 3, 1, 1)
+    assert row["target_pid"] == row["pid"]
+    monkeypatch.setenv("MEGA_ATTEMPT", "2")
+    assert faults.during_upload(cfg, me, 3) is None  # once per run
+
+
+def test_a_change_of_nodes_keeps_the_kill_in_a_save_while_its_rank_exists():
+    cfg = drill(kill_rank=5, kill_at_step=8, mode="kill_in_upload", slow_rank=2, slow_s=0.1, nan_at_step=4)
+    cfg.parallelism.dp = 8  # world 8: a spare in a node's place keeps the global ranks
+    faults.disarm(cfg)
+    f = cfg.fault
+    assert (f.mode, f.kill_rank, f.kill_at_step, f.nan_at_step) == ("kill_in_upload", 5, 8, 4)
+    assert f.slow_rank is None
+    cfg.parallelism.dp = 4  # fewer nodes: no rank 5 left
+    faults.disarm(cfg)
+    assert (cfg.fault.mode, cfg.fault.kill_rank, cfg.fault.nan_at_step) == ("kill", None, 4)
+    for mode in ("kill", "hang"):  # a kill or hang at a step ends with the old layout
+        cfg = drill(kill_rank=1, kill_at_step=3, mode=mode)
+        faults.disarm(cfg)
+        assert (cfg.fault.mode, cfg.fault.kill_rank, cfg.fault.kill_at_step) == ("kill", None, None)
 
 
 def test_a_killed_rank_records_its_fault(tmp_path):

@@ -194,6 +194,7 @@ def test_not_struck_says_why():
     schedule = [
         {"at_s": 1.0, "kind": "rank-kill", "how": "harness"},
         {"at_s": 2.0, "kind": "nan", "how": "config", "step": 9},
+        {"at_s": 2.5, "kind": "kill-in-save", "how": "config", "step": 12},
         {"at_s": 3.0, "kind": "straggler", "how": "harness"},
         {"at_s": 4.0, "kind": "nan", "how": "not injected (one per soak)"},
         {"at_s": 5.0, "kind": "s3-stop", "how": "harness"},
@@ -204,7 +205,8 @@ def test_not_struck_says_why():
     ]
     struck = [done[0]]
     assert [(f["kind"], f["why"]) for f in _not_struck(schedule, done, struck)] == [
-        ("nan", "step 9 not trained while the config's drills were armed"),
+        ("nan", "step 9 not trained (skipped by a rollback, or the run ended first)"),
+        ("kill-in-save", "step 12's checkpoint never uploaded (its save skipped, or the run ended first)"),
         ("straggler", "no live rank"),
         ("nan", "not injected (one per soak)"),
         ("s3-stop", "the run ended first"),

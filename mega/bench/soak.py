@@ -549,7 +549,7 @@ def _result(
 
 def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> list[dict]:
     """Scheduled faults that never struck, and why (the run ended first, a config fault's step not
-    trained while the drills were armed, a second one of a kind, no live rank)."""
+    trained or not saved, a second one of a kind, no live rank)."""
     hit = {(f["kind"], f.get("at_s")) for f in struck}
     tried = {(f["kind"], f["at_s"]): f.get("why") for f in done}
     out = []
@@ -560,10 +560,15 @@ def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> l
             why = f["how"]
         elif f["how"] == "harness":
             why = tried.get((f["kind"], f["at_s"])) or "the run ended first"
+        elif f["kind"] == "kill-in-save":
+            # it strikes once, in the first attempt whose rank 0 uploads its step (mega/faults.py):
+            # a save skipped while an earlier upload retried never uploads it
+            why = (
+                f"step {f.get('step')}'s checkpoint never uploaded (its save skipped, or the run ended first)"
+            )
         else:
-            # a kill in a save strikes in attempt 0 only, and ends when a spare (or fewer nodes) takes
-            # over (faults.disarm); a NaN or spike step may be skipped by an earlier rollback
-            why = f"step {f.get('step')} not trained while the config's drills were armed"
+            # armed in every attempt; a rollback skips the steps it rolls back over
+            why = f"step {f.get('step')} not trained (skipped by a rollback, or the run ended first)"
         out.append({"kind": f["kind"], "at_s": f["at_s"], "why": why})
     return out
 

@@ -64,6 +64,7 @@ from mega.checkpoint.common import (
     threads,
     threads_cpu_s,
 )
+from mega.cluster import node
 from mega.cluster.backend_flags import backend_flags
 from mega.cluster.rendezvous import gloo_side_group
 
@@ -489,7 +490,7 @@ class Checkpointer:
                     job.path,
                     job.name,
                     job.files,
-                    on_progress=faults.during_upload(self.cfg, self.rank, job.step),
+                    on_progress=faults.during_upload(self.cfg, node.identity(), job.step),
                     ranges=pieces,
                 ),
             )
