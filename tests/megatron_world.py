@@ -3,9 +3,11 @@ that build megatron models by hand (CPU patches stay out of pytest's own process
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
+from helpers import free_port
 
 
 def start_world(rank: int, world_size: int, port: int) -> None:
@@ -54,3 +56,13 @@ def loss(model, vocab: int, seq: int, micro_batch: int) -> float:
     tokens = torch.randint(0, vocab, (micro_batch, seq), generator=gen)
     positions = torch.arange(seq)[None].expand_as(tokens)
     return model(tokens, positions, None, labels=tokens).mean().item()
+
+
+def spawn(worker, nprocs: int, out_dir) -> dict:
+    """Run ``worker(rank, port, out_dir)`` in ``nprocs`` spawned processes; what rank 0 wrote to
+    ``out_dir/results.json``."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=nprocs, join=True)
+    with open(os.path.join(out_dir, "results.json")) as f:
+        return json.load(f)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import free_port
-from megatron_world import build, loss, start_world, stop_world, use_tp
+from megatron_world import build, loss, spawn, start_world, stop_world, use_tp
 
 from mega.config import from_dict
 
@@ -140,11 +139,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("llama-layers")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
-    return json.loads((out / "results.json").read_text())
+    return spawn(_worker, 2, tmp_path_factory.mktemp("llama-layers"))
 
 
 def test_layer_computes_rmsnorm_rope_and_swiglu(results):

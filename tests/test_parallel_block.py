@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from comm_count import counting_communication
-from helpers import free_port, tiny_run
-from megatron_world import build, loss, start_world, stop_world, use_tp
+from helpers import tiny_run
+from megatron_world import build, loss, spawn, start_world, stop_world, use_tp
 
 from mega.config import ConfigError, compose, from_dict
 
@@ -167,11 +167,7 @@ def _tp1_checks(out_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("parallel-block")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=2, join=True)
-    return json.loads((out / "results.json").read_text())
+    return spawn(_worker, 2, tmp_path_factory.mktemp("parallel-block"))
 
 
 # ---------------------------------------------------------------------------------------------

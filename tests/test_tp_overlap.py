@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from enum import Enum
 from pathlib import Path
 
 import pytest
 import torch
 from comm_count import counting_communication
-from helpers import assert_same_curve, free_port, tiny_run
+from helpers import assert_same_curve, tiny_run
+from megatron_world import spawn, start_world, stop_world, use_tp
 
 from mega.config import ConfigError, from_dict
 
@@ -39,24 +39,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    from mega import megatron_cpu, megatron_fixes
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    megatron_fixes.apply()
-    megatron_cpu.apply()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    start_world(rank, WORLD, port)
     results = {}
     for tp in (2, 4):
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        torch.manual_seed(0)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        use_tp(tp)
         results[f"tp{tp}"] = {"linears": _linear_checks(tp), "decoder": _decoder_checks(tp)}
     # the GPU comparison script's logic, at TP=4 on CPU (te cannot run here: skipped by its config check)
     from mega.bench.tp_overlap import compare, parse_args
@@ -82,8 +68,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results["compare_script"] = compare(["none", "ring", "te"], args, WORLD, cuda=False)
     if rank == 0:
         Path(out_dir, "results.json").write_text(json.dumps(results))
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    stop_world()
 
 
 def _linear_config(tp: int):
@@ -277,11 +262,7 @@ def _decoder_checks(tp: int) -> dict:
 
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory) -> dict:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("tp-overlap")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return json.loads((out / "results.json").read_text())
+    return spawn(_worker, WORLD, tmp_path_factory.mktemp("tp-overlap"))
 
 
 # ---------------------------------------------------------------------------------------------
