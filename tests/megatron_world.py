@@ -58,6 +58,15 @@ def loss(model, vocab: int, seq: int, micro_batch: int) -> float:
     return model(tokens, positions, None, labels=tokens).mean().item()
 
 
+def perturb(module) -> None:
+    """Add noise to every parameter, so that norms and biases (which the init sets to 1 and 0)
+    take part in a check against a formula."""
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(3)
+        for param in module.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+
+
 def spawn(worker, nprocs: int, out_dir) -> dict:
     """Run ``worker(rank, port, out_dir)`` in ``nprocs`` spawned processes; what rank 0 wrote to
     ``out_dir/results.json``."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_world import build, loss, spawn, start_world, stop_world, use_tp
+from megatron_world import build, loss, perturb, spawn, start_world, stop_world, use_tp
 
 from mega.config import from_dict
 
@@ -113,10 +113,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results["parameter_names"] = sorted(n for n, _ in tp1.named_parameters())
 
     layer = tp1.decoder.layers[0]
-    with torch.no_grad():  # non-trivial norms and biases, which the init sets to 1 and 0
-        gen = torch.Generator().manual_seed(3)
-        for param in layer.parameters():
-            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    perturb(layer)
     x = torch.randn(MODEL["seq_length"], MICRO_BATCH, MODEL["hidden_size"])
     y, _ = layer(x, attention_mask=None, rotary_pos_emb=tp1.rotary_pos_emb(MODEL["seq_length"]))
     want = _reference_layer(layer, x)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from comm_count import counting_communication
 from helpers import tiny_run
-from megatron_world import build, loss, spawn, start_world, stop_world, use_tp
+from megatron_world import build, loss, perturb, spawn, start_world, stop_world, use_tp
 
 from mega.config import ConfigError, compose, from_dict
 
@@ -133,10 +133,7 @@ def _tp1_checks(out_dir: str) -> dict:
 
     model = build(_config(1))
     layer = model.decoder.layers[0]
-    with torch.no_grad():  # non-trivial LayerNorm and biases, which the init sets to 1 and 0
-        gen = torch.Generator().manual_seed(3)
-        for param in layer.parameters():
-            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    perturb(layer)
     x = torch.randn(MODEL["seq_length"], MICRO_BATCH, MODEL["hidden_size"])
     y, _ = layer(x, attention_mask=None)
     results["layer_max_abs_error"] = (y.double() - _reference_layer(layer, x)).abs().max().item()
