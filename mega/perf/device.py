@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; the command
-# in docs/perf-model.md prints them again): the GEMM efficiency of each device type on its rows, the
+# Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; `python -m
+# mega.plan validate --json` prints them again as `fitted_on_all`): the GEMM efficiency of each device type on its rows, the
 # straggler spread and the step overhead on all rows, least squares of the MFU error in points.
 # validate never uses these: it fits again without the source it predicts.
 FITTED = {
