@@ -9,6 +9,7 @@ in spawned gloo processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -84,6 +85,23 @@ def _reference_layer(layer, x: torch.Tensor) -> torch.Tensor:
     return x + (torch.nn.functional.silu(gate) * up) @ p["mlp.linear_fc2.weight"].T + p["mlp.linear_fc2.bias"]
 
 
+def _saved_bytes(module, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for ``module``'s backward, each storage once, less its
+    parameters and its input (counted elsewhere by the memory model)."""
+    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
+    kept = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(kept.values())
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -111,6 +129,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         ]
     }
     results["parameter_names"] = sorted(n for n, _ in tp1.named_parameters())
+    x = torch.randn(MODEL["seq_length"], MICRO_BATCH, MODEL["hidden_size"])
+    results["mlp_saved_bytes"] = {
+        act: _saved_bytes(build(_config(1, activation=act)).decoder.layers[0].mlp, x)
+        for act in ("gelu", "swiglu")
+    }
 
     layer = tp1.decoder.layers[0]
     perturb(layer)
@@ -156,6 +179,25 @@ def test_parameters_are_llamas(results):
         2 * MODEL["ffn_hidden_size"] // 2,
         MODEL["hidden_size"],
     ]  # gate and up
+
+
+def test_memory_model_counts_what_swiglu_keeps_for_its_backward(results):
+    """The activation memory model against autograd's saved tensors of megatron's unfused MLP
+    (fp32): SwiGLU keeps fc1's 2 ffn output, the product's factors SiLU(gate) and up + 0 (megatron's
+    glu_linear_offset) and the product (fc2's input), GeLU its ffn input and output; the rest of
+    the layer is the same in both."""
+    from mega.perf.memory import activation_bytes_per_layer
+
+    model = _config(1).model
+    predicted = {
+        act: activation_bytes_per_layer(
+            dataclasses.replace(model, activation=act), MICRO_BATCH, 1, False, None, 4, False
+        )
+        for act in ("gelu", "swiglu")
+    }
+    saved = results["mlp_saved_bytes"]
+    assert saved["swiglu"] == 4 * MICRO_BATCH * MODEL["seq_length"] * 5 * MODEL["ffn_hidden_size"]
+    assert saved["swiglu"] - saved["gelu"] == predicted["swiglu"] - predicted["gelu"]
 
 
 def test_tp2_model_equals_tp1(results):

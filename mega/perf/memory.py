@@ -75,9 +75,12 @@ def activation_bytes_per_layer(
     replicated = tokens * h * (dtype_bytes * norms + dtype_bytes * norms + 2 * hidden_mask)
     if m.block == "parallel":
         replicated = tokens * h * (dtype_bytes + dtype_bytes + 2 * hidden_mask)
-    # Split by TP: Q, K, V, the attention output (projection input), the MLP's inner tensors
-    # (fc1's output, gate and up under SwiGLU, and the activation's output, fc2's input).
-    split = tokens * dtype_bytes * (h + 2 * kv + h + m.fc1_size + f)
+    # Split by TP: Q, K, V, the attention output (projection input), the MLP's inner tensors:
+    # fc1's output (gate and up under SwiGLU) and the activation's output, fc2's input; unfused,
+    # SwiGLU's product also keeps its two factors, SiLU(gate) and megatron's up + glu_linear_offset
+    # (mlp.py), where the fused bias-SwiGLU keeps fc1's output alone.
+    silu = 2 * f if m.activation == "swiglu" and not m.fused_ops else 0
+    split = tokens * dtype_bytes * (h + 2 * kv + h + m.fc1_size + f + silu)
     # Attention scores: softmax output (+ dropout mask and output); none with fused attention or
     # selective recomputation (recomputed in the backward).
     scores = 0.0
