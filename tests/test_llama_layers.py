@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same_curve, tiny_run
 from megatron_world import build, loss, perturb, spawn, start_world, stop_world, use_tp
 
 from mega.config import from_dict
@@ -206,3 +207,20 @@ def test_tp2_model_equals_tp1(results):
 
 def test_tp2_checkpoint_loads_at_tp1(results):
     assert results["checkpoint_max_abs_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_llama_training_in_every_parallel_dimension_matches_one_process(tmp_path, data_index, data_cache):
+    """The tiny model with Llama's layer trained by 8 gloo ranks (TP2 with SP x PP2 with 2 virtual
+    stages x DP2) follows the loss, gradient-norm and held-out curve of one process."""
+    llama = [
+        "model.activation=swiglu",
+        "model.normalization=RMSNorm",
+        "model.position_embedding=rope",
+        "checkpoint.interval=0",
+    ]
+    one = tiny_run(tmp_path / "one", data_index, data_cache, llama, steps=4)
+    layout = ["parallelism=tp2-pp2-vpp2-dp2", "parallelism.sequence_parallel=true"]
+    eight = tiny_run(tmp_path / "eight", data_index, data_cache, [*llama, *layout], steps=4)
+    assert eight.attempts == 1 and eight.init["world_size"] == 8
+    assert_same_curve(eight.metrics, one.metrics, 2e-5, grad_norm_rtol=1e-4, val_loss=True)
