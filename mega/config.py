@@ -50,8 +50,9 @@ class ModelConfig:
     num_query_groups: int | None = None  # None = multi-head attention (no GQA)
     ffn_hidden_size: int | None = None  # None = 4 * hidden_size
     # The MLP's activation: "gelu" (GPT: fc1 h -> ffn, GeLU, fc2 ffn -> h); "swiglu" (Llama,
-    # PaLM: fc1 h -> 2 ffn, SiLU(gate) * up, fc2 ffn -> h; megatron-core's gated_linear_unit)
-    activation: str = choice("gelu", "swiglu")
+    # PaLM: fc1 h -> 2 ffn, SiLU(gate) * up, fc2 ffn -> h; megatron-core's gated_linear_unit);
+    # "squared_relu" (Nemotron-4: ReLU(x)^2 in GeLU's place)
+    activation: str = choice("gelu", "swiglu", "squared_relu")
     normalization: str = choice("LayerNorm", "RMSNorm")  # RMSNorm: Llama's, a weight and no bias
     # "learned_absolute": a learned vector per position (GPT); "rope": rotary embeddings of the
     # queries and keys (Llama), with base period rotary_base (Llama 3: 500000)

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -26,6 +27,13 @@ from mega.config import MegaConfig
 from mega.layers import core_attention_class, fused, parallel_layer_spec
 from mega.overlap import pp_dp
 from mega.overlap import tp as tp_overlap
+
+# model.activation -> megatron-core's activation_func (SwiGLU: SiLU with gated_linear_unit)
+ACTIVATIONS = {
+    "gelu": torch.nn.functional.gelu,
+    "swiglu": torch.nn.functional.silu,
+    "squared_relu": squared_relu,
+}
 
 
 def transformer_config(cfg: MegaConfig) -> TransformerConfig:
@@ -41,7 +49,7 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         ffn_hidden_size=m.ffn,
         normalization=m.normalization,
         gated_linear_unit=m.activation == "swiglu",
-        activation_func=torch.nn.functional.silu if m.activation == "swiglu" else torch.nn.functional.gelu,
+        activation_func=ACTIVATIONS[m.activation],
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -67,7 +75,7 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         # (+ residual); the fused LayerNorm and flash-attn come in by spec (mega/layers/fused.py).
         # CUDA-only kernels stay off.
         masked_softmax_fusion=False,
-        bias_activation_fusion=m.fused_ops,
+        bias_activation_fusion=m.fused_ops and m.activation != "squared_relu",  # megatron fuses GeLU, SwiGLU
         bias_dropout_fusion=m.fused_ops,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,

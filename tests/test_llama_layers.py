@@ -1,5 +1,6 @@
 """Llama's layer pieces: SwiGLU (model.activation=swiglu), RMSNorm (model.normalization=RMSNorm)
-and rotary position embeddings (model.position_embedding=rope).
+and rotary position embeddings (model.position_embedding=rope); Nemotron-4's squared ReLU
+(model.activation=squared_relu).
 
 megatron-core computes them; mega must build them from its config and hand every TP rank its share
 of SwiGLU's gate and up rows from one full matrix, so TP=2 computes the model TP=1 does and a TP=2
@@ -133,8 +134,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     x = torch.randn(MODEL["seq_length"], MICRO_BATCH, MODEL["hidden_size"])
     results["mlp_saved_bytes"] = {
         act: _saved_bytes(build(_config(1, activation=act)).decoder.layers[0].mlp, x)
-        for act in ("gelu", "swiglu")
+        for act in ("gelu", "swiglu", "squared_relu")
     }
+    mlp = build(_config(1, activation="squared_relu")).decoder.layers[0].mlp
+    perturb(mlp)
+    p = {n: t.detach().double() for n, t in mlp.named_parameters()}
+    want = torch.relu(x.double() @ p["linear_fc1.weight"].T + p["linear_fc1.bias"]).pow(2)
+    want = want @ p["linear_fc2.weight"].T + p["linear_fc2.bias"]
+    y, bias = mlp(x)
+    results["squared_relu_max_abs_error"] = ((y + bias).double() - want).abs().max().item()
+    results["squared_relu_scale"] = want.abs().max().item()
 
     layer = tp1.decoder.layers[0]
     perturb(layer)
@@ -167,6 +176,10 @@ def test_layer_computes_rmsnorm_rope_and_swiglu(results):
     assert results["layer_max_abs_error"] < 1e-5 * max(1.0, results["layer_scale"])
 
 
+def test_squared_relu_mlp_computes_its_formula(results):
+    assert results["squared_relu_max_abs_error"] < 1e-5 * max(1.0, results["squared_relu_scale"])
+
+
 def test_each_setting_changes_the_model(results):
     for key, other in results["other_losses"].items():
         assert abs(other - results["tp1_loss"]) > 1e-4, key
@@ -197,6 +210,7 @@ def test_memory_model_counts_what_swiglu_keeps_for_its_backward(results):
         for act in ("gelu", "swiglu")
     }
     saved = results["mlp_saved_bytes"]
+    assert saved["squared_relu"] == saved["gelu"]  # ReLU's output and its square; GeLU's input and output
     assert saved["swiglu"] == 4 * MICRO_BATCH * MODEL["seq_length"] * 5 * MODEL["ffn_hidden_size"]
     assert saved["swiglu"] - saved["gelu"] == predicted["swiglu"] - predicted["gelu"]
 
