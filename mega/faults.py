@@ -67,6 +67,18 @@ def _say(line: str) -> None:
     print(f"[fault] {line}", file=sys.stderr, flush=True)
 
 
+def recorded(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``<run_dir>/faults.jsonl``: every fault that struck in the run, in order."""
+    rows = []
+    path = Path(run_dir) / "faults.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a killed writer
+    return rows
+
+
 def _record(run_dir: str | Path, me: dict[str, Any], kind: str, step: int, target_pid: int) -> None:
     """Append a fault that struck to ``<run_dir>/faults.jsonl``; ``me`` is the rank's
     ``mega.cluster.node.identity()``."""
@@ -162,18 +174,7 @@ def slow_forward(cfg: MegaConfig, rank: int) -> Callable[[], None] | None:
 
 def _struck(run_dir: str | Path, kind: str, step: int) -> bool:
     """Whether ``<run_dir>/faults.jsonl`` records a ``kind`` fault at ``step`` (any attempt, node)."""
-    try:
-        lines = (Path(run_dir) / "faults.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return False
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a killed writer
-        if row.get("kind") == kind and row.get("step") == step:
-            return True
-    return False
+    return any(row.get("kind") == kind and row.get("step") == step for row in recorded(run_dir))
 
 
 def during_upload(cfg: MegaConfig, me: dict[str, Any], step: int) -> Callable[[int, int], None] | None:

@@ -78,7 +78,6 @@ def test_config_faults_strike_only_their_rank_step_and_first_attempt(tmp_path, m
     assert not (tmp_path / "faults.jsonl").exists()
 
     assert faults.during_upload(cfg, {**me, "rank": 1}, 3) is None  # mode=hang strikes at the step
-    monkeypatch.setenv("MEGA_ATTEMPT", "0")
 
     cfg.fault.slow_rank, cfg.fault.slow_s = 1, 0.05
     assert faults.slow_forward(cfg, 0) is None

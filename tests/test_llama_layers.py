@@ -136,6 +136,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         act: _saved_bytes(build(_config(1, activation=act)).decoder.layers[0].mlp, x)
         for act in ("gelu", "swiglu", "squared_relu")
     }
+    fused = build(_config(1, activation="swiglu", fused_ops=True)).decoder.layers[0].mlp
+    results["mlp_saved_bytes"]["swiglu_fused"] = _saved_bytes(fused, x)
     mlp = build(_config(1, activation="squared_relu")).decoder.layers[0].mlp
     perturb(mlp)
     p = {n: t.detach().double() for n, t in mlp.named_parameters()}
@@ -199,20 +201,26 @@ def test_memory_model_counts_what_swiglu_keeps_for_its_backward(results):
     """The activation memory model against autograd's saved tensors of megatron's unfused MLP
     (fp32): SwiGLU keeps fc1's 2 ffn output, the product's factors SiLU(gate) and up + 0 (megatron's
     glu_linear_offset) and the product (fc2's input), GeLU its ffn input and output; the rest of
-    the layer is the same in both."""
+    the layer is the same in both. megatron's fused bias-SwiGLU keeps fc1's output alone."""
     from mega.perf.memory import activation_bytes_per_layer
 
     model = _config(1).model
     predicted = {
-        act: activation_bytes_per_layer(
-            dataclasses.replace(model, activation=act), MICRO_BATCH, 1, False, None, 4, False
+        key: activation_bytes_per_layer(
+            dataclasses.replace(model, activation=act, fused_ops=fused), MICRO_BATCH, 1, False, None, 4, False
         )
-        for act in ("gelu", "swiglu")
+        for key, act, fused in [
+            ("gelu", "gelu", False),
+            ("swiglu", "swiglu", False),
+            ("swiglu_fused", "swiglu", True),
+        ]
     }
     saved = results["mlp_saved_bytes"]
     assert saved["squared_relu"] == saved["gelu"]  # ReLU's output and its square; GeLU's input and output
     assert saved["swiglu"] == 4 * MICRO_BATCH * MODEL["seq_length"] * 5 * MODEL["ffn_hidden_size"]
     assert saved["swiglu"] - saved["gelu"] == predicted["swiglu"] - predicted["gelu"]
+    assert saved["swiglu_fused"] == 4 * MICRO_BATCH * MODEL["seq_length"] * 3 * MODEL["ffn_hidden_size"]
+    assert saved["swiglu_fused"] - saved["gelu"] == predicted["swiglu_fused"] - predicted["gelu"]
 
 
 def test_tp2_model_equals_tp1(results):

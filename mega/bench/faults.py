@@ -63,6 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mega.bench import common
+from mega.faults import recorded
 
 STEPS = 6
 KILL_RANK, KILL_STEP = 1, 3
@@ -242,9 +243,7 @@ class Drill:
         return min(times) if times else None
 
     def faults(self, kind: str) -> list[dict]:
-        path = self.run_dir / "faults.jsonl"
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-        return [r for r in rows if r["kind"] == kind]
+        return [r for r in recorded(self.run_dir) if r["kind"] == kind]
 
     def incidents(self, kind: str) -> list[dict]:
         from mega.stability.incident import read_incidents

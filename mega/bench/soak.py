@@ -575,10 +575,9 @@ def _not_struck(schedule: list[dict], done: list[dict], struck: list[dict]) -> l
 
 def _config_struck(run_dir: Path, schedule: list[dict]) -> list[dict]:
     """The config faults the ranks recorded (``faults.jsonl``), each once, at its first record."""
-    import json
+    from mega.faults import recorded
 
-    path = run_dir / "faults.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = recorded(run_dir)
     names = {"nan": "nan", "spike": "spike", "kill_in_upload": "kill-in-save"}
     out = {}
     for r in rows:

@@ -217,6 +217,7 @@ class Checkpointer:
         self.model_chunks, self.optimizer, self.scheduler = model_chunks, optimizer, scheduler
         self.config_dict = config_dict
         self.rank = dist.get_rank()
+        self.me = {**node.identity(), "rank": self.rank}  # who a drill's fault row names
         self.local_leader = int(os.environ.get("LOCAL_RANK", "0")) == 0
         self.store = open_store(cfg)
         self.staging = staging_root(cfg) / "save"
@@ -490,7 +491,7 @@ class Checkpointer:
                     job.path,
                     job.name,
                     job.files,
-                    on_progress=faults.during_upload(self.cfg, node.identity(), job.step),
+                    on_progress=faults.during_upload(self.cfg, self.me, job.step),
                     ranges=pieces,
                 ),
             )

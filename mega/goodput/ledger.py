@@ -14,6 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from mega import faults
 from mega.goodput.marks import DIR
 
 CATEGORIES = (
@@ -76,7 +77,7 @@ def read_marks(run_dir: str | Path) -> dict:
         "flow": _read(run_dir / DIR / "flow.jsonl"),
         "driver": _read(run_dir / DIR / "driver.jsonl"),
         "ranks": ranks,
-        "faults": _read(run_dir / "faults.jsonl"),
+        "faults": faults.recorded(run_dir),
     }
 
 

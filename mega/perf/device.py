@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 # Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; `python -m
-# mega.plan validate --json` prints them again as `fitted_on_all`): the GEMM efficiency of each device type on its rows, the
-# straggler spread and the step overhead on all rows, least squares of the MFU error in points.
+# mega.plan validate --json` prints them again as `fitted_on_all`): the GEMM efficiency of each
+# device type on its rows, the straggler spread and the step overhead on all rows, least squares of
+# the MFU error in points.
 # validate never uses these: it fits again without the source it predicts.
 FITTED = {
     "A100": {"gemm_efficiency": 0.7654, "straggler_sigma": 0.026, "step_overhead_s": 0.0836},

@@ -42,8 +42,8 @@ def norm_params(m: ModelConfig) -> int:
 
 def stage_params(m: ModelConfig, tp: int, pp: int) -> list[float]:
     """Parameters per tensor-parallel rank of each pipeline stage. The first stage holds the word
-    and (learned) position embeddings, the last the final LayerNorm and the output layer (a copy of the word
-    embeddings when they are tied and pp > 1, its own weights otherwise)."""
+    and (learned) position embeddings, the last the final norm and the output layer (a copy of the
+    word embeddings when they are tied and pp > 1, its own weights otherwise)."""
     per_stage = m.num_layers // pp * layer_params(m, tp)
     embedding = m.padded_vocab_size * m.hidden_size / tp
     stages = [per_stage] * pp

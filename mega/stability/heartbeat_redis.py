@@ -4,10 +4,10 @@ the ranks. Both sides (ranks, driver) use these; neither may ever block on Redis
 Keys of one attempt: ``<prefix>:<attempt>:id:<rank>`` (a rank's identity, written once),
 ``<prefix>:<attempt>:hb:<rank>`` (its latest heartbeat, with expiry) and
 ``<prefix>:<attempt>:proc:<rank>`` (its process state as its node sees it,
-mega.stability.liveness). ``<prefix>`` is unique per
-driver launch (on Kubernetes: per run), so one Redis can serve many runs. The other direction, for a
-watcher that cannot stop the ranks itself (mega/launch/incluster_watch.py): ``stop_key`` tells
-every rank of an attempt to exit with ``RESTART_EXIT_CODE``; ``generation_key`` numbers the next.
+mega.stability.liveness). ``<prefix>`` is unique per driver launch (on Kubernetes: per run), so one
+Redis can serve many runs. The other direction, for a watcher that cannot stop the ranks itself
+(mega/launch/incluster_watch.py): ``stop_key`` tells every rank of an attempt to exit with
+``RESTART_EXIT_CODE``; ``generation_key`` numbers the next.
 """
 
 from __future__ import annotations

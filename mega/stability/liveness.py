@@ -43,7 +43,6 @@ class Reporter:
     def __init__(self, env: dict[str, str], key: str, pid: int, interval_s: float):
         self.env, self.key, self.pid, self.interval_s = env, key, pid, interval_s
         self.ttl_s = max(2, int(round(10 * interval_s)))  # a dead run's keys go by themselves
-        self._stop = threading.Event()  # never set: the thread ends with its process, or the rank
         self._thread = threading.Thread(target=self._run, name="mega-liveness", daemon=True)
 
     def start(self) -> Reporter:
@@ -55,7 +54,7 @@ class Reporter:
 
         client, _ = heartbeat_redis.client_from_env(self.env)
         last_cpu, still_since = None, time.time()
-        while not self._stop.is_set():
+        while True:  # until the rank is gone; a daemon thread, it ends with the client too
             stat = procstat.read(self.pid)
             if stat is None:
                 return
@@ -68,7 +67,7 @@ class Reporter:
                 client.set(self.key, json.dumps(record), ex=self.ttl_s)
             except (redis.RedisError, OSError):
                 pass  # dropped, as a heartbeat: the next one is tried on time
-            self._stop.wait(self.interval_s)
+            time.sleep(self.interval_s)
 
 
 def watch(pid: int, env: dict[str, str]) -> None:

@@ -22,31 +22,28 @@ worker would start a forkserver of its own, paying the imports again) and it run
 ``Process`` target, not a module with its argv, environment and stdio. This server is a small
 standard-library loop with no such coupling, and the client needs no torch import at all.
 
-**Why a fork carries nothing that changes the result.** The zygote only imports (``PRELOAD``):
-it runs no torch op, never touches CUDA (``torch.cuda.is_available()`` at import goes through
-NVML: ``PYTORCH_NVML_BASED_CUDA_CHECK``; functions decorated with ``torch.compile`` while it
-imports compile at their first call: ``deferred_compile``), creates no process group, seeds
-nothing. Before it
-serves it checks that it has exactly one native thread (no OpenMP/intra-op pool, no gloo
-thread: a fork copies only the forking thread, and a pool's locks would be copied mid-use; numpy's
-OpenBLAS pool is shut down by its own fork handler) and
-that CUDA is not initialised; it refuses to serve otherwise. Every fork therefore starts from
-the state a cold process has after the same imports, and the rank sets up its own RNG seeds,
-parallel_state, allocator and process groups as a cold one does. Per-process entropy is renewed
-in the child: Python's ``random`` reseeds itself at fork, numpy's global RNG is reseeded from
-``os.urandom`` here (a cold process seeds it at import); torch's default generator still has its
-fixed import-time seed (no op ran). The rank module itself runs afresh as ``__main__``. What a
-fork does share with the zygote: ``PYTHONHASHSEED``'s hash secret and anything a module read from
-the environment at import time; the zygote's environment is therefore the agents' (the backend
-starts it with the node's environment and ``cluster.env``), and only the variables set per node,
-run or attempt (mega.launch.local_nodes.ZYGOTE_UNSET, attempt number, store, torchrun's ranks)
-differ, which nothing reads at import. Serving changes nothing a later fork sees: each fork takes
-its client's fds, environment and cwd, and the zygote reaps every child and closes every connection. OpenMP reads
-``OMP_NUM_THREADS`` when it loads: the zygote imports without it and each fork applies its own
-(``torch.set_num_threads``, torch's rule); numpy's OpenBLAS keeps the zygote's default pool size.
-A fork leaves without tearing down the modules (``_exit``).
-tests/test_warm.py checks a warm relaunch against a cold one, bit for bit.
-"""
+**Why a fork carries nothing that changes the result.** The zygote only imports (``PRELOAD``): it
+runs no torch op, never touches CUDA (``torch.cuda.is_available()`` at import goes through NVML:
+``PYTORCH_NVML_BASED_CUDA_CHECK``; functions decorated with ``torch.compile`` while it imports
+compile at their first call: ``deferred_compile``), creates no process group, seeds nothing. Before
+it serves it checks that it has exactly one native thread (no OpenMP/intra-op pool, no gloo thread:
+a fork copies only the forking thread, and a pool's locks would be copied mid-use; numpy's OpenBLAS
+pool is shut down by its own fork handler) and that CUDA is not initialised; it refuses to serve
+otherwise. Every fork therefore starts from the state a cold process has after the same imports,
+and the rank sets up its own RNG seeds, parallel_state, allocator and process groups as a cold one
+does. Per-process entropy is renewed in the child: Python's ``random`` reseeds itself at fork,
+numpy's global RNG is reseeded from ``os.urandom`` here (a cold process seeds it at import);
+torch's default generator still has its fixed import-time seed (no op ran). The rank module itself
+runs afresh as ``__main__``. What a fork does share with the zygote: ``PYTHONHASHSEED``'s hash
+secret and anything a module read from the environment at import time; the zygote's environment is
+therefore the agents' (the backend starts it with the node's environment and ``cluster.env``), and
+only the variables set per node, run or attempt (mega.launch.local_nodes.ZYGOTE_UNSET, attempt
+number, store, torchrun's ranks) differ, which nothing reads at import. Serving changes nothing a
+later fork sees: each fork takes its client's fds, environment and cwd, and the zygote reaps every
+child and closes every connection. OpenMP reads ``OMP_NUM_THREADS`` when it loads: the zygote
+imports without it and each fork applies its own (``torch.set_num_threads``, torch's rule); numpy's
+OpenBLAS keeps the zygote's default pool size. A fork leaves without tearing down the modules
+(``_exit``). tests/test_warm.py checks a warm relaunch against a cold one, bit for bit."""
 
 from __future__ import annotations
 
