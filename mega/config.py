@@ -688,7 +688,9 @@ class RestartConfig:
 class TrainConfig:
     steps: int = 100
     seed: int = 1234
-    precision: str = choice("fp32", "bf16", "fp16", "auto")  # auto: bf16 on GPU, fp32 on CPU
+    # auto: bf16 on GPU, fp32 on CPU. fp8: Transformer Engine's FP8 GEMMs in the layers' linears
+    # (bf16 elsewhere), a planning setting (mega.plan) that mega's training does not build yet
+    precision: str = choice("fp32", "bf16", "fp16", "auto", "fp8")
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
@@ -1181,17 +1183,36 @@ def _check_choices(section: Any, prefix: str) -> None:
             _check_choices(value, f"{prefix}.{f.name}")
 
 
-def validate(cfg: MegaConfig) -> MegaConfig:
+def validate(cfg: MegaConfig, planning: bool = False) -> MegaConfig:
     """Reject every inconsistency before a process is launched; the error names the key. Each
     section checks its own keys (``<Section>.validate``), then ``_check_across_sections`` the rules
-    that relate two sections."""
+    that relate two sections. ``planning``: the config is a layout for the performance model
+    (mega.plan), which also takes the settings mega's training does not build (``planning_only``)."""
     _fill_defaults(cfg)
     for f in dataclasses.fields(cfg):
         section = getattr(cfg, f.name)
         _check_choices(section, f.name)
         section.validate()
     _check_across_sections(cfg)
+    if not planning:
+        for key, why in planning_only(cfg):
+            raise ConfigError(key, why)
     return cfg
+
+
+def planning_only(cfg: MegaConfig) -> list[tuple[str, str]]:
+    """Settings the performance model describes but mega's training does not build: (key, why) each.
+    mega builds megatron-core's local layer spec (mega/model.py); these need Transformer Engine's."""
+    out = []
+    if cfg.train.precision == "fp8":
+        out.append(
+            (
+                "train.precision",
+                "fp8 is a planning setting (python -m mega.plan): it needs Transformer Engine's "
+                "linear layers, and mega trains megatron-core's local layers; train with bf16",
+            )
+        )
+    return out
 
 
 def _check_across_sections(cfg: MegaConfig) -> None:
@@ -1344,6 +1365,11 @@ def _run_fits_steps(cfg: MegaConfig) -> None:
             "train.precision",
             "fp16 training is for GPUs; use bf16 or fp32 with cluster.device=cpu",
         )
+    _require(
+        t.precision != "fp8" or c.device == "cuda",
+        "train.precision",
+        "fp8 is for GPUs with FP8 tensor cores (Hopper or later); use bf16 or fp32 with cluster.device=cpu",
+    )
     ck = cfg.checkpoint
     waits = f"{ck.store_wait_bound_s():g} s for a store that does not answer (upload_timeout_s={ck.upload_timeout_s:g}"
     if ck.s3_request_bound_s():

@@ -4,7 +4,8 @@ efficiencies of the performance model on a GPU node and write a calibration file
 
 * GEMMs over the shapes of the model's layers (QKV, projection, MLP; forward, dgrad, wgrad) at the
   layer's token counts for tensor-parallel sizes 1-8 -> ``gemm_efficiency``: achieved / (peak x the
-  model's own per-shape factor, mega.perf.hardware.Hardware.gemm_s), the median over shapes;
+  model's own per-shape factor, mega.perf.hardware.Hardware.gemm_s), the median over shapes; on
+  devices with FP8 tensor cores the same shapes in FP8 -> ``fp8_gemm_efficiency`` (FP8 peak);
 * fused attention (torch SDPA, causal, forward + backward) -> ``attention_efficiency``;
 * a device-to-device copy -> ``memory_efficiency`` against the datasheet HBM bandwidth;
 * NCCL all-reduce / all-gather / reduce-scatter / all-to-all / send-recv when started by torchrun
@@ -138,6 +139,28 @@ def bench_gemms(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     return out
 
 
+def bench_fp8_gemms(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """The same GEMMs in FP8 (E4M3 x E4M3 -> bf16 with per-tensor scales, the GEMM Transformer
+    Engine's FP8 linears run on Hopper). cuBLASLt's FP8 kernels take both operands K-major, so the
+    second operand is the transpose of an (n, k) tensor; shapes with n or k not a multiple of 16
+    (cuBLASLt's FP8 alignment) are skipped."""
+    import torch
+
+    one = torch.ones((), device="cuda")
+    out = []
+    for m, n, k in shapes:
+        if n % 16 or k % 16:
+            continue
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+
+        def gemm(a=a, b=b):
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        out.append({"m": m, "n": n, "k": k, "seconds": _cuda_time(gemm)})
+    return out
+
+
 def bench_attention(seq: int, heads: int, head_dim: int, batch: int = 1) -> list[dict[str, Any]]:
     """Causal SDPA forward + backward. The output gradient is made once and the input gradients
     are returned, not accumulated into ``.grad``: the timed loop holds only the attention kernels."""
@@ -205,12 +228,19 @@ def derive(
     memory_bytes_per_s: float | None,
     collectives: list,
     multi_node: bool,
+    fp8_gemms: list | None = None,
 ) -> tuple[device_mod.DeviceCalibration, list[str]]:
     """The calibration from the measurements; what was not measured keeps the built-in value."""
     peak = PEAK_TFLOPS[key]["bf16"] * 1e12
     sheet = DATASHEET.get(key, {})
     values: dict[str, float] = {"gemm_efficiency": gemm_efficiency(gemms, peak, SMS.get(key))}
     not_measured = []
+    if fp8_gemms and "fp8" in PEAK_TFLOPS[key]:
+        values["fp8_gemm_efficiency"] = gemm_efficiency(
+            fp8_gemms, PEAK_TFLOPS[key]["fp8"] * 1e12, SMS.get(key)
+        )
+    else:
+        not_measured.append("fp8_gemm_efficiency")
     if attention:
         values["attention_efficiency"] = attention_efficiency(attention, peak)
     if memory_bytes_per_s and "hbm" in sheet:
@@ -266,7 +296,10 @@ def main(argv: list[str]) -> int:
     h, d = args.hidden, args.hidden // args.heads
     kv = (args.kv_heads or args.heads) * d
     tokens = args.seq * args.micro_batch
-    gemms = bench_gemms(layer_gemm_shapes(h, args.ffn or 4 * h, kv, tokens, swiglu=args.swiglu))
+    shapes = layer_gemm_shapes(h, args.ffn or 4 * h, kv, tokens, swiglu=args.swiglu)
+    gemms = bench_gemms(shapes)
+    # Hopper and later: the FP8 GEMMs of train.precision=fp8
+    fp8_gemms = bench_fp8_gemms(shapes) if "fp8" in PEAK_TFLOPS[key] else []
     attention = bench_attention(args.seq, max(1, args.heads // 8), d, args.micro_batch)
     memory = bench_memory()
     collectives, multi_node = [], False
@@ -276,13 +309,14 @@ def main(argv: list[str]) -> int:
         if dist.get_rank() != 0:
             dist.destroy_process_group()
             return 0
-    cal, not_measured = derive(key, gemms, attention, memory, collectives, multi_node)
+    cal, not_measured = derive(key, gemms, attention, memory, collectives, multi_node, fp8_gemms)
     extra = {
         "device_name": name,
         "not_measured": not_measured,
         "command": " ".join(sys.argv),
         "measurements": {
             "gemm": gemms,
+            "fp8_gemm": fp8_gemms,
             "attention": attention,
             "memory_bytes_per_s": memory,
             "collectives": collectives,

@@ -62,6 +62,7 @@ STEP_OVERHEAD_S = 0.05
 
 FIELDS = (
     "gemm_efficiency",
+    "fp8_gemm_efficiency",
     "attention_efficiency",
     "memory_efficiency",
     "nvlink_efficiency",
@@ -102,6 +103,9 @@ class DeviceCalibration:
     nic_efficiency: float = NIC_EFFICIENCY
     straggler_sigma: float = STRAGGLER_SIGMA
     step_overhead_s: float = STEP_OVERHEAD_S
+    # FP8 GEMMs (train.precision=fp8) against the dense FP8 peak; None: gemm_efficiency, i.e. an FP8
+    # GEMM reaches the same fraction of its peak as a bf16 one (docs/perf-model.md, "FP8")
+    fp8_gemm_efficiency: float | None = None
     source: str = "prior"
     validated: bool = False
 
@@ -145,6 +149,7 @@ def load(path: str | Path) -> DeviceCalibration:
             f"{path}: not a GPU calibration (no 'device'); CPU calibrations come from "
             "python -m mega.plan calibrate"
         )
+    block = {k: v for k, v in block.items() if v is not None}  # null: the field's default
     unknown = set(block) - set(FIELDS) - {"device", "source", "validated"}
     if unknown:
         raise ValueError(f"{path}: unknown calibration field(s) {sorted(unknown)}; known: {sorted(FIELDS)}")

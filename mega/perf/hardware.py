@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mega.config import ClusterConfig, ConfigError
-from mega.flops import device_key
+from mega.flops import device_key, peak_flops
 from mega.perf.device import DeviceCalibration, prior
 from mega.perf.scale import tree_all_reduce_s
 
@@ -107,6 +107,24 @@ class Hardware:
     straggler_sigma: float = 0.0
     calibration: DeviceCalibration | None = None  # GPUs: the per-device efficiencies applied
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
+    # The layers' linear GEMMs where they run at another precision than the rest (fp8: Transformer
+    # Engine's FP8 GEMMs, bf16 elsewhere): their dense peak and the fraction of it they reach;
+    # None = peak_flops and gemm_efficiency
+    linear_peak_flops: float | None = None
+    linear_gemm_efficiency: float | None = None
+
+    @property
+    def linear(self) -> Hardware:
+        """The hardware the transformer layers' linear GEMMs run on (their QKV, projection, fc1, fc2)."""
+        if self.linear_peak_flops is None:
+            return self
+        return dataclasses.replace(
+            self,
+            peak_flops=self.linear_peak_flops,
+            gemm_efficiency=self.linear_gemm_efficiency or self.gemm_efficiency,
+            linear_peak_flops=None,
+            linear_gemm_efficiency=None,
+        )
 
     def gemm_s(self, m: int, n: int, k: int, batch: int = 1, dtype_bytes: int = 2) -> float:
         """Time of ``batch`` GEMMs (m x k) @ (k x n): roofline of compute and memory traffic,
@@ -207,10 +225,22 @@ def from_cluster(
     efficiencies of ``calibration`` (default: the device type's built-in one, mega/perf/device.py).
 
     ``precision``: bf16/fp16 run at the dense peak of the preset; fp32 means TF32 tensor cores,
-    half of it on A100 and H100 (NVIDIA datasheets)."""
+    half of it on A100 and H100 (NVIDIA datasheets); fp8 runs the layers' linear GEMMs at the
+    device's dense FP8 peak (twice the bf16 one on Hopper, mega.flops.PEAK_TFLOPS) and everything
+    else in bf16."""
     peak = _need(cluster.peak_tflops, "cluster.peak_tflops") * 1e12
     if precision == "fp32":
         peak /= 2
+    linear_peak = None
+    if precision == "fp8":
+        fp8, bf16 = (peak_flops(cluster.device_name or "", d) for d in ("fp8", "bf16"))
+        if not (fp8 and bf16):
+            raise ConfigError(
+                "train.precision",
+                f"fp8: cluster.device_name={cluster.device_name!r} has no FP8 tensor cores in "
+                "mega.flops.PEAK_TFLOPS (Hopper or later)",
+            )
+        linear_peak = peak * fp8 / bf16  # the preset's peak_tflops is its dense bf16 figure
     memory_gib = _need(cluster.memory_gib, "cluster.memory_gib")
     hbm = _need(cluster.memory_tb_per_s, "cluster.memory_tb_per_s") * 1e12
     nvlink = _need(cluster.nvlink_gb_per_s, "cluster.nvlink_gb_per_s") * 1e9 / 2  # per direction
@@ -240,6 +270,8 @@ def from_cluster(
         step_overhead_s=cal.step_overhead_s,
         straggler_sigma=cal.straggler_sigma,
         calibration=cal,
+        linear_peak_flops=linear_peak,
+        linear_gemm_efficiency=cal.fp8_gemm_efficiency if linear_peak else None,
     )
 
 

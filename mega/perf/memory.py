@@ -134,8 +134,10 @@ def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
     return moments + (4 if dtype_bytes < 4 else 0)
 
 
-def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool) -> Memory:
-    """The most-loaded pipeline stage's memory per GPU."""
+def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = False) -> Memory:
+    """The most-loaded pipeline stage's memory per GPU. ``fp8``: the layers' linear weights are also
+    kept in FP8, as is and transposed, for the step (Transformer Engine's weight cache); activations
+    are counted in bf16 (FP8's saved linear inputs are not modelled: an over-estimate)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params = stage_params(m, tp, pp)
@@ -151,6 +153,8 @@ def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool) -> Memory:
     for stage in range(pp):
         n = params[stage]
         weights = n * dtype_bytes
+        if fp8:
+            weights += m.num_layers // pp * layer_params(m, tp) * 2
         gradients = n * 4  # megatron's fp32 main-grad buffer (16-bit training reduces in fp32)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
         if p.use_distributed_optimizer:

@@ -211,7 +211,7 @@ def evaluate(
         knobs = dict(zip(names, combo))
         cfg = _with(base, knobs)
         try:
-            validate(cfg)
+            validate(cfg, planning=True)
         except ConfigError as err:
             first_error = first_error or err
             continue

@@ -78,6 +78,10 @@ class Case:
         return self.fixture["source"]
 
     @property
+    def fp8(self) -> bool:
+        return self.plan.cfg.train.precision == "fp8"
+
+    @property
     def peak(self) -> float:
         return self.plan.cfg.cluster.peak_tflops * 1e12
 
@@ -243,9 +247,7 @@ def freeze_knobs(todo: list[Case]) -> None:
     calibration (choosing knobs inside the fit would make its loss discontinuous)."""
     for case in todo:
         if case.cfg is None:
-            hw = hardware.from_cluster(
-                case.plan.cfg.cluster, "bf16", case.plan.cfg.model.fused_ops, device.unfitted(case.device)
-            )
+            hw = _hardware(case, {case.device: device.unfitted(case.device)})
             case.cfg = evaluate(
                 case.plan,
                 hw,
@@ -287,6 +289,7 @@ FIT_ROUNDS = 12
 # (parameter, per device or shared, search range, tolerance)
 FIT_PARAMETERS = (
     ("gemm_efficiency", True, (0.4, 1.0), 0.005),
+    ("fp8_gemm_efficiency", True, (0.3, 1.0), 0.005),  # on the device's fp8 rows only
     ("straggler_sigma", False, (0.0, 0.04), 0.001),
     ("step_overhead_s", False, (0.0, 1.0), 0.02),
 )
@@ -294,7 +297,8 @@ FIT_PARAMETERS = (
 
 def fit(todo: list[Case], rounds: int = FIT_ROUNDS) -> Calibrations:
     """Per-device calibrations minimising the squared MFU-point errors of ``todo``: the GEMM
-    efficiency of each device type on its own rows, the straggler spread and the per-step host
+    efficiency of each device type on its own rows (and its FP8 GEMM efficiency on its fp8 rows,
+    where it has any), the straggler spread and the per-step host
     overhead shared by all (coordinate descent, golden-section search per parameter), for at most
     ``rounds`` rounds: it stops early once a round moves no parameter by more than its tolerance."""
     freeze_knobs(todo)
@@ -309,7 +313,9 @@ def fit(todo: list[Case], rounds: int = FIT_ROUNDS) -> Calibrations:
         for name, per_device, (lo, hi), tol in FIT_PARAMETERS:
             groups = [[d] for d in devices] if per_device else [devices]
             for group in groups:
-                rows = [c for c in todo if c.device in group]
+                rows = [c for c in todo if c.device in group and (c.fp8 or name != "fp8_gemm_efficiency")]
+                if not rows:
+                    continue
 
                 def loss(v: float) -> float:
                     trial = {**cals, **{d: cals[d].replace(**{name: v}) for d in group}}
@@ -318,7 +324,7 @@ def fit(todo: list[Case], rounds: int = FIT_ROUNDS) -> Calibrations:
                 best = _golden(loss, lo, hi, tol)
                 cals.update({d: cals[d].replace(**{name: round(best, 4)}) for d in group})
         if all(
-            abs(getattr(cals[d], name) - getattr(before[d], name)) <= tol
+            abs((getattr(cals[d], name) or 0) - (getattr(before[d], name) or 0)) <= tol
             for d in devices
             for name, _, _, tol in FIT_PARAMETERS
         ):

@@ -29,7 +29,10 @@ from mega.perf.hardware import Hardware
 from mega.perf.memory import Memory, buckets, kv_size, memory_per_gpu, stage_params
 from mega.perf.scale import straggler_s
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes of an activation, gradient or weight element at each training precision. fp8 keeps them in
+# bf16: only the linear GEMMs' operands are cast to FP8 (Transformer Engine's recipes).
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+FP8_BYTES = 1
 
 
 @dataclass(frozen=True)
@@ -209,11 +212,28 @@ def layer_gemms(cfg: MegaConfig, hw: Hardware, dtype: int) -> LayerGemms:
         "fc1": (tokens, m.fc1_size // t, h),
         "fc2": (tokens, h, f // t),
     }
+    if precision_of(cfg) == "fp8":  # FP8 operands at the FP8 peak
+        hw, dtype = hw.linear, FP8_BYTES
     return LayerGemms(
         {k: hw.gemm_s(*v, dtype_bytes=dtype) for k, v in shapes.items()},
         {k: hw.gemm_s(r, i, c, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()},
         {k: hw.gemm_s(i, c, r, dtype_bytes=dtype) for k, (r, c, i) in shapes.items()},
     )
+
+
+def fp8_cast_elements(cfg: MegaConfig) -> tuple[float, float]:
+    """(forward, backward) elements one rank casts to FP8 in kernels of their own, per layer and
+    microbatch. Transformer Engine writes each FP8 operand twice, as is and transposed (Hopper's FP8
+    GEMMs take both operands K-major), and fuses the cast into the kernel that produces the tensor
+    where it owns that kernel: the norms before QKV and fc1 (LayerNormLinear, LayerNormMLP), the
+    activation before fc2 and its backward before fc1's gradient GEMMs. Those writes replace a
+    16-bit write, so cost nothing more; the rest is read in 16 bits and written twice in FP8: the
+    projection's input (the attention kernel's output), and the output gradients of fc2, of the
+    projection (the residual stream's gradient) and of QKV (the attention backward's). The weights
+    are cast once per step and kept (megatron's ``is_first_microbatch``)."""
+    m, p = cfg.model, cfg.parallelism
+    t, h, tokens = p.tp, m.hidden_size, p.micro_batch_size * m.seq_length
+    return tokens * h / t, tokens * (2 * h + (h + 2 * kv_size(m)) / t)
 
 
 def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
@@ -240,9 +260,10 @@ def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float,
 
 
 def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
-    """(forward, backward) seconds of LayerNorm(s), bias-dropout-add(s), bias-GeLU (SwiGLU) and
-    RoPE; the h-sized tensors are split by SP, the parallel block has one LayerNorm and one
-    residual add. RoPE rotates the rank's queries and keys in place: read and written once."""
+    """(forward, backward) seconds of LayerNorm(s), bias-dropout-add(s), bias-GeLU (SwiGLU), RoPE
+    and, under fp8, the casts Transformer Engine does not fuse (``fp8_cast_elements``); the h-sized
+    tensors are split by SP, the parallel block has one LayerNorm and one residual add. RoPE
+    rotates the rank's queries and keys in place: read and written once."""
     m, p = cfg.model, cfg.parallelism
     t, h, f, tokens = p.tp, m.hidden_size, m.ffn, p.micro_batch_size * m.seq_length
     rows = tokens / t if p.sequence_parallel else tokens
@@ -255,7 +276,13 @@ def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[floa
     if m.position_embedding == "rope":
         elem_bytes += tokens * (h + kv_size(m)) / t * 2 * dtype
         kernels += 2
-    return hw.elementwise_s(elem_bytes, kernels), hw.elementwise_s(2 * elem_bytes, 2 * kernels)
+    fwd_bytes, bwd_bytes, fwd_kernels, bwd_kernels = elem_bytes, 2 * elem_bytes, kernels, 2 * kernels
+    if precision_of(cfg) == "fp8":  # the cast-transpose kernels of their own
+        inputs, grads = fp8_cast_elements(cfg)
+        fwd_bytes += inputs * (dtype + 2 * FP8_BYTES)
+        bwd_bytes += grads * (dtype + 2 * FP8_BYTES)
+        fwd_kernels, bwd_kernels = fwd_kernels + 1, bwd_kernels + 3
+    return hw.elementwise_s(fwd_bytes, fwd_kernels), hw.elementwise_s(bwd_bytes, bwd_kernels)
 
 
 def tp_collective_seconds(
@@ -777,7 +804,7 @@ def predict(
 
     peak = mfu_peak_flops or hw.peak_flops
     flops = model_flops_per_step(cfg)
-    memory = memory_per_gpu(cfg, dtype, hw.flash_attention)
+    memory = memory_per_gpu(cfg, dtype, hw.flash_attention, fp8=precision_of(cfg) == "fp8")
     return Prediction(
         step_s=step_s,
         mfu=flops / (step_s * p.world_size * peak),

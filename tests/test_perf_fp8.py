@@ -1,0 +1,154 @@
+"""FP8 in the performance model (train.precision=fp8): the linear GEMMs at the FP8 peak, the casts
+Transformer Engine does not fuse, the weight cache, the config rules and the FP8 fixture's models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from mega.config import ConfigError, validate
+from mega.flops import model_flops_per_token
+from mega.perf import device, hardware, published
+from mega.perf.configs import Composer
+from mega.perf.memory import layer_params
+from mega.perf.step import elementwise_seconds, layer_gemms, predict
+
+H100 = [
+    "cluster=h100-8x",
+    "model=gpt-175b",
+    "parallelism.tp=8",
+    "parallelism.pp=8",
+    "cluster.nodes=8",
+    "parallelism.micro_batch_size=1",
+]
+NEMO = "nemo-2407-h100-fp8.json"
+BRIDGE = "megatron-bridge-2511-h100-fp8.json"
+
+
+@pytest.fixture(scope="module")
+def composer():
+    with Composer() as c:
+        yield c
+
+
+def _cfg(composer, precision: str, *more: str):
+    return composer.plan([*H100, f"train.precision={precision}", *more]).cfg
+
+
+def _hw(cfg, precision: str):
+    return hardware.from_cluster(cfg.cluster, precision, True, device.prior("H100 SXM"))
+
+
+def test_linear_gemms_run_at_the_fp8_peak(composer):
+    bf16, fp8 = _cfg(composer, "bf16"), _cfg(composer, "fp8")
+    g16, g8 = layer_gemms(bf16, _hw(bf16, "bf16"), 2), layer_gemms(fp8, _hw(fp8, "fp8"), 2)
+    # fc1 of GPT-175B at TP8, one 2048-token microbatch: 2*m*n*k FLOPs at the dense peak (989.4 /
+    # 1978.9 TFLOP/s, NVIDIA's H100 SXM datasheet) x the GEMM efficiency x the wave/tile factor,
+    # which is the same for both precisions
+    flops = 2 * 2048 * (4 * 12288 // 8) * 12288
+    eff = device.prior("H100 SXM").gemm_efficiency
+    for name, peak, g in (("bf16", 989.4e12, g16), ("fp8", 1978.9e12, g8)):
+        ideal = flops / (peak * eff)
+        assert ideal <= g.fwd["fc1"] <= 1.25 * ideal, name
+    assert g8.fwd["fc1"] / g16.fwd["fc1"] == pytest.approx(0.5, rel=0.01)
+
+
+def test_fp8_efficiency_of_a_calibration_applies_to_the_linears_only(composer):
+    cfg = _cfg(composer, "fp8")
+    cal = device.prior("H100 SXM").replace(fp8_gemm_efficiency=0.4)
+    hw = hardware.from_cluster(cfg.cluster, "fp8", True, cal)
+    assert hw.linear.gemm_efficiency == 0.4 and hw.gemm_efficiency == cal.gemm_efficiency
+    assert hw.linear.peak_flops == pytest.approx(2 * hw.peak_flops, rel=1e-3)
+    # the output layer and everything else stay in bf16: the MFU denominator too
+    assert hw.peak_flops == pytest.approx(989e12)
+
+
+def test_unfused_casts_cost_their_bytes(composer):
+    """fp8 adds, per layer and microbatch, the casts Transformer Engine runs as kernels of their own:
+    forward the projection's input (tokens x h/tp), backward the output gradients of fc2 and of the
+    projection (tokens x h each) and of QKV (tokens x (h + 2 kv)/tp), each read in bf16 (2 bytes)
+    and written twice in FP8 (1 byte each)."""
+    bf16, fp8 = _cfg(composer, "bf16"), _cfg(composer, "fp8")
+    hw = _hw(fp8, "fp8")
+    (f16, b16), (f8, b8) = elementwise_seconds(bf16, hw, 2), elementwise_seconds(fp8, hw, 2)
+    tokens, h, tp = 2048, 12288, 8
+    fwd_bytes = tokens * h / tp * (2 + 1 + 1)
+    bwd_bytes = tokens * (h + h + 3 * h / tp) * (2 + 1 + 1)  # MHA: kv = h
+    bw, kernel = hw.memory_bytes_per_s, hardware.GPU_KERNEL_S
+    assert f8 - f16 == pytest.approx(fwd_bytes / bw + 1 * kernel, rel=1e-6)
+    assert b8 - b16 == pytest.approx(bwd_bytes / bw + 3 * kernel, rel=1e-6)
+
+
+def test_fp8_keeps_a_weight_cache(composer):
+    bf16, fp8 = _cfg(composer, "bf16"), _cfg(composer, "fp8")
+    m16 = predict(bf16, _hw(bf16, "bf16")).memory
+    m8 = predict(fp8, _hw(fp8, "fp8")).memory
+    # each layer's weights once more in FP8 and once transposed: 2 bytes per parameter
+    layers = 96 // 8
+    assert m8.weights - m16.weights == pytest.approx(layers * layer_params(fp8.model, 8) * 2)
+    assert m8.activations == m16.activations
+
+
+def test_fp8_is_a_planning_setting(composer):
+    cfg = _cfg(composer, "fp8", "parallelism.dp=1")
+    validate(dataclasses.replace(cfg), planning=True)
+    with pytest.raises(ConfigError) as err:
+        validate(dataclasses.replace(cfg))
+    assert err.value.key == "train.precision" and "mega.plan" in str(err.value)
+    cpu = composer.plan(["cluster=local-cpu", "train.precision=fp8"]).cfg
+    with pytest.raises(ConfigError) as err:
+        validate(cpu, planning=True)
+    assert err.value.key == "train.precision"
+
+
+def test_a_device_without_fp8_tensor_cores_is_refused(composer):
+    cfg = composer.plan(["cluster=a100-8x", "model=gpt-175b", "train.precision=fp8"]).cfg
+    with pytest.raises(ConfigError) as err:
+        hardware.from_cluster(cfg.cluster, "fp8", True)
+    assert err.value.key == "train.precision" and "A100" in str(err.value)
+
+
+def test_calibration_with_a_null_fp8_efficiency_loads(tmp_path):
+    path = device.save(device.prior("H100 SXM"), tmp_path / "cal.json")
+    assert json.loads(path.read_text())["calibration"]["fp8_gemm_efficiency"] is None
+    assert device.load(path).fp8_gemm_efficiency is None
+    path.write_text(json.dumps({"calibration": {"device": "H100 SXM", "fp8_gemm_efficiency": 0.55}}))
+    assert device.load(path).fp8_gemm_efficiency == 0.55
+
+
+def test_nemo_models_match_the_published_flops_per_token():
+    """The FP8 fixture's models are transcribed from names (GPT3-5B, LLAMA2-13B, Nemotron-22B...):
+    mega.flops' count per token must equal the table's model TFLOP/s over its tokens/s."""
+    fixture = next(f for f in published.load() if f["file"] == NEMO)
+    cases = published.cases([fixture])
+    assert len(cases) >= 10
+    for case in cases:
+        row = case.row
+        per_token = row["model_tflops_per_gpu"] * 1e12 / row["tokens_per_s_per_gpu"]
+        mega = model_flops_per_token(case.plan.cfg.model)
+        assert mega == pytest.approx(per_token, rel=0.005), row["id"]
+        assert case.published_mfu == pytest.approx(row["model_tflops_per_gpu"] / 989.4, rel=0.005)
+
+
+def test_bridge_counts_causal_attention_halved():
+    """Megatron-Bridge's model TFLOP/s count the causal attention's scores and weighted sum over half
+    the square: mega.flops' count less half its 12 L s h attention FLOPs per token. The fixture is
+    compared by throughput, so its MFU is mega.flops' (whole square), above 719/989."""
+    fixture = next(f for f in published.load() if f["file"] == BRIDGE)
+    (case,) = published.cases([fixture])
+    m, row = case.plan.cfg.model, case.row
+    attention = 12 * m.num_layers * m.seq_length * m.hidden_size
+    per_token = row["model_tflops_per_gpu"] * 1e12 / row["tokens_per_s_per_gpu"]
+    assert model_flops_per_token(m) - attention / 2 == pytest.approx(per_token, rel=0.002)
+    assert case.published_mfu == pytest.approx(719 / 989.4 * model_flops_per_token(m) / per_token, rel=1e-3)
+
+
+def test_fp8_efficiency_is_fitted_on_fp8_rows_only():
+    fixtures = published.load()
+    nemo = published.cases([f for f in fixtures if f["file"] == NEMO])
+    llama = published.cases([f for f in fixtures if f["file"].startswith("llama3")])
+    assert published.fit(llama, rounds=2)["H100 SXM"].fp8_gemm_efficiency is None
+    fitted = published.fit(nemo, rounds=2)["H100 SXM"].fp8_gemm_efficiency
+    assert fitted is not None and 0.3 < fitted < 1.0
