@@ -195,6 +195,7 @@ def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str
     given = {
         "tp": p.tp,
         "pp": p.pp,
+        "cp": p.cp,
         "dp": p.dp,
         "global_batch_size": p.global_batch_size,
         "seq_length": m.seq_length,
