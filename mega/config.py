@@ -2,7 +2,9 @@
 
 Hydra composes YAML from ``conf/`` into these dataclasses (``compose``); every other entry point
 (training ranks, benchmarks, tests) builds them from a plain dict with ``from_dict``. Both paths end
-in ``validate``, which rejects inconsistent settings with a ``ConfigError`` naming the key.
+in ``validate``, which rejects inconsistent settings with a ``ConfigError`` naming the key, and the
+settings only the planner evaluates (``planning_only``: ``parallelism.cp>1``, ``train.precision=fp8``)
+unless it is asked to validate a layout for planning (``validate(cfg, planning=True)``).
 """
 
 from __future__ import annotations
@@ -143,6 +145,10 @@ class ParallelismConfig:
     pp: int = 1
     vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = off
     dp: int = 1
+    # context parallelism: each sample's sequence split over cp ranks (megatron-core's CP with
+    # Transformer Engine's ring attention). Planning only (mega.plan): mega trains with the local
+    # layer spec, whose attention has no CP, so training refuses cp>1 (planning_only).
+    cp: int = 1
     sequence_parallel: bool = False
     micro_batch_size: int = 2
     global_batch_size: int = 8
@@ -168,10 +174,10 @@ class ParallelismConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     @property
-    def num_microbatches(self) -> int:
+    def num_microbatches(self) -> int:  # the cp ranks of a replica share each sample
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
@@ -185,7 +191,7 @@ class ParallelismConfig:
         return self.chunks_per_stage if self.chunks_per_stage > 1 else None
 
     def validate(self) -> None:
-        _positive_ints(self, "parallelism", "tp", "pp", "dp", "micro_batch_size", "global_batch_size")
+        _positive_ints(self, "parallelism", "tp", "pp", "cp", "dp", "micro_batch_size", "global_batch_size")
         _require(self.chunks_per_stage >= 1, "parallelism.vpp", f"must be >= 1 or null, got {self.vpp}")
         if self.chunks_per_stage > 1:
             _require(self.pp > 1, "parallelism.vpp", "interleaved pipelining (vpp>1) needs pp>1")
@@ -1204,12 +1210,21 @@ def planning_only(cfg: MegaConfig) -> list[tuple[str, str]]:
     """Settings the performance model describes but mega's training does not build: (key, why) each.
     mega builds megatron-core's local layer spec (mega/model.py); these need Transformer Engine's."""
     out = []
+    if cfg.parallelism.cp > 1:
+        out.append(
+            (
+                "parallelism.cp",
+                f"cp={cfg.parallelism.cp} is a planning setting (mega.plan): context parallelism needs "
+                "Transformer Engine's attention (megatron-core's TE layer spec) to train, and mega builds "
+                "the local layer spec, whose attention has no CP; set parallelism.cp=1 to train",
+            )
+        )
     if cfg.train.precision == "fp8":
         out.append(
             (
                 "train.precision",
-                "fp8 is a planning setting (python -m mega.plan): it needs Transformer Engine's "
-                "linear layers, and mega trains megatron-core's local layers; train with bf16",
+                "fp8 is a planning setting (mega.plan): it needs Transformer Engine's linear layers, "
+                "and mega trains megatron-core's local layers; train with bf16",
             )
         )
     return out
@@ -1241,11 +1256,17 @@ def _layout_fits_model(cfg: MegaConfig) -> None:
         "parallelism.pp",
         f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}",
     )
-    if p.sequence_parallel:
+    if p.cp > 1:  # the load-balanced causal split: 2*cp chunks, rank r holds chunks r and 2cp-1-r
         _require(
-            m.seq_length % p.tp == 0,
+            m.seq_length % (2 * p.cp) == 0,
+            "parallelism.cp",
+            f"model.seq_length={m.seq_length} is not divisible by 2*cp={2 * p.cp}",
+        )
+    if p.sequence_parallel:  # each CP rank's seq_length/cp tokens split over the TP ranks
+        _require(
+            m.seq_length % (p.tp * p.cp) == 0,
             "parallelism.sequence_parallel",
-            f"model.seq_length={m.seq_length} is not divisible by tp={p.tp}",
+            f"model.seq_length={m.seq_length} is not divisible by tp*cp={p.tp}*{p.cp}",
         )
 
 
@@ -1262,7 +1283,7 @@ def _layout_fits_cluster(cfg: MegaConfig) -> None:
         c.world_size == p.world_size,
         "cluster.procs_per_node",
         f"world size nodes*procs_per_node={c.nodes}*{c.procs_per_node}={c.world_size} "
-        f"does not equal tp*pp*dp={p.tp}*{p.pp}*{p.dp}={p.world_size}",
+        f"does not equal tp*pp*cp*dp={p.tp}*{p.pp}*{p.cp}*{p.dp}={p.world_size}",
     )
 
 

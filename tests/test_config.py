@@ -35,7 +35,7 @@ def test_single_layout_runs_one_process():
         (["model.foo=1"], "model.foo", "not in 'ModelConfig'"),
         (["model.num_layers=abc"], "model.num_layers", "could not be converted to Integer"),
         (["model=nope"], "model", "'nope'"),
-        (["train.precision=fp8"], "train.precision", "must be one of"),
+        (["train.precision=fp4"], "train.precision", "must be one of"),
         (["train.precision=fp16"], "train.precision", "for GPUs"),
         (["cluster.backend=nccl"], "cluster.backend", "needs cluster.device=cuda"),
         (

@@ -121,7 +121,7 @@ def test_a_layout_that_does_not_fit_fewer_nodes_is_refused():
             "restart.min_nodes=1",
         ]
     )
-    with pytest.raises(CannotContinue, match="not a multiple of tp\\*pp=2\\*1"):
+    with pytest.raises(CannotContinue, match="not a multiple of tp\\*pp\\*cp=2\\*1\\*1"):
         decide(cfg, Membership.initial(cfg), [3])
 
 

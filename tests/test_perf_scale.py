@@ -595,12 +595,14 @@ def test_cuda_calibration_derivation_from_measurements():
     nbytes = 256 * 2**20
     coll = [{"kind": "all_reduce", "bytes": nbytes, "ranks": 8, "seconds": nbytes * 2 * 7 / 8 / 360e9}]
     cal, missing = calibrate_cuda.derive("H100 SXM", gemms, attention, 0.9 * 3.35e12, coll, multi_node=False)
-    assert "fp8_gemm_efficiency" in missing and cal.fp8_gemm_efficiency is None
+    assert "fp8_gemm_efficiency" in missing
+    assert cal.fp8_gemm_efficiency == device.prior("H100 SXM").fp8_gemm_efficiency
     # the same shapes in FP8 at 0.55 x the FP8 peak (1978.9 TFLOP/s) x the shape factor -> 0.55
     fp8 = [{**g, "seconds": g["seconds"] * 0.7 / 0.55 * 989.4 / 1978.9} for g in gemms]
     cal8, _ = calibrate_cuda.derive("H100 SXM", gemms, [], None, [], multi_node=False, fp8_gemms=fp8)
     assert cal8.fp8_gemm_efficiency == pytest.approx(0.55, abs=1e-4)
     assert calibrate_cuda.derive("A100", gemms, [], None, [], False, fp8)[0].fp8_gemm_efficiency is None
+    assert device.prior("A100").fp8_gemm_efficiency is None  # no FP8 tensor cores
     assert cal.gemm_efficiency == pytest.approx(0.7, abs=1e-4)
     assert cal.attention_efficiency == pytest.approx(0.5, abs=1e-4)
     assert cal.memory_efficiency == pytest.approx(0.9, abs=1e-4)

@@ -7,7 +7,9 @@ and dropout, of which tensor parallelism splits ``24 + 5as/h`` (``sbh (10 + 24/t
 sequence parallelism splits the rest (``sbh/t (34 + 5as/h)``), selective recomputation drops the
 ``5as/h`` attention-score terms and full recomputation keeps only each layer's input (``2sbh``).
 The terms are built below from their parts, so GQA, a non-4h MLP, the parallel block, no dropout,
-fp32 activations and fused (flash) attention change the right parts.
+fp32 activations and fused (flash) attention change the right parts. Context parallelism (cp) keeps
+``s/cp`` tokens of each sample per rank: every activation term divides by cp (the attention scores
+are ``s/cp`` queries x ``s`` keys), and the distributed optimizer shards over ``dp x cp`` ranks.
 """
 
 from __future__ import annotations
@@ -61,11 +63,18 @@ def model_params(m: ModelConfig) -> float:
 
 
 def activation_bytes_per_layer(
-    m: ModelConfig, micro_batch: int, tp: int, sp: bool, recompute: str | None, dtype_bytes: int, flash: bool
+    m: ModelConfig,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: str | None,
+    dtype_bytes: int,
+    flash: bool,
+    cp: int = 1,
 ) -> float:
-    """Bytes one layer keeps for its backward, per microbatch, on one tensor-parallel rank."""
+    """Bytes one layer keeps for its backward, per microbatch, on one tensor- and context-parallel rank."""
     s, h, a, f, kv = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn, kv_size(m)
-    tokens = s * micro_batch
+    tokens = s * micro_batch / cp
     if recompute == "full":  # only the layer's input is kept
         return dtype_bytes * tokens * h / (tp if sp else 1)
     hidden_mask = 1 if m.hidden_dropout > 0 else 0
@@ -86,7 +95,7 @@ def activation_bytes_per_layer(
     scores = 0.0
     if not flash and recompute != "selective":
         per_score = dtype_bytes + (1 + dtype_bytes if m.attention_dropout > 0 else 0)
-        scores = micro_batch * a * s * s * per_score
+        scores = micro_batch * a * s / cp * s * per_score
     elif flash:
         split += tokens * dtype_bytes * h  # flash-attn keeps its output and row statistics
     return (replicated / (tp if sp else 1)) + (split + scores) / tp
@@ -142,12 +151,12 @@ def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = F
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params = stage_params(m, tp, pp)
     per_layer = activation_bytes_per_layer(
-        m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash
+        m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash, p.cp
     )
     chunk_layers = m.num_layers / (pp * vpp)
-    tokens = m.seq_length * p.micro_batch_size
+    tokens = m.seq_length * p.micro_batch_size / p.cp
     full_layer = activation_bytes_per_layer(
-        m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash
+        m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash, p.cp
     )
     best: Memory | None = None
     for stage in range(pp):
@@ -157,8 +166,8 @@ def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = F
             weights += m.num_layers // pp * layer_params(m, tp) * 2
         gradients = n * 4  # megatron's fp32 main-grad buffer (16-bit training reduces in fp32)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
-        if p.use_distributed_optimizer:
-            optimizer /= dp
+        if p.use_distributed_optimizer:  # sharded over the data-parallel group with context parallel
+            optimizer /= dp * p.cp
         activations = in_flight(pp, vpp, p.num_microbatches, stage) * chunk_layers * per_layer
         temporary = 0.0
         if m.recompute == "full":

@@ -2,7 +2,8 @@
 
 Knobs the planner chooses when the overrides leave them open (configs.py says what "open" means):
 micro-batch size, recomputation (none / selective / full), sequence parallelism (tp > 1) and the
-training precision (bf16 on GPUs, fp32 on CPUs). The best choice is the one with the highest
+training precision (bf16 on GPUs, fp32 on CPUs). Context parallelism (``parallelism.cp``) is the
+user's: never searched, every layout keeps it. The best choice is the one with the highest
 predicted MFU among those that fit in memory; when nothing fits, the one needing the least memory
 (reported with ``fits: false``). ``search`` also enumerates tp, pp, vpp and dp (tp within a node:
 TP across nodes is never faster) for the cluster's GPU count, keeping the layout keys the user
@@ -48,11 +49,11 @@ def settle_precision(plan: Planning) -> None:
 
 
 def settle_dp(plan: Planning) -> None:
-    """dp left open: the cluster's GPU count over tp x pp (so a sweep over tp or pp needs no dp)."""
+    """dp left open: the cluster's GPU count over tp x pp x cp (so a sweep over tp or pp needs no dp)."""
     c, p = plan.cfg.cluster, plan.cfg.parallelism
-    world = c.nodes * c.procs_per_node
-    if plan.is_open(LAYOUT["dp"]) and world % (p.tp * p.pp) == 0 and world // (p.tp * p.pp) != p.dp:
-        dp = world // (p.tp * p.pp)
+    world, mp = c.nodes * c.procs_per_node, p.tp * p.pp * p.cp
+    if plan.is_open(LAYOUT["dp"]) and world % mp == 0 and world // mp != p.dp:
+        dp = world // mp
         plan.cfg = dataclasses.replace(plan.cfg, parallelism=dataclasses.replace(p, dp=dp))
         plan.chosen["dp"] = dp
 
@@ -103,6 +104,7 @@ class Evaluation:
                 "tp": p.tp,
                 "pp": p.pp,
                 "vpp": p.chunks_per_stage,
+                "cp": p.cp,
                 "dp": p.dp,
                 "world_size": p.world_size,
                 "global_batch_size": p.global_batch_size,
@@ -226,7 +228,7 @@ def evaluate(
         raise first_error
     _, cfg, pr, knobs = best
     chosen = [k for k in names if plan.is_open(KNOBS[k])]
-    knobs = {**knobs, "precision": cfg.train.precision, **plan.chosen}
+    knobs = {**knobs, "precision": cfg.train.precision, "cp": cfg.parallelism.cp, **plan.chosen}
     return Evaluation(cfg, pr, knobs, chosen + list(plan.chosen), evaluated)
 
 
@@ -235,7 +237,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
-    """(tp, pp, vpp, dp) for the cluster's world size; fixed keys stay as given."""
+    """(tp, pp, vpp, dp) for the cluster's world size and the given cp; fixed keys stay as given."""
     cfg = plan.cfg
     m, p, c = cfg.model, cfg.parallelism, cfg.cluster
     world = c.nodes * c.procs_per_node
@@ -249,9 +251,9 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
     out = []
     for tp in tps:
         for pp in pps:
-            if world % (tp * pp):
+            if world % (tp * pp * p.cp):
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * p.cp)
             if not plan.is_open(LAYOUT["dp"]) and dp != p.dp:
                 continue
             if p.global_batch_size % dp:

@@ -14,7 +14,7 @@ Metrics (the fixture's ``metric``, or a row's own), all turned into MFU by mega.
 the comparison: ``mfu`` (as published), ``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tokens_per_s``
 (throughput: the step is the global batch's tokens / throughput), ``tflops_per_gpu``
 (achieved TFLOP/s per GPU counting recomputation, Narayanan et al.'s eq. 3: MFU = value x model
-FLOPs / FLOPs with recompute / peak). ``flops_overrides`` change the model for its FLOP count only
+FLOPs / FLOPs with recompute / peak). ``flops_overrides`` (a fixture's or a row's) change the model for its FLOP count only
 (Llama 3: 126 layers in 128 layer slots).
 
 Leave-one-source-out (``validate``): for each source, the per-device calibration (GEMM efficiency
@@ -134,7 +134,8 @@ def cases(fixtures: list[dict[str, Any]], composer: Composer | None = None) -> l
             plan = composer.plan(overrides)
             plan.given -= set(fx.get("open", []))  # unpublished knobs: the planner chooses them
             settle_precision(plan)
-            flops_cfg = composer.plan([*overrides, *fx.get("flops_overrides", [])]).cfg
+            flops_overrides = [*fx.get("flops_overrides", []), *row.get("flops_overrides", [])]
+            flops_cfg = composer.plan([*overrides, *flops_overrides]).cfg
             flops = model_flops_per_step(flops_cfg)
             out.append(
                 Case(fx, row, plan, flops, device_key(plan.cfg.cluster.device_name or "") or "unknown")
@@ -173,6 +174,10 @@ class RowResult:
     explained: bool = True
 
     @property
+    def precision(self) -> str | None:
+        return self.knobs_given.get("precision") or self.knobs_chosen.get("precision")
+
+    @property
     def err_mfu_pts(self) -> float:
         return 100 * (self.predicted_mfu - self.published_mfu)
 
@@ -199,6 +204,7 @@ def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str
     given = {
         "tp": p.tp,
         "pp": p.pp,
+        "cp": p.cp,
         "dp": p.dp,
         "global_batch_size": p.global_batch_size,
         "seq_length": m.seq_length,
@@ -379,6 +385,14 @@ def summary(results: list[RowResult]) -> dict[str, Any]:
         "per_source": {},
     }
     out["targets_met"] = out["within_3_pts"] == len(errs) and out["mae_mfu_pts"] <= TARGET_MAE_PTS
+    out["by_precision"] = {}
+    for precision in sorted({r.precision for r in results} - {None}):
+        e = [r.err_mfu_pts for r in results if r.precision == precision]
+        out["by_precision"][precision] = {
+            "rows": len(e),
+            "mae_mfu_pts": sum(abs(x) for x in e) / len(e),
+            "within_3_pts": sum(abs(x) <= TARGET_PTS for x in e),
+        }
     known = [r.err_mfu_pts for r in results if r.explained]
     out["explained_rows"] = {
         "rows": len(known),
@@ -404,7 +418,7 @@ def plot(results: list[RowResult], path: str | Path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7.5, 6.5))
+    fig, ax = plt.subplots(figsize=(11.5, 6.5))
     xs = [100 * r.published_mfu for r in results] + [100 * r.predicted_mfu for r in results]
     lo, hi = min(xs) - 3, max(xs) + 3
     ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="predicted = published")
@@ -426,7 +440,7 @@ def plot(results: list[RowResult], path: str | Path) -> Path:
     ax.set_xlabel("published MFU (%)")
     ax.set_ylabel("predicted MFU (%), calibrated on the other sources")
     ax.set_title("mega.plan validate: leave-one-source-out (dashed: +-3 MFU points)")
-    ax.legend(fontsize=6.5, loc="upper left")
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside the axes: no point hidden
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

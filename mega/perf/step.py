@@ -10,6 +10,11 @@ optimizer step, the tied-embedding gradient sync, data loading and host overhead
 stragglers (the slowest of the data-parallel replicas sets the step, mega.perf.scale). On a CPU
 whose ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
 
+Context parallelism (``parallelism.cp``, megatron-core's CP with Transformer Engine's p2p ring
+attention) gives each rank ``seq_length / cp`` tokens of every sample: everything per microbatch
+acts on them, the attention core does ``1/cp`` of the causal work, and the ring passing K and V
+between the cp ranks adds its exposed part (``cp_ring_seconds``); gradients reduce over dp x cp.
+
 Overlap features are read from the config, not from a preset name: ``parallelism.tp_overlap``
 (ring/te: TP collectives chunked with their GEMMs), ``overlap_p2p_comm`` (pipeline send/receive
 off the critical path), ``overlap_grad_reduce``, ``overlap_param_gather``, ``align_param_gather``,
@@ -136,10 +141,13 @@ class Pass:
     tp_total: float = 0.0
     overhead: float = 0.0
     comm_cpu: float = 0.0  # core seconds of its collectives (CPU machines)
+    cp_exposed: float = 0.0  # the context-parallel ring's K/V (and dK/dV) transfers not hidden
+    cp_total: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.gemm + self.attention + self.elementwise + self.tp_exposed + self.overhead
+        comm = self.tp_exposed + self.cp_exposed
+        return self.gemm + self.attention + self.elementwise + comm + self.overhead
 
     def scaled(self, k: float) -> Pass:
         return Pass(
@@ -153,6 +161,8 @@ class Pass:
                     self.tp_total,
                     self.overhead,
                     self.comm_cpu,
+                    self.cp_exposed,
+                    self.cp_total,
                 )
             )
         )
@@ -172,6 +182,13 @@ def precision_of(cfg: MegaConfig) -> str:
     if cfg.train.precision == "auto":
         return "bf16" if cfg.cluster.device == "cuda" else "fp32"
     return cfg.train.precision
+
+
+def microbatch_tokens(cfg: MegaConfig) -> int:
+    """Tokens of one microbatch on one rank: context parallelism gives each of its cp ranks
+    ``seq_length / cp`` tokens of every sample (config validation: seq_length divides by 2 cp)."""
+    p = cfg.parallelism
+    return p.micro_batch_size * cfg.model.seq_length // p.cp
 
 
 def causal_keys(s: int, window: int | None) -> float:
@@ -204,7 +221,7 @@ class LayerGemms:
 def layer_gemms(cfg: MegaConfig, hw: Hardware, dtype: int) -> LayerGemms:
     """(rows, cols, inner) of each forward GEMM; the backward runs a dgrad and a wgrad GEMM each."""
     m, p = cfg.model, cfg.parallelism
-    t, h, f, tokens = p.tp, m.hidden_size, m.ffn, p.micro_batch_size * m.seq_length
+    t, h, f, tokens = p.tp, m.hidden_size, m.ffn, microbatch_tokens(cfg)
     kv = kv_size(m)
     shapes = {
         "qkv": (tokens, (h + 2 * kv) // t, h),
@@ -232,27 +249,30 @@ def fp8_cast_elements(cfg: MegaConfig) -> tuple[float, float]:
     projection (the residual stream's gradient) and of QKV (the attention backward's). The weights
     are cast once per step and kept (megatron's ``is_first_microbatch``)."""
     m, p = cfg.model, cfg.parallelism
-    t, h, tokens = p.tp, m.hidden_size, p.micro_batch_size * m.seq_length
+    t, h, tokens = p.tp, m.hidden_size, microbatch_tokens(cfg)
     return tokens * h / t, tokens * (2 * h + (h + 2 * kv_size(m)) / t)
 
 
 def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core. Fused (flash) kernels skip the blocks
     above the causal diagonal and outside a sliding window; the unfused path (megatron's masked
-    softmax) computes the whole s x s score matrix whatever the mask."""
+    softmax) computes the whole s x s score matrix whatever the mask. With context parallelism a
+    rank's s/cp queries (two chunks of the 2 cp, load-balanced: r and 2cp-1-r) do 1/cp of the
+    causal work in cp ring steps, one kernel each."""
     m, p = cfg.model, cfg.parallelism
-    t, b, s, h, a = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads
+    t, b, s, h, a, c = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, p.cp
     tokens, heads = b * s, a // t
     if hw.flash_attention:
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
         keys = (windowed * causal_keys(s, m.window_size) + full * causal_keys(s, None)) / m.num_layers
-        flops = 2 * 2 * tokens * keys * h / t
-        return hw.attention_s(flops), hw.attention_s(2.5 * flops, kernels=2)  # bwd recomputes S
-    hd = h // a
-    scores = b * heads * s * s
+        flops = 2 * 2 * tokens * keys * h / t / c
+        fwd_s, bwd_s = hw.attention_s(flops, kernels=c), hw.attention_s(2.5 * flops, kernels=2 * c)
+        return fwd_s, bwd_s  # bwd recomputes S
+    hd, q = h // a, s // c
+    scores = b * heads * q * s
     drop = m.attention_dropout > 0
-    qk = hw.gemm_s(s, s, hd, batch=b * heads, dtype_bytes=dtype)
-    av = hw.gemm_s(s, hd, s, batch=b * heads, dtype_bytes=dtype)
+    qk = hw.gemm_s(q, s, hd, batch=b * heads, dtype_bytes=dtype)
+    av = hw.gemm_s(q, hd, s, batch=b * heads, dtype_bytes=dtype)
     dropout_bytes, kernels = (2 * dtype + 1, 2) if drop else (0, 1)
     attn_f = qk + av + hw.elementwise_s(scores * (2 * dtype + dropout_bytes), kernels)
     attn_b = 2 * av + 2 * qk + hw.elementwise_s(scores * (3 * dtype + dropout_bytes), kernels)
@@ -265,7 +285,7 @@ def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[floa
     tensors are split by SP, the parallel block has one LayerNorm and one residual add. RoPE
     rotates the rank's queries and keys in place: read and written once."""
     m, p = cfg.model, cfg.parallelism
-    t, h, f, tokens = p.tp, m.hidden_size, m.ffn, p.micro_batch_size * m.seq_length
+    t, h, f, tokens = p.tp, m.hidden_size, m.ffn, microbatch_tokens(cfg)
     rows = tokens / t if p.sequence_parallel else tokens
     mask = 1 if m.hidden_dropout > 0 else 0
     if m.block == "parallel":
@@ -296,7 +316,7 @@ def tp_collective_seconds(
     if t == 1:
         return Pass(), Pass()
     chunked = p.tp_overlap != "none"
-    act = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
+    act = microbatch_tokens(cfg) * m.hidden_size * dtype
     ag, rs, ar = (hw.collective_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     agc, rsc, arc = (hw.collective_cpu_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
     if m.block == "parallel":  # one column-parallel input (QKV | fc1) and one row-parallel output
@@ -327,24 +347,48 @@ def tp_collective_seconds(
     return fwd, bwd
 
 
+def cp_ring_seconds(
+    cfg: MegaConfig, hw: Hardware, dtype: int, attn_f: float, attn_b: float
+) -> tuple[Pass, Pass]:
+    """Transformer Engine's p2p ring of context parallelism (``cp_comm_type="p2p"``), one layer and
+    microbatch: (forward, backward) passes holding the ring's exposed and total seconds. A block is
+    the rank's K and V, ``2 x tokens/cp x kv_size/tp x dtype`` bytes (its TP share of the KV heads),
+    sent to the next of the cp ranks (``tp`` apart in megatron's tp-cp-ep-dp-pp order) while the
+    attention of the block in hand runs (1/cp of the attention core per step: the load-balanced
+    split gives every step equal work). Forward: steps 0..cp-2 send K,V (step 0 computes on the
+    local block). Backward: step 0 sends K,V, steps 1..cp-2 send K,V with the dK,dV accumulated so
+    far (2 blocks), the last sends dK,dV home. Exposed per step: max(0, transfer - attention step)."""
+    p, c = cfg.parallelism, cfg.parallelism.cp
+    if c == 1:
+        return Pass(), Pass()
+    block = 2 * microbatch_tokens(cfg) * kv_size(cfg.model) / p.tp * dtype
+    one, two = (hw.collective_s("send", k * block, c, stride=p.tp) for k in (1, 2))
+    step_f, step_b = attn_f / c, attn_b / c
+    fwd = Pass(cp_exposed=(c - 1) * max(0.0, one - step_f), cp_total=(c - 1) * one)
+    bwd_exposed = 2 * max(0.0, one - step_b) + (c - 2) * max(0.0, two - step_b)
+    bwd = Pass(cp_exposed=bwd_exposed, cp_total=2 * one + (c - 2) * two)
+    return fwd, bwd
+
+
 def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> Unit:
-    """One transformer layer, one microbatch, one tensor-parallel rank."""
+    """One transformer layer, one microbatch, one tensor- and context-parallel rank."""
     g = layer_gemms(cfg, hw, dtype)
     attn_f, attn_b = attention_seconds(cfg, hw, dtype)
     elem_f, elem_b = elementwise_seconds(cfg, hw, dtype)
     tp_f, tp_b = tp_collective_seconds(cfg, hw, dtype, g, stack.tp_backward_overlap)
+    cp_f, cp_b = cp_ring_seconds(cfg, hw, dtype, attn_f, attn_b)
     ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if cfg.parallelism.tp > 1 else 0.0)
     gemm_f, gemm_b = sum(g.fwd.values()), sum(g.dgrad.values()) + sum(g.wgrad.values())
-    forward = Pass(gemm_f, attn_f, elem_f, overhead=ovh) + tp_f
-    backward = Pass(gemm_b, attn_b, elem_b, overhead=2 * ovh) + tp_b
-    recompute = {"full": forward, "selective": Pass(attention=attn_f)}.get(cfg.model.recompute, Pass())
+    forward = Pass(gemm_f, attn_f, elem_f, overhead=ovh) + tp_f + cp_f
+    backward = Pass(gemm_b, attn_b, elem_b, overhead=2 * ovh) + tp_b + cp_b
+    recompute = {"full": forward, "selective": Pass(attention=attn_f) + cp_f}.get(cfg.model.recompute, Pass())
     return Unit(forward, backward, recompute)
 
 
 def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
     """Word + position embedding lookup on the first stage, its vocab-parallel reduction."""
     m, p = cfg.model, cfg.parallelism
-    tokens, h, t = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp
+    tokens, h, t = microbatch_tokens(cfg), m.hidden_size, p.tp
     act = tokens * h * dtype
     kind = "reduce_scatter" if p.sequence_parallel else "all_reduce"
     comm = hw.collective_s(kind, act, t)
@@ -362,7 +406,7 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) 
     """Final LayerNorm, output layer (column-parallel over the vocabulary) and the vocab-parallel
     cross entropy in fp32 on the last stage."""
     m, p = cfg.model, cfg.parallelism
-    tokens, h, t, vocab = p.micro_batch_size * m.seq_length, m.hidden_size, p.tp, m.padded_vocab_size
+    tokens, h, t, vocab = microbatch_tokens(cfg), m.hidden_size, p.tp, m.padded_vocab_size
     gemm_f = hw.gemm_s(tokens, vocab // t, h, dtype_bytes=dtype)
     gemm_b = hw.gemm_s(tokens, h, vocab // t, dtype_bytes=dtype) + hw.gemm_s(
         h, vocab // t, tokens, dtype_bytes=dtype
@@ -422,14 +466,14 @@ class Message:
 
 
 def p2p_message(cfg: MegaConfig, hw: Hardware, dtype: int, scatter_gather: bool) -> Message:
-    """One pipeline message to the next stage, whose ranks are tp*dp away (megatron's
+    """One pipeline message to the next stage, whose ranks are tp*cp*dp away (megatron's
     tp-cp-ep-dp-pp rank order); across nodes one rank's NIC."""
     m, p = cfg.model, cfg.parallelism
     if p.pp == 1:
         return Message(0.0, 0.0, 0.0)
-    activation = p.micro_batch_size * m.seq_length * m.hidden_size * dtype
+    activation = microbatch_tokens(cfg) * m.hidden_size * dtype
     nbytes = activation / (p.tp if (p.sequence_parallel or scatter_gather) else 1)
-    stride = p.tp * p.dp
+    stride = p.tp * p.cp * p.dp
     if hw.link(p.pp, stride)[0] is hw.inter:
         seconds = hw.inter.latency_s + nbytes / hw.inter.bytes_per_s
     else:
@@ -472,7 +516,8 @@ class Stage:
         """Seconds a core works: everything but waiting on collectives and pipeline messages, plus
         the core time the collectives themselves cost (CPU machines)."""
         parts = (self.layers, self.recompute, self.extra)
-        return self.total - self.p2p - sum(x.tp_exposed for x in parts) + sum(x.comm_cpu for x in parts)
+        waiting = sum(x.tp_exposed + x.cp_exposed for x in parts)
+        return self.total - self.p2p - waiting + sum(x.comm_cpu for x in parts)
 
 
 def accumulation_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack) -> list[float]:
@@ -559,6 +604,14 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Mess
             total_s=mb * (lay.tp_total + ext.tp_total),
         ),
         Term(
+            "cp_ring",
+            mb * lay.cp_exposed,
+            f"context-parallel ring over cp={p.cp} ranks (TE p2p): per layer, {p.cp - 1} forward sends of a "
+            "K,V block (2 x tokens/cp x kv_size/tp x dtype bytes) and the backward's K,V + dK,dV, "
+            "each hidden under one step's attention (1/cp of it): exposed max(0, send - step)",
+            total_s=mb * lay.cp_total,
+        ),
+        Term(
             "recompute",
             mb * st.recompute.total,
             f"model.recompute={m.recompute}: forward work redone in the backward",
@@ -599,7 +652,7 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
     """A memory-bound pass over this rank's shard of the optimizer state, the grad-norm
     all-reduces, and (CPU) the per-layer host cost of the per-tensor updates."""
     p = cfg.parallelism
-    opt_params = params_rank / (p.dp if p.use_distributed_optimizer else 1)
+    opt_params = params_rank / (p.dp * p.cp if p.use_distributed_optimizer else 1)
     state = 8 if cfg.optimizer.name != "sgd" else 4
     # state read + write, fp32 gradient, fp32 master read + write (16-bit weights), weights, norm, zeroing
     per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4
@@ -620,13 +673,15 @@ def data_parallel_terms(
     cfg: MegaConfig, hw: Hardware, dtype: int, stages: list[Stage], bubble: float, stack: Stack = MEGA
 ) -> tuple[list[Term], float, float]:
     """Gradient reduction, optimizer step, parameter all-gather; returns the terms, the
-    optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines)."""
+    optimizer's seconds and the core seconds of the data-parallel collectives (CPU machines).
+    The collectives run over megatron's data-parallel group with context parallel: dp x cp ranks,
+    tp apart; the default bucket size follows dp alone (megatron DDP's ``dp_group``)."""
     m, p = cfg.model, cfg.parallelism
-    tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
+    tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp * p.cp
     params_rank = max(stage_params(m, tp, pp))
     main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
-    n_buckets = buckets(params_rank / vpp, dp) + (vpp - 1)  # chunks after the first: one bucket each
+    n_buckets = buckets(params_rank / vpp, p.dp) + (vpp - 1)  # chunks after the first: one bucket each
     if p.use_distributed_optimizer:
         rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
         ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
@@ -666,14 +721,14 @@ def data_parallel_terms(
             "dp_grad_reduce",
             rs_exposed,
             f"{'reduce-scatter' if p.use_distributed_optimizer else 'all-reduce'} of {grad_bytes / 2**30:.2f} GiB "
-            f"{8 * main_grad_bytes}-bit gradients over dp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
+            f"{8 * main_grad_bytes}-bit gradients over dp x cp={dp} in {n_buckets} buckets (overlap_grad_reduce={p.overlap_grad_reduce})",
             total_s=rs_total,
         ),
         Term("optimizer", opt_s, opt_what),
         Term(
             "dp_param_gather",
             ag_exposed,
-            f"all-gather of updated {precision_of(cfg)} parameters over dp={dp} (overlap_param_gather="
+            f"all-gather of updated {precision_of(cfg)} parameters over dp x cp={dp} (overlap_param_gather="
             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
             f"{p.overlap_param_gather_with_optimizer_step})",
             total_s=ag_total,
@@ -723,7 +778,10 @@ def per_step_terms(cfg: MegaConfig, hw: Hardware) -> list[Term]:
     emb_sync = 0.0
     if p.pp > 1 and m.tie_embeddings:
         emb_sync = hw.collective_s(
-            "all_reduce", m.padded_vocab_size * m.hidden_size / p.tp * 4, 2, stride=p.tp * p.dp * (p.pp - 1)
+            "all_reduce",
+            m.padded_vocab_size * m.hidden_size / p.tp * 4,
+            2,
+            stride=p.tp * p.cp * p.dp * (p.pp - 1),
         )
     data = hw.data_s_per_token * p.num_microbatches * p.micro_batch_size * m.seq_length
     return [
@@ -761,7 +819,7 @@ def busy_seconds(
     p = cfg.parallelism
     p2p_cpu = 4 * p.chunks_per_stage * hw.collective_cpu_s("send", p2p_bytes, 2) if p.pp > 1 else 0.0
     mb = p.num_microbatches
-    return p.tp * p.dp * sum(mb * (x.busy + p2p_cpu) + per_rank_s for x in stages)
+    return p.tp * p.cp * p.dp * sum(mb * (x.busy + p2p_cpu) + per_rank_s for x in stages)
 
 
 def core_sharing_term(hw: Hardware, world: int, busy_s: float, step_s: float) -> list[Term]:

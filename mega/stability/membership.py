@@ -59,16 +59,16 @@ def diagnosis_enabled(cfg: MegaConfig) -> bool:
 
 
 def resize(cfg: MegaConfig, nodes: int) -> MegaConfig:
-    """``cfg`` on ``nodes`` nodes of the same size: TP and PP kept, DP = world / (TP x PP), the
+    """``cfg`` on ``nodes`` nodes of the same size: TP, PP and CP kept, DP = world / (TP x PP x CP), the
     global batch kept (more microbatches per step). Injected faults aimed at nodes or ranks end
     here (faults.disarm). CannotContinue names the setting that rules the size out."""
     c, p = cfg.cluster, cfg.parallelism
     world = nodes * c.procs_per_node
-    mp = p.tp * p.pp
+    mp = p.tp * p.pp * p.cp
     if world % mp:
         raise CannotContinue(
             f"{nodes} nodes x {c.procs_per_node} ranks = {world} is not a multiple of "
-            f"tp*pp={p.tp}*{p.pp} (restart.min_nodes={cfg.restart.min_nodes})"
+            f"tp*pp*cp={p.tp}*{p.pp}*{p.cp} (restart.min_nodes={cfg.restart.min_nodes})"
         )
     new = copy.deepcopy(cfg)
     new.cluster.nodes = nodes

@@ -1,0 +1,170 @@
+"""Context parallelism (``parallelism.cp``) in the performance model: the ring's bytes, the
+attention and activation split, the planner fitting long sequences, and the layout's world size.
+Training refuses cp>1 (mega builds megatron-core's local layer spec, whose attention has no CP).
+
+Pure Python: no training processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mega.config import ConfigError, MegaConfig, ModelConfig, ParallelismConfig, compose, validate
+from mega.perf.configs import Composer, for_planning
+from mega.perf.hardware import NIC_LATENCY_S
+from mega.perf.memory import activation_bytes_per_layer
+from mega.perf.planner import evaluate, hardware_for, settle_precision
+from mega.perf.step import DTYPE_BYTES, attention_seconds, cp_ring_seconds, predict
+
+# Llama 3 8B on one node of 8 H100s: a sequence of 131,072 tokens
+LONG = ["model=llama3-8b", "cluster=h100-8x", "model.seq_length=131072", "model.fused_ops=true"]
+
+
+def _with_cp(cfg: MegaConfig, cp: int, dp: int) -> MegaConfig:
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, cp=cp, dp=dp))
+
+
+@pytest.fixture(scope="module")
+def long_plan():
+    """Llama 3 8B at 131,072 tokens, TP2 CP4 over 8 GPUs, one sequence per microbatch."""
+    with Composer() as composer:
+        plan = composer.plan(
+            [
+                *LONG,
+                "parallelism.tp=2",
+                "parallelism.pp=1",
+                "parallelism.cp=4",
+                "parallelism.dp=1",
+                "parallelism.global_batch_size=4",
+                "parallelism.micro_batch_size=1",
+                "parallelism.sequence_parallel=true",
+                "model.recompute=full",
+            ]
+        )
+        settle_precision(plan)
+        return plan
+
+
+def test_ring_sends_kv_blocks_cp_minus_one_times_each_way(long_plan):
+    """A block is the rank's K and V: 2 x (131,072 / 4 tokens) x (8 of 32 heads x 128 / tp 2) x 2
+    bytes. The cp ranks are tp=2 apart and a node holds 8 ranks, so the ring of 4 stays in the node
+    (NVLink); forward 3 sends of one block, backward K,V then 2 x (K,V + dK,dV) then dK,dV."""
+    cfg = validate(long_plan.cfg, planning=True)
+    hw, _ = hardware_for(cfg)
+    block = 2 * (131072 // 4) * (1024 // 2) * 2
+    assert block == 64 * 2**20
+    link = hw.intra  # 4 ranks x stride 2 <= 8 per node
+    send = lambda nbytes: link.latency_s + nbytes / link.bytes_per_s  # noqa: E731
+    fwd_total = 3 * send(block)
+    bwd_total = send(block) + 2 * send(2 * block) + send(block)
+    fwd, bwd = cp_ring_seconds(cfg, hw, DTYPE_BYTES["bf16"], attn_f=0.0, attn_b=0.0)
+    assert fwd.cp_total == pytest.approx(fwd_total, rel=1e-12)
+    assert bwd.cp_total == pytest.approx(bwd_total, rel=1e-12)
+    assert (fwd.cp_exposed, bwd.cp_exposed) == (fwd.cp_total, bwd.cp_total)  # nothing to hide under
+    # each step's transfer hides under its share of the attention: a long one hides it all
+    fwd, bwd = cp_ring_seconds(cfg, hw, 2, attn_f=4 * send(block), attn_b=4 * send(2 * block))
+    assert (fwd.cp_exposed, bwd.cp_exposed) == (0.0, 0.0)
+    # the breakdown: 32 layers x 4 microbatches, 3 blocks forward + 6 backward in all
+    pr = predict(cfg, hw)
+    ring = pr.breakdown()["cp_ring"]
+    assert ring["total_s"] == pytest.approx(32 * 4 * (fwd_total + bwd_total), rel=1e-9)
+    assert 0.0 <= ring["seconds"] <= ring["total_s"]
+
+
+def test_ring_across_nodes_runs_on_the_nics(long_plan):
+    """TP8 CP16 (Llama 3's long-context layout): the 16 cp ranks are 8 apart, one per node, so each
+    block crosses a 400 Gb/s NIC: 2 x 8,192 tokens x 128 (one KV head per TP rank) x 2 bytes."""
+    cfg = long_plan.cfg
+    p = dataclasses.replace(cfg.parallelism, tp=8, cp=16, dp=1, sequence_parallel=True)
+    c = dataclasses.replace(cfg.cluster, nodes=16)
+    cfg = dataclasses.replace(cfg, parallelism=p, cluster=c)
+    hw, _ = hardware_for(cfg)
+    block = 2 * 8192 * 128 * 2
+    seconds = NIC_LATENCY_S + block / hw.inter.bytes_per_s
+    assert hw.inter.bytes_per_s <= 400e9 / 8  # one rank's share of the node's NICs
+    fwd, _ = cp_ring_seconds(cfg, hw, 2, 0.0, 0.0)
+    assert fwd.cp_total == pytest.approx(15 * seconds, rel=1e-12)
+
+
+def test_cp2_halves_the_attention_core_and_a_layers_activations(long_plan):
+    """The attention core: 2 x 2 x s x (s + 1)/2 x h / tp causal FLOPs forward (2.5x backward), 1/cp
+    of it per rank in cp kernels. A layer's activations: Korthikanti et al.'s sbh (34 + 5as/h) with
+    s/cp queries per rank, so cp=2 keeps half of cp=1's."""
+    cfg1 = _with_cp(long_plan.cfg, 1, 4)
+    cfg2 = _with_cp(long_plan.cfg, 2, 2)
+    hw, _ = hardware_for(cfg1)
+    s, h, tp = 131072, 4096, 2
+    rate = hw.peak_flops * hw.attention_efficiency
+    flops = 2 * 2 * s * (s + 1) / 2 * h / tp
+    for cp, cfg in ((1, cfg1), (2, cfg2)):
+        fwd, bwd = attention_seconds(cfg, hw, 2)
+        assert fwd == pytest.approx(flops / cp / rate + cp * hw.kernel_s, rel=1e-12)
+        assert bwd == pytest.approx(2.5 * flops / cp / rate + 2 * cp * hw.kernel_s, rel=1e-12)
+
+    m = ModelConfig(
+        num_layers=4,
+        hidden_size=1024,
+        num_attention_heads=16,
+        seq_length=8192,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    )
+    b, t, a = 1, 4, 16
+
+    def korthikanti(s_rank: float) -> float:  # s_rank queries against s keys, TP without SP
+        return s_rank * b * m.hidden_size * (10 + 24 / t + 5 * a * m.seq_length / (m.hidden_size * t))
+
+    for cp in (1, 2):
+        got = activation_bytes_per_layer(m, b, t, False, None, dtype_bytes=2, flash=False, cp=cp)
+        assert got == pytest.approx(korthikanti(m.seq_length / cp), rel=1e-12)
+    whole, half = (activation_bytes_per_layer(m, b, t, False, None, 2, False, cp) for cp in (1, 2))
+    assert half == pytest.approx(whole / 2, rel=1e-12)
+
+
+def test_context_parallelism_fits_a_long_sequence_that_cp1_does_not():
+    """Llama 3 8B at 131,072 tokens on 8 H100s at TP2: at cp=1 (dp=4) no micro-batch, recomputation
+    or SP choice fits in 80 GB (fp32 logits of 131,072 tokens over a 128K vocabulary alone are 67 GB
+    at TP2); at cp=4 (dp=1) each rank holds a quarter of the sequence and the planner fits it."""
+    common = [*LONG, "parallelism.tp=2", "parallelism.pp=1", "parallelism.global_batch_size=8"]
+    cp1 = evaluate(for_planning([*common, "parallelism.cp=1"]))
+    cp4 = evaluate(for_planning([*common, "parallelism.cp=4"]))
+    assert (cp1.cfg.parallelism.dp, cp4.cfg.parallelism.dp) == (4, 1)
+    assert not cp1.prediction.fits
+    assert cp4.prediction.fits
+    assert cp4.knobs["cp"] == 4 and cp4.to_dict()["layout"]["cp"] == 4
+    assert cp4.prediction.memory.activations < cp1.prediction.memory.activations
+
+
+def test_world_size_counts_cp_and_microbatches_do_not():
+    p = ParallelismConfig(tp=2, pp=2, cp=2, dp=2, micro_batch_size=1, global_batch_size=8)
+    assert p.world_size == 16
+    assert p.num_microbatches == 8 // (1 * 2)  # the cp ranks of a replica share its samples
+    cfg = compose(["parallelism.cp=2"], validate_config=False)  # local-cpu: one process per rank
+    assert cfg.cluster.procs_per_node == cfg.parallelism.world_size == 2 * 2 * 2 * 2
+
+
+def test_planner_accepts_cp_and_training_refuses_it_naming_the_key():
+    """The planner validates cp=2 like any layout; every config composed for a run is refused
+    before launch, naming parallelism.cp and what it needs."""
+    cfg = compose(["parallelism.cp=2"], validate_config=False)
+    assert validate(cfg, planning=True).parallelism.cp == 2
+    with pytest.raises(ConfigError) as err:
+        compose(["parallelism.cp=2"])
+    assert err.value.key == "parallelism.cp"
+    assert "planning setting" in str(err.value) and "Transformer Engine" in str(err.value)
+    assert compose(["parallelism.cp=1"]).parallelism.cp == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["parallelism.cp=0"], "positive integer"),
+        (["parallelism.cp=3", "model.seq_length=200"], "not divisible by 2*cp=6"),
+    ],
+)
+def test_cp_is_validated_naming_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides, validate_config=False), planning=True)
+    assert err.value.key == "parallelism.cp" and fragment in str(err.value)
