@@ -204,6 +204,14 @@ class Hardware:
             "flash_attention": self.flash_attention,
             "straggler_sigma": self.straggler_sigma,
             "step_overhead_s": self.step_overhead_s,
+            **(
+                {
+                    "linear_peak_tflops": self.linear.peak_flops / 1e12,
+                    "linear_gemm_efficiency": self.linear.gemm_efficiency,
+                }
+                if self.linear_peak_flops
+                else {}
+            ),
             **({"calibration": self.calibration.to_dict()} if self.calibration else {}),
         }
 

@@ -564,22 +564,25 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: St
     return out
 
 
-def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Message) -> list[Term]:
-    """The microbatches through the slowest stage, term by term, then the bubble."""
+def compute_terms(cfg: MegaConfig, hw: Hardware, st: Stage, slowest: int) -> list[Term]:
+    """The slowest stage's GEMMs, attention core and elementwise kernels over its microbatches."""
     m, p = cfg.model, cfg.parallelism
-    pp, vpp, mb = p.pp, p.chunks_per_stage, p.num_microbatches
-    slowest = max(range(pp), key=lambda i: stages[i].total)
-    st = stages[slowest]
+    pp, mb = p.pp, p.num_microbatches
     lay, ext = st.layers, st.extra
-    avg = sum(x.total for x in stages) / pp
-    fill = 2 * (pp - 1) * msg.seconds if (pp > 1 and p.overlap_p2p_comm) else 0.0
     return [
         Term(
             "gemm",
             mb * (lay.gemm + ext.gemm),
             f"{mb} microbatches x stage {slowest}: {m.num_layers // pp} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
             f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
-            f"{hw.peak_flops / 1e12:.1f} TFLOP/s, per-shape efficiency",
+            f"{hw.peak_flops / 1e12:.1f} TFLOP/s"
+            + (
+                f" (the layers' linears in FP8 at {hw.linear.gemm_efficiency:.2f} x "
+                f"{hw.linear.peak_flops / 1e12:.1f} TFLOP/s)"
+                if hw.linear_peak_flops
+                else ""
+            )
+            + ", per-shape efficiency",
         ),
         Term(
             "attention",
@@ -594,8 +597,24 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Mess
         Term(
             "elementwise",
             mb * (lay.elementwise + ext.elementwise),
-            "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy: bytes / achieved memory bandwidth",
+            "LayerNorm, bias-dropout-add, bias-GeLU, embedding, cross entropy"
+            + (", the FP8 casts Transformer Engine does not fuse" if hw.linear_peak_flops else "")
+            + ": bytes / achieved memory bandwidth",
         ),
+    ]
+
+
+def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Message) -> list[Term]:
+    """The microbatches through the slowest stage, term by term, then the bubble."""
+    m, p = cfg.model, cfg.parallelism
+    pp, vpp, mb = p.pp, p.chunks_per_stage, p.num_microbatches
+    slowest = max(range(pp), key=lambda i: stages[i].total)
+    st = stages[slowest]
+    lay, ext = st.layers, st.extra
+    avg = sum(x.total for x in stages) / pp
+    fill = 2 * (pp - 1) * msg.seconds if (pp > 1 and p.overlap_p2p_comm) else 0.0
+    return [
+        *compute_terms(cfg, hw, st, slowest),
         Term(
             "tp_comm",
             mb * (lay.tp_exposed + ext.tp_exposed),
