@@ -12,7 +12,7 @@ from mega.config import ConfigError, validate
 from mega.flops import model_flops_per_token
 from mega.perf import device, hardware, published
 from mega.perf.configs import Composer
-from mega.perf.memory import layer_params
+from mega.perf.memory import activation_bytes_per_layer, layer_params
 from mega.perf.step import elementwise_seconds, layer_gemms, predict
 
 H100 = [
@@ -89,14 +89,22 @@ def test_unfused_casts_cost_their_bytes(composer):
     assert b8 - b16 == pytest.approx(bwd_bytes / bw + 3 * kernel, rel=1e-6)
 
 
-def test_fp8_keeps_a_weight_cache(composer):
+def test_fp8_keeps_a_weight_cache_and_fp8_inputs(composer):
     bf16, fp8 = _cfg(composer, "bf16"), _cfg(composer, "fp8")
     m16 = predict(bf16, _hw(bf16, "bf16")).memory
     m8 = predict(fp8, _hw(fp8, "fp8")).memory
     # each layer's weights once more in FP8 and once transposed: 2 bytes per parameter
     layers = 96 // 8
     assert m8.weights - m16.weights == pytest.approx(layers * layer_params(fp8.model, 8) * 2)
-    assert m8.activations == m16.activations
+    assert m8.activations < m16.activations
+    # per layer and microbatch, the linears' saved inputs drop from 2 bytes to 1: the two norm
+    # outputs (h each, whole on every TP rank without SP, split with it), the projection's input
+    # (h / tp) and fc2's (ffn / tp)
+    m, tokens, tp, h, f = fp8.model, 2048, 8, 12288, 4 * 12288
+    for sp in (False, True):
+        args = (m, 1, tp, sp, None, 2, True)
+        saved = activation_bytes_per_layer(*args) - activation_bytes_per_layer(*args, fp8=True)
+        assert saved == pytest.approx(tokens * 2 * h / (tp if sp else 1) + tokens * (h + f) / tp)
 
 
 def test_fp8_is_a_planning_setting(composer):

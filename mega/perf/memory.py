@@ -71,8 +71,12 @@ def activation_bytes_per_layer(
     dtype_bytes: int,
     flash: bool,
     cp: int = 1,
+    fp8: bool = False,
 ) -> float:
-    """Bytes one layer keeps for its backward, per microbatch, on one tensor- and context-parallel rank."""
+    """Bytes one layer keeps for its backward, per microbatch, on one tensor- and context-parallel rank.
+    ``fp8``: Transformer Engine keeps each linear's input for the wgrad GEMM as its FP8 cast (one
+    byte an element, ``fp8_wgrad``): the norms' outputs before QKV and fc1, the projection's and
+    fc2's inputs."""
     s, h, a, f, kv = m.seq_length, m.hidden_size, m.num_attention_heads, m.ffn, kv_size(m)
     tokens = s * micro_batch / cp
     if recompute == "full":  # only the layer's input is kept
@@ -81,15 +85,14 @@ def activation_bytes_per_layer(
     norms = 1 if m.block == "parallel" else 2
     # Kept whole on every TP rank unless sequence-parallel: LayerNorm inputs, the inputs of the
     # column-parallel GEMMs (one shared LayerNorm output in the parallel block), dropout masks.
-    replicated = tokens * h * (dtype_bytes * norms + dtype_bytes * norms + 2 * hidden_mask)
-    if m.block == "parallel":
-        replicated = tokens * h * (dtype_bytes + dtype_bytes + 2 * hidden_mask)
+    gemm_input = 1 if fp8 else dtype_bytes
+    replicated = tokens * h * (dtype_bytes * norms + gemm_input * norms + 2 * hidden_mask)
     # Split by TP: Q, K, V, the attention output (projection input), the MLP's inner tensors:
     # fc1's output (gate and up under SwiGLU) and the activation's output, fc2's input; unfused,
     # SwiGLU's product also keeps its two factors, SiLU(gate) and megatron's up + glu_linear_offset
     # (mlp.py), where the fused bias-SwiGLU keeps fc1's output alone.
     silu = 2 * f if m.activation == "swiglu" and not m.fused_ops else 0
-    split = tokens * dtype_bytes * (h + 2 * kv + h + m.fc1_size + f + silu)
+    split = tokens * (dtype_bytes * (h + 2 * kv + m.fc1_size + silu) + gemm_input * (h + f))
     # Attention scores: softmax output (+ dropout mask and output); none with fused attention or
     # selective recomputation (recomputed in the backward).
     scores = 0.0
@@ -145,18 +148,18 @@ def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
 
 def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = False) -> Memory:
     """The most-loaded pipeline stage's memory per GPU. ``fp8``: the layers' linear weights are also
-    kept in FP8, as is and transposed, for the step (Transformer Engine's weight cache); activations
-    are counted in bf16 (FP8's saved linear inputs are not modelled: an over-estimate)."""
+    kept in FP8, as is and transposed, for the step (Transformer Engine's weight cache), and the
+    linears' saved inputs are FP8 (``activation_bytes_per_layer``)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params = stage_params(m, tp, pp)
     per_layer = activation_bytes_per_layer(
-        m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash, p.cp
+        m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash, p.cp, fp8
     )
     chunk_layers = m.num_layers / (pp * vpp)
     tokens = m.seq_length * p.micro_batch_size / p.cp
     full_layer = activation_bytes_per_layer(
-        m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash, p.cp
+        m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash, p.cp, fp8
     )
     best: Memory | None = None
     for stage in range(pp):
