@@ -42,6 +42,7 @@ class Stores:
     def __init__(self, kind: str, redis_server: RedisServer | None):
         self.kind = kind
         self._made: list = []
+        self._timers: list[threading.Timer] = []
         if kind == "tcp":
             self._server = dist.TCPStore(
                 "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
@@ -60,7 +61,16 @@ class Stores:
         self._made.append(store)
         return store
 
+    def later(self, seconds: float, call, *args) -> None:
+        """``call(*args)`` from another client's thread after ``seconds``; joined before the
+        clients close, so a late reply never meets a closed connection."""
+        timer = threading.Timer(seconds, call, args=args)
+        self._timers.append(timer)
+        timer.start()
+
     def close(self):
+        for timer in self._timers:
+            timer.join(timeout=30)
         for store in self._made:
             if isinstance(store, RedisStore):
                 store.drop_namespace()
@@ -174,8 +184,8 @@ def test_wait_and_check(stores):
         b.wait(["w1", "w2"], SHORT)
     assert 0.25 < time.monotonic() - start < 5
 
-    threading.Timer(0.1, a.set, args=("w2", b"2")).start()
-    threading.Timer(0.2, a.add, args=("w3", 1)).start()  # created by add: wakes waiters too
+    stores.later(0.1, a.set, "w2", b"2")
+    stores.later(0.2, a.add, "w3", 1)  # created by add: wakes waiters too
     b.wait(["w1", "w2", "w3"], timedelta(seconds=10))
     assert b.check(["w1", "w2", "w3"])
 
@@ -193,7 +203,7 @@ def test_delete_key_and_num_keys(stores):
     assert not a.check(["d1"])
     with pytest.raises(dist.DistStoreError):
         a.wait(["d1"], timedelta(milliseconds=100))  # deleted keys block again
-    threading.Timer(0.1, b.set, args=("d1", b"again")).start()
+    stores.later(0.1, b.set, "d1", b"again")
     assert a.get("d1") == b"again"
 
 
@@ -204,7 +214,7 @@ def test_multi_get_multi_set(stores):
     assert b.multi_get([]) == []
     with pytest.raises(dist.DistStoreError, match="timeout"):
         stores.new(timeout=SHORT).multi_get(["m1", "m-missing"])
-    threading.Timer(0.1, a.set, args=("m4", b"4")).start()
+    stores.later(0.1, a.set, "m4", b"4")
     assert b.multi_get(["m4", "m1"]) == [b"4", b"1"]  # blocks until every key exists
 
 
@@ -227,7 +237,7 @@ def test_queues(stores):
     assert b.queue_pop("q", block=False) == b"two"
     with pytest.raises(dist.QueueEmptyError):
         b.queue_pop("q", block=False)
-    threading.Timer(0.1, a.queue_push, args=("q", b"three")).start()
+    stores.later(0.1, a.queue_push, "q", b"three")
     assert b.queue_pop("q") == b"three"  # blocks until a push
     short = stores.new(timeout=SHORT)
     with pytest.raises(dist.DistStoreError, match="timeout"):
@@ -243,7 +253,7 @@ def test_prefix_store_goes_through_the_cpp_interface(stores):
     assert q.add("n", 2) == 2 and p.add("n", 3) == 5
     assert p.compare_set("c", "", "x") == b"x"
     assert q.check(["addr", "n"]) and not q.check(["addr", "nope"])
-    threading.Timer(0.1, p.set, args=("later", b"1")).start()
+    stores.later(0.1, p.set, "later", b"1")
     q.wait(["later"], timedelta(seconds=10))
     base = q.num_keys()
     assert q.delete_key("later") and q.num_keys() == base - 1
@@ -374,8 +384,10 @@ def test_password_protected_server(tmp_path):
             password=f"acl-{secret}",
             timeout=timedelta(seconds=5),
         )
-        threading.Timer(0.1, limited.clone().set, args=("k", b"v")).start()
+        setter = threading.Timer(0.1, limited.clone().set, args=("k", b"v"))
+        setter.start()
         assert limited.get("k") == b"v" and limited.add("n", 2) == 2 and limited.num_keys() == 2
+        setter.join(timeout=30)  # its reply read before the server stops
         assert limited.drop_namespace() > 0
         limited.close()
         with pytest.raises(RedisAuthError, match="user 'ranks' with a password") as err:
