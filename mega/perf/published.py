@@ -373,39 +373,33 @@ def leave_one_source_out(
     return results, fits
 
 
-def summary(results: list[RowResult]) -> dict[str, Any]:
-    errs = [r.err_mfu_pts for r in results]
-    out: dict[str, Any] = {
+def _stats(errs: list[float]) -> dict[str, Any]:
+    """Rows, mean absolute, mean and largest error (MFU points), rows within the +-3 point target."""
+    n = max(1, len(errs))
+    return {
         "rows": len(errs),
-        "mae_mfu_pts": sum(abs(e) for e in errs) / len(errs),
-        "max_abs_err_mfu_pts": max(abs(e) for e in errs),
-        "mean_err_mfu_pts": sum(errs) / len(errs),
+        "mae_mfu_pts": sum(abs(e) for e in errs) / n,
+        "max_abs_err_mfu_pts": max((abs(e) for e in errs), default=0.0),
+        "mean_err_mfu_pts": sum(errs) / n,
         "within_3_pts": sum(abs(e) <= TARGET_PTS for e in errs),
+    }
+
+
+def summary(results: list[RowResult]) -> dict[str, Any]:
+    """All rows, then the explained ones, by precision and by source."""
+    out: dict[str, Any] = {
+        **_stats([r.err_mfu_pts for r in results]),
         "targets": {"every_row_within_pts": TARGET_PTS, "mae_pts": TARGET_MAE_PTS},
-        "per_source": {},
     }
-    out["targets_met"] = out["within_3_pts"] == len(errs) and out["mae_mfu_pts"] <= TARGET_MAE_PTS
-    out["by_precision"] = {}
-    for precision in sorted({r.precision for r in results} - {None}):
-        e = [r.err_mfu_pts for r in results if r.precision == precision]
-        out["by_precision"][precision] = {
-            "rows": len(e),
-            "mae_mfu_pts": sum(abs(x) for x in e) / len(e),
-            "within_3_pts": sum(abs(x) <= TARGET_PTS for x in e),
-        }
-    known = [r.err_mfu_pts for r in results if r.explained]
-    out["explained_rows"] = {
-        "rows": len(known),
-        "mae_mfu_pts": sum(abs(e) for e in known) / max(1, len(known)),
-        "within_3_pts": sum(abs(e) <= TARGET_PTS for e in known),
-    }
-    for source in dict.fromkeys(r.source for r in results):
-        e = [r.err_mfu_pts for r in results if r.source == source]
-        out["per_source"][source] = {
-            "rows": len(e),
-            "mae_mfu_pts": sum(abs(x) for x in e) / len(e),
-            "mean_err_mfu_pts": sum(e) / len(e),
-        }
+    out["targets_met"] = out["within_3_pts"] == len(results) and out["mae_mfu_pts"] <= TARGET_MAE_PTS
+    out["explained_rows"] = _stats([r.err_mfu_pts for r in results if r.explained])
+
+    def by(key: Callable[[RowResult], Any]) -> dict[str, Any]:
+        groups = [g for g in dict.fromkeys(key(r) for r in results) if g is not None]
+        return {g: _stats([r.err_mfu_pts for r in results if key(r) == g]) for g in groups}
+
+    out["by_precision"] = by(lambda r: r.precision)
+    out["per_source"] = by(lambda r: r.source)
     return out
 
 
