@@ -12,7 +12,7 @@ from mega.flops import model_flops_per_token
 from mega.perf import device, hardware, published
 from mega.perf.configs import Composer
 from mega.perf.memory import activation_bytes_per_layer, layer_params
-from mega.perf.step import elementwise_seconds, layer_gemms, predict
+from mega.perf.step import elementwise_seconds, layer_gemms, predict, tp_collective_seconds
 
 H100 = [
     "cluster=h100-8x",
@@ -86,6 +86,28 @@ def test_unfused_casts_cost_their_bytes(composer):
     bw, kernel = hw.memory_bytes_per_s, hardware.GPU_KERNEL_S
     assert f8 - f16 == pytest.approx(fwd_bytes / bw + 1 * kernel, rel=1e-6)
     assert b8 - b16 == pytest.approx(bwd_bytes / bw + 3 * kernel, rel=1e-6)
+
+
+def test_tp_all_gathers_carry_fp8_elements(composer):
+    """Under fp8 the sequence-parallel all-gathers (the norm outputs before QKV and fc1, the output
+    gradients of the projection and fc2, the inputs gathered again for wgrad) move 1-byte elements;
+    the reduce-scatters keep the GEMMs' 16-bit outputs. A ring over the 8 NVLink ranks of a node:
+    (n - 1) steps of latency + (n - 1)/n of the gathered tensor over the link."""
+    more = ("parallelism.sequence_parallel=true",)
+    bf16, fp8 = _cfg(composer, "bf16", *more), _cfg(composer, "fp8", *more)
+    hw = _hw(fp8, "fp8")
+    g = layer_gemms(fp8, hw, 2)
+    (f16, b16), (f8, b8) = tp_collective_seconds(bf16, hw, 2, g), tp_collective_seconds(fp8, hw, 2, g)
+    n, act = 8, 2048 * 12288
+
+    def ring(nbytes):
+        return (n - 1) * hw.intra.latency_s + (n - 1) / n * nbytes / hw.intra.bytes_per_s
+
+    # two column/row pairs per layer: forward 1 all-gather + 1 reduce-scatter each, backward 2 + 1
+    assert f16.tp_total == pytest.approx(2 * (ring(2 * act) + ring(2 * act)))
+    assert f8.tp_total == pytest.approx(2 * (ring(1 * act) + ring(2 * act)))
+    assert b8.tp_total == pytest.approx(2 * (2 * ring(1 * act) + ring(2 * act)))
+    assert b16.tp_total - b8.tp_total == pytest.approx(4 * (ring(2 * act) - ring(act)))
 
 
 def test_fp8_keeps_a_weight_cache_and_fp8_inputs(composer):

@@ -297,6 +297,11 @@ def test_data_parallel_reduction_moves_the_main_gradient_dtype(composer):
     ring = 2 * 5 / 6 * params * 2 / (200e9 / 8 * device.prior("A100").nic_efficiency)
     assert totals[0]["total_s"] == pytest.approx(ring, rel=0.025)  # + NIC latency per bucket and step
     assert totals[1]["total_s"] == pytest.approx(2 * totals[0]["total_s"], rel=0.02)
+    # and the buffer in memory: 2 bytes less per parameter of the stage
+    memory = [
+        predict(cfg, hw, stack=dataclasses.replace(STACK_2021, main_grad_bytes=b)).memory for b in (2, 4)
+    ]
+    assert memory[1].gradients - memory[0].gradients == pytest.approx(2 * params, rel=1e-3)
 
 
 def test_backward_tp_all_reduce_is_exposed_without_the_async_overlap(composer):

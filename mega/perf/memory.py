@@ -146,10 +146,13 @@ def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
     return moments + (4 if dtype_bytes < 4 else 0)
 
 
-def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = False) -> Memory:
+def memory_per_gpu(
+    cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = False, main_grad_bytes: int = 4
+) -> Memory:
     """The most-loaded pipeline stage's memory per GPU. ``fp8``: the layers' linear weights are also
     kept in FP8, as is and transposed, for the step (Transformer Engine's weight cache), and the
-    linears' saved inputs are FP8 (``activation_bytes_per_layer``)."""
+    linears' saved inputs are FP8 (``activation_bytes_per_layer``). ``main_grad_bytes``: the
+    main-gradient buffer's element size (``step.Stack.main_grad_bytes``)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params = stage_params(m, tp, pp)
@@ -167,7 +170,7 @@ def memory_per_gpu(cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = F
         weights = n * dtype_bytes
         if fp8:
             weights += m.num_layers // pp * layer_params(m, tp) * 2
-        gradients = n * 4  # megatron's fp32 main-grad buffer (16-bit training reduces in fp32)
+        gradients = n * main_grad_bytes  # megatron's main-grad buffer (fp32 by default)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
         if p.use_distributed_optimizer:  # sharded over the data-parallel group with context parallel
             optimizer /= dp * p.cp

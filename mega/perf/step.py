@@ -316,9 +316,15 @@ def tp_collective_seconds(
     if t == 1:
         return Pass(), Pass()
     chunked = p.tp_overlap != "none"
-    act = microbatch_tokens(cfg) * m.hidden_size * dtype
-    ag, rs, ar = (hw.collective_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
-    agc, rsc, arc = (hw.collective_cpu_s(k, act, t) for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    act = microbatch_tokens(cfg) * m.hidden_size
+    # Under FP8 Transformer Engine gathers what its GEMMs read, already cast: the norm's FP8 output
+    # (forward, and again from the saved FP8 copy for the wgrad GEMM) and the output gradient cast
+    # before its gather (TE 1.8 layernorm_linear.py, base.py grad_output_preprocess; userbuffers'
+    # all-gather buffers are FP8 too). Reduce-scatters and all-reduces carry 16-bit GEMM outputs.
+    gathered = act * (FP8_BYTES if precision_of(cfg) == "fp8" else dtype)
+    sizes = {"all_gather": gathered, "reduce_scatter": act * dtype, "all_reduce": act * dtype}
+    ag, rs, ar = (hw.collective_s(k, n, t) for k, n in sizes.items())
+    agc, rsc, arc = (hw.collective_cpu_s(k, n, t) for k, n in sizes.items())
     if m.block == "parallel":  # one column-parallel input (QKV | fc1) and one row-parallel output
         col, row = ("qkv", "fc1"), ("proj", "fc2")
         pairs = [(col, row)]
@@ -747,7 +753,7 @@ def data_parallel_terms(
         Term(
             "dp_param_gather",
             ag_exposed,
-            f"all-gather of updated {precision_of(cfg)} parameters over dp x cp={dp} (overlap_param_gather="
+            f"all-gather of updated {8 * dtype}-bit parameters over dp x cp={dp} (overlap_param_gather="
             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
             f"{p.overlap_param_gather_with_optimizer_step})",
             total_s=ag_total,
@@ -881,7 +887,9 @@ def predict(
 
     peak = mfu_peak_flops or hw.peak_flops
     flops = model_flops_per_step(cfg)
-    memory = memory_per_gpu(cfg, dtype, hw.flash_attention, fp8=precision_of(cfg) == "fp8")
+    memory = memory_per_gpu(
+        cfg, dtype, hw.flash_attention, fp8=precision_of(cfg) == "fp8", main_grad_bytes=stack.main_grad_bytes
+    )
     return Prediction(
         step_s=step_s,
         mfu=flops / (step_s * p.world_size * peak),
