@@ -82,6 +82,18 @@ def test_unpublished_knobs_are_chosen_and_reported(published_results):
         (1, None),
     ]
     assert all(set(r.knobs_chosen) <= {"launcher"} for r in narayanan)
+    # NVIDIA's released configs give every knob of Nemotron-4's and the NeMo / Megatron-Bridge runs:
+    # Nemotron-4 340B trained with selective recomputation, 8 virtual stages, micro-batch 1
+    nvidia = [
+        r for r in published_results if r.source.startswith(("NVIDIA 2024", "NVIDIA NeMo", "NVIDIA Megatron"))
+    ]
+    assert len(nvidia) == 17 and all(set(r.knobs_chosen) <= {"launcher"} for r in nvidia)
+    nemotron = [r for r in nvidia if r.source.startswith("NVIDIA 2024")]
+    assert all(
+        (r.knobs_given["recompute"], r.knobs_given["vpp"], r.knobs_given["micro_batch_size"])
+        == ("selective", 8, 1)
+        for r in nemotron
+    )
     # MegaScale does not publish its micro-batch size: the planner chose one per row
     megascale = [r for r in published_results if r.source.startswith("Jiang")]
     assert all("micro_batch_size" in r.knobs_chosen for r in megascale)
