@@ -152,6 +152,27 @@ def test_dp_reduce_tail_is_at_least_one_bucket(composer):
     assert term["seconds"] < term["total_s"]  # the rest hides under the backward
 
 
+def test_dp_bucket_size_sets_the_bucket_count_and_its_latency(composer):
+    """A source's own bucket size (Apex's distributed_fused_adam in NeMo 1.x: bucket_cap_mb MiB of the
+    gradient-sync dtype) replaces megatron-core's default: the same bytes in more buckets, each
+    paying the ring's dp - 1 per-hop latencies over the NICs once more."""
+    from mega.perf.memory import stage_params
+
+    _, cfg, hw = _predict(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
+    p = cfg.parallelism
+    params = max(stage_params(cfg.model, p.tp, p.pp)) / p.vpp
+    size = 1024 * 1024 * 20 // 2  # bucket_cap_mb=20 of bf16 gradients
+    terms = [
+        predict(cfg, hw, stack=Stack(dp_bucket_elements=n)).breakdown()["dp_grad_reduce"]
+        for n in (None, size)
+    ]
+    more = math.ceil(params / size) - math.ceil(params / 192e6)
+    assert more > 0 and str(math.ceil(params / size) + p.vpp - 1) in terms[1]["what"]
+    assert terms[1]["total_s"] - terms[0]["total_s"] == pytest.approx(
+        more * 191 * hw.inter.latency_s, rel=1e-6
+    )
+
+
 def test_megascale_dp_reduce_leaves_the_last_chunk_exposed(composer):
     """MegaScale (section 3.2) reduce-scatters each model chunk's gradients after the chunk's
     backward, so the last chunk's, 1/vpp of the whole, cannot be hidden; the earlier chunks' hide in

@@ -187,6 +187,7 @@ def memory_per_gpu(
     return best
 
 
-def buckets(params: float, dp: int) -> int:
-    """Gradient buckets of megatron-core's DDP (bucket_size default max(4e7, 1e6 * dp) elements)."""
-    return max(1, math.ceil(params / max(40_000_000, 1_000_000 * dp)))
+def buckets(params: float, dp: int, size: int | None = None) -> int:
+    """Gradient buckets of ``size`` elements; None: megatron-core DDP's default bucket_size,
+    max(4e7, 1e6 * dp) elements."""
+    return max(1, math.ceil(params / (size or max(40_000_000, 1_000_000 * dp))))

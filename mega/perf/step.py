@@ -72,7 +72,11 @@ class Stack:
     ``dp_reduce_per_chunk``: the overlapped gradient reduce-scatter of a model chunk starts after the
     chunk's backward (MegaScale, Jiang et al. NSDI'24 section 3.2: "the last reduce-scatter
     operation cannot be hidden"), not bucket by bucket during it (megatron-core): the last chunk's
-    reduce-scatter, 1/vpp of the whole, waits at the end of the step."""
+    reduce-scatter, 1/vpp of the whole, waits at the end of the step.
+    ``dp_bucket_elements``: the data-parallel bucket in elements; None: megatron-core DDP's
+    default (``memory.buckets``). Apex's ``distributed_fused_adam`` (NeMo 1.x) makes buckets of
+    ``bucket_cap_mb`` MiB of the gradient-sync dtype (apex/contrib/optimizers/distributed_fused_adam.py:
+    ``1024 * 1024 * bucket_cap_mb / dtype_size``)."""
 
     p2p_scatter_gather: bool = False
     grad_accumulation_fusion: bool = True
@@ -80,6 +84,7 @@ class Stack:
     tp_backward_overlap: bool = True
     p2p_unbatched: bool = False
     dp_reduce_per_chunk: bool = False
+    dp_bucket_elements: int | None = None
 
     def __post_init__(self) -> None:
         if self.main_grad_bytes not in (2, 4):
@@ -706,7 +711,8 @@ def data_parallel_terms(
     params_rank = max(stage_params(m, tp, pp))
     main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
-    n_buckets = buckets(params_rank / vpp, p.dp) + (vpp - 1)  # chunks after the first: one bucket each
+    # chunks after the first: one bucket each
+    n_buckets = buckets(params_rank / vpp, p.dp, stack.dp_bucket_elements) + (vpp - 1)
     if p.use_distributed_optimizer:
         rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
         ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
