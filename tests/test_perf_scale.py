@@ -171,6 +171,8 @@ def test_dp_bucket_size_sets_the_bucket_count_and_its_latency(composer):
     assert terms[1]["total_s"] - terms[0]["total_s"] == pytest.approx(
         more * 191 * hw.inter.latency_s, rel=1e-6
     )
+    with pytest.raises(ValueError, match="dp_bucket_elements"):
+        Stack(dp_bucket_elements=0)
 
 
 def test_megascale_dp_reduce_leaves_the_last_chunk_exposed(composer):

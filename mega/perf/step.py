@@ -89,6 +89,8 @@ class Stack:
     def __post_init__(self) -> None:
         if self.main_grad_bytes not in (2, 4):
             raise ValueError(f"main_grad_bytes must be 2 or 4, not {self.main_grad_bytes!r}")
+        if self.dp_bucket_elements is not None and self.dp_bucket_elements < 1:
+            raise ValueError(f"dp_bucket_elements must be a positive count, not {self.dp_bucket_elements!r}")
 
     def accumulation_bytes(self, dtype: int) -> int:
         """Bytes moved per parameter and microbatch outside the GEMM: the GEMM's gradient read,
