@@ -363,7 +363,8 @@ def check_warm_memory_resume(runs: Runs) -> None:
     """(4b) recovery on the device in seconds: a rank killed before step 5 is relaunched as a fork
     of the node's zygote (which imported torch and megatron-core without initialising CUDA) and
     restores its newest in-memory copy (host memory, every step) onto the device: the steps after
-    it give the losses of an uninterrupted cold run (warm processes off, no copies) bit for bit."""
+    it give the losses of an uninterrupted cold run (warm processes off, no copies) bit for bit
+    (on the CPU twin: its own first attempt bit for bit, the cold run within 1e-4)."""
     from mega.goodput import recovery
 
     cluster = ["cluster=h100-8x-cpu-twin", "cluster.procs_per_node=1"] if runs.dry_run else []
@@ -396,12 +397,19 @@ def check_warm_memory_resume(runs: Runs) -> None:
     zygote_log = warm.run_dir / "zygote.log"
     forks = zygote_log.read_text().count("python -m mega.train") if zygote_log.exists() else 0
     step = restore.get("step") or 0
+    before = {r["step"]: r["loss"] for r in rows_of(warm.run_dir) if r["attempt"] == 0}
+    # On a GPU the cold run is the bit-for-bit reference. On the CPU twin it is not: a cold CPU
+    # process's bf16 kernels are not bit-reproducible from one process to the next (two cold runs of
+    # one config have differed by ~1e-5 in their losses), so there the relaunch must repeat its own
+    # first attempt bit for bit where both ran, and the cold run within 1e-4.
+    tolerance = 1e-4 if runs.dry_run else 0.0
     ok = (
         warm.attempts == 2
         and restore.get("source") == "memory"
         and step >= 3  # the copy of step 4 may still be in flight when the rank dies: then step 3's
         and sorted(after) == list(range(step + 1, 7))
-        and all(after[s] == reference.get(s) for s in after)
+        and all(after[s] == before[s] for s in after if s in before)
+        and all(abs(after[s] - reference.get(s, math.inf)) <= tolerance * abs(after[s]) for s in after)
         and forks >= 2
         and finite(rows_of(warm.run_dir))
     )
@@ -414,6 +422,8 @@ def check_warm_memory_resume(runs: Runs) -> None:
         recoveries=recovery.recoveries(warm.run_dir),  # the relaunch, step by step (docs/recovery.md)
         after=[after[s] for s in sorted(after)],
         reference=[reference.get(s) for s in sorted(after)],
+        first_attempt=[before.get(s) for s in sorted(after)],
+        tolerance=tolerance,
     )
 
 
