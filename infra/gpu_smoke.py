@@ -392,16 +392,18 @@ def check_warm_memory_resume(runs: Runs) -> None:
         "cold-reference", 1, [*overrides, "launcher.warm_processes=false", "checkpoint.memory_interval=0"]
     )
     restore = warm.init.get("restore", {})
-    after = {r["step"]: r["loss"] for r in rows_of(warm.run_dir) if r["attempt"] == 1}
+    rows = rows_of(warm.run_dir)
+    after = {r["step"]: r["loss"] for r in rows if r["attempt"] == 1}
+    before = {r["step"]: r["loss"] for r in rows if r["attempt"] == 0}
     reference = {r["step"]: r["loss"] for r in rows_of(cold.run_dir)}
     zygote_log = warm.run_dir / "zygote.log"
     forks = zygote_log.read_text().count("python -m mega.train") if zygote_log.exists() else 0
     step = restore.get("step") or 0
-    before = {r["step"]: r["loss"] for r in rows_of(warm.run_dir) if r["attempt"] == 0}
     # On a GPU the cold run is the bit-for-bit reference. On the CPU twin it is not: a cold CPU
-    # process's bf16 kernels are not bit-reproducible from one process to the next (two cold runs of
-    # one config have differed by ~1e-5 in their losses), so there the relaunch must repeat its own
-    # first attempt bit for bit where both ran, and the cold run within 1e-4.
+    # process's bf16 kernels are not bit-reproducible from one process to the next (two cold runs
+    # of the same training configuration have differed by ~1e-5 in their losses), so there the
+    # relaunch must repeat its own first attempt bit for bit where both ran, and the cold run
+    # within 1e-4.
     tolerance = 1e-4 if runs.dry_run else 0.0
     ok = (
         warm.attempts == 2
@@ -411,7 +413,7 @@ def check_warm_memory_resume(runs: Runs) -> None:
         and all(after[s] == before[s] for s in after if s in before)
         and all(abs(after[s] - reference.get(s, math.inf)) <= tolerance * abs(after[s]) for s in after)
         and forks >= 2
-        and finite(rows_of(warm.run_dir))
+        and finite(rows)
     )
     emit(
         "warm_memory_resume",
