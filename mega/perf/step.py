@@ -40,6 +40,56 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 FP8_BYTES = 1
 
 
+CROSS_ENTROPY = ("megatron", "fused", "te")
+
+
+@dataclass(frozen=True)
+class CrossEntropyCost:
+    """What one implementation of the vocab-parallel cross entropy moves: bytes per logit and
+    kernels of its forward and backward, and its TP collectives as (kind, bytes per token each
+    rank contributes)."""
+
+    forward_bytes: int
+    forward_kernels: int
+    backward_bytes: int
+    backward_kernels: int
+    collectives: tuple[tuple[str, int], ...]
+
+
+def cross_entropy_cost(impl: str, dtype: int) -> CrossEntropyCost:
+    """The loss over logits of ``dtype`` bytes, as each implementation's source runs it.
+
+    ``megatron`` (megatron-core tensor_parallel/cross_entropy.py): ``.float()`` (a copy unless
+    fp32), max, subtract the max in place, exp in place, sum, divide in place into the saved
+    softmax; backward: subtract one at the target, multiply by the token's gradient in place,
+    autograd's cast back to ``dtype``; all-reduces of the max, the target logit and the sum.
+    ``fused`` (fusions/fused_cross_entropy.py): the same functions jit-fused into three forward
+    kernels (fp32 logits and their max; shift, exp and sum; the division) and one backward kernel
+    that writes ``dtype``; the target logit and the sum share one all-reduce. ``te`` (Transformer
+    Engine 2.x pytorch/triton/cross_entropy.py): an online-softmax pass over the logits, an
+    all-gather of each rank's max, sum and target logit, a second pass that writes the loss and
+    the gradient into the logits' own buffer, and a backward that scales it by the token's
+    gradient."""
+    f32 = 4
+    cast = dtype + f32 if dtype != f32 else 0
+    if impl == "megatron":
+        return CrossEntropyCost(
+            cast + f32 + 2 * f32 + 2 * f32 + f32 + 2 * f32,
+            5 + (dtype != f32),
+            2 * f32 + cast,
+            1 + (dtype != f32),
+            (("all_reduce", f32), ("all_reduce", f32), ("all_reduce", f32)),
+        )
+    if impl == "fused":
+        widen = dtype + (f32 if dtype != f32 else 0)
+        return CrossEntropyCost(
+            widen + 2 * f32 + 2 * f32, 3, f32 + dtype, 1, (("all_reduce", f32), ("all_reduce", 2 * f32))
+        )
+    if impl == "te":
+        return CrossEntropyCost(3 * dtype, 2, 2 * dtype, 1, (("all_gather", 3 * f32),))
+    raise ValueError(f"cross_entropy must be one of {sorted(CROSS_ENTROPY)}, not {impl!r}")
+
+
 @dataclass(frozen=True)
 class Stack:
     """What a run's training software does in the ways the step model charges differently:
@@ -76,7 +126,11 @@ class Stack:
     ``dp_bucket_elements``: the data-parallel bucket in elements; None: megatron-core DDP's
     default (``memory.buckets``). Apex's ``distributed_fused_adam`` (NeMo 1.x) makes buckets of
     ``bucket_cap_mb`` MiB of the gradient-sync dtype (apex/contrib/optimizers/distributed_fused_adam.py:
-    ``1024 * 1024 * bucket_cap_mb / dtype_size``)."""
+    ``1024 * 1024 * bucket_cap_mb / dtype_size``).
+    ``cross_entropy``: the loss's kernels over the vocabulary-parallel logits
+    (``cross_entropy_cost``): ``megatron`` (megatron-core's ``vocab_parallel_cross_entropy``, its
+    default), ``fused`` (``cross_entropy_loss_fusion``, its jit-fused functions), ``te``
+    (``cross_entropy_fusion_impl="te"``, Transformer Engine's Triton kernels)."""
 
     p2p_scatter_gather: bool = False
     grad_accumulation_fusion: bool = True
@@ -85,12 +139,17 @@ class Stack:
     p2p_unbatched: bool = False
     dp_reduce_per_chunk: bool = False
     dp_bucket_elements: int | None = None
+    cross_entropy: str = "megatron"
 
     def __post_init__(self) -> None:
         if self.main_grad_bytes not in (2, 4):
             raise ValueError(f"main_grad_bytes must be 2 or 4, not {self.main_grad_bytes!r}")
         if self.dp_bucket_elements is not None and self.dp_bucket_elements < 1:
             raise ValueError(f"dp_bucket_elements must be a positive count, not {self.dp_bucket_elements!r}")
+        if self.cross_entropy not in CROSS_ENTROPY:
+            raise ValueError(
+                f"cross_entropy must be one of {sorted(CROSS_ENTROPY)}, not {self.cross_entropy!r}"
+            )
 
     def accumulation_bytes(self, dtype: int) -> int:
         """Bytes moved per parameter and microbatch outside the GEMM: the GEMM's gradient read,
@@ -417,18 +476,21 @@ def embedding_unit(cfg: MegaConfig, hw: Hardware, dtype: int) -> Unit:
 
 def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> Unit:
     """Final LayerNorm, output layer (column-parallel over the vocabulary) and the vocab-parallel
-    cross entropy in fp32 on the last stage."""
+    cross entropy (``stack.cross_entropy``) on the last stage."""
     m, p = cfg.model, cfg.parallelism
     tokens, h, t, vocab = microbatch_tokens(cfg), m.hidden_size, p.tp, m.padded_vocab_size
     gemm_f = hw.gemm_s(tokens, vocab // t, h, dtype_bytes=dtype)
     gemm_b = hw.gemm_s(tokens, h, vocab // t, dtype_bytes=dtype) + hw.gemm_s(
         h, vocab // t, tokens, dtype_bytes=dtype
     )
-    logits = tokens * vocab / t * 4
+    logits = tokens * vocab / t
+    ce = cross_entropy_cost(stack.cross_entropy, dtype)
     norm = tokens * h * 2 * dtype / (t if p.sequence_parallel else 1)
     act = tokens * h * dtype
-    ce_reductions = 3 * hw.collective_s("all_reduce", tokens * 4, t)  # max, sum of exp, target logit
-    cpu_f = 3 * hw.collective_cpu_s("all_reduce", tokens * 4, t)
+    # an all-gather's tensor is every rank's part
+    ce_sizes = [(kind, tokens * b * (t if kind == "all_gather" else 1)) for kind, b in ce.collectives]
+    ce_reductions = sum(hw.collective_s(kind, n, t) for kind, n in ce_sizes)
+    cpu_f = sum(hw.collective_cpu_s(kind, n, t) for kind, n in ce_sizes)
     if p.sequence_parallel:
         c_f, c_b = hw.collective_s("all_gather", act, t), hw.collective_s("reduce_scatter", act, t)
         cpu_f, cpu_b = (
@@ -442,14 +504,14 @@ def logits_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) 
     b_exposed = _exposed(c_b, wgrad, t, False, stack.tp_backward_overlap)
     fwd = Pass(
         gemm=gemm_f,
-        elementwise=hw.elementwise_s(norm + 6 * logits, 6),
+        elementwise=hw.elementwise_s(norm + ce.forward_bytes * logits, 1 + ce.forward_kernels),
         tp_exposed=c_f + ce_reductions,
         tp_total=c_f + ce_reductions,
         comm_cpu=cpu_f,
     )
     bwd = Pass(
         gemm=gemm_b,
-        elementwise=hw.elementwise_s(2 * norm + 3 * logits, 4),
+        elementwise=hw.elementwise_s(2 * norm + ce.backward_bytes * logits, 2 + ce.backward_kernels),
         tp_exposed=b_exposed,
         tp_total=c_b,
         comm_cpu=cpu_b,
