@@ -171,6 +171,11 @@ class ParallelismConfig:
     # megatron DDP's bucket size in parameters (null: megatron's max(4e7, 1e6*dp)): smaller buckets
     # let gradient reduction and parameter all-gather start earlier and overlap more
     ddp_bucket_size: int | None = None
+    # megatron-core's pipeline split counting the input embedding (the output layer and loss) as a
+    # layer: the first (last) stage builds one transformer layer fewer, so a large vocabulary does
+    # not make its stage the slowest (Llama 3 section 3.3.2: 126 layers on PP16; BLOOM's partition)
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     @property
     def world_size(self) -> int:
@@ -184,6 +189,25 @@ class ParallelismConfig:
     def chunks_per_stage(self) -> int:
         """Model chunks per pipeline stage: ``vpp``, or 1 without interleaving (vpp null or 1)."""
         return self.vpp or 1
+
+    def layer_slots(self, num_layers: int) -> int:
+        """Slots megatron-core splits evenly over the pipeline's chunks: the layers, plus one each
+        for the embedding and the loss where the split accounts for them."""
+        return (
+            num_layers
+            + self.account_for_embedding_in_pipeline_split
+            + self.account_for_loss_in_pipeline_split
+        )
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers each pipeline stage builds over its chunks (megatron-core's
+        get_num_layers_to_build): an even share of the slots, the first stage's first chunk one
+        fewer for the embedding and the last stage's last chunk one fewer for the loss where
+        accounted for."""
+        layers = [self.layer_slots(num_layers) // self.pp] * self.pp
+        layers[0] -= self.account_for_embedding_in_pipeline_split
+        layers[-1] -= self.account_for_loss_in_pipeline_split
+        return layers
 
     @property
     def virtual_pipeline_size(self) -> int | None:
@@ -1251,11 +1275,24 @@ def _layout_fits_model(cfg: MegaConfig) -> None:
     ]:
         _require(size % p.tp == 0, "parallelism.tp", f"{what}{size} is not divisible by tp={p.tp}")
     vpp = p.chunks_per_stage
+    slots = p.layer_slots(m.num_layers)
+    accounted = slots - m.num_layers
     _require(
-        m.num_layers % (p.pp * vpp) == 0,
+        slots % (p.pp * vpp) == 0,
         "parallelism.pp",
-        f"model.num_layers={m.num_layers} is not divisible by pp*vpp={p.pp}*{vpp}",
+        f"model.num_layers={m.num_layers}"
+        + (f" + {accounted} (embedding/loss accounted in the pipeline split)" if accounted else "")
+        + f" is not divisible by pp*vpp={p.pp}*{vpp}",
     )
+    if accounted:
+        _require(
+            slots // (p.pp * vpp) >= 2,
+            "parallelism.account_for_embedding_in_pipeline_split"
+            if p.account_for_embedding_in_pipeline_split
+            else "parallelism.account_for_loss_in_pipeline_split",
+            f"a model chunk of {slots // (p.pp * vpp)} slot would hold no transformer layer "
+            f"(model.num_layers={m.num_layers}, pp*vpp={p.pp}*{vpp})",
+        )
     if p.cp > 1:  # the load-balanced causal split: 2*cp chunks, rank r holds chunks r and 2cp-1-r
         _require(
             m.seq_length % (2 * p.cp) == 0,

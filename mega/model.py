@@ -56,6 +56,8 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_size,
+        account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         sequence_parallel=p.sequence_parallel,
         pipeline_dtype=flags.torch_dtype(flags.pipeline_dtype),
         params_dtype=flags.torch_dtype(flags.params_dtype),

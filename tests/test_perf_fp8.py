@@ -180,9 +180,7 @@ def test_bridge_counts_causal_attention_halved():
     assert len(cases) == 2
     for case in cases:
         m, p, row = case.plan.cfg.model, case.plan.cfg.parallelism, case.row
-        layers = int(
-            dict(o.split("=") for o in row.get("flops_overrides", [])).get("model.num_layers", m.num_layers)
-        )
+        layers = m.num_layers
         mega = case.flops / (p.global_batch_size * m.seq_length)
         per_token = row["model_tflops_per_gpu"] * 1e12 / row["tokens_per_s_per_gpu"]
         attention = 12 * layers * m.seq_length * m.hidden_size

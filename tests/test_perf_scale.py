@@ -145,9 +145,9 @@ def test_dp_reduce_tail_is_at_least_one_bucket(composer):
 
     pr, cfg, _ = _predict(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
     p = cfg.parallelism
-    n_buckets = buckets(max(stage_params(cfg.model, p.tp, p.pp)) / p.vpp, p.dp) + p.vpp - 1
+    n_buckets = buckets(max(stage_params(cfg.model, p)) / p.vpp, p.dp) + p.vpp - 1
     term = pr.breakdown()["dp_grad_reduce"]
-    assert n_buckets == math.ceil(max(stage_params(cfg.model, 8, 8)) / 6 / 192e6) + 5
+    assert n_buckets == math.ceil(max(stage_params(cfg.model, p)) / 6 / 192e6) + 5
     assert term["seconds"] >= term["total_s"] / n_buckets - 1e-12
     assert term["seconds"] < term["total_s"]  # the rest hides under the backward
 
@@ -160,7 +160,7 @@ def test_dp_bucket_size_sets_the_bucket_count_and_its_latency(composer):
 
     _, cfg, hw = _predict(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
     p = cfg.parallelism
-    params = max(stage_params(cfg.model, p.tp, p.pp)) / p.vpp
+    params = max(stage_params(cfg.model, p)) / p.vpp
     size = 1024 * 1024 * 20 // 2  # bucket_cap_mb=20 of bf16 gradients
     terms = [
         predict(cfg, hw, stack=Stack(dp_bucket_elements=n)).breakdown()["dp_grad_reduce"]

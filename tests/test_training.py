@@ -88,8 +88,15 @@ def test_reference_run_learns(reference):
         ["parallelism=tp2", "parallelism.sequence_parallel=true"],
         ["parallelism=pp2"],
         ["parallelism=pp2-vpp2"],
+        # megatron-core's split counting the embedding and the loss as layers: 1, 2, 1 layers
+        [
+            "parallelism=pp2",
+            "parallelism.pp=3",
+            "parallelism.account_for_embedding_in_pipeline_split=true",
+            "parallelism.account_for_loss_in_pipeline_split=true",
+        ],
     ],
-    ids=["tp2-sp", "pp2", "pp2-vpp2"],
+    ids=["tp2-sp", "pp2", "pp2-vpp2", "pp3-accounted"],
 )
 def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache, reference):
     result = train(tmp_path, data_index, data_cache, [*layout, "checkpoint.interval=0"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mega.config import MegaConfig, ModelConfig
+from mega.config import MegaConfig, ModelConfig, ParallelismConfig
 
 GIB = 1024**3
 
@@ -42,13 +42,14 @@ def norm_params(m: ModelConfig) -> int:
     return (2 if m.normalization == "LayerNorm" else 1) * m.hidden_size
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int) -> list[float]:
-    """Parameters per tensor-parallel rank of each pipeline stage. The first stage holds the word
-    and (learned) position embeddings, the last the final norm and the output layer (a copy of the
-    word embeddings when they are tied and pp > 1, its own weights otherwise)."""
-    per_stage = m.num_layers // pp * layer_params(m, tp)
+def stage_params(m: ModelConfig, p: ParallelismConfig) -> list[float]:
+    """Parameters per tensor-parallel rank of each pipeline stage: its layers
+    (``ParallelismConfig.stage_layers``); the first stage also holds the word and (learned) position
+    embeddings, the last the final norm and the output layer (a copy of the word embeddings when
+    they are tied and pp > 1, its own weights otherwise)."""
+    tp, pp = p.tp, p.pp
+    stages = [n * layer_params(m, tp) for n in p.stage_layers(m.num_layers)]
     embedding = m.padded_vocab_size * m.hidden_size / tp
-    stages = [per_stage] * pp
     stages[0] += embedding + (
         m.seq_length * m.hidden_size if m.position_embedding == "learned_absolute" else 0
     )
@@ -59,7 +60,7 @@ def stage_params(m: ModelConfig, tp: int, pp: int) -> list[float]:
 
 
 def model_params(m: ModelConfig) -> float:
-    return sum(stage_params(m, 1, 1))
+    return sum(stage_params(m, ParallelismConfig()))
 
 
 def activation_bytes_per_layer(
@@ -155,11 +156,11 @@ def memory_per_gpu(
     main-gradient buffer's element size (``step.Stack.main_grad_bytes``)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
-    params = stage_params(m, tp, pp)
+    params = stage_params(m, p)
+    layers = p.stage_layers(m.num_layers)
     per_layer = activation_bytes_per_layer(
         m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash, p.cp, fp8
     )
-    chunk_layers = m.num_layers / (pp * vpp)
     tokens = m.seq_length * p.micro_batch_size / p.cp
     full_layer = activation_bytes_per_layer(
         m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash, p.cp, fp8
@@ -169,12 +170,14 @@ def memory_per_gpu(
         n = params[stage]
         weights = n * dtype_bytes
         if fp8:
-            weights += m.num_layers // pp * layer_params(m, tp) * 2
+            weights += layers[stage] * layer_params(m, tp) * 2
         gradients = n * main_grad_bytes  # megatron's main-grad buffer (fp32 by default)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
         if p.use_distributed_optimizer:  # sharded over the data-parallel group with context parallel
             optimizer /= dp * p.cp
-        activations = in_flight(pp, vpp, p.num_microbatches, stage) * chunk_layers * per_layer
+        # in units of the stage's mean chunk (one layer short on a stage that accounts for the
+        # embedding or the loss)
+        activations = in_flight(pp, vpp, p.num_microbatches, stage) * layers[stage] / vpp * per_layer
         temporary = 0.0
         if m.recompute == "full":
             temporary += full_layer  # the layer being recomputed

@@ -146,7 +146,8 @@ class Evaluation:
 def _knob_values(plan: Planning, cfg: MegaConfig) -> dict[str, list]:
     p, m = cfg.parallelism, cfg.model
     per_replica = p.global_batch_size // p.dp if p.global_batch_size % p.dp == 0 else 0
-    per_stage = m.num_layers // p.pp if m.num_layers % p.pp == 0 else 0
+    slots = p.layer_slots(m.num_layers)  # megatron's pipeline split: layers (+ embedding, loss)
+    per_stage = slots // p.pp if slots % p.pp == 0 else 0
     values: dict[str, list] = {
         "micro_batch_size": [b for b in MICRO_BATCH_SIZES if per_replica and per_replica % b == 0]
         or [p.micro_batch_size],
@@ -247,7 +248,8 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
         if not plan.is_open(LAYOUT["tp"])
         else [t for t in _divisors(min(world, hw.procs_per_node)) if groups % t == 0 and m.ffn % t == 0]
     )
-    pps = [p.pp] if not plan.is_open(LAYOUT["pp"]) else _divisors(m.num_layers)
+    slots = p.layer_slots(m.num_layers)  # megatron's pipeline split: layers (+ embedding, loss)
+    pps = [p.pp] if not plan.is_open(LAYOUT["pp"]) else _divisors(slots)
     out = []
     for tp in tps:
         for pp in pps:
@@ -261,7 +263,7 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
             if not plan.is_open(LAYOUT["vpp"]):
                 vpps = [p.vpp]
             else:
-                vpps = [None] + ([v for v in _divisors(m.num_layers // pp) if 1 < v <= 16] if pp > 1 else [])
+                vpps = [None] + ([v for v in _divisors(slots // pp) if 1 < v <= 16] if pp > 1 else [])
             for vpp in vpps:
                 out.append({"tp": tp, "pp": pp, "vpp": vpp, "dp": dp})
     return out

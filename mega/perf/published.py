@@ -14,8 +14,7 @@ Metrics (the fixture's ``metric``, or a row's own), all turned into MFU by mega.
 the comparison: ``mfu`` (as published), ``step_s`` (seconds per iteration: MFU = model FLOPs / (time x GPUs x peak)), ``tokens_per_s``
 (throughput: the step is the global batch's tokens / throughput), ``tflops_per_gpu``
 (achieved TFLOP/s per GPU counting recomputation, Narayanan et al.'s eq. 3: MFU = value x model
-FLOPs / FLOPs with recompute / peak). ``flops_overrides`` (a fixture's or a row's) change the model for its FLOP count only
-(Llama 3: 126 layers in 128 layer slots).
+FLOPs / FLOPs with recompute / peak).
 
 Leave-one-source-out (``validate``): for each source, the per-device calibration (GEMM efficiency
 per device type, the straggler spread and the per-step host overhead shared by all) is fitted on
@@ -134,9 +133,7 @@ def cases(fixtures: list[dict[str, Any]], composer: Composer | None = None) -> l
             plan = composer.plan(overrides)
             plan.given -= set(fx.get("open", []))  # unpublished knobs: the planner chooses them
             settle_precision(plan)
-            flops_overrides = [*fx.get("flops_overrides", []), *row.get("flops_overrides", [])]
-            flops_cfg = composer.plan([*overrides, *flops_overrides]).cfg
-            flops = model_flops_per_step(flops_cfg)
+            flops = model_flops_per_step(plan.cfg)
             out.append(
                 Case(fx, row, plan, flops, device_key(plan.cfg.cluster.device_name or "") or "unknown")
             )

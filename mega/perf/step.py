@@ -602,17 +602,17 @@ def accumulation_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack
     nbytes = stack.accumulation_bytes(dtype)
     if nbytes == 0:
         return [0.0] * cfg.parallelism.pp
-    tensors = cfg.model.num_layers // cfg.parallelism.pp * 12
+    p = cfg.parallelism
     return [
-        hw.stream_s(n * nbytes, tensors)
-        for n in stage_params(cfg.model, cfg.parallelism.tp, cfg.parallelism.pp)
+        hw.stream_s(n * nbytes, layers * 12)
+        for n, layers in zip(stage_params(cfg.model, p), p.stage_layers(cfg.model.num_layers))
     ]
 
 
 def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: Stack = MEGA) -> list[Stage]:
     p = cfg.parallelism
     pp, vpp = p.pp, p.chunks_per_stage
-    n = cfg.model.num_layers // pp
+    layers = p.stage_layers(cfg.model.num_layers)
     layer, emb = layer_unit(cfg, hw, dtype, stack), embedding_unit(cfg, hw, dtype)
     head = logits_unit(cfg, hw, dtype, stack)
     blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else vpp * msg.blocking_per_chunk(stack)
@@ -625,6 +625,7 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: St
         if stage == pp - 1:
             extra = extra + head.forward + head.backward
         overhead = vpp * hw.microbatch_overhead_s + (hw.tp_microbatch_overhead_s if p.tp > 1 else 0.0)
+        n = layers[stage]
         out.append(
             Stage(
                 layer.forward.scaled(n),
@@ -642,13 +643,13 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: St
 def compute_terms(cfg: MegaConfig, hw: Hardware, st: Stage, slowest: int) -> list[Term]:
     """The slowest stage's GEMMs, attention core and elementwise kernels over its microbatches."""
     m, p = cfg.model, cfg.parallelism
-    pp, mb = p.pp, p.num_microbatches
+    mb = p.num_microbatches
     lay, ext = st.layers, st.extra
     return [
         Term(
             "gemm",
             mb * (lay.gemm + ext.gemm),
-            f"{mb} microbatches x stage {slowest}: {m.num_layers // pp} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
+            f"{mb} microbatches x stage {slowest}: {p.stage_layers(m.num_layers)[slowest]} layers' QKV/proj/fc1/fc2 GEMMs (fwd + dgrad + "
             f"wgrad) + the embedding/output-layer GEMMs; roofline at {hw.gemm_efficiency:.2f} x "
             f"{hw.peak_flops / 1e12:.1f} TFLOP/s"
             + (
@@ -755,7 +756,7 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
     seconds = (
         hw.stream_s(opt_params * per_param, 8)
         + 2 * hw.collective_s("all_reduce", 8, p.world_size)
-        + hw.layer_step_overhead_s * cfg.model.num_layers // p.pp
+        + hw.layer_step_overhead_s * max(p.stage_layers(cfg.model.num_layers))
     )
     return seconds, (
         f"{cfg.optimizer.name} step over {opt_params / 1e6:.1f}M parameters x {per_param} B of memory "
@@ -771,8 +772,8 @@ def data_parallel_terms(
     The collectives run over megatron's data-parallel group with context parallel: dp x cp ranks,
     tp apart; the default bucket size follows dp alone (megatron DDP's ``dp_group``)."""
     m, p = cfg.model, cfg.parallelism
-    tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp * p.cp
-    params_rank = max(stage_params(m, tp, pp))
+    tp, vpp, dp = p.tp, p.chunks_per_stage, p.dp * p.cp
+    params_rank = max(stage_params(m, p))
     main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
     # chunks after the first: one bucket each
