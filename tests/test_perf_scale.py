@@ -663,23 +663,24 @@ def test_calibrate_cli_dispatches_and_refuses_without_cuda(capsys):
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
-def test_optimizer_host_cost_is_per_layer_of_the_fullest_stage(composer):
+def test_optimizer_host_cost_is_per_layer_of_the_fullest_stage():
     """The optimizer's per-tensor host work (CPU calibrations' ``layer_step_overhead_s``) is paid
     once per layer the rank holds: 7 on Llama 3 405B's first and last stage, 8 on the others with
     the embedding and the loss accounted in the split; the step waits for the fullest stage."""
     from mega.perf.step import optimizer_seconds
 
-    plan = composer.plan(
-        [
-            "cluster=h100-8x",
-            "model=llama3-405b",
-            "parallelism.tp=8",
-            "parallelism.pp=16",
-            "cluster.nodes=128",
-            "parallelism.account_for_embedding_in_pipeline_split=true",
-            "parallelism.account_for_loss_in_pipeline_split=true",
-        ]
-    )
+    with Composer() as composer:  # its own: the CLI tests above reset Hydra's global state
+        plan = composer.plan(
+            [
+                "cluster=h100-8x",
+                "model=llama3-405b",
+                "parallelism.tp=8",
+                "parallelism.pp=16",
+                "cluster.nodes=128",
+                "parallelism.account_for_embedding_in_pipeline_split=true",
+                "parallelism.account_for_loss_in_pipeline_split=true",
+            ]
+        )
     settle_precision(plan)
     hw, _ = hardware_for(plan.cfg)
     costly = dataclasses.replace(hw, layer_step_overhead_s=1e-3)
