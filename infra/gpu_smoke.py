@@ -399,11 +399,11 @@ def check_warm_memory_resume(runs: Runs) -> None:
     zygote_log = warm.run_dir / "zygote.log"
     forks = zygote_log.read_text().count("python -m mega.train") if zygote_log.exists() else 0
     step = restore.get("step") or 0
-    # On a GPU the cold run is the bit-for-bit reference. On the CPU twin it is not: a cold CPU
-    # process's bf16 kernels are not bit-reproducible from one process to the next (two cold runs
-    # of the same training configuration have differed by ~1e-5 in their losses), so there the
-    # relaunch must repeat its own first attempt bit for bit where both ran, and the cold run
-    # within 1e-4.
+    # On a GPU the cold run is the bit-for-bit reference. On the CPU twin it is not: in about one
+    # cold CPU process in 35 under load, the first step's fp32 cross entropy (exp or sum) comes out
+    # ~2.6e-5 off on the main thread's half of the tokens, once, from identical logits; the losses
+    # then differ by ~1e-5. So there the relaunch must repeat its own first attempt bit for bit
+    # where both ran, and the cold run within 1e-4.
     tolerance = 1e-4 if runs.dry_run else 0.0
     ok = (
         warm.attempts == 2
