@@ -149,6 +149,10 @@ class ParallelismConfig:
     # Transformer Engine's ring attention). Planning only (mega.plan): mega trains with the local
     # layer spec, whose attention has no CP, so training refuses cp>1 (planning_only).
     cp: int = 1
+    # how the cp ranks exchange K and V (megatron-core's cp_comm_type): "p2p", TE's ring, each step's
+    # transfer under the previous step's attention; "all_gather", K and V gathered whole before the
+    # attention and dK, dV reduce-scattered after it, not overlapped (Llama 3 section 3.3.2)
+    cp_comm_type: str = choice("p2p", "all_gather")
     sequence_parallel: bool = False
     micro_batch_size: int = 2
     global_batch_size: int = 8

@@ -59,6 +59,7 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         account_for_embedding_in_pipeline_split=p.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=p.account_for_loss_in_pipeline_split,
         sequence_parallel=p.sequence_parallel,
+        cp_comm_type=p.cp_comm_type,  # read only where context_parallel_size > 1 (planning only here)
         pipeline_dtype=flags.torch_dtype(flags.pipeline_dtype),
         params_dtype=flags.torch_dtype(flags.params_dtype),
         bf16=flags.precision == "bf16",

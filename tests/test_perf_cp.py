@@ -16,7 +16,7 @@ from mega.perf.configs import Composer, for_planning
 from mega.perf.hardware import NIC_LATENCY_S
 from mega.perf.memory import activation_bytes_per_layer
 from mega.perf.planner import evaluate, hardware_for, settle_precision
-from mega.perf.step import DTYPE_BYTES, attention_seconds, cp_ring_seconds, predict
+from mega.perf.step import DTYPE_BYTES, attention_seconds, cp_comm_seconds, predict
 
 # Llama 3 8B on one node of 8 H100s: a sequence of 131,072 tokens
 LONG = ["model=llama3-8b", "cluster=h100-8x", "model.seq_length=131072", "model.fused_ops=true"]
@@ -59,16 +59,16 @@ def test_ring_sends_kv_blocks_cp_minus_one_times_each_way(long_plan):
     send = lambda nbytes: link.latency_s + nbytes / link.bytes_per_s  # noqa: E731
     fwd_total = 3 * send(block)
     bwd_total = send(block) + 2 * send(2 * block) + send(block)
-    fwd, bwd = cp_ring_seconds(cfg, hw, DTYPE_BYTES["bf16"], attn_f=0.0, attn_b=0.0)
+    fwd, bwd = cp_comm_seconds(cfg, hw, DTYPE_BYTES["bf16"], attn_f=0.0, attn_b=0.0)
     assert fwd.cp_total == pytest.approx(fwd_total, rel=1e-12)
     assert bwd.cp_total == pytest.approx(bwd_total, rel=1e-12)
     assert (fwd.cp_exposed, bwd.cp_exposed) == (fwd.cp_total, bwd.cp_total)  # nothing to hide under
     # each step's transfer hides under its share of the attention: a long one hides it all
-    fwd, bwd = cp_ring_seconds(cfg, hw, 2, attn_f=4 * send(block), attn_b=4 * send(2 * block))
+    fwd, bwd = cp_comm_seconds(cfg, hw, 2, attn_f=4 * send(block), attn_b=4 * send(2 * block))
     assert (fwd.cp_exposed, bwd.cp_exposed) == (0.0, 0.0)
     # the breakdown: 32 layers x 4 microbatches, 3 blocks forward + 6 backward in all
     pr = predict(cfg, hw)
-    ring = pr.breakdown()["cp_ring"]
+    ring = pr.breakdown()["cp_comm"]
     assert ring["total_s"] == pytest.approx(32 * 4 * (fwd_total + bwd_total), rel=1e-9)
     assert 0.0 <= ring["seconds"] <= ring["total_s"]
 
@@ -84,8 +84,33 @@ def test_ring_across_nodes_runs_on_the_nics(long_plan):
     block = 2 * 8192 * 128 * 2
     seconds = NIC_LATENCY_S + block / hw.inter.bytes_per_s
     assert hw.inter.bytes_per_s <= 400e9 / 8  # one rank's share of the node's NICs
-    fwd, _ = cp_ring_seconds(cfg, hw, 2, 0.0, 0.0)
+    fwd, _ = cp_comm_seconds(cfg, hw, 2, 0.0, 0.0)
     assert fwd.cp_total == pytest.approx(15 * seconds, rel=1e-12)
+
+
+def test_all_gather_cp_gathers_kv_whole_and_exposes_it(long_plan):
+    """cp_comm_type=all_gather (Llama 3's CP, TE's AttnFuncWithCPAndKVAllGather): the forward
+    all-gathers K and V (each 131,072 tokens x 512 of the rank's KV width x 2 bytes gathered from 4
+    ranks 2 apart, NVLink), the backward gathers them again and reduce-scatters dK and dV; all
+    exposed, whatever the attention beside them. The attention keeps its work, in 2 kernels."""
+    cfg = validate(long_plan.cfg, planning=True)
+    cfg = dataclasses.replace(
+        cfg, parallelism=dataclasses.replace(cfg.parallelism, cp_comm_type="all_gather")
+    )
+    hw, _ = hardware_for(cfg)
+    whole = 131072 * (1024 // 2) * 2  # one of K, V after the gather
+    link = hw.intra
+    ring = 3 * link.latency_s + 3 / 4 * whole / link.bytes_per_s  # all-gather or reduce-scatter of 4
+    for attn in (0.0, 1.0):  # a long attention hides nothing
+        fwd, bwd = cp_comm_seconds(cfg, hw, DTYPE_BYTES["bf16"], attn_f=attn, attn_b=2.5 * attn)
+        assert fwd.cp_exposed == fwd.cp_total == pytest.approx(2 * ring, rel=1e-12)
+        assert bwd.cp_exposed == bwd.cp_total == pytest.approx(4 * ring, rel=1e-12)
+    p2p = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, cp_comm_type="p2p"))
+    (fa, ba), (fp, bp) = attention_seconds(cfg, hw, 2), attention_seconds(p2p, hw, 2)
+    assert (fp - fa, bp - ba) == pytest.approx((2 * hw.kernel_s, 4 * hw.kernel_s), rel=1e-9)
+    ag = predict(cfg, hw).breakdown()["cp_comm"]
+    assert ag["seconds"] == pytest.approx(32 * 4 * 6 * ring, rel=1e-9) == ag["total_s"]
+    assert ag["seconds"] > predict(p2p, hw).breakdown()["cp_comm"]["seconds"]
 
 
 def test_cp2_halves_the_attention_core_and_a_layers_activations(long_plan):
@@ -158,13 +183,27 @@ def test_planner_accepts_cp_and_training_refuses_it_naming_the_key():
 
 
 @pytest.mark.parametrize(
-    "overrides, fragment",
+    "overrides, key, fragment",
     [
-        (["parallelism.cp=0"], "positive integer"),
-        (["parallelism.cp=3", "model.seq_length=200"], "not divisible by 2*cp=6"),
+        (["parallelism.cp=0"], "parallelism.cp", "positive integer"),
+        (["parallelism.cp=3", "model.seq_length=200"], "parallelism.cp", "not divisible by 2*cp=6"),
+        (
+            ["parallelism.cp=2", "parallelism.cp_comm_type=a2a"],
+            "parallelism.cp_comm_type",
+            "'p2p', 'all_gather'",
+        ),
     ],
 )
-def test_cp_is_validated_naming_the_key(overrides, fragment):
+def test_cp_is_validated_naming_the_key(overrides, key, fragment):
     with pytest.raises(ConfigError) as err:
         validate(compose(overrides, validate_config=False), planning=True)
-    assert err.value.key == "parallelism.cp" and fragment in str(err.value)
+    assert err.value.key == key and fragment in str(err.value)
+
+
+def test_cp_comm_type_is_megatron_cores_flag():
+    """The planner's cp_comm_type is what training hands megatron-core's TransformerConfig (its
+    ``cp_comm_type``: "p2p", "all_gather", "a2a", "a2a+p2p"; the first two modelled)."""
+    from mega.model import transformer_config
+
+    for kind in ("p2p", "all_gather"):
+        assert transformer_config(compose([f"parallelism.cp_comm_type={kind}"])).cp_comm_type == kind

@@ -31,7 +31,7 @@ from typing import Any
 FITTED = {
     "A100": {"gemm_efficiency": 0.7654, "straggler_sigma": 0.0282, "step_overhead_s": 0.0542},
     "H100 SXM": {
-        "gemm_efficiency": 0.6681,
+        "gemm_efficiency": 0.6632,
         "fp8_gemm_efficiency": 0.5542,
         "straggler_sigma": 0.0282,
         "step_overhead_s": 0.0542,

@@ -10,10 +10,11 @@ optimizer step, the tied-embedding gradient sync, data loading and host overhead
 stragglers (the slowest of the data-parallel replicas sets the step, mega.perf.scale). On a CPU
 whose ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
 
-Context parallelism (``parallelism.cp``, megatron-core's CP with Transformer Engine's p2p ring
-attention) gives each rank ``seq_length / cp`` tokens of every sample: everything per microbatch
-acts on them, the attention core does ``1/cp`` of the causal work, and the ring passing K and V
-between the cp ranks adds its exposed part (``cp_ring_seconds``); gradients reduce over dp x cp.
+Context parallelism (``parallelism.cp``, megatron-core's CP with Transformer Engine's attention)
+gives each rank ``seq_length / cp`` tokens of every sample: everything per microbatch acts on them,
+the attention core does ``1/cp`` of the causal work, and exchanging K and V between the cp ranks
+(``parallelism.cp_comm_type``: TE's p2p ring or its all-gather) adds its exposed part
+(``cp_comm_seconds``); gradients reduce over dp x cp.
 
 Overlap features are read from the config, not from a preset name: ``parallelism.tp_overlap``
 (ring/te: TP collectives chunked with their GEMMs), ``overlap_p2p_comm`` (pipeline send/receive
@@ -207,7 +208,7 @@ class Pass:
     tp_total: float = 0.0
     overhead: float = 0.0
     comm_cpu: float = 0.0  # core seconds of its collectives (CPU machines)
-    cp_exposed: float = 0.0  # the context-parallel ring's K/V (and dK/dV) transfers not hidden
+    cp_exposed: float = 0.0  # context parallelism's K/V (and dK/dV) transfers not hidden
     cp_total: float = 0.0
 
     @property
@@ -324,7 +325,8 @@ def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float,
     above the causal diagonal and outside a sliding window; the unfused path (megatron's masked
     softmax) computes the whole s x s score matrix whatever the mask. With context parallelism a
     rank's s/cp queries (two chunks of the 2 cp, load-balanced: r and 2cp-1-r) do 1/cp of the
-    causal work in cp ring steps, one kernel each."""
+    causal work: in cp ring steps, one kernel each (p2p), or one kernel per local chunk against the
+    gathered keys (all_gather)."""
     m, p = cfg.model, cfg.parallelism
     t, b, s, h, a, c = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, p.cp
     tokens, heads = b * s, a // t
@@ -332,7 +334,8 @@ def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float,
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
         keys = (windowed * causal_keys(s, m.window_size) + full * causal_keys(s, None)) / m.num_layers
         flops = 2 * 2 * tokens * keys * h / t / c
-        fwd_s, bwd_s = hw.attention_s(flops, kernels=c), hw.attention_s(2.5 * flops, kernels=2 * c)
+        calls = 2 if c > 1 and p.cp_comm_type == "all_gather" else c
+        fwd_s, bwd_s = hw.attention_s(flops, kernels=calls), hw.attention_s(2.5 * flops, kernels=2 * calls)
         return fwd_s, bwd_s  # bwd recomputes S
     hd, q = h // a, s // c
     scores = b * heads * q * s
@@ -419,22 +422,46 @@ def tp_collective_seconds(
     return fwd, bwd
 
 
-def cp_ring_seconds(
+CP_COMM_WHAT = {
+    "p2p": "context parallelism over cp={cp} ranks, TE's p2p ring: per layer, {sends} forward sends of a "
+    "K,V block (2 x tokens/cp x kv_size/tp x dtype bytes) and the backward's K,V + dK,dV, each hidden "
+    "under one step's attention (1/cp of it): exposed max(0, send - step)",
+    "all_gather": "context parallelism over cp={cp} ranks, all-gather: per layer, K and V all-gathered "
+    "before the attention (forward, and again in the backward) and dK, dV reduce-scattered after its "
+    "backward, none of it overlapped",
+}
+
+
+def cp_comm_seconds(
     cfg: MegaConfig, hw: Hardware, dtype: int, attn_f: float, attn_b: float
 ) -> tuple[Pass, Pass]:
-    """Transformer Engine's p2p ring of context parallelism (``cp_comm_type="p2p"``), one layer and
-    microbatch: (forward, backward) passes holding the ring's exposed and total seconds. A block is
-    the rank's K and V, ``2 x tokens/cp x kv_size/tp x dtype`` bytes (its TP share of the KV heads),
-    sent to the next of the cp ranks (``tp`` apart in megatron's tp-cp-ep-dp-pp order) while the
-    attention of the block in hand runs (1/cp of the attention core per step: the load-balanced
-    split gives every step equal work). Forward: steps 0..cp-2 send K,V (step 0 computes on the
-    local block). Backward: step 0 sends K,V, steps 1..cp-2 send K,V with the dK,dV accumulated so
-    far (2 blocks), the last sends dK,dV home. Exposed per step: max(0, transfer - attention step)."""
+    """Context parallelism's K,V exchange, one layer and microbatch: (forward, backward) passes
+    holding its exposed and total seconds. The cp ranks are ``tp`` apart (megatron's
+    tp-cp-ep-dp-pp order); a rank's share of K and V is ``tokens/cp x kv_size/tp`` elements each.
+
+    ``cp_comm_type="p2p"``: Transformer Engine's ring. A block is the rank's K and V, sent to the
+    next rank while the attention of the block in hand runs (1/cp of the attention core per step:
+    the load-balanced split gives every step equal work). Forward: steps 0..cp-2 send K,V (step 0
+    computes on the local block). Backward: step 0 sends K,V, steps 1..cp-2 send K,V with the dK,dV
+    accumulated so far (2 blocks), the last sends dK,dV home. Exposed per step: max(0, transfer -
+    attention step).
+
+    ``cp_comm_type="all_gather"``: Transformer Engine's ``AttnFuncWithCPAndKVAllGather`` (Llama 3's
+    method, its section 3.3.2): the forward all-gathers K and V (two collectives) before the local
+    queries' attention; the backward all-gathers them again, then reduce-scatters dK and dV. Nothing
+    runs beside them: all exposed (megatron-core's ``cp_comm_type`` doc: "not async, and cannot be
+    overlapped")."""
     p, c = cfg.parallelism, cfg.parallelism.cp
     if c == 1:
         return Pass(), Pass()
-    block = 2 * microbatch_tokens(cfg) * kv_size(cfg.model) / p.tp * dtype
-    one, two = (hw.collective_s("send", k * block, c, stride=p.tp) for k in (1, 2))
+    share = microbatch_tokens(cfg) * kv_size(cfg.model) / p.tp * dtype  # K (or V) of one rank
+    if p.cp_comm_type == "all_gather":
+        gather = 2 * hw.collective_s("all_gather", c * share, c, stride=p.tp)
+        scatter = 2 * hw.collective_s("reduce_scatter", c * share, c, stride=p.tp)
+        return Pass(cp_exposed=gather, cp_total=gather), Pass(
+            cp_exposed=gather + scatter, cp_total=gather + scatter
+        )
+    one, two = (hw.collective_s("send", k * 2 * share, c, stride=p.tp) for k in (1, 2))
     step_f, step_b = attn_f / c, attn_b / c
     fwd = Pass(cp_exposed=(c - 1) * max(0.0, one - step_f), cp_total=(c - 1) * one)
     bwd_exposed = 2 * max(0.0, one - step_b) + (c - 2) * max(0.0, two - step_b)
@@ -448,7 +475,7 @@ def layer_unit(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -
     attn_f, attn_b = attention_seconds(cfg, hw, dtype)
     elem_f, elem_b = elementwise_seconds(cfg, hw, dtype)
     tp_f, tp_b = tp_collective_seconds(cfg, hw, dtype, g, stack.tp_backward_overlap)
-    cp_f, cp_b = cp_ring_seconds(cfg, hw, dtype, attn_f, attn_b)
+    cp_f, cp_b = cp_comm_seconds(cfg, hw, dtype, attn_f, attn_b)
     ovh = hw.layer_overhead_s + (hw.tp_layer_overhead_s if cfg.parallelism.tp > 1 else 0.0)
     gemm_f, gemm_b = sum(g.fwd.values()), sum(g.dgrad.values()) + sum(g.wgrad.values())
     forward = Pass(gemm_f, attn_f, elem_f, overhead=ovh) + tp_f + cp_f
@@ -699,11 +726,9 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Mess
             total_s=mb * (lay.tp_total + ext.tp_total),
         ),
         Term(
-            "cp_ring",
+            "cp_comm",
             mb * lay.cp_exposed,
-            f"context-parallel ring over cp={p.cp} ranks (TE p2p): per layer, {p.cp - 1} forward sends of a "
-            "K,V block (2 x tokens/cp x kv_size/tp x dtype bytes) and the backward's K,V + dK,dV, "
-            "each hidden under one step's attention (1/cp of it): exposed max(0, send - step)",
+            CP_COMM_WHAT[p.cp_comm_type].format(cp=p.cp, sends=p.cp - 1),
             total_s=mb * lay.cp_total,
         ),
         Term(
