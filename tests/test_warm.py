@@ -82,11 +82,16 @@ def _run(zygote, *args, env: dict | None = None, **kw) -> subprocess.Popen:
     )
 
 
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """The process's state letter (/proc/PID/stat: R, S, T, Z, ...), "gone" once reaped."""
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return "gone"
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in ("Z", "gone")
 
 
 def test_client_exits_as_its_fork_did(zygote):
@@ -121,7 +126,11 @@ def test_signals_are_relayed_and_a_killed_client_takes_its_fork_along(zygote):
     p = _run(zygote, "term")
     pid = int(p.stdout.readline().split()[1])
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 42  # the fork's own handler ran
+    try:
+        assert p.wait(timeout=30) == 42  # the fork's own handler ran
+    except subprocess.TimeoutExpired:  # which side waited: the fork (alive?), the zygote (reaped it?)
+        log = (zygote[0] / "zygote.log").read_text()[-2000:]
+        pytest.fail(f"client {p.pid} still {_state(p.pid)}; its fork {pid} {_state(pid)}; zygote log:\n{log}")
     p = _run(zygote, "sleep")
     pid = int(p.stdout.readline().split()[1])
     assert os.getsid(pid) == pid  # a session of its own, as torchrun's workers
