@@ -1288,15 +1288,6 @@ def _layout_fits_model(cfg: MegaConfig) -> None:
         + (f" + {accounted} (embedding/loss accounted in the pipeline split)" if accounted else "")
         + f" is not divisible by pp*vpp={p.pp}*{vpp}",
     )
-    if accounted:
-        _require(
-            slots // (p.pp * vpp) >= 2,
-            "parallelism.account_for_embedding_in_pipeline_split"
-            if p.account_for_embedding_in_pipeline_split
-            else "parallelism.account_for_loss_in_pipeline_split",
-            f"a model chunk of {slots // (p.pp * vpp)} slot would hold no transformer layer "
-            f"(model.num_layers={m.num_layers}, pp*vpp={p.pp}*{vpp})",
-        )
     if p.cp > 1:  # the load-balanced causal split: 2*cp chunks, rank r holds chunks r and 2cp-1-r
         _require(
             m.seq_length % (2 * p.cp) == 0,

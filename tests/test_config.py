@@ -132,16 +132,6 @@ def test_single_layout_runs_one_process():
             "parallelism.pp",
             "model.num_layers=4 + 1 (embedding/loss accounted in the pipeline split) is not divisible by pp*vpp=2*1",
         ),
-        (
-            [
-                "parallelism=pp2",
-                "parallelism.vpp=3",
-                "parallelism.account_for_embedding_in_pipeline_split=true",
-                "parallelism.account_for_loss_in_pipeline_split=true",
-            ],
-            "parallelism.account_for_embedding_in_pipeline_split",
-            "a model chunk of 1 slot would hold no transformer layer",
-        ),
     ],
 )
 def test_rejection_names_the_key(overrides, key, fragment):

@@ -26,6 +26,7 @@ BOTH = [
         ["parallelism=pp2-vpp2", "model.num_layers=6", *BOTH],
         ["parallelism=pp2", "model.num_layers=3", "parallelism.account_for_loss_in_pipeline_split=true"],
         ["parallelism=pp2", "parallelism.pp=4", "model.num_layers=7", BOTH[0]],
+        ["parallelism=pp2-vpp2", "parallelism.vpp=3", *BOTH],  # chunks of one slot: embedding, loss alone
     ],
 )
 def test_stage_layers_are_the_layers_megatron_core_builds(overrides):

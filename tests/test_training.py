@@ -95,8 +95,16 @@ def test_reference_run_learns(reference):
             "parallelism.account_for_embedding_in_pipeline_split=true",
             "parallelism.account_for_loss_in_pipeline_split=true",
         ],
+        # one slot a chunk: the first stage's first chunk holds only the embedding, the last
+        # stage's last chunk only the loss (Llama 3's layout, section 3.3.2): 0, 1, 1 and 1, 1, 0
+        [
+            "parallelism=pp2-vpp2",
+            "parallelism.vpp=3",
+            "parallelism.account_for_embedding_in_pipeline_split=true",
+            "parallelism.account_for_loss_in_pipeline_split=true",
+        ],
     ],
-    ids=["tp2-sp", "pp2", "pp2-vpp2", "pp3-accounted"],
+    ids=["tp2-sp", "pp2", "pp2-vpp2", "pp3-accounted", "pp2-vpp3-one-slot"],
 )
 def test_layout_matches_single_process(layout, tmp_path, data_index, data_cache, reference):
     result = train(tmp_path, data_index, data_cache, [*layout, "checkpoint.interval=0"])

@@ -31,8 +31,8 @@ from typing import Any
 FITTED = {
     "A100": {"gemm_efficiency": 0.7654, "straggler_sigma": 0.0282, "step_overhead_s": 0.0542},
     "H100 SXM": {
-        "gemm_efficiency": 0.6632,
-        "fp8_gemm_efficiency": 0.5542,
+        "gemm_efficiency": 0.6857,
+        "fp8_gemm_efficiency": 0.5529,
         "straggler_sigma": 0.0282,
         "step_overhead_s": 0.0542,
     },
