@@ -146,7 +146,7 @@ class ParallelismConfig:
     vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = off
     dp: int = 1
     # context parallelism: each sample's sequence split over cp ranks (megatron-core's CP with
-    # Transformer Engine's ring attention). Planning only (mega.plan): mega trains with the local
+    # Transformer Engine's attention). Planning only (mega.plan): mega trains with the local
     # layer spec, whose attention has no CP, so training refuses cp>1 (planning_only).
     cp: int = 1
     # how the cp ranks exchange K and V (megatron-core's cp_comm_type): "p2p", TE's ring, each step's

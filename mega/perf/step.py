@@ -457,10 +457,8 @@ def cp_comm_seconds(
     share = microbatch_tokens(cfg) * kv_size(cfg.model) / p.tp * dtype  # K (or V) of one rank
     if p.cp_comm_type == "all_gather":
         gather = 2 * hw.collective_s("all_gather", c * share, c, stride=p.tp)
-        scatter = 2 * hw.collective_s("reduce_scatter", c * share, c, stride=p.tp)
-        return Pass(cp_exposed=gather, cp_total=gather), Pass(
-            cp_exposed=gather + scatter, cp_total=gather + scatter
-        )
+        backward = gather + 2 * hw.collective_s("reduce_scatter", c * share, c, stride=p.tp)
+        return Pass(cp_exposed=gather, cp_total=gather), Pass(cp_exposed=backward, cp_total=backward)
     one, two = (hw.collective_s("send", k * 2 * share, c, stride=p.tp) for k in (1, 2))
     step_f, step_b = attn_f / c, attn_b / c
     fwd = Pass(cp_exposed=(c - 1) * max(0.0, one - step_f), cp_total=(c - 1) * one)
