@@ -40,6 +40,8 @@ CHILD = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     while what == "spin":
         pass
+    while what == "term":  # short sleeps: a handler runs between bytecodes, so a signal landing
+        time.sleep(0.05)  # just before one long sleep would wait out the sleep
     time.sleep(120)
 """)
 

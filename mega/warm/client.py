@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import selectors
 import signal
 import socket
 import sys
@@ -100,41 +101,51 @@ def run(module: str, args: list[str]) -> int:
     except RuntimeError as e:
         run_cold(module, args, str(e))
     env = {**os.environ, AGENT_PID_ENV: str(os.getppid())}
-    pending: list[int] = []  # signals that came before the fork's pid
-
-    def relay(sig: int, _frame) -> None:
-        if child is None:
-            pending.append(sig)
-        else:
-            try:
-                os.kill(child, sig)
-            except ProcessLookupError:
-                pass
-
-    child: int | None = None
+    # Relayed from the loop, not from a handler: Python runs a handler only between bytecodes, so
+    # a signal landing just before a blocking recv() would wait out the recv (the fork's exit, which
+    # that signal was to cause). The wakeup fd gets the signal's number the moment it lands.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     for sig in RELAYED:
-        signal.signal(sig, relay)
+        signal.signal(sig, lambda *_: None)
     send(conn, {"module": module, "argv": args, "env": env, "cwd": os.getcwd()}, [0, 1, 2])
+    waiting = selectors.DefaultSelector()
+    waiting.register(conn, selectors.EVENT_READ)
+    waiting.register(wake_r, selectors.EVENT_READ)
+    child: int | None = None
+    pending = bytearray()  # signals not yet relayed: they came before the fork's pid
     while True:
-        data = conn.recv(MAX_MESSAGE)
-        if not data:
-            print(f"mega.warm.client: the zygote at {sock_path} closed the connection", file=sys.stderr)
-            return 1
-        reply = json.loads(data)
-        if "pid" in reply:
-            child = reply["pid"]
+        for key, _ in waiting.select():
+            if key.fileobj == wake_r:
+                pending += os.read(wake_r, 4096)
+                continue
+            data = conn.recv(MAX_MESSAGE)
+            if not data:
+                print(f"mega.warm.client: the zygote at {sock_path} closed the connection", file=sys.stderr)
+                return 1
+            reply = json.loads(data)
+            if "pid" in reply:
+                child = reply["pid"]
+                if hook := env.get(rank_env.CLIENT_HOOK_ENV):
+                    try:
+                        importlib.import_module(hook).watch(child, env)
+                    except Exception as e:  # a witness that cannot start costs the run nothing
+                        print(
+                            f"mega.warm.client: {hook}.watch failed: {type(e).__name__}: {e}", file=sys.stderr
+                        )
+            elif "error" in reply:
+                print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
+                return 1
+            elif "exit" in reply:
+                return reply["exit"]
+        if child is not None:
             for sig in pending:
-                relay(sig, None)
-            if hook := env.get(rank_env.CLIENT_HOOK_ENV):
                 try:
-                    importlib.import_module(hook).watch(child, env)
-                except Exception as e:  # a witness that cannot start costs the run nothing
-                    print(f"mega.warm.client: {hook}.watch failed: {type(e).__name__}: {e}", file=sys.stderr)
-        elif "error" in reply:
-            print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
-            return 1
-        elif "exit" in reply:
-            return reply["exit"]
+                    os.kill(child, sig)
+                except ProcessLookupError:
+                    pass
+            pending.clear()
 
 
 def main() -> None:
