@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 PROBE = textwrap.dedent(
-    """
+    r"""
     import json, os, queue, re, subprocess, sys, time, warnings
     warnings.filterwarnings("ignore")
     import torch, torch.distributed as dist, torch.multiprocessing as mp

@@ -313,22 +313,25 @@ def test_heartbeat_survives_a_redis_outage_and_resumes(tmp_path):
 
 
 def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
-    """No Redis at start: start() returns at once, the thread writes the identity once Redis is
-    there, and close() sends a last beat within its bound."""
+    """No Redis at start, only a port that takes connections and never answers: start() returns
+    before any Redis call could (each waits out heartbeat_redis.TIMEOUT_S), the thread writes the
+    identity once Redis is there, and close() sends a last beat within its bound."""
+    import socket
+
     import redis
 
     from mega.store import RedisServer
 
-    server = RedisServer().start()
-    port = server.port
-    server.stop()
+    silent = socket.create_server(("127.0.0.1", 0))  # the kernel completes connections; no reply
+    port = silent.getsockname()[1]
     ident = {"rank": 1, "node": 0, "groups": {}}
     hb = Heartbeat(
         heartbeat_redis.client(f"redis://127.0.0.1:{port}/0"), "mega:hb:test4", 0, ident, {}, interval_s=0.1
     )
     t0 = time.monotonic()
     hb.start()
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < heartbeat_redis.TIMEOUT_S
+    silent.close()
     server = RedisServer(port=port).start()
     try:
         r = redis.Redis.from_url(server.url)
