@@ -92,6 +92,11 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200 NVL": {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 417.5},
     # NVIDIA GH200 datasheet: its Hopper GPU has the H100 SXM peaks.
     "GH200": {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 494.7},
+    # NVIDIA HGX B200 at 1,000 W (Blackwell datasheet; its two dies are one GPU): BF16/FP16 4.5 PF
+    # sparse, TF32 2.2 PF, FP8 9 PF (DGX B200: 72 PFLOPS FP8 training in 8 GPUs).
+    "B200": {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 1100.0},
+    # GB200 (per GPU, at 1,200 W in GB200 NVL72): BF16/FP16 5 PF sparse, TF32 2.5 PF, FP8 10 PF.
+    "GB200": {"fp8": 5000.0, "bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 1250.0},
     # NVIDIA A100 datasheet (SXM4 and PCIe, 40 and 80 GB alike): BF16/FP16 624 sparse, TF32 312.
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 156.0},
     # NVIDIA V100 datasheet: FP16 tensor cores only (no BF16, no TF32), fp32 on CUDA cores.
@@ -108,6 +113,8 @@ _DEVICE_PATTERNS: list[tuple[str, str]] = [
     (r"\bgh200\b", "GH200"),
     (r"\bh200\b.*\bnvl\b", "H200 NVL"),
     (r"\bh200\b", "H200"),
+    (r"\bgb200\b", "GB200"),
+    (r"\bb200\b", "B200"),
     (r"\ba100\b", "A100"),
     (r"\bv100-sxm2\b", "V100 SXM2"),
     (r"\bv100-pcie\b", "V100 PCIe"),

@@ -101,6 +101,9 @@ def test_reduces_to_megatron_72_bslh2_for_gpt_175b():
         ("NVIDIA A100 80GB PCIe", "torch.bfloat16", 312.0),
         ("NVIDIA A100-PCIE-40GB", "float16", 312.0),
         ("Tesla V100-SXM2-32GB", "fp16", 125.0),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA B200", "fp8", 4500.0),
+        ("NVIDIA GB200", "bf16", 2500.0),
     ],
 )
 def test_peak_lookup_by_device_name(device_name, dtype, tflops):

@@ -578,6 +578,29 @@ def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path,
     assert "warning" in captured.err and "no published run" in measured["warnings"][0]
 
 
+def test_a_b200_plan_uses_its_datasheet_and_the_fitted_job_constants(capsys):
+    """The b200-8x preset: the B200's own peak, memory and links; no published B200 run, so the
+    plan is marked unvalidated and says so; the straggler spread and step overhead are the fit's,
+    as for every device type (properties of a job)."""
+    from mega.config import compose
+    from mega.perf.hardware import from_cluster
+
+    args = ["model=gpt-13b", "cluster=b200-8x", "cluster.nodes=4", "parallelism.tp=8", "parallelism.pp=1"]
+    args += ["parallelism.dp=4", "parallelism.global_batch_size=128"]
+    assert plan_main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["validated"] is False and "'B200' has no published run" in out["warnings"][0]
+    assert "warning" in captured.err
+    hw = from_cluster(compose([*args, "launcher=slurm"]).cluster, "bf16", fused_ops=True)
+    h100_args = [*args[:1], "cluster=h100-8x", *args[2:], "launcher=slurm"]
+    h100 = from_cluster(compose(h100_args).cluster, "bf16", fused_ops=True)
+    assert hw.peak_flops == pytest.approx(2250e12) and hw.memory_capacity_bytes == 167 * 2**30
+    assert hw.intra.bytes_per_s == pytest.approx(2 * h100.intra.bytes_per_s)  # NVLink 5: twice NVLink 4
+    assert (hw.straggler_sigma, hw.step_overhead_s) == (h100.straggler_sigma, h100.step_overhead_s)
+    assert hw.straggler_sigma == device.FITTED_JOB["straggler_sigma"] != device.STRAGGLER_SIGMA
+
+
 def test_fit_recovers_a_known_gemm_efficiency():
     """Rows whose 'published' MFU is the model's own at GEMM efficiency 0.66 (an independent
     prediction): the fit finds 0.66 back."""

@@ -39,6 +39,8 @@ DATASHEET = {
     "A100": {"hbm": 2.039e12, "nvlink": 300e9, "nic": 25e9},
     "H100 SXM": {"hbm": 3.35e12, "nvlink": 450e9, "nic": 50e9},
     "H200": {"hbm": 4.8e12, "nvlink": 450e9, "nic": 50e9},
+    "B200": {"hbm": 8e12, "nvlink": 900e9, "nic": 50e9},
+    "GB200": {"hbm": 8e12, "nvlink": 900e9, "nic": 50e9},
 }
 # nccl-tests (PERFORMANCE.md): bus bandwidth = algorithm bandwidth (bytes / time) x this factor.
 BUS_FACTOR: dict[str, Callable[[int], float]] = {

@@ -25,18 +25,15 @@ from typing import Any
 
 # Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; `python -m
 # mega.plan validate --json` prints them again as `fitted_on_all`): the GEMM efficiency of each
-# device type on its rows, the straggler spread and the step overhead on all rows, least squares of
-# the MFU error in points.
+# device type on its rows; the straggler spread and the step overhead on all rows, least squares of
+# the MFU error in points. The last two are properties of a job, not of a device (calibrate cannot
+# measure them on one node): every device type's built-in calibration takes them.
 # validate never uses these: it fits again without the source it predicts.
 FITTED = {
-    "A100": {"gemm_efficiency": 0.7654, "straggler_sigma": 0.0282, "step_overhead_s": 0.0542},
-    "H100 SXM": {
-        "gemm_efficiency": 0.6857,
-        "fp8_gemm_efficiency": 0.5529,
-        "straggler_sigma": 0.0282,
-        "step_overhead_s": 0.0542,
-    },
+    "A100": {"gemm_efficiency": 0.7654},
+    "H100 SXM": {"gemm_efficiency": 0.6857, "fp8_gemm_efficiency": 0.5529},
 }
+FITTED_JOB = {"straggler_sigma": 0.0282, "step_overhead_s": 0.0542}
 # Device types with rows in tests/fixtures/published (validate re-derives this from the fixtures).
 VALIDATED = ("A100", "H100 SXM")
 
@@ -122,11 +119,12 @@ class DeviceCalibration:
 
 
 def prior(device: str | None) -> DeviceCalibration:
-    """The built-in calibration of a device type (``FITTED`` over the priors)."""
+    """The built-in calibration of a device type (``FITTED`` and ``FITTED_JOB`` over the priors)."""
     key = device or "unknown"
     values = {
         "gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM),
         "attention_efficiency": PRIOR_ATTENTION.get(key, ATTENTION_EFFICIENCY),
+        **FITTED_JOB,
         **FITTED.get(key, {}),
     }
     return DeviceCalibration(
