@@ -578,25 +578,31 @@ def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path,
     assert "warning" in captured.err and "no published run" in measured["warnings"][0]
 
 
-def test_a_b200_plan_uses_its_datasheet_and_the_fitted_job_constants(capsys):
-    """The b200-8x preset: the B200's own peak, memory and links; no published B200 run, so the
-    plan is marked unvalidated and says so; the straggler spread and step overhead are the fit's,
-    as for every device type (properties of a job)."""
+@pytest.mark.parametrize(
+    "preset, device_key, peak, memory_gib, nvlink_vs_h100",
+    [("b200-8x", "B200", 2250e12, 180, 2.0), ("h200-8x", "H200", 989e12, 141, 1.0)],
+)
+def test_an_unvalidated_preset_uses_its_datasheet_and_the_fitted_job_constants(
+    capsys, preset, device_key, peak, memory_gib, nvlink_vs_h100
+):
+    """The b200-8x and h200-8x presets: the device's own peak, memory and links; no published run
+    on it, so the plan is marked unvalidated and says so; the straggler spread and step overhead
+    are the fit's, as for every device type (properties of a job)."""
     from mega.config import compose
     from mega.perf.hardware import from_cluster
 
-    args = ["model=gpt-13b", "cluster=b200-8x", "cluster.nodes=4", "parallelism.tp=8", "parallelism.pp=1"]
+    args = ["model=gpt-13b", f"cluster={preset}", "cluster.nodes=4", "parallelism.tp=8", "parallelism.pp=1"]
     args += ["parallelism.dp=4", "parallelism.global_batch_size=128"]
     assert plan_main([*args, "--json"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
-    assert out["validated"] is False and "'B200' has no published run" in out["warnings"][0]
+    assert out["validated"] is False and f"'{device_key}' has no published run" in out["warnings"][0]
     assert "warning" in captured.err
     hw = from_cluster(compose([*args, "launcher=slurm"]).cluster, "bf16", fused_ops=True)
     h100_args = [*args[:1], "cluster=h100-8x", *args[2:], "launcher=slurm"]
     h100 = from_cluster(compose(h100_args).cluster, "bf16", fused_ops=True)
-    assert hw.peak_flops == pytest.approx(2250e12) and hw.memory_capacity_bytes == 167 * 2**30
-    assert hw.intra.bytes_per_s == pytest.approx(2 * h100.intra.bytes_per_s)  # NVLink 5: twice NVLink 4
+    assert hw.peak_flops == pytest.approx(peak) and hw.memory_capacity_bytes == memory_gib * 2**30
+    assert hw.intra.bytes_per_s == pytest.approx(nvlink_vs_h100 * h100.intra.bytes_per_s)
     assert (hw.straggler_sigma, hw.step_overhead_s) == (h100.straggler_sigma, h100.step_overhead_s)
     assert hw.straggler_sigma == device.FITTED_JOB["straggler_sigma"] != device.STRAGGLER_SIGMA
 
