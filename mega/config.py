@@ -262,6 +262,9 @@ class ClusterConfig:
     memory_gib: float | None = None  # device memory per device
     memory_tb_per_s: float | None = None  # device memory bandwidth, TB/s
     nvlink_gb_per_s: float | None = None  # intra-node bandwidth per device, GB/s, both directions (datasheet)
+    # devices on one NVLink fabric (NVSwitch), a multiple of procs_per_node; null: one node's. A
+    # rack-scale fabric spans nodes (GB200 NVL72: 72 GPUs in 18 nodes of 4). The planner's fact only
+    nvlink_domain: int | None = None
     nics_per_node: int = 0  # inter-node NICs per node (one per GPU on DGX-class nodes)
     nic_gbit_per_s: float | None = None  # line rate of one NIC, Gbit/s, each direction
     # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
@@ -294,6 +297,12 @@ class ClusterConfig:
             value = getattr(self, key)
             _require(value is None or value > 0, f"cluster.{key}", f"must be positive or null, got {value}")
         _require(self.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {self.nics_per_node}")
+        _require(
+            self.nvlink_domain is None
+            or (self.nvlink_domain >= self.procs_per_node and self.nvlink_domain % self.procs_per_node == 0),
+            "cluster.nvlink_domain",
+            f"must be a multiple of cluster.procs_per_node={self.procs_per_node} (or null), got {self.nvlink_domain}",
+        )
         _require(
             not (self.backend == "nccl" and self.device == "cpu"),
             "cluster.backend",

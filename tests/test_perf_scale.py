@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mega.config import ConfigError
 from mega.overlap import pp_dp
 from mega.perf import calibrate_cuda, device, published
 from mega.perf.configs import Composer
@@ -605,6 +606,47 @@ def test_an_unvalidated_preset_uses_its_datasheet_and_the_fitted_job_constants(
     assert hw.intra.bytes_per_s == pytest.approx(nvlink_vs_h100 * h100.intra.bytes_per_s)
     assert (hw.straggler_sigma, hw.step_overhead_s) == (h100.straggler_sigma, h100.step_overhead_s)
     assert hw.straggler_sigma == device.FITTED_JOB["straggler_sigma"] != device.STRAGGLER_SIGMA
+
+
+def test_a_rack_scale_nvlink_domain_carries_collectives_across_its_nodes():
+    """GB200 NVL72: 72 GPUs in 18 nodes of 4 on one NVLink fabric (cluster.nvlink_domain). A
+    group within the fabric runs on NVLink even across nodes; one spanning two racks goes over the
+    NICs, its ranks per rack in parallel; without the domain the node is the limit again. The
+    seconds are a ring's from the datasheet rates (NVLink 5: 900 GB/s each way, 400 Gb/s NICs) and
+    the built-in efficiencies."""
+    from mega.config import compose
+    from mega.perf.configs import for_planning
+    from mega.perf.hardware import from_cluster
+    from mega.perf.planner import layouts
+
+    args = ["model=gpt-13b", "cluster=gb200-nvl72", "launcher=slurm"]
+    racks = [
+        *args,
+        "cluster.nodes=36",
+        "parallelism=single",
+        "parallelism.dp=144",
+        "parallelism.global_batch_size=288",
+    ]
+    rack = from_cluster(compose(racks).cluster, "bf16", fused_ops=True)
+    nodes = from_cluster(compose([*racks, "cluster.nvlink_domain=null"]).cluster, "bf16", fused_ops=True)
+    cal = device.prior("GB200")
+    nvlink, nic = 900e9 * cal.nvlink_efficiency, 400e9 / 8 * cal.nic_efficiency
+    n, nbytes = 16, 2**30
+
+    def ring(bw: float, latency: float) -> float:
+        return (n - 1) * latency + (n - 1) / n * nbytes / bw
+
+    assert rack.collective_s("all_gather", nbytes, n) == pytest.approx(ring(nvlink, rack.intra.latency_s))
+    # 16 ranks 8 apart span 128 ranks: 9 of them on each rack's fabric, each with its own NIC
+    assert rack.collective_s("all_gather", nbytes, n, stride=8) == pytest.approx(
+        ring(min(nvlink, 9 * nic), rack.inter.latency_s)
+    )
+    assert nodes.collective_s("all_gather", nbytes, n) == pytest.approx(ring(4 * nic, nodes.inter.latency_s))
+    # tensor parallelism beyond a node is searched where the fabric spans nodes, not otherwise
+    two = for_planning([*args, "cluster.nodes=2"])
+    assert max(x["tp"] for x in layouts(two, rack)) == 8 and max(x["tp"] for x in layouts(two, nodes)) == 4
+    with pytest.raises(ConfigError, match="cluster.nvlink_domain"):
+        compose([*racks, "cluster.nvlink_domain=6"])
 
 
 def test_fit_recovers_a_known_gemm_efficiency():

@@ -78,8 +78,8 @@ class Hardware:
     memory_bytes_per_s: float  # achieved streaming bandwidth (efficiency applied)
     memory_bytes: float  # device memory usable by the model (reserve and fragmentation taken off)
     memory_capacity_bytes: float  # the datasheet size
-    intra: Link  # between ranks of one node (NVLink; CPU: gloo over loopback)
-    inter: Link  # between nodes, per rank's share of its node's NICs
+    intra: Link  # between ranks of one NVLink domain (NVLink; CPU: gloo over loopback)
+    inter: Link  # between domains (nodes), per rank's share of its node's NICs
     procs_per_node: int
     sms: int | None  # streaming multiprocessors per GPU (wave quantization); None on a CPU
     flash_attention: bool  # fused attention kernels exist (model.fused_ops on a GPU)
@@ -112,6 +112,13 @@ class Hardware:
     # None = peak_flops and gemm_efficiency
     linear_peak_flops: float | None = None
     linear_gemm_efficiency: float | None = None
+    # ranks on one NVLink fabric; 0 = one node's (procs_per_node). GB200 NVL72: 72 over 18 nodes
+    nvlink_domain: int = 0
+
+    @property
+    def domain(self) -> int:
+        """Ranks that reach each other over the intra link."""
+        return self.nvlink_domain or self.procs_per_node
 
     @property
     def linear(self) -> Hardware:
@@ -151,13 +158,13 @@ class Hardware:
 
     def link(self, group_size: int, stride: int) -> tuple[Link, float]:
         """The link a collective over ``group_size`` ranks ``stride`` apart in rank order runs on,
-        and the bus bandwidth it gets (bytes/s per rank): within a node, the intra link; across
-        nodes, the inter link times the group's ranks per node (their NICs work in parallel),
-        capped by the intra link."""
-        per_node = max(1, min(group_size, self.procs_per_node // max(1, stride)))
-        if group_size <= per_node:
+        and the bus bandwidth it gets (bytes/s per rank): within an NVLink domain (a node, or a
+        rack-scale fabric of several), the intra link; across domains, the inter link times the
+        group's ranks per domain (their NICs work in parallel), capped by the intra link."""
+        per_domain = max(1, min(group_size, self.domain // max(1, stride)))
+        if group_size <= per_domain:
             return self.intra, self.intra.bytes_per_s
-        return self.inter, min(self.intra.bytes_per_s, self.inter.bytes_per_s * per_node)
+        return self.inter, min(self.intra.bytes_per_s, self.inter.bytes_per_s * per_domain)
 
     def collective_s(self, kind: str, nbytes: float, group_size: int, stride: int = 1) -> float:
         """Ring collective over ``group_size`` ranks: ``nbytes`` is the full tensor (all-reduce,
@@ -200,6 +207,7 @@ class Hardware:
             "intra_gb_per_s": self.intra.bytes_per_s / 1e9,
             "inter_gb_per_s_per_rank": self.inter.bytes_per_s / 1e9,
             "procs_per_node": self.procs_per_node,
+            "nvlink_domain": self.domain,
             "cores": self.cores,
             "flash_attention": self.flash_attention,
             "straggler_sigma": self.straggler_sigma,
@@ -272,6 +280,7 @@ def from_cluster(
         intra=Link(nvlink * cal.nvlink_efficiency, NVLINK_LATENCY_S),
         inter=Link(node_nic / cluster.procs_per_node * cal.nic_efficiency, NIC_LATENCY_S),
         procs_per_node=cluster.procs_per_node,
+        nvlink_domain=cluster.nvlink_domain or 0,
         sms=SMS.get(key or ""),
         flash_attention=fused_ops,
         data_s_per_token=16 / PCIE_BYTES_PER_S,  # tokens, labels, loss mask, positions (int32/fp32)

@@ -246,7 +246,7 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
     tps = (
         [p.tp]
         if not plan.is_open(LAYOUT["tp"])
-        else [t for t in _divisors(min(world, hw.procs_per_node)) if groups % t == 0 and m.ffn % t == 0]
+        else [t for t in _divisors(min(world, hw.domain)) if groups % t == 0 and m.ffn % t == 0]
     )
     slots = p.layer_slots(m.num_layers)  # megatron's pipeline split: layers (+ embedding, loss)
     pps = [p.pp] if not plan.is_open(LAYOUT["pp"]) else _divisors(slots)
