@@ -197,10 +197,12 @@ COMPANIONS = {
         "launcher=slurm",
     ],
     "cluster/gpu-1": ["parallelism=single"],  # one GPU, one process
+    "cluster/gb200-nvl72": ["parallelism.dp=1"],  # a node of 4 GPUs: tp2 x pp2
     "launcher/slurm": ["cluster=h100-8x"],  # the CPU preset pairs with local launchers only
     "launcher/kubernetes": ["cluster=a100-8x"],
 }
 ALONE_FAILS_WITH = {
+    "cluster/gb200-nvl72": "cluster.procs_per_node",
     "model/gpt-530b": "parallelism.pp",
     "parallelism/paper-175b-256gpu": "parallelism.tp",  # tiny's 4 heads over tp=8
     "launcher/slurm": "launcher.name",
