@@ -263,7 +263,7 @@ class ClusterConfig:
     memory_tb_per_s: float | None = None  # device memory bandwidth, TB/s
     nvlink_gb_per_s: float | None = None  # intra-node bandwidth per device, GB/s, both directions (datasheet)
     # devices on one NVLink fabric (NVSwitch), a multiple of procs_per_node; null: one node's. A
-    # rack-scale fabric spans nodes (GB200 NVL72: 72 GPUs in 18 nodes of 4). The planner's fact only
+    # rack-scale fabric spans nodes (GB200 NVL72: 72 GPUs in 18 nodes of 4). Only the planner reads it
     nvlink_domain: int | None = None
     nics_per_node: int = 0  # inter-node NICs per node (one per GPU on DGX-class nodes)
     nic_gbit_per_s: float | None = None  # line rate of one NIC, Gbit/s, each direction
