@@ -600,7 +600,7 @@ def test_an_unvalidated_preset_uses_its_datasheet_and_the_fitted_job_constants(
     assert out["validated"] is False and f"'{device_key}' has no published run" in out["warnings"][0]
     assert "warning" in captured.err
     hw = from_cluster(compose([*args, "launcher=slurm"]).cluster, "bf16", fused_ops=True)
-    h100_args = [*args[:1], "cluster=h100-8x", *args[2:], "launcher=slurm"]
+    h100_args = [a.replace(f"cluster={preset}", "cluster=h100-8x") for a in [*args, "launcher=slurm"]]
     h100 = from_cluster(compose(h100_args).cluster, "bf16", fused_ops=True)
     assert hw.peak_flops == pytest.approx(peak) and hw.memory_capacity_bytes == memory_gib * 2**30
     assert hw.intra.bytes_per_s == pytest.approx(nvlink_vs_h100 * h100.intra.bytes_per_s)

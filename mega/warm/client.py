@@ -127,13 +127,7 @@ def run(module: str, args: list[str]) -> int:
             reply = json.loads(data)
             if "pid" in reply:
                 child = reply["pid"]
-                if hook := env.get(rank_env.CLIENT_HOOK_ENV):
-                    try:
-                        importlib.import_module(hook).watch(child, env)
-                    except Exception as e:  # a witness that cannot start costs the run nothing
-                        print(
-                            f"mega.warm.client: {hook}.watch failed: {type(e).__name__}: {e}", file=sys.stderr
-                        )
+                _watch(child, env)
             elif "error" in reply:
                 print(f"mega.warm.client: {reply['error']}", file=sys.stderr)
                 return 1
@@ -146,6 +140,15 @@ def run(module: str, args: list[str]) -> int:
                 except ProcessLookupError:
                     pass
             pending.clear()
+
+
+def _watch(child: int, env: dict[str, str]) -> None:
+    """Start ``$MEGA_CLIENT_HOOK``'s witness of the forked process, if one is named."""
+    if hook := env.get(rank_env.CLIENT_HOOK_ENV):
+        try:
+            importlib.import_module(hook).watch(child, env)
+        except Exception as e:  # a witness that cannot start costs the run nothing
+            print(f"mega.warm.client: {hook}.watch failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def main() -> None:
