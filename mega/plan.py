@@ -109,6 +109,16 @@ def _device_warnings(result: dict[str, Any]) -> None:
             f"device {cal['device']!r} has no published run to validate its efficiencies against "
             f"(calibration: {cal['source']}); calibrate it: python -m mega.perf.calibrate --device cuda"
         )
+        return
+    from mega.perf import device
+
+    like = device.PRIOR_LIKE.get(cal["device"])
+    if like and cal["source"] == device.prior(cal["device"]).source:
+        result.setdefault("warnings", []).append(
+            f"device {cal['device']!r} plans with the {like}'s efficiencies carried over: its published "
+            "runs check them, none is fitted on (docs/perf-model.md, 'Blackwell by transfer'); calibrate "
+            "it: python -m mega.perf.calibrate --device cuda"
+        )
 
 
 def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:

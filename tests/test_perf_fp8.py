@@ -23,7 +23,6 @@ H100 = [
     "parallelism.micro_batch_size=1",
 ]
 NEMO = "nemo-2407-h100-fp8.json"
-BRIDGE = "megatron-bridge-2511-h100-fp8.json"
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +171,12 @@ def test_nemo_models_match_the_published_flops_per_token():
 
 def test_bridge_counts_causal_attention_halved():
     """Megatron-Bridge's model TFLOP/s count the causal attention's scores and weighted sum over half
-    the square: mega.flops' count less half its 12 L s h attention FLOPs per token. The fixture is
-    compared by throughput, so its MFU is mega.flops' (whole square), above the published TFLOP/s
-    / 989."""
-    fixture = next(f for f in published.load() if f["file"] == BRIDGE)
-    cases = published.cases([fixture])
-    assert len(cases) == 2
+    the square: mega.flops' count less half its 12 L s h attention FLOPs per token, on every system of
+    the table (DGX-H100, DGX-B200, DGX-GB200). The rows are compared by throughput, so their MFU is
+    mega.flops' (whole square), above the published TFLOP/s over the device's bf16 peak."""
+    fixtures = [f for f in published.load() if f["file"].startswith("megatron-bridge-2511")]
+    cases = published.cases(fixtures)
+    assert len(cases) == 6 and {c.device for c in cases} == {"H100 SXM", "B200", "GB200"}
     for case in cases:
         m, p, row = case.plan.cfg.model, case.plan.cfg.parallelism, case.row
         layers = m.num_layers
@@ -186,7 +185,7 @@ def test_bridge_counts_causal_attention_halved():
         attention = 12 * layers * m.seq_length * m.hidden_size
         assert mega - attention / 2 == pytest.approx(per_token, rel=0.002), row["id"]
         assert case.published_mfu == pytest.approx(
-            row["model_tflops_per_gpu"] / 989.4 * mega / per_token, rel=1e-3
+            row["model_tflops_per_gpu"] * 1e12 / case.peak * mega / per_token, rel=1e-3
         )
 
 

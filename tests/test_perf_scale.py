@@ -580,15 +580,16 @@ def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path,
 
 
 @pytest.mark.parametrize(
-    "preset, device_key, peak, memory_gib, nvlink_vs_h100",
-    [("b200-8x", "B200", 2250e12, 180, 2.0), ("h200-8x", "H200", 989e12, 141, 1.0)],
+    "preset, device_key, peak, memory_gib, nvlink_vs_h100, validated",
+    [("b200-8x", "B200", 2250e12, 180, 2.0, True), ("h200-8x", "H200", 989e12, 141, 1.0, False)],
 )
-def test_an_unvalidated_preset_uses_its_datasheet_and_the_fitted_job_constants(
-    capsys, preset, device_key, peak, memory_gib, nvlink_vs_h100
+def test_a_preset_uses_its_datasheet_and_the_fitted_job_constants(
+    capsys, preset, device_key, peak, memory_gib, nvlink_vs_h100, validated
 ):
-    """The b200-8x and h200-8x presets: the device's own peak, memory and links; no published run
-    on it, so the plan is marked unvalidated and says so; the straggler spread and step overhead
-    are the fit's, as for every device type (properties of a job)."""
+    """The b200-8x and h200-8x presets: the device's own peak, memory and links; the straggler
+    spread and step overhead are the fit's, as for every device type (properties of a job). The
+    B200 has published runs (Megatron-Bridge 25.11's DGX-B200 rows); no published run is on the
+    H200, so its plan is marked unvalidated and says so."""
     from mega.config import compose
     from mega.perf.hardware import from_cluster
 
@@ -597,8 +598,10 @@ def test_an_unvalidated_preset_uses_its_datasheet_and_the_fitted_job_constants(
     assert plan_main([*args, "--json"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
-    assert out["validated"] is False and f"'{device_key}' has no published run" in out["warnings"][0]
-    assert "warning" in captured.err
+    assert out["validated"] is validated and "warning" in captured.err
+    # validated or not, its efficiencies are the H100 SXM's carried over, and the plan says so
+    said = "has no published run" if not validated else "plans with the H100 SXM's efficiencies carried over"
+    assert f"'{device_key}' {said}" in out["warnings"][0]
     hw = from_cluster(compose([*args, "launcher=slurm"]).cluster, "bf16", fused_ops=True)
     h100_args = [a.replace(f"cluster={preset}", "cluster=h100-8x") for a in [*args, "launcher=slurm"]]
     h100 = from_cluster(compose(h100_args).cluster, "bf16", fused_ops=True)
@@ -606,6 +609,40 @@ def test_an_unvalidated_preset_uses_its_datasheet_and_the_fitted_job_constants(
     assert hw.intra.bytes_per_s == pytest.approx(nvlink_vs_h100 * h100.intra.bytes_per_s)
     assert (hw.straggler_sigma, hw.step_overhead_s) == (h100.straggler_sigma, h100.step_overhead_s)
     assert hw.straggler_sigma == device.FITTED_JOB["straggler_sigma"] != device.STRAGGLER_SIGMA
+
+
+def test_a_device_without_its_own_fit_takes_the_fit_of_the_device_it_is_like():
+    """Blackwell (B200, GB200) and the H200 take the H100 SXM's calibration for what no published row
+    of their own fits (device.PRIOR_LIKE). validate predicts Megatron-Bridge's DGX-B200 rows from the
+    H100 SXM's fit on the other sources (without that fit, from the H100 SXM's prior, not the
+    generic default) and never fits on them."""
+    fixtures = [f for f in published.load() if f["file"].startswith("megatron-bridge-2511")]
+    bridge = published.cases(fixtures)
+    h100 = [c for c in bridge if c.device == "H100 SXM"]
+    b200 = [c for c in bridge if c.device == "B200"]
+    assert len(h100) == 2 and len(b200) == 2
+    cals = published.fit(h100, rounds=1)
+    held, on = published._held_out_calibration(b200[0], h100, cals)
+    fitted = cals["H100 SXM"]
+    assert on == [h100[0].source] and held["B200"].device == "B200"
+    assert (held["B200"].gemm_efficiency, held["B200"].fp8_gemm_efficiency) == (
+        fitted.gemm_efficiency,
+        fitted.fp8_gemm_efficiency,
+    )
+    assert fitted.fp8_gemm_efficiency != device.unfitted("H100 SXM").fp8_gemm_efficiency
+    alone, none = published._held_out_calibration(b200[0], [], {})
+    assert (
+        none == [] and alone["B200"].gemm_efficiency == device.PRIOR_GEMM["H100 SXM"] != device.DEFAULT_GEMM
+    )
+    assert alone["B200"].attention_efficiency == device.PRIOR_ATTENTION["H100 SXM"]
+    assert [published.calibrates(c) for c in h100 + b200] == [True, True, False, False]
+    # the built-in calibration: the same chip (H200) or generation (GB200) as the H100 SXM's
+    for key in ("H200", "GB200"):
+        mine, like = device.prior(key).to_dict(), device.prior("H100 SXM").to_dict()
+        own = set(device.FITTED.get(key, {})) | {"device", "source", "validated"}
+        assert {k: v for k, v in mine.items() if k not in own} == {
+            k: v for k, v in like.items() if k not in own
+        }
 
 
 def test_a_rack_scale_nvlink_domain_carries_collectives_across_its_nodes():
@@ -717,9 +754,9 @@ def test_hopper_gemm_prior_is_the_h200_measurement():
     assert len(runs) == 3
     points = [p for f in runs for p in json.loads(f.read_text())["measurements"]["gemm"]]
     measured = calibrate_cuda.gemm_efficiency(points, 989.4e12, 132)
+    assert device.PRIOR_GEMM["H100 SXM"] == pytest.approx(measured, abs=5e-5)
     for key in ("H100 SXM", "H200"):
-        assert device.PRIOR_GEMM[key] == pytest.approx(measured, abs=5e-5)
-        assert device.unfitted(key).gemm_efficiency == device.PRIOR_GEMM[key]
+        assert device.unfitted(key).gemm_efficiency == device.PRIOR_GEMM["H100 SXM"]
 
 
 def test_calibrate_cli_dispatches_and_refuses_without_cuda(capsys):

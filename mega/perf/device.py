@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Fitted on every published run in tests/fixtures/published (mega.perf.published.fit; `python -m
+# Fitted on the published runs in tests/fixtures/published that calibrate (mega.perf.published.fit
+# over published.calibrates: not the rows of a PRIOR_LIKE device, which check its transfer; `python -m
 # mega.plan validate --json` prints them again as `fitted_on_all`): the GEMM efficiency of each
 # device type on its rows; the straggler spread and the step overhead on all rows, least squares of
 # the MFU error in points. The last two are properties of a job, not of a device (calibrate cannot
@@ -35,7 +36,7 @@ FITTED = {
 }
 FITTED_JOB = {"straggler_sigma": 0.0282, "step_overhead_s": 0.0542}
 # Device types with rows in tests/fixtures/published (validate re-derives this from the fixtures).
-VALIDATED = ("A100", "H100 SXM")
+VALIDATED = ("A100", "H100 SXM", "B200", "GB200")
 
 # Priors (docs/perf-model.md, "Constants"):
 # fused attention against the dense peak: FlashAttention-2 reaches 50-73% of the A100 peak forward +
@@ -45,7 +46,7 @@ ATTENTION_EFFICIENCY = 0.6
 # Hopper (GH100: H100 SXM, H200): the same paper measures up to 335 TFLOP/s forward + backward on an
 # H100 (its A100 kernels, no Hopper-specific instructions): 335 / 989.4 of the dense bf16 peak. A
 # standalone causal-SDPA loop on one H200 gave 0.26-0.51 by sequence length (docs/perf-model.md).
-PRIOR_ATTENTION = {"H100 SXM": 0.34, "H200": 0.34}
+PRIOR_ATTENTION = {"H100 SXM": 0.34}
 # streaming kernels reach ~85% of the HBM datasheet bandwidth (STREAM-like copies on A100/H100).
 MEMORY_EFFICIENCY = 0.85
 # NCCL bus bandwidth over NVLink against the datasheet per-direction figure (nccl-tests
@@ -75,24 +76,29 @@ FIELDS = (
 
 
 # GEMM efficiency before any fit, per device type. A100: least squares over Korthikanti et al. 2022
-# Table 5's eight iteration times (mega.perf.published.fit on that fixture alone). H100 SXM and H200:
-# a micro-benchmark on the same chip. The H200 is the H100 SXM's GH100 (132 SMs, 989 TFLOP/s dense
-# bf16; it differs only in HBM, which compute-bound GEMMs do not feel), measured with
+# Table 5's eight iteration times (mega.perf.published.fit on that fixture alone). H100 SXM: a
+# micro-benchmark on the same chip, an H200 (the H100 SXM's GH100: 132 SMs, 989 TFLOP/s dense bf16;
+# it differs only in HBM, which compute-bound GEMMs do not feel), measured with
 # python -m mega.perf.calibrate --device cuda (torch 2.11+cu130, 2026-11-26) over the layer GEMMs of
 # GPT-175B, Nemotron-4 340B and Llama 3 405B at TP 1-8: the median over the 102 shapes of achieved /
 # (peak x the model's shape factor) = 0.7178 (per model 0.749, 0.717, 0.709; the runs are
 # tests/fixtures/calibration/h200-2026-11-26-*.json).
-PRIOR_GEMM = {"A100": 0.76, "H100 SXM": 0.7178, "H200": 0.7178}
-_H200_RUNS = (
-    "GEMM prior: python -m mega.perf.calibrate --device cuda on one H200 (the H100 SXM's GH100 chip), "
-    "2026-11-26, tests/fixtures/calibration/h200-2026-11-26-*.json"
-)
+PRIOR_GEMM = {"A100": 0.76, "H100 SXM": 0.7178}
 PRIOR_SOURCE = {
     "A100": "GEMM prior: least squares over Korthikanti et al. 2022 Table 5",
-    "H100 SXM": _H200_RUNS,
-    "H200": _H200_RUNS,
+    "H100 SXM": (
+        "GEMM prior: python -m mega.perf.calibrate --device cuda on one H200 (the H100 SXM's GH100 "
+        "chip), 2026-11-26, tests/fixtures/calibration/h200-2026-11-26-*.json"
+    ),
 }
 DEFAULT_GEMM = 0.76
+
+# A device type takes another's calibration (that device's fit, where it has one) for what no
+# published run of its own fits. The H200 is the H100 SXM's chip (GH100; the model reads its larger,
+# faster HBM from the cluster preset). Blackwell (B200, GB200) is taken to reach the same fractions
+# of its own datasheet peaks and bandwidths as Hopper: Megatron-Bridge 25.11's DGX-B200 and DGX-GB200
+# rows check it, predicted by validate from the H100 SXM's fit on the other sources.
+PRIOR_LIKE = {"H200": "H100 SXM", "B200": "H100 SXM", "GB200": "H100 SXM"}
 
 
 @dataclass(frozen=True)
@@ -119,21 +125,31 @@ class DeviceCalibration:
 
 
 def prior(device: str | None) -> DeviceCalibration:
-    """The built-in calibration of a device type (``FITTED`` and ``FITTED_JOB`` over the priors)."""
+    """The built-in calibration of a device type (``FITTED`` and ``FITTED_JOB`` over the priors, or
+    over the ``PRIOR_LIKE`` device's built-in calibration)."""
     key = device or "unknown"
+    like = PRIOR_LIKE.get(key)
+    base = prior(like).to_dict() if like else {"gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM)}
     values = {
-        "gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM),
-        "attention_efficiency": PRIOR_ATTENTION.get(key, ATTENTION_EFFICIENCY),
+        **base,
+        "attention_efficiency": PRIOR_ATTENTION.get(
+            key, base.get("attention_efficiency", ATTENTION_EFFICIENCY)
+        ),
         **FITTED_JOB,
         **FITTED.get(key, {}),
+        "device": key,
+        "source": "built-in (mega/perf/device.py)"
+        + (f", the {like}'s where {key} has no fit" if like else ""),
+        "validated": key in VALIDATED,
     }
-    return DeviceCalibration(
-        key, **values, source="built-in (mega/perf/device.py)", validated=key in VALIDATED
-    )
+    return DeviceCalibration(**values)
 
 
 def unfitted(device: str) -> DeviceCalibration:
     """The prior alone (no fit on published runs): what validate starts from."""
+    like = PRIOR_LIKE.get(device)
+    if like:
+        return unfitted(like).replace(device=device, source=f"the {like}'s prior")
     source = f"prior ({PRIOR_SOURCE[device]})" if device in PRIOR_SOURCE else "prior"
     return DeviceCalibration(
         device,

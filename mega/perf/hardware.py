@@ -30,7 +30,9 @@ GIB = 1024**3
 # Per-shape GEMM efficiency (docs/perf-model.md): output tiles of TILE_M x TILE_N run in waves over
 # the streaming multiprocessors (a last, partial wave idles SMs), and each tile pays a fixed
 # prologue/epilogue worth GEMM_K_OVERHEAD elements of its inner dimension. 256 x 128 is the usual
-# cuBLAS/CUTLASS bf16 tile on A100 and H100; the SM counts are the NVIDIA architecture whitepapers'.
+# cuBLAS/CUTLASS bf16 tile on A100 and H100; the SM counts are the NVIDIA architecture whitepapers',
+# the B200's (74 of each die's 80 SMs enabled) Chips and Cheese's "Nvidia's B200: Keeping the CUDA
+# Juggernaut Rolling" (2025). The GB200's count is not published: no per-shape factor there.
 TILE_M, TILE_N, GEMM_K_OVERHEAD = 256, 128, 64
 SMS = {
     "A100": 108,
@@ -40,6 +42,7 @@ SMS = {
     "H200": 132,
     "H200 NVL": 132,
     "GH200": 132,
+    "B200": 148,
     "V100 SXM2": 80,
     "V100 PCIe": 80,
 }
