@@ -730,6 +730,13 @@ def test_cuda_calibration_derivation_from_measurements():
     # all-reduce of 256 MiB over 8 ranks at 360 GB/s bus bandwidth -> 0.8 of 450 GB/s
     nbytes = 256 * 2**20
     coll = [{"kind": "all_reduce", "bytes": nbytes, "ranks": 8, "seconds": nbytes * 2 * 7 / 8 / 360e9}]
+    # a CP chunk (a quarter of the sequence) at a lower share of peak is recorded, not averaged in
+    quarter = 3.5 * 4 * 1 * 16 * 1024 * (1024 + 1) / 2 * 128
+    attention.append(
+        {"batch": 1, "heads": 16, "seq": 1024, "head_dim": 128, "seconds": quarter / (0.25 * peak)}
+    )
+    assert calibrate_cuda.attention_lengths(4096) == [4096, 2048, 1024]
+    assert calibrate_cuda.attention_lengths(1024) == [1024, 512]
     cal, missing = calibrate_cuda.derive("H100 SXM", gemms, attention, 0.9 * 3.35e12, coll, multi_node=False)
     assert "fp8_gemm_efficiency" in missing
     assert cal.fp8_gemm_efficiency == device.prior("H100 SXM").fp8_gemm_efficiency

@@ -94,10 +94,26 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
 
 
 def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:
-    """Median over points of attention_flops / seconds / peak."""
+    """Median of attention_flops / seconds / peak over the points at the longest sequence measured
+    (the model's own; the shorter ones are the chunks context parallelism runs its kernels on)."""
+    longest = max(p["seq"] for p in points)
     return statistics.median(
-        attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak for p in points
+        attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak
+        for p in points
+        if p["seq"] == longest
     )
+
+
+# Context parallelism over cp ranks runs each layer's attention as one kernel per ring step on a
+# chunk of the sequence (s/cp queries; load-balanced causal chunks of s/(2 cp)): the calibration
+# times the model's sequence and its halves and quarters, so a file records attention by length.
+ATTENTION_SPLITS = (1, 2, 4)
+MIN_ATTENTION_SEQ = 512
+
+
+def attention_lengths(seq: int) -> list[int]:
+    """The sequence lengths the attention benchmark times: the model's, then its CP chunks."""
+    return [seq // k for k in ATTENTION_SPLITS if k == 1 or seq // k >= MIN_ATTENTION_SEQ]
 
 
 def bus_bandwidth(kind: str, nbytes: float, ranks: int, seconds: float) -> float:
@@ -302,7 +318,10 @@ def main(argv: list[str]) -> int:
     gemms = bench_gemms(shapes)
     # Hopper and later: the FP8 GEMMs of train.precision=fp8
     fp8_gemms = bench_fp8_gemms(shapes) if "fp8" in PEAK_TFLOPS[key] else []
-    attention = bench_attention(args.seq, max(1, args.heads // 8), d, args.micro_batch)
+    heads = max(1, args.heads // 8)
+    attention = [
+        p for seq in attention_lengths(args.seq) for p in bench_attention(seq, heads, d, args.micro_batch)
+    ]
     memory = bench_memory()
     collectives, multi_node = [], False
     if distributed:
