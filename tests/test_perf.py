@@ -16,7 +16,7 @@ import pytest
 
 from mega.config import ConfigError, ModelConfig
 from mega.flops import attention_layer_counts, model_flops_per_step
-from mega.perf import published
+from mega.perf import device, published
 from mega.perf.calibrate import compare
 from mega.perf.configs import Composer, for_planning, given_keys
 from mega.perf.memory import activation_bytes_per_layer, in_flight, model_params
@@ -58,6 +58,8 @@ def test_rows_outside_3_points_are_exactly_the_reported_ones(published_results, 
 
 def test_sources_are_independent_and_cover_two_devices(published_cases):
     fixtures = {c.fixture["file"]: c.fixture for c in published_cases}
+    # the built-in calibration's validated device types are those the fixtures have rows on
+    assert set(device.VALIDATED) == {c.device for c in published_cases}
     assert len(fixtures) >= 8 and all(f.get("organisation") and f.get("device") for f in fixtures.values())
     assert len({f["organisation"] for f in fixtures.values()}) >= 7
     assert sum(f.get("device") == "H100 SXM" for f in fixtures.values()) >= 2

@@ -129,13 +129,16 @@ def prior(device: str | None) -> DeviceCalibration:
     over the ``PRIOR_LIKE`` device's built-in calibration)."""
     key = device or "unknown"
     like = PRIOR_LIKE.get(key)
-    base = prior(like).to_dict() if like else {"gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM)}
+    if like:
+        base = prior(like).to_dict()
+    else:
+        base = {
+            "gemm_efficiency": PRIOR_GEMM.get(key, DEFAULT_GEMM),
+            "attention_efficiency": PRIOR_ATTENTION.get(key, ATTENTION_EFFICIENCY),
+            **FITTED_JOB,
+        }
     values = {
         **base,
-        "attention_efficiency": PRIOR_ATTENTION.get(
-            key, base.get("attention_efficiency", ATTENTION_EFFICIENCY)
-        ),
-        **FITTED_JOB,
         **FITTED.get(key, {}),
         "device": key,
         "source": "built-in (mega/perf/device.py)"
