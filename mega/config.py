@@ -71,6 +71,10 @@ class ModelConfig:
     # any TP/PP/VPP/DP layout starts from the same model; "megatron": megatron-core's own init.
     init: str = choice("layout_invariant", "megatron")
     recompute: str | None = choice(None, "full", "selective")
+    # With recompute=full: recompute only the first N layers of every model chunk and keep the
+    # others' activations (megatron-core's recompute_method=block), trading memory for less
+    # forward work redone; null: every layer (recompute_method=uniform, one layer per checkpoint).
+    recompute_num_layers: int | None = None
     # "sequential": x + Attn(LN1 x), then + MLP(LN2 ...); "parallel": x + Attn(LN x) + MLP(LN x)
     # with one TP reduction per layer (MegaScale / GPT-J, see docs/model.md)
     block: str = choice("sequential", "parallel")
@@ -119,6 +123,17 @@ class ModelConfig:
         if self.window_size is not None:
             _require(
                 self.window_size >= 1, "model.window_size", f"must be >= 1 or null, got {self.window_size}"
+            )
+        if self.recompute_num_layers is not None:
+            _require(
+                self.recompute == "full",
+                "model.recompute_num_layers",
+                f"recomputes whole layers: it needs model.recompute=full, not {self.recompute}",
+            )
+            _require(
+                self.recompute_num_layers >= 1,
+                "model.recompute_num_layers",
+                f"must be >= 1 or null, got {self.recompute_num_layers}",
             )
         if self.full_attention_every is not None:
             _require(
@@ -212,6 +227,24 @@ class ParallelismConfig:
         layers[0] -= self.account_for_embedding_in_pipeline_split
         layers[-1] -= self.account_for_loss_in_pipeline_split
         return layers
+
+    def chunk_layers(self, num_layers: int) -> list[list[int]]:
+        """Transformer layers of each model chunk, per pipeline stage (megatron-core's
+        get_num_layers_to_build per virtual rank): an even share of the slots, the first stage's
+        first chunk one fewer for the embedding and the last stage's last chunk one fewer for the
+        loss where accounted for."""
+        per_chunk = self.layer_slots(num_layers) // (self.pp * self.chunks_per_stage)
+        chunks = [[per_chunk] * self.chunks_per_stage for _ in range(self.pp)]
+        chunks[0][0] -= self.account_for_embedding_in_pipeline_split
+        chunks[-1][-1] -= self.account_for_loss_in_pipeline_split
+        return chunks
+
+    def recomputed_layers(self, num_layers: int, recompute_num_layers: int | None) -> list[int]:
+        """Layers each stage recomputes under full recomputation: every one (uniform), or the
+        first ``recompute_num_layers`` of each of its chunks (megatron-core's block method)."""
+        if recompute_num_layers is None:
+            return self.stage_layers(num_layers)
+        return [sum(min(recompute_num_layers, n) for n in chunks) for chunks in self.chunk_layers(num_layers)]
 
     @property
     def virtual_pipeline_size(self) -> int | None:
@@ -1297,6 +1330,14 @@ def _layout_fits_model(cfg: MegaConfig) -> None:
         + (f" + {accounted} (embedding/loss accounted in the pipeline split)" if accounted else "")
         + f" is not divisible by pp*vpp={p.pp}*{vpp}",
     )
+    if m.recompute_num_layers is not None:
+        most = max(max(chunks) for chunks in p.chunk_layers(m.num_layers))
+        _require(
+            m.recompute_num_layers <= most,
+            "model.recompute_num_layers",
+            f"{m.recompute_num_layers} is more than the {most} layers of a model chunk "
+            f"(num_layers={m.num_layers} over pp*vpp={p.pp}*{vpp})",
+        )
     if p.cp > 1:  # the load-balanced causal split: 2*cp chunks, rank r holds chunks r and 2cp-1-r
         _require(
             m.seq_length % (2 * p.cp) == 0,

@@ -41,6 +41,11 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
     flags = backend_flags(cfg)  # everything that differs between GPU and CPU runs
     if m.fused_ops:
         fused.guard_megatron_fusions(flags.device)
+    # full recomputation: every layer its own checkpoint (uniform), or only the first
+    # recompute_num_layers layers of each model chunk (block; the others keep their activations)
+    recompute_method = None
+    if m.recompute == "full":
+        recompute_method = "uniform" if m.recompute_num_layers is None else "block"
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -68,8 +73,8 @@ def transformer_config(cfg: MegaConfig) -> TransformerConfig:
         cuda_graph_scope=[],  # megatron's default "full" is deprecated, warns, and means [] (no CUDA graphs)
         batch_p2p_comm=flags.batch_p2p_comm,  # off on gloo: wrong losses at PP=2 (backend_flags)
         recompute_granularity=m.recompute,
-        recompute_method="uniform" if m.recompute == "full" else None,
-        recompute_num_layers=1 if m.recompute == "full" else None,
+        recompute_method=recompute_method,
+        recompute_num_layers=None if m.recompute != "full" else m.recompute_num_layers or 1,
         # Sliding-window attention: a query sees itself and window_size earlier tokens; every
         # full_attention_every-th layer (global 1-based numbering, PP/VPP-proof) attends fully.
         window_size=None if m.window_size is None else (m.window_size, 0),

@@ -5,7 +5,8 @@ Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation i
 Models", section 4): per layer and microbatch ``sbh (34 + 5as/h)`` bytes with 16-bit activations
 and dropout, of which tensor parallelism splits ``24 + 5as/h`` (``sbh (10 + 24/t + 5as/(ht))``),
 sequence parallelism splits the rest (``sbh/t (34 + 5as/h)``), selective recomputation drops the
-``5as/h`` attention-score terms and full recomputation keeps only each layer's input (``2sbh``).
+``5as/h`` attention-score terms and full recomputation keeps only each layer's input (``2sbh``;
+with ``model.recompute_num_layers`` only for the first layers of each model chunk).
 The terms are built below from their parts, so GQA, a non-4h MLP, the parallel block, no dropout,
 fp32 activations and fused (flash) attention change the right parts. Context parallelism (cp) keeps
 ``s/cp`` tokens of each sample per rank: every activation term divides by cp (the attention scores
@@ -176,8 +177,14 @@ def memory_per_gpu(
         if p.use_distributed_optimizer:  # sharded over the data-parallel group with context parallel
             optimizer /= dp * p.cp
         # in units of the stage's mean chunk (one layer short on a stage that accounts for the
-        # embedding or the loss)
-        activations = in_flight(pp, vpp, p.num_microbatches, stage) * layers[stage] / vpp * per_layer
+        # embedding or the loss); under block recomputation a chunk's first recompute_num_layers
+        # layers keep their input alone, the rest everything
+        chunk = layers[stage] / vpp
+        kept = chunk * per_layer
+        if m.recompute == "full" and m.recompute_num_layers is not None:
+            redone = min(m.recompute_num_layers, chunk)
+            kept = redone * per_layer + (chunk - redone) * full_layer
+        activations = in_flight(pp, vpp, p.num_microbatches, stage) * kept
         temporary = 0.0
         if m.recompute == "full":
             temporary += full_layer  # the layer being recomputed

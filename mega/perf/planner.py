@@ -1,7 +1,8 @@
 """The planner: evaluate a layout with its open knobs chosen, or search the layouts for a GPU count.
 
 Knobs the planner chooses when the overrides leave them open (configs.py says what "open" means):
-micro-batch size, recomputation (none / selective / full), sequence parallelism (tp > 1) and the
+micro-batch size, recomputation (none / selective / full, and under full the fewest layers per
+model chunk that fit: ``model.recompute_num_layers``), sequence parallelism (tp > 1) and the
 training precision (bf16 on GPUs, fp32 on CPUs). Context parallelism (``parallelism.cp``) is the
 user's: never searched, every layout keeps it. The best choice is the one with the highest
 predicted MFU among those that fit in memory; when nothing fits, the one needing the least memory
@@ -23,13 +24,14 @@ from mega.config import ConfigError, MegaConfig, validate
 from mega.perf import device, hardware
 from mega.perf.configs import Planning
 from mega.perf.hardware import GIB, Hardware
-from mega.perf.step import Prediction, effective_overlap, precision_of, predict
+from mega.perf.step import MEGA, Prediction, Stack, effective_overlap, memory_of, precision_of, predict
 
 DEFAULT_CALIBRATION = Path("runs/perf-calibration.json")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 KNOBS = {  # knob name -> the config key a user fixes it with
     "micro_batch_size": "parallelism.micro_batch_size",
     "recompute": "model.recompute",
+    "recompute_num_layers": "model.recompute_num_layers",
     "sequence_parallel": "parallelism.sequence_parallel",
     "precision": "train.precision",
     "vpp": "parallelism.vpp",
@@ -180,6 +182,24 @@ def _with(cfg: MegaConfig, knobs: dict[str, Any], layout: dict[str, Any] | None 
     )
 
 
+def _recompute_layers_open(plan: Planning) -> bool:
+    """The planner picks the recomputed layers only where it picks the recomputation itself."""
+    return plan.is_open(KNOBS["recompute"]) and plan.is_open(KNOBS["recompute_num_layers"])
+
+
+def fewest_recomputed(cfg: MegaConfig, hw: Hardware, stack: Stack = MEGA) -> MegaConfig:
+    """Full recomputation of only the first N layers of each model chunk (megatron-core's block
+    method) with the smallest N that fits in memory: each layer not recomputed saves its forward
+    again. ``cfg`` itself (every layer recomputed) when no N short of a whole chunk fits."""
+    m, p = cfg.model, cfg.parallelism
+    most = max(max(chunks) for chunks in p.chunk_layers(m.num_layers))
+    for n in range(1, most):
+        candidate = dataclasses.replace(cfg, model=dataclasses.replace(m, recompute_num_layers=n))
+        if memory_of(candidate, hw, stack).total <= hw.memory_bytes:
+            return candidate
+    return cfg
+
+
 def evaluate(
     plan: Planning,
     hw: Hardware | None = None,
@@ -218,6 +238,10 @@ def evaluate(
         except ConfigError as err:
             first_error = first_error or err
             continue
+        # the planner's own full recomputation (a given one is evaluated as given: every layer
+        # unless model.recompute_num_layers says otherwise)
+        if cfg.model.recompute == "full" and _recompute_layers_open(plan) and not memory_known:
+            cfg = fewest_recomputed(cfg, hw, predict_kwargs.get("stack", MEGA))
         pr = predict(cfg, hw, mfu_peak, **predict_kwargs)
         evaluated += 1
         fits = pr.fits or memory_known
@@ -229,6 +253,10 @@ def evaluate(
         raise first_error
     _, cfg, pr, knobs = best
     chosen = [k for k in names if plan.is_open(KNOBS[k])]
+    if cfg.model.recompute == "full":
+        knobs = {**knobs, "recompute_num_layers": cfg.model.recompute_num_layers}
+        if _recompute_layers_open(plan):
+            chosen.append("recompute_num_layers")
     knobs = {**knobs, "precision": cfg.train.precision, "cp": cfg.parallelism.cp, **plan.chosen}
     return Evaluation(cfg, pr, knobs, chosen + list(plan.chosen), evaluated)
 

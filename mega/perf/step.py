@@ -634,10 +634,21 @@ def accumulation_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack
     ]
 
 
+def recomputed_layers(cfg: MegaConfig) -> list[int]:
+    """Layers per stage whose recomputation the backward runs: all of them under selective
+    recomputation (the attention core of each), those ``model.recompute_num_layers`` picks under
+    full recomputation (``ParallelismConfig.recomputed_layers``)."""
+    m, p = cfg.model, cfg.parallelism
+    if m.recompute == "full":
+        return p.recomputed_layers(m.num_layers, m.recompute_num_layers)
+    return p.stage_layers(m.num_layers)
+
+
 def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: Stack = MEGA) -> list[Stage]:
     p = cfg.parallelism
     pp, vpp = p.pp, p.chunks_per_stage
     layers = p.stage_layers(cfg.model.num_layers)
+    recomputed = recomputed_layers(cfg)
     layer, emb = layer_unit(cfg, hw, dtype, stack), embedding_unit(cfg, hw, dtype)
     head = logits_unit(cfg, hw, dtype, stack)
     blocking = 0.0 if (pp == 1 or p.overlap_p2p_comm) else vpp * msg.blocking_per_chunk(stack)
@@ -655,7 +666,7 @@ def stages_of(cfg: MegaConfig, hw: Hardware, dtype: int, msg: Message, stack: St
             Stage(
                 layer.forward.scaled(n),
                 layer.backward.scaled(n),
-                layer.recompute.scaled(n),
+                layer.recompute.scaled(recomputed[stage]),
                 extra,
                 overhead,
                 blocking,
@@ -714,6 +725,7 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Mess
     lay, ext = st.layers, st.extra
     avg = sum(x.total for x in stages) / pp
     fill = 2 * (pp - 1) * msg.seconds if (pp > 1 and p.overlap_p2p_comm) else 0.0
+    partial = f" (the first {m.recompute_num_layers} layers of each chunk)" if m.recompute_num_layers else ""
     return [
         *compute_terms(cfg, hw, st, slowest),
         Term(
@@ -732,7 +744,7 @@ def pipeline_terms(cfg: MegaConfig, hw: Hardware, stages: list[Stage], msg: Mess
         Term(
             "recompute",
             mb * st.recompute.total,
-            f"model.recompute={m.recompute}: forward work redone in the backward",
+            f"model.recompute={m.recompute}{partial}: forward work redone in the backward",
         ),
         Term(
             "grad_accumulation",
@@ -860,14 +872,13 @@ def hardware_flops_per_step(cfg: MegaConfig) -> float:
     """Model FLOPs + the recomputed forward work (HFU's numerator)."""
     m, p = cfg.model, cfg.parallelism
     tokens = p.global_batch_size * m.seq_length
-    if m.recompute == "full":
-        return (
-            model_flops_per_token(
-                m, recompute=True, window=m.window_size, full_attention_every=m.full_attention_every
-            )
-            * tokens
-        )
     flops = model_flops_per_step(cfg)
+    if m.recompute == "full":  # the recomputed layers' share of the layers' forward once more
+        every = model_flops_per_token(
+            m, recompute=True, window=m.window_size, full_attention_every=m.full_attention_every
+        )
+        share = sum(p.recomputed_layers(m.num_layers, m.recompute_num_layers)) / m.num_layers
+        return flops + (every * tokens - flops) * share
     if m.recompute == "selective":
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
         keys = windowed * min((m.window_size or m.seq_length) + 1, m.seq_length) + full * m.seq_length
@@ -956,6 +967,17 @@ def core_sharing_term(hw: Hardware, world: int, busy_s: float, step_s: float) ->
     ]
 
 
+def memory_of(cfg: MegaConfig, hw: Hardware, stack: Stack = MEGA) -> Memory:
+    """Memory per GPU of ``cfg`` as ``predict`` reports it, without the step time."""
+    return memory_per_gpu(
+        cfg,
+        DTYPE_BYTES[precision_of(cfg)],
+        hw.flash_attention,
+        fp8=precision_of(cfg) == "fp8",
+        main_grad_bytes=stack.main_grad_bytes,
+    )
+
+
 def predict(
     cfg: MegaConfig, hw: Hardware, mfu_peak_flops: float | None = None, stack: Stack = MEGA
 ) -> Prediction:
@@ -981,9 +1003,7 @@ def predict(
 
     peak = mfu_peak_flops or hw.peak_flops
     flops = model_flops_per_step(cfg)
-    memory = memory_per_gpu(
-        cfg, dtype, hw.flash_attention, fp8=precision_of(cfg) == "fp8", main_grad_bytes=stack.main_grad_bytes
-    )
+    memory = memory_of(cfg, hw, stack)
     return Prediction(
         step_s=step_s,
         mfu=flops / (step_s * p.world_size * peak),
