@@ -26,6 +26,8 @@ mega.overlap.pp_dp.resolve, as training resolves it (``effective_overlap``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from dataclasses import dataclass, field
 
 from mega.config import MegaConfig
@@ -216,26 +218,19 @@ class Pass:
         comm = self.tp_exposed + self.cp_exposed
         return self.gemm + self.attention + self.elementwise + comm + self.overhead
 
+    def values(self) -> tuple[float, ...]:
+        """The fields in order (``dataclasses.astuple`` deep-copies: the planner adds passes
+        hundreds of thousands of times in a validation)."""
+        return _pass_values(self)
+
     def scaled(self, k: float) -> Pass:
-        return Pass(
-            *(
-                k * x
-                for x in (
-                    self.gemm,
-                    self.attention,
-                    self.elementwise,
-                    self.tp_exposed,
-                    self.tp_total,
-                    self.overhead,
-                    self.comm_cpu,
-                    self.cp_exposed,
-                    self.cp_total,
-                )
-            )
-        )
+        return Pass(*(k * x for x in self.values()))
 
     def __add__(self, o: Pass) -> Pass:
-        return Pass(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(o))))
+        return Pass(*(a + b for a, b in zip(self.values(), o.values())))
+
+
+_pass_values = operator.attrgetter(*(f.name for f in dataclasses.fields(Pass)))
 
 
 @dataclass
@@ -596,7 +591,7 @@ class Stage:
     p2p: float  # blocking pipeline messages on the critical path
     accumulate: float = 0.0  # adding the microbatch's weight gradients into the main gradients
 
-    @property
+    @functools.cached_property
     def layers(self) -> Pass:
         return self.forward + self.backward
 
