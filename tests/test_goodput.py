@@ -304,3 +304,54 @@ def test_a_rank_fault_waits_for_the_attempt_after_the_one_the_last_ended(tmp_pat
         relaunch.kill()
     finally:
         survivor.kill()
+
+
+def _run_dir(tmp_path, last_ok, commits=(4,)):
+    """Attempt 0 runs steps 1-6 and dies; attempt 1 restores step 4 and runs 5-7, then stops
+    (``last_ok``: True done, False failed with no restart left, None still running)."""
+    g = tmp_path / "goodput"
+    driver = [
+        {"event": "launch", "t": 0.0, "attempt": 0},
+        {"event": "stopped", "t": 8.0, "attempt": 0, "ok": False, "reason": "rank 1 died", "stop_s": 0.5},
+        {"event": "launch", "t": 9.0, "attempt": 1},
+    ]
+    if last_ok is not None:
+        reason = "completed" if last_ok else "no restart left"
+        driver.append({"event": "stopped", "t": 16.0, "attempt": 1, "ok": last_ok, "reason": reason})
+    for attempt, first, last, t in ((0, 1, 6, 1.0), (1, 5, 7, 11.0)):
+        rows = [{"event": "header", "created_t": t - 0.5, "main_t": t - 0.4}]
+        rows += [
+            {"event": "step", "step": s, "t0": t + i, "t1": t + i + 1, "skipped": False, "data_s": None}
+            for i, s in enumerate(range(first, last + 1))
+        ]
+        (g / f"attempt-{attempt}").mkdir(parents=True)
+        (g / f"attempt-{attempt}" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (g / "driver.jsonl").write_text("".join(json.dumps(e) + "\n" for e in driver))
+    saves = [{"event": "committed", "step": s, "time": 1.0 + s} for s in commits]
+    saves.append({"event": "failed", "step": 6, "time": 7.5, "error": "store down"})
+    (tmp_path / "checkpoints.jsonl").write_text("".join(json.dumps(r) + "\n" for r in saves))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "last_ok, commits, lost_by_attempt_1",
+    [
+        (True, (4,), []),  # the run finished: attempt 1's steps are the run's
+        (None, (4,), []),  # still running: nothing is decided yet
+        (False, (4,), [5, 6, 7]),  # failed after the restart: a resume starts from step 4 again
+        (False, (4, 6), [7]),  # attempt 1 saved step 6 before it failed
+        (False, (), [5, 6, 7]),  # nothing durable
+    ],
+)
+def test_a_run_that_ends_failed_loses_every_step_after_its_last_durable_checkpoint(
+    tmp_path, last_ok, commits, lost_by_attempt_1
+):
+    led = ledger.build(_run_dir(tmp_path, last_ok, commits))
+    lost = {(x["attempt"], x["step"]) for x in led["lost_steps"]}
+    durable = max(commits, default=0)
+    # attempt 0's steps 5 and 6 were run again by attempt 1; with nothing durable a failed run keeps none
+    lost_by_attempt_0 = [5, 6] if last_ok is not False or durable else [1, 2, 3, 4, 5, 6]
+    assert lost == {(0, s) for s in lost_by_attempt_0} | {(1, s) for s in lost_by_attempt_1}
+    assert led["ledger_s"]["lost_work"] >= len(lost)  # every step takes a second
+    if last_ok is False:
+        assert led["ledger_s"]["productive"] == pytest.approx(durable)  # one second a kept step

@@ -233,6 +233,21 @@ def test_restarts_are_bounded(killed_3d_run):
     ), str(failed)
 
 
+def test_a_failed_runs_ledger_keeps_only_the_steps_its_last_save_made_durable(killed_3d_run):
+    """The run ends failed (no restart left) right after its step-2 save committed: the ledger
+    reads that commit from the run's save log and counts no step up to it as lost; a step after
+    it would be (tests/test_goodput.py)."""
+    from mega.checkpoint import read_save_log
+    from mega.goodput import ledger
+
+    run_dir = killed_3d_run[0] / "saved"
+    assert [r["step"] for r in read_save_log(run_dir) if r["event"] == "committed"] == [2]
+    led = ledger.build(run_dir)
+    assert led["attempts"][-1]["ok"] is False
+    assert all(x["step"] > 2 for x in led["lost_steps"]), led["lost_steps"]
+    assert led["ledger_s"]["productive"] > 0
+
+
 def test_hung_rank_becomes_a_restart_not_a_silent_wait(
     tmp_path, tmp_path_factory, data_index, data_cache, reference
 ):

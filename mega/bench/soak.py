@@ -514,9 +514,9 @@ def _result(
     mtbf_s: float,
 ) -> dict:
     """The soak's JSON: the comparison with its reference, the faults and what recovery ran on."""
-    from mega.checkpoint.save import read_save_log
     from mega.goodput import recovery
     from mega.goodput import report as goodput_report
+    from mega.goodput.marks import read_save_log
     from mega.stability.incident import read_incidents
 
     soak_dir, cfg, harness = run["dir"], run["cfg"], run["harness"]

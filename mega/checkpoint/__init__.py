@@ -37,7 +37,8 @@ from mega.checkpoint.common import (
 )
 from mega.checkpoint.memory import MemoryCheckpoints
 from mega.checkpoint.restore import describe_source, load, restore, restore_source
-from mega.checkpoint.save import SAVE_LOG, Checkpointer, read_save_log
+from mega.checkpoint.save import Checkpointer
+from mega.goodput.marks import SAVE_LOG, read_save_log
 
 __all__ = [
     "LATEST",

@@ -67,8 +67,8 @@ from mega.checkpoint.common import (
 from mega.cluster import node
 from mega.cluster.backend_flags import backend_flags
 from mega.cluster.rendezvous import gloo_side_group
+from mega.goodput.marks import SAVE_LOG
 
-SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
 STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
 
 
@@ -591,8 +591,3 @@ class Checkpointer:
         if self.rank == 0:
             with open(self.run_dir / SAVE_LOG, "a") as f:
                 f.write(json.dumps({"time": time.time(), **row}) + "\n")
-
-
-def read_save_log(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / SAVE_LOG
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

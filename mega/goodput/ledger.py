@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mega import faults
-from mega.goodput.marks import DIR
+from mega.goodput.marks import DIR, read_save_log
 
 CATEGORIES = (
     "productive",
@@ -97,15 +97,24 @@ def _attempts(driver: list[dict]) -> list[dict]:
     return [out[a] for a in sorted(out)]
 
 
-def _surviving(marks: dict) -> dict[int, int]:
-    """Step -> the attempt whose run of it survives: the latest attempt that ran it."""
+def _surviving(marks: dict, attempts: list[dict], durable_step: int) -> dict[int, int]:
+    """Step -> the attempt whose run of it survives: the latest attempt that ran it. A run that
+    ended failed (its last attempt stopped, not ok) keeps only the steps up to its last durable
+    checkpoint: a resume starts there and runs every later step again."""
     latest: dict[int, int] = {}
     for a, by_rank in marks["ranks"].items():
         for rows in by_rank.values():
             for r in rows:
                 if r["event"] == "step":
                     latest[r["step"]] = max(latest.get(r["step"], -1), a)
+    if attempts and attempts[-1].get("ok") is False:
+        latest = {step: a for step, a in latest.items() if step <= durable_step}
     return latest
+
+
+def _durable_step(run_dir: Path) -> int:
+    """The step of the run's last committed checkpoint (rank 0's save log), 0 when none."""
+    return max((r["step"] for r in read_save_log(run_dir) if r["event"] == "committed"), default=0)
 
 
 def _flow_intervals(flow: list[dict], driver: list[dict]) -> list[Interval]:
@@ -317,7 +326,7 @@ def build(run_dir: str | Path) -> dict:
             f"{run_dir}/{DIR}: no driver or flow marks (was the run launched by mega.launch?)"
         )
     attempts = _attempts(marks["driver"])
-    survivors = _surviving(marks)
+    survivors = _surviving(marks, attempts, _durable_step(run_dir))
     median_s = _median_step_s(marks)
     intervals = _flow_intervals(marks["flow"], marks["driver"]) + _driver_intervals(marks["driver"], attempts)
     everyone = {r for by_rank in marks["ranks"].values() for r in by_rank}
