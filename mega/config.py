@@ -174,6 +174,13 @@ class ParallelismConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     use_distributed_optimizer: bool = True
+    # Fully sharded data parallelism: megatron-core's Megatron FSDP with
+    # data_parallel_sharding_strategy=optim_grads_params (ZeRO-3): weights, gradients and optimizer
+    # state sharded over the dp x cp ranks; each layer's weights all-gathered before its forward and
+    # again before its backward, its gradients reduce-scattered after its backward, every
+    # microbatch. Planning only (mega.plan): mega trains with megatron's DDP, and the model
+    # describes it without pipeline parallelism.
+    fsdp: bool = False
     # Communication overlap (docs/overlap.md): TP/SP collectives chunked with the GEMMs
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine
     # userbuffers), PP send/recv decoupled from compute (interleaved schedule only), and the DP
@@ -265,6 +272,11 @@ class ParallelismConfig:
             self.global_batch_size % (self.micro_batch_size * self.dp) == 0,
             "parallelism.global_batch_size",
             f"{self.global_batch_size} is not divisible by micro_batch_size*dp={self.micro_batch_size}*{self.dp}",
+        )
+        _require(
+            not self.fsdp or self.pp == 1,
+            "parallelism.fsdp",
+            f"the performance model describes FSDP without pipeline parallelism: set pp=1, not {self.pp}",
         )
         if self.chunks_per_stage > 1:
             _require(
@@ -1287,6 +1299,14 @@ def planning_only(cfg: MegaConfig) -> list[tuple[str, str]]:
                 f"cp={cfg.parallelism.cp} is a planning setting (mega.plan): context parallelism needs "
                 "Transformer Engine's attention (megatron-core's TE layer spec) to train, and mega builds "
                 "the local layer spec, whose attention has no CP; set parallelism.cp=1 to train",
+            )
+        )
+    if cfg.parallelism.fsdp:
+        out.append(
+            (
+                "parallelism.fsdp",
+                "fsdp is a planning setting (mega.plan): mega trains with megatron-core's "
+                "DistributedDataParallel, not Megatron FSDP; set parallelism.fsdp=false to train",
             )
         )
     if cfg.train.precision == "fp8":

@@ -60,6 +60,16 @@ def stage_params(m: ModelConfig, p: ParallelismConfig) -> list[float]:
     return stages
 
 
+def fsdp_units(m: ModelConfig, p: ParallelismConfig) -> list[float]:
+    """Parameters per tensor-parallel rank of each unit Megatron FSDP gathers whole, in forward
+    order (pp=1): the embedding, every transformer layer, the output layer with the final norm
+    (no weights of its own when the word embeddings are tied). They sum to the stage's."""
+    embedding = m.padded_vocab_size * m.hidden_size / p.tp
+    first = embedding + (m.seq_length * m.hidden_size if m.position_embedding == "learned_absolute" else 0)
+    last = (0 if m.tie_embeddings else embedding) + norm_params(m)
+    return [first] + [layer_params(m, p.tp)] * m.num_layers + [last]
+
+
 def model_params(m: ModelConfig) -> float:
     return sum(stage_params(m, ParallelismConfig()))
 
@@ -174,8 +184,16 @@ def memory_per_gpu(
             weights += layers[stage] * layer_params(m, tp) * 2
         gradients = n * main_grad_bytes  # megatron's main-grad buffer (fp32 by default)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
-        if p.use_distributed_optimizer:  # sharded over the data-parallel group with context parallel
+        if (
+            p.use_distributed_optimizer or p.fsdp
+        ):  # sharded over the data-parallel group with context parallel
             optimizer /= dp * p.cp
+        if p.fsdp:  # a shard of everything, and whole only the unit in use and the one prefetched
+            unit = max(fsdp_units(m, p))
+            weights = n * dtype_bytes / (dp * p.cp) + 2 * unit * dtype_bytes
+            if fp8:  # Transformer Engine's FP8 copies (as is and transposed) of the gathered layers
+                weights += 2 * layer_params(m, tp) * 2
+            gradients = n * main_grad_bytes / (dp * p.cp) + unit * main_grad_bytes
         # in units of the stage's mean chunk (one layer short on a stage that accounts for the
         # embedding or the loss); under block recomputation a chunk's first recompute_num_layers
         # layers keep their input alone, the rest everything

@@ -3,8 +3,8 @@
 Knobs the planner chooses when the overrides leave them open (configs.py says what "open" means):
 micro-batch size, recomputation (none / selective / full, and under full the fewest layers per
 model chunk that fit: ``model.recompute_num_layers``), sequence parallelism (tp > 1) and the
-training precision (bf16 on GPUs, fp32 on CPUs). Context parallelism (``parallelism.cp``) is the
-user's: never searched, every layout keeps it. The best choice is the one with the highest
+training precision (bf16 on GPUs, fp32 on CPUs). Context parallelism (``parallelism.cp``) and
+FSDP (``parallelism.fsdp``) are the user's: never searched, every layout keeps them. The best choice is the one with the highest
 predicted MFU among those that fit in memory; when nothing fits, the one needing the least memory
 (reported with ``fits: false``). ``search`` also enumerates tp, pp, vpp and dp (tp within a node:
 TP across nodes is never faster) for the cluster's GPU count, keeping the layout keys the user

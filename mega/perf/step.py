@@ -34,7 +34,7 @@ from mega.config import MegaConfig
 from mega.flops import attention_layer_counts, model_flops_per_step, model_flops_per_token
 from mega.overlap import pp_dp
 from mega.perf.hardware import Hardware
-from mega.perf.memory import Memory, buckets, kv_size, memory_per_gpu, stage_params
+from mega.perf.memory import Memory, buckets, fsdp_units, kv_size, memory_per_gpu, stage_params
 from mega.perf.scale import straggler_s
 
 # Bytes of an activation, gradient or weight element at each training precision. fp8 keeps them in
@@ -777,7 +777,7 @@ def optimizer_seconds(cfg: MegaConfig, hw: Hardware, dtype: int, params_rank: fl
     """A memory-bound pass over this rank's shard of the optimizer state, the grad-norm
     all-reduces, and (CPU) the per-layer host cost of the per-tensor updates."""
     p = cfg.parallelism
-    opt_params = params_rank / (p.dp * p.cp if p.use_distributed_optimizer else 1)
+    opt_params = params_rank / (p.dp * p.cp if p.use_distributed_optimizer or p.fsdp else 1)
     state = 8 if cfg.optimizer.name != "sgd" else 4
     # state read + write, fp32 gradient, fp32 master read + write (16-bit weights), weights, norm, zeroing
     per_param = 2 * state + 4 + 2 * (4 if dtype < 4 else 0) + dtype + 4 + 4
@@ -859,6 +859,64 @@ def data_parallel_terms(
             f"{p.overlap_param_gather_with_optimizer_step})",
             total_s=ag_total,
         ),
+    ]
+    return terms, opt_s, cpu
+
+
+def fsdp_terms(
+    cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA
+) -> tuple[list[Term], float, float]:
+    """Megatron FSDP (``parallelism.fsdp``, pp=1) over the dp x cp ranks, tp apart: every microbatch
+    each unit (``memory.fsdp_units``: the embedding, each layer, the output layer) is all-gathered
+    before its forward, gathered again before its backward (but the output layer's, whose backward
+    follows its forward) and its gradient reduce-scattered after its backward. A gather is
+    prefetched under the forward of the unit before it, or the backward of the unit after it, where
+    the reduce-scatter of that unit runs too: exposed is what a unit's neighbours' collectives take
+    beyond its compute, plus the first gather of each microbatch (nothing runs before it) and, once
+    a step, the embedding's reduce-scatter after the last backward. Returns the terms, the
+    optimizer's seconds and the collectives' core seconds (CPU machines)."""
+    m, p = cfg.model, cfg.parallelism
+    n, mb = p.dp * p.cp, p.num_microbatches
+    units = fsdp_units(m, p)
+    layer, emb, head = (
+        layer_unit(cfg, hw, dtype, stack),
+        embedding_unit(cfg, hw, dtype),
+        logits_unit(cfg, hw, dtype, stack),
+    )
+    forward = [emb.forward.total] + [layer.forward.total] * m.num_layers + [head.forward.total]
+    redone = recomputed_layers(cfg)[0]  # the first ones recompute (pp=1: one chunk)
+    backward = (
+        [emb.backward.total]
+        + [layer.backward.total + (layer.recompute.total if i < redone else 0.0) for i in range(m.num_layers)]
+        + [head.backward.total]
+    )
+    ag = [hw.collective_s("all_gather", u * dtype, n, stride=p.tp) for u in units]
+    rs = [hw.collective_s("reduce_scatter", u * stack.main_grad_bytes, n, stride=p.tp) for u in units]
+    last = len(units) - 1
+    exposed = ag[0] + sum(max(0.0, ag[i] - forward[i - 1]) for i in range(1, last + 1))
+    exposed += sum(
+        max(0.0, (ag[i - 1] if i > 0 else 0.0) + (rs[i + 1] if i < last else 0.0) - backward[i])
+        for i in range(last + 1)
+    )
+    total = sum(ag) + sum(ag[:-1]) + sum(rs)
+    cpu = mb * sum(
+        hw.collective_cpu_s(kind, u * size, n)
+        for u in units
+        for kind, size in (("all_gather", 2 * dtype), ("reduce_scatter", stack.main_grad_bytes))
+    )
+    params = sum(units)
+    opt_s, opt_what = optimizer_seconds(cfg, hw, dtype, params)
+    terms = [
+        Term(
+            "fsdp_comm",
+            mb * exposed + rs[0],
+            f"Megatron FSDP over dp x cp={n}: per microbatch {len(units)} units' {8 * dtype}-bit weights "
+            f"gathered for the forward and again for the backward, {8 * stack.main_grad_bytes}-bit "
+            f"gradients reduce-scattered ({params * dtype / 2**30:.2f} GiB of weights), each under a "
+            "neighbouring unit's compute",
+            total_s=mb * total,
+        ),
+        Term("optimizer", opt_s, opt_what),
     ]
     return terms, opt_s, cpu
 
@@ -985,9 +1043,12 @@ def predict(
     msg = p2p_message(cfg, hw, dtype, stack.p2p_scatter_gather)
     stages = stages_of(cfg, hw, dtype, msg, stack)
     terms = pipeline_terms(cfg, hw, stages, msg)
-    dp_terms, opt_s, dp_cpu = data_parallel_terms(
-        cfg, hw, dtype, stages, bubble=terms[-1].seconds, stack=stack
-    )
+    if p.fsdp:
+        dp_terms, opt_s, dp_cpu = fsdp_terms(cfg, hw, dtype, stack)
+    else:
+        dp_terms, opt_s, dp_cpu = data_parallel_terms(
+            cfg, hw, dtype, stages, bubble=terms[-1].seconds, stack=stack
+        )
     once = per_step_terms(cfg, hw)
     terms += dp_terms + once
     terms += stragglers_term(hw, p.dp, sum(t.seconds for t in terms))
