@@ -114,6 +114,15 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
+def composer():
+    """Hydra composition for the performance model's tests (mega.perf.configs.Composer), per module."""
+    from mega.perf.configs import Composer
+
+    with Composer() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def redis_url():
     """The URL of a real redis-server (mega.store.RedisServer) shared by a module's tests."""
     from mega.store import RedisServer

@@ -95,3 +95,15 @@ def prefect_deploy(prefect_file: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
+
+
+def predicted(composer, overrides):
+    """The performance model's prediction of ``overrides`` (knobs as given, precision settled),
+    with the config and the hardware it ran on."""
+    from mega.perf.planner import hardware_for, settle_precision
+    from mega.perf.step import predict
+
+    plan = composer.plan(list(overrides))
+    settle_precision(plan)
+    hw, peak = hardware_for(plan.cfg)
+    return predict(plan.cfg, hw, peak), plan.cfg, hw

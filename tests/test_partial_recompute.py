@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import predicted
 from megatron_world import build, spawn, start_world, stop_world, use_tp
 
 from mega.config import ConfigError, compose, from_dict
 from mega.flops import model_flops_per_step, model_flops_per_token
-from mega.perf.configs import Composer, for_planning
+from mega.perf.configs import for_planning
 from mega.perf.memory import activation_bytes_per_layer, in_flight
-from mega.perf.planner import evaluate, hardware_for, settle_precision
-from mega.perf.step import hardware_flops_per_step, layer_unit, memory_of, predict
+from mega.perf.planner import evaluate, hardware_for
+from mega.perf.step import hardware_flops_per_step, layer_unit, memory_of
 
 # --- training: which layers megatron-core recomputes ------------------------------------------
 
@@ -152,17 +153,8 @@ LAYOUT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def composer():
-    with Composer() as c:
-        yield c
-
-
 def _predicted(composer, *extra):
-    plan = composer.plan([*LAYOUT, *extra])
-    settle_precision(plan)
-    hw, peak = hardware_for(plan.cfg)
-    return predict(plan.cfg, hw, peak), plan.cfg, hw
+    return predicted(composer, [*LAYOUT, *extra])
 
 
 def test_memory_keeps_the_inputs_of_the_recomputed_layers_and_everything_of_the_rest(composer):

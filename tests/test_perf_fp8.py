@@ -10,7 +10,6 @@ import pytest
 from mega.config import ConfigError, validate
 from mega.flops import model_flops_per_token
 from mega.perf import device, hardware, published
-from mega.perf.configs import Composer
 from mega.perf.memory import activation_bytes_per_layer, layer_params
 from mega.perf.step import elementwise_seconds, layer_gemms, predict, tp_collective_seconds
 
@@ -23,12 +22,6 @@ H100 = [
     "parallelism.micro_batch_size=1",
 ]
 NEMO = "nemo-2407-h100-fp8.json"
-
-
-@pytest.fixture(scope="module")
-def composer():
-    with Composer() as c:
-        yield c
 
 
 def _cfg(composer, precision: str, *more: str):

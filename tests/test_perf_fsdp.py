@@ -4,12 +4,13 @@ Megatron FSDP, planning only): its memory and its per-unit collectives against h
 from __future__ import annotations
 
 import pytest
+from helpers import predicted
 
 from mega.config import ConfigError, compose, validate
-from mega.perf.configs import Composer, for_planning
+from mega.perf.configs import for_planning
 from mega.perf.memory import fsdp_units, layer_params, optimizer_bytes_per_param, stage_params
-from mega.perf.planner import evaluate, hardware_for, settle_precision
-from mega.perf.step import embedding_unit, layer_unit, predict
+from mega.perf.planner import evaluate
+from mega.perf.step import embedding_unit, layer_unit
 
 # Llama 3 70B on 64 H100s, data parallelism only, micro-batch 1: 2 microbatches a step.
 LAYOUT = [
@@ -29,17 +30,8 @@ LAYOUT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def composer():
-    with Composer() as c:
-        yield c
-
-
 def _predicted(composer, *extra):
-    plan = composer.plan([*LAYOUT, *extra])
-    settle_precision(plan)
-    hw, peak = hardware_for(plan.cfg)
-    return predict(plan.cfg, hw, peak), plan.cfg, hw
+    return predicted(composer, [*LAYOUT, *extra])
 
 
 def _ring(hw, kind: str, nbytes: float, n: int) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import predicted
 
 from mega.config import ConfigError
 from mega.overlap import pp_dp
@@ -38,19 +39,6 @@ LAYOUT_175B = [
 BASELINE = ["features=megatron-baseline", "parallelism.overlap_grad_reduce=false"]
 MEGASCALE = ["features=megascale", "parallelism.tp_overlap=ring"]
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-@pytest.fixture(scope="module")
-def composer():
-    with Composer() as c:
-        yield c
-
-
-def _predict(composer, overrides):
-    plan = composer.plan(overrides)
-    settle_precision(plan)
-    hw, peak = hardware_for(plan.cfg)
-    return predict(plan.cfg, hw, peak), plan.cfg, hw
 
 
 # --- each term against an independent computation --------------------------------------------
@@ -127,7 +115,7 @@ def test_interleaved_bubble_at_fixed_global_batch(composer):
     doubles (the stages differ only by embedding/output layer: within 3%)."""
     shares = []
     for nodes, dp in ((384, 48), (768, 96), (1536, 192)):
-        pr, cfg, _ = _predict(
+        pr, cfg, _ = predicted(
             composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"]
         )
         m = cfg.parallelism.num_microbatches
@@ -144,7 +132,7 @@ def test_dp_reduce_tail_is_at_least_one_bucket(composer):
     total / (buckets of megatron's DDP: max(4e7, 1e6 dp) parameters each, one per later chunk)."""
     from mega.perf.memory import stage_params
 
-    pr, cfg, _ = _predict(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
+    pr, cfg, _ = predicted(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
     p = cfg.parallelism
     n_buckets = buckets(max(stage_params(cfg.model, p)) / p.vpp, p.dp) + p.vpp - 1
     term = pr.breakdown()["dp_grad_reduce"]
@@ -159,7 +147,7 @@ def test_dp_bucket_size_sets_the_bucket_count_and_its_latency(composer):
     paying the ring's dp - 1 per-hop latencies over the NICs once more."""
     from mega.perf.memory import stage_params
 
-    _, cfg, hw = _predict(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
+    _, cfg, hw = predicted(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
     p = cfg.parallelism
     params = max(stage_params(cfg.model, p)) / p.vpp
     size = 1024 * 1024 * 20 // 2  # bucket_cap_mb=20 of bf16 gradients
@@ -200,7 +188,7 @@ def test_megascale_dp_reduce_leaves_the_last_chunk_exposed(composer):
 def _korthikanti_layer(composer, model, micro_batch, recompute, sp, extra=(), pp=1):
     """Korthikanti et al. 2022 Table 3's layout of ``model`` on TP8 (no data parallelism)."""
     nodes = {"gpt-22b": 1, "gpt-530b": 35, "gpt-1t": 64}[model] if pp > 1 else 1
-    return _predict(
+    return predicted(
         composer,
         [
             f"model={model}",
@@ -428,7 +416,7 @@ def test_sc21_and_korthikanti_runs_of_one_layout_agree_once_each_stack_is_charge
 
 
 def test_step_overhead_and_stragglers_are_terms(composer):
-    pr, cfg, hw = _predict(composer, [*LAYOUT_175B, *BASELINE, "cluster.nodes=384", "parallelism.dp=48"])
+    pr, cfg, hw = predicted(composer, [*LAYOUT_175B, *BASELINE, "cluster.nodes=384", "parallelism.dp=48"])
     b = pr.breakdown()
     assert b["step_overhead"]["seconds"] == hw.step_overhead_s > 0
     before = sum(v["seconds"] for k, v in b.items() if k != "stragglers")
@@ -443,7 +431,7 @@ def test_step_overhead_and_stragglers_are_terms(composer):
 def test_mfu_falls_with_gpus_at_fixed_batch_and_the_breakdown_says_why(composer):
     rows = []
     for nodes, dp in ((384, 48), (768, 96), (1024, 128), (1536, 192)):
-        pr, _, _ = _predict(
+        pr, _, _ = predicted(
             composer, [*LAYOUT_175B, *BASELINE, f"cluster.nodes={nodes}", f"parallelism.dp={dp}"]
         )
         share = {k: v["seconds"] / pr.step_s for k, v in pr.breakdown().items()}
@@ -460,8 +448,8 @@ def test_megascale_speedup_over_the_baseline_grows_with_scale(composer):
     speedups = []
     for nodes, dp in ((384, 48), (1536, 192)):
         lay = [f"cluster.nodes={nodes}", f"parallelism.dp={dp}"]
-        base, _, _ = _predict(composer, [*LAYOUT_175B, *BASELINE, *lay])
-        ms, _, _ = _predict(composer, [*LAYOUT_175B, *MEGASCALE, *lay])
+        base, _, _ = predicted(composer, [*LAYOUT_175B, *BASELINE, *lay])
+        ms, _, _ = predicted(composer, [*LAYOUT_175B, *MEGASCALE, *lay])
         speedups.append(base.step_s / ms.step_s)
     assert 1 < speedups[0] < speedups[1]
 
@@ -483,14 +471,14 @@ def test_comm_overlap_auto_resolves_as_in_training(composer):
         "model.recompute=null",
         "parallelism.sequence_parallel=true",
     ]
-    auto, cfg, hw = _predict(composer, lay)
+    auto, cfg, hw = predicted(composer, lay)
     eff = pp_dp.resolve(cfg.parallelism)
     assert eff.overlap_p2p_comm and eff.overlap_param_gather and eff.align_param_gather
     explicit_flags = [f"parallelism.{k}=true" for k in eff.on()]
-    explicit, _, _ = _predict(composer, [*lay, "parallelism.comm_overlap='off'", *explicit_flags])
+    explicit, _, _ = predicted(composer, [*lay, "parallelism.comm_overlap='off'", *explicit_flags])
     assert auto.step_s == pytest.approx(explicit.step_s)
     assert effective_overlap(cfg).parallelism.overlap_p2p_comm is True
-    off, _, _ = _predict(composer, [*lay, "parallelism.comm_overlap='off'"])
+    off, _, _ = predicted(composer, [*lay, "parallelism.comm_overlap='off'"])
     assert off.step_s > auto.step_s
 
 
