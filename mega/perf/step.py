@@ -5,7 +5,8 @@ batched GEMMs + softmax traffic, or one fused kernel), elementwise traffic, the 
 tensor-parallel collectives and, under recomputation, part of its forward again. A pipeline stage
 runs its layers (+ embedding / logits and loss) for every microbatch; the slowest stage sets the
 pace and the interleaved 1F1B bubble adds ``(pp - 1) / vpp`` microbatch-times. Data parallelism
-adds the exposed part of the gradient reduce-scatter and the parameter all-gather; then come the
+adds the exposed part of the gradient reduce-scatter and the parameter all-gather (under
+``parallelism.fsdp``, every unit's gathers and reduce-scatter every microbatch); then come the
 optimizer step, the tied-embedding gradient sync, data loading and host overheads, and on GPUs the
 stragglers (the slowest of the data-parallel replicas sets the step, mega.perf.scale). On a CPU
 whose ranks share cores, the step cannot be shorter than all ranks' work divided by the cores.
