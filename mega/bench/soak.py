@@ -516,8 +516,8 @@ def _result(
     """The soak's JSON: the comparison with its reference, the faults and what recovery ran on."""
     from mega.goodput import recovery
     from mega.goodput import report as goodput_report
-    from mega.goodput.marks import read_save_log
     from mega.stability.incident import read_incidents
+    from mega.storage.save_log import read_save_log
 
     soak_dir, cfg, harness = run["dir"], run["cfg"], run["harness"]
     soak_led = goodput_report.build(soak_dir, title="soak", tensorboard=False)

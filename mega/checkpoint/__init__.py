@@ -38,7 +38,7 @@ from mega.checkpoint.common import (
 from mega.checkpoint.memory import MemoryCheckpoints
 from mega.checkpoint.restore import describe_source, load, restore, restore_source
 from mega.checkpoint.save import Checkpointer
-from mega.goodput.marks import SAVE_LOG, read_save_log
+from mega.storage.save_log import SAVE_LOG, read_save_log
 
 __all__ = [
     "LATEST",

@@ -67,7 +67,7 @@ from mega.checkpoint.common import (
 from mega.cluster import node
 from mega.cluster.backend_flags import backend_flags
 from mega.cluster.rendezvous import gloo_side_group
-from mega.goodput.marks import SAVE_LOG
+from mega.storage.save_log import SAVE_LOG
 
 STAGE2_NICE = 10  # scheduling priority of asynchronous stage 2 (0 normal, 19 lowest)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mega import faults
-from mega.goodput.marks import DIR, read_save_log
+from mega.goodput.marks import DIR
+from mega.storage.save_log import read_save_log
 
 CATEGORIES = (
     "productive",

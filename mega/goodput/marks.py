@@ -6,9 +6,6 @@
 * ``attempt-<a>/rank-<r>.jsonl``: a rank's start-up phases, each step, checkpoint stalls,
   validations, the loop's end (``RankMarks``).
 
-Beside them, ``<run_dir>/checkpoints.jsonl`` (``SAVE_LOG``): rank 0's record of every save, commit
-and failed save (mega/checkpoint/save.py writes it; the ledger reads which step is durable).
-
 Every time is ``time.time()`` plus the writer's offset to the one clock (mega/goodput/clock.py);
 the first line of a file of marks says which clock and its error. Writing never raises into
 training: a mark that cannot be written is lost, and the ledger names the time it leaves uncovered.
@@ -26,7 +23,6 @@ from mega import procstat
 from mega.goodput import clock
 
 DIR = "goodput"
-SAVE_LOG = "checkpoints.jsonl"  # one line per save and per commit, written by rank 0
 _DRIVER_CLOCK: dict | None = None
 
 
@@ -37,11 +33,6 @@ def _append(path: Path, row: dict) -> None:
             f.write(json.dumps(row) + "\n")
     except OSError:
         pass
-
-
-def read_save_log(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / SAVE_LOG
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def driver_clock(env: dict[str, str] | None = None) -> dict:
