@@ -246,6 +246,10 @@ class ParallelismConfig:
         chunks[-1][-1] -= self.account_for_loss_in_pipeline_split
         return chunks
 
+    def largest_chunk(self, num_layers: int) -> int:
+        """The most transformer layers one model chunk holds."""
+        return max(max(chunks) for chunks in self.chunk_layers(num_layers))
+
     def recomputed_layers(self, num_layers: int, recompute_num_layers: int | None) -> list[int]:
         """Layers each stage recomputes under full recomputation: every one (uniform), or the
         first ``recompute_num_layers`` of each of its chunks (megatron-core's block method)."""
@@ -1351,7 +1355,7 @@ def _layout_fits_model(cfg: MegaConfig) -> None:
         + f" is not divisible by pp*vpp={p.pp}*{vpp}",
     )
     if m.recompute_num_layers is not None:
-        most = max(max(chunks) for chunks in p.chunk_layers(m.num_layers))
+        most = p.largest_chunk(m.num_layers)
         _require(
             m.recompute_num_layers <= most,
             "model.recompute_num_layers",

@@ -184,9 +184,8 @@ def memory_per_gpu(
             weights += layers[stage] * layer_params(m, tp) * 2
         gradients = n * main_grad_bytes  # megatron's main-grad buffer (fp32 by default)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
-        if (
-            p.use_distributed_optimizer or p.fsdp
-        ):  # sharded over the data-parallel group with context parallel
+        # sharded over the data-parallel group with context parallel
+        if p.use_distributed_optimizer or p.fsdp:
             optimizer /= dp * p.cp
         if p.fsdp:  # a shard of everything, and whole only the unit in use and the one prefetched
             unit = max(fsdp_units(m, p))

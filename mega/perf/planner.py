@@ -4,8 +4,8 @@ Knobs the planner chooses when the overrides leave them open (configs.py says wh
 micro-batch size, recomputation (none / selective / full, and under full the fewest layers per
 model chunk that fit: ``model.recompute_num_layers``), sequence parallelism (tp > 1) and the
 training precision (bf16 on GPUs, fp32 on CPUs). Context parallelism (``parallelism.cp``) and
-FSDP (``parallelism.fsdp``) are the user's: never searched, every layout keeps them. The best choice is the one with the highest
-predicted MFU among those that fit in memory; when nothing fits, the one needing the least memory
+FSDP (``parallelism.fsdp``) are the user's: never searched, every layout keeps them. The best
+choice is the one with the highest predicted MFU among those that fit in memory; when nothing fits, the one needing the least memory
 (reported with ``fits: false``). ``search`` also enumerates tp, pp, vpp and dp (tp within a node:
 TP across nodes is never faster) for the cluster's GPU count, keeping the layout keys the user
 fixed, and ranks every layout that fits.
@@ -191,9 +191,8 @@ def fewest_recomputed(cfg: MegaConfig, hw: Hardware, stack: Stack = MEGA) -> Meg
     """Full recomputation of only the first N layers of each model chunk (megatron-core's block
     method) with the smallest N that fits in memory: each layer not recomputed saves its forward
     again. ``cfg`` itself (every layer recomputed) when no N short of a whole chunk fits."""
-    m, p = cfg.model, cfg.parallelism
-    most = max(max(chunks) for chunks in p.chunk_layers(m.num_layers))
-    for n in range(1, most):
+    m = cfg.model
+    for n in range(1, cfg.parallelism.largest_chunk(m.num_layers)):
         candidate = dataclasses.replace(cfg, model=dataclasses.replace(m, recompute_num_layers=n))
         if memory_of(candidate, hw, stack).total <= hw.memory_bytes:
             return candidate

@@ -893,6 +893,8 @@ def fsdp_terms(
     )
     ag = [hw.collective_s("all_gather", u * dtype, n, stride=p.tp) for u in units]
     rs = [hw.collective_s("reduce_scatter", u * stack.main_grad_bytes, n, stride=p.tp) for u in units]
+    ag_cpu = [hw.collective_cpu_s("all_gather", u * dtype, n) for u in units]
+    rs_cpu = [hw.collective_cpu_s("reduce_scatter", u * stack.main_grad_bytes, n) for u in units]
     last = len(units) - 1
     exposed = ag[0] + sum(max(0.0, ag[i] - forward[i - 1]) for i in range(1, last + 1))
     exposed += sum(
@@ -900,11 +902,7 @@ def fsdp_terms(
         for i in range(last + 1)
     )
     total = sum(ag) + sum(ag[:-1]) + sum(rs)
-    cpu = mb * sum(
-        hw.collective_cpu_s(kind, u * size, n)
-        for u in units
-        for kind, size in (("all_gather", 2 * dtype), ("reduce_scatter", stack.main_grad_bytes))
-    )
+    cpu = mb * (sum(ag_cpu) + sum(ag_cpu[:-1]) + sum(rs_cpu))  # the collectives counted as in total
     params = sum(units)
     opt_s, opt_what = optimizer_seconds(cfg, hw, dtype, params)
     terms = [
