@@ -121,6 +121,30 @@ def _device_warnings(result: dict[str, Any]) -> None:
         )
 
 
+# Share of a GPU step spent in unfused attention above which the plan says what flash attention gives.
+UNFUSED_ATTENTION_SHARE = 0.05
+
+
+def _attention_warning(result: dict[str, Any], overrides: list[str], calibration: str | None) -> None:
+    """On a GPU, ``model.fused_ops=false`` keeps megatron-core's unfused attention (the s x s scores
+    written and read back), which no production GPU run uses: where it costs a visible share of the
+    step, the plan says so with the same layout's MFU under flash attention."""
+    hw = result.get("hardware", {})
+    if hw.get("cores") is not None or hw.get("flash_attention", True):
+        return
+    attention = result["breakdown"]["attention"]["seconds"]
+    share = attention / result["step_s"]
+    if share < UNFUSED_ATTENTION_SHARE:
+        return
+    fused = _evaluate([*overrides, "model.fused_ops=true"], calibration)
+    result.setdefault("warnings", []).append(
+        f"attention runs unfused (model.fused_ops=false: megatron-core's DotProductAttention writes "
+        f"the s x s scores): {attention:.3g} s of the {result['step_s']:.3g} s step ({share:.0%}); with "
+        f"model.fused_ops=true (flash-attn, fused element-wise kernels) the same layout plans at "
+        f"{fused['mfu']:.1%} MFU"
+    )
+
+
 def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
     """One evaluation (or search); with ``features`` other than the baseline, also the baseline's
     evaluation of the same layout and ``speedup_vs_baseline`` (tokens/s ratio)."""
@@ -131,6 +155,7 @@ def plan_once(overrides: list[str], search: bool, calibration: str | None) -> di
         return planner.search(plan, calibration)
     result = _evaluate(overrides, calibration)
     _device_warnings(result)
+    _attention_warning(result, overrides, calibration)
     features = _features(overrides)
     if features is not None and features != BASELINE_FEATURES:
         base = _evaluate(

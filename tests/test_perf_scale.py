@@ -546,6 +546,7 @@ def test_calibration_file_round_trip_and_bad_values(tmp_path):
 def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path, capsys):
     args = [
         "model=gpt-13b",
+        "model.fused_ops=true",
         "cluster=h100-8x",
         "cluster.nodes=4",
         "parallelism.tp=8",
@@ -565,6 +566,35 @@ def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path,
     measured = json.loads(captured.out.strip().splitlines()[-1])
     assert measured["mfu"] < built_in["mfu"] and measured["validated"] is False
     assert "warning" in captured.err and "no published run" in measured["warnings"][0]
+
+
+def test_plan_on_a_gpu_says_what_unfused_attention_costs(capsys):
+    """model.fused_ops=false on a GPU plans megatron-core's unfused attention (the s x s scores in
+    memory): the plan warns with the attention's share of the step and the same layout's MFU with
+    flash attention, which a separate plan with model.fused_ops=true reproduces; a fused plan and a
+    short sequence (attention under 5% of the step) say nothing."""
+    args = [
+        "model=llama3-8b",
+        "cluster=h100-8x",
+        "parallelism.global_batch_size=128",
+        "model.seq_length=8192",
+    ]
+    assert plan_main([*args, "--json"]) == 0
+    captured = capsys.readouterr()
+    unfused = json.loads(captured.out.strip().splitlines()[-1])
+    attention = unfused["breakdown"]["attention"]
+    assert "full s x s scores" in attention["what"] and attention["seconds"] > 0.05 * unfused["step_s"]
+    (warning,) = unfused["warnings"]
+    assert warning.startswith("attention runs unfused") and "plan: warning: attention" in captured.err
+    assert plan_main([*args, "model.fused_ops=true", "--json"]) == 0
+    fused = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "warnings" not in fused and fused["mfu"] > unfused["mfu"]
+    assert warning.endswith(f"plans at {fused['mfu']:.1%} MFU")
+    short = [a.replace("model.seq_length=8192", "model.seq_length=128") for a in args]
+    assert plan_main([*short, "model.hidden_size=8192", "--json"]) == 0
+    tiny_share = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert tiny_share["breakdown"]["attention"]["seconds"] < 0.05 * tiny_share["step_s"]
+    assert "warnings" not in tiny_share
 
 
 @pytest.mark.parametrize(
