@@ -125,22 +125,27 @@ def _device_warnings(result: dict[str, Any]) -> None:
 UNFUSED_ATTENTION_SHARE = 0.05
 
 
-def _attention_warning(result: dict[str, Any], overrides: list[str], calibration: str | None) -> None:
+def _attention_warning(
+    evaluation: dict[str, Any], overrides: list[str], calibration: str | None
+) -> str | None:
     """On a GPU, ``model.fused_ops=false`` keeps megatron-core's unfused attention (the s x s scores
     written and read back), which no production GPU run uses: where it costs a visible share of the
     step, the plan says so with the same layout's MFU under flash attention."""
-    hw = result.get("hardware", {})
+    hw = evaluation.get("hardware", {})
     if hw.get("cores") is not None or hw.get("flash_attention", True):
-        return
-    attention = result["breakdown"]["attention"]["seconds"]
-    share = attention / result["step_s"]
+        return None
+    attention = evaluation["breakdown"]["attention"]["seconds"]
+    share = attention / evaluation["step_s"]
     if share < UNFUSED_ATTENTION_SHARE:
-        return
-    fused = _evaluate([*overrides, "model.fused_ops=true"], calibration)
-    result.setdefault("warnings", []).append(
+        return None
+    layout = evaluation["layout"]
+    pinned = [f"parallelism.{k}={layout[k]}" for k in ("tp", "pp", "cp", "dp")]
+    pinned.append(f"parallelism.vpp={layout['vpp'] if layout['vpp'] > 1 else 'null'}")
+    fused = _evaluate([*overrides, *pinned, "model.fused_ops=true"], calibration)
+    return (
         f"attention runs unfused (model.fused_ops=false: megatron-core's DotProductAttention writes "
-        f"the s x s scores): {attention:.3g} s of the {result['step_s']:.3g} s step ({share:.0%}); with "
-        f"model.fused_ops=true (flash-attn, fused element-wise kernels) the same layout plans at "
+        f"the s x s scores): {attention:.3g} s of the {evaluation['step_s']:.3g} s step ({share:.0%}); "
+        f"with model.fused_ops=true (flash-attn, fused element-wise kernels) the same layout plans at "
         f"{fused['mfu']:.1%} MFU"
     )
 
@@ -152,10 +157,16 @@ def plan_once(overrides: list[str], search: bool, calibration: str | None) -> di
 
     if search:
         plan = configs.for_planning(overrides)
-        return planner.search(plan, calibration)
+        result = planner.search(plan, calibration)
+        warning = result["best"] and _attention_warning(result["best"], overrides, calibration)
+        if warning:
+            result["warnings"] = [f"best layout: {warning}"]
+        return result
     result = _evaluate(overrides, calibration)
     _device_warnings(result)
-    _attention_warning(result, overrides, calibration)
+    warning = _attention_warning(result, overrides, calibration)
+    if warning:
+        result.setdefault("warnings", []).append(warning)
     features = _features(overrides)
     if features is not None and features != BASELINE_FEATURES:
         base = _evaluate(

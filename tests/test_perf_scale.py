@@ -590,6 +590,15 @@ def test_plan_on_a_gpu_says_what_unfused_attention_costs(capsys):
     fused = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "warnings" not in fused and fused["mfu"] > unfused["mfu"]
     assert warning.endswith(f"plans at {fused['mfu']:.1%} MFU")
+    assert plan_main([*args, "--search", "--json"]) == 0
+    searched = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    layout = searched["best"]["layout"]
+    pinned = [f"parallelism.{k}={layout[k]}" for k in ("tp", "pp", "dp")] + ["parallelism.vpp=null"]
+    assert layout["vpp"] == 1 and plan_main([*args, *pinned, "model.fused_ops=true", "--json"]) == 0
+    best_fused = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (warning,) = searched["warnings"]
+    assert warning.startswith("best layout: attention runs unfused")
+    assert warning.endswith(f"plans at {best_fused['mfu']:.1%} MFU")
     short = [a.replace("model.seq_length=8192", "model.seq_length=128") for a in args]
     assert plan_main([*short, "model.hidden_size=8192", "--json"]) == 0
     tiny_share = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
