@@ -169,7 +169,7 @@ def test_bridge_counts_causal_attention_halved():
     mega.flops' (whole square), above the published TFLOP/s over the device's bf16 peak."""
     fixtures = [f for f in published.load() if f["file"].startswith("megatron-bridge-2511")]
     cases = published.cases(fixtures)
-    assert len(cases) == 7 and {c.device for c in cases} == {"H100 SXM", "B200", "GB200"}
+    assert len(cases) == 8 and {c.device for c in cases} == {"H100 SXM", "B200", "GB200"}
     for case in cases:
         m, p, row = case.plan.cfg.model, case.plan.cfg.parallelism, case.row
         layers = m.num_layers
