@@ -75,6 +75,11 @@ class ModelConfig:
     # others' activations (megatron-core's recompute_method=block), trading memory for less
     # forward work redone; null: every layer (recompute_method=uniform, one layer per checkpoint).
     recompute_num_layers: int | None = None
+    # Activation offloading (planning only): the first N layers' saved activations go to host memory
+    # after their forward and come back for their backward, over the host link
+    # (cluster.host_link_gb_per_s); megatron-core's cpu_offloading with cpu_offloading_num_layers=N,
+    # which takes pp=1, no recomputation and fewer layers than the model's. null: none.
+    offload_layers: int | None = None
     # "sequential": x + Attn(LN1 x), then + MLP(LN2 ...); "parallel": x + Attn(LN x) + MLP(LN x)
     # with one TP reduction per layer (MegaScale / GPT-J, see docs/model.md)
     block: str = choice("sequential", "parallel")
@@ -134,6 +139,19 @@ class ModelConfig:
                 self.recompute_num_layers >= 1,
                 "model.recompute_num_layers",
                 f"must be >= 1 or null, got {self.recompute_num_layers}",
+            )
+        if self.offload_layers is not None:
+            _require(
+                1 <= self.offload_layers < self.num_layers,
+                "model.offload_layers",
+                f"must be from 1 to num_layers-1={self.num_layers - 1} or null (megatron-core's "
+                f"cpu_offloading_num_layers), got {self.offload_layers}",
+            )
+            _require(
+                self.recompute is None,
+                "model.offload_layers",
+                f"megatron-core's CPU offloading does not run with activation recomputation "
+                f"(model.recompute={self.recompute}); set model.recompute=null",
             )
         if self.full_attention_every is not None:
             _require(
@@ -316,6 +334,9 @@ class ClusterConfig:
     nvlink_domain: int | None = None
     nics_per_node: int = 0  # inter-node NICs per node (one per GPU on DGX-class nodes)
     nic_gbit_per_s: float | None = None  # line rate of one NIC, Gbit/s, each direction
+    # device <-> host memory per device, GB/s each direction (PCIe, or NVLink-C2C on Grace systems):
+    # what activation offloading (model.offload_layers) moves over. Only the planner reads it
+    host_link_gb_per_s: float | None = None
     # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
     group_init: str = choice("light", "default")
@@ -1313,6 +1334,15 @@ def planning_only(cfg: MegaConfig) -> list[tuple[str, str]]:
                 "DistributedDataParallel, not Megatron FSDP; set parallelism.fsdp=false to train",
             )
         )
+    if cfg.model.offload_layers is not None:
+        out.append(
+            (
+                "model.offload_layers",
+                "offload_layers is a planning setting (mega.plan): megatron-core offloads activations "
+                "through Transformer Engine's CUDA streams, which mega's local layer spec does not "
+                "use; set model.offload_layers=null to train",
+            )
+        )
     if cfg.train.precision == "fp8":
         out.append(
             (
@@ -1361,6 +1391,12 @@ def _layout_fits_model(cfg: MegaConfig) -> None:
             "model.recompute_num_layers",
             f"{m.recompute_num_layers} is more than the {most} layers of a model chunk "
             f"(num_layers={m.num_layers} over pp*vpp={p.pp}*{vpp})",
+        )
+    if m.offload_layers is not None:
+        _require(
+            p.pp == 1,
+            "model.offload_layers",
+            f"megatron-core's CPU offloading does not run with pipeline parallelism (parallelism.pp={p.pp})",
         )
     if p.cp > 1:  # the load-balanced causal split: 2*cp chunks, rank r holds chunks r and 2cp-1-r
         _require(

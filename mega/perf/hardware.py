@@ -53,6 +53,9 @@ NVLINK_LATENCY_S = 5e-6
 NIC_LATENCY_S = 10e-6
 # Host->device copy of a microbatch's token tensors (PCIe 4 x16, ~25 GB/s achieved).
 PCIE_BYTES_PER_S = 25e9
+# Payload share of the host link's line rate a large device<->host copy reaches (PCIe DMA after
+# packet headers and flow control, ~80-88% on Gen4/Gen5 x16; assumed for NVLink-C2C too).
+HOST_LINK_EFFICIENCY = 0.85
 # Device memory a run cannot use for the model: CUDA context, NCCL buffers, cuBLAS workspaces,
 # allocator fragmentation.
 RESERVED_GIB = 2.0
@@ -108,6 +111,9 @@ class Hardware:
     elementwise_bytes_per_s: float | None = None
     # Relative spread of one rank's step time across ranks (the slowest of N sets the step)
     straggler_sigma: float = 0.0
+    # Device <-> host memory copies, bytes/s each direction, achieved (activation offloading);
+    # None: the preset does not say
+    host_link_bytes_per_s: float | None = None
     calibration: DeviceCalibration | None = None  # GPUs: the per-device efficiencies applied
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
     # The layers' linear GEMMs where they run at another precision than the rest (fp8: Transformer
@@ -223,6 +229,11 @@ class Hardware:
                 if self.linear_peak_flops
                 else {}
             ),
+            **(
+                {"host_link_gb_per_s_achieved": self.host_link_bytes_per_s / 1e9}
+                if self.host_link_bytes_per_s
+                else {}
+            ),
             **({"calibration": self.calibration.to_dict()} if self.calibration else {}),
         }
 
@@ -289,6 +300,9 @@ def from_cluster(
         data_s_per_token=16 / PCIE_BYTES_PER_S,  # tokens, labels, loss mask, positions (int32/fp32)
         step_overhead_s=cal.step_overhead_s,
         straggler_sigma=cal.straggler_sigma,
+        host_link_bytes_per_s=(
+            cluster.host_link_gb_per_s * 1e9 * HOST_LINK_EFFICIENCY if cluster.host_link_gb_per_s else None
+        ),
         calibration=cal,
         linear_peak_flops=linear_peak,
         linear_gemm_efficiency=cal.fp8_gemm_efficiency if linear_peak else None,

@@ -6,7 +6,9 @@ Models", section 4): per layer and microbatch ``sbh (34 + 5as/h)`` bytes with 16
 and dropout, of which tensor parallelism splits ``24 + 5as/h`` (``sbh (10 + 24/t + 5as/(ht))``),
 sequence parallelism splits the rest (``sbh/t (34 + 5as/h)``), selective recomputation drops the
 ``5as/h`` attention-score terms and full recomputation keeps only each layer's input (``2sbh``;
-with ``model.recompute_num_layers`` only for the first layers of each model chunk).
+with ``model.recompute_num_layers`` only for the first layers of each model chunk). Activation
+offloading (``model.offload_layers``, pp=1) keeps one of the offloaded layers' activations on the
+device at a time: the one being copied out in the forward, or in for the backward.
 The terms are built below from their parts, so GQA, a non-4h MLP, the parallel block, no dropout,
 fp32 activations and fused (flash) attention change the right parts. Context parallelism (cp) keeps
 ``s/cp`` tokens of each sample per rank: every activation term divides by cp (the attention scores
@@ -201,6 +203,8 @@ def memory_per_gpu(
         if m.recompute == "full" and m.recompute_num_layers is not None:
             redone = min(m.recompute_num_layers, chunk)
             kept = redone * per_layer + (chunk - redone) * full_layer
+        if m.offload_layers:  # pp=1: the offloaded layers leave one layer's on the device, in transit
+            kept -= (m.offload_layers - 1) * per_layer
         activations = in_flight(pp, vpp, p.num_microbatches, stage) * kept
         temporary = 0.0
         if m.recompute == "full":

@@ -212,6 +212,8 @@ def predict_case(case: Case, calibrations: Calibrations, calibrated_on: list[str
         "comm_overlap": p.comm_overlap,
         "overlap_grad_reduce": p.overlap_grad_reduce,
         "use_distributed_optimizer": p.use_distributed_optimizer,
+        "fsdp": p.fsdp,
+        "offload_layers": m.offload_layers,
     }
     for knob in KNOBS:
         if knob not in ev.chosen and knob in ev.knobs:

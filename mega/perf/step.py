@@ -31,11 +31,19 @@ import functools
 import operator
 from dataclasses import dataclass, field
 
-from mega.config import MegaConfig
+from mega.config import ConfigError, MegaConfig
 from mega.flops import attention_layer_counts, model_flops_per_step, model_flops_per_token
 from mega.overlap import pp_dp
 from mega.perf.hardware import Hardware
-from mega.perf.memory import Memory, buckets, fsdp_units, kv_size, memory_per_gpu, stage_params
+from mega.perf.memory import (
+    Memory,
+    activation_bytes_per_layer,
+    buckets,
+    fsdp_units,
+    kv_size,
+    memory_per_gpu,
+    stage_params,
+)
 from mega.perf.scale import straggler_s
 
 # Bytes of an activation, gradient or weight element at each training precision. fp8 keeps them in
@@ -920,6 +928,49 @@ def fsdp_terms(
     return terms, opt_s, cpu
 
 
+def offload_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA) -> list[Term]:
+    """Activation offloading (``model.offload_layers``, pp=1; megatron-core's ``cpu_offloading``):
+    each microbatch the first N layers' saved activations are copied to host memory, each while the
+    next layer computes its forward, and back, each while the layer after it computes its backward
+    (copy engines over the host link, beside the SMs): exposed per layer and direction is the copy's
+    time beyond that layer's compute."""
+    m, p = cfg.model, cfg.parallelism
+    n = m.offload_layers
+    if not n:
+        return []
+    if hw.host_link_bytes_per_s is None:
+        raise ConfigError(
+            "cluster.host_link_gb_per_s",
+            "model.offload_layers copies activations over the device-host link: set its bandwidth for this cluster",
+        )
+    nbytes = activation_bytes_per_layer(
+        m,
+        p.micro_batch_size,
+        p.tp,
+        p.sequence_parallel,
+        None,
+        dtype,
+        hw.flash_attention,
+        p.cp,
+        precision_of(cfg) == "fp8",
+    )
+    copy = nbytes / hw.host_link_bytes_per_s
+    layer = layer_unit(cfg, hw, dtype, stack)
+    forward, backward = layer.forward.total, layer.backward.total
+    exposed = n * (max(0.0, copy - forward) + max(0.0, copy - backward))
+    mb = p.num_microbatches
+    return [
+        Term(
+            "offload",
+            mb * exposed,
+            f"activations of {n} layers to host memory and back per microbatch ({nbytes / 2**30:.2f} GiB a "
+            f"layer, {copy * 1e3:.1f} ms each way at {hw.host_link_bytes_per_s / 1e9:.0f} GB/s), each copy "
+            f"under the next layer's forward ({forward * 1e3:.1f} ms) or backward ({backward * 1e3:.1f} ms)",
+            total_s=mb * 2 * n * copy,
+        )
+    ]
+
+
 def hardware_flops_per_step(cfg: MegaConfig) -> float:
     """Model FLOPs + the recomputed forward work (HFU's numerator)."""
     m, p = cfg.model, cfg.parallelism
@@ -1049,7 +1100,7 @@ def predict(
             cfg, hw, dtype, stages, bubble=terms[-1].seconds, stack=stack
         )
     once = per_step_terms(cfg, hw)
-    terms += dp_terms + once
+    terms += dp_terms + offload_terms(cfg, hw, dtype, stack) + once
     terms += stragglers_term(hw, p.dp, sum(t.seconds for t in terms))
     once_s = sum(t.seconds for t in once if t.name != "embedding_sync")
     busy_s = busy_seconds(cfg, hw, stages, msg.nbytes, opt_s + once_s + dp_cpu)
