@@ -106,3 +106,34 @@ def test_the_gb200_fsdp_row_offloads_under_its_compute():
     hw = published._hardware(case, {case.device: prior(case.device)})
     term = predict(case.plan.cfg, hw, case.peak, stack=case.stack).breakdown()["offload"]
     assert term["seconds"] == 0 and term["total_s"] > 0
+
+
+def test_the_limits_are_megatron_cores_own():
+    """model.offload_layers refuses what megatron-core's TransformerConfig refuses for
+    cpu_offloading: this fails if megatron-core lifts (or adds) one of them under mega."""
+    import warnings
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "cpu_offloading": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        TransformerConfig(**base, cpu_offloading_num_layers=3)
+        refused = [
+            {"cpu_offloading_num_layers": 4},
+            {
+                "cpu_offloading_num_layers": 1,
+                "pipeline_model_parallel_size": 2,
+                "pipeline_dtype": torch.float32,
+            },
+            {
+                "cpu_offloading_num_layers": 1,
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            },
+        ]
+        for extra in refused:
+            with pytest.raises(ValueError, match="CPU offloading|Pipeline parallelism with CPU offloading"):
+                TransformerConfig(**base, **extra)
