@@ -141,13 +141,16 @@ def _attention_warning(
     layout = evaluation["layout"]
     pinned = [f"parallelism.{k}={layout[k]}" for k in ("tp", "pp", "cp", "dp")]
     pinned.append(f"parallelism.vpp={layout['vpp'] if layout['vpp'] > 1 else 'null'}")
-    fused = _evaluate([*overrides, *pinned, "model.fused_ops=true"], calibration)
-    return (
+    said = (
         f"attention runs unfused (model.fused_ops=false: megatron-core's DotProductAttention writes "
         f"the s x s scores): {attention:.3g} s of the {evaluation['step_s']:.3g} s step ({share:.0%}); "
-        f"with model.fused_ops=true (flash-attn, fused element-wise kernels) the same layout plans at "
-        f"{fused['mfu']:.1%} MFU"
+        f"with model.fused_ops=true (flash-attn, fused element-wise kernels)"
     )
+    try:
+        fused = _evaluate([*overrides, *pinned, "model.fused_ops=true"], calibration)
+    except ConfigError as err:  # the warning must not fail the plan it annotates
+        return f"{said} the same layout does not plan ({err})"
+    return f"{said} the same layout plans at {fused['mfu']:.1%} MFU"
 
 
 def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
