@@ -153,6 +153,17 @@ def _attention_warning(
     return f"{said} the same layout plans at {fused['mfu']:.1%} MFU"
 
 
+def _warn_unfused_attention(result: dict[str, Any], overrides: list[str], calibration: str | None) -> None:
+    """``_attention_warning`` for an evaluation, or for a search's best layout."""
+    if "best" in result:
+        warning = result["best"] and _attention_warning(result["best"], overrides, calibration)
+        warning = warning and f"best layout: {warning}"
+    else:
+        warning = _attention_warning(result, overrides, calibration)
+    if warning:
+        result.setdefault("warnings", []).append(warning)
+
+
 def plan_once(overrides: list[str], search: bool, calibration: str | None) -> dict[str, Any]:
     """One evaluation (or search); with ``features`` other than the baseline, also the baseline's
     evaluation of the same layout and ``speedup_vs_baseline`` (tokens/s ratio)."""
@@ -161,15 +172,11 @@ def plan_once(overrides: list[str], search: bool, calibration: str | None) -> di
     if search:
         plan = configs.for_planning(overrides)
         result = planner.search(plan, calibration)
-        warning = result["best"] and _attention_warning(result["best"], overrides, calibration)
-        if warning:
-            result["warnings"] = [f"best layout: {warning}"]
+        _warn_unfused_attention(result, overrides, calibration)
         return result
     result = _evaluate(overrides, calibration)
     _device_warnings(result)
-    warning = _attention_warning(result, overrides, calibration)
-    if warning:
-        result.setdefault("warnings", []).append(warning)
+    _warn_unfused_attention(result, overrides, calibration)
     features = _features(overrides)
     if features is not None and features != BASELINE_FEATURES:
         base = _evaluate(
@@ -211,6 +218,8 @@ def _hydra_job(dcfg: Any) -> dict[str, Any]:
             planner.settle_precision(plan)
             hw, peak = planner.hardware_for(plan.cfg, _STATE.get("calibration"))
             result = planner.evaluate(plan, hw, peak).to_dict(hw)
+            _device_warnings(result)
+        _warn_unfused_attention(result, overrides, _STATE.get("calibration"))
     except ConfigError as err:
         result = {"error": str(err), "key": err.key}
     result["overrides"] = overrides

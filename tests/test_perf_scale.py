@@ -606,6 +606,23 @@ def test_plan_on_a_gpu_says_what_unfused_attention_costs(capsys):
     assert "warnings" not in tiny_share
 
 
+def test_each_job_of_a_plan_sweep_says_what_a_single_plan_says(capsys, tmp_path):
+    """A -m sweep's jobs carry the single plan's warnings and validated field (plan.json and stdout)."""
+    args = [
+        "model=llama3-8b",
+        "cluster=h100-8x",
+        "parallelism.global_batch_size=128",
+        "model.seq_length=8192",
+    ]
+    assert plan_main(["-m", *args, "parallelism.pp=1,2", f"hydra.sweep.dir={tmp_path}", "--json"]) == 0
+    jobs = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/plan.json"))]
+    assert len(jobs) == 2 and all(job["validated"] is True for job in jobs)
+    assert all(job["warnings"][0].startswith("attention runs unfused") for job in jobs)
+    assert plan_main([*args, "parallelism.pp=2", "--json"]) == 0
+    single = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert jobs[1]["warnings"] == single["warnings"]
+
+
 @pytest.mark.parametrize(
     "preset, device_key, peak, memory_gib, nvlink_vs_h100, validated",
     [("b200-8x", "B200", 2250e12, 180, 2.0, True), ("h200-8x", "H200", 989e12, 141, 1.0, False)],
