@@ -160,6 +160,16 @@ def optimizer_bytes_per_param(optimizer: str, dtype_bytes: int) -> float:
     return moments + (4 if dtype_bytes < 4 else 0)
 
 
+def layer_activation_bytes(
+    cfg: MegaConfig, recompute: str | None, dtype_bytes: int, flash: bool, fp8: bool = False
+) -> float:
+    """``activation_bytes_per_layer`` of one microbatch of ``cfg``'s model in its layout."""
+    m, p = cfg.model, cfg.parallelism
+    return activation_bytes_per_layer(
+        m, p.micro_batch_size, p.tp, p.sequence_parallel, recompute, dtype_bytes, flash, p.cp, fp8
+    )
+
+
 def memory_per_gpu(
     cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = False, main_grad_bytes: int = 4
 ) -> Memory:
@@ -171,13 +181,9 @@ def memory_per_gpu(
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
     params = stage_params(m, p)
     layers = p.stage_layers(m.num_layers)
-    per_layer = activation_bytes_per_layer(
-        m, p.micro_batch_size, tp, p.sequence_parallel, m.recompute, dtype_bytes, flash, p.cp, fp8
-    )
+    per_layer = layer_activation_bytes(cfg, m.recompute, dtype_bytes, flash, fp8)
     tokens = m.seq_length * p.micro_batch_size / p.cp
-    full_layer = activation_bytes_per_layer(
-        m, p.micro_batch_size, tp, p.sequence_parallel, None, dtype_bytes, flash, p.cp, fp8
-    )
+    full_layer = layer_activation_bytes(cfg, None, dtype_bytes, flash, fp8)
     best: Memory | None = None
     for stage in range(pp):
         n = params[stage]

@@ -37,10 +37,10 @@ from mega.overlap import pp_dp
 from mega.perf.hardware import Hardware
 from mega.perf.memory import (
     Memory,
-    activation_bytes_per_layer,
     buckets,
     fsdp_units,
     kv_size,
+    layer_activation_bytes,
     memory_per_gpu,
     stage_params,
 )
@@ -943,17 +943,7 @@ def offload_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA
             "cluster.host_link_gb_per_s",
             "model.offload_layers copies activations over the device-host link: set its bandwidth for this cluster",
         )
-    nbytes = activation_bytes_per_layer(
-        m,
-        p.micro_batch_size,
-        p.tp,
-        p.sequence_parallel,
-        None,
-        dtype,
-        hw.flash_attention,
-        p.cp,
-        precision_of(cfg) == "fp8",
-    )
+    nbytes = layer_activation_bytes(cfg, None, dtype, hw.flash_attention, precision_of(cfg) == "fp8")
     copy = nbytes / hw.host_link_bytes_per_s
     layer = layer_unit(cfg, hw, dtype, stack)
     forward, backward = layer.forward.total, layer.backward.total
