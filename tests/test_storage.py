@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 import traceback
@@ -431,6 +432,16 @@ def test_credentials_never_logged_or_raised(seaweed, tmp_path, monkeypatch, capl
     _assert_clean("".join(traceback.format_exception(e.value)), secrets)
     _assert_clean(caplog.text, secrets)
     _assert_clean(repr(seaweed), secrets)
+
+
+def test_s3_server_on_a_full_disk_is_refused_naming_the_space(tmp_path):
+    # weed itself would start, mark its volumes read-only and let every write time out.
+    free = shutil.disk_usage(tmp_path).free
+    server = SeaweedS3(tmp_path / "s3", min_free_bytes=free + (1 << 40))
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=r"MiB free under .*s3/data; .*min_free_bytes="):
+        server.start(timeout=60)
+    assert time.monotonic() - t0 < 5 and not server.running
 
 
 # Last: it stops the session's server (and restarts it).

@@ -53,6 +53,7 @@ class SeaweedS3:
         secret_key: str | None = None,
         host: str = "127.0.0.1",
         weed: str | None = None,
+        min_free_bytes: int = 64 << 20,
     ):
         self.root = Path(root).absolute()
         self.data_dir = self.root / "data"
@@ -63,6 +64,7 @@ class SeaweedS3:
         self._secret_key = secret_key or secrets.token_urlsafe(30)  # kept out of repr and logs
         redact.register(self.access_key, self._secret_key)  # before its own client logs a request
         self.weed = weed or find_weed()
+        self.min_free_bytes = min_free_bytes  # below this, weed marks every volume read-only
         self.ports: dict[str, int] = {}
         self._proc: subprocess.Popen | None = None
 
@@ -116,6 +118,9 @@ class SeaweedS3:
             "-master.volumeSizeLimitMB=256",
             "-volume.max=100",
             "-volume.preStopSeconds=0",
+            # weed's default (1% of the disk) turns a large, busy disk read-only while
+            # gigabytes are still free; then no volume registers and every write times out.
+            f"-volume.minFreeSpace={self.min_free_bytes}B",
         ]
         for c in _COMPONENTS:
             args += [f"-{c}.port={p[c]}", f"-{c}.port.grpc={p[c + '.grpc']}"]
@@ -126,6 +131,13 @@ class SeaweedS3:
         if self.running:
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.data_dir).free
+        if free < self.min_free_bytes:
+            # weed would start, register no writable volume and time every write out.
+            raise OSError(
+                f"{free / 2**20:.1f} MiB free under {self.data_dir}; the S3 server needs "
+                f"min_free_bytes={self.min_free_bytes / 2**20:.1f} MiB to accept writes"
+            )
         if not self.ports:
             ports = free_ports(2 * len(_COMPONENTS), self.host)
             for i, c in enumerate(_COMPONENTS):
