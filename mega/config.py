@@ -337,6 +337,9 @@ class ClusterConfig:
     # device <-> host memory per device, GB/s each direction (PCIe, or NVLink-C2C on Grace systems):
     # what activation offloading (model.offload_layers) moves over. Only the planner reads it
     host_link_gb_per_s: float | None = None
+    # host memory of one node, GiB: where offloaded activations go (every rank of the node's). Only
+    # the planner reads it
+    host_memory_gib: float | None = None
     # How megatron-core's model-parallel groups are created (mega/cluster/parallel_groups.py):
     # light = each group only on its member ranks (MegaScale section 3.5); default = upstream
     group_init: str = choice("light", "default")
@@ -363,7 +366,15 @@ class ClusterConfig:
         _positive_ints(self, "cluster", "nodes", "procs_per_node")
         for name in self.launchers:
             _one_of(name, "cluster.launchers", LAUNCHERS)
-        for key in ("peak_tflops", "memory_gib", "memory_tb_per_s", "nvlink_gb_per_s", "nic_gbit_per_s"):
+        for key in (
+            "peak_tflops",
+            "memory_gib",
+            "memory_tb_per_s",
+            "nvlink_gb_per_s",
+            "nic_gbit_per_s",
+            "host_link_gb_per_s",
+            "host_memory_gib",
+        ):
             value = getattr(self, key)
             _require(value is None or value > 0, f"cluster.{key}", f"must be positive or null, got {value}")
         _require(self.nics_per_node >= 0, "cluster.nics_per_node", f"must be >= 0, got {self.nics_per_node}")

@@ -32,13 +32,26 @@ from mega.config import ConfigError, run_hydra_main
 _STATE: dict[str, Any] = {}
 
 
+def _fits(mem: dict[str, Any]) -> str:
+    """Device memory against what is usable, and offloaded activations against a node's host memory."""
+    usable = mem.get("usable", float("nan"))
+    out = f"{'fits' if mem['total'] <= usable else 'does NOT fit'} in {usable:.1f}"
+    if "host_per_node" in mem:
+        over = mem["host_per_node"] > mem["host_usable"]
+        out += (
+            f"; offloaded {mem['host_per_node']:.1f} GiB a node, {'MORE than' if over else 'within'} "
+            f"its {mem['host_usable']:.0f} GiB host memory"
+        )
+    return out
+
+
 def _print_explain(result: dict[str, Any]) -> None:
     out = sys.stderr
     step = result["step_s"]
     print(
         f"step {step:.4f} s   MFU {result['mfu']:.1%}   HFU {result['hfu']:.1%}   "
         f"{result['tokens_per_s']:,.0f} tokens/s   memory {result['memory_gib']:.1f} GiB "
-        f"({'fits' if result['fits'] else 'does NOT fit'} in {result.get('memory', {}).get('usable', float('nan')):.1f})",
+        f"({_fits(result['memory'])})",
         file=out,
     )
     print(

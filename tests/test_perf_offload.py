@@ -77,6 +77,7 @@ def test_copies_hide_under_the_next_layer_or_show_beyond_it(composer, gb_per_s):
         (["model.recompute=selective", "model.offload_layers=1"], "model.offload_layers", "recomputation"),
         (["parallelism=tp2-pp2-dp2", "model.offload_layers=1"], "model.offload_layers", "pipeline"),
         (["parallelism=dp2", "model.offload_layers=1"], "model.offload_layers", "planning setting"),
+        (["cluster.host_memory_gib=-1"], "cluster.host_memory_gib", "must be positive"),
     ],
 )
 def test_bad_offloading_is_refused_naming_the_key(overrides, key, says):
@@ -92,6 +93,27 @@ def test_planning_accepts_offloading_and_needs_the_host_link(composer):
     with pytest.raises(ConfigError) as err:
         _predicted(composer, "cluster.host_link_gb_per_s=null", "model.offload_layers=1")
     assert err.value.key == "cluster.host_link_gb_per_s"
+
+
+def test_offloaded_activations_must_fit_the_nodes_host_memory(composer):
+    """Each of the node's 8 ranks keeps its N offloaded layers' activations in host memory at the
+    end of the forward: the plan fits only while their sum is within cluster.host_memory_gib."""
+    n = 20
+    roomy = ("cluster.memory_gib=160", "parallelism.use_distributed_optimizer=true")  # room on the device
+    none, cfg, hw = _predicted(composer, *roomy)
+    per_node = 8 * n * none.memory.activations / cfg.model.num_layers  # no offload: every layer's
+    gib = per_node / 2**30
+    assert none.fits
+    for host_gib, fits in ((gib * 1.01, True), (gib * 0.99, False)):
+        offloaded, _, _ = _predicted(
+            composer, *roomy, f"model.offload_layers={n}", f"cluster.host_memory_gib={host_gib}"
+        )
+        assert offloaded.memory.host * 8 == pytest.approx(per_node)
+        assert offloaded.memory.total < none.memory.total <= hw.memory_bytes
+        assert offloaded.fits is fits
+    with pytest.raises(ConfigError) as err:
+        _predicted(composer, "cluster.host_memory_gib=null", "model.offload_layers=1")
+    assert err.value.key == "cluster.host_memory_gib"
 
 
 def test_the_gb200_fsdp_row_offloads_under_its_compute():

@@ -114,6 +114,7 @@ class Hardware:
     # Device <-> host memory copies, bytes/s each direction, achieved (activation offloading);
     # None: the preset does not say
     host_link_bytes_per_s: float | None = None
+    host_memory_bytes: float | None = None  # one node's host memory; None: the preset does not say
     calibration: DeviceCalibration | None = None  # GPUs: the per-device efficiencies applied
     extra: dict[str, Any] = field(default_factory=dict)  # provenance (measured points, machine)
     # The layers' linear GEMMs where they run at another precision than the rest (fp8: Transformer
@@ -234,6 +235,7 @@ class Hardware:
                 if self.host_link_bytes_per_s
                 else {}
             ),
+            **({"host_memory_gib": self.host_memory_bytes / GIB} if self.host_memory_bytes else {}),
             **({"calibration": self.calibration.to_dict()} if self.calibration else {}),
         }
 
@@ -303,6 +305,7 @@ def from_cluster(
         host_link_bytes_per_s=(
             cluster.host_link_gb_per_s * 1e9 * HOST_LINK_EFFICIENCY if cluster.host_link_gb_per_s else None
         ),
+        host_memory_bytes=cluster.host_memory_gib * GIB if cluster.host_memory_gib else None,
         calibration=cal,
         linear_peak_flops=linear_peak,
         linear_gemm_efficiency=cal.fp8_gemm_efficiency if linear_peak else None,

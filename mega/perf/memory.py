@@ -136,6 +136,7 @@ class Memory:
     activations: float
     temporary: float  # logits for the loss, one layer's recompute buffers
     stage: int  # the stage with the most memory
+    host: float = 0.0  # offloaded activations in host memory (model.offload_layers), not in total
 
     @property
     def total(self) -> float:
@@ -150,6 +151,7 @@ class Memory:
             "temporary": self.temporary / GIB,
             "total": self.total / GIB,
             "stage": self.stage,
+            **({"host_offloaded": self.host / GIB} if self.host else {}),
         }
 
 
@@ -209,15 +211,17 @@ def memory_per_gpu(
         if m.recompute == "full" and m.recompute_num_layers is not None:
             redone = min(m.recompute_num_layers, chunk)
             kept = redone * per_layer + (chunk - redone) * full_layer
+        host = 0.0
         if m.offload_layers:  # pp=1: the offloaded layers leave one layer's on the device, in transit
             kept -= (m.offload_layers - 1) * per_layer
+            host = m.offload_layers * per_layer  # all of them there at the end of the forward
         activations = in_flight(pp, vpp, p.num_microbatches, stage) * kept
         temporary = 0.0
         if m.recompute == "full":
             temporary += full_layer  # the layer being recomputed
         if stage == pp - 1:  # fp32 logits and their gradient for the vocab-parallel cross entropy
             temporary += 2 * 4 * tokens * m.padded_vocab_size / tp
-        candidate = Memory(weights, gradients, optimizer, activations, temporary, stage)
+        candidate = Memory(weights, gradients, optimizer, activations, temporary, stage, host)
         if best is None or candidate.total > best.total:
             best = candidate
     assert best is not None

@@ -961,6 +961,20 @@ def offload_terms(cfg: MegaConfig, hw: Hardware, dtype: int, stack: Stack = MEGA
     ]
 
 
+def host_memory_per_node(cfg: MegaConfig, hw: Hardware, memory: Memory) -> float | None:
+    """Bytes of offloaded activations in one node's host memory (every rank of the node offloads
+    its own); None without offloading. Refused naming the key when the cluster does not say how much
+    host memory a node has."""
+    if not cfg.model.offload_layers:
+        return None
+    if hw.host_memory_bytes is None:
+        raise ConfigError(
+            "cluster.host_memory_gib",
+            "model.offload_layers keeps activations in host memory: set a node's host memory for this cluster",
+        )
+    return memory.host * min(hw.procs_per_node, cfg.parallelism.world_size)
+
+
 def hardware_flops_per_step(cfg: MegaConfig) -> float:
     """Model FLOPs + the recomputed forward work (HFU's numerator)."""
     m, p = cfg.model, cfg.parallelism
@@ -1100,6 +1114,7 @@ def predict(
     peak = mfu_peak_flops or hw.peak_flops
     flops = model_flops_per_step(cfg)
     memory = memory_of(cfg, hw, stack)
+    host = host_memory_per_node(cfg, hw, memory)
     return Prediction(
         step_s=step_s,
         mfu=flops / (step_s * p.world_size * peak),
@@ -1107,7 +1122,7 @@ def predict(
         tokens_per_s=p.global_batch_size * m.seq_length / step_s,
         model_flops_per_step=flops,
         memory=memory,
-        fits=memory.total <= hw.memory_bytes,
+        fits=memory.total <= hw.memory_bytes and (host is None or host <= hw.host_memory_bytes),
         terms=terms,
         stages={
             "slowest": max(range(p.pp), key=lambda i: stages[i].total),
