@@ -567,6 +567,44 @@ def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_dp_sh
     assert {r["step"] for r in read_metrics(run_dir)} == {1, 2, 3}
 
 
+def test_a_step_with_a_dead_node_is_signalled_at_once(slurm_cluster, tmp_path):
+    """The SIGTERM that stops an attempt (``slurm.signal_steps``) reaches the live node's task at
+    once while the other node is dead (every process in its namespace killed): scancel through
+    slurmctld returns at once, where scancel straight to the nodes' slurmds waits ~11 s on the dead
+    one before it returns (MessageTimeout 10 s)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    # \$: the task's shell expands its own node id, not the batch script's
+    task = f"trap 'touch {marks}/term-\\$SLURM_NODEID; exit 0' TERM; touch {marks}/up-\\$SLURM_NODEID; sleep 600 & wait"
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output=/dev/null\n"
+        f"#SBATCH --nodelist={host(0)},{host(1)}\n"
+        f'srun --nodes=2 --ntasks-per-node=1 bash -c "{task}"\n'
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+    killed = []
+    try:
+        deadline = time.monotonic() + 60
+        while not all((marks / f"up-{k}").exists() for k in (0, 1)):
+            assert time.monotonic() < deadline, slurm.job_info(job)
+            time.sleep(0.2)
+        killed = slurm_local.kill_node(slurm_cluster, 1)
+        t0 = time.monotonic()
+        slurm.signal_steps([f"{job}.0"], "TERM")
+        returned = time.monotonic() - t0
+        while not (marks / "term-0").exists() and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        reached = time.monotonic() - t0
+        assert returned < 3 and reached < 5, (returned, reached)
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+        if killed:
+            slurm_local.restart_node(slurm_cluster, 1)
+
+
 def test_down_leaves_no_process_of_the_cluster_behind():
     """``slurm_local.down`` (also the fixture's teardown) with a job step running: slurmstepd
     outlives its slurmd and rewrites its command line, yet down ends it, the job's processes and

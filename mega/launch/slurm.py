@@ -447,6 +447,13 @@ def job_info(job_id: str) -> dict[str, str]:
     return fields if fields.get("JobId") == job_id else {}
 
 
+def signal_steps(steps: list[str], sig: str) -> None:
+    """Send ``sig`` to the tasks of job steps (``<job>.<step>``) through slurmctld (``--ctld``):
+    scancel's default, straight to each node's slurmd, waits out MessageTimeout (~11 s) on a dead
+    node before it returns."""
+    slurm_command("scancel", "--ctld", f"--signal={sig}", *steps, check=False)
+
+
 def job_state(job_id: str) -> str | None:
     """The job's state (RUNNING, COMPLETED, ...); None once Slurm forgot it."""
     return job_info(job_id).get("JobState")

@@ -34,6 +34,7 @@ from mega.launch.slurm import (
     is_secret,
     job_env,
     node_task,
+    signal_steps,
     slurm_command,
     srun_argv,
     unusable,
@@ -142,7 +143,7 @@ class SlurmStepBackend(SlurmBackend):
         if not self._ended():
             steps = self._step_ids()
             if steps:
-                slurm_command("scancel", "--signal=TERM", *steps, check=False)
+                signal_steps(steps, "TERM")
             else:
                 self._srun.terminate()  # the step is not in squeue yet: srun ends it
             try:
