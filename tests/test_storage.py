@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 import traceback
@@ -17,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from helpers import needs_root
 from s3_env import hermetic_s3_env
 
 from mega.storage import (
@@ -442,6 +444,30 @@ def test_s3_server_on_a_full_disk_is_refused_naming_the_space(tmp_path):
     with pytest.raises(OSError, match=r"MiB free under .*s3/data; .*min_free_bytes="):
         server.start(timeout=60)
     assert time.monotonic() - t0 < 5 and not server.running
+
+
+@needs_root
+def test_s3_server_writes_on_a_large_disk_more_than_99_percent_full(tmp_path):
+    """An 8 GiB disk (ext4 on a loop device, sparse) with 72 MiB left: below weed's own 1% it
+    would mark every volume read-only and time each write out; the server here starts, which needs
+    a bucket write and its read-back."""
+    if not shutil.which("mkfs.ext4") or not Path("/dev/loop-control").exists():
+        pytest.skip("needs mkfs.ext4 and loop devices")
+    image, mount = tmp_path / "disk.img", tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["truncate", "-s", "8G", image], check=True, timeout=30)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", image], check=True, timeout=60)
+    subprocess.run(["mount", "-o", "loop", image, mount], check=True, timeout=30)
+    try:
+        left = 72 << 20
+        fill = shutil.disk_usage(mount).free - left  # fallocate: blocks taken, nothing written
+        subprocess.run(["fallocate", "-l", str(fill), mount / "fill"], check=True, timeout=60)
+        usage = shutil.disk_usage(mount)
+        assert usage.free < 0.01 * usage.total and usage.free > 64 << 20, usage
+        with SeaweedS3(mount / "s3", bucket="mega-full") as server:
+            assert server.running
+    finally:
+        subprocess.run(["umount", "-l", mount], timeout=30)
 
 
 # Last: it stops the session's server (and restarts it).
