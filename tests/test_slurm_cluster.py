@@ -605,6 +605,46 @@ def test_a_step_with_a_dead_node_is_signalled_at_once(slurm_cluster, tmp_path):
             slurm_local.restart_node(slurm_cluster, 1)
 
 
+def test_a_node_whose_failure_ends_the_job_is_still_one_of_its_hosts(slurm_cluster, tmp_path):
+    """While a job completes Slurm lists only its nodes still completing: node 1 dead and the job
+    cancelled, NodeList shows node 1 alone, and a node that failed first is no longer in it. The
+    backend keeps the hosts it read while the job ran (``poll``), so the lost host is found among
+    them (``lost_hosts``) and never read from a completing job's partial list."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output=/dev/null\n"
+        f"#SBATCH --nodelist={host(0)},{host(1)}\nsrun --nodes=2 sleep 600\n"
+    )
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
+    cfg = _drill_cfg(tmp_path / "run", "launcher.slurm.driver=host")
+    watched, fresh = (slurm.SlurmBackend(cfg, tmp_path / run, log=lambda _: None) for run in ("a", "b"))
+    for backend in (watched, fresh):
+        backend.job_id, backend._exit_dir = job, tmp_path / "exit"
+    killed = []
+    try:
+        deadline = time.monotonic() + 60
+        while slurm.job_state(job) != "RUNNING":
+            assert time.monotonic() < deadline, slurm.job_info(job)
+            time.sleep(0.2)
+        watched.poll()  # what the driver's watch does every half second
+        killed = slurm_local.kill_node(slurm_cluster, 1)
+        subprocess.run(["scancel", job], check=True, timeout=30)
+        while (info := slurm.job_info(job)).get("NodeList") != host(1):  # node 0 done, node 1 never
+            assert time.monotonic() < deadline, info
+            time.sleep(0.2)
+        assert info["JobState"] == "COMPLETING"
+        assert fresh.hosts() == []  # not node 1 alone as node rank 0
+        assert watched.hosts() == [host(0), host(1)]
+        _lose_node(slurm_cluster, 1)
+        assert watched.lost_hosts() == [host(1)]
+    finally:
+        subprocess.run(["scancel", job], timeout=30)
+        if killed:
+            slurm_local.restart_node(slurm_cluster, 1)
+
+
 def test_down_leaves_no_process_of_the_cluster_behind():
     """``slurm_local.down`` (also the fixture's teardown) with a job step running: slurmstepd
     outlives its slurmd and rewrites its command line, yet down ends it, the job's processes and

@@ -564,9 +564,13 @@ class SlurmBackend:
             self.excluded.append(host)
 
     def hosts(self) -> list[str]:
-        """The current attempt's hosts, node rank k on the k-th ([] before the job runs)."""
+        """The current attempt's hosts, node rank k on the k-th ([] before the job runs). Read while
+        the job runs (``poll``) and kept: a completing job lists only its nodes still completing,
+        so a node whose failure ended the job is already gone from it."""
         if not self._hosts and self.job_id:
-            self._hosts = hostnames(job_info(self.job_id).get("NodeList", ""))
+            info = job_info(self.job_id)
+            if info.get("JobState") != "COMPLETING":
+                self._hosts = hostnames(info.get("NodeList", ""))
         return self._hosts
 
     def start(self, job: JobSpec) -> None:
@@ -621,6 +625,8 @@ class SlurmBackend:
         if self.job_id is None:
             return {}
         ended = self._ended()  # first: a node reports its exit code before the job ends
+        if not ended:
+            self.hosts()
         codes: dict[int, int | None] = {}
         for k in range(self.cfg.cluster.nodes):
             path = self._exit_dir / f"node-{k}.json"
@@ -683,6 +689,7 @@ class SlurmBackend:
                 self._stuck_hosts = hostnames(info.get("NodeList", ""))
                 return
             time.sleep(1.0)
+        self.hosts()  # ended: Slurm lists the whole allocation again
 
     def close(self) -> None:
         self.stop()
