@@ -24,16 +24,7 @@ from mega.config import ConfigError, MegaConfig, validate
 from mega.perf import device, hardware
 from mega.perf.configs import Planning
 from mega.perf.hardware import GIB, Hardware
-from mega.perf.step import (
-    MEGA,
-    Prediction,
-    Stack,
-    effective_overlap,
-    host_memory_per_node,
-    memory_of,
-    precision_of,
-    predict,
-)
+from mega.perf.step import MEGA, Prediction, Stack, effective_overlap, memory_of, precision_of, predict
 
 DEFAULT_CALIBRATION = Path("runs/perf-calibration.json")
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -151,9 +142,8 @@ class Evaluation:
         if hw is not None:
             out["hardware"] = hw.describe()
             out["memory"]["usable"] = hw.memory_bytes / GIB
-            host = host_memory_per_node(self.cfg, hw, pr.memory)
-            if host is not None:
-                out["memory"]["host_per_node"] = host / GIB
+            if pr.host_per_node is not None:
+                out["memory"]["host_per_node"] = pr.host_per_node / GIB
                 out["memory"]["host_usable"] = hw.host_memory_bytes / GIB
         return out
 

@@ -203,6 +203,7 @@ class Prediction:
     terms: list[Term]
     stages: dict = field(default_factory=dict)
     busy_s: float = 0.0  # all ranks' busy (non-waiting) seconds in one step: CPU seconds on a CPU
+    host_per_node: float | None = None  # offloaded activations in one node's host memory, bytes
 
     def breakdown(self) -> dict[str, dict]:
         return {t.name: t.to_dict() for t in self.terms}
@@ -1131,4 +1132,5 @@ def predict(
             "microbatches": p.num_microbatches,
         },
         busy_s=busy_s,
+        host_per_node=host,
     )
