@@ -16,7 +16,7 @@ from mega.perf.configs import Composer, for_planning
 from mega.perf.hardware import NIC_LATENCY_S
 from mega.perf.memory import activation_bytes_per_layer
 from mega.perf.planner import evaluate, hardware_for, settle_precision
-from mega.perf.step import DTYPE_BYTES, attention_seconds, cp_comm_seconds, predict
+from mega.perf.step import DTYPE_BYTES, attention_seconds, cp_comm_seconds, cp_merge_bytes, predict
 
 # Llama 3 8B on one node of 8 H100s: a sequence of 131,072 tokens
 LONG = ["model=llama3-8b", "cluster=h100-8x", "model.seq_length=131072", "model.fused_ops=true"]
@@ -107,10 +107,71 @@ def test_all_gather_cp_gathers_kv_whole_and_exposes_it(long_plan):
         assert bwd.cp_exposed == bwd.cp_total == pytest.approx(4 * ring, rel=1e-12)
     p2p = dataclasses.replace(cfg, parallelism=dataclasses.replace(cfg.parallelism, cp_comm_type="p2p"))
     (fa, ba), (fp, bp) = attention_seconds(cfg, hw, 2), attention_seconds(p2p, hw, 2)
-    assert (fp - fa, bp - ba) == pytest.approx((2 * hw.kernel_s, 4 * hw.kernel_s), rel=1e-9)
+    merge_f, merge_b = _te_ring_merge_bytes(131072 // 4, 4096 // 2, 2 * 1024 // 2, cp=4, dtype=2)
+    ring_steps = (  # 4 kernels (not 2) and p2p's merges of the steps' results
+        2 * hw.kernel_s + hw.elementwise_s(merge_f, 2 * 4 - 1),
+        4 * hw.kernel_s + hw.elementwise_s(merge_b, 3 * 4),
+    )
+    assert (fp - fa, bp - ba) == pytest.approx(ring_steps, rel=1e-9)
     ag = predict(cfg, hw).breakdown()["cp_comm"]
     assert ag["seconds"] == pytest.approx(32 * 4 * 6 * ring, rel=1e-9) == ag["total_s"]
     assert ag["seconds"] > predict(p2p, hw).breakdown()["cp_comm"]["seconds"]
+
+
+def _te_ring_merge_bytes(
+    tokens: int, q_width: int, kv_width: int, cp: int, dtype: int
+) -> tuple[float, float]:
+    """Bytes the busiest rank moves merging TE's p2p ring steps, walked step by step as
+    AttnFuncWithCPAndKVP2P runs them (TE 2.9 context_parallel.py; causal, load-balanced chunks):
+    rank r's step i >= 1 computes all its queries against the first half of rank (r - i)'s keys
+    when i <= r, else its second half of queries against all of them. Forward: step 0's output is
+    rescaled into ``out`` (read + write), each later step's is merged into the part it covers (read
+    the step's output, read and write ``out``). Backward: the step's dq, dk, dv are copied (step 0)
+    or added (read, read, write) into their accumulators over the part the step covers."""
+    q, kv = tokens * q_width, tokens * kv_width  # out or dq; dK + dV
+    busiest = (0.0, 0.0)
+    for r in range(cp):
+        fwd = dq = dkv = 0.0
+        for i in range(cp):
+            if i == 0:
+                fwd, dq, dkv = 2 * q, 2 * q, 2 * kv
+                continue
+            q_part, kv_part = (1.0, 0.5) if i <= r else (0.5, 1.0)
+            fwd += 3 * q * q_part
+            dq += 3 * q * q_part
+            dkv += 3 * kv * kv_part
+        rank = (dtype * fwd, dtype * (dq + dkv))
+        busiest = max(busiest, rank, key=sum)
+    return busiest
+
+
+def test_p2p_ring_merges_its_steps_partial_results_at_the_busiest_ranks_pace(long_plan):
+    """TE's p2p context parallelism merges each ring step's partial output (forward) and dq, dk, dv
+    (backward) in element-wise kernels beside the attention kernels: charged as memory traffic at
+    the busiest rank's pace, which the step-by-step walk of TE's loop above gives. Llama 3 8B
+    (GQA: K + V are half the query width) and an MHA model, cp 2 to 16; all_gather CP has no merges."""
+    cfg = validate(long_plan.cfg, planning=True)
+    for model, kv_width in (
+        (cfg.model, 2 * 1024),
+        (dataclasses.replace(cfg.model, num_query_groups=None), 2 * 4096),
+    ):
+        for cp in (2, 4, 8, 16):
+            c = dataclasses.replace(cfg, model=model, parallelism=dataclasses.replace(cfg.parallelism, cp=cp))
+            want = _te_ring_merge_bytes(131072 // cp, 4096 // 2, kv_width // 2, cp, dtype=2)
+            assert cp_merge_bytes(c, 2) == pytest.approx(want, rel=1e-12)
+    # Llama 3 8B at cp=2, rank 1 (the busiest): forward 2 + 3 dtype-units a query element (step 1
+    # covers all its queries); backward dq the same, dK + dV (half the query width) 2 + 1.5
+    c2 = _with_cp(cfg, 2, 2)
+    elements = 131072 // 2 * 4096 // 2
+    assert cp_merge_bytes(c2, 2) == pytest.approx((2 * 5 * elements, 2 * (5 + 0.5 * 3.5) * elements))
+    hw, _ = hardware_for(c2)
+    gathered = dataclasses.replace(
+        c2, parallelism=dataclasses.replace(c2.parallelism, cp_comm_type="all_gather")
+    )
+    (fp, bp), (fa, ba) = attention_seconds(c2, hw, 2), attention_seconds(gathered, hw, 2)
+    assert fp - fa == pytest.approx(hw.elementwise_s(2 * 5 * elements, 3), rel=1e-9)
+    assert bp - ba == pytest.approx(hw.elementwise_s(2 * (5 + 0.5 * 3.5) * elements, 6), rel=1e-9)
+    assert "merge of the 2 ring steps" in predict(c2, hw).breakdown()["attention"]["what"]
 
 
 def test_cp2_halves_the_attention_core_and_a_layers_activations(long_plan):
@@ -123,10 +184,12 @@ def test_cp2_halves_the_attention_core_and_a_layers_activations(long_plan):
     s, h, tp = 131072, 4096, 2
     rate = hw.peak_flops * hw.attention_efficiency
     flops = 2 * 2 * s * (s + 1) / 2 * h / tp
+    merge_f, merge_b = _te_ring_merge_bytes(s // 2, h // tp, 2 * 1024 // tp, cp=2, dtype=2)
+    merges = {1: (0.0, 0.0), 2: (hw.elementwise_s(merge_f, 3), hw.elementwise_s(merge_b, 6))}
     for cp, cfg in ((1, cfg1), (2, cfg2)):
         fwd, bwd = attention_seconds(cfg, hw, 2)
-        assert fwd == pytest.approx(flops / cp / rate + cp * hw.kernel_s, rel=1e-12)
-        assert bwd == pytest.approx(2.5 * flops / cp / rate + 2 * cp * hw.kernel_s, rel=1e-12)
+        assert fwd == pytest.approx(flops / cp / rate + cp * hw.kernel_s + merges[cp][0], rel=1e-12)
+        assert bwd == pytest.approx(2.5 * flops / cp / rate + 2 * cp * hw.kernel_s + merges[cp][1], rel=1e-12)
 
     m = ModelConfig(
         num_layers=4,

@@ -325,13 +325,38 @@ def fp8_cast_elements(cfg: MegaConfig) -> tuple[float, float]:
     return tokens * h / t, tokens * (2 * h + (h + 2 * kv_size(m)) / t)
 
 
+def cp_merge_bytes(cfg: MegaConfig, dtype: int) -> tuple[float, float]:
+    """(forward, backward) bytes one rank moves merging the per-step results of Transformer
+    Engine's p2p context parallelism, per layer and microbatch, outside the attention kernels
+    (TE 1.8 ``attention.py`` ``AttnFuncWithCP``, TE 2.9 ``context_parallel.py``
+    ``AttnFuncWithCPAndKVP2P``). Forward: the first step's output is rescaled into ``out`` (read,
+    write), every later step's is merged into it (``flash_attn_fwd_out_correction``: read the
+    step's output, read and write ``out``). Backward: each step's ``dq`` and ``dk``, ``dv`` are
+    copied (first step) or added (later steps) into the accumulators. Under the causal,
+    load-balanced split, rank ``r``'s step ``i >= 1`` covers all its queries and the first half of
+    the arriving keys when ``i <= r``, else the second half of its queries and all the keys: the
+    merges of such a step touch all or half of ``out``/``dq`` and half or all of ``dk``, ``dv``. The
+    ranks meet at every ring step, so the busiest rank (the first or the last) sets the time."""
+    m, p = cfg.model, cfg.parallelism
+    tokens, later = microbatch_tokens(cfg), p.cp - 1
+    queries = tokens * m.hidden_size / p.tp  # out, dq: the rank's queries x heads x head dim
+    keys = tokens * 2 * kv_size(m) / p.tp  # dK and dV
+
+    def rank(r: int) -> tuple[float, float]:
+        q_side = 2 + 3 * r + 1.5 * (later - r)  # out (forward) and dq (backward), in dtype-units
+        kv_side = 2 + 1.5 * r + 3 * (later - r)
+        return dtype * queries * q_side, dtype * (queries * q_side + keys * kv_side)
+
+    return max((rank(0), rank(later)), key=sum)
+
+
 def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float, float]:
     """(forward, backward) seconds of the attention core. Fused (flash) kernels skip the blocks
     above the causal diagonal and outside a sliding window; the unfused path (megatron's masked
     softmax) computes the whole s x s score matrix whatever the mask. With context parallelism a
     rank's s/cp queries (two chunks of the 2 cp, load-balanced: r and 2cp-1-r) do 1/cp of the
-    causal work: in cp ring steps, one kernel each (p2p), or one kernel per local chunk against the
-    gathered keys (all_gather)."""
+    causal work: in cp ring steps, one kernel each (p2p, whose per-step results are then merged:
+    ``cp_merge_bytes``), or one kernel per local chunk against the gathered keys (all_gather)."""
     m, p = cfg.model, cfg.parallelism
     t, b, s, h, a, c = p.tp, p.micro_batch_size, m.seq_length, m.hidden_size, m.num_attention_heads, p.cp
     tokens, heads = b * s, a // t
@@ -341,6 +366,10 @@ def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float,
         flops = 2 * 2 * tokens * keys * h / t / c
         calls = 2 if c > 1 and p.cp_comm_type == "all_gather" else c
         fwd_s, bwd_s = hw.attention_s(flops, kernels=calls), hw.attention_s(2.5 * flops, kernels=2 * calls)
+        if c > 1 and p.cp_comm_type == "p2p":
+            merge_f, merge_b = cp_merge_bytes(cfg, dtype)
+            fwd_s += hw.elementwise_s(merge_f, 2 * c - 1)
+            bwd_s += hw.elementwise_s(merge_b, 3 * c)
         return fwd_s, bwd_s  # bwd recomputes S
     hd, q = h // a, s // c
     scores = b * heads * q * s
@@ -707,6 +736,11 @@ def compute_terms(cfg: MegaConfig, hw: Hardware, st: Stage, slowest: int) -> lis
             "attention core: "
             + (
                 "fused flash kernels over the causal (and windowed) keys only"
+                + (
+                    f", and the merge of the {cfg.parallelism.cp} ring steps' partial results"
+                    if cfg.parallelism.cp > 1 and cfg.parallelism.cp_comm_type == "p2p"
+                    else ""
+                )
                 if hw.flash_attention
                 else "QK^T and AV batched GEMMs over the full s x s scores + softmax/dropout traffic"
             ),
