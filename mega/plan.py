@@ -134,6 +134,39 @@ def _device_warnings(result: dict[str, Any]) -> None:
         )
 
 
+def _accuracy(result: dict[str, Any]) -> None:
+    """``accuracy``: the planner's held-out error on the published runs of this device type and
+    precision (``device.ACCURACY``, or that of the device whose calibration it takes), when the plan
+    uses the built-in calibration those runs validate."""
+    from mega.perf import device
+
+    plan = result.get("best", result)
+    cal = plan.get("hardware", {}).get("calibration")
+    precision = plan.get("knobs", {}).get("precision")
+    if not cal or not str(cal["source"]).startswith("built-in"):
+        return
+    for dev in (cal["device"], device.PRIOR_LIKE.get(cal["device"])):
+        record = device.ACCURACY.get(dev or "", {}).get(precision)
+        if record:
+            result["accuracy"] = {"device": dev, "precision": precision, "held_out": True, **record}
+            return
+
+
+def _accuracy_line(acc: dict[str, Any]) -> str:
+    ex, every = acc["explained"], acc["all"]
+    line = (
+        f"accuracy: on published {acc['device']} {acc['precision']} runs held out, the model erred "
+        f"{ex['min_err_mfu_pts']:+.1f} to {ex['max_err_mfu_pts']:+.1f} MFU points (MAE {ex['mae_mfu_pts']:.1f}, "
+        f"{ex['within_3_pts']} of {ex['rows']} within +-3)"
+    )
+    if every["rows"] > ex["rows"]:
+        line += (
+            f"; {every['min_err_mfu_pts']:+.1f} to {every['max_err_mfu_pts']:+.1f} with the "
+            f"{every['rows'] - ex['rows']} it does not explain"
+        )
+    return line + " (docs/perf-model.md)"
+
+
 # Share of a GPU step spent in unfused attention above which the plan says what flash attention gives.
 UNFUSED_ATTENTION_SHARE = 0.05
 
@@ -186,9 +219,11 @@ def plan_once(overrides: list[str], search: bool, calibration: str | None) -> di
         plan = configs.for_planning(overrides)
         result = planner.search(plan, calibration)
         _warn_unfused_attention(result, overrides, calibration)
+        _accuracy(result)
         return result
     result = _evaluate(overrides, calibration)
     _device_warnings(result)
+    _accuracy(result)
     _warn_unfused_attention(result, overrides, calibration)
     features = _features(overrides)
     if features is not None and features != BASELINE_FEATURES:
@@ -209,6 +244,8 @@ def _emit(result: dict[str, Any]) -> None:
         _print_explain(result["best"])
     if not _STATE.get("json"):
         _summary(result)
+        if result.get("accuracy"):
+            print(f"plan: {_accuracy_line(result['accuracy'])}", file=sys.stderr)
     for warning in result.get("warnings", []):
         print(f"plan: warning: {warning}", file=sys.stderr)
     print(json.dumps(result), flush=True)
@@ -233,6 +270,7 @@ def _hydra_job(dcfg: Any) -> dict[str, Any]:
             result = planner.evaluate(plan, hw, peak).to_dict(hw)
             _device_warnings(result)
         _warn_unfused_attention(result, overrides, _STATE.get("calibration"))
+        _accuracy(result)
     except ConfigError as err:
         result = {"error": str(err), "key": err.key}
     result["overrides"] = overrides

@@ -56,6 +56,71 @@ def test_rows_outside_3_points_are_exactly_the_reported_ones(published_results, 
     assert all(r.fits or r.memory_known for r in published_results), report
 
 
+@pytest.fixture(scope="module")
+def validation():
+    """``python -m mega.plan validate``'s result, computed once (about a minute on 2 cores)."""
+    return published.validate(FIXTURES / "published")
+
+
+def test_built_in_calibration_and_accuracy_are_what_validate_derives(validation):
+    """The built-in calibration is the fit on every source (``fitted_on_all``) and the accuracy the
+    planner prints is validate's held-out error by device type and precision: a change to the model
+    or the fixtures that moves either fails here until both are derived again."""
+    fitted = validation["fitted_on_all"]
+    for dev, values in device.FITTED.items():
+        for key, value in values.items():
+            assert fitted[dev][key] == pytest.approx(value, abs=5e-5), (dev, key, fitted[dev][key])
+    for dev in fitted:
+        for key, value in device.FITTED_JOB.items():
+            assert fitted[dev][key] == pytest.approx(value, abs=5e-5), (dev, key, fitted[dev][key])
+    assert validation["accuracy"] == device.ACCURACY
+    # the accuracy block counts the same rows and errors as the summary
+    rows = validation["rows"]
+    assert sum(b["all"]["rows"] for d in device.ACCURACY.values() for b in d.values()) == len(rows)
+    h100_fp8 = [
+        r["err_mfu_pts"] for r in rows if r["device"] == "H100 SXM" and r["knobs_given"]["precision"] == "fp8"
+    ]
+    assert device.ACCURACY["H100 SXM"]["fp8"]["all"]["min_err_mfu_pts"] == round(min(h100_fp8), 1)
+    assert device.ACCURACY["H100 SXM"]["fp8"]["all"]["within_3_pts"] == sum(
+        abs(e) <= published.TARGET_PTS for e in h100_fp8
+    )
+
+
+def test_a_plan_reports_the_models_error_on_its_devices_published_runs(capsys):
+    """Beside a plan on the built-in calibration: the held-out error on the published runs of that
+    device type and precision (or of the device whose calibration it takes); not beside a plan on a
+    measured calibration, which those runs do not validate."""
+    layout = [
+        "model=llama3-70b",
+        "cluster.nodes=8",
+        "parallelism.tp=4",
+        "parallelism.pp=4",
+        "parallelism.dp=4",
+    ]
+    layout += ["parallelism.global_batch_size=128", "model.fused_ops=true"]
+    r = _run_plan(capsys, ["cluster=h100-8x", *layout, "train.precision=fp8", "--json"])
+    record = device.ACCURACY["H100 SXM"]["fp8"]
+    assert r["accuracy"] == {"device": "H100 SXM", "precision": "fp8", "held_out": True, **record}
+    assert plan_main(["cluster=h100-8x", *layout, "train.precision=fp8"]) == 0
+    err = capsys.readouterr().err
+    ex, every = record["explained"], record["all"]
+    assert (
+        f"on published H100 SXM fp8 runs held out, the model erred {ex['min_err_mfu_pts']:+.1f} to "
+        f"{ex['max_err_mfu_pts']:+.1f} MFU points" in err
+    )
+    assert (
+        f"{every['min_err_mfu_pts']:+.1f} to {every['max_err_mfu_pts']:+.1f} with the 1 it does not explain"
+        in err
+    )
+    # the H200 plans with the H100 SXM's calibration: its record
+    r = _run_plan(capsys, ["cluster=h200-8x", *layout, "train.precision=bf16", "--json"])
+    assert r["accuracy"]["device"] == "H100 SXM" and r["accuracy"]["precision"] == "bf16"
+    assert r["accuracy"]["all"] == device.ACCURACY["H100 SXM"]["bf16"]["all"]
+    measured = FIXTURES / "calibration" / "h200-2026-11-26-gpt175b.json"
+    r = _run_plan(capsys, ["cluster=h200-8x", *layout, "--calibration", str(measured), "--json"])
+    assert "accuracy" not in r and r["hardware"]["calibration"]["source"] != "built-in (mega/perf/device.py)"
+
+
 def test_sources_are_independent_and_cover_two_devices(published_cases):
     fixtures = {c.fixture["file"]: c.fixture for c in published_cases}
     # the built-in calibration's validated device types are those the fixtures have rows on

@@ -422,6 +422,34 @@ def summary(results: list[RowResult]) -> dict[str, Any]:
     return out
 
 
+def _error_band(errs: list[float]) -> dict[str, Any]:
+    if not errs:
+        return {"rows": 0}
+    return device.error_band(
+        len(errs),
+        round(sum(abs(e) for e in errs) / len(errs), 2),
+        round(sum(errs) / len(errs), 2),
+        round(min(errs), 1),
+        round(max(errs), 1),
+        sum(abs(e) <= TARGET_PTS for e in errs),
+    )
+
+
+def accuracy(results: list[RowResult]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per device type and precision, the planner's error on the published rows held out (MFU
+    points, predicted - published): on the rows the model explains and on all of them. The planner
+    reports it beside a plan on that device type (``device.ACCURACY``, which this re-derives)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for dev in dict.fromkeys(r.device for r in results):
+        for prec in dict.fromkeys(r.precision for r in results if r.device == dev):
+            rows = [r for r in results if r.device == dev and r.precision == prec]
+            out.setdefault(dev, {})[str(prec)] = {
+                "explained": _error_band([r.err_mfu_pts for r in rows if r.explained]),
+                "all": _error_band([r.err_mfu_pts for r in rows]),
+            }
+    return out
+
+
 def plot(results: list[RowResult], path: str | Path) -> Path:
     """Predicted vs published MFU, one marker per source, +-3 point bands."""
     import matplotlib
@@ -470,6 +498,7 @@ def validate(
     out = {
         "rows": [r.to_dict() for r in results],
         "summary": summary(results),
+        "accuracy": accuracy(results),
         "calibrations": {s: {d: c.to_dict() for d, c in cals.items()} for s, cals in fits.items()},
         # what device.FITTED holds, the built-in calibration: never used to predict a row here
         "fitted_on_all": {d: c.to_dict() for d, c in everything.items()},
