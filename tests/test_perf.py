@@ -74,6 +74,13 @@ def test_built_in_calibration_and_accuracy_are_what_validate_derives(validation)
         for key, value in device.FITTED_JOB.items():
             assert fitted[dev][key] == pytest.approx(value, abs=5e-5), (dev, key, fitted[dev][key])
     assert validation["accuracy"] == device.ACCURACY
+    assert published.stale_built_ins(validation) == []
+    # what validate tells whoever changes the model without deriving them again
+    moved = json.loads(json.dumps(validation))
+    moved["fitted_on_all"]["H100 SXM"]["gemm_efficiency"] += 0.001
+    moved["fitted_on_all"]["A100"]["straggler_sigma"] += 0.001
+    moved["accuracy"]["A100"]["bf16"]["all"]["mae_mfu_pts"] += 0.01
+    assert published.stale_built_ins(moved) == ["FITTED", "FITTED_JOB", "ACCURACY"]
     # the accuracy block counts the same rows and errors as the summary
     rows = validation["rows"]
     assert sum(b["all"]["rows"] for d in device.ACCURACY.values() for b in d.values()) == len(rows)

@@ -450,6 +450,26 @@ def accuracy(results: list[RowResult]) -> dict[str, dict[str, dict[str, Any]]]:
     return out
 
 
+def stale_built_ins(result: dict[str, Any]) -> list[str]:
+    """The built-in constants (``device.FITTED``, ``FITTED_JOB``, ``ACCURACY``) that differ from what
+    a validation result derives: after a change to the model or the fixtures, what to update."""
+    fitted = result["fitted_on_all"]
+    stale = []
+    if any(
+        abs(fitted.get(dev, {}).get(key, math.inf) - value) > 5e-5
+        for dev, values in device.FITTED.items()
+        for key, value in values.items()
+    ):
+        stale.append("FITTED")
+    if any(
+        abs(cal[key] - value) > 5e-5 for cal in fitted.values() for key, value in device.FITTED_JOB.items()
+    ):
+        stale.append("FITTED_JOB")
+    if result["accuracy"] != device.ACCURACY:
+        stale.append("ACCURACY")
+    return stale
+
+
 def plot(results: list[RowResult], path: str | Path) -> Path:
     """Predicted vs published MFU, one marker per source, +-3 point bands."""
     import matplotlib
