@@ -174,6 +174,42 @@ def test_p2p_ring_merges_its_steps_partial_results_at_the_busiest_ranks_pace(lon
     assert "merge of the 2 ring steps" in predict(c2, hw).breakdown()["attention"]["what"]
 
 
+def test_a_measured_calibration_charges_shorter_cp_kernels_their_lower_efficiency(long_plan):
+    """With attention measured by length (``calibrate --device cuda``: the sequence and its CP
+    chunks), a kernel over fewer tokens runs at the efficiency interpolated in log(length) between
+    the measured ones, relative to the longest; at or above the longest, and without a table, the
+    calibration's one efficiency. p2p CP kernels cover a rank's s/cp queries, all-gather CP's one
+    local chunk (s/2cp)."""
+    from mega.perf import device
+
+    table = ((16384, 0.30), (65536, 0.45), (131072, 0.60))
+    cal = device.prior("H100 SXM").replace(attention_efficiency=0.6, attention_by_length=table, source="test")
+    assert cal.attention_length_factor(131072) == cal.attention_length_factor(262144) == 1.0
+    assert cal.attention_length_factor(65536) == pytest.approx(0.75)
+    assert cal.attention_length_factor(32768) == pytest.approx((0.30 + 0.5 * 0.15) / 0.60)  # halfway in log
+    assert cal.attention_length_factor(8192) == pytest.approx(0.5)  # below the shortest: its share
+    assert device.prior("H100 SXM").attention_length_factor(1024) == 1.0  # no table
+    base = validate(long_plan.cfg, planning=True)
+    s, h, tp = 131072, 4096, 2
+    for cp, comm, length in (
+        (1, "p2p", s),
+        (2, "p2p", s // 2),
+        (4, "p2p", s // 4),
+        (4, "all_gather", s // 8),
+    ):
+        cfg = dataclasses.replace(
+            base, parallelism=dataclasses.replace(base.parallelism, cp=cp, dp=1, cp_comm_type=comm)
+        )
+        hw, _ = hardware_for(cfg)
+        measured = dataclasses.replace(hw, attention_efficiency=0.6, calibration=cal)
+        plain = dataclasses.replace(measured, calibration=cal.replace(attention_by_length=()))
+        (fm, bm), (fp, bp) = attention_seconds(cfg, measured, 2), attention_seconds(cfg, plain, 2)
+        core = 2 * 2 * s * (s + 1) / 2 * h / tp / cp / (hw.peak_flops * 0.6)  # forward at the one efficiency
+        factor = cal.attention_length_factor(length)
+        assert fm - fp == pytest.approx(core / factor - core, rel=1e-9)
+        assert bm - bp == pytest.approx(2.5 * (core / factor - core), rel=1e-9)
+
+
 def test_cp2_halves_the_attention_core_and_a_layers_activations(long_plan):
     """The attention core: 2 x 2 x s x (s + 1)/2 x h / tp causal FLOPs forward (2.5x backward), 1/cp
     of it per rank in cp kernels. A layer's activations: Korthikanti et al.'s sbh (34 + 5as/h) with

@@ -541,6 +541,13 @@ def test_calibration_file_round_trip_and_bad_values(tmp_path):
     (tmp_path / "cpu.json").write_text(json.dumps({"hardware": {}}))
     with pytest.raises(ValueError, match="not a GPU calibration"):
         device.load(tmp_path / "cpu.json")
+    # attention by length survives the round trip; a malformed table is refused naming the field
+    by_length = cal.replace(attention_by_length=((2048, 0.26), (8192, 0.51)))
+    assert device.load(device.save(by_length, tmp_path / "len.json")) == by_length
+    for bad in ([[2048, 0.26], [2048, 0.3]], [[0, 0.2]], [[1024, -0.1]], [[1024]], "fast"):
+        (tmp_path / "bad-len.json").write_text(json.dumps({"device": "H100 SXM", "attention_by_length": bad}))
+        with pytest.raises(ValueError, match="attention_by_length"):
+            device.load(tmp_path / "bad-len.json")
 
 
 def test_plan_takes_a_gpu_calibration_and_warns_on_unvalidated_devices(tmp_path, capsys):
@@ -792,6 +799,10 @@ def test_cuda_calibration_derivation_from_measurements():
     assert device.prior("A100").fp8_gemm_efficiency is None  # no FP8 tensor cores
     assert cal.gemm_efficiency == pytest.approx(0.7, abs=1e-4)
     assert cal.attention_efficiency == pytest.approx(0.5, abs=1e-4)
+    assert cal.attention_by_length == ((1024, 0.25), (4096, 0.5))
+    assert (
+        calibrate_cuda.derive("H100 SXM", gemms, attention[:1], None, [], False)[0].attention_by_length == ()
+    )
     assert cal.memory_efficiency == pytest.approx(0.9, abs=1e-4)
     assert cal.nvlink_efficiency == pytest.approx(0.8, abs=1e-4)
     assert "nic_efficiency" in missing and cal.nic_efficiency == device.prior("H100 SXM").nic_efficiency

@@ -104,6 +104,27 @@ def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:
     )
 
 
+def attention_by_length(points: list[dict[str, Any]], peak: float) -> tuple[tuple[int, float], ...]:
+    """(tokens, median efficiency) per sequence length measured, ascending; empty with one length."""
+    lengths = sorted({p["seq"] for p in points})
+    if len(lengths) < 2:
+        return ()
+    return tuple(
+        (
+            n,
+            round(
+                statistics.median(
+                    attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak
+                    for p in points
+                    if p["seq"] == n
+                ),
+                4,
+            ),
+        )
+        for n in lengths
+    )
+
+
 # Context parallelism over cp ranks runs each layer's attention as one kernel per ring step on a
 # chunk of the sequence (s/cp queries; load-balanced causal chunks of s/(2 cp)): the calibration
 # times the model's sequence and its halves and quarters, so a file records attention by length.
@@ -259,8 +280,10 @@ def derive(
         )
     else:
         not_measured.append("fp8_gemm_efficiency")
+    by_length: tuple[tuple[int, float], ...] = ()
     if attention:
         values["attention_efficiency"] = attention_efficiency(attention, peak)
+        by_length = attention_by_length(attention, peak)
     if memory_bytes_per_s and "hbm" in sheet:
         values["memory_efficiency"] = memory_bytes_per_s / sheet["hbm"]
     else:
@@ -271,7 +294,9 @@ def derive(
     not_measured += [f for f in ("nvlink_efficiency", "nic_efficiency") if f not in values]
     not_measured += ["straggler_sigma", "step_overhead_s"]  # properties of a job, not of a device
     cal = device_mod.prior(key).replace(
-        **{k: round(v, 4) for k, v in values.items()}, source="python -m mega.perf.calibrate --device cuda"
+        **{k: round(v, 4) for k, v in values.items()},
+        attention_by_length=by_length,
+        source="python -m mega.perf.calibrate --device cuda",
     )
     return cal, not_measured
 

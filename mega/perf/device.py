@@ -166,11 +166,32 @@ class DeviceCalibration:
     # FP8 GEMMs (train.precision=fp8) against the dense FP8 peak; None: gemm_efficiency, i.e. an FP8
     # GEMM reaches the same fraction of its peak as a bf16 one (docs/perf-model.md, "FP8")
     fp8_gemm_efficiency: float | None = None
+    # Measured fused-attention efficiency by kernel length ((tokens, efficiency), ascending;
+    # ``calibrate --device cuda`` times the model's sequence and its CP chunks): a kernel shorter
+    # than the longest measured runs at attention_efficiency x eff(length) / eff(longest). Empty: one
+    # efficiency for every length.
+    attention_by_length: tuple[tuple[int, float], ...] = ()
     source: str = "prior"
     validated: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def attention_length_factor(self, length: int | None) -> float:
+        """The share of ``attention_efficiency`` a kernel over ``length`` tokens reaches: the measured
+        efficiency interpolated in log(length) between the lengths measured, relative to the
+        longest one; 1 at or above the longest, the shortest's share below it (no extrapolation)."""
+        table = self.attention_by_length
+        if not table or length is None or length >= table[-1][0]:
+            return 1.0
+        longest = table[-1][1]
+        if length <= table[0][0]:
+            return table[0][1] / longest
+        for (l0, e0), (l1, e1) in zip(table, table[1:]):
+            if l0 <= length <= l1:
+                w = math.log(length / l0) / math.log(l1 / l0)
+                return (e0 + w * (e1 - e0)) / longest
+        return 1.0
 
     def replace(self, **changes: Any) -> DeviceCalibration:
         return dataclasses.replace(self, **changes)
@@ -224,7 +245,7 @@ def load(path: str | Path) -> DeviceCalibration:
             "python -m mega.plan calibrate"
         )
     block = {k: v for k, v in block.items() if v is not None}  # null: the built-in value
-    unknown = set(block) - set(FIELDS) - {"device", "source", "validated"}
+    unknown = set(block) - set(FIELDS) - {"device", "source", "validated", "attention_by_length"}
     if unknown:
         raise ValueError(f"{path}: unknown calibration field(s) {sorted(unknown)}; known: {sorted(FIELDS)}")
     bad = [
@@ -236,12 +257,32 @@ def load(path: str | Path) -> DeviceCalibration:
     if bad:
         raise ValueError(f"{path}: {bad[0]} must be a finite number >= 0, got {block[bad[0]]!r}")
     base = prior(block["device"])
-    values = {k: float(block[k]) for k in FIELDS if k in block}
+    values: dict[str, Any] = {k: float(block[k]) for k in FIELDS if k in block}
+    if "attention_by_length" in block:
+        values["attention_by_length"] = _length_table(path, block["attention_by_length"])
     return base.replace(
         **values,
         source=block.get("source", str(path)),
         validated=bool(block.get("validated", base.validated)),
     )
+
+
+def _length_table(path: str | Path, raw: Any) -> tuple[tuple[int, float], ...]:
+    """``attention_by_length`` as a calibration file holds it: [[tokens, efficiency], ...]."""
+    try:
+        table = tuple(sorted((int(n), float(e)) for n, e in raw))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{path}: attention_by_length must be a list of [tokens, efficiency] pairs, got {raw!r}"
+        ) from None
+    if any(n <= 0 or not (math.isfinite(e) and e > 0) for n, e in table) or len({n for n, _ in table}) < len(
+        table
+    ):
+        raise ValueError(
+            f"{path}: attention_by_length needs distinct positive token counts and efficiencies > 0, "
+            f"got {raw!r}"
+        )
+    return table
 
 
 def save(calibration: DeviceCalibration, path: str | Path, extra: dict[str, Any] | None = None) -> Path:

@@ -162,9 +162,11 @@ class Hardware:
         """Activation elementwise kernels moving ``nbytes`` in all."""
         return nbytes / (self.elementwise_bytes_per_s or self.memory_bytes_per_s) + kernels * self.kernel_s
 
-    def attention_s(self, flops: float, kernels: int = 1) -> float:
-        """A fused attention kernel doing ``flops``."""
-        return flops / (self.peak_flops * self.attention_efficiency) + kernels * self.kernel_s
+    def attention_s(self, flops: float, kernels: int = 1, length: int | None = None) -> float:
+        """Fused attention kernels doing ``flops``, each over ``length`` tokens (a measured
+        calibration's ``attention_by_length`` charges short kernels their lower efficiency)."""
+        factor = self.calibration.attention_length_factor(length) if self.calibration else 1.0
+        return flops / (self.peak_flops * self.attention_efficiency * factor) + kernels * self.kernel_s
 
     def link(self, group_size: int, stride: int) -> tuple[Link, float]:
         """The link a collective over ``group_size`` ranks ``stride`` apart in rank order runs on,

@@ -364,8 +364,11 @@ def attention_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[float,
         windowed, full = attention_layer_counts(m.num_layers, m.window_size, m.full_attention_every)
         keys = (windowed * causal_keys(s, m.window_size) + full * causal_keys(s, None)) / m.num_layers
         flops = 2 * 2 * tokens * keys * h / t / c
-        calls = 2 if c > 1 and p.cp_comm_type == "all_gather" else c
-        fwd_s, bwd_s = hw.attention_s(flops, kernels=calls), hw.attention_s(2.5 * flops, kernels=2 * calls)
+        gathered = c > 1 and p.cp_comm_type == "all_gather"
+        calls = 2 if gathered else c
+        length = s // (2 * c) if gathered else s // c  # the queries of one kernel
+        fwd_s = hw.attention_s(flops, kernels=calls, length=length)
+        bwd_s = hw.attention_s(2.5 * flops, kernels=2 * calls, length=length)
         if c > 1 and p.cp_comm_type == "p2p":
             merge_f, merge_b = cp_merge_bytes(cfg, dtype)
             fwd_s += hw.elementwise_s(merge_f, 2 * c - 1)
