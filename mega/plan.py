@@ -143,7 +143,7 @@ def _accuracy(result: dict[str, Any]) -> None:
     plan = result.get("best", result)
     cal = plan.get("hardware", {}).get("calibration")
     precision = plan.get("knobs", {}).get("precision")
-    if not cal or not str(cal["source"]).startswith("built-in"):
+    if not cal or cal["source"] != device.prior(cal["device"]).source:
         return
     for dev in (cal["device"], device.PRIOR_LIKE.get(cal["device"])):
         record = device.ACCURACY.get(dev or "", {}).get(precision)

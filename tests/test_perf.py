@@ -66,15 +66,7 @@ def test_built_in_calibration_and_accuracy_are_what_validate_derives(validation)
     """The built-in calibration is the fit on every source (``fitted_on_all``) and the accuracy the
     planner prints is validate's held-out error by device type and precision: a change to the model
     or the fixtures that moves either fails here until both are derived again."""
-    fitted = validation["fitted_on_all"]
-    for dev, values in device.FITTED.items():
-        for key, value in values.items():
-            assert fitted[dev][key] == pytest.approx(value, abs=5e-5), (dev, key, fitted[dev][key])
-    for dev in fitted:
-        for key, value in device.FITTED_JOB.items():
-            assert fitted[dev][key] == pytest.approx(value, abs=5e-5), (dev, key, fitted[dev][key])
-    assert validation["accuracy"] == device.ACCURACY
-    assert published.stale_built_ins(validation) == []
+    assert published.stale_built_ins(validation) == [], (validation["fitted_on_all"], validation["accuracy"])
     # what validate tells whoever changes the model without deriving them again
     moved = json.loads(json.dumps(validation))
     moved["fitted_on_all"]["H100 SXM"]["gemm_efficiency"] += 0.001

@@ -93,36 +93,27 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     return 3.5 * 4 * batch * heads * seq * causal_keys(seq, None) * head_dim
 
 
-def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:
-    """Median of attention_flops / seconds / peak over the points at the longest sequence measured
-    (the model's own; the shorter ones are the chunks context parallelism runs its kernels on)."""
-    longest = max(p["seq"] for p in points)
+def _attention_efficiency_at(points: list[dict[str, Any]], peak: float, seq: int) -> float:
+    """Median of attention_flops / seconds / peak over the points at sequence length ``seq``."""
     return statistics.median(
         attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak
         for p in points
-        if p["seq"] == longest
+        if p["seq"] == seq
     )
+
+
+def attention_efficiency(points: list[dict[str, Any]], peak: float) -> float:
+    """The efficiency at the longest sequence measured (the model's own; the shorter ones are the
+    chunks context parallelism runs its kernels on)."""
+    return _attention_efficiency_at(points, peak, max(p["seq"] for p in points))
 
 
 def attention_by_length(points: list[dict[str, Any]], peak: float) -> tuple[tuple[int, float], ...]:
-    """(tokens, median efficiency) per sequence length measured, ascending; empty with one length."""
+    """(tokens, efficiency) per sequence length measured, ascending; empty with one length."""
     lengths = sorted({p["seq"] for p in points})
     if len(lengths) < 2:
         return ()
-    return tuple(
-        (
-            n,
-            round(
-                statistics.median(
-                    attention_flops(p["batch"], p["heads"], p["seq"], p["head_dim"]) / p["seconds"] / peak
-                    for p in points
-                    if p["seq"] == n
-                ),
-                4,
-            ),
-        )
-        for n in lengths
-    )
+    return tuple((n, round(_attention_efficiency_at(points, peak, n), 4)) for n in lengths)
 
 
 # Context parallelism over cp ranks runs each layer's attention as one kernel per ring step on a

@@ -16,6 +16,7 @@ warns about it.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -74,18 +75,9 @@ ACCURACY: dict[str, dict[str, dict[str, dict[str, float]]]] = {
             "all": error_band(15, 3.22, -1.2, -15.9, 3.5, 11),
         },
     },
-    "B200": {
-        "fp8": {
-            "explained": error_band(2, 5.35, 0.73, -4.6, 6.1, 0),
-            "all": error_band(2, 5.35, 0.73, -4.6, 6.1, 0),
-        }
-    },
-    "GB200": {
-        "fp8": {
-            "explained": error_band(3, 1.95, 1.95, 0.0, 4.2, 2),
-            "all": error_band(3, 1.95, 1.95, 0.0, 4.2, 2),
-        }
-    },
+    # every Blackwell row is explained: one band for both
+    "B200": {"fp8": dict.fromkeys(("explained", "all"), error_band(2, 5.35, 0.73, -4.6, 6.1, 0))},
+    "GB200": {"fp8": dict.fromkeys(("explained", "all"), error_band(3, 1.95, 1.95, 0.0, 4.2, 2))},
 }
 # Device types with rows in tests/fixtures/published: those with a record above.
 VALIDATED = tuple(ACCURACY)
@@ -185,13 +177,11 @@ class DeviceCalibration:
         if not table or length is None or length >= table[-1][0]:
             return 1.0
         longest = table[-1][1]
-        if length <= table[0][0]:
+        i = bisect.bisect_right([n for n, _ in table], length)  # table[i - 1] <= length < table[i]
+        if i == 0:
             return table[0][1] / longest
-        for (l0, e0), (l1, e1) in zip(table, table[1:]):
-            if l0 <= length <= l1:
-                w = math.log(length / l0) / math.log(l1 / l0)
-                return (e0 + w * (e1 - e0)) / longest
-        return 1.0
+        (l0, e0), (l1, e1) = table[i - 1], table[i]
+        return (e0 + math.log(length / l0) / math.log(l1 / l0) * (e1 - e0)) / longest
 
     def replace(self, **changes: Any) -> DeviceCalibration:
         return dataclasses.replace(self, **changes)
@@ -275,8 +265,11 @@ def _length_table(path: str | Path, raw: Any) -> tuple[tuple[int, float], ...]:
         raise ValueError(
             f"{path}: attention_by_length must be a list of [tokens, efficiency] pairs, got {raw!r}"
         ) from None
-    if any(n <= 0 or not (math.isfinite(e) and e > 0) for n, e in table) or len({n for n, _ in table}) < len(
-        table
+    lengths = [n for n, _ in table]
+    if table and (
+        min(lengths) <= 0
+        or len(set(lengths)) < len(lengths)
+        or any(not e > 0 or math.isinf(e) for _, e in table)
     ):
         raise ValueError(
             f"{path}: attention_by_length needs distinct positive token counts and efficiencies > 0, "
