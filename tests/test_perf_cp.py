@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from mega.config import ConfigError, MegaConfig, ModelConfig, ParallelismConfig, compose, validate
+from mega.perf import device
 from mega.perf.configs import Composer, for_planning
-from mega.perf.hardware import NIC_LATENCY_S
 from mega.perf.memory import activation_bytes_per_layer
 from mega.perf.planner import evaluate, hardware_for, settle_precision
 from mega.perf.step import DTYPE_BYTES, attention_seconds, cp_comm_seconds, cp_merge_bytes, predict
@@ -82,7 +82,7 @@ def test_ring_across_nodes_runs_on_the_nics(long_plan):
     cfg = dataclasses.replace(cfg, parallelism=p, cluster=c)
     hw, _ = hardware_for(cfg)
     block = 2 * 8192 * 128 * 2
-    seconds = NIC_LATENCY_S + block / hw.inter.bytes_per_s
+    seconds = device.prior("H100 SXM").nic_latency_us * 1e-6 + block / hw.inter.bytes_per_s
     assert hw.inter.bytes_per_s <= 400e9 / 8  # one rank's share of the node's NICs
     fwd, _ = cp_comm_seconds(cfg, hw, 2, 0.0, 0.0)
     assert fwd.cp_total == pytest.approx(15 * seconds, rel=1e-12)

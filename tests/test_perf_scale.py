@@ -164,6 +164,30 @@ def test_dp_bucket_size_sets_the_bucket_count_and_its_latency(composer):
         Stack(dp_bucket_elements=0)
 
 
+def test_the_nic_latency_is_the_calibrations_and_every_ring_step_between_nodes_pays_it(composer, tmp_path):
+    """The per-hop latency of a ring between nodes is a calibration field (fitted with the job
+    constants, ``device.FITTED_JOB``; a calibration file may set it): the inter-node link takes it, and
+    a reduce-scatter over dp=192 nodes in n buckets pays 191 of them per bucket, so its total moves
+    by n x 191 x the latency's change, its bandwidth part unchanged."""
+    from mega.perf import hardware
+    from mega.perf.memory import stage_params
+
+    _, cfg, _ = predicted(composer, [*LAYOUT_175B, *MEGASCALE, "cluster.nodes=1536", "parallelism.dp=192"])
+    p = cfg.parallelism
+    assert device.prior("A100").nic_latency_us == device.FITTED_JOB["nic_latency_us"]
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"device": "A100", "nic_latency_us": 2.5}))
+    slow, fast = (
+        hardware.from_cluster(cfg.cluster, "bf16", cfg.model.fused_ops, cal)
+        for cal in (device.prior("A100").replace(nic_latency_us=12.5), device.load(path))
+    )
+    assert (slow.inter.latency_s, fast.inter.latency_s) == (pytest.approx(12.5e-6), pytest.approx(2.5e-6))
+    assert slow.intra == fast.intra  # NVLink's latency is not the NIC's
+    n = buckets(max(stage_params(cfg.model, p)) / p.vpp, p.dp) + p.vpp - 1
+    totals = [predict(cfg, hw).breakdown()["dp_grad_reduce"]["total_s"] for hw in (slow, fast)]
+    assert totals[0] - totals[1] == pytest.approx(n * 191 * 10e-6, rel=1e-6)
+
+
 def test_megascale_dp_reduce_leaves_the_last_chunk_exposed(composer):
     """MegaScale (section 3.2) reduce-scatters each model chunk's gradients after the chunk's
     backward, so the last chunk's, 1/vpp of the whole, cannot be hidden; the earlier chunks' hide in

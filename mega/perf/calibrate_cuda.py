@@ -283,7 +283,7 @@ def derive(
     if collectives and link in sheet:
         values[f"{link}_efficiency"] = link_efficiency(collectives, sheet[link])
     not_measured += [f for f in ("nvlink_efficiency", "nic_efficiency") if f not in values]
-    not_measured += ["straggler_sigma", "step_overhead_s"]  # properties of a job, not of a device
+    not_measured += list(device_mod.JOB_FIELDS)  # properties of a job and its fabric, not of a device
     cal = device_mod.prior(key).replace(
         **{k: round(v, 4) for k, v in values.items()},
         attention_by_length=by_length,

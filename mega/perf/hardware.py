@@ -48,9 +48,9 @@ SMS = {
 }
 # Fixed cost of one GPU kernel (launch gap and tail), seconds: small kernels cannot go faster.
 GPU_KERNEL_S = 5e-6
-# Per-hop latency of a collective step (NCCL ring step), seconds: NVLink and InfiniBand.
+# Per-hop latency of a collective step (NCCL ring step) over NVLink, seconds; the NIC's is the
+# calibration's (DeviceCalibration.nic_latency_us).
 NVLINK_LATENCY_S = 5e-6
-NIC_LATENCY_S = 10e-6
 # Host->device copy of a microbatch's token tensors (PCIe 4 x16, ~25 GB/s achieved).
 PCIE_BYTES_PER_S = 25e9
 # Payload share of the host link's line rate a large device<->host copy reaches (PCIe DMA after
@@ -296,7 +296,7 @@ def from_cluster(
         memory_bytes=capacity * (1 - FRAGMENTATION) - RESERVED_GIB * GIB,
         memory_capacity_bytes=capacity,
         intra=Link(nvlink * cal.nvlink_efficiency, NVLINK_LATENCY_S),
-        inter=Link(node_nic / cluster.procs_per_node * cal.nic_efficiency, NIC_LATENCY_S),
+        inter=Link(node_nic / cluster.procs_per_node * cal.nic_efficiency, cal.nic_latency_us * 1e-6),
         procs_per_node=cluster.procs_per_node,
         nvlink_domain=cluster.nvlink_domain or 0,
         sms=SMS.get(key or ""),

@@ -297,6 +297,7 @@ FIT_PARAMETERS = (
     ("fp8_gemm_efficiency", True, (0.3, 1.0), 0.005),  # on the device's fp8 rows only
     ("straggler_sigma", False, (0.0, 0.04), 0.001),
     ("step_overhead_s", False, (0.0, 1.0), 0.02),
+    ("nic_latency_us", False, (2.7, 14.0), 0.25),  # NCCL's own range for a network ring step (device.py)
 )
 
 
@@ -382,11 +383,7 @@ def _held_out_calibration(
         borrowed = fitted.replace(device=case.device, source=f"the {like}'s {fitted.source}")
         return {case.device: borrowed}, sorted({c.source for c in train if c.device == like})
     alone = device.unfitted(case.device)
-    shared = (
-        {k: getattr(next(iter(cals.values())), k) for k in ("straggler_sigma", "step_overhead_s")}
-        if cals
-        else {}
-    )
+    shared = {k: getattr(next(iter(cals.values())), k) for k in device.JOB_FIELDS} if cals else {}
     return {
         case.device: alone.replace(**shared, source=f"{alone.source}, no other source on this device")
     }, []
