@@ -831,6 +831,24 @@ def test_cuda_calibration_derivation_from_measurements():
     assert cal.nvlink_efficiency == pytest.approx(0.8, abs=1e-4)
     assert "nic_efficiency" in missing and cal.nic_efficiency == device.prior("H100 SXM").nic_efficiency
     assert calibrate_cuda.bus_bandwidth("all_gather", 8e9, 8, 1.0) == pytest.approx(7e9)
+    assert set(device.JOB_FIELDS) <= set(missing)  # one node: no ring between nodes to time
+
+
+def test_calibrate_cuda_reads_the_nic_latency_from_all_gathers_across_nodes():
+    """All-gathers over one rank per node, 16 nodes, timed as a ring of 15 steps of 6 us latency at
+    40 GB/s: the intercept of t / 15 against bytes / 16 is the per-step latency; written to the
+    calibration and no longer listed as not measured."""
+    ring = [
+        {"kind": "all_gather", "bytes": b, "ranks": 16, "seconds": 15 * (6e-6 + b / 16 / 40e9)}
+        for b in (64 << 10, 256 << 10, 1 << 20)
+    ]
+    assert calibrate_cuda.ring_step_latency_us(ring) == pytest.approx(6.0, rel=1e-9)
+    gemms = [{"m": 4096, "n": 4096, "k": 4096, "seconds": 2 * 4096**3 / (0.7 * 989.4e12)}]
+    cal, missing = calibrate_cuda.derive("H100 SXM", gemms, [], None, [], True, ring=ring)
+    assert cal.nic_latency_us == pytest.approx(6.0, abs=1e-4) and "nic_latency_us" not in missing
+    assert {"straggler_sigma", "step_overhead_s"} <= set(missing)
+    with pytest.raises(ValueError, match="two sizes"):
+        calibrate_cuda.ring_step_latency_us(ring[:1])
 
 
 def test_hopper_gemm_prior_is_the_h200_measurement():

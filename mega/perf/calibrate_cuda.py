@@ -10,7 +10,9 @@ efficiencies of the performance model on a GPU node and write a calibration file
 * a device-to-device copy -> ``memory_efficiency`` against the datasheet HBM bandwidth;
 * NCCL all-reduce / all-gather / reduce-scatter / all-to-all / send-recv when started by torchrun
   with 2 or more ranks (over 2-8 GPUs of a node: ``nvlink_efficiency``; with ranks on several
-  nodes: ``nic_efficiency``): bus bandwidth (nccl-tests' convention) / the datasheet link rate.
+  nodes: ``nic_efficiency``): bus bandwidth (nccl-tests' convention) / the datasheet link rate;
+* with ranks on several nodes, small all-gathers over one rank per node -> ``nic_latency_us``: the
+  latency of one ring step between nodes (``ring_step_latency_us``).
 
 What a run cannot measure (one GPU: no collectives) keeps the device's built-in value and is listed
 under ``not_measured``. torch is imported inside the functions: the module imports without CUDA and
@@ -140,6 +142,19 @@ def link_efficiency(points: list[dict[str, Any]], link_bytes_per_s: float) -> fl
     )
 
 
+def ring_step_latency_us(points: list[dict[str, Any]]) -> float:
+    """The latency of one ring step between nodes, microseconds: all-gathers over one rank per node
+    (n ranks) of two or more sizes B take t = (n - 1) x (latency + B / (n x bandwidth)), so t / (n - 1)
+    against B / n is a line whose intercept is the latency (least squares; 0 at the least)."""
+    xs = [p["bytes"] / p["ranks"] for p in points]
+    ys = [p["seconds"] / (p["ranks"] - 1) for p in points]
+    if len(set(xs)) < 2:
+        raise ValueError("ring_step_latency_us needs all-gathers of at least two sizes")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, (my - slope * mx) * 1e6)
+
+
 def _cuda_time(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:
     """Mean device time of one call. ``warmup`` untimed calls first: the first calls of a kernel
     pay one-off costs (library handles, kernel selection, autotuning, allocator growth) that a
@@ -251,6 +266,27 @@ def bench_collectives(sizes=(1 << 20, 64 << 20, 256 << 20)) -> list[dict[str, An
     return out
 
 
+def bench_ring_latency(sizes=(64 << 10, 256 << 10, 1 << 20)) -> list[dict[str, Any]]:
+    """All-gathers over one rank per node (the ranks of one local rank: a data-parallel group's
+    shape when TP fills the node), small enough that the per-step latency shows. Every rank joins
+    every group's creation (torch.distributed.new_group); rank 0 returns its group's points."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    groups = [dist.new_group(list(range(r, world, local))) for r in range(local)]
+    group, n = groups[rank % local], world // local
+    out = []
+    for nbytes in sizes:
+        x = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        shard = torch.randn(nbytes // 2 // n, device="cuda", dtype=torch.bfloat16)
+        dist.barrier()
+        seconds = _cuda_time(lambda: dist.all_gather_into_tensor(x, shard, group=group), 20)
+        out.append({"kind": "all_gather", "bytes": nbytes, "ranks": n, "seconds": seconds})
+    return out
+
+
 def derive(
     key: str,
     gemms: list,
@@ -259,8 +295,11 @@ def derive(
     collectives: list,
     multi_node: bool,
     fp8_gemms: list | None = None,
+    ring: list | None = None,
 ) -> tuple[device_mod.DeviceCalibration, list[str]]:
-    """The calibration from the measurements; what was not measured keeps the built-in value."""
+    """The calibration from the measurements; what was not measured keeps the built-in value.
+    ``ring``: all-gathers over one rank per node (``bench_ring_latency``), which give the NIC's
+    per-hop latency; the other job constants a node cannot measure."""
     peak = PEAK_TFLOPS[key]["bf16"] * 1e12
     sheet = DATASHEET.get(key, {})
     values: dict[str, float] = {"gemm_efficiency": gemm_efficiency(gemms, peak, SMS.get(key))}
@@ -283,7 +322,10 @@ def derive(
     if collectives and link in sheet:
         values[f"{link}_efficiency"] = link_efficiency(collectives, sheet[link])
     not_measured += [f for f in ("nvlink_efficiency", "nic_efficiency") if f not in values]
-    not_measured += list(device_mod.JOB_FIELDS)  # properties of a job and its fabric, not of a device
+    if ring:
+        values["nic_latency_us"] = ring_step_latency_us(ring)
+    # properties of a job (and, on one node, of its fabric), not of a device
+    not_measured += [f for f in device_mod.JOB_FIELDS if f not in values]
     cal = device_mod.prior(key).replace(
         **{k: round(v, 4) for k, v in values.items()},
         attention_by_length=by_length,
@@ -339,14 +381,16 @@ def main(argv: list[str]) -> int:
         p for seq in attention_lengths(args.seq) for p in bench_attention(seq, heads, d, args.micro_batch)
     ]
     memory = bench_memory()
-    collectives, multi_node = [], False
+    collectives, multi_node, ring = [], False, []
     if distributed:
         collectives = bench_collectives()
         multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < dist.get_world_size()
+        if multi_node:
+            ring = bench_ring_latency()
         if dist.get_rank() != 0:
             dist.destroy_process_group()
             return 0
-    cal, not_measured = derive(key, gemms, attention, memory, collectives, multi_node, fp8_gemms)
+    cal, not_measured = derive(key, gemms, attention, memory, collectives, multi_node, fp8_gemms, ring)
     extra = {
         "device_name": name,
         "not_measured": not_measured,
@@ -357,6 +401,7 @@ def main(argv: list[str]) -> int:
             "attention": attention,
             "memory_bytes_per_s": memory,
             "collectives": collectives,
+            "ring_across_nodes": ring,
         },
     }
     device_mod.save(cal, args.out, extra)
