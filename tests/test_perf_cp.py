@@ -180,8 +180,6 @@ def test_a_measured_calibration_charges_shorter_cp_kernels_their_lower_efficienc
     the measured ones, relative to the longest; at or above the longest, and without a table, the
     calibration's one efficiency. p2p CP kernels cover a rank's s/cp queries, all-gather CP's one
     local chunk (s/2cp)."""
-    from mega.perf import device
-
     table = ((16384, 0.30), (65536, 0.45), (131072, 0.60))
     cal = device.prior("H100 SXM").replace(attention_efficiency=0.6, attention_by_length=table, source="test")
     assert cal.attention_length_factor(131072) == cal.attention_length_factor(262144) == 1.0

@@ -331,9 +331,8 @@ def test_heartbeat_thread_never_blocks_on_a_redis_down_at_start():
     t0 = time.monotonic()
     hb.start()
     assert time.monotonic() - t0 < heartbeat_redis.TIMEOUT_S
-    end = (
-        time.monotonic() + 10
-    )  # the thread's first write meets the silent port (a loaded machine may start it late)
+    # the thread's first write meets the silent port (a loaded machine may start the thread late)
+    end = time.monotonic() + 10
     while hb.dropped == 0 and time.monotonic() < end:
         time.sleep(0.05)
     assert hb.dropped > 0, "the heartbeat thread never tried the silent port"

@@ -150,9 +150,7 @@ def ring_step_latency_us(points: list[dict[str, Any]]) -> float:
     ys = [p["seconds"] / (p["ranks"] - 1) for p in points]
     if len(set(xs)) < 2:
         raise ValueError("ring_step_latency_us needs all-gathers of at least two sizes")
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return max(0.0, (my - slope * mx) * 1e6)
+    return max(0.0, statistics.linear_regression(xs, ys).intercept * 1e6)
 
 
 def _cuda_time(fn: Callable[[], Any], repeats: int = 10, warmup: int = 3) -> float:

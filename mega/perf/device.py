@@ -112,8 +112,9 @@ STEP_OVERHEAD_S = 0.05
 # the proxy posts the RDMA write, the peer's GPU sees the flag), microseconds; a ring over n nodes
 # pays (n - 1) of them per call, so it sets how a data-parallel reduction in fixed buckets slows as
 # dp grows. NCCL's own tuning model charges 2.7 (LL), 4.0 (LL128) and 14 (Simple) per network ring
-# step (src/graph/tuning.cc); fitted.
+# step (src/graph/tuning.cc, hwLatencies): the range the fit searches.
 NIC_LATENCY_US = 10.0
+NIC_LATENCY_RANGE_US = (2.7, 14.0)
 
 FIELDS = (
     "gemm_efficiency",

@@ -297,7 +297,7 @@ FIT_PARAMETERS = (
     ("fp8_gemm_efficiency", True, (0.3, 1.0), 0.005),  # on the device's fp8 rows only
     ("straggler_sigma", False, (0.0, 0.04), 0.001),
     ("step_overhead_s", False, (0.0, 1.0), 0.02),
-    ("nic_latency_us", False, (2.7, 14.0), 0.25),  # NCCL's own range for a network ring step (device.py)
+    ("nic_latency_us", False, device.NIC_LATENCY_RANGE_US, 0.25),
 )
 
 
