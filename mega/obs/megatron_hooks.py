@@ -342,8 +342,10 @@ def _wrap_p2p_ops(fn: Callable) -> Callable:
         if rec is None:
             return fn(**kwargs)
         rec.counts["p2p"] += 1
-        reqs = fn(**kwargs)
+        # posted when the call begins: the peer's data cannot arrive before it, even if this
+        # rank is descheduled before the call returns (which a timestamp after it would book)
         post = rec.clock()
+        reqs = fn(**kwargs)
         peers = {"prev": kwargs["prev_pipeline_rank"], "next": kwargs["next_pipeline_rank"]}
         ops = []
         for arg, op, side, slot in _P2P_SLOTS:
