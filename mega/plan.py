@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -374,6 +376,12 @@ def _validate_parser() -> argparse.ArgumentParser:
         default=published.FIT_ROUNDS,
         help="at most this many coordinate-descent rounds per fit (each stops once converged)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="fit the sources in this many processes (default: one per core; the result is the same)",
+    )
     parser.add_argument("--json", action="store_true")
     return parser
 
@@ -382,7 +390,14 @@ def _validate(argv: list[str]) -> int:
     from mega.perf import published
 
     args = _validate_parser().parse_args(argv)
-    result = published.validate(Path(args.fixtures), args.plot, args.rounds)
+    started = time.monotonic()
+
+    def progress(done: int, total: int, label: str) -> None:
+        what = "fitted on" if label == published.ALL_SOURCES else "held out"
+        elapsed = time.monotonic() - started
+        print(f"validate: {done}/{total} fits ({elapsed:.0f} s): {what} {label}", file=sys.stderr, flush=True)
+
+    result = published.validate(Path(args.fixtures), args.plot, args.rounds, max(1, args.jobs), progress)
     if not args.json:
         for r in result["rows"]:
             print(

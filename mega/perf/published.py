@@ -23,6 +23,7 @@ every other source, then the source is predicted with it, its open knobs chosen 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -353,18 +354,60 @@ def calibrates(case: Case) -> bool:
     return explained(case) and case.device not in device.PRIOR_LIKE
 
 
+# What validate's progress callback is told as each fit ends: (fits done, fits in all, which fit).
+Progress = Callable[[int, int, str], None]
+ALL_SOURCES = "every source (the built-in calibration)"
+
+
+def _fold(todo: list[Case], source: str, rounds: int) -> tuple[list[RowResult], Calibrations]:
+    """One source predicted with the calibration fitted on all the others' explained rows."""
+    train = [c for c in todo if c.source != source and calibrates(c)]
+    cals = fit(train, rounds)
+    held_out = [predict_case(c, *_held_out_calibration(c, train, cals)) for c in todo if c.source == source]
+    return held_out, cals
+
+
+def _fit_all(todo: list[Case], rounds: int) -> Calibrations:
+    return fit([c for c in todo if calibrates(c)], rounds)
+
+
 def leave_one_source_out(
-    todo: list[Case], rounds: int = FIT_ROUNDS
-) -> tuple[list[RowResult], dict[str, Calibrations]]:
-    """Each source predicted with the calibration fitted on all the others' explained rows."""
-    results, fits = [], {}
-    for source in dict.fromkeys(c.source for c in todo):
-        train = [c for c in todo if c.source != source and calibrates(c)]
-        cals = fit(train, rounds)
-        fits[source] = cals
-        for case in (c for c in todo if c.source == source):
-            results.append(predict_case(case, *_held_out_calibration(case, train, cals)))
-    return results, fits
+    todo: list[Case], rounds: int = FIT_ROUNDS, jobs: int = 1, progress: Progress | None = None
+) -> tuple[list[RowResult], dict[str, Calibrations], Calibrations]:
+    """Each source predicted with the calibration fitted on all the others' explained rows, and the
+    fit on all of them (``device.FITTED``): (rows in source order, each fold's fit, the fit on all).
+    The fits are independent and deterministic: ``jobs`` > 1 runs them in that many processes, with
+    the same result."""
+    freeze_knobs(todo)  # once, before the fits share the cases
+    sources = list(dict.fromkeys(c.source for c in todo))
+    total, done = len(sources) + 1, 0
+    folds: dict[str, tuple[list[RowResult], Calibrations]] = {}
+
+    def finished(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, label)
+
+    if jobs <= 1:
+        for source in sources:
+            folds[source] = _fold(todo, source, rounds)
+            finished(source)
+        everything = _fit_all(todo, rounds)
+        finished(ALL_SOURCES)
+    else:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            pending = {pool.submit(_fit_all, todo, rounds): ALL_SOURCES}
+            pending.update({pool.submit(_fold, todo, s, rounds): s for s in sources})
+            for future in concurrent.futures.as_completed(pending):
+                label = pending[future]
+                if label == ALL_SOURCES:
+                    everything = future.result()
+                else:
+                    folds[label] = future.result()
+                finished(label)
+    results = [row for s in sources for row in folds[s][0]]
+    return results, {s: folds[s][1] for s in sources}, everything
 
 
 def _held_out_calibration(
@@ -507,11 +550,14 @@ def plot(results: list[RowResult], path: str | Path) -> Path:
 
 
 def validate(
-    directory: Path = DEFAULT_DIR, plot_path: str | Path | None = None, rounds: int = FIT_ROUNDS
+    directory: Path = DEFAULT_DIR,
+    plot_path: str | Path | None = None,
+    rounds: int = FIT_ROUNDS,
+    jobs: int = 1,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     todo = cases(load(directory))
-    results, fits = leave_one_source_out(todo, rounds)
-    everything = fit([c for c in todo if calibrates(c)], rounds)
+    results, fits, everything = leave_one_source_out(todo, rounds, jobs, progress)
     out = {
         "rows": [r.to_dict() for r in results],
         "summary": summary(results),
