@@ -397,7 +397,11 @@ def _validate(argv: list[str]) -> int:
         elapsed = time.monotonic() - started
         print(f"validate: {done}/{total} fits ({elapsed:.0f} s): {what} {label}", file=sys.stderr, flush=True)
 
-    result = published.validate(Path(args.fixtures), args.plot, args.rounds, max(1, args.jobs), progress)
+    try:
+        result = published.validate(Path(args.fixtures), args.plot, args.rounds, max(1, args.jobs), progress)
+    except (ValueError, OSError) as err:  # a fixture that is missing, not JSON or not a valid layout
+        print(f"validate: {err}", file=sys.stderr)
+        return 2
     if not args.json:
         for r in result["rows"]:
             print(

@@ -106,6 +106,33 @@ def test_validate_in_two_processes_gives_one_process_result_and_reports_every_fi
     assert sum(line.endswith(f"fitted on {published.ALL_SOURCES}") for line in progress) == 1
 
 
+def test_validate_names_the_bad_fixture_in_one_line_and_exits_2(tmp_path, capsys):
+    """No fixtures where pointed, a file that is not JSON, a row without its published value, a row
+    whose layout does not compose: one line naming the file, row and key; exit status 2."""
+    bloom = json.loads((FIXTURES / "published" / "bloom2022-tr11.json").read_text())
+    no_value = json.loads(json.dumps(bloom))
+    del no_value["rows"][0]["value"]
+    bad_key = json.loads(json.dumps(bloom))
+    bad_key["rows"][0]["overrides"].append("parallelism.tpp=8")
+    expected = {
+        "not-json": ("x.json", "{", "x.json: not JSON"),
+        "no-value": ("bloom.json", json.dumps(no_value), "bloom.json: row 0 (176b-384): missing 'value'"),
+        "bad-key": (
+            "bloom.json",
+            json.dumps(bad_key),
+            "bloom.json, row '176b-384': parallelism.tpp: Key 'tpp' not in 'ParallelismConfig'",
+        ),
+    }
+    assert plan_main(["validate", "--fixtures", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err == f"validate: no published-run fixtures (*.json) in {tmp_path / 'none'}\n"
+    for case, (name, text, said) in expected.items():
+        (tmp_path / case).mkdir()
+        (tmp_path / case / name).write_text(text)
+        assert plan_main(["validate", "--fixtures", str(tmp_path / case), "--jobs", "1"]) == 2, case
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and said in err, (case, err)
+
+
 def test_a_plan_reports_the_models_error_on_its_devices_published_runs(capsys):
     """Beside a plan on the built-in calibration: the held-out error on the published runs of that
     device type and precision (or of the device whose calibration it takes); not beside a plan on a

@@ -48,13 +48,23 @@ TARGET_MAE_PTS = 1.5
 
 
 def load(directory: Path = DEFAULT_DIR) -> list[dict[str, Any]]:
+    paths = sorted(Path(directory).glob("*.json"))
+    if not paths:
+        raise FileNotFoundError(f"no published-run fixtures (*.json) in {directory}")
     fixtures = []
-    for path in sorted(Path(directory).glob("*.json")):
-        data = json.loads(path.read_text())
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not JSON: {err}") from None
         data["file"] = path.name
         for key in ("source", "group", "metric", "mfu_convention", "rows"):
             if key not in data:
                 raise ValueError(f"{path}: missing {key!r}")
+        for i, row in enumerate(data["rows"]):
+            for key in ("id", "overrides", "value"):
+                if key not in row:
+                    raise ValueError(f"{path}: row {i} ({row.get('id', 'no id')}): missing {key!r}")
         for metric in {data["metric"], *(row.get("metric", data["metric"]) for row in data["rows"])}:
             if metric not in METRICS:
                 raise ValueError(f"{path}: metric {metric!r} is not one of {METRICS}")
@@ -122,6 +132,13 @@ class Case:
         return self.fixture.get("system", {}).get("memory_known")
 
 
+def _one_line(err: Exception) -> str:
+    """A composition error in one line: omegaconf's first line and the dotted key it names."""
+    lines = [line.strip() for line in str(err).strip().splitlines()]
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    return f"{key}: {lines[0]}" if key else lines[0]
+
+
 def cases(fixtures: list[dict[str, Any]], composer: Composer | None = None) -> list[Case]:
     """The fixtures' rows composed, under ``composer``'s Hydra initialisation when one is open."""
     if composer is None:
@@ -131,7 +148,12 @@ def cases(fixtures: list[dict[str, Any]], composer: Composer | None = None) -> l
     for fx in fixtures:
         for row in fx["rows"]:
             overrides = [*fx.get("common", []), *row["overrides"]]
-            plan = composer.plan(overrides)
+            try:
+                plan = composer.plan(overrides)
+            except (ValueError, KeyError, OSError) as err:  # omegaconf's and Hydra's errors among them
+                raise ValueError(
+                    f"{fx.get('file', fx['source'])}, row {row['id']!r}: {_one_line(err)}"
+                ) from None
             plan.given -= set(fx.get("open", []))  # unpublished knobs: the planner chooses them
             settle_precision(plan)
             flops = model_flops_per_step(plan.cfg)
@@ -396,7 +418,7 @@ def leave_one_source_out(
         everything = _fit_all(todo, rounds)
         finished(ALL_SOURCES)
     else:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, total)) as pool:
             pending = {pool.submit(_fit_all, todo, rounds): ALL_SOURCES}
             pending.update({pool.submit(_fold, todo, s, rounds): s for s in sources})
             for future in concurrent.futures.as_completed(pending):
