@@ -24,6 +24,7 @@ every other source, then the source is predicted with it, its open knobs chosen 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import math
@@ -402,34 +403,21 @@ def leave_one_source_out(
     the same result."""
     freeze_knobs(todo)  # once, before the fits share the cases
     sources = list(dict.fromkeys(c.source for c in todo))
-    total, done = len(sources) + 1, 0
-    folds: dict[str, tuple[list[RowResult], Calibrations]] = {}
-
-    def finished(label: str) -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total, label)
-
-    if jobs <= 1:
-        for source in sources:
-            folds[source] = _fold(todo, source, rounds)
-            finished(source)
-        everything = _fit_all(todo, rounds)
-        finished(ALL_SOURCES)
-    else:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, total)) as pool:
-            pending = {pool.submit(_fit_all, todo, rounds): ALL_SOURCES}
-            pending.update({pool.submit(_fold, todo, s, rounds): s for s in sources})
-            for future in concurrent.futures.as_completed(pending):
-                label = pending[future]
-                if label == ALL_SOURCES:
-                    everything = future.result()
-                else:
-                    folds[label] = future.result()
-                finished(label)
-    results = [row for s in sources for row in folds[s][0]]
-    return results, {s: folds[s][1] for s in sources}, everything
+    tasks = {ALL_SOURCES: (_fit_all, (todo, rounds)), **{s: (_fold, (todo, s, rounds)) for s in sources}}
+    done: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(min(jobs, len(tasks))))
+            futures = {pool.submit(fn, *args): label for label, (fn, args) in tasks.items()}
+            finished = ((futures[f], f.result()) for f in concurrent.futures.as_completed(futures))
+        else:
+            finished = ((label, fn(*args)) for label, (fn, args) in tasks.items())
+        for n, (label, value) in enumerate(finished, 1):
+            done[label] = value
+            if progress:
+                progress(n, len(tasks), label)
+    results = [row for s in sources for row in done[s][0]]
+    return results, {s: done[s][1] for s in sources}, done[ALL_SOURCES]
 
 
 def _held_out_calibration(
