@@ -158,10 +158,9 @@ def _knob_values(plan: Planning, cfg: MegaConfig) -> dict[str, list]:
         or [p.micro_batch_size],
         "recompute": [None, "selective", "full"],
         "sequence_parallel": [True, False] if p.tp > 1 else [False],
-        # virtual stages: only with a pipeline; the interleaved schedule needs >1 layer-chunk per stage
-        "vpp": [None] + [v for v in range(2, 17) if per_stage and per_stage % v == 0]
-        if p.pp > 1
-        else [p.vpp],
+        # virtual stages: only with a pipeline; every split of a stage's layers (slots) into equal
+        # chunks that megatron's interleaved schedule accepts, down to one layer a chunk
+        "vpp": [None] + [v for v in _divisors(per_stage) if v > 1] if p.pp > 1 else [p.vpp],
     }
     fixed = {
         "micro_batch_size": p.micro_batch_size,
@@ -293,7 +292,7 @@ def layouts(plan: Planning, hw: Hardware) -> list[dict[str, int | None]]:
             if not plan.is_open(LAYOUT["vpp"]):
                 vpps = [p.vpp]
             else:
-                vpps = [None] + ([v for v in _divisors(slots // pp) if 1 < v <= 16] if pp > 1 else [])
+                vpps = [None] + ([v for v in _divisors(slots // pp) if v > 1] if pp > 1 else [])
             for vpp in vpps:
                 out.append({"tp": tp, "pp": pp, "vpp": vpp, "dp": dp})
     return out
