@@ -591,14 +591,23 @@ def test_a_step_with_a_dead_node_is_signalled_at_once(slurm_cluster, tmp_path):
         while not all((marks / f"up-{k}").exists() for k in (0, 1)):
             assert time.monotonic() < deadline, slurm.job_info(job)
             time.sleep(0.2)
+        # a step slurmctld refuses (there is no step 9) comes back as scancel's error, not silence
+        assert "scancel" in (slurm.signal_steps([f"{job}.9"], "TERM", attempts=1) or "")
         killed = slurm_local.kill_node(slurm_cluster, 1)
         t0 = time.monotonic()
-        slurm.signal_steps([f"{job}.0"], "TERM")
+        error = slurm.signal_steps([f"{job}.0"], "TERM")
         returned = time.monotonic() - t0
         while not (marks / "term-0").exists() and time.monotonic() - t0 < 30:
             time.sleep(0.1)
         reached = time.monotonic() - t0
-        assert returned < 3 and reached < 5, (returned, reached)
+        show_step = ["scontrol", "show", "step", f"{job}.0"]  # in the message: run only on failure
+        assert error is None and returned < 3 and reached < 5, (
+            error,
+            returned,
+            reached,
+            subprocess.run(show_step, capture_output=True, text=True).stdout,
+            slurm.job_info(job),
+        )
     finally:
         subprocess.run(["scancel", job], timeout=30)
         if killed:

@@ -447,11 +447,21 @@ def job_info(job_id: str) -> dict[str, str]:
     return fields if fields.get("JobId") == job_id else {}
 
 
-def signal_steps(steps: list[str], sig: str) -> None:
+def signal_steps(steps: list[str], sig: str, attempts: int = 3) -> str | None:
     """Send ``sig`` to the tasks of job steps (``<job>.<step>``) through slurmctld (``--ctld``):
     scancel's default, straight to each node's slurmd, waits out MessageTimeout (~11 s) on a dead
-    node before it returns."""
-    slurm_command("scancel", "--ctld", f"--signal={sig}", *steps, check=False)
+    node before it returns. None once slurmctld took it; else scancel's error after ``attempts``
+    tries half a second apart (a slurmctld busy for a moment refuses), for the caller to report."""
+    error = None
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(0.5)
+        try:
+            slurm_command("scancel", "--ctld", f"--signal={sig}", *steps, timeout_s=30.0)
+            return None
+        except SlurmError as err:
+            error = str(err)
+    return error
 
 
 def job_state(job_id: str) -> str | None:

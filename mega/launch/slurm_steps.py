@@ -143,7 +143,8 @@ class SlurmStepBackend(SlurmBackend):
         if not self._ended():
             steps = self._step_ids()
             if steps:
-                signal_steps(steps, "TERM")
+                if error := signal_steps(steps, "TERM"):
+                    self.log(f"step {self._step_name} of job {self.job_id}: SIGTERM not sent: {error}")
             else:
                 self._srun.terminate()  # the step is not in squeue yet: srun ends it
             try:
