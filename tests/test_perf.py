@@ -203,7 +203,13 @@ def test_unpublished_knobs_are_chosen_and_reported(published_results):
         for r in published_results
         if r.source.startswith(("NVIDIA 2024 (Nemotron-4 340B)", "NVIDIA NeMo", "NVIDIA Megatron"))
     ]
-    assert len(nvidia) == 23 and all(set(r.knobs_chosen) <= {"launcher"} for r in nvidia)
+    long_sequence = [r for r in nvidia if r.source.startswith("NVIDIA NeMo 24.03.01")]
+    # NeMo's long-sequence table gives every layout but the PP2 row's interleaving
+    assert [r.name for r in long_sequence if set(r.knobs_chosen) - {"launcher"}] == ["llama2-7b-8k"]
+    assert set(long_sequence[1].knobs_chosen) - {"launcher"} == {"vpp"}
+    nvidia = [r for r in nvidia if r not in long_sequence]
+    assert len(long_sequence) == 9 and len(nvidia) == 23
+    assert all(set(r.knobs_chosen) <= {"launcher"} for r in nvidia)
     nemotron = [r for r in nvidia if r.source.startswith("NVIDIA 2024")]
     # Nemotron-4 15B: no configuration of its TP8 layout gives the micro-batch; the planner chose it
     small = [r for r in published_results if r.source.startswith("NVIDIA 2024 (Nemotron-4 15B)")]
@@ -255,6 +261,22 @@ def test_published_mfu_counts_causal_attention_whole(published_cases):
         assert whole == pytest.approx(printed, rel=0.01), case.row["id"]
         if m.window_size is None:  # (MegaScale's own rows: sliding windows, the two counts 0.7% apart)
             assert abs(whole - printed) < abs(halved - printed), case.row["id"]
+
+
+def test_long_sequence_table_counts_causal_attention_whole(published_cases):
+    """NeMo's long-sequence table prints model TFLOPS only. Its layouts account for every GPU at 4M
+    tokens a step, and its count must be mega.flops' (causal attention whole): counted with the causal
+    half taken off, the rows from 256K tokens on would have run above the H100's bf16 peak."""
+    rows = [c for c in published_cases if c.fixture["file"] == "nemo-2403-long-sequence-h100-fp8.json"]
+    assert len(rows) == 9
+    for case in rows:
+        m, p = case.plan.cfg.model, case.plan.cfg.parallelism
+        assert p.tp * p.pp * p.dp * p.cp == case.gpus and p.global_batch_size * m.seq_length == 4 * 2**20
+        assert case.published_mfu == pytest.approx(case.row["model_tflops_per_gpu"] / 989, abs=1e-6)
+        attention = 3 * 4 * m.seq_length * m.hidden_size * m.num_layers * p.global_batch_size * m.seq_length
+        halved = case.flops - attention / 2  # the count a halving convention would have used
+        over_peak = case.published_mfu * case.flops / halved > 1.0
+        assert over_peak == (m.seq_length >= 256 * 1024), case.row["id"]
 
 
 def _printed_mfu(case) -> float | None:
