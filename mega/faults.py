@@ -26,7 +26,8 @@ hook                  called from                                armed by
 ====================  =========================================  ======================================
 
 A kill, hang or agent kill at a step strikes in attempt 0 only (``$MEGA_ATTEMPT``), so a relaunch
-runs clean; the drills aimed at a rank or node end when other nodes, or fewer, take over
+runs clean; a node's ranks killed together (``kill_node``) each record the kill, then wait for the
+node's others to record theirs (``_await_node``, bounded) before dying; the drills aimed at a rank or node end when other nodes, or fewer, take over
 (``disarm``). A NaN or spike strikes whichever attempt trains its step (a rollback skips that step:
 once). The kill in a save strikes once per run, in the first attempt whose rank ``kill_rank``
 uploads step ``kill_at_step``, and outlives a change of nodes while that rank exists:
@@ -112,7 +113,32 @@ def at_step_start(cfg: MegaConfig, step: int, me: dict[str, Any], agent_pid: Cal
     if f.mode == "hang":
         while True:  # alive but silent, like a rank stuck in a driver call
             time.sleep(60)
+    if f.kill_node is not None:
+        _await_node(run_dir, me, f.mode, step, cfg.cluster.procs_per_node)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# How long the ranks of a killed node wait for each other before dying (fault.kill_node): a rank that
+# never arrives does not keep the others alive.
+NODE_KILL_WAIT_S = 30.0
+
+
+def _await_node(run_dir: str | Path, me: dict[str, Any], kind: str, step: int, ranks: int) -> None:
+    """A node dies at once: each of its ranks waits until all ``ranks`` have recorded the ``kind``
+    fault at ``step`` (or ``NODE_KILL_WAIT_S``) before killing itself. Otherwise the first to die
+    takes the rest with it: its torchrun agent sees a worker fail and terminates the others, and a
+    rank a few milliseconds behind at the step boundary is gone before its drill records it."""
+    deadline = time.monotonic() + NODE_KILL_WAIT_S
+    while time.monotonic() < deadline:
+        here = {
+            row.get("rank")
+            for row in recorded(run_dir)
+            if (row.get("node"), row.get("kind"), row.get("step"), row.get("attempt"))
+            == (me["node"], kind, step, 0)
+        }
+        if len(here) >= ranks:
+            return
+        time.sleep(0.01)
 
 
 def poison_weights(

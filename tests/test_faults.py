@@ -153,6 +153,43 @@ def test_a_killed_rank_records_its_fault(tmp_path):
     assert row["target_pid"] == row["pid"]  # it killed itself
 
 
+def _node_rank_killing_itself(run_dir: Path, rank: int, wait_s: float | None = None) -> subprocess.Popen:
+    """Rank ``rank`` of node 1 (2 ranks a node) running its step-4 drill of fault.kill_node=1."""
+    code = (
+        "import os, sys; from mega import faults; from tests.test_faults import drill\n"
+        + (f"faults.NODE_KILL_WAIT_S = {wait_s}\n" if wait_s is not None else "")
+        + f"cfg = drill({str(run_dir)!r}, kill_node=1, kill_at_step=4)\n"
+        "cfg.cluster.procs_per_node = 2\n"
+        f"me = {{'rank': {rank}, 'node': 1, 'local_rank': {rank - 2}, 'pid': os.getpid()}}\n"
+        "faults.at_step_start(cfg, 4, me, os.getppid)\n"
+        "sys.exit(0)\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_nodes_ranks_die_together(tmp_path):
+    """fault.kill_node: the node's ranks record the kill and wait for each other before dying, so
+    the first to die cannot take a later one down (its torchrun agent terminates the rest) before
+    that one's drill records it; a rank that never arrives keeps the others waiting at most
+    ``NODE_KILL_WAIT_S``."""
+    first = _node_rank_killing_itself(tmp_path, 2)
+    deadline = time.monotonic() + 60
+    while not faults.recorded(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    assert first.poll() is None  # recorded, and alive while rank 3 has not arrived
+    second = _node_rank_killing_itself(tmp_path, 3)
+    assert first.wait(timeout=60) == -9 and second.wait(timeout=60) == -9, first.stderr.read()
+    assert sorted(row["rank"] for row in faults.recorded(tmp_path)) == [2, 3]
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    t0 = time.monotonic()
+    lonely = _node_rank_killing_itself(alone, 2, wait_s=1.0)
+    assert lonely.wait(timeout=60) == -9, lonely.stderr.read()
+    assert time.monotonic() - t0 >= 1.0 and [r["rank"] for r in faults.recorded(alone)] == [2]
+
+
 def test_selfcheck_drills_travel_in_the_job_environment(monkeypatch):
     env = faults.selfcheck_env(fail_rank=1, bad_node=0)
     assert env == {faults.SELFCHECK_FAIL_RANK_ENV: "1", faults.SELFCHECK_BAD_NODE_ENV: "0"}
