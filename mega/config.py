@@ -199,6 +199,11 @@ class ParallelismConfig:
     # microbatch. Planning only (mega.plan): mega trains with megatron's DDP, and the model
     # describes it without pipeline parallelism.
     fsdp: bool = False
+    # FP8 primary weights (train.precision=fp8; megatron-core's fp8_param_gather, Megatron-Bridge's
+    # FP8 presets): the layers' linear weights live in FP8 (and Transformer Engine's transposed FP8
+    # copy), with no 16-bit copy, and the data-parallel (or FSDP) all-gathers move them in one byte
+    # a parameter. Planning only, as train.precision=fp8 is.
+    fp8_param_gather: bool = False
     # Communication overlap (docs/overlap.md): TP/SP collectives chunked with the GEMMs
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine
     # userbuffers), PP send/recv decoupled from compute (interleaved schedule only), and the DP
@@ -1543,6 +1548,12 @@ def _run_fits_steps(cfg: MegaConfig) -> None:
         t.precision != "fp8" or c.device == "cuda",
         "train.precision",
         "fp8 is for GPUs with FP8 tensor cores (Hopper or later); use bf16 or fp32 with cluster.device=cpu",
+    )
+    _require(
+        not cfg.parallelism.fp8_param_gather or t.precision == "fp8",
+        "parallelism.fp8_param_gather",
+        f"FP8 parameter gathers keep the linear weights in FP8: set train.precision=fp8 (it is {t.precision}), "
+        "or parallelism.fp8_param_gather=false",
     )
     ck = cfg.checkpoint
     waits = f"{ck.store_wait_bound_s():g} s for a store that does not answer (upload_timeout_s={ck.upload_timeout_s:g}"

@@ -37,6 +37,7 @@ def test_single_layout_runs_one_process():
         (["model=nope"], "model", "'nope'"),
         (["train.precision=fp4"], "train.precision", "must be one of"),
         (["train.precision=fp16"], "train.precision", "for GPUs"),
+        (["parallelism.fp8_param_gather=true"], "parallelism.fp8_param_gather", "set train.precision=fp8"),
         (["cluster.backend=nccl"], "cluster.backend", "needs cluster.device=cuda"),
         (
             ["parallelism=single", "parallelism.sequence_parallel=true"],

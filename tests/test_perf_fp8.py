@@ -3,6 +3,7 @@ Transformer Engine does not fuse, the weight cache, the config rules and the FP8
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from mega.config import ConfigError, validate
 from mega.flops import model_flops_per_token
 from mega.perf import device, hardware, published
-from mega.perf.memory import activation_bytes_per_layer, layer_params
+from mega.perf.memory import activation_bytes_per_layer, layer_params, stage_params
 from mega.perf.step import elementwise_seconds, layer_gemms, predict, tp_collective_seconds
 
 H100 = [
@@ -118,6 +119,44 @@ def test_fp8_keeps_a_weight_cache_and_fp8_inputs(composer):
         args = (m, 1, tp, sp, None, 2, True)
         saved = activation_bytes_per_layer(*args) - activation_bytes_per_layer(*args, fp8=True)
         assert saved == pytest.approx(tokens * 2 * h / (tp if sp else 1) + tokens * (h + f) / tp)
+
+
+def test_fp8_primary_weights_drop_the_16_bit_copy_and_gather_in_fp8(composer):
+    """parallelism.fp8_param_gather: the layers' linear weights live only as Transformer Engine's two
+    FP8 copies (2 bytes a parameter, where the weight cache adds 2 to the 16-bit copy), and the
+    distributed optimizer's parameter all-gather moves them in 1 byte: a ring over dp ranks a node
+    apart, (dp - 1) steps of the NIC's latency + (dp - 1)/dp of each bucket over the ranks' NICs."""
+    dp = ("parallelism.dp=4", "cluster.nodes=32", "parallelism.use_distributed_optimizer=true")
+    cache, primary = (
+        _cfg(composer, "fp8", *dp),
+        _cfg(composer, "fp8", *dp, "parallelism.fp8_param_gather=true"),
+    )
+    hw = _hw(cache, "fp8")
+    a, b = predict(cache, hw), predict(primary, hw)
+    layers, linear = 96 // 8, layer_params(cache.model, 8)
+    assert a.memory.weights - b.memory.weights == pytest.approx(layers * linear * 2)
+    most = max(stage_params(cache.model, cache.parallelism))  # the stage that gathers the most
+    buckets = a.breakdown()["dp_grad_reduce"]["what"].split(" in ")[1].split()[0]
+    n = int(buckets)
+
+    def ring(nbytes):
+        return n * (
+            3 * hw.inter.latency_s + 3 / 4 * nbytes / n / hw.inter.bytes_per_s
+        )  # one NIC share a rank
+
+    assert a.breakdown()["dp_param_gather"]["total_s"] == pytest.approx(ring(2 * most), rel=1e-6)
+    assert b.breakdown()["dp_param_gather"]["total_s"] == pytest.approx(
+        ring(2 * most - layers * linear), rel=1e-6
+    )
+    bf16 = _cfg(composer, "bf16", *dp)
+    with pytest.raises(ConfigError) as err:
+        validate(
+            dataclasses.replace(
+                bf16, parallelism=dataclasses.replace(bf16.parallelism, fp8_param_gather=True)
+            ),
+            planning=True,
+        )
+    assert err.value.key == "parallelism.fp8_param_gather"
 
 
 def test_fp8_is_a_planning_setting(composer):

@@ -177,10 +177,12 @@ def memory_per_gpu(
 ) -> Memory:
     """The most-loaded pipeline stage's memory per GPU. ``fp8``: the layers' linear weights are also
     kept in FP8, as is and transposed, for the step (Transformer Engine's weight cache), and the
-    linears' saved inputs are FP8 (``activation_bytes_per_layer``). ``main_grad_bytes``: the
-    main-gradient buffer's element size (``step.Stack.main_grad_bytes``)."""
+    linears' saved inputs are FP8 (``activation_bytes_per_layer``); with FP8 primary weights
+    (``parallelism.fp8_param_gather``) those two FP8 copies are the weights, with no 16-bit one.
+    ``main_grad_bytes``: the main-gradient buffer's element size (``step.Stack.main_grad_bytes``)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
+    fp8_params = fp8 and p.fp8_param_gather
     params = stage_params(m, p)
     layers = p.stage_layers(m.num_layers)
     per_layer = layer_activation_bytes(cfg, m.recompute, dtype_bytes, flash, fp8)
@@ -189,9 +191,10 @@ def memory_per_gpu(
     best: Memory | None = None
     for stage in range(pp):
         n = params[stage]
+        linear = layers[stage] * layer_params(m, tp)  # the weights Transformer Engine keeps in FP8
         weights = n * dtype_bytes
-        if fp8:
-            weights += layers[stage] * layer_params(m, tp) * 2
+        if fp8:  # two FP8 copies; FP8 primary weights have no 16-bit one besides
+            weights += linear * (2 - (dtype_bytes if fp8_params else 0))
         gradients = n * main_grad_bytes  # megatron's main-grad buffer (fp32 by default)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
         # sharded over the data-parallel group with context parallel
@@ -200,7 +203,9 @@ def memory_per_gpu(
         if p.fsdp:  # a shard of everything, and whole only the unit in use and the one prefetched
             unit = max(fsdp_units(m, p))
             weights = n * dtype_bytes / (dp * p.cp) + 2 * unit * dtype_bytes
-            if fp8:  # Transformer Engine's FP8 copies (as is and transposed) of the gathered layers
+            if fp8_params:  # an FP8 shard; the gathered layers' FP8 pair takes the 16-bit copy's place
+                weights -= linear * (dtype_bytes - 1) / (dp * p.cp)
+            elif fp8:  # Transformer Engine's FP8 copies (as is and transposed) of the gathered layers
                 weights += 2 * layer_params(m, tp) * 2
             gradients = n * main_grad_bytes / (dp * p.cp) + unit * main_grad_bytes
         # in units of the stage's mean chunk (one layer short on a stage that accounts for the

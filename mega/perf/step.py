@@ -41,6 +41,7 @@ from mega.perf.memory import (
     fsdp_units,
     kv_size,
     layer_activation_bytes,
+    layer_params,
     memory_per_gpu,
     stage_params,
 )
@@ -248,6 +249,12 @@ class Unit:
     forward: Pass
     backward: Pass
     recompute: Pass  # extra forward work done in the backward
+
+
+def fp8_params(cfg: MegaConfig) -> bool:
+    """FP8 primary weights (``parallelism.fp8_param_gather`` under train.precision=fp8): the layers'
+    linear weights are gathered over data parallelism in one byte a parameter."""
+    return cfg.parallelism.fp8_param_gather and precision_of(cfg) == "fp8"
 
 
 def precision_of(cfg: MegaConfig) -> str:
@@ -850,17 +857,22 @@ def data_parallel_terms(
     tp apart; the default bucket size follows dp alone (megatron DDP's ``dp_group``)."""
     m, p = cfg.model, cfg.parallelism
     tp, vpp, dp = p.tp, p.chunks_per_stage, p.dp * p.cp
-    params_rank = max(stage_params(m, p))
+    per_stage = stage_params(m, p)
+    params_rank = max(per_stage)
     main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
+    param_bytes = params_rank * dtype
+    if fp8_params(cfg):  # the stage's layers' linear weights gathered in FP8
+        layers = p.stage_layers(m.num_layers)[per_stage.index(params_rank)]
+        param_bytes -= layers * layer_params(m, tp) * (dtype - FP8_BYTES)
     # chunks after the first: one bucket each
     n_buckets = buckets(params_rank / vpp, p.dp, stack.dp_bucket_elements) + (vpp - 1)
     if p.use_distributed_optimizer:
         rs_total = n_buckets * hw.collective_s("reduce_scatter", grad_bytes / n_buckets, dp, stride=tp)
-        ag_total = n_buckets * hw.collective_s("all_gather", params_rank * dtype / n_buckets, dp, stride=tp)
+        ag_total = n_buckets * hw.collective_s("all_gather", param_bytes / n_buckets, dp, stride=tp)
         cpu = n_buckets * (
             hw.collective_cpu_s("reduce_scatter", grad_bytes / n_buckets, dp)
-            + hw.collective_cpu_s("all_gather", params_rank * dtype / n_buckets, dp)
+            + hw.collective_cpu_s("all_gather", param_bytes / n_buckets, dp)
         )
     else:
         rs_total = n_buckets * hw.collective_s("all_reduce", grad_bytes / n_buckets, dp, stride=tp)
@@ -901,7 +913,8 @@ def data_parallel_terms(
         Term(
             "dp_param_gather",
             ag_exposed,
-            f"all-gather of updated {8 * dtype}-bit parameters over dp x cp={dp} (overlap_param_gather="
+            f"all-gather of updated {'FP8 (linear) and 16-bit' if fp8_params(cfg) else f'{8 * dtype}-bit'} "
+            f"parameters over dp x cp={dp} (overlap_param_gather="
             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
             f"{p.overlap_param_gather_with_optimizer_step})",
             total_s=ag_total,
@@ -937,9 +950,12 @@ def fsdp_terms(
         + [layer.backward.total + (layer.recompute.total if i < redone else 0.0) for i in range(m.num_layers)]
         + [head.backward.total]
     )
-    ag = [hw.collective_s("all_gather", u * dtype, n, stride=p.tp) for u in units]
+    gathered = [u * dtype for u in units]
+    if fp8_params(cfg):  # the layers (not the embedding and output units) in FP8
+        gathered[1:-1] = [u * FP8_BYTES for u in units[1:-1]]
+    ag = [hw.collective_s("all_gather", g, n, stride=p.tp) for g in gathered]
     rs = [hw.collective_s("reduce_scatter", u * stack.main_grad_bytes, n, stride=p.tp) for u in units]
-    ag_cpu = [hw.collective_cpu_s("all_gather", u * dtype, n) for u in units]
+    ag_cpu = [hw.collective_cpu_s("all_gather", g, n) for g in gathered]
     rs_cpu = [hw.collective_cpu_s("reduce_scatter", u * stack.main_grad_bytes, n) for u in units]
     last = len(units) - 1
     exposed = ag[0] + sum(max(0.0, ag[i] - forward[i - 1]) for i in range(1, last + 1))
@@ -955,7 +971,8 @@ def fsdp_terms(
         Term(
             "fsdp_comm",
             mb * exposed + rs[0],
-            f"Megatron FSDP over dp x cp={n}: per microbatch {len(units)} units' {8 * dtype}-bit weights "
+            f"Megatron FSDP over dp x cp={n}: per microbatch {len(units)} units' "
+            f"{'FP8 (layers) and 16-bit' if fp8_params(cfg) else f'{8 * dtype}-bit'} weights "
             f"gathered for the forward and again for the backward, {8 * stack.main_grad_bytes}-bit "
             f"gradients reduce-scattered ({params * dtype / 2**30:.2f} GiB of weights), each under a "
             "neighbouring unit's compute",
