@@ -27,10 +27,11 @@ hook                  called from                                armed by
 
 A kill, hang or agent kill at a step strikes in attempt 0 only (``$MEGA_ATTEMPT``), so a relaunch
 runs clean; a node's ranks killed together (``kill_node``) each record the kill, then wait for the
-node's others to record theirs (``_await_node``, bounded) before dying; the drills aimed at a rank or node end when other nodes, or fewer, take over
-(``disarm``). A NaN or spike strikes whichever attempt trains its step (a rollback skips that step:
-once). The kill in a save strikes once per run, in the first attempt whose rank ``kill_rank``
-uploads step ``kill_at_step``, and outlives a change of nodes while that rank exists:
+node's others to record theirs (``_await_node``, bounded) before dying; the drills aimed at a rank
+or node end when other nodes, or fewer, take over (``disarm``). A NaN or spike strikes whichever
+attempt trains its step (a rollback skips that step: once). The kill in a save strikes once per
+run, in the first attempt whose rank ``kill_rank`` uploads step ``kill_at_step``, and outlives a
+change of nodes while that rank exists:
 ``during_upload`` looks in ``faults.jsonl`` for its own row (the run directory is one for every
 node: local nodes share it, Slurm nodes see it on the shared file system). ``bad_node`` breaks its
 node's self-check in every diagnosis. A fault that strikes says so on stderr (``[fault] ...``, which
