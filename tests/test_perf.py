@@ -205,10 +205,10 @@ def test_unpublished_knobs_are_chosen_and_reported(published_results):
     ]
     long_sequence = [r for r in nvidia if r.source.startswith("NVIDIA NeMo 24.03.01")]
     # NeMo's long-sequence table gives every layout but the PP2 row's interleaving
-    assert [r.name for r in long_sequence if set(r.knobs_chosen) - {"launcher"}] == ["llama2-7b-8k"]
-    assert set(long_sequence[1].knobs_chosen) - {"launcher"} == {"vpp"}
+    chosen = {r.name: set(r.knobs_chosen) - {"launcher"} for r in long_sequence}
+    assert len(chosen) == 9 and {k: v for k, v in chosen.items() if v} == {"llama2-7b-8k": {"vpp"}}
     nvidia = [r for r in nvidia if r not in long_sequence]
-    assert len(long_sequence) == 9 and len(nvidia) == 23
+    assert len(nvidia) == 23
     assert all(set(r.knobs_chosen) <= {"launcher"} for r in nvidia)
     nemotron = [r for r in nvidia if r.source.startswith("NVIDIA 2024")]
     # Nemotron-4 15B: no configuration of its TP8 layout gives the micro-batch; the planner chose it

@@ -11,7 +11,7 @@ import pytest
 from mega.config import ConfigError, validate
 from mega.flops import model_flops_per_token
 from mega.perf import device, hardware, published
-from mega.perf.memory import activation_bytes_per_layer, layer_params, stage_params
+from mega.perf.memory import activation_bytes_per_layer, buckets, layer_params, stage_params
 from mega.perf.step import elementwise_seconds, layer_gemms, predict, tp_collective_seconds
 
 H100 = [
@@ -136,13 +136,11 @@ def test_fp8_primary_weights_drop_the_16_bit_copy_and_gather_in_fp8(composer):
     layers, linear = 96 // 8, layer_params(cache.model, 8)
     assert a.memory.weights - b.memory.weights == pytest.approx(layers * linear * 2)
     most = max(stage_params(cache.model, cache.parallelism))  # the stage that gathers the most
-    buckets = a.breakdown()["dp_grad_reduce"]["what"].split(" in ")[1].split()[0]
-    n = int(buckets)
+    assert cache.parallelism.chunks_per_stage == 1
+    n = buckets(most, 4)  # megatron-core's default bucket size
 
-    def ring(nbytes):
-        return n * (
-            3 * hw.inter.latency_s + 3 / 4 * nbytes / n / hw.inter.bytes_per_s
-        )  # one NIC share a rank
+    def ring(nbytes):  # n buckets, each a ring over 4 ranks on one NIC share each
+        return n * (3 * hw.inter.latency_s + 3 / 4 * nbytes / n / hw.inter.bytes_per_s)
 
     assert a.breakdown()["dp_param_gather"]["total_s"] == pytest.approx(ring(2 * most), rel=1e-6)
     assert b.breakdown()["dp_param_gather"]["total_s"] == pytest.approx(
