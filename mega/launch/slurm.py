@@ -42,12 +42,16 @@ from mega import ports
 from mega.cluster import rendezvous
 from mega.config import ConfigError
 from mega.launch.backend import JobSpec, agent_argv
+from mega.launch.watch import NODE_LOST
 from mega.stability import exit_signal
 
 if TYPE_CHECKING:
     from mega.config import MegaConfig
 
-NODE_LOST = -1  # poll(): the node's task ended without reporting an exit code (killed, node lost)
+STOPPED = 143  # a node's task ended by Slurm, not by its own failure: scancel, or its step aborted
+# srun's line when it cannot start a step's task on a node: the step is aborted and the tasks it
+# started on the other nodes are killed without a report (they are STOPPED; the named node is lost)
+LAUNCH_FAILED = re.compile(r"Task launch for StepId=\S+ failed on node ([^\s:]+)")
 PREEMPTED = exit_signal.EXIT_CODE  # a node's ranks saved and exited on Slurm's signal: the driver requeues
 PYTHON = "python"  # the interpreter on the nodes, after launcher.slurm.setup (a venv, a module, a container)
 
@@ -172,7 +176,8 @@ def _shell_word(token: str, variables: dict[str, str]) -> str:
 # are gone (a rank installs its handler once it is up), write the exit code: PREEMPTED when the
 # agent failed after the signal (its ranks saved and exited), 0 when they finished anyway. After the
 # signal the task exits 0 so that srun's --kill-on-bad-exit leaves the other nodes to finish their save.
-# A SIGTERM (scancel, the end of the job) is reported as 143: a node that reports nothing was lost.
+# A SIGTERM (scancel, the end of the job) is reported as STOPPED: a node that reports nothing was
+# lost, unless srun names another node its step could not start on (``SlurmBackend.unreported_lost``).
 # run by the batch shell when launcher.rdzv_port=0 (python - <<heredoc): prints a free port
 _PORTS_SOURCE = Path(ports.__file__).read_text()
 
@@ -187,7 +192,7 @@ report() {
   printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$1" "$(hostname)" > @EXIT@.tmp
   mv @EXIT@.tmp @EXIT@
 }
-trap 'report 143; exit 143' TERM
+trap 'report @STOPPED@; exit @STOPPED@' TERM
 signalled=0
 trap 'signalled=1' USR1
 (trap '' USR1; exec @AGENT@ >> @LOG@ 2>&1) &
@@ -297,7 +302,8 @@ def node_task(
     }.items():
         task = task.replace(key, _shell_word(value, placeholders))
     task = task.replace("@AGENT@", " ".join(_shell_word(a, placeholders) for a in argv))
-    return task.replace("@PREEMPTED@", str(PREEMPTED)).replace("@READ_PRIVATE_ENV@", READ_PRIVATE_ENV)
+    task = task.replace("@PREEMPTED@", str(PREEMPTED)).replace("@STOPPED@", str(STOPPED))
+    return task.replace("@READ_PRIVATE_ENV@", READ_PRIVATE_ENV)
 
 
 def job_env(cfg: MegaConfig, job: JobSpec) -> dict[str, str]:
@@ -552,6 +558,8 @@ class SlurmBackend:
         self.job_id: str | None = None
         self.left_to_slurm: str | None = None  # the job stop() gave up waiting for (a dead node)
         self._exit_dir: Path | None = None
+        self._output: Path | None = None  # where this attempt's srun writes its errors
+        self._output_from = 0  # ... from this offset on (a file earlier attempts wrote to)
         self._hosts: list[str] = []
         self._stuck_hosts: list[str] = []  # the attempt's hosts left COMPLETING after stop()
         self._server_host = s.server_host
@@ -595,6 +603,7 @@ class SlurmBackend:
                 self.cfg, public, python=sys.executable, exclude=self.excluded, exit_dir=self._exit_dir
             ),
         )
+        self._output, self._output_from = Path(public.log_dir) / f"slurm-{self.job_id}.out", 0
 
     def private(self, job: JobSpec) -> JobSpec:
         """``job`` without its secrets, which go (with this process's) to the secrets file, named by
@@ -637,16 +646,45 @@ class SlurmBackend:
         ended = self._ended()  # first: a node reports its exit code before the job ends
         if not ended:
             self.hosts()
-        codes: dict[int, int | None] = {}
-        for k in range(self.cfg.cluster.nodes):
-            path = self._exit_dir / f"node-{k}.json"
-            try:
-                codes[k] = int(json.loads(path.read_text())["exit_code"])
-            except (OSError, ValueError, KeyError):
-                codes[k] = NODE_LOST if ended else None
+        codes = self._reported()
+        if ended:
+            lost = self.unreported_lost(codes)
+            codes = {k: (NODE_LOST if k in lost else STOPPED) if c is None else c for k, c in codes.items()}
         if PREEMPTED in codes.values() and None in codes.values():
             return {k: None for k in codes}  # the other nodes are still saving: not a failure to stop on
         return codes
+
+    def _reported(self) -> dict[int, int | None]:
+        """Each node's reported exit code (its exit file), None for a node that reported nothing."""
+        codes: dict[int, int | None] = {}
+        for k in range(self.cfg.cluster.nodes):
+            try:
+                codes[k] = int(json.loads((self._exit_dir / f"node-{k}.json").read_text())["exit_code"])
+            except (OSError, ValueError, KeyError, TypeError):
+                codes[k] = None
+        return codes
+
+    def unreported_lost(self, codes: dict[int, int | None]) -> list[int]:
+        """Of the nodes that reported nothing (None in ``codes``), the lost ones: every one, unless
+        srun says its step could not start on some hosts (``LAUNCH_FAILED``); then only those. The
+        others' tasks were killed by the step's abort: blaming them would evict healthy nodes."""
+        silent = [k for k, c in codes.items() if c is None]
+        hosts = self.hosts()
+        failed = self.launch_failed_hosts()
+        if not failed or len(hosts) != len(codes):
+            return silent
+        return [k for k in silent if hosts[k] in failed]
+
+    def launch_failed_hosts(self) -> set[str]:
+        """Hosts srun could not start this attempt's task on (its output's ``LAUNCH_FAILED`` lines)."""
+        if self._output is None:
+            return set()
+        try:
+            with open(self._output, "rb") as f:
+                f.seek(self._output_from)
+                return set(LAUNCH_FAILED.findall(f.read().decode(errors="replace")))
+        except OSError:
+            return set()
 
     def lost_hosts(self) -> list[str]:
         """Hosts of the current attempt that Slurm holds down, drained or failing, or that were left

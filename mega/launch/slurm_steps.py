@@ -121,7 +121,9 @@ class SlurmStepBackend(SlurmBackend):
             node_task(self.cfg, public, sys.executable, self._exit_dir, warning_file(self.folder.parent)),
         ]
         (attempt_dir / "srun.sh").write_text(shlex.join(argv) + "\n")  # for a person to read
-        with open(attempt_dir / "srun.log", "ab") as out:
+        self._output = attempt_dir / "srun.log"  # appended to by every step of this name: read from here
+        self._output_from = self._output.stat().st_size if self._output.exists() else 0
+        with open(self._output, "ab") as out:
             self._srun = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
         self._hosts, self._stuck_hosts = hosts, []
 
@@ -164,8 +166,9 @@ class SlurmStepBackend(SlurmBackend):
             )
 
     def _silent_hosts(self) -> list[str]:
-        """The step's hosts whose task wrote no exit file (killed outright: the node is lost)."""
-        return [h for k, h in enumerate(self._hosts) if not (self._exit_dir / f"node-{k}.json").exists()]
+        """The step's hosts whose task reported nothing and was not killed by the step's abort for
+        another node (``unreported_lost``): the node is lost."""
+        return [self._hosts[k] for k in self.unreported_lost(self._reported()) if k < len(self._hosts)]
 
     def usable_nodes(self) -> int:
         """Hosts of the allocation that are up and not excluded."""

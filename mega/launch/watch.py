@@ -12,6 +12,8 @@ from pathlib import Path
 from mega.launch.backend import Backend, JobSpec
 
 TIMEOUT_EXIT = 124
+# a node whose task ended without any exit code (killed with its node): below every -signal code
+NODE_LOST = -1000
 
 
 @dataclass
@@ -31,6 +33,8 @@ class JobOutcome:
 
 
 def describe_exit(code: int) -> str:
+    if code == NODE_LOST:
+        return "lost (its task reported no exit code)"
     if code < 0:
         try:
             return f"torchrun agent killed by {signal.Signals(-code).name}"
