@@ -218,6 +218,30 @@ def test_a_driver_without_prefect_api_url_says_once_what_that_means(tmp_path, mo
     )
 
 
+def test_a_step_that_could_not_start_on_a_node_blames_that_node_alone(tmp_path):
+    """srun's "Task launch ... failed on node X" (this Slurm's form and the one before 20.11): of the
+    nodes that reported nothing, X alone is lost (the others' tasks were killed by the step's abort);
+    without such a line in this attempt's part of the output every silent node is."""
+    cfg = _cfg(
+        tmp_path, "cluster=h100-8x", "cluster.nodes=3", "parallelism.dp=6", "parallelism.global_batch_size=48"
+    )
+    backend = slurm.SlurmBackend(cfg, tmp_path / "a", log=lambda _: None)
+    backend.job_id, backend._hosts = "8", ["n0", "n1", "n2"]
+    backend._output = tmp_path / "slurm-8.out"
+    backend._output.write_text("srun: error: n0: task 0: Killed\n")
+    codes = {0: None, 1: 0, 2: None}
+    assert backend.unreported_lost(codes) == [0, 2]
+    for step in ("StepId=8.0", "8.0"):
+        backend._output.write_text(
+            f"srun: error: Task launch for {step} failed on node n2: Communication connection failure\n"
+            "srun: error: Application launch failed: Communication connection failure\n"
+            "srun: error: n0: task 0: Killed\n"
+        )
+        assert backend.unreported_lost(codes) == [2], step
+    backend._output_from = backend._output.stat().st_size  # an earlier step's lines: not this one's
+    assert backend.unreported_lost(codes) == [0, 2]
+
+
 def test_render_cli_writes_config_and_script_or_names_the_bad_key(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
