@@ -820,6 +820,10 @@ class TrainConfig:
     # auto: bf16 on GPU, fp32 on CPU. fp8: Transformer Engine's FP8 GEMMs in the layers' linears
     # (bf16 elsewhere), a planning setting (mega.plan) that mega's training does not build yet
     precision: str = choice("fp32", "bf16", "fp16", "auto", "fp8")
+    # With fp8, megatron-core's fp8_recipe: per-tensor scales from past amaxes ("delayed") or from
+    # the tensor being cast ("tensorwise", current scaling), charged alike; "mxfp8": blocks of 32
+    # elements each with its own scale, Blackwell's block-scaled FP8 GEMMs (planning only)
+    fp8_recipe: str = choice("delayed", "tensorwise", "mxfp8")
     log_interval: int = 1
     run_dir: str = "runs/default"
     tensorboard: bool = True
@@ -1548,6 +1552,11 @@ def _run_fits_steps(cfg: MegaConfig) -> None:
         t.precision != "fp8" or c.device == "cuda",
         "train.precision",
         "fp8 is for GPUs with FP8 tensor cores (Hopper or later); use bf16 or fp32 with cluster.device=cpu",
+    )
+    _require(
+        t.fp8_recipe == "delayed" or t.precision == "fp8",
+        "train.fp8_recipe",
+        f"{t.fp8_recipe} is an FP8 recipe: set train.precision=fp8 (it is {t.precision}), or train.fp8_recipe=delayed",
     )
     _require(
         not cfg.parallelism.fp8_param_gather or t.precision == "fp8",

@@ -10,7 +10,7 @@ import pytest
 
 from mega.config import ConfigError, validate
 from mega.flops import model_flops_per_token
-from mega.perf import device, hardware, published
+from mega.perf import device, hardware, published, step
 from mega.perf.memory import activation_bytes_per_layer, buckets, layer_params, stage_params
 from mega.perf.step import elementwise_seconds, layer_gemms, predict, tp_collective_seconds
 
@@ -176,6 +176,72 @@ def test_a_device_without_fp8_tensor_cores_is_refused(composer):
     assert err.value.key == "train.precision" and "A100" in str(err.value)
 
 
+B200 = [
+    "cluster=b200-8x",
+    "model=gpt-175b",
+    "parallelism.tp=8",
+    "parallelism.pp=8",
+    "cluster.nodes=8",
+    "parallelism.micro_batch_size=1",
+    "parallelism.sequence_parallel=true",
+    "train.precision=fp8",
+]
+
+
+def test_blackwell_casts_once_and_mxfp8_twice_with_block_scales(composer):
+    """Per-tensor FP8 on Blackwell: its FP8 GEMMs take any operand layout, so Transformer Engine
+    writes a cast once, with no transposed copy (TE 2.9 is_non_tn_fp8_gemm_supported): half
+    Hopper's FP8 bytes in the cast kernels and the weight cache. MXFP8 writes a row-wise and a
+    column-wise copy, each with one 1-byte scale per 32 elements, and its sequence-parallel
+    all-gathers move both (TE 2.9 _all_gather_mxfp8)."""
+    cs, mx = (composer.plan([*B200, f"train.fp8_recipe={r}"]).cfg for r in ("tensorwise", "mxfp8"))
+    hw = hardware.from_cluster(cs.cluster, "fp8", True, device.prior("B200"))
+    assert hw.fp8_non_tn and not _hw(_cfg(composer, "fp8"), "fp8").fp8_non_tn
+    bf16 = composer.plan([*B200[:-1], "train.precision=bf16"]).cfg
+    tokens, h, tp, kernel = 2048, 12288, 8, hardware.GPU_KERNEL_S
+    inputs, grads = tokens * h / tp, tokens * (h + h + 3 * h / tp)  # MHA: kv = h
+    (f16, b16), (fc, bc), (fm, bm) = (elementwise_seconds(c, hw, 2) for c in (bf16, cs, mx))
+    bw = hw.memory_bytes_per_s
+    mx_bytes = 2 * (1 + 1 / 32)
+    assert fc - f16 == pytest.approx(inputs * (2 + 1) / bw + kernel, rel=1e-6)
+    assert bc - b16 == pytest.approx(grads * (2 + 1) / bw + 3 * kernel, rel=1e-6)
+    assert fm - f16 == pytest.approx(inputs * (2 + mx_bytes) / bw + kernel, rel=1e-6)
+    assert bm - b16 == pytest.approx(grads * (2 + mx_bytes) / bw + 3 * kernel, rel=1e-6)
+    linear = 96 // 8 * layer_params(cs.model, 8)
+    m16, mc, mm = (predict(c, hw).memory for c in (bf16, cs, mx))
+    assert mc.weights - m16.weights == pytest.approx(linear * 1)
+    assert mm.weights - m16.weights == pytest.approx(linear * mx_bytes)
+    g = layer_gemms(cs, hw, 2)
+    (fwd_c, _), (fwd_m, _) = (tp_collective_seconds(c, hw, 2, g) for c in (cs, mx))
+
+    def ring(nbytes):  # over the 8 NVLink ranks of a node
+        return (8 - 1) * hw.intra.latency_s + (8 - 1) / 8 * nbytes / hw.intra.bytes_per_s
+
+    act = tokens * h
+    assert fwd_c.tp_total == pytest.approx(2 * (ring(act) + ring(2 * act)))
+    assert fwd_m.tp_total == pytest.approx(2 * (ring(mx_bytes * act) + ring(2 * act)))
+
+
+def test_mxfp8_needs_fp8_and_blackwell_naming_the_key(composer):
+    hopper = _cfg(composer, "fp8", "train.fp8_recipe=mxfp8")
+    with pytest.raises(ConfigError) as err:
+        hardware.from_cluster(hopper.cluster, "fp8", True, fp8_recipe="mxfp8")
+    assert err.value.key == "train.fp8_recipe" and "H100" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        validate(
+            composer.plan(
+                [*B200[:-1], "parallelism.dp=1", "train.precision=bf16", "train.fp8_recipe=mxfp8"]
+            ).cfg,
+            planning=True,
+        )
+    assert err.value.key == "train.fp8_recipe"
+    # megatron-core gathers MXFP8 primary weights in 16 bits through the gradient buffer
+    primary = ("parallelism.fp8_param_gather=true", "parallelism.dp=1")
+    mx = composer.plan([*B200, "train.fp8_recipe=mxfp8", *primary]).cfg
+    cs = composer.plan([*B200, "train.fp8_recipe=tensorwise", *primary]).cfg
+    assert not step.fp8_params(mx) and step.fp8_params(cs)
+
+
 def test_calibration_with_a_null_fp8_efficiency_loads(tmp_path):
     path = device.save(device.unfitted("H100 SXM"), tmp_path / "cal.json")
     assert json.loads(path.read_text())["calibration"]["fp8_gemm_efficiency"] is None
@@ -206,7 +272,7 @@ def test_bridge_counts_causal_attention_halved():
     mega.flops' (whole square), above the published TFLOP/s over the device's bf16 peak."""
     fixtures = [f for f in published.load() if f["file"].startswith("megatron-bridge-2511")]
     cases = published.cases(fixtures)
-    assert len(cases) == 8 and {c.device for c in cases} == {"H100 SXM", "B200", "GB200"}
+    assert len(cases) == 11 and {c.device for c in cases} == {"H100 SXM", "B200", "GB200"}
     for case in cases:
         m, p, row = case.plan.cfg.model, case.plan.cfg.parallelism, case.row
         layers = m.num_layers

@@ -108,6 +108,6 @@ def test_fixtures_carry_the_loss_their_released_configs_run():
         impl == "megatron" for i, impl in nemo.items() if not i.startswith(("llama3", "nemotron"))
     )
     bridge = [impl for (f, _), impl in by_id.items() if f.startswith("megatron-bridge-2511")]
-    assert bridge == ["te"] * 8
+    assert bridge == ["te"] * 11
     others = [impl for (f, _), impl in by_id.items() if "nemo-2407" not in f and "bridge" not in f]
     assert others and set(others) == {"megatron"}

@@ -46,6 +46,11 @@ SMS = {
     "V100 SXM2": 80,
     "V100 PCIe": 80,
 }
+# Devices whose FP8 GEMMs take operands in any layout, so Transformer Engine writes a per-tensor FP8
+# cast once, without the transposed copy Hopper's K-major-only FP8 GEMMs need (TE 2.9
+# utils.is_non_tn_fp8_gemm_supported: compute capability 10.x, 11.x and 13+; csrc/quantizer.cpp
+# makes no transpose there). The same devices run block-scaled (MXFP8) GEMMs.
+NON_TN_FP8 = frozenset({"B200", "GB200"})
 # Fixed cost of one GPU kernel (launch gap and tail), seconds: small kernels cannot go faster.
 GPU_KERNEL_S = 5e-6
 # Per-hop latency of a collective step (NCCL ring step) over NVLink, seconds; the NIC's is the
@@ -124,6 +129,7 @@ class Hardware:
     linear_gemm_efficiency: float | None = None
     # ranks on one NVLink fabric; 0 = one node's (procs_per_node). GB200 NVL72: 72 over 18 nodes
     nvlink_domain: int = 0
+    fp8_non_tn: bool = False  # FP8 GEMMs take any operand layout (NON_TN_FP8): no transposed FP8 copies
 
     @property
     def domain(self) -> int:
@@ -253,7 +259,11 @@ def _need(value: Any, key: str) -> Any:
 
 
 def from_cluster(
-    cluster: ClusterConfig, precision: str, fused_ops: bool, calibration: DeviceCalibration | None = None
+    cluster: ClusterConfig,
+    precision: str,
+    fused_ops: bool,
+    calibration: DeviceCalibration | None = None,
+    fp8_recipe: str = "delayed",
 ) -> Hardware:
     """Hardware of a GPU cluster preset at a training precision: datasheet x the per-device
     efficiencies of ``calibration`` (default: the device type's built-in one, mega/perf/device.py).
@@ -261,7 +271,7 @@ def from_cluster(
     ``precision``: bf16/fp16 run at the dense peak of the preset; fp32 means TF32 tensor cores,
     half of it on A100 and H100 (NVIDIA datasheets); fp8 runs the layers' linear GEMMs at the
     device's dense FP8 peak (twice the bf16 one on Hopper, mega.flops.PEAK_TFLOPS) and everything
-    else in bf16."""
+    else in bf16; ``fp8_recipe`` mxfp8 only where the GEMMs are block-scaled (``NON_TN_FP8``)."""
     peak = _need(cluster.peak_tflops, "cluster.peak_tflops") * 1e12
     if precision == "fp32":
         peak /= 2
@@ -275,6 +285,12 @@ def from_cluster(
                 "mega.flops.PEAK_TFLOPS (Hopper or later)",
             )
         linear_peak = peak * fp8 / bf16  # the preset's peak_tflops is its dense bf16 figure
+        if fp8_recipe == "mxfp8" and device_key(cluster.device_name or "") not in NON_TN_FP8:
+            raise ConfigError(
+                "train.fp8_recipe",
+                f"mxfp8: cluster.device_name={cluster.device_name!r} has no block-scaled FP8 GEMMs "
+                f"(Blackwell: {', '.join(sorted(NON_TN_FP8))}); use train.fp8_recipe=delayed or tensorwise",
+            )
     memory_gib = _need(cluster.memory_gib, "cluster.memory_gib")
     hbm = _need(cluster.memory_tb_per_s, "cluster.memory_tb_per_s") * 1e12
     nvlink = _need(cluster.nvlink_gb_per_s, "cluster.nvlink_gb_per_s") * 1e9 / 2  # per direction
@@ -299,6 +315,7 @@ def from_cluster(
         inter=Link(node_nic / cluster.procs_per_node * cal.nic_efficiency, cal.nic_latency_us * 1e-6),
         procs_per_node=cluster.procs_per_node,
         nvlink_domain=cluster.nvlink_domain or 0,
+        fp8_non_tn=key in NON_TN_FP8,
         sms=SMS.get(key or ""),
         flash_attention=fused_ops,
         data_s_per_token=16 / PCIE_BYTES_PER_S,  # tokens, labels, loss mask, positions (int32/fp32)

@@ -173,12 +173,18 @@ def layer_activation_bytes(
 
 
 def memory_per_gpu(
-    cfg: MegaConfig, dtype_bytes: int, flash: bool, fp8: bool = False, main_grad_bytes: int = 4
+    cfg: MegaConfig,
+    dtype_bytes: int,
+    flash: bool,
+    fp8: bool = False,
+    main_grad_bytes: int = 4,
+    fp8_copy_bytes: float = 2.0,
 ) -> Memory:
     """The most-loaded pipeline stage's memory per GPU. ``fp8``: the layers' linear weights are also
-    kept in FP8, as is and transposed, for the step (Transformer Engine's weight cache), and the
-    linears' saved inputs are FP8 (``activation_bytes_per_layer``); with FP8 primary weights
-    (``parallelism.fp8_param_gather``) those two FP8 copies are the weights, with no 16-bit one.
+    kept in FP8 for the step (Transformer Engine's weight cache: ``fp8_copy_bytes`` a parameter,
+    ``step.fp8_copy_bytes``: as is and transposed on Hopper), and the linears' saved inputs are FP8
+    (``activation_bytes_per_layer``); with FP8 primary weights (``parallelism.fp8_param_gather``)
+    those FP8 copies are the weights, with no 16-bit one.
     ``main_grad_bytes``: the main-gradient buffer's element size (``step.Stack.main_grad_bytes``)."""
     m, p = cfg.model, cfg.parallelism
     tp, pp, vpp, dp = p.tp, p.pp, p.chunks_per_stage, p.dp
@@ -193,8 +199,8 @@ def memory_per_gpu(
         n = params[stage]
         linear = layers[stage] * layer_params(m, tp)  # the weights Transformer Engine keeps in FP8
         weights = n * dtype_bytes
-        if fp8:  # two FP8 copies; FP8 primary weights have no 16-bit one besides
-            weights += linear * (2 - (dtype_bytes if fp8_params else 0))
+        if fp8:  # the FP8 copies; FP8 primary weights have no 16-bit one besides
+            weights += linear * (fp8_copy_bytes - (dtype_bytes if fp8_params else 0))
         gradients = n * main_grad_bytes  # megatron's main-grad buffer (fp32 by default)
         optimizer = n * optimizer_bytes_per_param(cfg.optimizer.name, dtype_bytes)
         # sharded over the data-parallel group with context parallel
@@ -203,10 +209,11 @@ def memory_per_gpu(
         if p.fsdp:  # a shard of everything, and whole only the unit in use and the one prefetched
             unit = max(fsdp_units(m, p))
             weights = n * dtype_bytes / (dp * p.cp) + 2 * unit * dtype_bytes
-            if fp8_params:  # an FP8 shard; the gathered layers' FP8 pair takes the 16-bit copy's place
+            if fp8_params:  # an FP8 shard; the gathered layers' FP8 copies take the 16-bit copy's place
                 weights -= linear * (dtype_bytes - 1) / (dp * p.cp)
-            elif fp8:  # Transformer Engine's FP8 copies (as is and transposed) of the gathered layers
-                weights += 2 * layer_params(m, tp) * 2
+                weights += 2 * layer_params(m, tp) * (fp8_copy_bytes - dtype_bytes)
+            elif fp8:  # Transformer Engine's FP8 copies of the two gathered layers
+                weights += 2 * layer_params(m, tp) * fp8_copy_bytes
             gradients = n * main_grad_bytes / (dp * p.cp) + unit * main_grad_bytes
         # in units of the stage's mean chunk (one layer short on a stage that accounts for the
         # embedding or the loss); under block recomputation a chunk's first recompute_num_layers

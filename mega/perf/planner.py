@@ -68,7 +68,7 @@ def hardware_for(cfg: MegaConfig, calibration: str | Path | None = None) -> tupl
     c = cfg.cluster
     if c.device == "cuda":
         cal = device.load(calibration) if calibration else None
-        hw = hardware.from_cluster(c, precision_of(cfg), cfg.model.fused_ops, cal)
+        hw = hardware.from_cluster(c, precision_of(cfg), cfg.model.fused_ops, cal, cfg.train.fp8_recipe)
         return hw, c.peak_tflops * 1e12
     path = Path(calibration) if calibration else DEFAULT_CALIBRATION
     if not path.is_file():

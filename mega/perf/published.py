@@ -171,7 +171,11 @@ def _hardware(case: Case, calibrations: Calibrations):
     cal = calibrations.get(case.device) or device.prior(case.device)
     c = case.plan.cfg
     return hardware.from_cluster(
-        c.cluster, "bf16" if c.train.precision == "auto" else c.train.precision, c.model.fused_ops, cal
+        c.cluster,
+        "bf16" if c.train.precision == "auto" else c.train.precision,
+        c.model.fused_ops,
+        cal,
+        c.train.fp8_recipe,
     )
 
 
@@ -371,10 +375,10 @@ def explained(case: Case) -> bool:
 def calibrates(case: Case) -> bool:
     """A row the fits use: an explained one on a device calibrated by its own rows. A device that
     takes another's calibration (``device.PRIOR_LIKE``: Blackwell takes the H100 SXM's) is validated
-    by its rows, not fitted on them: fitted on, Megatron-Bridge's five Blackwell rows get GEMM
-    efficiencies of their own that are not physical (B200 bf16 1.00, GB200 0.42), pull the shared
-    straggler spread from 0.030 to 0.027 and the other 88 rows' held-out MAE from 1.82 to 1.84
-    points (76 to 75 within +-3)."""
+    by its rows, not fitted on them: fitted on, Megatron-Bridge's eight Blackwell rows get GEMM
+    efficiencies of their own that are not physical (B200 bf16 1.00, GB200 0.41), pull the shared
+    straggler spread from 0.030 to 0.025 and the other 88 rows' held-out MAE from 1.82 to 1.87
+    points (76 to 74 within +-3)."""
     return explained(case) and case.device not in device.PRIOR_LIKE
 
 

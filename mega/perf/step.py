@@ -51,6 +51,7 @@ from mega.perf.scale import straggler_s
 # bf16: only the linear GEMMs' operands are cast to FP8 (Transformer Engine's recipes).
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 FP8_BYTES = 1
+MX_BLOCK = 32  # MXFP8: elements sharing one E8M0 scale (OCP Microscaling Formats v1.0)
 
 
 CROSS_ENTROPY = ("megatron", "fused", "te")
@@ -253,8 +254,21 @@ class Unit:
 
 def fp8_params(cfg: MegaConfig) -> bool:
     """FP8 primary weights (``parallelism.fp8_param_gather`` under train.precision=fp8): the layers'
-    linear weights are gathered over data parallelism in one byte a parameter."""
-    return cfg.parallelism.fp8_param_gather and precision_of(cfg) == "fp8"
+    linear weights are gathered over data parallelism in one byte a parameter. Not under MXFP8:
+    megatron-core gathers those in 16 bits into the gradient buffer and casts them after
+    (``reuse_grad_buf_for_mxfp8_param_ag``, distributed/param_and_grad_buffer.py)."""
+    return cfg.parallelism.fp8_param_gather and precision_of(cfg) == "fp8" and cfg.train.fp8_recipe != "mxfp8"
+
+
+def fp8_copy_bytes(cfg: MegaConfig, hw: Hardware) -> float:
+    """Bytes Transformer Engine writes per element it casts to FP8, and keeps per FP8 weight: the data
+    and its transpose where FP8 GEMMs take only K-major operands (Hopper), the data alone where they
+    take any layout (``hardware.NON_TN_FP8``: Blackwell); under MXFP8 a row-wise and a column-wise
+    copy on any device (blocks of ``MX_BLOCK`` along the GEMM's inner dimension, which differs
+    between the forward and the backward GEMMs), each with a 1-byte scale per block."""
+    if cfg.train.fp8_recipe == "mxfp8":
+        return 2 * FP8_BYTES * (1 + 1 / MX_BLOCK)
+    return FP8_BYTES if hw.fp8_non_tn else 2 * FP8_BYTES
 
 
 def precision_of(cfg: MegaConfig) -> str:
@@ -319,11 +333,11 @@ def layer_gemms(cfg: MegaConfig, hw: Hardware, dtype: int) -> LayerGemms:
 
 def fp8_cast_elements(cfg: MegaConfig) -> tuple[float, float]:
     """(forward, backward) elements one rank casts to FP8 in kernels of their own, per layer and
-    microbatch. Transformer Engine writes each FP8 operand twice, as is and transposed (Hopper's FP8
-    GEMMs take both operands K-major), and fuses the cast into the kernel that produces the tensor
+    microbatch. Transformer Engine writes each FP8 operand in ``fp8_copy_bytes`` an element (on
+    Hopper twice, as is and transposed), and fuses the cast into the kernel that produces the tensor
     where it owns that kernel: the norms before QKV and fc1 (LayerNormLinear, LayerNormMLP), the
     activation before fc2 and its backward before fc1's gradient GEMMs. Those writes replace a
-    16-bit write, so cost nothing more; the rest is read in 16 bits and written twice in FP8: the
+    16-bit write, so cost nothing more; the rest is read in 16 bits and written again in FP8: the
     projection's input (the attention kernel's output), and the output gradients of fc2, of the
     projection (the residual stream's gradient) and of QKV (the attention backward's). The weights
     are cast once per step and kept (megatron's ``is_first_microbatch``)."""
@@ -412,8 +426,9 @@ def elementwise_seconds(cfg: MegaConfig, hw: Hardware, dtype: int) -> tuple[floa
     fwd_bytes, bwd_bytes, fwd_kernels, bwd_kernels = elem_bytes, 2 * elem_bytes, kernels, 2 * kernels
     if precision_of(cfg) == "fp8":  # the cast-transpose kernels of their own
         inputs, grads = fp8_cast_elements(cfg)
-        fwd_bytes += inputs * (dtype + 2 * FP8_BYTES)
-        bwd_bytes += grads * (dtype + 2 * FP8_BYTES)
+        copies = fp8_copy_bytes(cfg, hw)
+        fwd_bytes += inputs * (dtype + copies)
+        bwd_bytes += grads * (dtype + copies)
         fwd_kernels, bwd_kernels = fwd_kernels + 1, bwd_kernels + 3
     return hw.elementwise_s(fwd_bytes, fwd_kernels), hw.elementwise_s(bwd_bytes, bwd_kernels)
 
@@ -433,8 +448,15 @@ def tp_collective_seconds(
     # Under FP8 Transformer Engine gathers what its GEMMs read, already cast: the norm's FP8 output
     # (forward, and again from the saved FP8 copy for the wgrad GEMM) and the output gradient cast
     # before its gather (TE 1.8 layernorm_linear.py, base.py grad_output_preprocess; userbuffers'
-    # all-gather buffers are FP8 too). Reduce-scatters and all-reduces carry 16-bit GEMM outputs.
-    gathered = act * (FP8_BYTES if precision_of(cfg) == "fp8" else dtype)
+    # all-gather buffers are FP8 too); under MXFP8 both its row-wise and column-wise copies with
+    # their scales (TE 2.9 distributed.py _all_gather_mxfp8). Reduce-scatters and all-reduces carry
+    # 16-bit GEMM outputs.
+    if precision_of(cfg) != "fp8":
+        gathered = act * dtype
+    elif cfg.train.fp8_recipe == "mxfp8":
+        gathered = act * 2 * FP8_BYTES * (1 + 1 / MX_BLOCK)
+    else:
+        gathered = act * FP8_BYTES
     sizes = {"all_gather": gathered, "reduce_scatter": act * dtype, "all_reduce": act * dtype}
     ag, rs, ar = (hw.collective_s(k, n, t) for k, n in sizes.items())
     agc, rsc, arc = (hw.collective_cpu_s(k, n, t) for k, n in sizes.items())
@@ -1137,6 +1159,7 @@ def memory_of(cfg: MegaConfig, hw: Hardware, stack: Stack = MEGA) -> Memory:
         hw.flash_attention,
         fp8=precision_of(cfg) == "fp8",
         main_grad_bytes=stack.main_grad_bytes,
+        fp8_copy_bytes=fp8_copy_bytes(cfg, hw),
     )
 
 
