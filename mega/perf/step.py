@@ -52,6 +52,7 @@ from mega.perf.scale import straggler_s
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 FP8_BYTES = 1
 MX_BLOCK = 32  # MXFP8: elements sharing one E8M0 scale (OCP Microscaling Formats v1.0)
+MXFP8_BYTES = 2 * FP8_BYTES * (1 + 1 / MX_BLOCK)  # its row-wise and column-wise copies, with their scales
 
 
 CROSS_ENTROPY = ("megatron", "fused", "te")
@@ -267,7 +268,7 @@ def fp8_copy_bytes(cfg: MegaConfig, hw: Hardware) -> float:
     copy on any device (blocks of ``MX_BLOCK`` along the GEMM's inner dimension, which differs
     between the forward and the backward GEMMs), each with a 1-byte scale per block."""
     if cfg.train.fp8_recipe == "mxfp8":
-        return 2 * FP8_BYTES * (1 + 1 / MX_BLOCK)
+        return MXFP8_BYTES
     return FP8_BYTES if hw.fp8_non_tn else 2 * FP8_BYTES
 
 
@@ -454,7 +455,7 @@ def tp_collective_seconds(
     if precision_of(cfg) != "fp8":
         gathered = act * dtype
     elif cfg.train.fp8_recipe == "mxfp8":
-        gathered = act * 2 * FP8_BYTES * (1 + 1 / MX_BLOCK)
+        gathered = act * MXFP8_BYTES
     else:
         gathered = act * FP8_BYTES
     sizes = {"all_gather": gathered, "reduce_scatter": act * dtype, "all_reduce": act * dtype}
