@@ -22,7 +22,7 @@ from test_flow import flow_run_records
 from mega.config import compose
 from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
-from mega.launch.node_jobs import run_selfcheck
+from mega.launch.nodes import Nodes
 from mega.metrics import read_metrics
 from mega.stability.incident import read_incidents
 
@@ -655,23 +655,31 @@ def test_a_node_whose_failure_ends_the_job_is_still_one_of_its_hosts(slurm_clust
             slurm_local.restart_node(slurm_cluster, 1)
 
 
-def test_a_self_check_that_cannot_start_on_a_dead_node_blames_that_node_alone(slurm_cluster, tmp_path):
+def test_a_self_check_that_cannot_start_on_a_dead_node_evicts_that_node_alone(slurm_cluster, tmp_path):
     """Node 1 dead before Slurm knows (its slurmd killed, the node still idle to slurmctld): the
-    self-check job gets nodes 0 and 1, srun cannot start its task on node 1 ("Task launch ...
-    failed on node"), aborts the step and kills node 0's task, which reports nothing either. Node 1
-    alone is judged unhealthy; node 0 is not judged (None), so no healthy node is evicted."""
-    cfg = _drill_cfg(tmp_path / "run", "launcher.slurm.driver=host", f"launcher.slurm.exclude=[{host(2)}]")
+    diagnosis's self-check job gets nodes 0 and 1, srun cannot start its task on node 1 ("Task
+    launch ... failed on node"), aborts the step and kills node 0's task, which reports nothing
+    either. Node 1 alone is evicted and its host excluded from later attempts; the run goes on on
+    node 0 (DP 2 -> 1) with the same backend, so what it excluded before stays excluded."""
+    cfg = _drill_cfg(
+        tmp_path / "run",
+        "launcher.slurm.driver=host",
+        f"launcher.slurm.exclude=[{host(2)}]",
+        "launcher.slurm.stop_timeout_s=5",
+        "restart.min_nodes=1",
+    )
     killed = slurm_local.kill_node(slurm_cluster, 1)
-    backend = slurm.SlurmBackend(cfg, tmp_path / "run", stop_timeout_s=5, log=lambda _: None)
+    nodes = Nodes(cfg, tmp_path / "run")
+    backend, said = nodes.backend, []
     try:
-        result = run_selfcheck(cfg, tmp_path / "check", timeout_s=120, backend=backend)
-        output = next((tmp_path / "check").glob("slurm-*.out")).read_text()
+        evicted = nodes.diagnose(1, [1], said.append)
+        output = next((tmp_path / "run" / "diagnosis" / "attempt1").glob("slurm-*.out")).read_text()
         assert f"failed on node {host(1)}" in output, output  # the case under test happened
-        verdicts = [n["healthy"] for n in result["nodes"]]
-        assert result["healthy"] is False and verdicts == [None, False], result
-        assert "node 1 " in result["reasons"][0] and "node 0 " not in result["reasons"][0], result
+        assert [(e["node"], e.get("host")) for e in evicted] == [(1, host(1))], (evicted, said)
+        assert nodes.backend is backend and backend.excluded == [host(1)]
+        assert (nodes.cfg.cluster.nodes, nodes.cfg.parallelism.dp) == (1, 1)
     finally:
-        backend.close()
+        nodes.close()
         if killed:
             slurm_local.restart_node(slurm_cluster, 1)
 

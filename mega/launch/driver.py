@@ -525,7 +525,10 @@ def diagnose(
         raise TrainingFailed(f"attempt {n}: {e}") from None
     run.record.evicted_nodes += evicted
     diagnosed.after(evicted, nodes.members.nodes, nodes.cfg.parallelism.dp)
-    return state.noted(evicted=[e["node"] for e in evicted]), diagnosed
+    excluded = [e["host"] for e in evicted if e.get("host")]  # Slurm: their hosts, as for lost hosts
+    return state.noted(
+        evicted=[e["node"] for e in evicted], **({"excluded_hosts": excluded} if excluded else {})
+    ), diagnosed
 
 
 def settle_checks(launch: Launch, state: LoopState) -> LoopState:

@@ -135,19 +135,31 @@ class Nodes:
             f"attempt {attempt}: self-check {'passed' if result['healthy'] else 'failed'} in "
             f"{result['elapsed_s']:.1f}s; {decision.note}"
         )
-        rows = [
-            {
-                "node": k,
-                "attempt": attempt,
-                "reasons": verdicts[k]["reasons"],
-                "replaced_by": decision.replaced.get(k),
-                "selfcheck": str(out / "result.json"),
-            }
-            for k in decision.evicted
-        ]
+        # Slurm picks the hosts of each job: an evicted node is the host the check ran it on, kept
+        # out of every later attempt (--exclude, or the step's --nodelist)
+        hosts = self.backend.hosts() if hasattr(self.backend, "exclude") else []
+        rows = []
+        for k in decision.evicted:
+            rank = self.members.nodes.index(k)
+            host = hosts[rank] if rank < len(hosts) else None
+            if host:
+                self.backend.exclude(host)
+            rows.append(
+                {
+                    "node": k,
+                    "attempt": attempt,
+                    "reasons": verdicts[k]["reasons"],
+                    "replaced_by": decision.replaced.get(k),
+                    "selfcheck": str(out / "result.json"),
+                    **({"host": host} if host else {}),
+                }
+            )
         if decision.cfg.cluster.nodes != self.cfg.cluster.nodes:
-            self.backend.close()
-            self.backend = backend_for(decision.cfg, self.run_dir)
+            if hasattr(self.backend, "resize"):  # Slurm: the same backend, its exclusions kept
+                self.backend.resize(decision.cfg)
+            else:
+                self.backend.close()
+                self.backend = backend_for(decision.cfg, self.run_dir)
         self.cfg, self.members = decision.cfg, decision.membership
         return rows
 
