@@ -50,10 +50,9 @@ if TYPE_CHECKING:
 
 STOPPED = 143  # a node's task ended by Slurm, not by its own failure: scancel, or its step aborted
 # srun's line when it cannot start a step's task on a node: the step is aborted and the tasks it
-# started on the other nodes are killed without a report (they are STOPPED; the named node is lost)
-LAUNCH_FAILED = re.compile(
-    r"Task launch for (?:StepId=)?\S+ failed on node ([^\s:]+)"
-)  # Slurm < 20.11: no StepId=
+# started on the other nodes are killed without a report (they are STOPPED; the named node is lost).
+# Before Slurm 20.11 the step id has no "StepId=".
+LAUNCH_FAILED = re.compile(r"Task launch for (?:StepId=)?\S+ failed on node ([^\s:]+)")
 PREEMPTED = exit_signal.EXIT_CODE  # a node's ranks saved and exited on Slurm's signal: the driver requeues
 PYTHON = "python"  # the interpreter on the nodes, after launcher.slurm.setup (a venv, a module, a container)
 
