@@ -200,9 +200,9 @@ class ParallelismConfig:
     # describes it without pipeline parallelism.
     fsdp: bool = False
     # FP8 primary weights (train.precision=fp8; megatron-core's fp8_param_gather, Megatron-Bridge's
-    # FP8 presets): the layers' linear weights live in FP8 (and Transformer Engine's transposed FP8
-    # copy), with no 16-bit copy, and the data-parallel (or FSDP) all-gathers move them in one byte
-    # a parameter. Planning only, as train.precision=fp8 is.
+    # FP8 presets): the layers' linear weights live only as Transformer Engine's FP8 copies, with no
+    # 16-bit one, and the data-parallel (or FSDP) all-gathers move them in one byte a parameter
+    # (under mxfp8 in 16 bits, as megatron-core gathers them). Planning only, as train.precision=fp8 is.
     fp8_param_gather: bool = False
     # Communication overlap (docs/overlap.md): TP/SP collectives chunked with the GEMMs
     # ("none" | "ring": pure-torch ring all-gather/reduce-scatter | "te": Transformer Engine

@@ -239,7 +239,7 @@ def test_mxfp8_needs_fp8_and_blackwell_naming_the_key(composer):
     primary = ("parallelism.fp8_param_gather=true", "parallelism.dp=1")
     mx = composer.plan([*B200, "train.fp8_recipe=mxfp8", *primary]).cfg
     cs = composer.plan([*B200, "train.fp8_recipe=tensorwise", *primary]).cfg
-    assert not step.fp8_params(mx) and step.fp8_params(cs)
+    assert not step.fp8_gathers(mx) and step.fp8_gathers(cs)
 
 
 def test_calibration_with_a_null_fp8_efficiency_loads(tmp_path):

@@ -253,9 +253,10 @@ class Unit:
     recompute: Pass  # extra forward work done in the backward
 
 
-def fp8_params(cfg: MegaConfig) -> bool:
-    """FP8 primary weights (``parallelism.fp8_param_gather`` under train.precision=fp8): the layers'
-    linear weights are gathered over data parallelism in one byte a parameter. Not under MXFP8:
+def fp8_gathers(cfg: MegaConfig) -> bool:
+    """Whether the data-parallel (or FSDP) parameter gathers move the layers' linear weights in one
+    byte a parameter: FP8 primary weights (``parallelism.fp8_param_gather`` under
+    train.precision=fp8; their memory is ``memory.memory_per_gpu``'s). Not under MXFP8:
     megatron-core gathers those in 16 bits into the gradient buffer and casts them after
     (``reuse_grad_buf_for_mxfp8_param_ag``, distributed/param_and_grad_buffer.py)."""
     return cfg.parallelism.fp8_param_gather and precision_of(cfg) == "fp8" and cfg.train.fp8_recipe != "mxfp8"
@@ -885,7 +886,7 @@ def data_parallel_terms(
     main_grad_bytes = stack.main_grad_bytes
     grad_bytes = params_rank * main_grad_bytes  # the main-gradient buffer
     param_bytes = params_rank * dtype
-    if fp8_params(cfg):  # the stage's layers' linear weights gathered in FP8
+    if fp8_gathers(cfg):  # the stage's layers' linear weights gathered in FP8
         layers = p.stage_layers(m.num_layers)[per_stage.index(params_rank)]
         param_bytes -= layers * layer_params(m, tp) * (dtype - FP8_BYTES)
     # chunks after the first: one bucket each
@@ -936,7 +937,7 @@ def data_parallel_terms(
         Term(
             "dp_param_gather",
             ag_exposed,
-            f"all-gather of updated {'FP8 (linear) and 16-bit' if fp8_params(cfg) else f'{8 * dtype}-bit'} "
+            f"all-gather of updated {'FP8 (linear) and 16-bit' if fp8_gathers(cfg) else f'{8 * dtype}-bit'} "
             f"parameters over dp x cp={dp} (overlap_param_gather="
             f"{p.overlap_param_gather}, align_param_gather={p.align_param_gather}, with optimizer step="
             f"{p.overlap_param_gather_with_optimizer_step})",
@@ -974,7 +975,7 @@ def fsdp_terms(
         + [head.backward.total]
     )
     gathered = [u * dtype for u in units]
-    if fp8_params(cfg):  # the layers (not the embedding and output units) in FP8
+    if fp8_gathers(cfg):  # the layers (not the embedding and output units) in FP8
         gathered[1:-1] = [u * FP8_BYTES for u in units[1:-1]]
     ag = [hw.collective_s("all_gather", g, n, stride=p.tp) for g in gathered]
     rs = [hw.collective_s("reduce_scatter", u * stack.main_grad_bytes, n, stride=p.tp) for u in units]
@@ -995,7 +996,7 @@ def fsdp_terms(
             "fsdp_comm",
             mb * exposed + rs[0],
             f"Megatron FSDP over dp x cp={n}: per microbatch {len(units)} units' "
-            f"{'FP8 (layers) and 16-bit' if fp8_params(cfg) else f'{8 * dtype}-bit'} weights "
+            f"{'FP8 (layers) and 16-bit' if fp8_gathers(cfg) else f'{8 * dtype}-bit'} weights "
             f"gathered for the forward and again for the backward, {8 * stack.main_grad_bytes}-bit "
             f"gradients reduce-scattered ({params * dtype / 2**30:.2f} GiB of weights), each under a "
             "neighbouring unit's compute",
