@@ -31,8 +31,11 @@ needs_slurm = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster():
-    """A running 3-node cluster; SLURM_CONF points this process (and so the driver) at it."""
+def slurm_cluster(tmp_path_factory):
+    """A running 3-node cluster; SLURM_CONF points this process (and so the driver) at it. Its
+    daemons' logs are kept in pytest's base temporary directory (``slurm-logs``; pytest keeps the
+    last three sessions'): the cluster's own directory goes with the cluster, and a failed drill is
+    read from slurmctld's and each slurmd's view of its jobs."""
     root = Path(tempfile.mkdtemp(prefix="mega-slurm-"))  # short: unix socket paths are limited
     atexit.register(slurm_local.down, root)  # also when the session dies between here and finally
     state = slurm_local.up(3, root, SUBNET, timeout_s=180, net_id=NET_ID)
@@ -45,4 +48,7 @@ def slurm_cluster():
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = saved
+        kept = tmp_path_factory.mktemp("slurm-logs")
+        for log in root.glob("*.log"):
+            shutil.copy(log, kept / log.name)
         slurm_local.down(root)

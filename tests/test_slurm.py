@@ -391,6 +391,36 @@ def test_the_sbatch_script_runs_one_agent_per_node(tmp_path, slurm_bin, free_por
     assert sorted(p.parent.name for p in (tmp_path / "run" / "nodes").glob("*/probe.log")) == ["0", "1"]
 
 
+@pytest.mark.parametrize("driver", ["host", "allocation"])
+def test_a_warning_as_the_job_starts_is_taken_not_fatal(tmp_path, slurm_bin, driver):
+    """Slurm's warning can reach the batch shell the moment the job starts (a requeued run with a
+    short limit, a preemption): here it comes during the setup lines (``kill -USR1 $$``). The
+    rendered script, run by bash with the stand-ins (and ``true`` for python: nothing to train),
+    survives it and leaves the warning's file for the node tasks; a shell that had not trapped USR1
+    yet would die of it, the job FAILED with nothing run."""
+    from mega.launch import slurm_driver, slurm_steps
+
+    grace = ["launcher.slurm.signal_grace_s=300", f"launcher.slurm.driver={driver}"]
+    cfg = _probe_cfg(tmp_path, 0, *grace, "launcher.slurm.setup=[kill -USR1 $$]")
+    if driver == "host":
+        script = slurm.render_sbatch(cfg, _job(cfg), python="true")
+        warned = Path(cfg.train.run_dir) / "slurm" / "exit" / "signalled"
+    else:
+        job = slurm_driver.driver_job(cfg, tmp_path / "index.json", recovery=False, flow_run_id=None)
+        (tmp_path / "secrets.env").write_text("")
+        job.env["MEGA_PRIVATE_ENV_FILE"] = str(tmp_path / "secrets.env")
+        script = slurm_driver.render_driver_sbatch(cfg, job, "true")
+        warned = slurm_steps.warning_file(cfg.train.run_dir)
+    warned.parent.mkdir(parents=True, exist_ok=True)
+    warned.write_text("")  # an earlier run's: removed before this run's warning is written
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {**os.environ, "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "2"}
+    run = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert warned.exists() and warned.stat().st_mtime_ns > path.stat().st_mtime_ns
+
+
 def test_the_hydra_sweep_preset_submits_through_the_plugin(tmp_path, slurm_bin):
     """`-m hydra/launcher=slurm-sweep`: each sweep job (a driver) goes to Slurm through
     hydra-submitit-launcher, in launcher.slurm.driver_partition (not the GPU partition) with the

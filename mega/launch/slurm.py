@@ -187,15 +187,15 @@ READ_PRIVATE_ENV = (
     'if [ -n "${MEGA_PRIVATE_ENV_FILE:-}" ]; then set -a; . "$MEGA_PRIVATE_ENV_FILE"; set +a; fi'
 )
 
-_NODE_TASK = """mkdir -p @LOGDIR@ @EXITDIR@
+_NODE_TASK = """signalled=0
+trap 'signalled=1' USR1
+mkdir -p @LOGDIR@ @EXITDIR@
 @READ_PRIVATE_ENV@
 report() {
   printf '{"node": %s, "exit_code": %s, "host": "%s"}' "$SLURM_NODEID" "$1" "$(hostname)" > @EXIT@.tmp
   mv @EXIT@.tmp @EXIT@
 }
 trap 'report @STOPPED@; exit @STOPPED@' TERM
-signalled=0
-trap 'signalled=1' USR1
 (trap '' USR1; exec @AGENT@ >> @LOG@ 2>&1) &
 agent=$!
 while kill -0 "$agent" 2>/dev/null; do
@@ -267,6 +267,7 @@ def render_sbatch(
         "# rendered from the config by mega.launch.slurm. The driver resubmits failed or signalled attempts",
         "# from `latest` (docs/cluster.md); submitted by hand, this script runs one attempt.",
         *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude)),
+        *EARLY_WARNING_TRAP,
         "set -euo pipefail",
         "",
     ]
@@ -328,9 +329,21 @@ def exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
     ]
 
 
+# The batch script's first command. Slurm's warning can come the moment the job starts: slurmctld
+# checks time limits every 30 s and sends a warning due before its next check at once (so anywhere in
+# the first 30 s of each run, a requeued one's too, when the limit is under the grace time plus 30 s),
+# and a preemption sends it whenever it happens. A shell that has not trapped USR1 yet dies of it, the job
+# FAILED with nothing run (ExitCode 0:10); so it is noted before anything else runs (the setup lines,
+# the secrets) and turned into the file by ``warning_trap``.
+EARLY_WARNING_TRAP = [
+    "warned=0; trap 'warned=1' USR1  # Slurm's warning, before anything else (warning_trap)"
+]
+
+
 def warning_trap(signalled: Path) -> list[str]:
     """The batch shell's lines that turn Slurm's warning into the file ``signalled`` (removed first:
-    a requeued job starts unwarned), which every node's task (``node_task``) watches."""
+    a requeued job starts unwarned), which every node's task (``node_task``) watches; a warning that
+    came earlier (``EARLY_WARNING_TRAP``) leaves the file as soon as the old one is gone."""
     q = shlex.quote(str(signalled))
     return [
         "# Slurm's warning (--signal=B:USR1) comes to this shell, from the job's start on: it leaves a file",
@@ -338,6 +351,7 @@ def warning_trap(signalled: Path) -> list[str]:
         f"mkdir -p {shlex.quote(str(signalled.parent))}",
         f"rm -f {q}",
         f"trap 'touch {q}' USR1",
+        f'if [ "$warned" = 1 ]; then touch {q}; fi',
         "",
     ]
 
