@@ -19,6 +19,7 @@ import pytest
 from slurm_cluster import host, needs_slurm, slurm_cluster  # noqa: F401 - the fixture
 from test_flow import flow_run_records
 
+from mega.cluster.node import read_processes
 from mega.config import compose
 from mega.launch import slurm, slurm_local
 from mega.launch.driver import run_training
@@ -295,7 +296,6 @@ def test_slurms_time_limit_warning_requeues_from_the_save_with_no_step_lost(
     from that save without spending a restart (max_restarts=0) -- in its allocation, it requeues its
     own job, which runs again under the same id -- and the next run does step 2 (warned too, it
     saves and ends, or ends before its warning)."""
-    from mega.cluster.node import read_processes
     from mega.launch import slurm_steps
 
     run_dir = tmp_path / "run"
@@ -544,6 +544,10 @@ def test_in_the_allocation_a_lost_first_node_is_resubmitted_without_it_and_dp_sh
     killed: dict[int, list[int]] = {}
 
     def kill_the_drivers_node():
+        # rank 0 (on the first node, the driver's) is frozen first: on a loaded machine the tiny
+        # model's last step and its save take less than the scontrol calls before the node dies
+        with contextlib.suppress(ProcessLookupError, StopIteration):
+            os.kill(next(p["pid"] for p in read_processes(run_dir, 0) if p["rank"] == 0), signal.SIGSTOP)
         first = _job_ids(run_dir)[0]
         k = int(slurm.job_info(first)["BatchHost"].rsplit("n", 1)[1])
         killed[k] = _lose_node(slurm_cluster, k)
