@@ -267,7 +267,7 @@ def render_sbatch(
         "# rendered from the config by mega.launch.slurm. The driver resubmits failed or signalled attempts",
         "# from `latest` (docs/cluster.md); submitted by hand, this script runs one attempt.",
         *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude)),
-        *EARLY_WARNING_TRAP,
+        EARLY_WARNING_TRAP,
         "set -euo pipefail",
         "",
     ]
@@ -335,9 +335,7 @@ def exported_env(cfg: MegaConfig, job: JobSpec) -> list[str]:
 # and a preemption sends it whenever it happens. A shell that has not trapped USR1 yet dies of it, the job
 # FAILED with nothing run (ExitCode 0:10); so it is noted before anything else runs (the setup lines,
 # the secrets) and turned into the file by ``warning_trap``.
-EARLY_WARNING_TRAP = [
-    "warned=0; trap 'warned=1' USR1  # Slurm's warning, before anything else (warning_trap)"
-]
+EARLY_WARNING_TRAP = "warned=0; trap 'warned=1' USR1  # Slurm's warning, before anything else (warning_trap)"
 
 
 def warning_trap(signalled: Path) -> list[str]:

@@ -87,7 +87,7 @@ def render_driver_sbatch(
         "# The driver runs here, on the first node; each attempt is an srun step of this job.",
         *(f"#SBATCH {d}" for d in sbatch_directives(cfg, job, exclude, nodes=nodes, requeue=True)),
         "#SBATCH --no-kill",
-        *EARLY_WARNING_TRAP,
+        EARLY_WARNING_TRAP,
         "set -euo pipefail",
         "",
         *(["# launcher.slurm.setup", *s.setup, ""] if s.setup else []),
