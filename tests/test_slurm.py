@@ -20,6 +20,7 @@ from mega import ports
 from mega.config import ConfigError, compose
 from mega.launch import slurm
 from mega.launch.backend import JobSpec
+from mega.launch.watch import NODE_LOST
 
 REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "s3cret-pw-not-in-any-file"
@@ -220,8 +221,9 @@ def test_a_driver_without_prefect_api_url_says_once_what_that_means(tmp_path, mo
 
 def test_a_step_that_could_not_start_on_a_node_blames_that_node_alone(tmp_path):
     """srun's "Task launch ... failed on node X" (this Slurm's form and the one before 20.11): of the
-    nodes that reported nothing, X alone is lost (the others' tasks were killed by the step's abort);
-    without such a line in this attempt's part of the output every silent node is."""
+    nodes that reported nothing, X alone is lost (the others' tasks were killed by the step's abort,
+    silent or reporting SIGKILL's code: STOPPED); without such a line in this attempt's part of the
+    output every silent node is, and a SIGKILL's code is the node's own."""
     cfg = _cfg(
         tmp_path, "cluster=h100-8x", "cluster.nodes=3", "parallelism.dp=6", "parallelism.global_batch_size=48"
     )
@@ -238,8 +240,16 @@ def test_a_step_that_could_not_start_on_a_node_blames_that_node_alone(tmp_path):
             "srun: error: n0: task 0: Killed\n"
         )
         assert backend.unreported_lost(codes) == [2], step
+        # node 0's agent was SIGKILLed by the abort before its shell was: it reports 137, the abort's
+        assert backend.ended_codes({0: slurm.KILLED, 1: 0, 2: None}) == {
+            0: slurm.STOPPED,
+            1: 0,
+            2: NODE_LOST,
+        }, step
     backend._output_from = backend._output.stat().st_size  # an earlier step's lines: not this one's
     assert backend.unreported_lost(codes) == [0, 2]
+    # without srun's abort a SIGKILLed agent is the node's own failure (the OOM killer), its code kept
+    assert backend.ended_codes({0: slurm.KILLED, 1: 0, 2: None}) == {0: slurm.KILLED, 1: 0, 2: NODE_LOST}
 
 
 def test_render_cli_writes_config_and_script_or_names_the_bad_key(tmp_path):

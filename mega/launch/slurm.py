@@ -30,6 +30,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 STOPPED = 143  # a node's task ended by Slurm, not by its own failure: scancel, or its step aborted
+KILLED = (
+    128 + signal.SIGKILL
+)  # a node's task whose agent was SIGKILLed (srun's abort of a step, the OOM killer)
 # srun's line when it cannot start a step's task on a node: the step is aborted and the tasks it
 # started on the other nodes are killed without a report (they are STOPPED; the named node is lost).
 # Before Slurm 20.11 the step id has no "StepId=".
@@ -661,8 +665,7 @@ class SlurmBackend:
             self.hosts()
         codes = self._reported()
         if ended:
-            lost = self.unreported_lost(codes)
-            codes = {k: (NODE_LOST if k in lost else STOPPED) if c is None else c for k, c in codes.items()}
+            codes = self.ended_codes(codes)
         if PREEMPTED in codes.values() and None in codes.values():
             return {k: None for k in codes}  # the other nodes are still saving: not a failure to stop on
         return codes
@@ -676,6 +679,23 @@ class SlurmBackend:
             except (OSError, ValueError, KeyError, TypeError):
                 codes[k] = None
         return codes
+
+    def ended_codes(self, codes: dict[int, int | None]) -> dict[int, int]:
+        """An ended attempt's reported codes with every node judged: one that reported nothing is lost
+        (NODE_LOST) or STOPPED (``unreported_lost``). When srun could not start the step on some
+        hosts (``LAUNCH_FAILED``) it aborted the step and killed the other nodes' tasks: a task
+        whose agent that kill reached before its own shell reports SIGKILL's code (137), which is
+        the abort's too, so STOPPED."""
+        lost = self.unreported_lost(codes)
+        aborted = bool(self.launch_failed_hosts())
+        return {
+            k: (NODE_LOST if k in lost else STOPPED)
+            if c is None
+            else STOPPED
+            if aborted and c == KILLED
+            else c
+            for k, c in codes.items()
+        }
 
     def unreported_lost(self, codes: dict[int, int | None]) -> list[int]:
         """Of the nodes that reported nothing (None in ``codes``), the lost ones: every one, unless
