@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import threading
 import time
 
@@ -367,9 +369,11 @@ def _store_outage_watcher(url: str, prefix: str, clock: list, logs: list):
         clock=lambda: clock[0],
     )
 
-    def publish(step, dropped=0, closed=False):
+    def publish(step, dropped=0, closed=False, ranks=None):
         r = redis.Redis.from_url(url)
         for rank, ident in grid().items():
+            if ranks is not None and rank not in ranks:
+                continue
             r.set(heartbeat_redis.id_key(prefix, 0, rank), json.dumps(ident))
             rec = {
                 "rank": rank,
@@ -430,6 +434,85 @@ def test_watcher_reports_a_store_outage_once_heartbeats_resume(tmp_path):
     finally:
         w.client.close()
         server.stop()
+
+
+@contextlib.contextmanager
+def _redis_back_after_outage(prefix: str, down_s: int):
+    """A watcher that saw step 1, then its Redis down for ``down_s`` polls (1 s each, the last at
+    the clock's value on entry) and started again, empty, on the same port: (watcher, publish, clock)."""
+    from mega.store import RedisServer
+
+    server = RedisServer().start()
+    clock: list = [NOW]
+    w, publish = _store_outage_watcher(server.url, prefix, clock, [])
+    try:
+        publish(1)
+        assert w.poll() is None
+        server.stop()
+        for _ in range(down_s):
+            clock[0] += 1.0
+            assert w.poll() is None
+        assert w.outage is not None and w.outage["failed"] == clock[0]
+        server = RedisServer(port=server.port).start()
+        yield w, publish, clock
+    finally:
+        w.client.close()
+        server.stop()
+
+
+def test_after_an_outage_a_late_rank_is_waited_for_and_a_quiet_one_named():
+    """Redis back after an outage: a rank whose first beat comes 4 s later (past silent_after_s:
+    it had to wait for its next tick and reconnect on a loaded node) still counts as resumed; one
+    quiet for longer than resume_after_s is named not resumed, and the incident says how long each
+    rank took to beat again."""
+    with _redis_back_after_outage("mega:hb:test-late", down_s=4) as (w, publish, clock):
+        clock[0] += 1.0
+        answered = clock[0]
+        assert w.poll() is None and w.outage["answered"] == answered
+        on_time = [0, 1, 2, 3, 4, 7]
+        for _ in range(3):
+            clock[0] += 1.0
+            publish(2, ranks=on_time)
+            assert w.poll() is None
+        clock[0] += 1.0  # answered + 4 s > silent_after_s (3 s): rank 6 beats only now
+        assert clock[0] - answered > w.silent_after_s
+        publish(2, ranks=[*on_time, 6])
+        assert w.poll() is None and w.outage is not None and w.incidents == []
+        reason = None
+        while reason is None and clock[0] - answered < 10:  # rank 5 never again
+            clock[0] += 1.0
+            publish(2, ranks=[*on_time, 6])
+            reason = w.poll()
+    # the outage ends past resume_after_s and hang detection, back, names the quiet rank
+    assert clock[0] - answered == math.ceil(w.resume_after_s)
+    assert [i.kind for i in w.incidents] == ["store", "hang"] and reason.startswith("hung")
+    inc, hang = w.incidents
+    assert hang.culprit["rank"] == 5 and "stopped sending heartbeats" in hang.summary
+    e = inc.evidence
+    assert e["resumed"] is False and e["ranks_not_resumed"] == [5], e
+    assert e["ranks_resumed"] == [0, 1, 2, 3, 4, 6, 7]
+    assert e["resumed_after_s"] == {**dict.fromkeys(on_time, 1.0), 6: 4.0}
+    assert "no heartbeat since from rank(s) [5]" in inc.summary
+
+
+def test_a_beat_counts_as_resumed_by_its_stamp_after_the_last_failed_read():
+    """A write sent to a stopped Redis lands when it resumes with its stale stamp: no proof the
+    rank is alive. A beat stamped after the watcher's last failed read is, even when it got
+    through before the watcher's first good read (the rank's last beat before it exited)."""
+    with _redis_back_after_outage("mega:hb:test-stamp", down_s=3) as (w, publish, clock):
+        clock[0] -= 0.5  # lands now, stamped before the last failed read
+        publish(2)
+        clock[0] += 1.0
+        assert w.poll() is None and w.outage is not None and w.outage["answered"] == clock[0]
+        clock[0] -= 0.25  # stamped after the last failed read, read with the next good read
+        publish(3, closed=True)
+        clock[0] += 0.75
+        assert w.poll() is None and w.outage is None
+    [inc] = w.incidents
+    e = inc.evidence
+    assert e["resumed"] is True and e["ranks_resumed"] == list(range(8))
+    assert e["resumed_after_s"] == dict.fromkeys(range(8), -0.25)
+    assert "the last at -0.2 s from it answering" in inc.summary, inc.summary
 
 
 def test_no_hang_once_a_rank_closed_its_heartbeat(redis_url):
@@ -727,6 +810,7 @@ def test_heartbeat_redis_stopped_for_10s_is_a_store_incident_and_training_goes_o
     assert inc["action"] == "reported" and inc["culprit"] == {"store": run["url"]}
     assert PAUSE_S - 2 <= e["outage_s"] <= PAUSE_S + 3 and e["read_errors"] > 0, e
     assert e["resumed"] is True and e["ranks_resumed"] == [0, 1], e
+    assert sorted(e["resumed_after_s"]) == ["0", "1"], e  # each rank's first beat after Redis answered
     assert inc["detected_at"] > paused["resumed"]
     assert any("store outage" in m for m in messages) and any("answers again" in m for m in messages)
     record = read_record(run_dir)

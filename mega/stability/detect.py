@@ -25,9 +25,10 @@ incidents (mega.stability.incident).
   (at least 4 socket timeouts). While it is out, and until every rank seen before has beaten
   again, the watcher is blind: no hang is declared from stale heartbeats and they are no straggler
   evidence (``stability.hang_timeout_s``'s stall check on metrics.jsonl still bounds a real hang).
-  When every rank beat again after Redis answered (or after ``silent_after_s`` without some: then
+  Once Redis answers, a rank has beaten again when a beat stamped after the watcher's last failed
+  read is read. When every rank has (or ``resume_after_s`` after Redis answered without some: then
   those are silent and hang detection takes over), or when the attempt ends, the outage is one
-  incident, action "reported": training never waits on Redis.
+  incident, action "reported", with each rank's delay: training never waits on Redis.
 
 At ``close`` the watcher writes ``heartbeats-attempt<n>.json`` (per rank: heartbeats sent and
 dropped, the heartbeat thread's CPU and wall time: the heartbeat's overhead).
@@ -111,6 +112,10 @@ class Watcher:
         self.silent_after_s = max(3 * self.s.heartbeat_s, 2 * heartbeat_redis.TIMEOUT_S + self.s.heartbeat_s)
         # the store: reads failing for outage_after_s is an outage (a single slow read is not)
         self.outage_after_s = max(2 * self.s.heartbeat_s, 4 * heartbeat_redis.TIMEOUT_S)
+        # ...and once it answers again, a rank's beat is due within resume_after_s: a punctual rank
+        # learns it at its next tick (a heartbeat after its timed-out call) and gets its identity and
+        # its beat through (a timeout each at most); any rank may be silent_after_s later than that
+        self.resume_after_s = self.s.heartbeat_s + 3 * heartbeat_redis.TIMEOUT_S + self.silent_after_s
         self.failing_since: float | None = None  # first failed read of the current run of failures
         self.failing_errors = 0  # read_errors before it
         self.outage: dict | None = None  # open: started, answered (first good read), ranks, errors0
@@ -168,8 +173,12 @@ class Watcher:
                 self.outage = {
                     "started": self.failing_since,
                     "answered": None,
+                    "failed": now,  # the last failed read: a beat stamped after it was sent after the outage
                     "ranks": sorted(self.beats),
                     "errors0": self.failing_errors,
+                    # rank -> its first fresh beat's stamp from Redis answering the watcher, in
+                    # seconds (negative: it got through before the watcher's first good read)
+                    "back": {},
                 }
                 self.log(
                     f"attempt {self.attempt}: heartbeat Redis {self._url()} not answering for "
@@ -177,7 +186,8 @@ class Watcher:
                     "training goes on"
                 )
             elif o is not None:
-                o["answered"] = None  # failing again before the ranks were back: the same outage
+                # failing again before the ranks were back: the same outage
+                o["answered"], o["failed"], o["back"] = None, now, {}
             return
         self.failing_since = None
         if o is None:
@@ -188,18 +198,19 @@ class Watcher:
                 f"attempt {self.attempt}: heartbeat Redis answers again after "
                 f"{now - o['started']:.1f} s; waiting for every rank's heartbeat"
             )
+        for r in self._fresh(o):
+            o["back"].setdefault(r, round(self.beats[r]["time"] - o["answered"], 3))
         if not self._stale(o):
             self._end_outage(now, resumed=True)
-        elif now - o["answered"] > self.silent_after_s:  # those still quiet are silent: hang detection's
+        elif now - o["answered"] > self.resume_after_s:  # those still quiet are silent: hang detection's
             self._end_outage(now, resumed=False)
 
     def _fresh(self, o: dict) -> list[int]:
-        """Ranks with a heartbeat written after Redis answered again."""
+        """Ranks with a heartbeat stamped after the watcher's last failed read, read since Redis answered.
+        Not before: a write sent to a stopped Redis may still land when it resumes, with its stale stamp."""
         if o["answered"] is None:
             return []
-        return sorted(
-            r for r in o["ranks"] if self.beats.get(r, {}).get("time", float("-inf")) >= o["answered"]
-        )
+        return sorted(r for r in o["ranks"] if self.beats.get(r, {}).get("time", float("-inf")) > o["failed"])
 
     def _stale(self, o: dict) -> list[int]:
         return sorted(set(o["ranks"]) - set(self._fresh(o)))
@@ -219,11 +230,13 @@ class Watcher:
             "resumed": resumed,
             "ranks_resumed": fresh,
             "ranks_not_resumed": stale,
+            "resumed_after_s": {r: o["back"][r] for r in sorted(o["back"])},
             "answering": o["answered"] is not None,
             "dropped": {r: b.get("dropped") for r, b in sorted(self.beats.items())},
         }
         if resumed:
-            how = f"heartbeats resumed from all {len(fresh)} rank(s)"
+            last = max(o["back"].values(), default=0.0)
+            how = f"heartbeats resumed from all {len(fresh)} rank(s), the last at {last:+.1f} s from it answering"
         elif o["answered"] is None:
             how = "still not answering when the attempt ended"
         else:
