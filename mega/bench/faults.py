@@ -503,7 +503,7 @@ def row_redis_outage(run_dir: Path) -> dict:
     record = d.record()
     row.update(outage_s=_since(paused.get("resumed"), paused["time"]), steps_lost=d.steps_lost())
     if not stores:
-        row["note"] = "no store incident (the watcher's store-outage incident comes with branch i12c)"
+        row["note"] = "no store incident: the driver's watcher recorded no heartbeat Redis outage"
         return row
     inc = stores[0]
     e = inc.get("evidence") or {}
@@ -578,8 +578,8 @@ def overhead(runs: dict[str, list[Path]]) -> dict:
         out["heartbeat_overhead_detail"] = {"runs": ranks, "target": 0.005, "target_met": max(ratios) < 0.005}
     else:
         out["note"] = (
-            "heartbeat_overhead: no heartbeats-attempt0.json (the watcher's heartbeat summary "
-            "comes with branch i12c)"
+            "heartbeat_overhead: no heartbeats-attempt0.json (the driver's watcher writes it as "
+            "an attempt with heartbeats ends)"
         )
     steps = {}
     for mode, dirs in runs.items():
