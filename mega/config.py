@@ -824,7 +824,9 @@ class TrainConfig:
     # the tensor being cast ("tensorwise", current scaling), charged alike; "mxfp8": blocks of 32
     # elements each with its own scale, Blackwell's block-scaled FP8 GEMMs (planning only)
     fp8_recipe: str = choice("delayed", "tensorwise", "mxfp8")
-    log_interval: int = 1
+    # the driver's log (the flow's) shows a step's metrics every log_interval steps and the last one,
+    # with the time left (0: none); metrics.jsonl, TensorBoard and the logging rank's console: every step
+    log_interval: int = 10
     run_dir: str = "runs/default"
     tensorboard: bool = True
     # Validation loss on the held-out split (mega/heldout.py), logged as val_loss: over this many
@@ -847,6 +849,7 @@ class TrainConfig:
         _positive_ints(self, "train", "steps")
         _require(self.eval_batches >= 0, "train.eval_batches", f"must be >= 0, got {self.eval_batches}")
         _require(self.eval_interval >= 0, "train.eval_interval", f"must be >= 0, got {self.eval_interval}")
+        _require(self.log_interval >= 0, "train.log_interval", f"must be >= 0, got {self.log_interval}")
         _require(
             isinstance(self.gc_interval, int) and self.gc_interval >= 0,
             "train.gc_interval",

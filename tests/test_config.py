@@ -115,6 +115,7 @@ def test_single_layout_runs_one_process():
             "at most train.steps=5",
         ),
         (["train.skip_steps=[0]"], "train.skip_steps", "1-based"),
+        (["train.log_interval=-1"], "train.log_interval", "must be >= 0"),
         (
             ["train.steps=5", "optimizer.warmup_steps=1", "fault.nan_at_step=9"],
             "fault.nan_at_step",

@@ -315,6 +315,16 @@ def test_a_killed_nodes_ranks_and_its_peers_are_gone_before_the_relaunch(two_nod
 
 
 @pytest.mark.slow
+def test_the_driver_logs_the_last_step_of_the_run_with_its_metrics(two_nodes):
+    """train.log_interval (10) steps apart and the last: of 4 steps, the last alone, with the loss
+    the logging rank wrote, once (attempt 0 ended at step 2)."""
+    last = two_nodes["result"].metrics[-1]
+    lines = [m for m in two_nodes["messages"] if m.startswith("step ")]
+    assert len(lines) == 1 and lines[0].startswith(f"step {STEPS}/{STEPS} | loss {last['loss']:.5f} |"), lines
+    assert "s left" not in lines[0]
+
+
+@pytest.mark.slow
 def test_nodes_are_named_in_init_metrics_and_logs(two_nodes):
     result, run_dir = two_nodes["result"], two_nodes["run_dir"]
     nodes = result.init["nodes"]

@@ -36,7 +36,7 @@ from mega.launch.backend import JobSpec, server_host, training_job
 from mega.launch.nodes import Nodes
 from mega.launch.slurm import PREEMPTED
 from mega.launch.watch import JobOutcome, run_job
-from mega.metrics import METRICS_FILE, read_metrics
+from mega.metrics import METRICS_FILE, ProgressLog, read_metrics
 from mega.stability import heartbeat_redis as heartbeats
 from mega.stability import membership, rollback
 from mega.stability.detect import Watcher
@@ -222,6 +222,7 @@ class Attempt:
     cfg: MegaConfig
     job: JobSpec
     watcher: Watcher
+    progress: ProgressLog  # its steps in the driver's log, every train.log_interval
 
 
 @dataclass
@@ -321,7 +322,8 @@ def launch_attempt(launch: Launch, state: LoopState) -> Attempt:
     watcher = Watcher(cfg, job.env, n, log)  # heartbeats: hang (ends the attempt) and straggler incidents
     driver_mark(launch.run_dir, "launch", attempt=n)
     launch.book.begin(n, job, cfg, watcher, lambda: _resume_step(cfg))
-    return Attempt(n, cfg, job, watcher)
+    progress = ProgressLog(launch.run_dir, cfg.train.log_interval, cfg.train.steps, log)
+    return Attempt(n, cfg, job, watcher, progress)
 
 
 def watch_attempt(launch: Launch, attempt: Attempt) -> JobOutcome:
@@ -333,7 +335,9 @@ def watch_attempt(launch: Launch, attempt: Attempt) -> JobOutcome:
         attempt.job,
         progress_file=launch.run_dir / METRICS_FILE,
         stall_timeout_s=attempt.cfg.stability.hang_timeout_s,
-        on_poll=lambda: launch.run.beat() or launch.book.poll() or attempt.watcher.poll(),
+        on_poll=lambda: (
+            launch.run.beat() or launch.book.poll() or attempt.progress.poll() or attempt.watcher.poll()
+        ),
         on_failure=lambda o: launch.log(f"attempt {n}: {o.reason}; stopping every node"),
     )
 
@@ -355,6 +359,7 @@ def collect_outcome(launch: Launch, attempt: Attempt, outcome: JobOutcome) -> En
     else:
         if dropped is not None:
             log(f"attempt {n}: dropped its {dropped} store keys")
+    attempt.progress.poll()  # the rows written since the last poll: the last step's among them
     init = _read_init(launch.run_dir / "init.json")
     if (r := init.get("restore", {})).get("checkpoint"):
         refused = f" (refused {', '.join(x['name'] for x in r['refused'])})" if r.get("refused") else ""
