@@ -183,7 +183,7 @@ def test_verdict_and_the_failure_budget(base_cfgs, code, codes, final_step, step
     cfg = base_cfgs[1]
     ended = Ended(outcome(code, codes), final_step, [], {})
     assert driver.verdict(ended, cfg) == step
-    attempt = driver.Attempt(7, cfg, None, None)
+    attempt = driver.Attempt(7, cfg, None, None, None)
     state = driver.counted(LoopState(cfg, attempt=7, failures=1), attempt, ended)
     assert (state.attempt, state.failures) == (8, 1 + failure)
     assert state.history[-1]["attempt"] == 7 and state.history[-1]["final_step"] == final_step
@@ -209,7 +209,7 @@ def test_the_cpu_peak_an_attempt_measured_goes_to_the_next_attempt_of_its_size(l
 
 def test_requeue_is_bounded_by_its_own_budget(loop, tmp_path):
     launch, state, _ = loop()
-    attempt = driver.Attempt(0, state.cfg, None, None)
+    attempt = driver.Attempt(0, state.cfg, None, None, None)
     ended = Ended(outcome(PREEMPTED, {0: PREEMPTED}), 2, [], {})
     state = replace(state, history=({"attempt": 0},))
     state = driver.requeue(launch, state, attempt, ended)  # 1 of at most 1
@@ -228,7 +228,7 @@ def test_in_its_allocation_the_driver_requeues_its_job_and_the_next_run_continue
     launch, state, _ = loop(backend=SlurmLike(tmp_path, (), [], 1))
     launch.nodes.backend.exclude("node-b")
     monkeypatch.setattr(driver.slurm_steps, "inside_allocation", lambda cfg: True)
-    attempt = driver.Attempt(3, state.cfg, None, None)
+    attempt = driver.Attempt(3, state.cfg, None, None, None)
     ended = Ended(outcome(PREEMPTED, {0: PREEMPTED}), 2, [], {})
     state = replace(state, attempt=4, failures=1, history=({"attempt": 3},))
     with pytest.raises(driver.JobRequeued) as requeued:
