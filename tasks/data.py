@@ -16,6 +16,6 @@ from mega.data import prepare_dataset
 @task(name="prepare-data", retries=2, retry_delay_seconds=[5, 30], cache_policy=NO_CACHE)
 def prepare_data(data: DataConfig, vocab_size: int) -> Path:
     logger = get_run_logger()
-    index_path = prepare_dataset(data, vocab_size, progress=False)
+    index_path = prepare_dataset(data, vocab_size, progress=logger.info)  # notes, and a line every 30 s
     logger.info("dataset ready: %s", index_path)
     return index_path

