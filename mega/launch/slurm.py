@@ -50,9 +50,8 @@ if TYPE_CHECKING:
     from mega.config import MegaConfig
 
 STOPPED = 143  # a node's task ended by Slurm, not by its own failure: scancel, or its step aborted
-KILLED = (
-    128 + signal.SIGKILL
-)  # a node's task whose agent was SIGKILLed (srun's abort of a step, the OOM killer)
+# a node's task whose agent was SIGKILLed (srun's abort of a step, the OOM killer)
+KILLED = 128 + signal.SIGKILL
 # srun's line when it cannot start a step's task on a node: the step is aborted and the tasks it
 # started on the other nodes are killed without a report (they are STOPPED; the named node is lost).
 # Before Slurm 20.11 the step id has no "StepId=".
@@ -688,14 +687,13 @@ class SlurmBackend:
         the abort's too, so STOPPED."""
         lost = self.unreported_lost(codes)
         aborted = bool(self.launch_failed_hosts())
-        return {
-            k: (NODE_LOST if k in lost else STOPPED)
-            if c is None
-            else STOPPED
-            if aborted and c == KILLED
-            else c
-            for k, c in codes.items()
-        }
+
+        def judged(k: int, c: int | None) -> int:
+            if c is None:
+                return NODE_LOST if k in lost else STOPPED
+            return STOPPED if aborted and c == KILLED else c
+
+        return {k: judged(k, c) for k, c in codes.items()}
 
     def unreported_lost(self, codes: dict[int, int | None]) -> list[int]:
         """Of the nodes that reported nothing (None in ``codes``), the lost ones: every one, unless
